@@ -1,0 +1,1 @@
+"""VRAM accounting, estimation and flag benchmarks."""

@@ -1,0 +1,318 @@
+"""Loss functions against values worked out by hand (plain Python arithmetic, not the code under test)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from trainer.losses import (
+    completion_ce_loss,
+    completion_ce_sum,
+    dpo_loss,
+    entropy_from_logits,
+    gae,
+    kl_penalty,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    pairwise_ranking_loss,
+    per_token_rewards,
+    ppo_policy_loss,
+    ppo_value_loss,
+    ranking_stats,
+    shift_for_next_token,
+    token_logprobs,
+)
+
+LN2 = math.log(2.0)
+# softmax of these logits is (1/4, 1/2, 1/4): log-probs -2 ln2, -ln2, -2 ln2.
+QUARTER_HALF_QUARTER = [0.0, LN2, 0.0]
+
+
+def t(values, dtype=torch.float32):
+    return torch.tensor(values, dtype=dtype)
+
+
+def reference_logprobs(logits, labels):
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(labels != -100, picked, 0.0)
+
+
+def random_case(dtype=torch.float32, batch=3, time=5, vocab=11, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(batch, time, vocab, generator=gen) * 3).to(dtype)
+    labels = torch.randint(0, vocab, (batch, time), generator=gen)
+    labels[0, :2] = -100
+    labels[-1, -1] = -100
+    return logits, labels
+
+
+# ---------------------------------------------------------------- token_logprobs / entropy
+
+
+def test_token_logprobs_matches_hand_computed_values_and_zero_on_ignored_labels():
+    logits = t([[QUARTER_HALF_QUARTER, QUARTER_HALF_QUARTER, QUARTER_HALF_QUARTER]])
+    labels = torch.tensor([[1, 0, -100]])
+    assert_close(token_logprobs(logits, labels), t([[-LN2, -2 * LN2, 0.0]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_equals_log_softmax_gather_on_random_logits(dtype):
+    logits, labels = random_case(dtype)
+    out = token_logprobs(logits, labels, chunk_size=4)
+    assert out.dtype == torch.float32
+    assert_close(out, reference_logprobs(logits, labels))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 4, 7, 10, 1000])
+def test_token_logprobs_chunked_equals_unchunked(chunk_size):
+    logits, labels = random_case()
+    assert_close(token_logprobs(logits, labels, chunk_size), token_logprobs(logits, labels, 10**6), rtol=0, atol=0)
+
+
+def test_token_logprobs_gradient_matches_autograd_of_log_softmax_on_shifted_logits():
+    logits, labels = random_case(torch.float64)
+    weights = torch.randn(labels.shape[0], labels.shape[1] - 1, dtype=torch.float64)
+    mine = logits.clone().requires_grad_(True)
+    ref = logits.clone().requires_grad_(True)
+    shifted_logits, shifted_labels = shift_for_next_token(mine, labels)
+    (token_logprobs(shifted_logits, shifted_labels, chunk_size=3) * weights).sum().backward()
+    ref_logits, ref_labels = shift_for_next_token(ref, labels)
+    (reference_logprobs(ref_logits.double(), ref_labels).double() * weights).sum().backward()
+    assert_close(mine.grad, ref.grad)
+    assert torch.all(mine.grad[:, -1] == 0)  # the last position predicts nothing after a shift
+
+
+def test_token_logprobs_passes_gradcheck_in_float64():
+    logits, labels = random_case(torch.float64, batch=2, time=3, vocab=5)
+    logits.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda z: token_logprobs(z, labels, chunk_size=2), (logits,))
+
+
+def test_token_logprobs_gradient_keeps_bf16_dtype():
+    logits, labels = random_case(torch.bfloat16)
+    logits.requires_grad_(True)
+    token_logprobs(logits, labels, chunk_size=4).sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+def test_shift_for_next_token_pairs_position_t_with_label_t_plus_one_without_copy():
+    logits = torch.arange(24.0).view(1, 4, 6)
+    labels = torch.tensor([[10, 11, 12, 13]])
+    shifted_logits, shifted_labels = shift_for_next_token(logits, labels)
+    assert shifted_logits.shape == (1, 3, 6) and shifted_labels.tolist() == [[11, 12, 13]]
+    assert shifted_logits.data_ptr() == logits.data_ptr()
+
+
+def test_entropy_from_logits_matches_hand_computed_entropies():
+    logits = t([[[0.0, 0.0, 0.0, 0.0], QUARTER_HALF_QUARTER + [-1e4]]])
+    # uniform over 4: ln 4; (1/4, 1/2, 1/4, ~0): -(2 * 1/4 ln 1/4 + 1/2 ln 1/2) = 1.5 ln 2
+    assert_close(entropy_from_logits(logits), t([[2 * LN2, 1.5 * LN2]]))
+
+
+def test_entropy_from_logits_chunked_values_and_gradient_match_autograd_reference():
+    logits, _ = random_case(torch.float64)
+    mine = logits.clone().requires_grad_(True)
+    ref = logits.clone().requires_grad_(True)
+    weights = torch.randn(logits.shape[:2], dtype=torch.float64)
+    ent = entropy_from_logits(mine, chunk_size=2)
+    ref_logp = torch.log_softmax(ref, dim=-1)
+    ref_ent = -(ref_logp.exp() * ref_logp).sum(-1)
+    assert_close(ent, ref_ent)
+    assert_close(entropy_from_logits(logits, chunk_size=10**6), ent.detach(), rtol=0, atol=0)
+    (ent * weights).sum().backward()
+    (ref_ent * weights).sum().backward()
+    assert_close(mine.grad, ref.grad)
+
+
+# ---------------------------------------------------------------- SFT
+
+
+def test_completion_ce_scores_only_labelled_tokens_after_the_next_token_shift():
+    # logits[:, 0] predicts labels[:, 1] = 1 (p 1/2); logits[:, 1] predicts labels[:, 2] = 0 (p 1/4);
+    # logits[:, 2] would predict past the end and is never scored.
+    logits = t([[QUARTER_HALF_QUARTER, QUARTER_HALF_QUARTER, [9.0, 0.0, 0.0]]])
+    labels = torch.tensor([[-100, 1, 0]])
+    total, n_tokens = completion_ce_sum(logits, labels)
+    assert_close(total, t(LN2 + 2 * LN2))
+    assert n_tokens.item() == 2
+    assert_close(completion_ce_loss(logits, labels), t(1.5 * LN2))
+
+
+def test_completion_ce_sum_over_micro_batches_divided_by_total_tokens_equals_full_batch_mean():
+    logits, labels = random_case(time=6)
+    labels[1, :4] = -100  # uneven token counts per micro-batch
+    sum_a, n_a = completion_ce_sum(logits[:1], labels[:1])
+    sum_b, n_b = completion_ce_sum(logits[1:], labels[1:])
+    assert n_a.item() != n_b.item()
+    assert_close((sum_a + sum_b) / (n_a + n_b), completion_ce_loss(logits, labels))
+
+
+# ---------------------------------------------------------------- masked statistics
+
+
+def test_masked_mean_ignores_padding_even_when_it_holds_inf_and_nan():
+    x = t([[1.0, 3.0, float("inf")], [4.0, float("nan"), 8.0]])
+    mask = t([[1, 1, 0], [1, 0, 1]])
+    assert_close(masked_mean(x, mask), t((1 + 3 + 4 + 8) / 4))
+    assert_close(masked_mean(x, mask, dim=1), t([2.0, 6.0]))
+    assert_close(masked_mean(x, torch.zeros(2, 3)), t(0.0))
+
+
+def test_masked_var_is_bessel_corrected_over_valid_values_only():
+    x = t([1.0, 3.0, 5.0, 100.0])
+    mask = torch.tensor([True, True, True, False])
+    # mean 3, squared deviations 4 + 0 + 4 = 8
+    assert_close(masked_var(x, mask), t(8 / 2))
+    assert_close(masked_var(x, mask, unbiased=False), t(8 / 3))
+
+
+def test_masked_whiten_gives_unit_variance_and_optionally_keeps_the_mean():
+    x = t([1.0, 3.0, 5.0, 100.0])
+    mask = t([1, 1, 1, 0])
+    # mean 3, unbiased std 2
+    assert_close(masked_whiten(x, mask), t([-1.0, 0.0, 1.0, 0.0]))
+    assert_close(masked_whiten(x, mask, shift_mean=False), t([2.0, 3.0, 4.0, 0.0]))
+
+
+# ---------------------------------------------------------------- reward model and DPO
+
+
+def test_pairwise_ranking_loss_and_stats_match_bradley_terry_by_hand():
+    chosen, rejected = t([1.0, 0.0, 2.0]), t([0.0, 0.0, 3.0])
+    # margins 1, 0, -1: -log sigmoid(m) = log(1 + e^-m)
+    expected = (math.log(1 + math.exp(-1)) + math.log(2) + math.log(1 + math.exp(1))) / 3
+    assert_close(pairwise_ranking_loss(chosen, rejected), t(expected))
+    stats = ranking_stats(chosen, rejected)
+    assert_close(stats["accuracy"], t(1 / 3))  # the tie counts as wrong
+    assert_close(stats["margin"], t(0.0))
+
+
+def dpo_inputs():
+    # h = (pc - pr) - (rc - rr): example 0: (-1 + 3) - (-2 + 2) = 2; example 1: (-1 + 21) - 0 = 20
+    return t([-1.0, -1.0]), t([-3.0, -21.0]), t([-2.0, -2.0]), t([-2.0, -2.0])
+
+
+def test_dpo_sigmoid_loss_with_and_without_label_smoothing_matches_hand_values():
+    losses, chosen_rewards, rejected_rewards = dpo_loss(*dpo_inputs(), beta=0.1)
+    assert_close(losses, t([math.log(1 + math.exp(-0.2)), math.log(1 + math.exp(-2.0))]))
+    assert_close(chosen_rewards, t([0.1 * 1.0, 0.1 * 1.0]))
+    assert_close(rejected_rewards, t([0.1 * -1.0, 0.1 * -19.0]))
+    smoothed, _, _ = dpo_loss(*dpo_inputs(), beta=0.1, label_smoothing=0.25)
+    expected = [0.75 * math.log(1 + math.exp(-bh)) + 0.25 * math.log(1 + math.exp(bh)) for bh in (0.2, 2.0)]
+    assert_close(smoothed, t(expected))
+
+
+def test_dpo_ipo_and_hinge_losses_match_hand_values():
+    ipo, _, _ = dpo_loss(*dpo_inputs(), beta=0.1, loss_type="ipo")
+    assert_close(ipo, t([(2 - 5.0) ** 2, (20 - 5.0) ** 2]))  # 1 / (2 beta) = 5
+    hinge, _, _ = dpo_loss(*dpo_inputs(), beta=0.1, loss_type="hinge")
+    assert_close(hinge, t([1 - 0.2, 0.0]))
+
+
+def test_dpo_rewards_are_detached_and_loss_carries_gradient():
+    pc, pr, rc, rr = dpo_inputs()
+    pc.requires_grad_(True)
+    losses, chosen_rewards, _ = dpo_loss(pc, pr, rc, rr, beta=0.1)
+    assert losses.requires_grad and not chosen_rewards.requires_grad
+
+
+def test_dpo_rejects_unknown_loss_type_and_smoothing_outside_sigmoid():
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        dpo_loss(*dpo_inputs(), beta=0.1, loss_type="kto")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        dpo_loss(*dpo_inputs(), beta=0.1, loss_type="ipo", label_smoothing=0.1)
+
+
+# ---------------------------------------------------------------- PPO
+
+
+def test_kl_penalty_estimators_match_hand_values():
+    logp, ref = t([-1.0, -2.0]), t([-2.0, -1.5])  # logp - ref = 1, -0.5
+    assert_close(kl_penalty(logp, ref, "k1"), t([1.0, -0.5]))
+    assert_close(kl_penalty(logp, ref, "k2"), t([0.5, 0.125]))
+    # r = ref - logp = -1, 0.5: e^r - 1 - r
+    assert_close(kl_penalty(logp, ref, "k3"), t([math.exp(-1) - 1 + 1, math.exp(0.5) - 1 - 0.5]))
+    with pytest.raises(ValueError, match="estimator"):
+        kl_penalty(logp, ref, "k4")
+
+
+def test_per_token_rewards_adds_score_at_last_valid_token_and_zeros_padding():
+    kl = t([[0.1, 0.2, 0.3], [0.4, 0.5, 9.0], [0.7, 0.8, 0.9]])
+    mask = t([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    rewards, non_score = per_token_rewards(t([1.0, 2.0, 3.0]), kl, 0.5, mask)
+    assert_close(non_score, t([[-0.05, -0.1, -0.15], [-0.2, -0.25, 0.0], [0.0, 0.0, 0.0]]))
+    assert_close(rewards, t([[-0.05, -0.1, -0.15 + 1.0], [-0.2, -0.25 + 2.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_gae_matches_hand_computed_advantages_with_gamma_and_lambda_below_one():
+    gamma, lam = 0.9, 0.8
+    nan = float("nan")
+    rewards = t([[1.0, 0.0, 2.0], [1.0, 2.0, nan]])
+    values = t([[0.5, 1.0, 1.5], [0.5, 1.0, 7.0]])
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    # row 0, backwards: delta_t = r_t + gamma V_{t+1} - V_t (V_3 = 0); A_t = delta_t + gamma lam A_{t+1}
+    a02 = 2.0 + 0.0 - 1.5
+    a01 = (0.0 + 0.9 * 1.5 - 1.0) + 0.72 * a02
+    a00 = (1.0 + 0.9 * 1.0 - 0.5) + 0.72 * a01
+    # row 1 ends at t=1: the padded value 7.0 and reward NaN must not reach it (V_2 counts as 0)
+    a11 = 2.0 + 0.0 - 1.0
+    a10 = (1.0 + 0.9 * 1.0 - 0.5) + 0.72 * a11
+    advantages, returns = gae(rewards, values, mask, gamma, lam)
+    assert_close(advantages, t([[a00, a01, a02], [a10, a11, 0.0]]))
+    assert_close(advantages[0], t([1.9112, 0.71, 0.5]))  # the same numbers written out
+    assert_close(returns, t([[a00 + 0.5, a01 + 1.0, a02 + 1.5], [a10 + 0.5, a11 + 1.0, 0.0]]))
+
+
+def test_gae_of_the_short_row_equals_gae_of_that_row_unpadded():
+    rewards, values = t([[1.0, 2.0, 5.0]]), t([[0.5, 1.0, 3.0]])
+    padded, _ = gae(rewards, values, t([[1, 1, 0]]), 0.9, 0.8)
+    alone, _ = gae(rewards[:, :2], values[:, :2], t([[1, 1]]), 0.9, 0.8)
+    assert_close(padded[:, :2], alone)
+
+
+def ppo_policy_case():
+    # tokens: ratio 1.1 A+ (inside), 1.5 A+ (above, clipped), 1.5 A- (above, unclipped),
+    #         0.5 A- (below, clipped), 0.5 A+ (below, unclipped), then padding with a wild log-prob.
+    ratios = [1.1, 1.5, 1.5, 0.5, 0.5, 1.0]
+    old = t([[-1.0, -2.0, -1.5, -0.5, -3.0, -1.0]], torch.float64)
+    logp = old + t([[math.log(r) for r in ratios]], torch.float64)
+    logp[0, -1] = 500.0
+    advantages = t([[1.0, 1.0, -1.0, -1.0, 1.0, 1.0]], torch.float64)
+    mask = t([[1, 1, 1, 1, 1, 0]], torch.float64)
+    return logp, old, advantages, mask
+
+
+def test_ppo_policy_loss_clips_only_the_optimistic_side_for_both_advantage_signs():
+    logp, old, advantages, mask = ppo_policy_case()
+    logp.requires_grad_(True)
+    loss, stats = ppo_policy_loss(logp, old, advantages, mask, clip_range=0.2)
+    # max(-A r, -A clip(r)): -1.1, max(-1.5, -1.2), max(1.5, 1.2), max(0.5, 0.8), max(-0.5, -0.8)
+    per_token = [-1.1, -1.2, 1.5, 0.8, -0.5]
+    assert_close(loss, t(sum(per_token) / 5, torch.float64))
+    assert_close(stats["clipfrac"], t(2 / 5, torch.float64))
+    assert_close(stats["ratio"], t((1.1 + 1.5 + 1.5 + 0.5 + 0.5) / 5, torch.float64))
+    approxkl = sum(0.5 * math.log(r) ** 2 for r in [1.1, 1.5, 1.5, 0.5, 0.5]) / 5
+    assert_close(stats["approxkl"], t(approxkl, torch.float64))
+    loss.backward()
+    # d/dlogp of -A r / n is -A r / n where unclipped; clipped tokens and padding get no gradient
+    assert_close(logp.grad, t([[-1.1 / 5, 0.0, 1.5 / 5, 0.0, -0.5 / 5, 0.0]], torch.float64))
+
+
+def test_ppo_value_loss_takes_the_larger_of_clipped_and_unclipped_errors():
+    old = t([[1.0, 1.0, 1.0, 1.0]])
+    values = t([[1.1, 1.5, 1.5, 50.0]]).requires_grad_(True)
+    returns = t([[2.0, 2.0, 0.0, 0.0]])
+    mask = t([[1, 1, 1, 0]])
+    loss, clipfrac = ppo_value_loss(values, old, returns, mask, clip_range_value=0.2)
+    # inside: (1.1-2)^2 = 0.81 both; v=1.5 clipped to 1.2, R=2: max(0.25, 0.64) = 0.64 (clipped won);
+    # v=1.5, R=0: max(2.25, 1.44) = 2.25 (unclipped won)
+    assert_close(loss, t(0.5 * (0.81 + 0.64 + 2.25) / 3))
+    assert_close(clipfrac, t(1 / 3))
+    loss.backward()
+    # d/dv 0.5 (v-R)^2 / n = (v-R) / n on the unclipped winners; 0 where the clipped branch won
+    assert_close(values.grad, t([[(1.1 - 2.0) / 3, 0.0, 1.5 / 3, 0.0]]))

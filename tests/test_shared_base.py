@@ -1,0 +1,198 @@
+"""The shared-base model: four adapters on one frozen base, switched safely and cheaply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.config import ModelArguments
+from trainer.shared_base import HEAD_FILE, AdapterSpec, build_shared_model
+
+VOCAB = 512
+
+
+def tiny_args(quantization="none", checkpointing=False, **kw) -> ModelArguments:
+    return ModelArguments(model_name_or_path="tiny-llama", quantization=quantization,
+                          gradient_checkpointing=checkpointing, lora_r=4, lora_alpha=8, **kw)
+
+
+def batch(seed=0, b=2, t=10):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, t), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # one left-padded row
+    return ids, mask
+
+
+@pytest.fixture(scope="module", params=["none", "nf4"])
+def sft_adapter(request, tmp_path_factory):
+    """A trained-looking SFT adapter: fresh LoRA with its weights perturbed, saved in PEFT format."""
+    args = tiny_args(request.param)
+    model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    out = tmp_path_factory.mktemp(f"sft-{request.param}") / "sft"
+    model.save_adapter("policy", out)
+    ids, mask = batch()
+    model.eval()
+    reference_logits = model.logits(ids, mask, "policy")
+    return args, out, reference_logits
+
+
+def ppo_model(args, sft_dir):
+    return build_shared_model(args, [
+        AdapterSpec("policy", trainable=True, init_from=str(sft_dir)),
+        AdapterSpec("reference", trainable=False, init_from=str(sft_dir)),
+        AdapterSpec("value", trainable=True, head=True),
+        AdapterSpec("reward", trainable=False, head=True),
+    ], vocab_size=VOCAB)
+
+
+def test_reference_outputs_equal_the_sft_adapter_bit_for_bit(sft_adapter):
+    args, sft_dir, sft_logits = sft_adapter
+    model = ppo_model(args, sft_dir)
+    ids, mask = batch()
+    for mode in (False, True):  # frozen adapters carry no dropout, so train() mode is deterministic too
+        model.train(mode)
+        with torch.no_grad():
+            assert torch.equal(model.logits(ids, mask, "reference"), sft_logits)
+    model.eval()
+    assert torch.equal(model.logits(ids, mask, "policy"), sft_logits)
+
+
+def test_optimizer_step_moves_only_policy_value_and_value_head(sft_adapter):
+    args, sft_dir, _ = sft_adapter
+    model = ppo_model(args, sft_dir)
+    before = {name: model.adapter_state(name) for name in model.adapter_names}
+    base_before = {n: p.detach().clone() for n, p in model.peft.named_parameters() if "lora_" not in n}
+    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-2)
+    model.train()
+    ids, mask = batch()
+    with torch.no_grad():
+        ref = model.logits(ids, mask, "reference")
+        reward = model.scores(ids, mask, "reward")
+    loss = (model.logits(ids, mask, "policy") - ref).pow(2).mean() + (model.scores(ids, mask, "value") - reward).pow(2).mean()
+    loss.backward()
+    opt.step()
+    after = {name: model.adapter_state(name) for name in model.adapter_names}
+    changed = {name: any(not torch.equal(before[name][k], after[name][k]) for k in before[name]) for name in before}
+    assert changed == {"policy": True, "reference": False, "value": True, "reward": False}
+    assert any(k.startswith("head.") and not torch.equal(before["value"][k], after["value"][k]) for k in before["value"])
+    for n, p in model.peft.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base_before[n]), n
+
+
+def test_frozen_adapters_and_heads_get_no_gradient_and_stay_out_of_the_optimizer(sft_adapter):
+    args, sft_dir, _ = sft_adapter
+    model = ppo_model(args, sft_dir)
+    trainable = {id(p) for p in model.trainable_parameters()}
+    for param, adapter in model._lora_params:
+        assert (id(param) in trainable) == (adapter in ("policy", "value"))
+    assert all(id(p) not in trainable for p in model.heads["reward"].parameters())
+    assert all(id(p) in trainable for p in model.heads["value"].parameters())
+    # Every switch keeps that split, whatever peft's set_adapter does to requires_grad.
+    for name in ("reference", "reward", "value", "policy"):
+        with model.use_adapter(name):
+            assert {id(p) for p in model.parameters() if p.requires_grad} == trainable
+    ids, mask = batch()
+    model.train()
+    # Frozen adapters and heads build no autograd graph even outside torch.no_grad().
+    assert not model.logits(ids, mask, "reference").requires_grad
+    assert not model.scores(ids, mask, "reward").requires_grad
+    assert model.scores(ids, mask, "value").requires_grad
+
+
+def test_active_adapter_is_restored_after_an_exception_inside_the_context(sft_adapter):
+    args, sft_dir, _ = sft_adapter
+    model = ppo_model(args, sft_dir)
+    assert model.active_adapter == "policy"
+    with pytest.raises(RuntimeError, match="boom"):
+        with model.use_adapter("reward"):
+            assert model.active_adapter == "reward"
+            with model.use_adapter("value"):
+                raise RuntimeError("boom")
+    assert model.active_adapter == "policy"
+    with pytest.raises(KeyError, match="no adapter 'critic'"):
+        with model.use_adapter("critic"):
+            pass
+    assert model.active_adapter == "policy"
+
+
+def test_switching_adapters_never_copies_base_weights(sft_adapter):
+    args, sft_dir, _ = sft_adapter
+    model = ppo_model(args, sft_dir)
+    pointers = {n: p.data_ptr() for n, p in model.peft.named_parameters() if "lora_" not in n}
+    ids, mask = batch()
+    with torch.no_grad():
+        for name in ("reference", "value", "reward", "policy"):
+            with model.use_adapter(name):
+                model.logits(ids, mask, name)
+    assert pointers == {n: p.data_ptr() for n, p in model.peft.named_parameters() if "lora_" not in n}
+
+
+def test_checkpointed_backward_recomputes_each_layer_under_its_forward_adapter():
+    """Gradients with checkpointing equal those without, when adapters switch between forward and backward."""
+    grads = {}
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_shared_model(tiny_args(checkpointing=checkpointing, lora_dropout=0.0), [
+            AdapterSpec("policy", trainable=True), AdapterSpec("value", trainable=True, head=True)],
+            vocab_size=VOCAB)
+        with torch.no_grad():
+            for p in model.trainable_parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        model.train()
+        ids, mask = batch()
+        loss = model.scores(ids, mask, "value").pow(2).mean() + model.logits(ids, mask, "policy").logsumexp(-1).mean()
+        loss.backward()  # the active adapter is "policy" here; the value layers must recompute under "value"
+        grads[checkpointing] = [p.grad.clone() for p in model.trainable_parameters()]
+    assert len(grads[True]) == len(grads[False])
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b)
+
+
+def test_saved_adapter_loads_with_plain_peft_and_head_round_trips(tmp_path):
+    from peft import PeftModel
+
+    from trainer.models import load_base_model
+
+    args = tiny_args()
+    model = build_shared_model(args, [AdapterSpec("reward", trainable=True, head=True)], vocab_size=VOCAB)
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    out = model.save_adapter("reward", tmp_path / "rm")
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert (out / HEAD_FILE).is_file()
+    model.eval()
+    ids, mask = batch()
+    expected_logits = model.logits(ids, mask, "reward")
+    expected_scores = model.scores(ids, mask, "reward")
+
+    plain = PeftModel.from_pretrained(load_base_model(args, vocab_size=VOCAB), str(out)).eval()
+    torch.testing.assert_close(plain(input_ids=ids, attention_mask=mask).logits, expected_logits, rtol=0, atol=0)
+
+    reloaded = build_shared_model(args, [AdapterSpec("reward", trainable=False, init_from=str(out), head=True)],
+                                  vocab_size=VOCAB).eval()
+    assert torch.equal(reloaded.scores(ids, mask, "reward"), expected_scores)
+
+
+def test_missing_adapter_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a PEFT adapter folder"):
+        build_shared_model(tiny_args(), [AdapterSpec("policy", init_from=str(tmp_path / "nope"))], vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="unique"):
+        build_shared_model(tiny_args(), [AdapterSpec("policy"), AdapterSpec("policy")], vocab_size=VOCAB)
+
+
+def test_generate_runs_under_the_policy_in_eval_mode_and_restores_train_mode(sft_adapter):
+    args, sft_dir, _ = sft_adapter
+    model = ppo_model(args, sft_dir)
+    model.train()
+    ids, mask = batch(t=6)
+    out = model.generate(ids, mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 10)
+    assert torch.equal(out[:, :6], ids)
+    assert model.training and model.active_adapter == "policy"

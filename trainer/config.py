@@ -1,0 +1,148 @@
+"""Dataclass configs for every stage, read from YAML plus command-line overrides.
+
+Parsing goes through `transformers.HfArgumentParser`: the YAML file given with `--config` sets the
+parser's defaults, and any `--field value` on the command line overrides them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+# Where the shared hh-rlhf rows live on the development machines, relative to the project root.
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data" / "hh-rlhf"
+HUB_DATASET = "Anthropic/hh-rlhf"
+DATA_ENV = "RLHF_DATA"
+CACHE_ENV = "RLHF_CACHE"
+
+
+def cache_dir() -> Path:
+    """Folder for converted models and other derived files ($RLHF_CACHE, else ~/.cache/onebase-rlhf)."""
+    root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "onebase-rlhf"
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass
+class ModelArguments:
+    """Which base model to load and how: quantization, attention backend, LoRA shape."""
+
+    model_name_or_path: str = field(
+        default="smollm2-135m",
+        metadata={"help": "'smollm2-135m' (embedded default, offline), an architecture preset "
+                  "('tiny-llama', 'llama-2-7b': random weights), a local HF folder or a hub id."},
+    )
+    quantization: str = field(
+        default="auto",
+        metadata={"help": "'nf4' (4-bit NF4, double quant, bitsandbytes), 'none', or 'auto' "
+                  "(nf4 where CUDA and bitsandbytes are present, else none)."},
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "Compute dtype: 'bfloat16', 'float16', 'float32' or 'auto' "
+                  "(bfloat16 on a GPU that has it, float32 on CPU)."},
+    )
+    attn_implementation: str = field(
+        default="auto",
+        metadata={"help": "'flash_attention_2', 'sdpa', 'eager' or 'auto' (first that works, in that order)."},
+    )
+    gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in backward."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the hub."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
+    lora_target_modules: str = field(
+        default="all-linear",
+        metadata={"help": "'all-linear' or a comma-separated list of module names (q_proj,v_proj,...)."},
+    )
+    preset_overrides: Optional[str] = field(
+        default=None,
+        metadata={"help": "For presets: comma-separated config overrides, e.g. 'num_hidden_layers=4'."},
+    )
+    seed: int = field(default=0, metadata={"help": "Seed for random preset weights and LoRA init."})
+
+
+@dataclass
+class DataArguments:
+    """Where hh-rlhf comes from, how it is split into stage subsets, and how it is tokenized."""
+
+    dataset: str = field(
+        default="auto",
+        metadata={"help": f"'{HUB_DATASET}' (hub), a local folder/file of .jsonl/.jsonl.gz/.parquet, "
+                  f"or 'auto': ${DATA_ENV} if set, else ../shared/data/hh-rlhf if present, else the hub."},
+    )
+    dataset_split: str = field(
+        default="train", metadata={"help": "Hub only: the split to read ('train' or 'test')."}
+    )
+    dataset_subset: Optional[str] = field(
+        default=None,
+        metadata={"help": "Hub only: one folder of the dataset repo (data_dir), e.g. 'helpful-base'; "
+                  "unset reads all of them."},
+    )
+    on_bad_row: str = field(
+        default="skip", metadata={"help": "'skip' (count and drop malformed rows) or 'error' (stop at the first)."}
+    )
+    max_length: int = field(default=512, metadata={"help": "Token limit for prompt + completion."})
+    max_prompt_length: int = field(default=256, metadata={"help": "Token limit for PPO prompts (left-truncated)."})
+    min_prompt_tokens: int = field(
+        default=8, metadata={"help": "A row whose completion leaves fewer prompt tokens than this is 'too long'."}
+    )
+    eval_size: int = field(default=200, metadata={"help": "Held-out pairs for evaluation."})
+    sft_size: int = field(default=20000, metadata={"help": "Chosen dialogues for SFT (capped by the data)."})
+    reward_size: int = field(default=50000, metadata={"help": "Preference pairs for the reward model."})
+    ppo_size: int = field(default=20000, metadata={"help": "Prompts for PPO."})
+    split_seed: int = field(default=0, metadata={"help": "Seed of the deterministic prompt-disjoint split."})
+
+
+def parse_config(dataclass_types: tuple[type, ...], args: Optional[list[str]] = None) -> tuple[Any, ...]:
+    """Parse `--config file.yaml` plus CLI overrides into instances of `dataclass_types`.
+
+    Unknown YAML keys are an error naming the file and key, so a typo never silently does nothing.
+    """
+    from transformers import HfArgumentParser
+
+    args = list(sys.argv[1:] if args is None else args)
+    config_path = None
+    if "--config" in args:
+        i = args.index("--config")
+        if i + 1 >= len(args):
+            raise SystemExit("--config needs a YAML file path")
+        config_path = args[i + 1]
+        del args[i : i + 2]
+    parser = HfArgumentParser(dataclass_types)
+    if config_path is not None:
+        values = load_yaml(config_path)
+        known = {f.name for dt in dataclass_types for f in fields(dt)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise SystemExit(f"{config_path}: unknown config key(s) {unknown}; known keys: {sorted(known)}")
+        parser.set_defaults(**values)
+    return tuple(parser.parse_args_into_dataclasses(args=args))
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a flat YAML mapping; nested sections (model:, data:, ...) are flattened into one namespace."""
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"config file not found: {path}")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise SystemExit(f"{path}: expected a mapping of config keys, got {type(raw).__name__}")
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        items = value.items() if isinstance(value, dict) else [(key, value)]
+        for k, v in items:
+            if k in flat:
+                raise SystemExit(f"{path}: key '{k}' is set twice")
+            flat[k] = v
+    return flat

@@ -1,0 +1,350 @@
+"""Pure loss functions for SFT, reward modelling, DPO and PPO: tensors in, tensors out.
+
+Shapes: `logits` (B, T, V); `labels` (B, T) with `IGNORE_INDEX` (-100) on ignored positions;
+masks (B, T), bool or float, 1 on valid tokens. PPO response masks are right-padded (valid tokens
+first, padding after). Per-token figures come back in fp32 (fp64 stays fp64).
+
+`token_logprobs` and `entropy_from_logits` take ALIGNED tensors (position t of `labels` is the token
+that position t of `logits` predicts); `shift_for_next_token` makes that alignment from a causal LM's
+logits and its input ids without copying.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+# Positions upcast to fp32 at once: 1024 x 32k vocab x 4 bytes = 128 MiB, against ~4 GiB for the
+# whole (8 x 1024 x 32k) fp32 log-softmax the chunking avoids.
+DEFAULT_CHUNK_SIZE = 1024
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+# ---------------------------------------------------------------- log-probs and entropy, chunked
+
+
+def shift_for_next_token(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, V), (B, T) -> (B, T-1, V), (B, T-1): logits[:, t] paired with labels[:, t+1]. Views, no copy."""
+    return logits[:, :-1, :], labels[:, 1:]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _blocks(batch: int, time: int, chunk_size: int):
+    """Slices (rows, cols) tiling (batch, time) with at most `chunk_size` positions per tile.
+
+    Tiles are 2-D views of the (possibly non-contiguous, e.g. shifted) logits, so no (B*T, V)
+    reshape copy is ever made.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    cols = max(1, min(time, chunk_size))
+    rows = max(1, chunk_size // cols)
+    for b in range(0, batch, rows):
+        for t in range(0, time, cols):
+            yield slice(b, b + rows), slice(t, t + cols)
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(logits)[label] whose backward recomputes softmax per chunk instead of keeping it."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk_size):
+        dtype = _compute_dtype(logits.dtype)
+        out = torch.zeros(labels.shape, dtype=dtype, device=logits.device)
+        lse = torch.zeros_like(out)
+        for rows, cols in _blocks(labels.shape[0], labels.shape[1], chunk_size):
+            z = logits[rows, cols].to(dtype)
+            label = labels[rows, cols]
+            block_lse = torch.logsumexp(z, dim=-1)
+            picked = z.gather(-1, label.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            out[rows, cols] = torch.where(label != IGNORE_INDEX, picked - block_lse, 0.0)
+            lse[rows, cols] = block_lse
+        ctx.chunk_size = chunk_size
+        ctx.save_for_backward(logits, labels, lse)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for rows, cols in _blocks(labels.shape[0], labels.shape[1], ctx.chunk_size):
+            label = labels[rows, cols]
+            g = torch.where(label != IGNORE_INDEX, grad_out[rows, cols], 0.0).to(lse.dtype).unsqueeze(-1)
+            # d log p_y / dz = onehot(y) - softmax(z)
+            block = torch.exp(logits[rows, cols].to(lse.dtype) - lse[rows, cols].unsqueeze(-1)) * -g
+            block.scatter_add_(-1, label.clamp(min=0).unsqueeze(-1), g)
+            grad[rows, cols] = block.to(grad.dtype)
+        return grad, None, None
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """(B, T, V), aligned (B, T) labels -> (B, T) log p(label); 0 where label is IGNORE_INDEX.
+
+    At most `chunk_size` positions are upcast to fp32 at a time, in forward and in backward; the
+    gradient comes back in the logits' dtype.
+    """
+    _check_logits(logits)
+    if labels.shape != logits.shape[:2]:
+        raise ValueError(f"labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)}")
+    return _TokenLogprobs.apply(logits, labels.long(), chunk_size)
+
+
+class _Entropy(torch.autograd.Function):
+    """Entropy of softmax(logits) per position, recomputing softmax per chunk in backward."""
+
+    @staticmethod
+    def forward(ctx, logits, chunk_size):
+        dtype = _compute_dtype(logits.dtype)
+        entropy = torch.zeros(logits.shape[:2], dtype=dtype, device=logits.device)
+        lse = torch.zeros_like(entropy)
+        for rows, cols in _blocks(logits.shape[0], logits.shape[1], chunk_size):
+            z = logits[rows, cols].to(dtype)
+            block_lse = torch.logsumexp(z, dim=-1)
+            p = torch.exp(z - block_lse.unsqueeze(-1))
+            entropy[rows, cols] = block_lse - (p * z).sum(-1)
+            lse[rows, cols] = block_lse
+        ctx.chunk_size = chunk_size
+        ctx.save_for_backward(logits, lse, entropy)
+        return entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, lse, entropy = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for rows, cols in _blocks(logits.shape[0], logits.shape[1], ctx.chunk_size):
+            logp = logits[rows, cols].to(lse.dtype) - lse[rows, cols].unsqueeze(-1)
+            # dH/dz_j = -p_j (log p_j + H)
+            block = -torch.exp(logp) * (logp + entropy[rows, cols].unsqueeze(-1))
+            grad[rows, cols] = (block * grad_out[rows, cols].unsqueeze(-1)).to(grad.dtype)
+        return grad, None
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """(B, T, V) -> (B, T) entropy of the predicted distribution, in chunks of `chunk_size` positions."""
+    _check_logits(logits)
+    return _Entropy.apply(logits, chunk_size)
+
+
+# ---------------------------------------------------------------- SFT
+
+
+def completion_ce_sum(
+    logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T, V), unshifted (B, T) labels -> (summed next-token CE, number of scored tokens).
+
+    Gradient accumulation divides the sum of sums by the total token count over all micro-batches
+    (and ranks): averaging per-micro-batch means would over-weight short completions.
+    """
+    shifted_logits, shifted_labels = shift_for_next_token(logits, labels)
+    logp = token_logprobs(shifted_logits, shifted_labels, chunk_size)
+    return -logp.sum(), (shifted_labels != IGNORE_INDEX).sum()
+
+
+def completion_ce_loss(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """(B, T, V), unshifted (B, T) labels -> scalar mean next-token CE over labels != IGNORE_INDEX."""
+    total, n_tokens = completion_ce_sum(logits, labels, chunk_size)
+    return total / n_tokens.clamp(min=1)
+
+
+# ---------------------------------------------------------------- masked statistics
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of x over mask != 0 (all dims, or `dim`); an empty mask gives 0, not NaN.
+
+    Masked-out values are dropped with `where`, so inf/NaN on padding cannot leak in.
+    """
+    keep = mask.bool()
+    total = torch.where(keep, x, torch.zeros_like(x)).sum(dim=dim)
+    count = keep.sum(dim=dim)
+    return total / count.clamp(min=1).to(total.dtype)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Scalar variance of x over mask != 0; Bessel-corrected if `unbiased` (one value -> 0)."""
+    centered = x - masked_mean(x, mask)
+    var = masked_mean(centered * centered, mask)
+    if unbiased:
+        n = mask.bool().sum().to(var.dtype)
+        var = var * n / (n - 1).clamp(min=1)
+    return var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """x scaled to unit variance over mask (and to zero mean if `shift_mean`); 0 on masked-out positions.
+
+    shift_mean=False keeps the mean: PPO whitens rewards that way so their sign survives.
+    """
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+# ---------------------------------------------------------------- reward model and DPO
+
+
+def pairwise_ranking_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
+    """(N,), (N,) rewards -> scalar Bradley-Terry loss -logsigmoid(r_chosen - r_rejected).mean()."""
+    return -F.logsigmoid(r_chosen - r_rejected).mean()
+
+
+def ranking_stats(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+    """(N,), (N,) -> {"accuracy": fraction with r_chosen > r_rejected (ties count wrong), "margin": mean difference}."""
+    diff = (r_chosen - r_rejected).detach()
+    return {"accuracy": (diff > 0).float().mean(), "margin": diff.mean()}
+
+
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N,) sequence log-probs x4 -> (per-example losses, chosen rewards, rejected rewards), each (N,).
+
+    Rewards are beta * (policy - reference) log-probs, detached (they are for logging).
+    sigmoid (DPO): -logsigmoid(beta*h)(1-ls) - logsigmoid(-beta*h) ls; ipo: (h - 1/(2 beta))^2;
+    hinge (SLiC): relu(1 - beta*h); with h = (pc - pr) - (rc - rr).
+    """
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    if label_smoothing and loss_type != "sigmoid":
+        raise ValueError(f"label_smoothing applies to loss_type='sigmoid' only, not {loss_type!r}")
+    h = (policy_chosen_logps - policy_rejected_logps) - (ref_chosen_logps - ref_rejected_logps)
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        losses = torch.relu(1 - beta * h)
+    chosen_rewards = beta * (policy_chosen_logps - ref_chosen_logps).detach()
+    rejected_rewards = beta * (policy_rejected_logps - ref_rejected_logps).detach()
+    return losses, chosen_rewards, rejected_rewards
+
+
+# ---------------------------------------------------------------- PPO
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """(B, T), (B, T) -> (B, T) per-token estimate of KL(policy || reference) from sampled tokens.
+
+    k1 = logp - ref (unbiased, can be negative); k2 = (logp - ref)^2 / 2;
+    k3 = exp(ref - logp) - 1 - (ref - logp) (unbiased and >= 0; Schulman's "approximating KL").
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    return torch.expm1(-log_ratio) + log_ratio  # expm1 keeps precision when the policies are close
+
+
+def per_token_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, beta, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) scores, (B, T) kl, (B, T) mask -> (rewards, non_score_reward), each (B, T), 0 on padding.
+
+    non_score_reward = -beta * kl on valid tokens; rewards adds each row's score at its last valid
+    token (a row with no valid token gets no score).
+    """
+    keep = mask.bool()
+    non_score = torch.where(keep, -beta * kl, torch.zeros_like(kl))
+    positions = torch.arange(kl.shape[1], device=kl.device).expand_as(keep)
+    last = torch.where(keep, positions, -1).max(dim=1).values
+    score = torch.where(last >= 0, scores.to(non_score.dtype), 0.0)
+    rewards = non_score.scatter_add(1, last.clamp(min=0).unsqueeze(1), score.unsqueeze(1))
+    return rewards, non_score
+
+
+@torch.no_grad()
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) rewards, values, right-padded mask -> (advantages, returns), each (B, T), 0 on padding.
+
+    Generalized advantage estimation, backwards over time; the value after the last valid token
+    is 0 (the response ends the episode). returns = advantages + values. No gradient flows.
+    """
+    keep = mask.bool()
+    rewards = torch.where(keep, rewards, 0.0)
+    values = torch.where(keep, values, 0.0)
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        # A padded step resets the recursion, so nothing from padding reaches the valid tokens.
+        next_advantage = torch.where(keep[:, t], delta + gamma * lam * next_advantage, 0.0)
+        advantages[:, t] = next_advantage
+        next_value = values[:, t]
+    return advantages, advantages + values
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(B, T) x3 + mask -> (scalar clipped surrogate loss, stats), PPO's pessimistic objective.
+
+    loss = masked mean of max(-A * ratio, -A * clip(ratio, 1-eps, 1+eps)), ratio = exp(logp - old).
+    stats (detached): clipfrac (share of valid tokens where the clipped term won), approxkl
+    (masked mean of (logp - old)^2 / 2), ratio (masked mean).
+    """
+    keep = mask.bool()
+    # Zero the log-ratio on padding before exp: an inf there would turn the masked gradient into NaN.
+    log_ratio = torch.where(keep, logprobs - old_logprobs, 0.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask),
+            "approxkl": masked_mean(0.5 * log_ratio**2, mask),
+            "ratio": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def ppo_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range_value: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) x3 + mask -> (scalar loss, clipfrac): 0.5 * masked mean of max((v-R)^2, (v_clipped-R)^2).
+
+    v_clipped keeps the new value within clip_range_value of the rollout's; clipfrac is the share of
+    valid tokens where the clipped error was the larger (detached).
+    """
+    values_clipped = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+    unclipped = (values - returns) ** 2
+    clipped = (values_clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).to(values.dtype), mask)
+    return loss, clipfrac

