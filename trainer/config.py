@@ -146,3 +146,42 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
                 raise SystemExit(f"{path}: key '{k}' is set twice")
             flat[k] = v
     return flat
+
+
+@dataclass
+class TrainArguments:
+    """The shared training loop: steps, batches, optimizer, precision, evaluation, checkpoints, logs."""
+
+    output_dir: str = field(default="runs/default", metadata={"help": "Run folder: checkpoints, adapters, logs."})
+    seed: int = field(default=0, metadata={"help": "Seed for data order, dropout and initialisation."})
+    max_steps: int = field(default=100, metadata={"help": "Optimizer steps to train for."})
+    micro_batch_size: int = field(default=4, metadata={"help": "Rows per forward/backward on each device."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
+    learning_rate: float = field(default=2e-4, metadata={"help": "Peak learning rate."})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    warmup_steps: int = field(default=10, metadata={"help": "Linear warmup steps before the cosine decay."})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "Cosine decay floor as a fraction of the peak."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
+    optimizer: str = field(
+        default="auto",
+        metadata={"help": "'paged_adamw_8bit', 'adamw_8bit', 'adamw_torch', or 'auto' "
+                  "(paged_adamw_8bit on CUDA, adamw_torch on CPU)."},
+    )
+    mixed_precision: str = field(
+        default="auto", metadata={"help": "'no', 'bf16', 'fp16' or 'auto' (bf16 on a GPU that has it, else no)."}
+    )
+    eval_every: int = field(default=50, metadata={"help": "Evaluate every N optimizer steps (0: only at the end)."})
+    eval_batches: int = field(default=0, metadata={"help": "Cap on evaluation batches (0: the whole eval set)."})
+    save_every: int = field(default=50, metadata={"help": "Checkpoint every N optimizer steps (0: never)."})
+    keep_checkpoints: int = field(default=2, metadata={"help": "Newest checkpoints to keep."})
+    resume: str = field(
+        default="auto", metadata={"help": "'auto' (newest complete checkpoint in output_dir), 'no', or a checkpoint folder."}
+    )
+    max_bad_steps: int = field(
+        default=3, metadata={"help": "Stop after this many optimizer steps in a row with a NaN/inf loss or gradient."}
+    )
+    log_every: int = field(default=1, metadata={"help": "Log line every N optimizer steps."})
+    report_to: str = field(default="tensorboard", metadata={"help": "'tensorboard' or 'none'."})
+    profile_memory: bool = field(default=False, metadata={"help": "Record memory per component and phase."})
+    memory_budget_gb: float = field(default=24.0, metadata={"help": "Budget line of the memory report (GB)."})
+    progress_bar: bool = field(default=True, metadata={"help": "Show a tqdm progress bar."})

@@ -193,6 +193,17 @@ class SharedBaseModel(nn.Module):
     def causal_lm(self) -> nn.Module:
         return self.peft.get_base_model()
 
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str,
+                output: str = "logits") -> torch.Tensor:
+        """One entry point for wrappers (DDP, DeepSpeed) that must see `forward`: logits, scores or hidden."""
+        if output == "logits":
+            return self.logits(input_ids, attention_mask, adapter)
+        if output == "scores":
+            return self.scores(input_ids, attention_mask, adapter)
+        if output == "hidden":
+            return self.hidden_states(input_ids, attention_mask, adapter)
+        raise ValueError(f"unknown output '{output}': use logits, scores or hidden")
+
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str, **kwargs) -> torch.Tensor:
         """(B, T, V) next-token logits under `adapter`."""
         with self.use_adapter(adapter):
@@ -255,6 +266,26 @@ class SharedBaseModel(nn.Module):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return out
+
+
+def load_adapter_weights(model: SharedBaseModel, name: str, folder: str | os.PathLike) -> None:
+    """Copy the weights saved by `save_adapter` into the existing adapter `name` (and its head), in place.
+
+    In place, so an optimizer built over these parameters keeps pointing at them (resume).
+    """
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} is missing")
+    result = set_peft_model_state_dict(model.peft, load_file(str(weights)), adapter_name=name)
+    unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    if unexpected:
+        raise ValueError(f"{weights}: weights that fit no layer of adapter '{name}': {unexpected[:3]}")
+    if name in model.heads:
+        model.heads[name].load(folder / HEAD_FILE)
 
 
 def _drop_dropout(peft_model, adapter: str) -> None:

@@ -1,0 +1,128 @@
+"""Base loading: the embedded SmolLM2 (real, offline), presets, 4-bit NF4 on CPU, attention choice."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from trainer.config import ModelArguments
+from trainer.data import load_pairs
+from trainer.models import (
+    ModelLoadError, embedded_model_dir, load_base_model, load_tokenizer, pick_attention, preset_config,
+    resolve_quantization,
+)
+from trainer.config import DataArguments
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def real_batch(shared_data, smol_tokenizer):
+    """Eight real hh-rlhf chosen dialogues, tokenized to at most 128 tokens."""
+    pairs, _ = load_pairs(DataArguments(dataset=str(shared_data / "helpful-base")))
+    texts = [p.prompt + p.chosen for p in pairs[:8]]
+    enc = smol_tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=128)
+    labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
+    return enc.input_ids, enc.attention_mask, labels
+
+
+def perplexity(model, batch) -> float:
+    ids, mask, labels = batch
+    with torch.no_grad():
+        return math.exp(model(input_ids=ids, attention_mask=mask, labels=labels).loss.item())
+
+
+def test_embedded_smollm2_is_a_real_pretrained_model_offline(real_batch, smol_tokenizer):
+    args = ModelArguments(model_name_or_path="smollm2-135m", quantization="none", gradient_checkpointing=False)
+    model = load_base_model(args, device=CPU)
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    assert all(not p.requires_grad for p in model.parameters())
+    pretrained = perplexity(model, real_batch)
+    # Same architecture, random weights: near-uniform over a 49k vocabulary.
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    random_model = AutoModelForCausalLM.from_config(model.config)
+    random_ppl = perplexity(random_model, real_batch)
+    assert pretrained < 60, pretrained
+    assert random_ppl > 10_000, random_ppl
+    assert random_ppl / pretrained > 500
+
+
+def test_embedded_conversion_is_cached_as_safetensors():
+    first = embedded_model_dir()
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert embedded_model_dir() == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not list(first.glob("*.bin")) and not list(first.glob("*.gguf"))
+
+
+def test_4bit_nf4_path_runs_on_cpu_close_to_full_precision(real_batch):
+    import bitsandbytes as bnb
+
+    full = load_base_model(ModelArguments(quantization="none", gradient_checkpointing=False), device=CPU)
+    nf4 = load_base_model(ModelArguments(quantization="nf4", gradient_checkpointing=False), device=CPU)
+    linear4 = [m for m in nf4.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linear4) == 30 * 7  # q, k, v, o, gate, up, down in every layer; lm_head stays full precision
+    assert linear4[0].weight.quant_type == "nf4" and linear4[0].weight.quant_state.nested  # double quantization
+    assert nf4.dtype == torch.bfloat16
+    ppl_full, ppl_nf4 = perplexity(full, real_batch), perplexity(nf4, real_batch)
+    assert abs(math.log(ppl_nf4) - math.log(ppl_full)) < 0.1 * math.log(ppl_full), (ppl_full, ppl_nf4)
+
+
+def test_presets_build_the_named_architectures():
+    cfg = preset_config("llama-2-7b", vocab_size=49152)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (4096, 32, 32000)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    assert 6.7e9 < n < 6.8e9  # Llama-2-7B has 6.74B parameters
+    tiny = preset_config("tiny-llama", vocab_size=512, overrides="num_hidden_layers=3,hidden_size=32")
+    assert (tiny.num_hidden_layers, tiny.hidden_size, tiny.vocab_size) == (3, 32, 512)
+    with pytest.raises(ModelLoadError, match="bad preset override"):
+        preset_config("tiny-llama", vocab_size=512, overrides="not_a_field=3")
+
+
+def test_unknown_model_name_fails_with_what_to_use(tmp_path):
+    with pytest.raises(ModelLoadError, match="unknown model 'llama-3-9000'"):
+        load_base_model(ModelArguments(model_name_or_path="llama-3-9000"), device=CPU)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_base_model(ModelArguments(model_name_or_path=str(tmp_path / "empty")), device=CPU)
+    with pytest.raises(ModelLoadError, match="unknown quantization"):
+        load_base_model(ModelArguments(model_name_or_path="tiny-llama", quantization="int3"), vocab_size=64, device=CPU)
+
+
+def test_quantization_auto_is_full_precision_without_cuda():
+    assert resolve_quantization("auto", CPU) is False
+    assert resolve_quantization("nf4", CPU) is True
+    assert resolve_quantization("none", CPU) is False
+
+
+def test_attention_falls_back_from_flash_attention_with_a_logged_reason(caplog):
+    with caplog.at_level(logging.INFO, logger="trainer.models"):
+        assert pick_attention("flash_attention_2", CPU) == "sdpa"
+    assert "flash_attention_2 unavailable: no CUDA device" in caplog.text
+    assert pick_attention("auto", CPU) == "sdpa"
+    assert pick_attention("eager", CPU) == "eager"
+    with pytest.raises(ModelLoadError):
+        pick_attention("xformers", CPU)
+
+
+def test_gradient_checkpointing_uses_the_transformers_5_api():
+    model = load_base_model(ModelArguments(model_name_or_path="tiny-llama", gradient_checkpointing=True),
+                            vocab_size=64, device=CPU)
+    assert model.is_activation_checkpointing
+    assert model.config._attn_implementation == "sdpa"
+    off = load_base_model(ModelArguments(model_name_or_path="tiny-llama", gradient_checkpointing=False),
+                          vocab_size=64, device=CPU)
+    assert not off.is_activation_checkpointing
+
+
+def test_tokenizer_of_a_preset_is_smollm2s_with_a_pad_token():
+    tok = load_tokenizer("tiny-llama")
+    assert len(tok) == 49152 and tok.pad_token is not None

@@ -1,0 +1,347 @@
+"""hh-rlhf rows: where they come from, which are usable, and how they divide into stage subsets.
+
+Sources (`DataArguments.dataset`):
+- `"Anthropic/hh-rlhf"` (or any `owner/name` hub id with `chosen` / `rejected` columns): read with
+  `datasets.load_dataset(name, data_dir=dataset_subset, split=dataset_split)`; `dataset_subset`
+  picks one folder of the repo (`helpful-base`, `harmless-base`, ...), None reads all of them.
+- a local `.jsonl`, `.jsonl.gz` or `.parquet` file, or a folder searched recursively for them
+  (sorted by path, so the row order never depends on the file system).
+- `"auto"`: $RLHF_DATA if set, else ../shared/data/hh-rlhf if it exists, else the hub.
+
+Every row becomes a `PreferencePair`: the dialogue up to and including its last `\\n\\nAssistant:`
+is the prompt, the rest of each text is its completion. A row that cannot be one is a "bad row"
+with a reason (see `REASONS`); `on_bad_row="error"` stops at the first with a `DataError` naming
+the file and 1-based row number, `"skip"` drops it and counts it per reason in the `LoadReport`.
+
+The subsets `eval`, `sft`, `reward` and `ppo` are drawn so that no prompt is in two of them.
+Tokenization lives in `trainer/tokenization.py`, batching in `trainer/collators.py`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+from trainer.config import DATA_ENV, HUB_DATASET, SHARED_DATA, DataArguments
+
+logger = logging.getLogger(__name__)
+
+ASSISTANT = "\n\nAssistant:"
+DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+BAD_ROW_POLICIES = ("error", "skip")
+
+# Reasons a row is dropped, in the order the checks run.
+NOT_JSON = "not_json"
+NOT_OBJECT = "not_object"
+MISSING_FIELD = "missing_field"
+NOT_STRING = "not_string"
+NO_ASSISTANT_TURN = "no_assistant_turn"
+PROMPT_MISMATCH = "prompt_mismatch"
+EMPTY_COMPLETION = "empty_completion"
+IDENTICAL = "identical"
+TOO_LONG = "too_long"  # found at tokenization, see trainer/tokenization.py
+UNREADABLE_FILE = "unreadable_file"  # a whole file, not a row: never skipped
+REASONS = (NOT_JSON, NOT_OBJECT, MISSING_FIELD, NOT_STRING, NO_ASSISTANT_TURN, PROMPT_MISMATCH,
+           EMPTY_COMPLETION, IDENTICAL, TOO_LONG)
+
+
+class DataError(ValueError):
+    """A data source or row that cannot be used; `source` is "file:row" where a row is at fault."""
+
+    def __init__(self, source: str, reason: str, detail: str):
+        self.source, self.reason, self.detail = source, reason, detail
+        super().__init__(f"{source}: {reason}: {detail}")
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One hh-rlhf row: the shared prompt (ends with "\\n\\nAssistant:") and the two completions."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+    source: str  # "path/to/file.jsonl.gz:123" (1-based row), or "Anthropic/hh-rlhf[train]:123"
+
+
+@dataclass
+class LoadReport:
+    """What loading read and dropped. `skipped` maps a reason from `REASONS` to its row count."""
+
+    dataset: str
+    files: list[str] = field(default_factory=list)
+    rows_read: int = 0
+    kept: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        dropped = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.skipped.items())) or "none"
+        return f"read {self.rows_read} rows from {self.dataset}: kept {self.kept}, skipped {dropped}"
+
+
+@dataclass(frozen=True)
+class RawRow:
+    """A record as read, before validation: a JSON line (str) or a decoded mapping (parquet, hub)."""
+
+    source: str
+    value: Any
+
+
+def check_data_args(args: DataArguments) -> None:
+    """Reject settings that would otherwise fail far from their cause."""
+    if args.on_bad_row not in BAD_ROW_POLICIES:
+        raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {args.on_bad_row!r}")
+    if args.min_prompt_tokens < 1:
+        raise ValueError(f"min_prompt_tokens must be at least 1, got {args.min_prompt_tokens}")
+    if args.max_length <= args.min_prompt_tokens:
+        raise ValueError(f"max_length ({args.max_length}) must exceed min_prompt_tokens ({args.min_prompt_tokens})")
+    if args.max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be at least 1, got {args.max_prompt_length}")
+    for name in ("eval_size", "sft_size", "reward_size", "ppo_size"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(args, name)}")
+
+
+# --- where the rows come from -------------------------------------------------------------------
+
+def resolve_dataset(dataset: str) -> str:
+    """Turn "auto" into a concrete source: $RLHF_DATA, else the shared folder, else the hub id."""
+    if dataset != "auto":
+        return dataset
+    if os.environ.get(DATA_ENV):
+        return os.environ[DATA_ENV]
+    if SHARED_DATA.exists():
+        return str(SHARED_DATA)
+    return HUB_DATASET
+
+
+def is_hub_id(dataset: str) -> bool:
+    """True for an `owner/name` that is not a local path (local paths win when both could apply)."""
+    if Path(dataset).expanduser().exists():
+        return False
+    looks_like_path = dataset.startswith((".", "/", "~")) or dataset.endswith(DATA_SUFFIXES) or "\\" in dataset
+    return dataset.count("/") == 1 and not looks_like_path
+
+
+def data_files(path: Path) -> list[Path]:
+    """The data files at `path`: the file itself, or every data file below a folder, sorted by path."""
+    if not path.exists():
+        raise DataError(str(path), "not_found", "no such file or folder (set --dataset or $" + DATA_ENV + ")")
+    if path.is_file():
+        if not path.name.endswith(DATA_SUFFIXES):
+            raise DataError(str(path), "unsupported_file", f"expected one of {', '.join(DATA_SUFFIXES)}")
+        return [path]
+    found = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(DATA_SUFFIXES))
+    if not found:
+        raise DataError(str(path), "no_data_files", f"folder holds no {', '.join(DATA_SUFFIXES)} files")
+    return found
+
+
+def read_jsonl(path: Path) -> Iterator[RawRow]:
+    """Lines of a .jsonl / .jsonl.gz file, parsed later so a bad line names its number."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():  # blank lines (a trailing newline, say) are not rows
+                yield RawRow(f"{path}:{number}", line)
+
+
+def read_parquet(path: Path) -> Iterator[RawRow]:
+    """Rows of a parquet file as mappings; the 1-based row index stands in for the line number."""
+    import pyarrow.parquet as pq
+
+    number = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+        for record in batch.to_pylist():
+            number += 1
+            yield RawRow(f"{path}:{number}", record)
+
+
+def read_hub(name: str, split: str, subset: Optional[str]) -> Iterator[RawRow]:
+    """Rows of a hub dataset through `datasets.load_dataset` (the path for users with a hub)."""
+    import datasets
+
+    try:
+        table = datasets.load_dataset(name, data_dir=subset, split=split)
+    except Exception as exc:  # offline, unknown id, bad split: all end here, none is ours to fix
+        raise DataError(name, "hub_unavailable",
+                        f"not a local path, and datasets.load_dataset failed: {type(exc).__name__}: {exc}") from exc
+    label = f"{name}[{subset + '/' if subset else ''}{split}]"
+    number = 0
+    for batch in table.iter(batch_size=4096):
+        columns = list(batch)
+        for values in zip(*(batch[c] for c in columns)):
+            number += 1
+            yield RawRow(f"{label}:{number}", dict(zip(columns, values)))
+
+
+def read_file(path: Path) -> Iterator[RawRow]:
+    """Rows of one local file; a file that cannot be decoded at all is an error whatever the policy."""
+    try:
+        yield from (read_parquet(path) if path.name.endswith(".parquet") else read_jsonl(path))
+    except (OSError, EOFError, UnicodeDecodeError, ValueError) as exc:  # bad gzip/utf-8/parquet bytes
+        raise DataError(str(path), UNREADABLE_FILE, f"{type(exc).__name__}: {exc}") from exc
+
+
+def read_rows(args: DataArguments, report: LoadReport) -> Iterator[RawRow]:
+    """Every raw row of the configured source, in a fixed order; records the files in `report`."""
+    dataset = report.dataset
+    if is_hub_id(dataset):
+        report.files.append(dataset)
+        yield from read_hub(dataset, args.dataset_split, args.dataset_subset)
+        return
+    for path in data_files(Path(dataset).expanduser()):
+        report.files.append(str(path))
+        yield from read_file(path)
+
+
+# --- which rows are usable ----------------------------------------------------------------------
+
+def split_dialogue(text: str, source: str, which: str) -> tuple[str, str]:
+    """(prompt up to and including the last "\\n\\nAssistant:", completion after it)."""
+    cut = text.rfind(ASSISTANT)
+    if cut < 0:
+        raise DataError(source, NO_ASSISTANT_TURN, f"'{which}' has no {ASSISTANT!r} turn")
+    cut += len(ASSISTANT)
+    return text[:cut], text[cut:]
+
+
+def parse_row(row: RawRow) -> PreferencePair:
+    """Validate one raw row into a pair, or raise `DataError` with the first reason it fails."""
+    record = row.value
+    if isinstance(record, str):
+        try:
+            record = json.loads(record)
+        except json.JSONDecodeError as exc:
+            raise DataError(row.source, NOT_JSON, f"line is not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise DataError(row.source, NOT_OBJECT, f"expected a JSON object, got {type(record).__name__}")
+    for key in ("chosen", "rejected"):
+        if key not in record or record[key] is None:
+            raise DataError(row.source, MISSING_FIELD, f"no '{key}' field (keys: {sorted(record)})")
+        if not isinstance(record[key], str):
+            raise DataError(row.source, NOT_STRING, f"'{key}' is {type(record[key]).__name__}, not a string")
+    prompt, chosen = split_dialogue(record["chosen"], row.source, "chosen")
+    rejected_prompt, rejected = split_dialogue(record["rejected"], row.source, "rejected")
+    if prompt != rejected_prompt:
+        raise DataError(row.source, PROMPT_MISMATCH, "'chosen' and 'rejected' differ before their last Assistant turn")
+    for key, completion in (("chosen", chosen), ("rejected", rejected)):
+        if not completion.strip():
+            raise DataError(row.source, EMPTY_COMPLETION, f"the last Assistant turn of '{key}' is empty")
+    if chosen == rejected:
+        raise DataError(row.source, IDENTICAL, "'chosen' and 'rejected' are the same text")
+    return PreferencePair(prompt=prompt, chosen=chosen, rejected=rejected, source=row.source)
+
+
+def apply_policy(error: DataError, on_bad_row: str, skipped: Counter) -> None:
+    """Raise under "error"; count under "skip". Shared by loading and tokenization."""
+    if on_bad_row == "error":
+        raise DataError(error.source, error.reason, error.detail + " (on_bad_row='skip' drops such rows)") from None
+    skipped[error.reason] += 1
+    logger.debug("skipping %s", error)
+
+
+def validate_rows(rows: Iterable[RawRow], on_bad_row: str, report: LoadReport) -> list[PreferencePair]:
+    """The usable pairs of `rows`; bad ones raise or are counted in `report` per `on_bad_row`."""
+    pairs = []
+    for row in rows:
+        report.rows_read += 1
+        try:
+            pairs.append(parse_row(row))
+        except DataError as error:
+            apply_policy(error, on_bad_row, report.skipped)
+    report.kept = len(pairs)
+    return pairs
+
+
+def load_pairs(args: DataArguments) -> tuple[list[PreferencePair], LoadReport]:
+    """Read and validate every row of `args.dataset`; logs and returns what was kept and dropped."""
+    check_data_args(args)
+    report = LoadReport(dataset=resolve_dataset(args.dataset))
+    if args.dataset == "auto":
+        logger.info("dataset 'auto' resolved to %s", report.dataset)
+    pairs = validate_rows(read_rows(args, report), args.on_bad_row, report)
+    if report.rows_read == 0:
+        raise DataError(report.dataset, "empty", "the source holds no rows")
+    logger.log(logging.WARNING if report.skipped else logging.INFO, "%s", report.summary())
+    return pairs, report
+
+
+# --- prompt-disjoint stage subsets --------------------------------------------------------------
+
+@dataclass
+class Splits:
+    """Prompt-disjoint subsets. `sft` uses prompt + chosen; `ppo` holds one pair per prompt.
+
+    `scale` is 1.0 when the data covered every requested size, else the factor the sft / reward /
+    ppo sizes were scaled down by.
+    """
+
+    eval: list[PreferencePair]
+    sft: list[PreferencePair]
+    reward: list[PreferencePair]
+    ppo: list[PreferencePair]
+    scale: float = 1.0
+
+    def sizes(self) -> dict[str, int]:
+        return {"eval": len(self.eval), "sft": len(self.sft), "reward": len(self.reward), "ppo": len(self.ppo)}
+
+
+def group_by_prompt(pairs: Iterable[PreferencePair], seed: int) -> list[list[PreferencePair]]:
+    """Pairs grouped by prompt, groups in a seeded order that does not depend on the input order."""
+    groups: dict[str, list[PreferencePair]] = {}
+    for pair in pairs:
+        groups.setdefault(pair.prompt, []).append(pair)
+    # Sorting first makes the shuffle see the same sequence whatever file order or format the rows had.
+    ordered = [sorted(g, key=lambda p: (p.chosen, p.rejected, p.source)) for _, g in sorted(groups.items())]
+    random.Random(seed).shuffle(ordered)
+    return ordered
+
+
+def take_pairs(groups: list[list[PreferencePair]], start: int, count: int) -> tuple[list[PreferencePair], int]:
+    """Whole groups from `start` until `count` pairs; the last group is cut to fit (its rest is unused,
+    since its prompt now belongs to this subset). Returns the pairs and the next group index."""
+    taken: list[PreferencePair] = []
+    i = start
+    while len(taken) < count and i < len(groups):
+        taken.extend(groups[i][: count - len(taken)])
+        i += 1
+    return taken, i
+
+
+def split_pairs(pairs: list[PreferencePair], args: DataArguments) -> Splits:
+    """Deterministic prompt-disjoint subsets: eval first at its exact size, then sft, reward and ppo,
+    scaled down together (proportionally) when the rest of the data cannot cover them."""
+    groups = group_by_prompt(pairs, args.split_seed)
+    eval_pairs, next_group = take_pairs(groups, 0, args.eval_size)
+    if len(eval_pairs) < args.eval_size:
+        logger.warning("eval_size=%d but only %d pairs exist: eval takes them all", args.eval_size, len(eval_pairs))
+    rest = sum(len(g) for g in groups[next_group:])
+    requested = args.sft_size + args.reward_size + args.ppo_size
+    scale = min(1.0, rest / requested) if requested else 1.0
+    sft_size, reward_size, ppo_size = (int(n * scale) for n in (args.sft_size, args.reward_size, args.ppo_size))
+    if scale < 1.0:
+        logger.warning(
+            "the data capped the subsets: %d pairs remain after eval for sft=%d + reward=%d + ppo=%d requested; "
+            "scaled by %.3f to sft=%d, reward=%d, ppo=%d",
+            rest, args.sft_size, args.reward_size, args.ppo_size, scale, sft_size, reward_size, ppo_size,
+        )
+    sft, next_group = take_pairs(groups, next_group, sft_size)
+    reward, next_group = take_pairs(groups, next_group, reward_size)
+    ppo = [g[0] for g in groups[next_group : next_group + ppo_size]]
+    splits = Splits(eval=eval_pairs, sft=sft, reward=reward, ppo=ppo, scale=scale)
+    logger.info("split %d prompts (seed %d) into %s", len(groups), args.split_seed, splits.sizes())
+    return splits
+
+
+def load_splits(args: DataArguments) -> tuple[Splits, LoadReport]:
+    """Load, validate and split in one call: what the stage scripts use."""
+    pairs, report = load_pairs(args)
+    return split_pairs(pairs, args), report
+

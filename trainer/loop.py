@@ -1,0 +1,309 @@
+"""The training loop every stage shares: accumulate, clip, step, evaluate, checkpoint, log.
+
+A stage (SFT, reward, DPO) supplies `compute_loss(model, batch)` and `evaluate(model)`; this module
+owns everything around them, so no stage script repeats it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Protocol
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.config import TrainArguments
+from trainer.optim import build_optimizer, cosine_with_warmup
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many optimizer steps in a row had a NaN or inf loss or gradient."""
+
+
+@dataclass
+class StepOutput:
+    """What a stage returns for one micro-batch."""
+
+    loss: torch.Tensor  # scalar to backpropagate (a mean over this micro-batch)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # detached scalars, averaged per step
+    tokens: int = 0  # tokens processed, for tokens/s
+
+
+class Stage(Protocol):
+    name: str
+    trainable_adapters: list[str]
+
+    def compute_loss(self, model, batch: dict[str, torch.Tensor]) -> StepOutput: ...
+
+    def evaluate(self, model, accelerator) -> dict[str, float]: ...
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A fresh permutation each epoch from (seed, epoch) alone, so a resumed run sees the same order."""
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def resolve_mixed_precision(name: str) -> str:
+    if name not in ("auto", "no", "bf16", "fp16"):
+        raise ValueError(f"unknown mixed_precision '{name}': use auto, no, bf16 or fp16")
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "no"
+
+
+def make_accelerator(args: TrainArguments):
+    """The Accelerator for a stage: accumulation, precision, trackers. Create it before the model."""
+    from accelerate import Accelerator
+    from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
+
+    out = Path(args.output_dir)
+    return Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=resolve_mixed_precision(args.mixed_precision),
+        # Steps are counted in micro-batches, never cut short at an epoch boundary.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        log_with="tensorboard" if args.report_to == "tensorboard" else None,
+        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tensorboard")),
+    )
+
+
+def setup_logging(accelerator) -> None:
+    level = logging.INFO if accelerator.is_main_process else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    for noisy in ("httpx", "urllib3", "filelock", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def peak_memory_gb(device: torch.device) -> tuple[float, str]:
+    """Peak device memory in GB (CUDA allocator) or, on CPU, the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9, "gpu"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, "rss"
+
+
+def make_loader(dataset: Dataset, collate_fn: Callable, batch_size: int, seed: int) -> tuple[DataLoader, EpochShuffleSampler]:
+    if len(dataset) < batch_size:
+        raise ValueError(f"the training set has {len(dataset)} rows, fewer than one micro-batch ({batch_size})")
+    sampler = EpochShuffleSampler(len(dataset), seed)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=True)
+    return loader, sampler
+
+
+def batch_stream(accelerator, loader, sampler: EpochShuffleSampler, epoch: int, skip: int):
+    """Yield (epoch, batches done in this epoch, batch) forever, starting `skip` batches into `epoch`."""
+    while True:
+        sampler.set_epoch(epoch)
+        source = accelerator.skip_first_batches(loader, skip) if skip else loader
+        done = skip
+        for batch in source:
+            done += 1
+            yield epoch, done, batch
+        epoch, skip = epoch + 1, 0
+
+
+def all_finite(accelerator, value: torch.Tensor) -> bool:
+    """True when `value` is finite on every rank (ranks must agree, or DDP would hang)."""
+    flag = torch.tensor(1.0 if bool(torch.isfinite(value.detach()).all()) else 0.0, device=accelerator.device)
+    return bool(accelerator.reduce(flag, reduction="sum").item() == accelerator.num_processes)
+
+
+class MetricsLog:
+    """One JSON line per logged step in the run folder, plus TensorBoard through Accelerate."""
+
+    def __init__(self, accelerator, output_dir: Path):
+        self.accelerator = accelerator
+        self.path = output_dir / METRICS_FILE
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines a killed run wrote after the checkpoint it resumes from."""
+        if not self.accelerator.is_main_process or not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.accelerator.log(metrics, step=step)
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+def _format(metrics: dict[str, float], keys: list[str]) -> str:
+    parts = []
+    for key in keys:
+        if key in metrics:
+            value = metrics[key]
+            parts.append(f"{key.split('/')[-1]} {value:.3g}" if abs(value) < 1e-3 or abs(value) >= 1e4
+                         else f"{key.split('/')[-1]} {value:.4f}")
+    return " | ".join(parts)
+
+
+def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callable, args: TrainArguments,
+                 accelerator, config: Optional[dict[str, Any]] = None,
+                 extra_state: Optional[Callable[[], dict]] = None) -> dict[str, float]:
+    """Train `model` with `stage` for `args.max_steps` optimizer steps; returns the last evaluation."""
+    from tqdm.auto import tqdm
+
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    unwrapped = model
+    params = unwrapped.trainable_parameters()
+    optimizer = build_optimizer(params, args.optimizer, args.learning_rate, args.weight_decay, accelerator.device)
+    scheduler = cosine_with_warmup(optimizer, args.warmup_steps, args.max_steps, args.min_lr_ratio)
+    loader, sampler = make_loader(train_dataset, collate_fn, args.micro_batch_size, args.seed)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    state = {"epoch": 0, "batches_in_epoch": 0, "bad_steps_in_row": 0, "bad_steps_total": 0}
+    metrics_log = MetricsLog(accelerator, output_dir)
+    resume_from = _resume_path(args)
+    start_step = 0
+    if resume_from is not None:
+        state.update(load_checkpoint(accelerator, resume_from, model, stage.trainable_adapters, optimizer, scheduler))
+        start_step = state.pop("step")
+        metrics_log.truncate_after(start_step)
+    elif accelerator.is_main_process and metrics_log.path.exists():
+        metrics_log.path.unlink()  # a fresh run in a used folder starts a fresh log
+    if args.report_to == "tensorboard":
+        accelerator.init_trackers(stage.name, config=_flat_config(config or {}))
+
+    last_eval: dict[str, float] = {}
+    if start_step == 0:
+        last_eval = _evaluate(stage, model, accelerator, metrics_log, 0)
+    stream = batch_stream(accelerator, loader, sampler, state["epoch"], state["batches_in_epoch"])
+    bar = tqdm(total=args.max_steps, initial=start_step, desc=stage.name, dynamic_ncols=True,
+               disable=not (accelerator.is_main_process and args.progress_bar))
+    model.train()
+    for step in range(start_step + 1, args.max_steps + 1):
+        started = time.perf_counter()
+        sums: dict[str, float] = defaultdict(float)
+        tokens, finite = 0, True
+        for _ in range(args.gradient_accumulation_steps):
+            state["epoch"], state["batches_in_epoch"], batch = next(stream)
+            with accelerator.accumulate(model), accelerator.autocast():
+                out = stage.compute_loss(model, batch)
+                if all_finite(accelerator, out.loss):
+                    accelerator.backward(out.loss)
+                else:
+                    finite = False
+            tokens += out.tokens
+            for key, value in out.metrics.items():
+                sums[key] += float(value) / args.gradient_accumulation_steps
+        grad_norm = torch.tensor(float("nan"))
+        if finite:
+            max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+            grad_norm = accelerator.clip_grad_norm_(params, max_norm)
+            finite = all_finite(accelerator, grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        if finite:
+            optimizer.step()
+            scheduler.step()
+            state["bad_steps_in_row"] = 0
+        else:
+            state["bad_steps_in_row"] += 1
+            state["bad_steps_total"] += 1
+            logger.warning("step %d: non-finite loss or gradient, step skipped (%d in a row, %d in all)",
+                           step, state["bad_steps_in_row"], state["bad_steps_total"])
+        optimizer.zero_grad(set_to_none=True)
+        if state["bad_steps_in_row"] >= args.max_bad_steps:
+            accelerator.end_training()
+            raise TrainingDiverged(
+                f"{state['bad_steps_in_row']} steps in a row had a NaN/inf loss or gradient (at step {step}); "
+                "lower the learning rate, check the data, or raise max_bad_steps")
+
+        elapsed = time.perf_counter() - started
+        metrics = _reduce(accelerator, {f"train/{k}": v for k, v in sums.items()})
+        total_tokens = accelerator.reduce(torch.tensor(float(tokens), device=accelerator.device), "sum").item()
+        peak, kind = peak_memory_gb(accelerator.device)
+        metrics.update({"train/lr": lr, "train/grad_norm": float(grad_norm), "perf/tokens_per_s": total_tokens / elapsed,
+                        "perf/step_s": elapsed, f"perf/peak_{kind}_gb": peak,
+                        "train/skipped_steps": float(state["bad_steps_total"])})
+        if step % args.log_every == 0 or step == args.max_steps:
+            metrics_log.write(step, metrics)
+            if accelerator.is_main_process:
+                bar.write(f"step {step}/{args.max_steps} | " + _format(metrics, [
+                    "train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", f"perf/peak_{kind}_gb"]))
+        bar.update(1)
+        if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
+            last_eval = _evaluate(stage, model, accelerator, metrics_log, step)
+            model.train()
+        if args.save_every and (step % args.save_every == 0 or step == args.max_steps):
+            extras = extra_state() if extra_state else {}
+            save_checkpoint(accelerator, output_dir, step, model, stage.trainable_adapters, optimizer, scheduler,
+                            {**state, **extras}, args.keep_checkpoints)
+    bar.close()
+    accelerator.end_training()
+    return last_eval
+
+
+def _evaluate(stage: Stage, model, accelerator, metrics_log: MetricsLog, step: int) -> dict[str, float]:
+    model.eval()
+    with torch.no_grad(), accelerator.autocast():
+        results = stage.evaluate(model, accelerator)
+    metrics = {f"eval/{k}": float(v) for k, v in results.items()}
+    metrics_log.write(step, metrics)
+    if accelerator.is_main_process:
+        logger.info("eval at step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
+    return metrics
+
+
+def _reduce(accelerator, values: dict[str, float]) -> dict[str, float]:
+    if not values:
+        return {}
+    keys = sorted(values)
+    t = torch.tensor([values[k] for k in keys], device=accelerator.device, dtype=torch.float64)
+    t = accelerator.reduce(t, reduction="mean")
+    return {k: float(v) for k, v in zip(keys, t.tolist())}
+
+
+def _resume_path(args: TrainArguments) -> Optional[Path]:
+    if args.resume == "no":
+        return None
+    if args.resume == "auto":
+        return latest_checkpoint(args.output_dir)
+    path = Path(args.resume)
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"resume={args.resume}: not a complete checkpoint folder (no state.json)")
+    return path
+
+
+def _flat_config(config: dict[str, Any]) -> dict[str, Any]:
+    """TensorBoard's hparams take scalars and strings only."""
+    flat = {}
+    for key, value in config.items():
+        if hasattr(value, "__dataclass_fields__"):
+            value = asdict(value)
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flat.items()}

@@ -1,0 +1,178 @@
+"""Token ids for SFT, reward / DPO pairs and PPO prompts, with truncation that keeps completions whole.
+
+An example is `tokenizer(prompt, add_special_tokens=True)` followed by
+`tokenizer(completion, add_special_tokens=False) + [eos]`; the loss sees only the completion.
+When prompt + completion exceed `max_length`, the prompt loses tokens from its left (a leading BOS
+stays), because the completion is what is trained and the end of the prompt is what it answers.
+A completion that leaves fewer than `min_prompt_tokens` prompt tokens makes the row "too long":
+dropped and counted under `on_bad_row="skip"`, a `DataError` naming the row under "error".
+
+(Named `tokenization`, not `tokenize`: `python trainer/sft.py` puts trainer/ first on sys.path, and a
+`tokenize.py` there would shadow the standard library module that `linecache` and `inspect` import.)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from trainer.config import DataArguments
+from trainer.data import TOO_LONG, DataError, PreferencePair, apply_policy, check_data_args
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100  # label value that torch's cross-entropy skips
+ENCODE_CHUNK = 1024  # texts per batched tokenizer call: fast, and bounded memory on big datasets
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    """A prompt and its chosen completion (ending in EOS); the loss sees only the completion."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    source: str
+
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    @property
+    def labels(self) -> list[int]:
+        return [IGNORE_INDEX] * len(self.prompt_ids) + self.completion_ids
+
+
+@dataclass(frozen=True)
+class PairExample:
+    """Chosen and rejected completions (each ending in EOS) after the same prompt ids."""
+
+    prompt_ids: list[int]
+    chosen_ids: list[int]
+    rejected_ids: list[int]
+    source: str
+
+
+@dataclass(frozen=True)
+class PromptExample:
+    """A PPO prompt, left-truncated to `max_prompt_length`."""
+
+    prompt_ids: list[int]
+    source: str
+
+
+@dataclass
+class TokenizeReport:
+    """Rows in, examples out, prompts left-truncated, and rows dropped as too long."""
+
+    kind: str
+    rows: int = 0
+    kept: int = 0
+    truncated: int = 0
+    too_long: int = 0
+
+    def summary(self) -> str:
+        return (f"tokenized {self.rows} {self.kind} rows: kept {self.kept}, "
+                f"{self.truncated} prompts left-truncated, {self.too_long} too long")
+
+
+def check_tokenizer(tokenizer) -> None:
+    """Every example ends in EOS, so a tokenizer without one cannot be used."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no eos_token_id; set tokenizer.eos_token first")
+
+
+def encode(tokenizer, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of `texts` through batched (fast-tokenizer) calls."""
+    ids: list[list[int]] = []
+    for start in range(0, len(texts), ENCODE_CHUNK):
+        chunk = list(texts[start : start + ENCODE_CHUNK])
+        # verbose=False: rows longer than model_max_length are expected here; truncation is ours.
+        ids.extend(tokenizer(chunk, add_special_tokens=add_special_tokens, verbose=False)["input_ids"])
+    return ids
+
+
+def fit_prompt(prompt_ids: list[int], budget: int, min_prompt_tokens: int, bos_id: Optional[int]) -> Optional[list[int]]:
+    """`prompt_ids` cut from the left to at most `budget` tokens, a leading BOS kept.
+
+    None when the budget is below `min_prompt_tokens` (the row is too long to keep).
+    """
+    if len(prompt_ids) <= budget:
+        return prompt_ids
+    if budget < min_prompt_tokens:
+        return None
+    keep_bos = bos_id is not None and prompt_ids[0] == bos_id
+    head = prompt_ids[:1] if keep_bos else []
+    tail = budget - len(head)
+    return head + prompt_ids[len(prompt_ids) - tail :]
+
+
+def with_eos(ids_list: list[list[int]], eos_id: int) -> list[list[int]]:
+    return [ids + [eos_id] for ids in ids_list]
+
+
+def reject_too_long(pair: PreferencePair, completion_len: int, args: DataArguments, skipped: Counter) -> None:
+    detail = (f"a completion of {completion_len} tokens leaves fewer than min_prompt_tokens="
+              f"{args.min_prompt_tokens} prompt tokens within max_length={args.max_length}")
+    apply_policy(DataError(pair.source, TOO_LONG, detail), args.on_bad_row, skipped)
+
+
+def log_report(report: TokenizeReport, skipped: Counter) -> TokenizeReport:
+    report.too_long = skipped[TOO_LONG]
+    level = logging.WARNING if report.too_long else logging.INFO
+    logger.log(level, "%s", report.summary())
+    return report
+
+
+def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer, args: DataArguments) -> tuple[list[SFTExample], TokenizeReport]:
+    """SFT examples (prompt + chosen completion + EOS) within `args.max_length`."""
+    check_data_args(args)
+    check_tokenizer(tokenizer)
+    prompts = encode(tokenizer, [p.prompt for p in pairs], add_special_tokens=True)
+    completions = with_eos(encode(tokenizer, [p.chosen for p in pairs], add_special_tokens=False), tokenizer.eos_token_id)
+    report, skipped, examples = TokenizeReport("sft", rows=len(pairs)), Counter(), []
+    for pair, prompt_ids, completion_ids in zip(pairs, prompts, completions):
+        fitted = fit_prompt(prompt_ids, args.max_length - len(completion_ids), args.min_prompt_tokens,
+                            tokenizer.bos_token_id)
+        if fitted is None:
+            reject_too_long(pair, len(completion_ids), args, skipped)
+            continue
+        report.truncated += len(fitted) < len(prompt_ids)
+        examples.append(SFTExample(fitted, completion_ids, pair.source))
+    report.kept = len(examples)
+    return examples, log_report(report, skipped)
+
+
+def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer, args: DataArguments) -> tuple[list[PairExample], TokenizeReport]:
+    """Reward / DPO examples: both completions after one prompt, budgeted by the longer completion."""
+    check_data_args(args)
+    check_tokenizer(tokenizer)
+    eos = tokenizer.eos_token_id
+    prompts = encode(tokenizer, [p.prompt for p in pairs], add_special_tokens=True)
+    chosen = with_eos(encode(tokenizer, [p.chosen for p in pairs], add_special_tokens=False), eos)
+    rejected = with_eos(encode(tokenizer, [p.rejected for p in pairs], add_special_tokens=False), eos)
+    report, skipped, examples = TokenizeReport("pair", rows=len(pairs)), Counter(), []
+    for pair, prompt_ids, chosen_ids, rejected_ids in zip(pairs, prompts, chosen, rejected):
+        longest = max(len(chosen_ids), len(rejected_ids))
+        fitted = fit_prompt(prompt_ids, args.max_length - longest, args.min_prompt_tokens, tokenizer.bos_token_id)
+        if fitted is None:
+            reject_too_long(pair, longest, args, skipped)
+            continue
+        report.truncated += len(fitted) < len(prompt_ids)
+        examples.append(PairExample(fitted, chosen_ids, rejected_ids, pair.source))
+    report.kept = len(examples)
+    return examples, log_report(report, skipped)
+
+
+def tokenize_prompts(pairs: Sequence[PreferencePair], tokenizer, args: DataArguments) -> tuple[list[PromptExample], TokenizeReport]:
+    """PPO prompts, left-truncated to `args.max_prompt_length` (a leading BOS kept); none is dropped."""
+    check_data_args(args)
+    prompts = encode(tokenizer, [p.prompt for p in pairs], add_special_tokens=True)
+    report, examples = TokenizeReport("prompt", rows=len(pairs)), []
+    for pair, prompt_ids in zip(pairs, prompts):
+        fitted = fit_prompt(prompt_ids, args.max_prompt_length, 1, tokenizer.bos_token_id)
+        report.truncated += len(fitted) < len(prompt_ids)
+        examples.append(PromptExample(fitted, pair.source))
+    report.kept = len(examples)
+    return examples, log_report(report, Counter())
