@@ -68,7 +68,7 @@ class ModelArguments:
         default=None,
         metadata={"help": "For presets: comma-separated config overrides, e.g. 'num_hidden_layers=4'."},
     )
-    seed: int = field(default=0, metadata={"help": "Seed for random preset weights and LoRA init."})
+    model_seed: int = field(default=0, metadata={"help": "Seed for random preset weights and fresh LoRA init."})
 
 
 @dataclass

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import resource
 import sys
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -84,6 +84,8 @@ def make_accelerator(args: TrainArguments):
     from accelerate import Accelerator
     from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise warn on every import
     out = Path(args.output_dir)
     return Accelerator(
         cpu=not torch.cuda.is_available(),
@@ -96,10 +98,12 @@ def make_accelerator(args: TrainArguments):
     )
 
 
-def setup_logging(accelerator) -> None:
+def setup_logging(accelerator, stream=sys.stdout) -> None:
     level = logging.INFO if accelerator.is_main_process else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+                        datefmt="%H:%M:%S", stream=stream, force=True)
+    # peft still reads transformers' deprecated `is_gradient_checkpointing`; nothing for a user to act on.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     for noisy in ("httpx", "urllib3", "filelock", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -115,7 +119,10 @@ def make_loader(dataset: Dataset, collate_fn: Callable, batch_size: int, seed: i
     if len(dataset) < batch_size:
         raise ValueError(f"the training set has {len(dataset)} rows, fewer than one micro-batch ({batch_size})")
     sampler = EpochShuffleSampler(len(dataset), seed)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=True)
+    # Its own generator: creating a DataLoader iterator draws a seed, and drawing it from the global
+    # RNG would shift every later dropout mask whenever a resumed run creates one more iterator.
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=True,
+                        generator=torch.Generator().manual_seed(seed))
     return loader, sampler
 
 
@@ -163,8 +170,7 @@ def _format(metrics: dict[str, float], keys: list[str]) -> str:
     for key in keys:
         if key in metrics:
             value = metrics[key]
-            parts.append(f"{key.split('/')[-1]} {value:.3g}" if abs(value) < 1e-3 or abs(value) >= 1e4
-                         else f"{key.split('/')[-1]} {value:.4f}")
+            parts.append(f"{key.split('/')[-1]} {value:.4g}")
     return " | ".join(parts)
 
 

@@ -348,3 +348,10 @@ def ppo_value_loss(
     with torch.no_grad():
         clipfrac = masked_mean((clipped > unclipped).to(values.dtype), mask)
     return loss, clipfrac
+
+
+def last_token_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) per-token values -> (B,) value at each row's last valid token (left or right padding)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask.bool(), positions, -1).max(dim=1).values.clamp(min=0)
+    return values.gather(1, last.unsqueeze(1)).squeeze(1)

@@ -286,7 +286,7 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
             raise ModelLoadError(f"preset '{name}' needs the tokenizer's vocab size")
         config = preset_config(name, vocab_size, args.preset_overrides)
         config._attn_implementation = attn
-        torch.manual_seed(args.seed)
+        torch.manual_seed(args.model_seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
         if four_bit:

@@ -302,7 +302,7 @@ def build_shared_model(args: ModelArguments, specs: list[AdapterSpec], vocab_siz
     from trainer.models import enable_checkpointing, load_base_model
 
     base = load_base_model(args, vocab_size=vocab_size, device=device, checkpointing=False)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.model_seed)
     model = SharedBaseModel.from_specs(base, args, specs)
     if args.gradient_checkpointing:
         enable_checkpointing(base, context_fn=model.checkpoint_contexts)

@@ -1,0 +1,142 @@
+"""Activation, logits and KV-cache memory of a Llama decoder with LoRA, as explicit formulas.
+
+Everything is bytes per token (one position of one sequence) unless named otherwise. Symbols:
+h hidden, i intermediate, n_h / n_kv attention / key-value heads, d head dim, r LoRA rank,
+a compute-dtype bytes (2 for bf16), V vocab. What autograd saves per decoder layer while a
+trainable LoRA adapter is active, as PyTorch 2.x, PEFT 0.21, bitsandbytes 0.50 and transformers 5
+do it (the terms were read off `saved_tensors_hooks` on SmolLM2 and match it to ~1%):
+
+  2 RMSNorms        2 x (4h + 4)      each keeps its input upcast to fp32 and the fp32 rsqrt
+  LoRA, per target  (m + 4) n_in + 4r the fp32 dropout output (PEFT casts x to the fp32 adapter
+                                      dtype, per target), the dropout mask (m = 1 byte bool on
+                                      CUDA, 4 on CPU, whose dropout keeps an fp32 noise tensor),
+                                      and lora_B's fp32 input; n_in = h for q,k,v,o,gate,up, i for down
+  attention (SDPA)  a (2 n_h d + 2 n_kv d) + 4 n_h   q, k, v, output and the fp32 logsumexp;
+                                      eager attention adds the (n_h x seq) probabilities: 6 n_h seq
+  MLP               3 a i             gate and up outputs and the SiLU output
+  base linears      0                 bitsandbytes' 4-bit matmul keeps only the packed weight, and a
+                                      frozen full-precision weight makes autograd keep no input either
+
+Without a trainable adapter in the forward (no-grad passes) nothing is saved; the working set is
+one layer's temporaries. With gradient checkpointing each layer keeps only its input (a h) and
+the backward recomputes one layer at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from profiling.shapes import LORA_BYTES, ModelShape, lora_targets
+
+
+@dataclass(frozen=True)
+class ForwardSpec:
+    """What a forward pass looks like, beyond the model shape."""
+
+    dtype_bytes: int = 2
+    lora_rank: int = 16
+    lora_targets: str = "all-linear"
+    lora_dropout: bool = True  # trainable adapters keep dropout; frozen ones have none
+    device: str = "cuda"
+    attention: str = "sdpa"  # sdpa / flash_attention_2 keep no seq x seq tensor; eager does
+    checkpointing: bool = True
+    logprob_chunk: int = 1024  # positions upcast to fp32 at once (trainer.losses.DEFAULT_CHUNK_SIZE)
+    nf4: bool = True
+
+
+def _mask_bytes(spec: ForwardSpec) -> int:
+    return 1 if spec.device == "cuda" else LORA_BYTES
+
+
+def layer_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) -> int:
+    """Bytes one decoder layer saves for backward, per token, with a trainable adapter active."""
+    h, i, a, r = shape.hidden_size, shape.intermediate_size, spec.dtype_bytes, spec.lora_rank
+    n_h, n_kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    norms = 2 * (4 * h + 4)
+    per_input = (_mask_bytes(spec) + LORA_BYTES) if spec.lora_dropout else LORA_BYTES
+    lora = sum(per_input * n_in + LORA_BYTES * r for _, n_in, _ in lora_targets(shape, spec.lora_targets))
+    attention = a * (2 * n_h * d + 2 * n_kv * d) + 4 * n_h
+    if spec.attention == "eager":
+        attention += 6 * n_h * seq_len + a * 2 * (n_h - n_kv) * d  # fp32 + bf16 probabilities, repeated k/v
+    mlp = 3 * a * i
+    return norms + lora + attention + mlp
+
+
+def layer_backward_temporaries_per_token(shape: ModelShape, spec: ForwardSpec) -> int:
+    """Gradients alive inside one layer's backward (approximate): the MLP's, the largest ones."""
+    i, a = shape.intermediate_size, spec.dtype_bytes
+    return (3 * a + LORA_BYTES) * i + 4 * shape.hidden_size
+
+
+def dequantized_weight_bytes(shape: ModelShape, spec: ForwardSpec) -> int:
+    """4-bit matmuls dequantize one weight at a time to the compute dtype (forward and backward)."""
+    if not spec.nf4:
+        return 0
+    return max(a * b for _, a, b in shape.linears()) * spec.dtype_bytes
+
+
+def nograd_layer_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) -> int:
+    """Peak temporaries of one layer in a forward without autograd (approximate): the residual
+    stream plus the larger of the attention block and the MLP block, with their fp32 norm copy
+    and the fp32 LoRA input cast."""
+    h, i, a = shape.hidden_size, shape.intermediate_size, spec.dtype_bytes
+    n_h, n_kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    attention = 4 * h + a * (h + 2 * n_h * d + 2 * n_kv * d) + LORA_BYTES * h
+    if spec.attention == "eager":
+        attention += 6 * n_h * seq_len
+    mlp = 4 * h + a * (h + 3 * i) + LORA_BYTES * i
+    return 2 * a * h + max(attention, mlp)
+
+
+# ---------------------------------------------------------------- whole passes (bytes)
+
+
+def logits_training(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
+    """At the start of backward: the (tokens x V) logits kept by the chunked log-prob, their
+    gradient, and three fp32 (chunk x V) temporaries of the chunked softmax backward."""
+    V, a = shape.vocab_size, spec.dtype_bytes
+    chunk = min(spec.logprob_chunk, tokens)
+    return 2 * tokens * V * a + 3 * chunk * V * 4
+
+
+def logits_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
+    """A scoring pass: the full (tokens x V) logits and two fp32 chunk temporaries (upcast, exp)."""
+    V = shape.vocab_size
+    chunk = min(spec.logprob_chunk, tokens)
+    return tokens * V * spec.dtype_bytes + 2 * chunk * V * 4
+
+
+def training_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int, forwards: int = 1) -> int:
+    """Peak activation bytes (logits excluded) of forward + backward over `tokens` tokens.
+
+    `forwards` > 1 means that many forwards are alive before one backward (PPO: policy and value
+    over the same micro-batch, one summed loss); their saved tensors add up.
+    """
+    L, h, a = shape.num_layers, shape.hidden_size, spec.dtype_bytes
+    final_norm = 4 * h + 4
+    if spec.checkpointing:
+        kept = forwards * tokens * (L * a * h + final_norm)
+        recompute = tokens * (layer_saved_per_token(shape, spec, seq_len)
+                              + layer_backward_temporaries_per_token(shape, spec))
+        return kept + recompute + dequantized_weight_bytes(shape, spec)
+    saved = forwards * tokens * (L * layer_saved_per_token(shape, spec, seq_len) + final_norm)
+    return saved + tokens * layer_backward_temporaries_per_token(shape, spec) + dequantized_weight_bytes(shape, spec)
+
+
+def saved_for_backward(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int) -> int:
+    """Bytes saved by one forward without checkpointing (the figure `SavedTensorMeter` measures)."""
+    return tokens * (shape.num_layers * layer_saved_per_token(shape, spec, seq_len) + 4 * shape.hidden_size + 4)
+
+
+def nograd_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int) -> int:
+    return tokens * nograd_layer_per_token(shape, spec, seq_len) + dequantized_weight_bytes(shape, spec)
+
+
+def kv_cache(shape: ModelShape, spec: ForwardSpec, batch: int, context: int) -> int:
+    """2 (K and V) x layers x kv heads x head dim x context x batch x dtype bytes."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * context * batch * spec.dtype_bytes
+
+
+def kv_cache_growth(shape: ModelShape, spec: ForwardSpec, batch: int, context: int) -> int:
+    """transformers' DynamicCache grows by torch.cat: one layer's old and new K, V coexist briefly."""
+    return kv_cache(shape, spec, batch, context) // shape.num_layers

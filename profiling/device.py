@@ -1,0 +1,97 @@
+"""Device-side readings: torch.cuda allocator statistics and the pynvml device total.
+
+Every reader returns either figures or a one-line reason why there are none; none of them raises
+on a machine without a GPU, and none of them invents a figure.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+def cuda_unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
+    """None when allocator statistics can be read for `device`, else why not."""
+    if device is not None and device.type != "cuda":
+        return f"profiled device is {device.type}, not CUDA: allocator statistics exist only for CUDA devices"
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return f"torch {torch.__version__} is a CPU-only build (no CUDA allocator)"
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False (no CUDA device visible)"
+    return None
+
+
+@dataclass
+class AllocatorSample:
+    allocated: int
+    reserved: int
+    peak_allocated: int  # since the last reset_peak()
+    peak_reserved: int
+
+
+def reset_peak(device: torch.device) -> None:
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def read_allocator(device: torch.device) -> AllocatorSample:
+    # Pending kernels may still allocate; the figures are meant for the end of a phase.
+    torch.cuda.synchronize(device)
+    return AllocatorSample(
+        allocated=torch.cuda.memory_allocated(device),
+        reserved=torch.cuda.memory_reserved(device),
+        peak_allocated=torch.cuda.max_memory_allocated(device),
+        peak_reserved=torch.cuda.max_memory_reserved(device),
+    )
+
+
+@dataclass
+class NvmlReading:
+    used: Optional[int]  # whole device, all processes and CUDA contexts included
+    total: Optional[int]
+    name: Optional[str]
+    reason: Optional[str]  # set when the figures are None
+
+
+def read_nvml(device: Optional[torch.device] = None) -> NvmlReading:
+    """Device-wide used/total bytes from NVML, or the reason NVML cannot be read here."""
+    try:
+        import pynvml
+    except ImportError:
+        return NvmlReading(None, None, None, "pynvml is not installed (pip install nvidia-ml-py)")
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound:
+        return NvmlReading(None, None, None, "NVML library not found (no NVIDIA driver on this machine)")
+    try:
+        index = _nvml_index(device)
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        name = pynvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else name
+        return NvmlReading(int(info.used), int(info.total), name, None)
+    except pynvml.NVMLError as exc:  # e.g. no device at that index, insufficient permissions
+        return NvmlReading(None, None, None, f"NVML query failed: {exc}")
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _nvml_index(device: Optional[torch.device]) -> int:
+    """NVML numbers devices physically; CUDA_VISIBLE_DEVICES renumbers them for torch."""
+    import os
+
+    index = device.index if device is not None and device.index is not None else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if index < len(ids) and ids[index].isdigit():
+            return int(ids[index])
+    return index
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda" and cuda_unavailable_reason(device) is None:
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({platform.processor() or platform.machine()})"

@@ -1,0 +1,230 @@
+"""Memory per component, per stage and phase, from tensor walks and (on CUDA) allocator statistics.
+
+A stage loop uses it in a few lines:
+
+    recorder = MemoryRecorder("ppo", model=model, optimizer=optimizer, enabled=cfg.profile_memory)
+    with recorder.phase("generate"):
+        rollout = model.generate(...)
+    ...
+    recorder.write(run_dir, config={"model": asdict(model_args)})
+
+Per phase it records the tensor-counted components (exact, any device; the largest value seen at
+entry, exit and any `recorder.sample()` inside the phase) and, on CUDA: allocated before and after,
+the peak above the level at entry, reserved minus allocated at the peak, and the device total from
+NVML. The peak above entry, less what the tensor-counted components grew by inside the phase, is
+the phase's transient memory: KV cache for generation, activations for the other phases.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from profiling import components as C
+from profiling import device as D
+from profiling.saved import SavedTensorMeter
+from profiling.tensors import TensorLedger, count_tensors
+
+# What the transient peak of a phase is, when the caller does not say.
+DEFAULT_TRANSIENT = {"generate": C.KV_CACHE, "optimizer_step": C.OPTIMIZER_TEMPORARIES}
+
+
+@dataclass
+class CudaFigures:
+    allocated_before: int
+    allocated_after: int
+    peak_allocated: int
+    peak_above_entry: int
+    peak_reserved: int
+    reserved_after: int
+    nvml_used: Optional[int]
+    nvml_total: Optional[int]
+    nvml_reason: Optional[str]
+
+
+@dataclass
+class PhaseRecord:
+    stage: str
+    phase: str
+    calls: int = 0
+    seconds: float = 0.0
+    components: dict[str, Optional[int]] = field(default_factory=dict)  # the stacked bar, bytes
+    elsewhere: dict[str, dict[str, int]] = field(default_factory=dict)  # other devices (offloaded)
+    paged: dict[str, int] = field(default_factory=dict)  # managed memory the allocator does not see
+    cuda: Optional[CudaFigures] = None
+    gpu_reason: Optional[str] = None  # why the GPU-only components are None
+    saved_for_backward: Optional[int] = None
+
+    @property
+    def total(self) -> int:
+        return C.total(self.components)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["total"] = self.total
+        return out
+
+
+class MemoryRecorder:
+    """Collects PhaseRecords for one process; `enabled=False` makes every call a no-op."""
+
+    def __init__(self, stage: str, model=None, optimizer=None, device: Optional[torch.device] = None,
+                 budget_bytes: int = C.DEFAULT_BUDGET_BYTES, enabled: bool = True,
+                 resident_label: Optional[str] = None) -> None:
+        self.stage = stage
+        self.enabled = enabled
+        self.budget_bytes = budget_bytes
+        self.model, self.optimizer = model, optimizer
+        self._explicit_device = device
+        self.device = device or _device_of(model)
+        self.gpu_reason = D.cuda_unavailable_reason(self.device)
+        # Tensors alive at phase entry that nothing walked owns: in PPO, the rollout being processed.
+        self.resident_label = resident_label or (C.ROLLOUT_BUFFERS if stage == "ppo" else C.OTHER_TENSORS)
+        self.records: dict[tuple[str, str], PhaseRecord] = {}
+        self.extra: dict[str, object] = {}
+        self._samples: Optional[list[TensorLedger]] = None
+        self.command = " ".join(shlex.quote(a) for a in sys.argv)
+
+    def track(self, model=None, optimizer=None, **extra) -> None:
+        """Point the recorder at objects created later (the optimizer, a rollout buffer: component=tensors)."""
+        if model is not None:
+            self.model = model
+            self.device = self._explicit_device or _device_of(model)
+            self.gpu_reason = D.cuda_unavailable_reason(self.device)
+        if optimizer is not None:
+            self.optimizer = optimizer
+        self.extra.update(extra)
+
+    def count(self) -> TensorLedger:
+        """One walk over the tracked model, its gradients, the optimizer and the extra tensors."""
+        return count_tensors(self.model, self.optimizer, self.extra)
+
+    def sample(self) -> None:
+        """Re-count inside a phase, e.g. after backward and before zero_grad frees the gradients."""
+        if self.enabled and self._samples is not None:
+            self._samples.append(self.count())
+
+    @contextmanager
+    def phase(self, name: str, stage: Optional[str] = None, transient: Optional[str] = None,
+              count_saved: bool = False) -> Iterator[None]:
+        """Record the body as phase `name` of `stage`; `count_saved` also meters saved-for-backward bytes."""
+        if not self.enabled:
+            yield
+            return
+        stage = stage or self.stage
+        transient = transient or DEFAULT_TRANSIENT.get(name, C.ACTIVATIONS)
+        dev = str(self.device)
+        cuda = self.gpu_reason is None
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            allocated_before = torch.cuda.memory_allocated(self.device)
+            D.reset_peak(self.device)
+        entry = self.count()
+        self._samples = [entry]
+        meter = SavedTensorMeter(exclude=entry.storage_keys()) if count_saved else None
+        start = time.perf_counter()
+        try:
+            if meter is not None:
+                with meter.watch():
+                    yield
+            else:
+                yield
+        finally:
+            seconds = time.perf_counter() - start
+            samples, self._samples = self._samples + [self.count()], None
+            cuda_figures = None
+            if cuda:
+                reading = D.read_allocator(self.device)
+                nvml = D.read_nvml(self.device)
+                cuda_figures = CudaFigures(
+                    allocated_before=allocated_before, allocated_after=reading.allocated,
+                    peak_allocated=reading.peak_allocated,
+                    peak_above_entry=reading.peak_allocated - allocated_before,
+                    peak_reserved=reading.peak_reserved, reserved_after=reading.reserved,
+                    nvml_used=nvml.used, nvml_total=nvml.total, nvml_reason=nvml.reason,
+                )
+            record = self._build(stage, name, transient, dev, samples, cuda_figures)
+            record.seconds = seconds
+            record.saved_for_backward = meter.bytes if meter is not None else None
+            self._keep(record)
+
+    def _build(self, stage: str, name: str, transient: str, dev: str, samples: list[TensorLedger],
+               cuda: Optional[CudaFigures]) -> PhaseRecord:
+        entry = samples[0].components(dev)
+        counted: dict[str, int] = {}
+        for ledger in samples:
+            for component, size in ledger.components(dev).items():
+                counted[component] = max(counted.get(component, 0), size)
+        last = samples[-1]
+        record = PhaseRecord(stage=stage, phase=name, components=dict(counted),
+                             elsewhere=last.elsewhere(dev), paged=last.paged(), cuda=cuda,
+                             gpu_reason=self.gpu_reason)
+        gpu_parts = (self.resident_label, transient, C.ALLOCATOR_OVERHEAD, C.CUDA_CONTEXT)
+        if cuda is None:
+            record.components.update({c: None for c in gpu_parts})
+            return record
+        # Paged optimizer buffers are managed memory, invisible to the allocator figures below.
+        paged = sum(last.paged().values())
+        entry_on_allocator = C.total(entry) - sum(samples[0].paged().values())
+        grown = sum(max(0, counted.get(c, 0) - entry.get(c, 0)) for c in counted)
+        record.components[self.resident_label] = max(0, cuda.allocated_before - entry_on_allocator)
+        record.components[transient] = max(0, cuda.peak_above_entry - grown)
+        record.components[C.ALLOCATOR_OVERHEAD] = max(0, cuda.peak_reserved - cuda.peak_allocated)
+        if cuda.nvml_used is not None:
+            record.components[C.CUDA_CONTEXT] = max(0, cuda.nvml_used - cuda.reserved_after - paged)
+        else:
+            record.components[C.CUDA_CONTEXT] = None
+        return record
+
+    def _keep(self, record: PhaseRecord) -> None:
+        """Repeated phases keep their largest occurrence (the one that decides whether a run fits)."""
+        key = (record.stage, record.phase)
+        old = self.records.get(key)
+        if old is not None:
+            record.calls, record.seconds = old.calls, old.seconds + record.seconds
+            if old.total > record.total:
+                old.calls, old.seconds = record.calls, record.seconds
+                record = old
+        record.calls += 1
+        self.records[key] = record
+
+    # ---- results --------------------------------------------------------------------------------
+    def needs_gpu(self) -> list[str]:
+        """Components this run could not measure, by name (empty on CUDA)."""
+        missing = {c for r in self.records.values() for c, v in r.components.items() if v is None}
+        return C.ordered(missing)
+
+    def to_dict(self, config: Optional[dict] = None) -> dict:
+        from profiling.provenance import provenance
+
+        return {
+            **provenance(self.device, command=self.command),
+            "unit": "bytes",
+            "budget_bytes": self.budget_bytes,
+            "gpu_reason": self.gpu_reason,
+            "needs_gpu": self.needs_gpu(),
+            "config": config or {},
+            "phases": [r.to_dict() for r in self.records.values()],
+        }
+
+    def write(self, run_dir, config: Optional[dict] = None) -> dict:
+        """memory.json, memory.md and memory.png under `run_dir`; returns the paths written."""
+        if not self.enabled:
+            return {}
+        from profiling.report import write_reports
+
+        return write_reports(self.to_dict(config), run_dir)
+
+
+def _device_of(model) -> torch.device:
+    if model is not None:
+        for p in model.parameters():
+            if p.device.type != "meta":
+                return p.device
+    return torch.device("cpu")

@@ -1,0 +1,133 @@
+"""Reports of a memory record: JSON (the source of truth), a Markdown table and a PNG chart.
+
+    python -m profiling.report RUN_DIR [--budget-gib 24]
+
+regenerates RUN_DIR/memory.md and RUN_DIR/memory.png from RUN_DIR/memory.json. The same layout
+("phases", each with "components" in bytes) is used by the estimator, so an estimate renders too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from profiling import components as C
+from profiling.chart import write_chart
+
+JSON_NAME, MD_NAME, PNG_NAME = "memory.json", "memory.md", "memory.png"
+REQUIRED_KEYS = ("device", "device_name", "date", "command", "git_revision", "config", "budget_bytes", "phases")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _cell(value: Optional[int], size: int) -> str:
+    return "n/a (GPU)" if value is None else f"{value / size:.3f}"
+
+
+def markdown_table(data: dict) -> str:
+    """Components down, phases across, GiB (MiB for small models) in the cells; total, budget, fit."""
+    phases = data["phases"]
+    names = C.ordered(c for p in phases for c in p["components"])
+    totals = [C.total(p["components"]) for p in phases]
+    unit, size = C.table_unit(max(totals, default=0))
+    head = [f"component ({unit})"] + [f"{p['stage']}/{p['phase']}" for p in phases]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" + "---:|" * len(phases)]
+    for component in names:
+        cells = [_cell(p["components"][component], size) if component in p["components"] else "" for p in phases]
+        rows.append(f"| {component} | " + " | ".join(cells) + " |")
+    rows.append("| **total** | " + " | ".join(f"**{t / size:.3f}**" for t in totals) + " |")
+    budget = data.get("budget_bytes", C.DEFAULT_BUDGET_BYTES)
+    rows.append("| budget | " + " | ".join(f"{budget / size:.3f}" for _ in phases) + " |")
+    rows.append("| fits | " + " | ".join("yes" if t <= budget else "**no**" for t in totals) + " |")
+    return "\n".join(rows)
+
+
+def markdown(data: dict) -> str:
+    lines = [f"# Memory: {data.get('title') or 'recorded run'}", ""]
+    lines += [f"- device: {data['device_name']} (`{data['device']}`)", f"- date: {data['date']}",
+              f"- git revision: `{data['git_revision']}`", f"- command: `{data['command']}`",
+              f"- units: GiB = 2^30 bytes, MiB = 2^20 bytes; budget {C.gib(data['budget_bytes'])} GiB", ""]
+    lines += [markdown_table(data), ""]
+    if data.get("needs_gpu"):
+        lines.append(f"Not measured here ({data.get('gpu_reason')}): {', '.join(data['needs_gpu'])}. "
+                     "These come from torch.cuda allocator statistics and NVML on a CUDA device; "
+                     "the tensor-counted rows are exact on any device.")
+        lines.append("")
+    for phase in data["phases"]:
+        for dev, parts in (phase.get("elsewhere") or {}).items():
+            listed = ", ".join(f"{c} {C.human(v)}" for c, v in parts.items())
+            lines.append(f"- {phase['stage']}/{phase['phase']}: also on {dev} (not in the table): {listed}")
+        if phase.get("paged"):
+            listed = ", ".join(f"{c} {C.human(v)}" for c, v in phase["paged"].items())
+            lines.append(f"- {phase['stage']}/{phase['phase']}: paged (CUDA managed, can spill to host): {listed}")
+        if phase.get("saved_for_backward") is not None:
+            lines.append(f"- {phase['stage']}/{phase['phase']}: saved for backward (tensor hooks): "
+                         f"{C.human(phase['saved_for_backward'])}")
+    for note in data.get("notes", []):
+        lines.append(f"- {note}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _title(data: dict) -> str:
+    return f"{data.get('title') or 'memory per phase'} - {data['device_name']} - {data['date']}"
+
+
+def write_reports(data: dict, run_dir, json_name: str = JSON_NAME) -> dict[str, Path]:
+    """Write JSON, Markdown and PNG for `data` into `run_dir`; returns {'json','md','png'} paths."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": run_dir / json_name}
+    _write_atomic(paths["json"], json.dumps(data, indent=2, sort_keys=False) + "\n")
+    paths.update(render(data, run_dir, stem=Path(json_name).stem))
+    return paths
+
+
+def render(data: dict, run_dir, stem: str = "memory") -> dict[str, Path]:
+    run_dir = Path(run_dir)
+    md, png = run_dir / f"{stem}.md", run_dir / f"{stem}.png"
+    _write_atomic(md, markdown(data))
+    write_chart(data["phases"], png, data["budget_bytes"], _title(data))
+    return {"md": md, "png": png}
+
+
+def load(path) -> dict:
+    """A run folder (its memory.json) or a JSON file; checks the keys the reports rely on."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / JSON_NAME
+    if not path.is_file():
+        raise SystemExit(f"no memory report at {path} (a run writes memory.json when profiling is on)")
+    data = json.loads(path.read_text())
+    missing = [k for k in REQUIRED_KEYS if k not in data]
+    if missing:
+        raise SystemExit(f"{path}: not a memory report, missing keys {missing}")
+    return data
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m profiling.report", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", help="a run folder holding memory.json, or a memory/estimate JSON file")
+    parser.add_argument("--budget-gib", type=float, default=None, help="redraw against this budget (GiB)")
+    args = parser.parse_args(argv)
+    source = Path(args.run_dir)
+    data = load(source)
+    if args.budget_gib is not None:
+        data["budget_bytes"] = int(args.budget_gib * C.GIB)
+    out_dir = source if source.is_dir() else source.parent
+    stem = "memory" if source.is_dir() else source.stem
+    for kind, path in render(data, out_dir, stem=stem).items():
+        print(f"wrote {kind}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""Model shapes and the exact byte counts of what a model holds: base weights, NF4 constants, LoRA.
+
+These are closed forms of what the trainer really allocates (checked against the tensor walk in
+tests), so the estimator's resident components are exact, not approximations:
+
+- 4-bit NF4 (bitsandbytes, blocksize 64, double quantization, uint8 storage), per linear layer of
+  n = in x out weights:
+    packed weights          ceil(n / 2) bytes
+    absmax (8-bit)          ceil(n / 64) bytes, one per block of 64 weights
+    nested absmax (fp32)    4 x ceil(ceil(n / 64) / 256) bytes, one per 256 absmax values
+    offset (fp32 scalar)    4 bytes (the mean subtracted from absmax before quantizing it)
+    NF4 codebook (fp32)     16 x 4 = 64 bytes
+    nested codebook (fp32)  256 x 4 = 1024 bytes (bitsandbytes copies it for every layer)
+  i.e. 0.5 + 1/64 + 1/4096 bytes per weight (4.127 bits) plus 1,092 bytes per layer. Without
+  double quantization the absmax is fp32: 4 / 64 bytes per weight (4.5 bits) plus 64 bytes per layer.
+- lm_head, embeddings and norms stay in the compute dtype; rotary embeddings keep two fp32 buffers.
+- LoRA weights are fp32 (PEFT upcasts adapters of a bf16/fp16 base): r x (in + out) per target.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+NF4_BLOCK = 64
+NESTED_BLOCK = 256
+CODEBOOK_BYTES = 16 * 4
+NESTED_CODEBOOK_BYTES = 256 * 4
+OFFSET_BYTES = 4
+LORA_BYTES = 4
+HEAD_BYTES = 4
+SMOLLM2_TOKENIZER_VOCAB = 49152  # presets without a vocab of their own use SmolLM2's tokenizer
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The figures of a Llama-architecture decoder that decide its memory."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, name: str, cfg: dict) -> "ModelShape":
+        heads = cfg["num_attention_heads"]
+        return cls(
+            name=name, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads, vocab_size=cfg["vocab_size"],
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+    def linears(self) -> list[tuple[str, int, int]]:
+        """(name, in_features, out_features) of each linear layer in one decoder layer."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [("q_proj", h, q), ("k_proj", h, kv), ("v_proj", h, kv), ("o_proj", q, h),
+                ("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)]
+
+    def linear_params(self) -> int:
+        return self.num_layers * sum(a * b for _, a, b in self.linears())
+
+    def total_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        norms = (2 * self.num_layers + 1) * self.hidden_size
+        return self.linear_params() + embed + norms
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_shape(model: str, vocab_size: Optional[int] = None, overrides: Optional[str] = None) -> ModelShape:
+    """Shape of a preset ('tiny-llama', 'llama-2-7b', ...), 'smollm2-135m', or an HF folder with config.json."""
+    from trainer.models import PRESETS, embedded_model_dir, preset_config
+
+    if model in PRESETS:
+        cfg = preset_config(model, vocab_size or SMOLLM2_TOKENIZER_VOCAB, overrides).to_dict()
+        if vocab_size is not None:
+            cfg["vocab_size"] = vocab_size
+        return ModelShape.from_config(model, cfg)
+    path = embedded_model_dir() if model == "smollm2-135m" else Path(model).expanduser()
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise SystemExit(f"unknown model '{model}': use a preset ({', '.join(PRESETS)}), 'smollm2-135m', "
+                         "or a folder holding a Hugging Face config.json")
+    cfg = json.loads(config_file.read_text())
+    if vocab_size is not None:
+        cfg["vocab_size"] = vocab_size
+    return ModelShape.from_config(model, cfg)
+
+
+# ---------------------------------------------------------------- base model
+
+
+def nf4_bytes(n: int, double_quant: bool = True) -> tuple[int, int]:
+    """(packed weight bytes, quantization constant bytes) of one NF4 linear layer of n weights."""
+    blocks = math.ceil(n / NF4_BLOCK)
+    packed = math.ceil(n / 2)
+    if not double_quant:
+        return packed, 4 * blocks + CODEBOOK_BYTES
+    nested = 4 * math.ceil(blocks / NESTED_BLOCK)
+    return packed, blocks + nested + OFFSET_BYTES + CODEBOOK_BYTES + NESTED_CODEBOOK_BYTES
+
+
+def base_bytes(shape: ModelShape, quantization: str, dtype_bytes: int, double_quant: bool = True) -> dict[str, int]:
+    """base_weights, base_quant_constants and base_other of the frozen base, in bytes."""
+    weights = constants = 0
+    for _, a, b in shape.linears():
+        if quantization == "nf4":
+            packed, consts = nf4_bytes(a * b, double_quant)
+            weights, constants = weights + packed, constants + consts
+        else:
+            weights += a * b * dtype_bytes
+    embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    norms = (2 * shape.num_layers + 1) * shape.hidden_size
+    rotary = 2 * (shape.head_dim // 2) * 4  # inv_freq and original_inv_freq, fp32
+    out = {"base_weights": weights * shape.num_layers, "base_other": (embeddings + norms) * dtype_bytes + rotary}
+    if quantization == "nf4":
+        out["base_quant_constants"] = constants * shape.num_layers
+    return out
+
+
+# ---------------------------------------------------------------- LoRA and heads
+
+
+def lora_targets(shape: ModelShape, targets: str) -> list[tuple[str, int, int]]:
+    """The linear layers of one decoder layer that get LoRA: 'all-linear' or a comma list of names."""
+    if targets == "all-linear":
+        return shape.linears()
+    wanted = [t.strip() for t in targets.split(",") if t.strip()]
+    unknown = sorted(set(wanted) - set(LLAMA_LINEARS))
+    if unknown:
+        raise SystemExit(f"unknown LoRA target(s) {unknown}; Llama linear layers are {', '.join(LLAMA_LINEARS)}")
+    return [lin for lin in shape.linears() if lin[0] in wanted]
+
+
+def lora_tensor_sizes(shape: ModelShape, rank: int, targets: str) -> list[int]:
+    """Element counts of one adapter's tensors (lora_A: r x in, lora_B: out x r), all layers."""
+    per_layer = []
+    for _, a, b in lora_targets(shape, targets):
+        per_layer += [rank * a, b * rank]
+    return per_layer * shape.num_layers
+
+
+def head_tensor_sizes(shape: ModelShape) -> list[int]:
+    """A scalar head: Linear(hidden, 1) in fp32, weight and bias."""
+    return [shape.hidden_size, 1]

@@ -1,0 +1,110 @@
+"""Reward stage scoring, the entry scripts under `accelerate launch`, and the evaluation CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
+
+
+@pytest.fixture(scope="module")
+def pair_batch(shared_data, smol_tokenizer):
+    from trainer.collators import PairCollator
+    from trainer.config import DataArguments
+    from trainer.data import load_pairs
+    from trainer.tokenization import tokenize_pairs
+
+    args = DataArguments(dataset=str(shared_data / "helpful-base"), max_length=96, min_prompt_tokens=4)
+    pairs, _ = load_pairs(args)
+    examples, _ = tokenize_pairs(pairs[:40], smol_tokenizer, args)
+    return examples[:3], PairCollator(smol_tokenizer.pad_token_id)
+
+
+def tiny_reward_model(vocab):
+    from trainer.config import ModelArguments
+    from trainer.shared_base import AdapterSpec, build_shared_model
+
+    args = ModelArguments(model_name_or_path="tiny-llama", lora_r=4, lora_alpha=8, gradient_checkpointing=False)
+    model = build_shared_model(args, [AdapterSpec("reward", trainable=True, head=True)], vocab_size=vocab,
+                               device=torch.device("cpu"))
+    with torch.no_grad():  # non-zero LoRA B so the adapter matters
+        for p in model.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def test_reward_stage_scores_chosen_and_rejected_in_one_forward_pass(pair_batch, smol_tokenizer):
+    from trainer.losses import pairwise_ranking_loss
+    from trainer.reward import RewardStage
+
+    examples, collate = pair_batch
+    model = tiny_reward_model(len(smol_tokenizer))
+    calls = []
+    handle = model.register_forward_hook(lambda m, args, kwargs, out: calls.append(args[0].shape) or None,
+                                         with_kwargs=True)
+    batch = collate(examples)
+    out = RewardStage([], collate, 4, 1).compute_loss(model, batch)
+    handle.remove()
+    assert calls == [torch.Size([6, batch["input_ids"].shape[1]])]  # one pass over 2B rows
+    # Same rewards as scoring each side on its own (row i of the batch pairs with row i + B).
+    chosen, rejected = [], []
+    for ex in examples:
+        for ids, sink in ((ex.prompt_ids + ex.chosen_ids, chosen), (ex.prompt_ids + ex.rejected_ids, rejected)):
+            t = torch.tensor([ids])
+            sink.append(model(t, torch.ones_like(t), adapter="reward", output="scores")[0, -1])
+    expected = pairwise_ranking_loss(torch.stack(chosen), torch.stack(rejected))
+    torch.testing.assert_close(out.loss, expected, rtol=1e-4, atol=1e-5)
+    expected_acc = (torch.stack(chosen) > torch.stack(rejected)).float().mean()
+    assert float(out.metrics["accuracy"]) == pytest.approx(float(expected_acc))
+
+
+def run(cmd, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, **kw)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def launched_runs(tmp_path_factory):
+    """SFT then reward warm-started from it, both through `accelerate launch` on the CPU config."""
+    root = tmp_path_factory.mktemp("launch")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(ROOT / "accelerate_configs" / "cpu.yaml")]
+    short = ["--config", str(TINY_SFT), "--max_steps", "2", "--save_every", "0", "--eval_every", "0"]
+    run([*launch, "trainer/sft.py", *short, "--output_dir", str(root / "sft")])
+    run([*launch, "trainer/reward.py", *short, "--output_dir", str(root / "reward"),
+         "--sft_adapter", str(root / "sft" / "adapter")])
+    return root
+
+
+def test_accelerate_launch_runs_sft_and_reward_and_saves_peft_adapters(launched_runs):
+    for stage, role in (("sft", "policy"), ("reward", "reward")):
+        results = json.loads((launched_runs / stage / "results.json").read_text())
+        assert results["stage"] == stage
+        adapter = Path(results["adapter"])
+        assert (adapter / "adapter_config.json").is_file() and (adapter / "base_model.json").is_file()
+        assert results["eval_before"]["step"] == 0 and results["eval_after"]["step"] == 2
+    assert (launched_runs / "reward" / "adapter" / "head.safetensors").is_file()
+    sft_cfg = json.loads((launched_runs / "sft" / "adapter" / "adapter_config.json").read_text())
+    assert sft_cfg["r"] == 4
+
+
+def test_evaluate_cli_prints_one_json_line_for_any_hh_rlhf_file(launched_runs, shared_data):
+    data = shared_data / "harmless-base" / "test.jsonl.gz"
+    reward = run([sys.executable, "-m", "trainer.evaluate", "reward", "--adapter",
+                  str(launched_runs / "reward" / "adapter"), "--data", str(data), "--limit", "24"])
+    line = json.loads(reward.stdout.strip().splitlines()[-1])
+    assert line["task"] == "reward" and line["pairs"] == 24 and 0.0 <= line["accuracy"] <= 1.0
+    sft = run([sys.executable, "-m", "trainer.evaluate", "sft", "--adapter", str(launched_runs / "sft" / "adapter"),
+               "--data", str(data), "--limit", "16"])
+    line = json.loads(sft.stdout.strip().splitlines()[-1])
+    assert line["task"] == "sft" and line["rows"] == 16 and line["perplexity"] > 1.0

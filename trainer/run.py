@@ -1,0 +1,90 @@
+"""What every stage script does before its loop: parse configs, make the Accelerator, load data."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from accelerate.utils import set_seed
+
+from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
+from trainer.data import Splits, load_splits
+from trainer.loop import make_accelerator, setup_logging
+from trainer.models import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+BASE_MODEL_FILE = "base_model.json"  # beside a saved adapter: how to rebuild the base it sits on
+
+
+@dataclass
+class RunContext:
+    model_args: ModelArguments
+    data_args: DataArguments
+    train_args: TrainArguments
+    stage_args: Any
+    accelerator: Any
+    tokenizer: Any
+    splits: Splits
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.train_args.output_dir)
+
+    def config(self) -> dict[str, Any]:
+        return {"model": self.model_args, "data": self.data_args, "train": self.train_args, "stage": self.stage_args}
+
+
+def start_run(stage_args_cls: type, argv: Optional[list[str]] = None) -> RunContext:
+    model_args, data_args, train_args, stage_args = parse_config(
+        (ModelArguments, DataArguments, TrainArguments, stage_args_cls), argv)
+    accelerator = make_accelerator(train_args)
+    setup_logging(accelerator)
+    set_seed(train_args.seed)
+    tokenizer = load_tokenizer(model_args.model_name_or_path)
+    splits, _ = load_splits(data_args)
+    ctx = RunContext(model_args, data_args, train_args, stage_args, accelerator, tokenizer, splits)
+    if accelerator.is_main_process:
+        ctx.output_dir.mkdir(parents=True, exist_ok=True)
+        (ctx.output_dir / "config.json").write_text(
+            json.dumps({k: asdict(v) for k, v in ctx.config().items()}, indent=2))
+    return ctx
+
+
+def save_final_adapter(ctx: RunContext, model, adapter: str, folder: str = "adapter") -> Optional[Path]:
+    """The stage's product in PEFT format, with the base-model settings needed to load it again."""
+    ctx.accelerator.wait_for_everyone()
+    if not ctx.accelerator.is_main_process:
+        return None
+    out = ctx.accelerator.unwrap_model(model).save_adapter(adapter, ctx.output_dir / folder)
+    (out / BASE_MODEL_FILE).write_text(json.dumps(asdict(ctx.model_args), indent=2))
+    logger.info("saved the %s adapter to %s", adapter, out)
+    return out
+
+
+def base_model_args(adapter_dir: str | Path, **overrides) -> ModelArguments:
+    """The ModelArguments an adapter was trained with (from its base_model.json), with overrides."""
+    path = Path(adapter_dir) / BASE_MODEL_FILE
+    values = json.loads(path.read_text()) if path.is_file() else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return ModelArguments(**values)
+
+
+def write_results(ctx: RunContext, results: dict[str, Any]) -> None:
+    if ctx.accelerator.is_main_process:
+        (ctx.output_dir / "results.json").write_text(json.dumps(results, indent=2))
+        logger.info("results: %s", json.dumps(results))
+
+
+def eval_history(output_dir: Path) -> list[dict[str, Any]]:
+    """The evaluation lines of a run's metrics.jsonl, in step order (resumed runs included)."""
+    from trainer.loop import METRICS_FILE
+
+    path = output_dir / METRICS_FILE
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    return [r for r in rows if any(k.startswith("eval/") for k in r)]
