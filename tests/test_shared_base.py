@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.config import ModelArguments
-from trainer.shared_base import HEAD_FILE, AdapterSpec, build_shared_model
+from trainer.shared_base import HEAD_FILE, AdapterSpec, build_shared_model, position_ids_from_mask
 
 VOCAB = 512
 
@@ -173,7 +173,9 @@ def test_saved_adapter_loads_with_plain_peft_and_head_round_trips(tmp_path):
     expected_scores = model.scores(ids, mask, "reward")
 
     plain = PeftModel.from_pretrained(load_base_model(args, vocab_size=VOCAB), str(out)).eval()
-    torch.testing.assert_close(plain(input_ids=ids, attention_mask=mask).logits, expected_logits, rtol=0, atol=0)
+    positions = position_ids_from_mask(mask)  # the left-padded row is scored with generation's positions
+    torch.testing.assert_close(plain(input_ids=ids, attention_mask=mask, position_ids=positions).logits,
+                               expected_logits, rtol=0, atol=0)
 
     reloaded = build_shared_model(args, [AdapterSpec("reward", trainable=False, init_from=str(out), head=True)],
                                   vocab_size=VOCAB).eval()
@@ -196,3 +198,19 @@ def test_generate_runs_under_the_policy_in_eval_mode_and_restores_train_mode(sft
     assert out.shape == (2, 10)
     assert torch.equal(out[:, :6], ids)
     assert model.training and model.active_adapter == "policy"
+
+
+def test_left_padded_rows_score_like_unpadded_rows():
+    """Positions come from the mask, so left padding changes nothing for the real tokens."""
+    model = build_shared_model(tiny_args(), [AdapterSpec("value", trainable=False, head=True)], vocab_size=VOCAB).eval()
+    ids = batch(b=2, t=8)[0][:1]
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    with torch.no_grad():
+        plain = model.logits(ids, torch.ones_like(ids), "value")
+        left = model.logits(padded, mask, "value")
+        tail = model.logits(padded, mask, "value", keep_last=5)
+        values = model.scores(padded, mask, "value", keep_last=5)
+    torch.testing.assert_close(left[:, 3:], plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tail, left[:, -5:], rtol=1e-5, atol=1e-6)
+    assert values.shape == (1, 5)

@@ -98,10 +98,10 @@ def make_accelerator(args: TrainArguments):
     )
 
 
-def setup_logging(accelerator, stream=sys.stdout) -> None:
+def setup_logging(accelerator, stream=None) -> None:
     level = logging.INFO if accelerator.is_main_process else logging.WARNING
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=stream, force=True)
+                        datefmt="%H:%M:%S", stream=stream or sys.stdout, force=True)
     # peft still reads transformers' deprecated `is_gradient_checkpointing`; nothing for a user to act on.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     for noisy in ("httpx", "urllib3", "filelock", "torch.distributed"):
@@ -191,7 +191,7 @@ def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callab
 
     state = {"epoch": 0, "batches_in_epoch": 0, "bad_steps_in_row": 0, "bad_steps_total": 0}
     metrics_log = MetricsLog(accelerator, output_dir)
-    resume_from = _resume_path(args)
+    resume_from = resume_path(args)
     start_step = 0
     if resume_from is not None:
         state.update(load_checkpoint(accelerator, resume_from, model, stage.trainable_adapters, optimizer, scheduler))
@@ -200,7 +200,7 @@ def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callab
     elif accelerator.is_main_process and metrics_log.path.exists():
         metrics_log.path.unlink()  # a fresh run in a used folder starts a fresh log
     if args.report_to == "tensorboard":
-        accelerator.init_trackers(stage.name, config=_flat_config(config or {}))
+        accelerator.init_trackers(stage.name, config=flat_config(config or {}))
 
     last_eval: dict[str, float] = {}
     if start_step == 0:
@@ -291,7 +291,7 @@ def _reduce(accelerator, values: dict[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in zip(keys, t.tolist())}
 
 
-def _resume_path(args: TrainArguments) -> Optional[Path]:
+def resume_path(args: TrainArguments) -> Optional[Path]:
     if args.resume == "no":
         return None
     if args.resume == "auto":
@@ -302,7 +302,7 @@ def _resume_path(args: TrainArguments) -> Optional[Path]:
     return path
 
 
-def _flat_config(config: dict[str, Any]) -> dict[str, Any]:
+def flat_config(config: dict[str, Any]) -> dict[str, Any]:
     """TensorBoard's hparams take scalars and strings only."""
     flat = {}
     for key, value in config.items():

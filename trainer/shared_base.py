@@ -27,6 +27,15 @@ ADAPTER_ROLES = ("policy", "reference", "value", "reward")
 HEAD_FILE = "head.safetensors"
 
 
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only, as generation computes them for left-padded prompts.
+
+    Scoring a left-padded rollout with plain 0..T-1 positions would give log-probs that differ from
+    the sampling distribution; for right-padded rows this equals 0..T-1 on every real token.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 class ScalarHead(nn.Module):
     """Linear map from the last hidden state to one scalar per token, kept in fp32 for stable scores."""
 
@@ -102,7 +111,6 @@ class SharedBaseModel(nn.Module):
                 )
         peft_model = None
         for spec in specs:
-            # Frozen adapters never see dropout, so their outputs are deterministic in train() mode too.
             dropout = None if spec.trainable else 0.0
             if spec.init_from is not None:
                 if peft_model is None:
@@ -116,8 +124,9 @@ class SharedBaseModel(nn.Module):
                     peft_model = get_peft_model(base, cfg, adapter_name=spec.name)
                 else:
                     peft_model.add_adapter(spec.name, cfg)
-            if not spec.trainable:
-                _drop_dropout(peft_model, spec.name)
+            # Dropout is this run's choice, not the saved adapter's: frozen adapters get none (their
+            # outputs stay deterministic in train mode), trainable ones get this config's rate.
+            _set_dropout(peft_model, spec.name, args.lora_dropout if spec.trainable else 0.0)
         hidden = base.config.hidden_size
         heads = {}
         for spec in specs:
@@ -194,32 +203,44 @@ class SharedBaseModel(nn.Module):
         return self.peft.get_base_model()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str,
-                output: str = "logits") -> torch.Tensor:
-        """One entry point for wrappers (DDP, DeepSpeed) that must see `forward`: logits, scores or hidden."""
+                output: str = "logits", keep_last: int = 0) -> torch.Tensor:
+        """One entry point for wrappers (DDP, DeepSpeed) that must see `forward`.
+
+        `output` is "logits" (B, T, V), "scores" (B, T) from the adapter's head, or "hidden" (B, T, H).
+        `keep_last=k` computes only the last k positions' outputs (PPO needs the response part only,
+        and the vocab-sized logits of the prompt are the largest tensor of a scoring pass).
+        """
         if output == "logits":
-            return self.logits(input_ids, attention_mask, adapter)
+            return self.logits(input_ids, attention_mask, adapter, keep_last)
         if output == "scores":
-            return self.scores(input_ids, attention_mask, adapter)
+            return self.scores(input_ids, attention_mask, adapter, keep_last)
         if output == "hidden":
-            return self.hidden_states(input_ids, attention_mask, adapter)
+            return self.hidden_states(input_ids, attention_mask, adapter, keep_last)
         raise ValueError(f"unknown output '{output}': use logits, scores or hidden")
 
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str, **kwargs) -> torch.Tensor:
-        """(B, T, V) next-token logits under `adapter`."""
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str,
+               keep_last: int = 0) -> torch.Tensor:
+        """(B, T, V) next-token logits under `adapter` (the last `keep_last` positions if > 0)."""
         with self.use_adapter(adapter):
-            return self.peft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
+            return self.peft(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+                             logits_to_keep=keep_last).logits
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str,
+                      keep_last: int = 0) -> torch.Tensor:
         """(B, T, H) last hidden states under `adapter`, skipping the LM head (no vocab-sized tensor)."""
         with self.use_adapter(adapter):
-            out = self.causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            return out.last_hidden_state
+            out = self.causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                            position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+            hidden = out.last_hidden_state
+            return hidden[:, -keep_last:] if keep_last else hidden
 
-    def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str) -> torch.Tensor:
+    def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str,
+               keep_last: int = 0) -> torch.Tensor:
         """(B, T) per-token scalars from `adapter` and its head (values, or rewards read at the last token)."""
         if adapter not in self.heads:
             raise KeyError(f"adapter '{adapter}' has no scalar head")
-        return self.heads[adapter](self.hidden_states(input_ids, attention_mask, adapter))
+        return self.heads[adapter](self.hidden_states(input_ids, attention_mask, adapter, keep_last))
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = "policy", **kwargs):
@@ -288,12 +309,12 @@ def load_adapter_weights(model: SharedBaseModel, name: str, folder: str | os.Pat
         model.heads[name].load(folder / HEAD_FILE)
 
 
-def _drop_dropout(peft_model, adapter: str) -> None:
+def _set_dropout(peft_model, adapter: str, rate: float) -> None:
     from peft.tuners.lora import LoraLayer
 
     for module in peft_model.modules():
         if isinstance(module, LoraLayer) and adapter in module.lora_dropout:
-            module.lora_dropout[adapter] = nn.Identity()
+            module.lora_dropout[adapter] = nn.Dropout(rate) if rate > 0 else nn.Identity()
 
 
 def build_shared_model(args: ModelArguments, specs: list[AdapterSpec], vocab_size: Optional[int] = None,

@@ -1,0 +1,187 @@
+"""PPO: rollout masks, log-prob consistency, adapter isolation, OOM retry, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.rollout import response_mask_after_eos
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_PPO = ROOT / "tests" / "configs" / "tiny_ppo.yaml"
+
+
+def test_response_mask_stops_after_the_first_eos():
+    eos, pad = 2, 2  # pad == eos, as for SmolLM2: only the first EOS belongs to the response
+    responses = torch.tensor([[5, 6, 2, 2, 2], [7, 2, 2, 2, 2], [5, 6, 7, 8, 9], [2, 2, 2, 2, 2]])
+    mask, ended = response_mask_after_eos(responses, eos, pad)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert ended.tolist() == [True, True, False, True]
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def stage_adapters(tmp_path_factory, smol_tokenizer):
+    """An 'SFT' and a 'reward' adapter (perturbed fresh LoRA; the reward one with a head)."""
+    from trainer.config import ModelArguments
+    from trainer.shared_base import AdapterSpec, build_shared_model
+
+    root = tmp_path_factory.mktemp("adapters")
+    args = ModelArguments(model_name_or_path="tiny-llama", lora_r=4, lora_alpha=8)
+    for name, head in (("policy", False), ("reward", True)):
+        model = build_shared_model(args, [AdapterSpec(name, trainable=True, head=head)], vocab_size=len(smol_tokenizer))
+        torch.manual_seed(7)
+        with torch.no_grad():
+            for p in model.trainable_parameters():
+                p.add_(torch.randn_like(p) * 0.2)
+        model.save_adapter(name, root / name)
+    return root / "policy", root / "reward"
+
+
+def build_trainer(tmp_path, stage_adapters, *extra):
+    from trainer.ppo import PPOArguments, PPOTrainer, adapter_specs
+    from trainer.run import start_run
+    from trainer.shared_base import build_shared_model
+    from trainer.tokenization import tokenize_prompts
+
+    sft_dir, reward_dir = stage_adapters
+    argv = ["--config", str(TINY_PPO), "--output_dir", str(tmp_path / "ppo"), "--sft_adapter", str(sft_dir),
+            "--reward_adapter", str(reward_dir), *extra]
+    ctx = start_run(PPOArguments, argv)
+    ctx.stage_args.scripted_reward = None  # score with the reward adapter
+    model = build_shared_model(ctx.model_args, adapter_specs(ctx.stage_args), vocab_size=len(ctx.tokenizer),
+                               device=ctx.accelerator.device)
+    prompts, _ = tokenize_prompts(ctx.splits.ppo, ctx.tokenizer, ctx.data_args)
+    held_out, _ = tokenize_prompts(ctx.splits.eval[:4], ctx.tokenizer, ctx.data_args)
+    return PPOTrainer(ctx, model, prompts, held_out), model
+
+
+def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_adapters, fresh_accelerate_state):
+    """Scoring and the first update forward agree: ratio 1, nothing clipped, approx KL 0."""
+    from trainer.collators import PromptCollator
+    from trainer.ppo_step import compute_advantages, micro_loss
+    from trainer.rollout import make_rollout
+
+    trainer, model = build_trainer(tmp_path, stage_adapters)
+    batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
+    torch.manual_seed(0)
+    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
+                           trainer.eos_id, trainer.pad_id, micro_batch_size=2)
+    assert rollout.input_ids.shape[1] == batch["input_ids"].shape[1] + rollout.response_length
+    # policy and reference start from the same SFT weights: zero KL on every token
+    torch.testing.assert_close(rollout.logprobs, rollout.ref_logprobs)
+    adv = compute_advantages(rollout, 0.05, "k1", 1.0, 0.95)
+    model.train()
+    _, stats = micro_loss(model, rollout, adv.advantages, adv.returns, trainer.update_cfg)
+    assert float(stats["val/ratio"]) == pytest.approx(1.0, abs=1e-5)
+    assert float(stats["policy/clipfrac_avg"]) == 0.0
+    assert float(stats["policy/approxkl_avg"]) < 1e-10
+    assert float(stats["val/clipfrac_avg"]) == 0.0
+
+
+def test_ppo_steps_move_only_policy_value_and_value_head(tmp_path, stage_adapters, fresh_accelerate_state):
+    trainer, model = build_trainer(tmp_path, stage_adapters, "--max_steps", "2", "--save_every", "0")
+    before = {name: model.adapter_state(name) for name in model.adapter_names}
+    base = {n: p.detach().clone() for n, p in model.peft.named_parameters() if "lora_" not in n}
+    trainer.train()
+    after = {name: model.adapter_state(name) for name in model.adapter_names}
+    moved = {name: [k for k in before[name] if not torch.equal(before[name][k], after[name][k])] for name in before}
+    assert not moved["reference"] and not moved["reward"]  # reward head included in the reward state
+    assert moved["policy"] and moved["value"]
+    assert any(k.startswith("head.") for k in moved["value"])
+    for n, p in model.peft.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base[n]), n
+    rows = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    step_rows = [r for r in rows if "objective/kl" in r]
+    assert [r["step"] for r in step_rows] == [1, 2]
+    for key in ("objective/kl", "objective/entropy", "objective/scores", "objective/rlhf_reward",
+                "objective/non_score_reward", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg",
+                "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/response_length",
+                "perf/generate_tokens_per_s", "perf/update_tokens_per_s"):
+        assert key in step_rows[-1], key
+    assert {"eval/score_policy", "eval/score_sft", "eval/win_rate", "eval/kl"} <= set(rows[0])
+
+
+def test_out_of_memory_in_the_update_retries_with_half_the_micro_batch(tmp_path, stage_adapters, capsys,
+                                                                        fresh_accelerate_state):
+    import trainer.ppo_step as ppo_step
+
+    trainer, model = build_trainer(tmp_path, stage_adapters, "--max_steps", "1", "--save_every", "0")
+    real = ppo_step.micro_loss
+    seen = []
+
+    def flaky(model, sub, advantages, returns, cfg):
+        seen.append(sub.input_ids.shape[0])
+        if sub.input_ids.shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(model, sub, advantages, returns, cfg)
+
+    ppo_step.micro_loss = flaky
+    try:
+        summary = trainer.train()
+    finally:
+        ppo_step.micro_loss = real
+    assert summary["update_micro_batch"] == 1
+    assert seen[0] == 2 and set(seen[1:]) == {1}
+    assert "retrying the minibatch with micro-batch 1" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["perf/update_micro_batch"] for r in rows if "perf/update_micro_batch" in r] == [1.0]
+
+
+DETERMINISTIC = ("objective/kl", "objective/scores", "loss/policy_avg", "loss/value_avg", "policy/clipfrac_avg")
+
+
+def run_ppo(out: Path, wait=True):
+    cmd = [sys.executable, str(ROOT / "trainer" / "ppo.py"), "--config", str(TINY_PPO), "--output_dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    if not wait:
+        return proc
+    out_text, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out_text[-3000:]
+    return out_text
+
+
+def ppo_rows(out: Path):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: r.get(k) for k in ("step", *DETERMINISTIC)} for r in rows if "objective/kl" in r]
+
+
+def test_killed_ppo_run_resumes_to_the_same_metrics_and_policy(tmp_path):
+    import time
+
+    from safetensors.torch import load_file
+
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run_ppo(straight)
+    proc = run_ppo(killed, wait=False)
+    deadline = time.time() + 300
+    while not (killed / "checkpoint-0000002").is_dir():
+        assert proc.poll() is None and time.time() < deadline, "run ended before the kill point"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "adapter").exists()
+    assert "resumed from" in run_ppo(killed)
+    assert ppo_rows(killed) == ppo_rows(straight)
+    a = load_file(str(straight / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(killed / "adapter" / "adapter_model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)

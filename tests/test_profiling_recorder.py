@@ -1,0 +1,145 @@
+"""The memory recorder on CPU: exact tensor-counted components, GPU-only parts None with a reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from profiling import activations as A
+from profiling import components as C
+from profiling.device import cuda_unavailable_reason, read_nvml
+from profiling.estimate import EstimateArguments, forward_spec, resolve_shape
+from profiling.recorder import MemoryRecorder
+from profiling.tensors import count_tensors
+from trainer.config import ModelArguments
+from trainer.shared_base import AdapterSpec, build_shared_model
+
+VOCAB = 512
+GPU_PARTS = {C.ACTIVATIONS, C.OTHER_TENSORS, C.ALLOCATOR_OVERHEAD, C.CUDA_CONTEXT}
+
+
+@pytest.fixture(scope="module", params=["none", "nf4"])
+def sft_model(request):
+    args = ModelArguments(model_name_or_path="tiny-llama", quantization=request.param, gradient_checkpointing=False,
+                          lora_r=8, lora_alpha=16)
+    model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
+    model.train()
+    return request.param, model
+
+
+def batch(b=2, t=16):
+    ids = torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(0))
+    return ids, torch.ones_like(ids)
+
+
+def train_step(model, optimizer, recorder):
+    ids, mask = batch()
+    with recorder.phase("forward_backward"):
+        model.logits(ids, mask, "policy").float().pow(2).mean().backward()
+        recorder.sample()  # gradients exist now; zero_grad below frees them before the phase ends
+        optimizer.zero_grad(set_to_none=True)
+    with recorder.phase("optimizer_step"):
+        for p in model.trainable_parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_phase_on_cpu_reports_gpu_only_parts_as_none_with_a_reason(sft_model):
+    _, model = sft_model
+    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-3)
+    recorder = MemoryRecorder("sft", model=model, optimizer=optimizer)
+    train_step(model, optimizer, recorder)
+    fb = recorder.records[("sft", "forward_backward")]
+    assert fb.cuda is None
+    assert "CUDA" in fb.gpu_reason and "\n" not in fb.gpu_reason
+    assert {c for c, v in fb.components.items() if v is None} == GPU_PARTS
+    assert set(recorder.needs_gpu()) == GPU_PARTS | {C.OPTIMIZER_TEMPORARIES}
+    # tensor-counted parts are exact: what a fresh walk finds, plus the gradients seen mid-phase
+    walked = count_tensors(model, optimizer).components()
+    trainable = sum(p.numel() for p in model.trainable_parameters())
+    for component in (C.BASE_WEIGHTS, C.BASE_OTHER, C.adapter("policy")):
+        assert fb.components[component] == walked[component]
+    assert fb.components[C.GRADIENTS] == 4 * trainable
+    step = recorder.records[("sft", "optimizer_step")]
+    assert step.components[C.OPTIMIZER_STATES] == 8 * trainable + 4 * len(model.trainable_parameters())
+    assert step.components[C.OPTIMIZER_TEMPORARIES] is None
+
+
+def test_repeated_phase_keeps_its_largest_occurrence_and_counts_calls(sft_model):
+    _, model = sft_model
+    recorder = MemoryRecorder("ppo", model=model)
+    small, large = torch.zeros(10), torch.zeros(1000)
+    for buffer in (small, large, small):
+        recorder.track(rollout_buffers=buffer)
+        with recorder.phase("score"):
+            pass
+    record = recorder.records[("ppo", "score")]
+    assert record.calls == 3
+    assert record.components[C.ROLLOUT_BUFFERS] == 4000
+    assert record.total == C.total(count_tensors(model).components()) + 4000
+
+
+def test_disabled_recorder_records_and_writes_nothing(sft_model, tmp_path):
+    _, model = sft_model
+    recorder = MemoryRecorder("sft", model=model, enabled=False)
+    with recorder.phase("forward_backward"):
+        recorder.sample()
+    assert recorder.records == {}
+    assert recorder.write(tmp_path / "run") == {}
+    assert not (tmp_path / "run").exists()
+
+
+def test_saved_for_backward_equals_the_activation_formula_exactly(sft_model):
+    quantization, model = sft_model
+    recorder = MemoryRecorder("sft", model=model)
+    b, t = 2, 24
+    ids, mask = batch(b, t)
+    with recorder.phase("forward", count_saved=True):
+        logits = model.logits(ids, mask, "policy")
+    measured = recorder.records[("sft", "forward")].saved_for_backward
+    args = EstimateArguments(model="tiny-llama", stage="sft", quantization=quantization, dtype="float32",
+                             lora_r=8, device="cpu", vocab_size=VOCAB)
+    spec = forward_spec(args, 2 if quantization == "nf4" else 4)
+    assert measured == A.saved_for_backward(resolve_shape(args), spec, b * t, t)
+    del logits
+
+
+def test_device_readers_give_reasons_instead_of_raising_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert cuda_unavailable_reason() is not None
+    reading = read_nvml()
+    assert reading.used is None and reading.total is None
+    assert reading.reason and "\n" not in reading.reason
+
+
+def test_cuda_attribution_arithmetic_with_given_allocator_figures(sft_model, monkeypatch):
+    """The CUDA branch's bookkeeping, fed fixed allocator/NVML figures (no GPU here to read them from):
+    resident untracked bytes, the phase peak less what counted tensors grew by, reserved minus
+    allocated, and NVML's used minus reserved."""
+    from profiling import device as D
+
+    _, model = sft_model
+    recorder = MemoryRecorder("sft", model=model)
+    recorder.gpu_reason = None
+    static = C.total(count_tensors(model).components())
+    trainable = 4 * sum(p.numel() for p in model.trainable_parameters())
+    before = static + 1_000
+    peak = before + trainable + 50_000
+    monkeypatch.setattr(D, "begin_phase", lambda device: before)
+    monkeypatch.setattr(D, "read_allocator", lambda device: D.AllocatorSample(
+        allocated=before, reserved=peak + 4_096, peak_allocated=peak, peak_reserved=peak + 2_048))
+    monkeypatch.setattr(D, "read_nvml", lambda device: D.NvmlReading(peak + 4_096 + 300_000_000, 80 * 2**30, "x", None))
+    ids, mask = batch()
+    with recorder.phase("forward_backward"):
+        model.logits(ids, mask, "policy").float().pow(2).mean().backward()
+        recorder.sample()
+        model.zero_grad(set_to_none=True)
+    record = recorder.records[("sft", "forward_backward")]
+    assert record.components[C.OTHER_TENSORS] == 1_000
+    assert record.components[C.GRADIENTS] == trainable
+    assert record.components[C.ACTIVATIONS] == 50_000
+    assert record.components[C.ALLOCATOR_OVERHEAD] == 2_048
+    assert record.components[C.CUDA_CONTEXT] == 300_000_000
+    assert record.cuda.peak_above_entry == trainable + 50_000

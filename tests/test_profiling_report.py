@@ -1,0 +1,102 @@
+"""Memory reports: JSON with provenance, a Markdown table, a PNG chart, and the report CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from profiling import components as C
+from profiling.chart import DPI, FIGSIZE
+from profiling.recorder import MemoryRecorder
+from profiling.report import markdown_table
+from trainer.config import ModelArguments
+from trainer.shared_base import AdapterSpec, build_shared_model
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG_SIZE = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", gradient_checkpointing=False, lora_r=4)
+    model = build_shared_model(args, [AdapterSpec("policy", trainable=True), AdapterSpec("value", trainable=True,
+                                                                                           head=True)], vocab_size=512)
+    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-3)
+    recorder = MemoryRecorder("ppo", model=model, optimizer=optimizer, budget_bytes=8 * C.GIB)
+    ids = torch.randint(0, 512, (2, 8))
+    for phase in ("value", "update"):
+        with recorder.phase(phase):
+            model.scores(ids, torch.ones_like(ids), "value").sum().backward()
+            optimizer.step()
+    out = tmp_path_factory.mktemp("run")
+    paths = recorder.write(out, config={"model": {"model_name_or_path": "tiny-llama", "lora_r": 4}})
+    assert set(paths) == {"json", "md", "png"}
+    return out
+
+
+def test_json_report_has_provenance_config_and_phases(run_dir):
+    data = json.loads((run_dir / "memory.json").read_text())
+    for key in ("device", "device_name", "date", "command", "git_revision", "config", "budget_bytes", "phases",
+                "needs_gpu", "gpu_reason", "versions"):
+        assert key in data, key
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert data["git_revision"].startswith(head or "unknown")
+    assert data["config"] == {"model": {"model_name_or_path": "tiny-llama", "lora_r": 4}}
+    assert data["budget_bytes"] == 8 * 2**30
+    assert [p["phase"] for p in data["phases"]] == ["value", "update"]
+    update = data["phases"][1]
+    assert update["components"][C.OPTIMIZER_STATES] > 0 and update["components"][C.ACTIVATIONS] is None
+    assert update["total"] == C.total(update["components"])
+
+
+def test_markdown_report_is_a_table_of_components_by_phase(run_dir):
+    text = (run_dir / "memory.md").read_text()
+    assert "| component (MiB) | ppo/value | ppo/update |" in text
+    data = json.loads((run_dir / "memory.json").read_text())
+    policy = data["phases"][1]["components"][C.adapter("policy")]
+    assert f"| adapter/policy | {policy / 2**20:.3f} | {policy / 2**20:.3f} |" in text
+    assert "| activations | n/a (GPU) | n/a (GPU) |" in text
+    assert "Not measured here" in text and C.CUDA_CONTEXT in text
+
+
+def test_png_chart_opens_with_the_expected_size(run_dir):
+    from PIL import Image
+
+    with Image.open(run_dir / "memory.png") as image:
+        assert image.format == "PNG"
+        assert image.size == PNG_SIZE
+        assert len(set(image.convert("RGB").getdata())) > 10  # drawn on, not a blank canvas
+
+
+def test_fits_row_says_no_over_budget():
+    data = {"budget_bytes": 3 * C.GIB, "phases": [
+        {"stage": "sft", "phase": "forward_backward", "components": {C.BASE_WEIGHTS: 2 * C.GIB, C.ACTIVATIONS: 2 * C.GIB}},
+        {"stage": "sft", "phase": "optimizer_step", "components": {C.BASE_WEIGHTS: 2 * C.GIB}}]}
+    table = markdown_table(data)
+    assert "| **total** | **4.000** | **2.000** |" in table
+    assert "| fits | **no** | yes |" in table
+
+
+def test_report_cli_regenerates_markdown_and_png_from_the_json(run_dir):
+    (run_dir / "memory.md").unlink()
+    (run_dir / "memory.png").unlink()
+    done = subprocess.run([sys.executable, "-m", "profiling.report", str(run_dir), "--budget-gib", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "budget 2.000 GiB" in (run_dir / "memory.md").read_text()
+    from PIL import Image
+
+    with Image.open(run_dir / "memory.png") as image:
+        assert image.size == PNG_SIZE
+
+
+def test_report_cli_rejects_a_folder_without_a_report(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "profiling.report", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "no memory report" in done.stderr

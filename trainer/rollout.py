@@ -1,0 +1,224 @@
+"""PPO experience: generate with `policy`, then score the same tokens with every other adapter.
+
+All passes run on the ONE shared base: `policy` samples (KV cache on, left-padded prompts), then
+under `torch.no_grad` the policy and `reference` log-probs of the response tokens, the `value`
+adapter's per-token values and the `reward` adapter's score at the last response token.
+Only the response positions' logits are computed (`keep_last`), and log-probs of the taken tokens
+are gathered in chunks, so no full-vocabulary fp32 tensor over the prompt ever exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Callable, Optional, Protocol
+
+import torch
+
+from trainer.losses import entropy_from_logits, last_token_values, token_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 32
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass
+class Rollout:
+    """One batch of experience. Prompts are left-padded to `prompt_length`; responses right-padded."""
+
+    input_ids: torch.Tensor  # (B, P + R) prompt then response
+    attention_mask: torch.Tensor  # (B, P + R)
+    response_mask: torch.Tensor  # (B, R) 1 on response tokens up to and including EOS
+    prompt_length: int
+    logprobs: torch.Tensor  # (B, R) policy log-probs when sampled (the "old" policy)
+    ref_logprobs: torch.Tensor  # (B, R) reference (frozen SFT) log-probs
+    values: torch.Tensor  # (B, R) value of the state before each response token
+    scores: torch.Tensor  # (B,) reward model (or scripted) score of each whole response
+    ended: torch.Tensor  # (B,) bool: the response reached EOS
+    entropy: torch.Tensor  # (B, R) policy entropy per response position (metrics only)
+
+    @property
+    def response_length(self) -> int:
+        return self.response_mask.shape[1]
+
+    def select(self, index: torch.Tensor) -> "Rollout":
+        """Rows `index` of every per-row tensor (minibatching)."""
+        picked = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in picked.items():
+            if isinstance(value, torch.Tensor):
+                picked[name] = value[index]
+        return Rollout(**picked)
+
+
+class Scorer(Protocol):
+    def __call__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                 response_mask: torch.Tensor) -> torch.Tensor: ...
+
+
+def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, R) sampled tokens -> (mask with 1 up to and including the first EOS, ended flags).
+
+    Generation keeps emitting pad after a row finishes; with pad == eos (common) only the FIRST eos
+    is part of the response.
+    """
+    is_eos = responses == eos_id
+    ended = is_eos.any(dim=1)
+    first_eos = torch.where(ended, is_eos.float().argmax(dim=1), torch.full_like(ended, responses.shape[1], dtype=torch.long))
+    positions = torch.arange(responses.shape[1], device=responses.device).unsqueeze(0)
+    mask = (positions <= first_eos.unsqueeze(1)).long()
+    return mask, ended
+
+
+@torch.no_grad()
+def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig,
+                     eos_id: int, pad_id: int, adapter: str = "policy") -> tuple[torch.Tensor, ...]:
+    """Sample under `adapter`. Returns (input_ids, attention_mask, response_mask, ended)."""
+    kwargs = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens,
+                  do_sample=sampling.temperature > 0, eos_token_id=eos_id, pad_token_id=pad_id)
+    if sampling.temperature > 0:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    sequences = model.generate(prompt_ids, prompt_mask, adapter=adapter, **kwargs)
+    responses = sequences[:, prompt_ids.shape[1]:]
+    response_mask, ended = response_mask_after_eos(responses, eos_id, pad_id)
+    responses = responses.masked_fill(response_mask == 0, pad_id)
+    input_ids = torch.cat([prompt_ids, responses], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return input_ids, attention_mask, response_mask, ended
+
+
+def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                      adapter: str, with_entropy: bool = False, temperature: float = 1.0):
+    """(B, R) log-probs of the response tokens under `adapter` (and their entropy if asked).
+
+    Logits of position t predict token t+1, so the response tokens P..P+R-1 need positions P-1..P+R-2:
+    the last R+1 positions, minus the final one.
+    """
+    response = input_ids[:, prompt_length:]
+    logits = model(input_ids, attention_mask, adapter=adapter, output="logits", keep_last=response.shape[1] + 1)
+    logits = logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature  # score under the distribution that was sampled from
+    logprobs = token_logprobs(logits, response)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logprobs, entropy
+
+
+def response_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                    adapter: str = "value") -> torch.Tensor:
+    """(B, R) value estimates for the states before each response token."""
+    response_len = input_ids.shape[1] - prompt_length
+    return model(input_ids, attention_mask, adapter=adapter, output="scores", keep_last=response_len + 1)[:, :-1]
+
+
+class RewardModelScorer:
+    """Scores from the frozen `reward` adapter + head at each sequence's last real token."""
+
+    def __init__(self, adapter: str = "reward"):
+        self.adapter = adapter
+
+    def __call__(self, model, input_ids, attention_mask, prompt_length, response_mask) -> torch.Tensor:
+        scores = model(input_ids, attention_mask, adapter=self.adapter, output="scores",
+                       keep_last=input_ids.shape[1] - prompt_length)
+        return last_token_values(scores, response_mask).float()
+
+
+class ScriptedScorer:
+    """A reward computed from the response text, for tests and sanity runs.
+
+    `keyword:WORD` scores 1 when WORD appears in the response (case-insensitive), else 0;
+    `length:N` scores -|tokens - N| / N (0 at exactly N response tokens).
+    """
+
+    def __init__(self, spec: str, tokenizer):
+        kind, _, arg = spec.partition(":")
+        if kind not in ("keyword", "length") or not arg:
+            raise ValueError(f"unknown scripted reward '{spec}': use keyword:WORD or length:N")
+        self.kind, self.arg, self.tokenizer = kind, arg, tokenizer
+        if kind == "length":
+            self.target = int(arg)
+
+    def __call__(self, model, input_ids, attention_mask, prompt_length, response_mask) -> torch.Tensor:
+        lengths = response_mask.sum(dim=1).float()
+        if self.kind == "length":
+            return -(lengths - self.target).abs() / self.target
+        texts = self.tokenizer.batch_decode(input_ids[:, prompt_length:].masked_fill(response_mask == 0, self.tokenizer.pad_token_id),
+                                            skip_special_tokens=True)
+        return torch.tensor([float(self.arg.lower() in t.lower()) for t in texts], device=input_ids.device)
+
+
+def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
+    """Apply `fn` to row chunks of `tensors` and concatenate its (tuple of) outputs."""
+    outs = [fn(*(t[i : i + size] for t in tensors)) for i in range(0, batch, size)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts) if parts[0] is not None else None for parts in zip(*outs))
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig,
+                 scorer: Scorer, eos_id: int, pad_id: int, micro_batch_size: int,
+                 missing_eos_penalty: Optional[float] = None, phase=None) -> Rollout:
+    """Generate, then score with policy / reference / value / reward, `micro_batch_size` rows at a time.
+
+    `phase` is an optional context-manager factory (`phase("generate")`) used by the memory recorder.
+    """
+    from contextlib import nullcontext
+
+    phase = phase or (lambda name: nullcontext())
+    was_training = model.training
+    model.eval()  # no dropout: these log-probs and values are the fixed "old" ones of the update
+    try:
+        return _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
+                             missing_eos_penalty, phase)
+    finally:
+        model.train(was_training)
+
+
+def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
+                  missing_eos_penalty, phase) -> Rollout:
+    batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
+    with phase("generate"):
+        parts = [sample_responses(model, prompt_ids[i : i + micro_batch_size], prompt_mask[i : i + micro_batch_size],
+                                  sampling, eos_id, pad_id) for i in range(0, batch, micro_batch_size)]
+    # Micro-batches can stop at different lengths: right-pad every response to the longest.
+    width = max(p[0].shape[1] for p in parts)
+    input_ids = torch.cat([_pad_right(p[0], width, pad_id) for p in parts])
+    attention_mask = torch.cat([_pad_right(p[1], width, 0) for p in parts])
+    response_mask = torch.cat([_pad_right(p[2], width - prompt_length, 0) for p in parts])
+    ended = torch.cat([p[3] for p in parts])
+
+    def policy_pass(ids, mask):
+        return response_logprobs(model, ids, mask, prompt_length, "policy", with_entropy=True,
+                                 temperature=sampling.temperature or 1.0)
+
+    def reference_pass(ids, mask):
+        return response_logprobs(model, ids, mask, prompt_length, "reference", temperature=sampling.temperature or 1.0)[0]
+
+    with phase("score"):
+        logprobs, entropy = chunked(policy_pass, micro_batch_size, batch, input_ids, attention_mask)
+        scores = chunked(lambda i, m, r: scorer(model, i, m, prompt_length, r), micro_batch_size, batch,
+                         input_ids, attention_mask, response_mask)
+    with phase("reference"):
+        ref_logprobs = chunked(reference_pass, micro_batch_size, batch, input_ids, attention_mask)
+    with phase("value"):
+        values = chunked(lambda i, m: response_values(model, i, m, prompt_length), micro_batch_size, batch,
+                         input_ids, attention_mask)
+    if missing_eos_penalty is not None:
+        scores = torch.where(ended, scores, scores - missing_eos_penalty)
+    fmask = response_mask.float()
+    return Rollout(input_ids=input_ids, attention_mask=attention_mask, response_mask=fmask,
+                   prompt_length=prompt_length, logprobs=logprobs * fmask, ref_logprobs=ref_logprobs * fmask,
+                   values=values.float() * fmask, scores=scores.float(), ended=ended, entropy=entropy * fmask)
+
+
+def _pad_right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
