@@ -17,6 +17,10 @@ do it (the terms were read off `saved_tensors_hooks` on SmolLM2 and match it to 
   base linears      0                 bitsandbytes' 4-bit matmul keeps only the packed weight, and a
                                       frozen full-precision weight makes autograd keep no input either
 
+The first layer saves less: its input (the frozen embedding output) needs no gradient, so its first
+RMSNorm keeps nothing and the dropouts of q, k, v keep no mask. RoPE's cos and sin (2 a d) are
+kept once for all layers.
+
 Without a trainable adapter in the forward (no-grad passes) nothing is saved; the working set is
 one layer's temporaries. With gradient checkpointing each layer keeps only its input (a h) and
 the backward recomputes one layer at a time.
@@ -60,6 +64,19 @@ def layer_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) ->
         attention += 6 * n_h * seq_len + a * 2 * (n_h - n_kv) * d  # fp32 + bf16 probabilities, repeated k/v
     mlp = 3 * a * i
     return norms + lora + attention + mlp
+
+
+def first_layer_savings_per_token(shape: ModelShape, spec: ForwardSpec) -> int:
+    """What layer 0 does not save because its input needs no gradient (see the module docstring)."""
+    fed_by_input_norm = ("q_proj", "k_proj", "v_proj")
+    masks = sum(n_in for name, n_in, _ in lora_targets(shape, spec.lora_targets) if name in fed_by_input_norm)
+    return 4 * shape.hidden_size + 4 + (_mask_bytes(spec) * masks if spec.lora_dropout else 0)
+
+
+def _all_layers_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) -> int:
+    """Every layer's saved tensors, the final RMSNorm's fp32 input and RoPE's cos/sin, per token."""
+    return (shape.num_layers * layer_saved_per_token(shape, spec, seq_len) - first_layer_savings_per_token(shape, spec)
+            + 4 * shape.hidden_size + 4 + 2 * spec.dtype_bytes * shape.head_dim)
 
 
 def layer_backward_temporaries_per_token(shape: ModelShape, spec: ForwardSpec) -> int:
@@ -113,19 +130,18 @@ def training_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_
     over the same micro-batch, one summed loss); their saved tensors add up.
     """
     L, h, a = shape.num_layers, shape.hidden_size, spec.dtype_bytes
-    final_norm = 4 * h + 4
     if spec.checkpointing:
-        kept = forwards * tokens * (L * a * h + final_norm)
+        kept = forwards * tokens * (L * a * h + 4 * h + 4)  # each layer's input; the final norm is not checkpointed
         recompute = tokens * (layer_saved_per_token(shape, spec, seq_len)
                               + layer_backward_temporaries_per_token(shape, spec))
         return kept + recompute + dequantized_weight_bytes(shape, spec)
-    saved = forwards * tokens * (L * layer_saved_per_token(shape, spec, seq_len) + final_norm)
+    saved = forwards * saved_for_backward(shape, spec, tokens, seq_len)
     return saved + tokens * layer_backward_temporaries_per_token(shape, spec) + dequantized_weight_bytes(shape, spec)
 
 
 def saved_for_backward(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int) -> int:
     """Bytes saved by one forward without checkpointing (the figure `SavedTensorMeter` measures)."""
-    return tokens * (shape.num_layers * layer_saved_per_token(shape, spec, seq_len) + 4 * shape.hidden_size + 4)
+    return tokens * _all_layers_saved_per_token(shape, spec, seq_len)
 
 
 def nograd_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int) -> int:

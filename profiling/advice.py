@@ -30,10 +30,10 @@ def candidates(args) -> list[tuple[str, object]]:
     if args.optimizer == "adamw_torch":
         out.append(("optimizer adamw_torch -> paged_adamw_8bit", replace(args, optimizer="paged_adamw_8bit")))
     if args.stage == "ppo":
-        if args.rollout_batch > 1:
-            rb = _halve(args.rollout_batch)
-            out.append((f"rollout_batch {args.rollout_batch} -> {rb} (generate in smaller batches)",
-                        replace(args, rollout_batch=rb, score_batch=min(args.score_batch or rb, rb))))
+        rows = args.generation_batch or args.micro_batch
+        if rows > 1:
+            out.append((f"generation_batch {rows} -> {_halve(rows)} (generate and score fewer rows at once)",
+                        replace(args, generation_batch=_halve(rows))))
         if args.generation_length > 16:
             out.append((f"generation_length {args.generation_length} -> {_halve(args.generation_length)}",
                         replace(args, generation_length=_halve(args.generation_length))))

@@ -32,8 +32,11 @@ class AllocatorSample:
     peak_reserved: int
 
 
-def reset_peak(device: torch.device) -> None:
+def begin_phase(device: torch.device) -> int:
+    """Allocated bytes now, with the peak statistics reset so the next reading is this phase's."""
+    torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
 def read_allocator(device: torch.device) -> AllocatorSample:
@@ -65,6 +68,8 @@ def read_nvml(device: Optional[torch.device] = None) -> NvmlReading:
         pynvml.nvmlInit()
     except pynvml.NVMLError_LibraryNotFound:
         return NvmlReading(None, None, None, "NVML library not found (no NVIDIA driver on this machine)")
+    except pynvml.NVMLError_DriverNotLoaded:
+        return NvmlReading(None, None, None, "NVIDIA driver not loaded (NVML cannot start)")
     try:
         index = _nvml_index(device)
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
@@ -89,6 +94,13 @@ def _nvml_index(device: Optional[torch.device]) -> int:
         if index < len(ids) and ids[index].isdigit():
             return int(ids[index])
     return index
+
+
+def normalize(device: torch.device) -> torch.device:
+    """'cuda' -> 'cuda:N' (the current device), so it compares equal to the devices tensors report."""
+    if device.type == "cuda" and device.index is None and cuda_unavailable_reason(device) is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def device_name(device: torch.device) -> str:

@@ -61,9 +61,9 @@ class EstimateArguments:
     max_length: int = field(default=512, metadata={"help": "Sequence length for sft, reward and dpo."})
     prompt_length: int = field(default=256, metadata={"help": "PPO prompt tokens."})
     generation_length: int = field(default=128, metadata={"help": "PPO generated tokens."})
-    rollout_batch: int = field(default=16, metadata={"help": "PPO prompts generated at once."})
-    score_batch: Optional[int] = field(default=None, metadata={"help": "Sequences per no-grad scoring pass "
-                                       "(default: the rollout batch)."})
+    rollout_batch: int = field(default=64, metadata={"help": "PPO prompts per rollout (sizes the rollout buffers)."})
+    generation_batch: Optional[int] = field(default=None, metadata={"help": "PPO rows per generate / scoring pass "
+                                            "(default: the micro-batch, as trainer.rollout.make_rollout chunks)."})
     logprob_chunk: int = field(default=1024, metadata={"help": "Positions per fp32 log-prob chunk."})
     device: str = field(default="cuda", metadata={"help": "cuda, or cpu (fp32 dropout masks, step counters on device)."})
     budget_gib: float = field(default=24.0, metadata={"help": "Device budget in GiB (2^30 bytes)."})
@@ -163,25 +163,32 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
                                C.LOGITS: A.logits_nograd(shape, spec, tokens)}),
                 ("forward_backward", {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, seq),
                                       C.LOGITS: A.logits_training(shape, spec, tokens)}), step]
+    # PPO as trainer.rollout / trainer.ppo_step run it: generation and scoring in chunks of
+    # `generation_batch` rows; logits only for the response positions (keep_last = generation + 1).
     context = args.prompt_length + args.generation_length
+    rows = generation_batch(args)
     buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(args)}
-    score_tokens = (args.score_batch or args.rollout_batch) * context
-    update_tokens = mb * context
+    scored = rows * (args.generation_length + 1)
     return [
-        ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, args.rollout_batch, context)
-                      + A.kv_cache_growth(shape, spec, args.rollout_batch, context),
-                      C.ACTIVATIONS: A.nograd_activations(shape, spec, args.rollout_batch * args.prompt_length,
-                                                          args.prompt_length)}),
-        ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, score_tokens, context)}),
-        ("reference", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, score_tokens, context),
-                       C.LOGITS: A.logits_nograd(shape, spec, score_tokens)}),
-        ("value", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, score_tokens, context)}),
+        ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
+                      + A.kv_cache_growth(shape, spec, rows, context),
+                      C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.prompt_length, args.prompt_length)}),
+        # policy log-probs and entropy, and the reward model's scores
+        ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
+                   C.LOGITS: A.logits_nograd(shape, spec, scored)}),
+        ("reference", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
+                       C.LOGITS: A.logits_nograd(shape, spec, scored)}),
+        ("value", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context)}),
         # Policy and value forwards of a micro-batch are alive together (one backward of the summed loss).
         ("update", {**buffers, **grads,
-                    C.ACTIVATIONS: A.training_activations(shape, spec, update_tokens, context, forwards=2),
-                    C.LOGITS: A.logits_training(shape, spec, update_tokens)}),
+                    C.ACTIVATIONS: A.training_activations(shape, spec, mb * context, context, forwards=2),
+                    C.LOGITS: A.logits_training(shape, spec, mb * (args.generation_length + 1))}),
         step,
     ]
+
+
+def generation_batch(args: EstimateArguments) -> int:
+    return args.generation_batch or args.micro_batch
 
 
 def estimate(shape: ModelShape, args: EstimateArguments) -> dict:

@@ -82,7 +82,7 @@ class MemoryRecorder:
         self.budget_bytes = budget_bytes
         self.model, self.optimizer = model, optimizer
         self._explicit_device = device
-        self.device = device or _device_of(model)
+        self.device = D.normalize(device or _device_of(model))
         self.gpu_reason = D.cuda_unavailable_reason(self.device)
         # Tensors alive at phase entry that nothing walked owns: in PPO, the rollout being processed.
         self.resident_label = resident_label or (C.ROLLOUT_BUFFERS if stage == "ppo" else C.OTHER_TENSORS)
@@ -95,7 +95,7 @@ class MemoryRecorder:
         """Point the recorder at objects created later (the optimizer, a rollout buffer: component=tensors)."""
         if model is not None:
             self.model = model
-            self.device = self._explicit_device or _device_of(model)
+            self.device = D.normalize(self._explicit_device or _device_of(model))
             self.gpu_reason = D.cuda_unavailable_reason(self.device)
         if optimizer is not None:
             self.optimizer = optimizer
@@ -122,9 +122,7 @@ class MemoryRecorder:
         dev = str(self.device)
         cuda = self.gpu_reason is None
         if cuda:
-            torch.cuda.synchronize(self.device)
-            allocated_before = torch.cuda.memory_allocated(self.device)
-            D.reset_peak(self.device)
+            allocated_before = D.begin_phase(self.device)
         entry = self.count()
         self._samples = [entry]
         meter = SavedTensorMeter(exclude=entry.storage_keys()) if count_saved else None
@@ -165,16 +163,19 @@ class MemoryRecorder:
         record = PhaseRecord(stage=stage, phase=name, components=dict(counted),
                              elsewhere=last.elsewhere(dev), paged=last.paged(), cuda=cuda,
                              gpu_reason=self.gpu_reason)
-        gpu_parts = (self.resident_label, transient, C.ALLOCATOR_OVERHEAD, C.CUDA_CONTEXT)
+        # Tensors the caller tracked under the resident label are counted already; the rest is "other".
+        resident = self.resident_label if self.resident_label not in counted else C.OTHER_TENSORS
         if cuda is None:
-            record.components.update({c: None for c in gpu_parts})
+            record.components.update({c: None for c in (resident, transient, C.ALLOCATOR_OVERHEAD, C.CUDA_CONTEXT)
+                                      if c not in counted})
             return record
         # Paged optimizer buffers are managed memory, invisible to the allocator figures below.
         paged = sum(last.paged().values())
         entry_on_allocator = C.total(entry) - sum(samples[0].paged().values())
-        grown = sum(max(0, counted.get(c, 0) - entry.get(c, 0)) for c in counted)
-        record.components[self.resident_label] = max(0, cuda.allocated_before - entry_on_allocator)
-        record.components[transient] = max(0, cuda.peak_above_entry - grown)
+        paged_growth = max(0, max(sum(ledger.paged().values()) for ledger in samples) - sum(samples[0].paged().values()))
+        grown = max(0, sum(max(0, counted.get(c, 0) - entry.get(c, 0)) for c in counted) - paged_growth)
+        record.components[resident] = max(0, cuda.allocated_before - entry_on_allocator)
+        record.components[transient] = counted.get(transient, 0) + max(0, cuda.peak_above_entry - grown)
         record.components[C.ALLOCATOR_OVERHEAD] = max(0, cuda.peak_reserved - cuda.peak_allocated)
         if cuda.nvml_used is not None:
             record.components[C.CUDA_CONTEXT] = max(0, cuda.nvml_used - cuda.reserved_after - paged)

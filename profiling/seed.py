@@ -42,42 +42,6 @@ def ours(est: dict) -> dict[str, int]:
     }
 
 
-def _explain(shape: ModelShape, args, est: dict, mine: dict) -> dict[str, str]:
-    from profiling.estimate import estimate
-
-    linear = shape.linear_params()
-    other = shape.total_params() - linear
-    per_adapter = sum(lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules))
-    n_adapters = sum(1 for k in est["phases"][0]["components"] if k.startswith(C.ADAPTER_PREFIX))
-    trainable = est["config"]["trainable_parameters"]
-    tokens_ckpt = _tokens_for(shape, args, True)
-    tokens_full = _tokens_for(shape, args, False)
-    low, high = SEED_GB["optimizer"]
-    context = args.prompt_length + args.generation_length
-    kv_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
-    return {
-        "base": f"NF4 packs the {linear / 1e9:.2f}B linear weights at 0.5 B each plus 1/64 + 1/4096 B of "
-                f"double-quant constants; embeddings and lm_head ({other / 1e9:.2f}B) stay bf16. The seed's "
-                "3.5 is 7B x 0.5 B: it quantizes everything and leaves the constants out",
-        "lora": f"r={args.lora_r} on {args.lora_target_modules} = {per_adapter / 1e6:.1f}M parameters per adapter, "
-                f"fp32 (PEFT upcasts adapters), x {n_adapters} adapters on the one base. The seed's 0.05 is one "
-                f"adapter of ~25M bf16 parameters",
-        "optimizer": f"only the {trainable / 1e6:.1f}M trainable LoRA/head parameters have states "
-                     f"({args.optimizer}). The seed's {low:g}-{high:g} would take {low / 8:.2f}-{high / 8:.2f}B "
-                     f"parameters with fp32 AdamW (8 B each) or {low / 2:.0f}-{high / 2:.0f}B with 8-bit "
-                     "AdamW: full fine-tuning of most of the 7B, which a frozen 4-bit base never does",
-        "activations": f"micro-batch {args.micro_batch} x {context if args.stage == 'ppo' else args.max_length} "
-                       f"tokens, checkpointing {'on' if args.gradient_checkpointing else 'off'}, logits "
-                       f"chunked. The seed's 6-8 is ~{tokens_ckpt[0]:,}-{tokens_ckpt[1]:,} tokens per micro-batch "
-                       f"with checkpointing, or ~{tokens_full[0]:,}-{tokens_full[1]:,} without (PEFT's fp32 "
-                       "copy of each LoRA input makes un-checkpointed layers costly)",
-        "kv_cache": f"{args.rollout_batch} x {context} tokens x {kv_token / 2**20:.2f} MiB per token (bf16 K and V "
-                    "of every layer); the seed's 2-4 is 4k-8k cached tokens",
-        "total": "the seed's total is driven by its optimizer figure; with LoRA-only states the peak is "
-                 f"set by phase '{est['peak_phase']}'",
-    }
-
-
 def _tokens_for(shape: ModelShape, args, checkpointing: bool) -> tuple[int, int]:
     """Tokens per micro-batch at which our training activations reach the seed's range (linear fit)."""
     from profiling.estimate import estimate
@@ -92,10 +56,48 @@ def _tokens_for(shape: ModelShape, args, checkpointing: bool) -> tuple[int, int]
     return tuple(max(0, int(round((g * C.GIB - base) / slope, -2))) for g in (low, high))
 
 
+def _explain(shape: ModelShape, args, est: dict) -> dict[str, str]:
+    linear = shape.linear_params()
+    other = shape.total_params() - linear
+    constants = est["phases"][0]["components"].get(C.BASE_QUANT_CONSTANTS, 0)
+    per_adapter = sum(lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules))
+    r8 = sum(lora_tensor_sizes(shape, 8, "all-linear"))
+    n_adapters = sum(1 for k in est["phases"][0]["components"] if k.startswith(C.ADAPTER_PREFIX))
+    trainable = est["config"]["trainable_parameters"]
+    with_ckpt, without = _tokens_for(shape, args, True), _tokens_for(shape, args, False)
+    low, high = SEED_GB["optimizer"]
+    context = args.prompt_length + args.generation_length if args.stage == "ppo" else args.max_length
+    kv_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    rows = args.generation_batch or args.micro_batch
+    return {
+        "base": f"NF4 packs the {linear / 1e9:.2f}B linear weights at 0.5 B each plus 1/64 + 1/4096 B of "
+                f"double-quant constants ({C.gib(constants)} GiB); embeddings and lm_head ({other / 1e9:.2f}B "
+                f"parameters) stay bf16 ({C.gib(other * 2)} GiB). The seed's ~3.5 is roughly all 7B at 0.5 B "
+                "with no constants: close, for the wrong reasons",
+        "lora": f"r={args.lora_r} on {args.lora_target_modules} = {per_adapter / 1e6:.1f}M parameters per adapter, "
+                f"fp32 (PEFT upcasts adapters), x {n_adapters} adapters on the one base. The seed's 0.05 is about "
+                f"one bf16 adapter of r=8 on all linear layers ({r8 / 1e6:.1f}M parameters, {r8 * 2 / 1e9:.2f} GB)",
+        "optimizer": f"only the {trainable / 1e6:.1f}M trainable LoRA/head parameters have states "
+                     f"({args.optimizer}). The seed's {low:g}-{high:g} would take {low / 8:.2f}-{high / 8:.2f}B "
+                     f"parameters with fp32 AdamW (8 B each) or {low / 2:.0f}-{high / 2:.0f}B with 8-bit "
+                     "AdamW: full fine-tuning of most of the 7B, which a frozen 4-bit base never does",
+        "activations": f"micro-batch {args.micro_batch} x {context} tokens, checkpointing "
+                       f"{'on' if args.gradient_checkpointing else 'off'}, logits chunked. The seed's 6-8 is "
+                       f"~{with_ckpt[0]:,}-{with_ckpt[1]:,} tokens per micro-batch with checkpointing, or "
+                       f"~{without[0]:,}-{without[1]:,} without (PEFT's fp32 copy of each LoRA input makes "
+                       "un-checkpointed layers costly)",
+        "kv_cache": f"{rows} rows x {context} tokens x {kv_token / 2**20:.2f} MiB per token (bf16 K and V of every "
+                    "layer), generated a micro-batch at a time; the seed's 2-4 is 4k-8k cached tokens, e.g. 16 "
+                    "prompts x 256-512 tokens at once",
+        "total": "the seed's total is driven by its optimizer figure; with LoRA-only states the peak is "
+                 f"set by phase '{est['peak_phase']}'",
+    }
+
+
 def compare_seed(shape: ModelShape, args, est: dict) -> tuple[str, list[dict]]:
     """A Markdown table (seed range, ours, why) and its rows for the JSON report."""
     mine = ours(est)
-    why = _explain(shape, args, est, mine)
+    why = _explain(shape, args, est)
     rows, lines = [], []
     if shape.name != "llama-2-7b":
         lines.append(f"(the seed's breakdown is for Llama-2-7B; this estimate is for {shape.name})")
