@@ -189,9 +189,12 @@ class MemoryRecorder:
         old = self.records.get(key)
         if old is not None:
             record.calls, record.seconds = old.calls, old.seconds + record.seconds
+            # The saved-for-backward meter runs on one occurrence only: keep its reading.
+            saved = max((v for v in (old.saved_for_backward, record.saved_for_backward) if v is not None), default=None)
             if old.total > record.total:
                 old.calls, old.seconds = record.calls, record.seconds
                 record = old
+            record.saved_for_backward = saved
         record.calls += 1
         self.records[key] = record
 

@@ -80,7 +80,7 @@ def launched_runs(tmp_path_factory):
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
               str(ROOT / "accelerate_configs" / "cpu.yaml")]
     short = ["--config", str(TINY_SFT), "--max_steps", "2", "--save_every", "0", "--eval_every", "0"]
-    run([*launch, "trainer/sft.py", *short, "--output_dir", str(root / "sft")])
+    run([*launch, "trainer/sft.py", *short, "--output_dir", str(root / "sft"), "--profile_memory", "true"])
     run([*launch, "trainer/reward.py", *short, "--output_dir", str(root / "reward"),
          "--sft_adapter", str(root / "sft" / "adapter")])
     return root
@@ -108,3 +108,19 @@ def test_evaluate_cli_prints_one_json_line_for_any_hh_rlhf_file(launched_runs, s
                "--data", str(data), "--limit", "16"])
     line = json.loads(sft.stdout.strip().splitlines()[-1])
     assert line["task"] == "sft" and line["rows"] == 16 and line["perplexity"] > 1.0
+
+
+def test_a_stage_with_profile_memory_writes_the_memory_report(launched_runs):
+    data = json.loads((launched_runs / "sft" / "memory.json").read_text())
+    phases = {p["phase"]: p for p in data["phases"]}
+    assert set(phases) == {"evaluate", "forward_backward", "optimizer_step"}
+    fb = phases["forward_backward"]["components"]
+    assert fb["adapter/policy"] > 0 and fb["gradients"] > 0 and fb["optimizer_states"] > 0
+    assert phases["forward_backward"]["saved_for_backward"] > 0  # metered on the first step
+    assert data["git_revision"] and data["command"].startswith(("trainer/sft.py", str(ROOT)))
+    assert "activations" in data["needs_gpu"]  # said, not faked, on a CPU machine
+    assert (launched_runs / "sft" / "memory.md").is_file()
+    from PIL import Image
+
+    with Image.open(launched_runs / "sft" / "memory.png") as image:
+        assert image.size[0] > 400

@@ -182,6 +182,7 @@ class TrainArguments:
     )
     log_every: int = field(default=1, metadata={"help": "Log line every N optimizer steps."})
     report_to: str = field(default="tensorboard", metadata={"help": "'tensorboard' or 'none'."})
-    profile_memory: bool = field(default=False, metadata={"help": "Record memory per component and phase."})
-    memory_budget_gb: float = field(default=24.0, metadata={"help": "Budget line of the memory report (GB)."})
+    profile_memory: bool = field(
+        default=False, metadata={"help": "Record memory per component and phase: memory.json/.md/.png in the run folder."})
+    memory_budget_gib: float = field(default=24.0, metadata={"help": "Budget line of the memory report, GiB (a 24 GB card)."})
     progress_bar: bool = field(default=True, metadata={"help": "Show a tqdm progress bar."})

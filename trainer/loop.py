@@ -174,6 +174,16 @@ def _format(metrics: dict[str, float], keys: list[str]) -> str:
     return " | ".join(parts)
 
 
+def make_recorder(stage_name: str, model, optimizer, args: TrainArguments, accelerator):
+    """The memory recorder of a run (a no-op unless `profile_memory`; main process only)."""
+    from profiling.components import GIB
+    from profiling.recorder import MemoryRecorder
+
+    return MemoryRecorder(stage_name, model=model, optimizer=optimizer, device=accelerator.device,
+                          budget_bytes=int(args.memory_budget_gib * GIB),
+                          enabled=args.profile_memory and accelerator.is_main_process)
+
+
 def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callable, args: TrainArguments,
                  accelerator, config: Optional[dict[str, Any]] = None,
                  extra_state: Optional[Callable[[], dict]] = None) -> dict[str, float]:
@@ -188,6 +198,7 @@ def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callab
     scheduler = cosine_with_warmup(optimizer, args.warmup_steps, args.max_steps, args.min_lr_ratio)
     loader, sampler = make_loader(train_dataset, collate_fn, args.micro_batch_size, args.seed)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    recorder = make_recorder(stage.name, unwrapped, optimizer, args, accelerator)
 
     state = {"epoch": 0, "batches_in_epoch": 0, "bad_steps_in_row": 0, "bad_steps_total": 0}
     metrics_log = MetricsLog(accelerator, output_dir)
@@ -204,7 +215,8 @@ def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callab
 
     last_eval: dict[str, float] = {}
     if start_step == 0:
-        last_eval = _evaluate(stage, model, accelerator, metrics_log, 0)
+        with recorder.phase("evaluate"):
+            last_eval = _evaluate(stage, model, accelerator, metrics_log, 0)
     stream = batch_stream(accelerator, loader, sampler, state["epoch"], state["batches_in_epoch"])
     bar = tqdm(total=args.max_steps, initial=start_step, desc=stage.name, dynamic_ncols=True,
                disable=not (accelerator.is_main_process and args.progress_bar))
@@ -213,17 +225,19 @@ def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callab
         started = time.perf_counter()
         sums: dict[str, float] = defaultdict(float)
         tokens, finite = 0, True
-        for _ in range(args.gradient_accumulation_steps):
-            state["epoch"], state["batches_in_epoch"], batch = next(stream)
-            with accelerator.accumulate(model), accelerator.autocast():
-                out = stage.compute_loss(model, batch)
-                if all_finite(accelerator, out.loss):
-                    accelerator.backward(out.loss)
-                else:
-                    finite = False
-            tokens += out.tokens
-            for key, value in out.metrics.items():
-                sums[key] += float(value) / args.gradient_accumulation_steps
+        with recorder.phase("forward_backward", count_saved=step == start_step + 1):
+            for _ in range(args.gradient_accumulation_steps):
+                state["epoch"], state["batches_in_epoch"], batch = next(stream)
+                with accelerator.accumulate(model), accelerator.autocast():
+                    out = stage.compute_loss(model, batch)
+                    if all_finite(accelerator, out.loss):
+                        accelerator.backward(out.loss)
+                    else:
+                        finite = False
+                tokens += out.tokens
+                for key, value in out.metrics.items():
+                    sums[key] += float(value) / args.gradient_accumulation_steps
+            recorder.sample()  # gradients are alive here
         grad_norm = torch.tensor(float("nan"))
         if finite:
             max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
@@ -231,7 +245,8 @@ def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callab
             finite = all_finite(accelerator, grad_norm)
         lr = scheduler.get_last_lr()[0]
         if finite:
-            optimizer.step()
+            with recorder.phase("optimizer_step"):
+                optimizer.step()
             scheduler.step()
             state["bad_steps_in_row"] = 0
         else:
@@ -260,13 +275,15 @@ def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callab
                     "train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", f"perf/peak_{kind}_gb"]))
         bar.update(1)
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
-            last_eval = _evaluate(stage, model, accelerator, metrics_log, step)
+            with recorder.phase("evaluate"):
+                last_eval = _evaluate(stage, model, accelerator, metrics_log, step)
             model.train()
         if args.save_every and (step % args.save_every == 0 or step == args.max_steps):
             extras = extra_state() if extra_state else {}
             save_checkpoint(accelerator, output_dir, step, model, stage.trainable_adapters, optimizer, scheduler,
                             {**state, **extras}, args.keep_checkpoints)
     bar.close()
+    recorder.write(output_dir, config=flat_config(config or {}))
     accelerator.end_training()
     return last_eval
 

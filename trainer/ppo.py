@@ -22,7 +22,7 @@ from trainer.checkpoint import save_checkpoint
 from trainer.collators import PromptCollator
 from trainer.kl_control import make_kl_controller
 from trainer.loop import (
-    MetricsLog, all_finite, batch_stream, flat_config, make_loader, peak_memory_gb, resume_path,
+    MetricsLog, all_finite, batch_stream, flat_config, make_loader, make_recorder, peak_memory_gb, resume_path,
 )
 from trainer.optim import build_optimizer, cosine_with_warmup
 from trainer.ppo_step import UpdateConfig, compute_advantages, ppo_update, rollout_metrics
@@ -92,6 +92,7 @@ class PPOTrainer:
         scheduler = cosine_with_warmup(optimizer, targs.warmup_steps, targs.max_steps, targs.min_lr_ratio)
         loader, sampler = make_loader(self.train_prompts, self.collate, args.rollout_batch_size, targs.seed)
         model, optimizer, loader = acc.prepare(self.model, optimizer, loader)
+        recorder = make_recorder("ppo", self.model, optimizer, targs, acc)
         generator = torch.Generator().manual_seed(targs.seed)  # minibatch order, saved with the checkpoint
         metrics_log = MetricsLog(acc, out_dir)
         state = {"epoch": 0, "batches_in_epoch": 0}
@@ -119,7 +120,8 @@ class PPOTrainer:
             t0 = time.perf_counter()
             model.eval()
             rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], self.sampling, self.scorer,
-                                   self.eos_id, self.pad_id, args.rollout_micro_batch_size, args.missing_eos_penalty)
+                                   self.eos_id, self.pad_id, args.rollout_micro_batch_size, args.missing_eos_penalty,
+                                   phase=recorder.phase)
             t_rollout = time.perf_counter() - t0
             adv = compute_advantages(rollout, self.kl_ctl.value, args.kl_estimator, args.gamma, args.lam,
                                      args.whiten_rewards)
@@ -127,7 +129,12 @@ class PPOTrainer:
             model.train()
             t1 = time.perf_counter()
             self.update_cfg.micro_batch_size = micro
-            update_stats, micro = ppo_update(model, acc, optimizer, params, rollout, adv, self.update_cfg, generator)
+            recorder.track(rollout_buffers=[rollout.input_ids, rollout.logprobs, rollout.ref_logprobs, rollout.values,
+                                            adv.advantages, adv.returns, adv.rewards])
+            with recorder.phase("update", count_saved=step == start + 1):
+                update_stats, micro = ppo_update(model, acc, optimizer, params, rollout, adv, self.update_cfg,
+                                                 generator, on_gradients=recorder.sample)
+            recorder.track(rollout_buffers=[])
             t_update = time.perf_counter() - t1
             scheduler.step()
             self.kl_ctl.update(metrics["objective/kl"], args.rollout_batch_size * acc.num_processes)
@@ -160,6 +167,7 @@ class PPOTrainer:
         if micro != targs.micro_batch_size:
             logger.warning("the update settled on micro-batch %d (asked for %d) after running out of memory",
                            micro, targs.micro_batch_size)
+        recorder.write(out_dir, config=flat_config(self.ctx.config()))
         acc.end_training()
         return {"update_micro_batch": micro}
 

@@ -112,7 +112,7 @@ def free_memory() -> None:
 
 
 def ppo_update(model, accelerator, optimizer, params, rollout: Rollout, adv: Advantages, cfg: UpdateConfig,
-               generator: torch.Generator) -> tuple[dict[str, float], int]:
+               generator: torch.Generator, on_gradients=None) -> tuple[dict[str, float], int]:
     """`ppo_epochs` passes of shuffled minibatches; one optimizer step per minibatch.
 
     A CUDA out-of-memory error inside a minibatch drops its partial gradients and retries it with
@@ -137,6 +137,8 @@ def ppo_update(model, accelerator, optimizer, params, rollout: Rollout, adv: Adv
                     free_memory()
                     micro //= 2
                     logger.warning("out of memory in the PPO update: retrying the minibatch with micro-batch %d", micro)
+            if on_gradients is not None:
+                on_gradients()  # the memory recorder counts gradients while they exist
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             stats["policy/grad_norm"] = accelerator.clip_grad_norm_(params, max_norm)
             optimizer.step()
