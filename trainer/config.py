@@ -126,7 +126,16 @@ def parse_config(dataclass_types: tuple[type, ...], args: Optional[list[str]] = 
         if unknown:
             raise SystemExit(f"{config_path}: unknown config key(s) {unknown}; known keys: {sorted(known)}")
         parser.set_defaults(**values)
-    return tuple(parser.parse_args_into_dataclasses(args=args))
+    parsed = parser.parse_args_into_dataclasses(args=args)
+    for obj in parsed:
+        for f in fields(obj):
+            # `--sft_adapter null` on the command line means None, as `null` does in the YAML.
+            if getattr(obj, f.name) in NULL_WORDS and f.default is None:
+                setattr(obj, f.name, None)
+    return tuple(parsed)
+
+
+NULL_WORDS = ("null", "None", "none", "~")
 
 
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -184,5 +193,8 @@ class TrainArguments:
     report_to: str = field(default="tensorboard", metadata={"help": "'tensorboard' or 'none'."})
     profile_memory: bool = field(
         default=False, metadata={"help": "Record memory per component and phase: memory.json/.md/.png in the run folder."})
-    memory_budget_gib: float = field(default=24.0, metadata={"help": "Budget line of the memory report, GiB (a 24 GB card)."})
+    memory_budget_gib: float = field(
+        default=24.0, metadata={"help": "Device memory budget, GiB (a 24 GB card): the report's line, and the "
+                                "start-up check of the estimated peak."})
+    check_budget: bool = field(default=True, metadata={"help": "Stop at start when the estimated peak exceeds the budget."})
     progress_bar: bool = field(default=True, metadata={"help": "Show a tqdm progress bar."})

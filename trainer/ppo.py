@@ -27,7 +27,7 @@ from trainer.loop import (
 from trainer.optim import build_optimizer, cosine_with_warmup
 from trainer.ppo_step import UpdateConfig, compute_advantages, ppo_update, rollout_metrics
 from trainer.rollout import RewardModelScorer, SamplingConfig, ScriptedScorer, make_rollout, sample_responses
-from trainer.run import RunContext, eval_history, save_final_adapter, start_run, write_results
+from trainer.run import RunContext, check_adapter_paths, eval_history, save_final_adapter, start_run, write_results
 from trainer.shared_base import AdapterSpec, build_shared_model
 from trainer.tokenization import PromptExample, tokenize_prompts
 
@@ -219,11 +219,7 @@ def _mean_over_ranks(acc, metrics: dict[str, float]) -> dict[str, float]:
 
 def adapter_specs(args: PPOArguments) -> list[AdapterSpec]:
     """policy + reference from the SFT adapter; value (+ head) from the reward adapter; reward frozen."""
-    for name in ("sft_adapter", "reward_adapter"):
-        path = getattr(args, name)
-        if path is not None and not (Path(path) / "adapter_config.json").is_file():
-            raise SystemExit(f"--{name} {path}: no adapter there (adapter_config.json missing); "
-                             f"run the {'SFT' if name == 'sft_adapter' else 'reward'} stage first or fix the path")
+    check_adapter_paths(args)
     if args.reward_adapter is None and args.scripted_reward is None:
         raise SystemExit("PPO needs a scorer: pass --reward_adapter DIR (from trainer/reward.py) or "
                          "--scripted_reward keyword:WORD|length:N")
@@ -242,7 +238,7 @@ def check_batch_sizes(args: PPOArguments, micro: int) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    ctx = start_run(PPOArguments, argv)
+    ctx = start_run(PPOArguments, argv, stage="ppo")
     args = ctx.stage_args
     check_batch_sizes(args, ctx.train_args.micro_batch_size)
     specs = adapter_specs(args)

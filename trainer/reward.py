@@ -80,7 +80,7 @@ class RewardStage:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    ctx = start_run(RewardArguments, argv)
+    ctx = start_run(RewardArguments, argv, stage="reward")
     tok, data_args, args = ctx.tokenizer, ctx.data_args, ctx.stage_args
     train, _ = tokenize_pairs(ctx.splits.reward, tok, data_args)
     held_out, _ = tokenize_pairs(ctx.splits.eval, tok, data_args)

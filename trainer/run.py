@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
 from accelerate.utils import set_seed
 
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
-from trainer.data import Splits, load_splits
+from trainer.budget import check_budget
+from trainer.data import DataError, Splits, load_splits
 from trainer.loop import make_accelerator, setup_logging
-from trainer.models import load_tokenizer
+from trainer.models import ModelLoadError, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +39,30 @@ class RunContext:
         return {"model": self.model_args, "data": self.data_args, "train": self.train_args, "stage": self.stage_args}
 
 
-def start_run(stage_args_cls: type, argv: Optional[list[str]] = None) -> RunContext:
+def check_adapter_paths(stage_args) -> None:
+    """Every `*_adapter` setting must name a saved adapter: say which one is missing, at start."""
+    for f in fields(stage_args):
+        path = getattr(stage_args, f.name)
+        if f.name.endswith("_adapter") and path is not None and not (Path(path) / "adapter_config.json").is_file():
+            raise SystemExit(f"--{f.name} {path}: no saved adapter there (adapter_config.json missing); "
+                             "run the stage that produces it first, or fix the path")
+
+
+def start_run(stage_args_cls: type, argv: Optional[list[str]] = None, stage: Optional[str] = None) -> RunContext:
+    """Parse configs and check them (adapters, model name, memory budget) before anything heavy."""
     model_args, data_args, train_args, stage_args = parse_config(
         (ModelArguments, DataArguments, TrainArguments, stage_args_cls), argv)
     accelerator = make_accelerator(train_args)
     setup_logging(accelerator)
     set_seed(train_args.seed)
-    tokenizer = load_tokenizer(model_args.model_name_or_path)
-    splits, _ = load_splits(data_args)
+    check_adapter_paths(stage_args)
+    try:
+        tokenizer = load_tokenizer(model_args.model_name_or_path)
+        if stage is not None and train_args.check_budget:
+            check_budget(stage, model_args, data_args, train_args, stage_args, accelerator.device)
+        splits, _ = load_splits(data_args)
+    except (ModelLoadError, DataError) as exc:
+        raise SystemExit(f"{type(exc).__name__}: {exc}") from exc
     ctx = RunContext(model_args, data_args, train_args, stage_args, accelerator, tokenizer, splits)
     if accelerator.is_main_process:
         ctx.output_dir.mkdir(parents=True, exist_ok=True)

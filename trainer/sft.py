@@ -69,7 +69,7 @@ class SFTStage:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    ctx = start_run(SFTArguments, argv)
+    ctx = start_run(SFTArguments, argv, stage="sft")
     tok, data_args, args = ctx.tokenizer, ctx.data_args, ctx.stage_args
     train, _ = tokenize_sft(ctx.splits.sft, tok, data_args)
     held_out, _ = tokenize_sft(ctx.splits.eval, tok, data_args)

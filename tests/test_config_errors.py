@@ -1,0 +1,61 @@
+"""Bad configurations fail at start with a message that names what to fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
+
+
+def start(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, f"trainer/{script}.py", "--config", str(TINY_SFT), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_missing_adapter_folder_is_named(tmp_path):
+    proc = start("reward", "--output_dir", str(tmp_path / "r"), "--sft_adapter", str(tmp_path / "runs" / "sft"))
+    assert proc.returncode != 0
+    assert f"--sft_adapter {tmp_path / 'runs' / 'sft'}: no saved adapter there" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "r" / "checkpoint-0000002").exists()
+
+
+def test_ppo_without_its_earlier_stages_says_which_output_is_absent(tmp_path):
+    proc = start("ppo", "--output_dir", str(tmp_path / "p"), "--reward_adapter", str(tmp_path / "reward" / "adapter"))
+    assert proc.returncode != 0 and "--reward_adapter" in proc.stderr and "no saved adapter there" in proc.stderr
+    proc = start("ppo", "--output_dir", str(tmp_path / "p"))
+    assert proc.returncode != 0 and "PPO needs a scorer" in proc.stderr
+
+
+def test_unknown_model_name_is_named_with_the_alternatives(tmp_path):
+    proc = start("sft", "--output_dir", str(tmp_path / "s"), "--model_name_or_path", "llama-3-9000")
+    assert proc.returncode != 0
+    assert "unknown model 'llama-3-9000'" in proc.stderr and "smollm2-135m" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_budget_too_small_stops_before_loading_with_what_to_change(tmp_path):
+    proc = start("sft", "--output_dir", str(tmp_path / "s"), "--memory_budget_gib", "0.05")
+    assert proc.returncode != 0
+    assert "exceeds memory_budget_gib=0.05" in proc.stderr
+    assert "micro_batch 4 -> 2" in proc.stderr  # the estimator's first suggestion
+    assert "adapters policy" not in proc.stdout  # stopped before the model was built
+
+
+def test_unknown_config_key_names_the_file_and_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  max_stepz: 3\n")
+    proc = subprocess.run([sys.executable, "trainer/sft.py", "--config", str(bad)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and f"{bad}: unknown config key(s) ['max_stepz']" in proc.stderr
+
+
+def test_pipeline_with_an_unknown_recipe_fails_at_start(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "trainer.pipeline", "--recipe", str(tmp_path / "nothing"),
+                           "--run_dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "no sft.yaml, reward.yaml, ppo.yaml" in proc.stderr

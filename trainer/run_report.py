@@ -1,0 +1,138 @@
+"""The run report: one Markdown page and a PNG of curves for a pipeline run folder.
+
+Everything in it is read from files the stages wrote (results.json, metrics.jsonl, memory.json,
+comparison.json), so the page can be regenerated at any time:
+
+    python -m trainer.run_report runs/demo
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+REPORT = "report.md"
+CURVES = "curves.png"
+
+
+def read_metrics(stage_dir: Path) -> list[dict[str, Any]]:
+    path = stage_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    picked = [(r["step"], r[key]) for r in rows if key in r]
+    return [s for s, _ in picked], [v for _, v in picked]
+
+
+PANELS = [  # (stage, title, [(metric, label)])
+    ("sft", "SFT", [("train/loss", "train loss"), ("eval/loss", "held-out loss")]),
+    ("reward", "Reward model", [("train/accuracy", "train accuracy"), ("eval/accuracy", "held-out accuracy")]),
+    ("ppo", "PPO", [("objective/scores", "reward score"), ("objective/kl", "KL to reference")]),
+    ("dpo", "DPO", [("train/rewards/accuracies", "train implicit-reward acc."), ("eval/rewards/accuracies", "held-out acc.")]),
+]
+
+
+def plot_curves(run_dir: Path) -> Optional[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(stage, title, keys, read_metrics(run_dir / stage)) for stage, title, keys in PANELS]
+    panels = [p for p in panels if p[3]]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (stage, title, keys, rows) in zip(axes[0], panels):
+        for key, label in keys:
+            steps, values = series(rows, key)
+            if steps:
+                ax.plot(steps, values, marker="o" if key.startswith("eval/") else None, markersize=3, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = run_dir / CURVES
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def stage_table(results: dict[str, dict]) -> list[str]:
+    lines = ["| stage | time (s) | held-out before | held-out after |", "|---|---:|---|---|"]
+    key_of = {"sft": "eval/perplexity", "reward": "eval/accuracy", "ppo": "eval/score_policy",
+              "dpo": "eval/rewards/accuracies"}
+    for name, res in results.items():
+        key = key_of.get(name, "")
+        before = (res.get("eval_before") or {}).get(key)
+        after = (res.get("eval_after") or {}).get(key)
+        label = key.split("/", 1)[-1]
+        lines.append(f"| {name} | {_fmt(res.get('seconds', float('nan')))} | {label} {_fmt(before)} | "
+                     f"{label} {_fmt(after)} |")
+    return lines
+
+
+def comparison_table(comparison: dict) -> list[str]:
+    lines = ["| policy | mean reward-model score | win rate vs SFT | KL to SFT (nats) | mean length |",
+             "|---|---:|---:|---:|---:|"]
+    for name, p in comparison["policies"].items():
+        lines.append(f"| {name} | {p['mean_score']:.4f} | {p['win_rate_vs_sft']:.3f} | {p['kl_to_sft']:.3f} | "
+                     f"{p['mean_length']:.1f} |")
+    return lines
+
+
+def sample_table(comparison: dict) -> list[str]:
+    names = list(comparison["policies"])
+    lines = ["| prompt (end) | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for s in comparison.get("samples", []):
+        cells = [_cell(s["prompt"][-160:])] + [f"{_cell(s[n])} ({s[f'score_{n}']:.2f})" for n in names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.replace("|", "\\|").split())
+
+
+def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: Optional[dict] = None) -> Path:
+    run_dir = Path(run_dir)
+    if results is None:
+        results = {p.parent.name: json.loads(p.read_text()) for p in sorted(run_dir.glob("*/results.json"))}
+    if comparison is None and (run_dir / "comparison.json").is_file():
+        comparison = json.loads((run_dir / "comparison.json").read_text())
+    curves = plot_curves(run_dir)
+    from profiling.provenance import provenance
+
+    prov = provenance(None)
+    lines = [f"# Run report: {run_dir}", "",
+             f"Generated {prov['date']} on {prov['device_name']}, git `{prov['git_revision']}`, "
+             f"from the files in this folder (`python -m trainer.run_report {run_dir}`).", "",
+             "## Stages", "", *stage_table(results), ""]
+    if curves:
+        lines += [f"![training curves]({curves.name})", ""]
+    if comparison:
+        lines += [f"## Policies on {comparison['prompts']} held-out prompts, scored by the reward model", "",
+                  *comparison_table(comparison), "", "### Samples (reward-model score in brackets)", "",
+                  *sample_table(comparison), ""]
+    memory = [d for d in ("sft", "reward", "ppo", "dpo") if (run_dir / d / "memory.png").is_file()]
+    if memory:
+        lines += ["## Memory", ""] + [f"![{d} memory]({d}/memory.png) ([table]({d}/memory.md))" for d in memory] + [""]
+    out = run_dir / REPORT
+    out.write_text("\n".join(lines))
+    return out
+
+
+if __name__ == "__main__":
+    print(write_run_report(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/demo")))
