@@ -79,7 +79,7 @@ def compare_policies(run_dir: Path, args, with_dpo: bool = False) -> dict[str, A
             own, _ = response_logprobs(model, full, att, p, name)
             ref, _ = response_logprobs(model, full, att, p, "sft")
             kls[name] += ((own - ref) * rmask).sum(1).tolist()
-            lengths[name] += rmask.sum(1).tolist()
+            lengths[name] += rmask.sum(1).float().tolist()
             responses[name] += tokenizer.batch_decode(full[:, p:].masked_fill(rmask == 0, tokenizer.pad_token_id),
                                                       skip_special_tokens=True)
     result: dict[str, Any] = {"prompts": len(prompts), "sampling": asdict(sampling), "policies": {}}

@@ -78,9 +78,23 @@ def check_recipe(args: PipelineArguments) -> Path:
     missing = [s for s in needed if not (folder / f"{s}.yaml").is_file()]
     if missing:
         raise SystemExit(f"recipe '{args.recipe}': no {', '.join(m + '.yaml' for m in missing)} in {folder}")
+    # A broken YAML fails here, before hours of training; so do stages that would split the data
+    # differently (a PPO prompt could then be one the SFT stage trained on).
+    from trainer.config import DataArguments
+
+    defaults = DataArguments()
+    splits = {}
     for stage in needed:
-        load_yaml(folder / f"{stage}.yaml")  # a broken YAML fails here, before hours of training
+        values = load_yaml(folder / f"{stage}.yaml")
+        splits[stage] = tuple(values.get(k, getattr(defaults, k)) for k in SPLIT_KEYS)
+    if len(set(splits.values())) > 1:
+        raise SystemExit(f"recipe '{args.recipe}': the stages must split the data alike ({', '.join(SPLIT_KEYS)}), "
+                         f"got {splits}")
     return folder
+
+
+SPLIT_KEYS = ("dataset", "dataset_split", "dataset_subset", "eval_size", "sft_size", "reward_size", "ppo_size",
+              "split_seed")
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
