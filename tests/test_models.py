@@ -126,3 +126,13 @@ def test_gradient_checkpointing_uses_the_transformers_5_api():
 def test_tokenizer_of_a_preset_is_smollm2s_with_a_pad_token():
     tok = load_tokenizer("tiny-llama")
     assert len(tok) == 49152 and tok.pad_token is not None
+
+
+def test_a_preset_with_a_smaller_vocabulary_folds_the_borrowed_tokenizer():
+    tok = load_tokenizer("llama-2-7b")
+    assert len(tok) == 32000
+    ids = tok(["\n\nHuman: hello there\n\nAssistant: General Kenobi"], add_special_tokens=False)["input_ids"][0]
+    raw = tok._tok(["\n\nHuman: hello there\n\nAssistant: General Kenobi"], add_special_tokens=False)["input_ids"][0]
+    assert ids == [i % 32000 for i in raw] and max(ids) < 32000 and max(raw) >= 32000
+    assert tok.eos_token_id == tok._tok.eos_token_id % 32000 and tok.pad_token_id < 32000
+    assert len(load_tokenizer("tiny-llama")) == 49152  # presets without a vocabulary size keep the tokenizer's

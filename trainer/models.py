@@ -109,8 +109,52 @@ def resolve_model_path(name: str) -> Optional[Path]:
     return None
 
 
-def load_tokenizer(name: str):
-    """Tokenizer for a model name. Presets without a tokenizer of their own borrow SmolLM2's."""
+class FoldedTokenizer:
+    """A borrowed tokenizer whose ids are folded into a smaller preset vocabulary (id % vocab).
+
+    Presets have random weights and exist for memory and speed work, where token values do not
+    matter but the embedding and LM-head shapes do: `llama-2-7b` keeps its 32,000-row vocabulary
+    while the text comes from SmolLM2's 49,152-token tokenizer. Decoded text is meaningless.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tok, self.vocab_size = tokenizer, vocab_size
+
+    def _fold(self, value):
+        if isinstance(value, int):
+            return value % self.vocab_size
+        if isinstance(value, list):
+            return [self._fold(v) for v in value]
+        if isinstance(value, torch.Tensor):
+            return value % self.vocab_size
+        return value
+
+    def __call__(self, *args, **kwargs):
+        out = self._tok(*args, **kwargs)
+        out["input_ids"] = self._fold(out["input_ids"])
+        return out
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def eos_token_id(self):
+        return self._fold(self._tok.eos_token_id)
+
+    @property
+    def pad_token_id(self):
+        return self._fold(self._tok.pad_token_id)
+
+    @property
+    def bos_token_id(self):
+        return None if self._tok.bos_token_id is None else self._fold(self._tok.bos_token_id)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def load_tokenizer(name: str, preset_overrides: Optional[str] = None):
+    """Tokenizer for a model name. Presets borrow SmolLM2's, folded into their vocabulary if smaller."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name)
@@ -119,6 +163,12 @@ def load_tokenizer(name: str):
     tokenizer = AutoTokenizer.from_pretrained(str(path) if path else name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if name in PRESETS:
+        vocab = preset_config(name, len(tokenizer), preset_overrides).vocab_size
+        if vocab < len(tokenizer):
+            logger.info("preset %s has %d vocabulary rows, the borrowed tokenizer %d: token ids are folded "
+                        "(id %% %d); fine for memory and speed, meaningless as text", name, vocab, len(tokenizer), vocab)
+            return FoldedTokenizer(tokenizer, vocab)
     return tokenizer
 
 

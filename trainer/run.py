@@ -57,7 +57,7 @@ def start_run(stage_args_cls: type, argv: Optional[list[str]] = None, stage: Opt
     set_seed(train_args.seed)
     check_adapter_paths(stage_args)
     try:
-        tokenizer = load_tokenizer(model_args.model_name_or_path)
+        tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides)
         if stage is not None and train_args.check_budget:
             check_budget(stage, model_args, data_args, train_args, stage_args, accelerator.device)
         splits, _ = load_splits(data_args)
