@@ -185,3 +185,25 @@ def test_killed_ppo_run_resumes_to_the_same_metrics_and_policy(tmp_path):
     a = load_file(str(straight / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(killed / "adapter" / "adapter_model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_scripted_rewards_score_the_decoded_response(smol_tokenizer):
+    from trainer.rollout import ScriptedScorer
+
+    tok = smol_tokenizer
+    prompt = tok(["\n\nHuman: hi\n\nAssistant:"], add_special_tokens=False)["input_ids"][0]
+    texts = [" Thank you, friend.", " No."]
+    rows = [tok([t], add_special_tokens=False)["input_ids"][0] for t in texts]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([prompt + r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+    rmask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    att = torch.cat([torch.ones(2, len(prompt), dtype=torch.long), rmask], dim=1)
+    p = len(prompt)
+    assert ScriptedScorer("keyword:YOU", tok)(None, ids, att, p, rmask).tolist() == [1.0, 0.0]
+    lengths = [len(r) for r in rows]
+    expected = [-abs(n - 3) / 3 for n in lengths]
+    assert ScriptedScorer("length:3", tok)(None, ids, att, p, rmask).tolist() == pytest.approx(expected)
+    assert ScriptedScorer("chars:10", tok)(None, ids, att, p, rmask).tolist() == pytest.approx(
+        [-abs(len(t) - 10) / 10 for t in texts])
+    with pytest.raises(ValueError, match="unknown scripted reward"):
+        ScriptedScorer("sentiment", tok)

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 class PPOArguments:
     sft_adapter: Optional[str] = field(default=None, metadata={"help": "SFT adapter: policy start and frozen reference."})
     reward_adapter: Optional[str] = field(default=None, metadata={"help": "Reward adapter + head (frozen scorer; value start)."})
-    scripted_reward: Optional[str] = field(default=None, metadata={"help": "Instead of a reward model: keyword:WORD or length:N."})
+    scripted_reward: Optional[str] = field(default=None, metadata={"help": "Instead of a reward model: keyword:WORD, length:N or chars:N."})
     rollout_batch_size: int = field(default=8, metadata={"help": "Prompts per PPO step on each process."})
     rollout_micro_batch_size: int = field(default=8, metadata={"help": "Rows per generation / scoring pass."})
     mini_batch_size: int = field(default=4, metadata={"help": "Rows per optimizer step in the update."})

@@ -133,23 +133,28 @@ class ScriptedScorer:
     """A reward computed from the response text, for tests and sanity runs.
 
     `keyword:WORD` scores 1 when WORD appears in the response (case-insensitive), else 0;
-    `length:N` scores -|tokens - N| / N (0 at exactly N response tokens).
+    `length:N` scores -|tokens - N| / N (0 at exactly N response tokens);
+    `chars:N` scores -|characters - N| / N (a target length in characters of the decoded text:
+    dense, so it shows learning within a few steps even with fixed-length responses).
     """
+
+    KINDS = ("keyword", "length", "chars")
 
     def __init__(self, spec: str, tokenizer):
         kind, _, arg = spec.partition(":")
-        if kind not in ("keyword", "length") or not arg:
-            raise ValueError(f"unknown scripted reward '{spec}': use keyword:WORD or length:N")
+        if kind not in self.KINDS or not arg:
+            raise ValueError(f"unknown scripted reward '{spec}': use keyword:WORD, length:N or chars:N")
         self.kind, self.arg, self.tokenizer = kind, arg, tokenizer
-        if kind == "length":
+        if kind in ("length", "chars"):
             self.target = int(arg)
 
     def __call__(self, model, input_ids, attention_mask, prompt_length, response_mask) -> torch.Tensor:
-        lengths = response_mask.sum(dim=1).float()
         if self.kind == "length":
-            return -(lengths - self.target).abs() / self.target
-        texts = self.tokenizer.batch_decode(input_ids[:, prompt_length:].masked_fill(response_mask == 0, self.tokenizer.pad_token_id),
-                                            skip_special_tokens=True)
+            return -(response_mask.sum(dim=1).float() - self.target).abs() / self.target
+        response = input_ids[:, prompt_length:].masked_fill(response_mask == 0, self.tokenizer.pad_token_id)
+        texts = self.tokenizer.batch_decode(response, skip_special_tokens=True)
+        if self.kind == "chars":
+            return torch.tensor([-abs(len(t) - self.target) / self.target for t in texts], device=input_ids.device)
         return torch.tensor([float(self.arg.lower() in t.lower()) for t in texts], device=input_ids.device)
 
 

@@ -48,6 +48,21 @@ def check_adapter_paths(stage_args) -> None:
                              "run the stage that produces it first, or fix the path")
 
 
+def simulate_gpu_memory(gib: float, device) -> None:
+    """Cap the CUDA caching allocator at `gib` GiB, so a larger GPU behaves like a smaller card."""
+    if gib <= 0:
+        return
+    import torch
+
+    if device.type != "cuda":
+        logger.info("simulate_gpu_gib=%s ignored: no CUDA device", gib)
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, gib * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    logger.info("CUDA memory capped at %.1f GiB (%.3f of %.1f GiB)", gib, fraction, total / 2**30)
+
+
 def start_run(stage_args_cls: type, argv: Optional[list[str]] = None, stage: Optional[str] = None) -> RunContext:
     """Parse configs and check them (adapters, model name, memory budget) before anything heavy."""
     model_args, data_args, train_args, stage_args = parse_config(
@@ -55,6 +70,7 @@ def start_run(stage_args_cls: type, argv: Optional[list[str]] = None, stage: Opt
     accelerator = make_accelerator(train_args)
     setup_logging(accelerator)
     set_seed(train_args.seed)
+    simulate_gpu_memory(train_args.simulate_gpu_gib, accelerator.device)
     check_adapter_paths(stage_args)
     try:
         tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides)
