@@ -23,8 +23,10 @@ class BudgetError(SystemExit):
 
 
 def estimate_arguments(stage: str, model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments,
-                       stage_args, device: torch.device):
+                       stage_args, device: torch.device, accelerator=None):
     from profiling.estimate import EstimateArguments
+
+    from trainer.launch import deepspeed_config, offloads_optimizer
 
     four_bit = resolve_quantization(model_args.quantization, device)
     dtype = model_args.dtype
@@ -34,7 +36,9 @@ def estimate_arguments(stage: str, model_args: ModelArguments, data_args: DataAr
         model=model_args.model_name_or_path, stage=stage, preset_overrides=model_args.preset_overrides,
         quantization="nf4" if four_bit else "none", dtype=dtype, lora_r=model_args.lora_r,
         lora_target_modules=model_args.lora_target_modules, lora_dropout=model_args.lora_dropout,
-        optimizer=resolve_optimizer_name(train_args.optimizer, device),
+        # Under a DeepSpeed optimizer-offload launch the states live in host RAM, not on the device.
+        optimizer=("deepspeed_zero2_offload" if accelerator is not None and offloads_optimizer(deepspeed_config(accelerator))
+                   else resolve_optimizer_name(train_args.optimizer, device, quiet=True)),
         gradient_checkpointing=model_args.gradient_checkpointing, micro_batch=train_args.micro_batch_size,
         max_length=data_args.max_length, device="cuda" if device.type == "cuda" else "cpu",
         budget_gib=train_args.memory_budget_gib,
@@ -46,13 +50,13 @@ def estimate_arguments(stage: str, model_args: ModelArguments, data_args: DataAr
 
 
 def check_budget(stage: str, model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments,
-                 stage_args, device: torch.device) -> dict:
+                 stage_args, device: torch.device, accelerator=None) -> dict:
     """Return the estimate; raise BudgetError naming what to change when it does not fit."""
     from profiling import components as C
     from profiling.advice import advice_lines
     from profiling.estimate import estimate, resolve_shape
 
-    args = estimate_arguments(stage, model_args, data_args, train_args, stage_args, device)
+    args = estimate_arguments(stage, model_args, data_args, train_args, stage_args, device, accelerator)
     shape = resolve_shape(args)
     est = estimate(shape, args)
     peak, budget = est["peak_bytes"], args.budget_bytes

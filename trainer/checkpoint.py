@@ -7,6 +7,11 @@ a kill during the write leaves only a `.tmp` folder that resume ignores and the 
 the newest complete checkpoint is always readable.
 
 The frozen base is never written: it is reloaded from its source on resume.
+
+Under DeepSpeed the optimizer state lives in the engine (sharded across ranks under ZeRO), so the
+engine writes it, from every rank, into `deepspeed/` inside the same temporary folder (trainable
+weights only: `exclude_frozen_parameters`), and the rename publishes it with the rest. The LR
+schedule is ours in every mode (scheduler.pt).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import random
 import re
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,6 +34,7 @@ logger = logging.getLogger(__name__)
 PREFIX = "checkpoint-"
 TMP_SUFFIX = ".tmp"
 STATE_FILE = "state.json"
+ENGINE_TAG = "deepspeed"  # the DeepSpeed engine's sub-folder of a checkpoint
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 
 
@@ -70,7 +77,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, model, adapters: list[str],
                     optimizer, scheduler, state: dict[str, Any], keep: int) -> Path:
-    """Write checkpoint `step` atomically on the main process (RNG states from every rank)."""
+    """Write checkpoint `step` atomically (RNG states and, under DeepSpeed, engine shards from every rank)."""
+    from trainer.launch import is_deepspeed
+
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + TMP_SUFFIX)
     if accelerator.is_main_process:
@@ -78,11 +87,18 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, model
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     torch.save(rng_state(), tmp / f"rng-rank{accelerator.process_index}.pt")
+    deepspeed = is_deepspeed(accelerator)
+    if deepspeed:
+        model.save_checkpoint(str(tmp), tag=ENGINE_TAG, client_state={}, save_latest=False,
+                              exclude_frozen_parameters=True)
+    unwrapped = accelerator.unwrap_model(model)
+    with gathered_trainable(accelerator, unwrapped):
+        if accelerator.is_main_process:
+            for name in adapters:
+                unwrapped.save_adapter(name, tmp / "adapters" / name)
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        for name in adapters:
-            unwrapped.save_adapter(name, tmp / "adapters" / name)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if not deepspeed:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
     accelerator.wait_for_everyone()
@@ -98,14 +114,38 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, model
     return final
 
 
+def gathered_trainable(accelerator, unwrapped):
+    """Under ZeRO-3 the trainable weights are partitioned: gather them (on every rank) to save them whole."""
+    from trainer.launch import zero_stage
+
+    if zero_stage(accelerator) != 3:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(unwrapped.trainable_parameters(), modifier_rank=None)
+
+
 def load_checkpoint(accelerator, path: Path, model, adapters: list[str], optimizer, scheduler) -> dict[str, Any]:
     """Restore adapters, optimizer, scheduler and this rank's RNG from `path`; return its state.json."""
+    from trainer.launch import is_deepspeed
     from trainer.shared_base import load_adapter_weights
 
-    unwrapped = accelerator.unwrap_model(model)
-    for name in adapters:
-        load_adapter_weights(unwrapped, name, path / "adapters" / name)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
+    if is_deepspeed(accelerator):
+        if not (path / ENGINE_TAG).is_dir():
+            raise FileNotFoundError(f"{path} was not written under DeepSpeed (no {ENGINE_TAG}/ folder); resume it "
+                                    "with the launch config it was saved with, or start fresh with --resume no")
+        # Trainable weights and optimizer state (with its fp32 master copy), each rank its own shard.
+        loaded, _ = model.load_checkpoint(str(path), tag=ENGINE_TAG, load_module_strict=False)
+        if loaded is None:
+            raise RuntimeError(f"DeepSpeed could not load the engine state in {path / ENGINE_TAG}")
+    else:
+        if (path / ENGINE_TAG).is_dir():
+            raise FileNotFoundError(f"{path} was written under DeepSpeed (its optimizer state is in {ENGINE_TAG}/); "
+                                    "resume it with the DeepSpeed launch config, or start fresh with --resume no")
+        unwrapped = accelerator.unwrap_model(model)
+        for name in adapters:
+            load_adapter_weights(unwrapped, name, path / "adapters" / name)
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     rng_file = path / f"rng-rank{accelerator.process_index}.pt"
     if rng_file.is_file():

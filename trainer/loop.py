@@ -1,7 +1,9 @@
 """The training loop every stage shares: accumulate, clip, step, evaluate, checkpoint, log.
 
 A stage (SFT, reward, DPO) supplies `compute_loss(model, batch)` and `evaluate(model)`; this module
-owns everything around them, so no stage script repeats it.
+owns everything around them, so no stage script repeats it. The same loop runs on one device, under
+DDP, and under DeepSpeed, where the engine clips and steps inside the last backward of a step
+(see `run_training`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.config import TrainArguments
-from trainer.optim import build_optimizer, cosine_with_warmup
+from trainer.launch import (
+    RowTrace, accelerator_kwargs, describe_engine, fill_deepspeed_autos, fix_deepspeed_cpu_ranks, is_deepspeed,
+)
+from trainer.optim import build_loop_optimizer, schedule_for
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +92,8 @@ def make_accelerator(args: TrainArguments):
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise warn on every import
     out = Path(args.output_dir)
-    return Accelerator(
-        cpu=not torch.cuda.is_available(),
+    accelerator = Accelerator(
+        **accelerator_kwargs(),
         mixed_precision=resolve_mixed_precision(args.mixed_precision),
         # Steps are counted in micro-batches, never cut short at an epoch boundary.
         gradient_accumulation_plugin=GradientAccumulationPlugin(
@@ -96,6 +101,14 @@ def make_accelerator(args: TrainArguments):
         log_with="tensorboard" if args.report_to == "tensorboard" else None,
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tensorboard")),
     )
+    fix_deepspeed_cpu_ranks(accelerator)
+    return accelerator
+
+
+def finish_trackers(accelerator) -> None:
+    """`end_training` without its destroy_process_group: the stage still saves its adapter after the loop."""
+    for tracker in accelerator.trackers:
+        tracker.finish()
 
 
 def setup_logging(accelerator, stream=None) -> None:
@@ -193,12 +206,17 @@ def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callab
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     unwrapped = model
-    params = unwrapped.trainable_parameters()
-    optimizer = build_optimizer(params, args.optimizer, args.learning_rate, args.weight_decay, accelerator.device)
-    scheduler = cosine_with_warmup(optimizer, args.warmup_steps, args.max_steps, args.min_lr_ratio)
+    optimizer = build_loop_optimizer(unwrapped.trainable_parameters(), args, accelerator)
     loader, sampler = make_loader(train_dataset, collate_fn, args.micro_batch_size, args.seed)
+    fill_deepspeed_autos(accelerator, unwrapped, args.max_grad_norm)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    scheduler = schedule_for(model, optimizer, args)
+    deepspeed = is_deepspeed(accelerator)
+    if deepspeed and accelerator.is_main_process:
+        logger.info(describe_engine(model))
+    params = [p for p in model.parameters() if p.requires_grad]  # FSDP swaps in sharded ones in prepare
     recorder = make_recorder(stage.name, unwrapped, optimizer, args, accelerator)
+    trace = RowTrace(accelerator)
 
     state = {"epoch": 0, "batches_in_epoch": 0, "bad_steps_in_row": 0, "bad_steps_total": 0}
     metrics_log = MetricsLog(accelerator, output_dir)
@@ -225,29 +243,42 @@ def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callab
         started = time.perf_counter()
         sums: dict[str, float] = defaultdict(float)
         tokens, finite = 0, True
+        lr = scheduler.get_last_lr()[0]
         with recorder.phase("forward_backward", count_saved=step == start_step + 1):
             for _ in range(args.gradient_accumulation_steps):
                 state["epoch"], state["batches_in_epoch"], batch = next(stream)
+                trace.record(step, batch)
                 with accelerator.accumulate(model), accelerator.autocast():
                     out = stage.compute_loss(model, batch)
-                    if all_finite(accelerator, out.loss):
+                    loss_finite = all_finite(accelerator, out.loss)
+                    finite = finite and loss_finite
+                    # DeepSpeed counts micro-steps itself and steps inside the last backward: it gets
+                    # every loss, and a NaN one makes NaN gradients that its overflow check skips.
+                    if loss_finite or deepspeed:
                         accelerator.backward(out.loss)
-                    else:
-                        finite = False
                 tokens += out.tokens
                 for key, value in out.metrics.items():
                     sums[key] += float(value) / args.gradient_accumulation_steps
             recorder.sample()  # gradients are alive here
-        grad_norm = torch.tensor(float("nan"))
-        if finite:
-            max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-            grad_norm = accelerator.clip_grad_norm_(params, max_norm)
-            finite = all_finite(accelerator, grad_norm)
-        lr = scheduler.get_last_lr()[0]
-        if finite:
-            with recorder.phase("optimizer_step"):
-                optimizer.step()
+        if deepspeed:
+            # The engine clipped to max_grad_norm and stepped, or skipped the step (non-finite gradients).
+            stepped, grad_norm = model.was_step_applied(), model.get_global_grad_norm()
+            grad_norm = torch.tensor(float("nan") if grad_norm is None else float(grad_norm))
+            # fp16 loss scaling skips steps by design while it calibrates: not a bad step.
+            finite = stepped or (finite and model.fp16_enabled())
+        else:
+            grad_norm = torch.tensor(float("nan"))
+            if finite:
+                max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+                grad_norm = accelerator.clip_grad_norm_(params, max_norm)
+                finite = all_finite(accelerator, grad_norm)
+            stepped = finite
+            if stepped:
+                with recorder.phase("optimizer_step"):
+                    optimizer.step()
+        if stepped:
             scheduler.step()
+        if finite:
             state["bad_steps_in_row"] = 0
         else:
             state["bad_steps_in_row"] += 1
@@ -256,7 +287,7 @@ def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callab
                            step, state["bad_steps_in_row"], state["bad_steps_total"])
         optimizer.zero_grad(set_to_none=True)
         if state["bad_steps_in_row"] >= args.max_bad_steps:
-            accelerator.end_training()
+            finish_trackers(accelerator)
             raise TrainingDiverged(
                 f"{state['bad_steps_in_row']} steps in a row had a NaN/inf loss or gradient (at step {step}); "
                 "lower the learning rate, check the data, or raise max_bad_steps")
@@ -284,7 +315,7 @@ def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callab
                             {**state, **extras}, args.keep_checkpoints)
     bar.close()
     recorder.write(output_dir, config=flat_config(config or {}))
-    accelerator.end_training()
+    finish_trackers(accelerator)
     return last_eval
 
 

@@ -316,7 +316,7 @@ def enable_checkpointing(model, context_fn=None) -> None:
 
 
 def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, device: Optional[torch.device] = None,
-                    quant_storage: torch.dtype = torch.uint8, checkpointing: Optional[bool] = None):
+                    quant_storage: Optional[torch.dtype] = None, checkpointing: Optional[bool] = None):
     """Load the frozen base model (weights requires_grad=False) on `device`, per `args`.
 
     Returns the transformers causal LM. Logs the quantization, dtype and attention backend chosen.
@@ -329,6 +329,10 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
     attn = pick_attention(args.attn_implementation, device)
     if four_bit and dtype == torch.float32:
         dtype = torch.bfloat16  # NF4 compute runs in bf16 (QLoRA); fp32 compute only doubles the dequant cost
+    if quant_storage is None:
+        from trainer.launch import quant_storage_for
+
+        quant_storage = quant_storage_for(dtype)  # the compute dtype where ZeRO-3 / FSDP shard the weights
     name = args.model_name_or_path
     path = resolve_model_path(name)
     if name in PRESETS:

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 
 import torch
+
+from trainer.launch import deepspeed_config, is_deepspeed_engine, offloads_optimizer
 
 logger = logging.getLogger(__name__)
 
 OPTIMIZERS = ("auto", "paged_adamw_8bit", "adamw_8bit", "adamw_torch")
 
 
-def resolve_optimizer_name(name: str, device: torch.device) -> str:
+def resolve_optimizer_name(name: str, device: torch.device, quiet: bool = False) -> str:
     """'auto' is bitsandbytes' paged 8-bit AdamW on CUDA and torch AdamW on CPU.
 
     On CPU bitsandbytes has no paging (it would warn and fall back), so a paged request becomes
@@ -23,7 +26,8 @@ def resolve_optimizer_name(name: str, device: torch.device) -> str:
     if name == "auto":
         return "paged_adamw_8bit" if device.type == "cuda" and _bnb_ok() else "adamw_torch"
     if name == "paged_adamw_8bit" and device.type != "cuda":
-        logger.info("optimizer paged_adamw_8bit -> adamw_8bit: paging needs CUDA unified memory")
+        if not quiet:
+            logger.info("optimizer paged_adamw_8bit -> adamw_8bit: paging needs CUDA unified memory")
         return "adamw_8bit"
     if name in ("paged_adamw_8bit", "adamw_8bit") and not _bnb_ok():
         raise ValueError(f"optimizer {name} needs bitsandbytes, which does not import here")
@@ -43,11 +47,7 @@ def build_optimizer(params: list[torch.nn.Parameter], name: str, lr: float, weig
     if not params:
         raise ValueError("no trainable parameters: every adapter is frozen")
     name = resolve_optimizer_name(name, device)
-    # Weight decay on LoRA matrices and head weights only, never on biases.
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
-                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    groups = param_groups(params, weight_decay)
     if name == "adamw_torch":
         opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)
     else:
@@ -58,6 +58,73 @@ def build_optimizer(params: list[torch.nn.Parameter], name: str, lr: float, weig
     logger.info("optimizer %s over %s parameters", name, f"{sum(p.numel() for p in params):,}")
     opt.resolved_name = name  # what 'auto' became, for reports
     return opt
+
+
+def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """Weight decay on LoRA matrices and head weights only, never on biases."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay},
+                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+
+
+# What a DeepSpeed config without an "optimizer" section gets when it offloads the optimizer.
+DEEPSPEED_ADAMW = {"type": "AdamW",
+                   "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.999], "eps": 1e-8}}
+
+
+def build_loop_optimizer(params: list[torch.nn.Parameter], args, accelerator):
+    """The optimizer to hand `accelerator.prepare`, per launch mode.
+
+    Under DeepSpeed with optimizer offload (or an "optimizer" section in its config) it is a
+    placeholder (DummyOptim) from which the engine builds its own optimizer; elsewhere it is ours.
+    The LR schedule is built after `prepare` (see `schedule_for`).
+    """
+    ds_config = deepspeed_config(accelerator)
+    if ds_config is not None and (offloads_optimizer(ds_config) or "optimizer" in ds_config):
+        return deepspeed_optimizer(params, args, ds_config, accelerator.is_main_process)
+    return build_optimizer(params, args.optimizer, args.learning_rate, args.weight_decay, accelerator.device)
+
+
+def schedule_for(prepared_model, prepared_optimizer, args) -> torch.optim.lr_scheduler.LambdaLR:
+    """Our cosine schedule over the optimizer that really steps, in every launch mode.
+
+    The caller steps it once per optimizer step taken. It is never handed to `prepare`: Accelerate's
+    wrapper would step it once per process, and with DeepSpeed's optimizer the engine would step it
+    once per engine step (PPO schedules per PPO step, not per minibatch). Under DeepSpeed the
+    optimizer that steps is the engine's basic optimizer (DeepSpeedCPUAdam with offload).
+    """
+    target = prepared_model.basic_optimizer if is_deepspeed_engine(prepared_model) else prepared_optimizer.optimizer
+    return cosine_with_warmup(target, args.warmup_steps, args.max_steps, args.min_lr_ratio)
+
+
+def deepspeed_optimizer(params: list[torch.nn.Parameter], args, ds_config: dict, main_process: bool = True):
+    """Placeholders for the optimizer the DeepSpeed config names (AdamW added if it offloads and names none).
+
+    DeepSpeed's CPU optimizer offload and a client optimizer (bitsandbytes' 8-bit AdamW) are
+    alternatives: the offloaded step runs DeepSpeed's CPU AdamW kernel on fp32 states in host memory.
+    An explicit 8-bit request gives way to the launch config, with one line saying so. (Handing
+    Accelerate a client optimizer here would make it swap in DeepSpeedCPUAdam silently, as plain
+    Adam for a bitsandbytes optimizer.)
+    """
+    from accelerate.utils import DummyOptim
+
+    if not params:
+        raise ValueError("no trainable parameters: every adapter is frozen")
+    offload = offloads_optimizer(ds_config)
+    if "optimizer" not in ds_config:
+        ds_config["optimizer"] = copy.deepcopy(DEEPSPEED_ADAMW)
+    kind = ds_config["optimizer"].get("type", "?")
+    chosen = f"DeepSpeed {kind}" + (" on the CPU (optimizer offload)" if offload else "")
+    if args.optimizer in ("paged_adamw_8bit", "adamw_8bit") and main_process:
+        why = ("the DeepSpeed config offloads the optimizer to CPU, and its offloaded step runs only "
+               "DeepSpeed's own optimizer" if offload else "the DeepSpeed config names its own optimizer")
+        logger.warning("optimizer %s -> %s: %s; for %s launch without DeepSpeed optimizer offload "
+                       "(accelerate_configs/single_gpu.yaml or multi_gpu.yaml)", args.optimizer, chosen, why,
+                       args.optimizer)
+    elif main_process:
+        logger.info("optimizer %s over %s parameters", chosen, f"{sum(p.numel() for p in params):,}")
+    return DummyOptim(param_groups(params, args.weight_decay), lr=args.learning_rate, weight_decay=args.weight_decay)
 
 
 def cosine_with_warmup(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,

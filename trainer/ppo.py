@@ -21,10 +21,12 @@ import torch
 from trainer.checkpoint import save_checkpoint
 from trainer.collators import PromptCollator
 from trainer.kl_control import make_kl_controller
+from trainer.launch import describe_engine, fill_deepspeed_autos, is_deepspeed
 from trainer.loop import (
-    MetricsLog, all_finite, batch_stream, flat_config, make_loader, make_recorder, peak_memory_gb, resume_path,
+    MetricsLog, all_finite, batch_stream, finish_trackers, flat_config, make_loader, make_recorder, peak_memory_gb,
+    resume_path,
 )
-from trainer.optim import build_optimizer, cosine_with_warmup
+from trainer.optim import build_loop_optimizer, schedule_for
 from trainer.ppo_step import UpdateConfig, compute_advantages, ppo_update, rollout_metrics
 from trainer.rollout import RewardModelScorer, SamplingConfig, ScriptedScorer, make_rollout, sample_responses
 from trainer.run import RunContext, check_adapter_paths, eval_history, save_final_adapter, start_run, write_results
@@ -88,10 +90,18 @@ class PPOTrainer:
         acc, targs, args = self.accelerator, self.targs, self.args
         out_dir = Path(targs.output_dir)
         params = self.model.trainable_parameters()
-        optimizer = build_optimizer(params, targs.optimizer, targs.learning_rate, targs.weight_decay, acc.device)
-        scheduler = cosine_with_warmup(optimizer, targs.warmup_steps, targs.max_steps, targs.min_lr_ratio)
+        optimizer = build_loop_optimizer(params, targs, acc)
         loader, sampler = make_loader(self.train_prompts, self.collate, args.rollout_batch_size, targs.seed)
+        if is_deepspeed(acc):  # the engine fixes its accumulation at prepare: one step per PPO minibatch
+            acc.gradient_accumulation_steps = args.mini_batch_size // targs.micro_batch_size
+        fill_deepspeed_autos(acc, self.model, targs.max_grad_norm)
         model, optimizer, loader = acc.prepare(self.model, optimizer, loader)
+        scheduler = schedule_for(model, optimizer, targs)
+        # Generation and the no-grad scoring passes go around the DDP / engine wrapper (DDP has no
+        # generate, and no gradient sync is wanted there); the update goes through it.
+        raw = acc.unwrap_model(model)
+        if is_deepspeed(acc) and acc.is_main_process:
+            logger.info(describe_engine(model))
         recorder = make_recorder("ppo", self.model, optimizer, targs, acc)
         generator = torch.Generator().manual_seed(targs.seed)  # minibatch order, saved with the checkpoint
         metrics_log = MetricsLog(acc, out_dir)
@@ -108,18 +118,16 @@ class PPOTrainer:
         elif acc.is_main_process and metrics_log.path.exists():
             metrics_log.path.unlink()
         if targs.report_to == "tensorboard":
-            from trainer.loop import _flat_config
-
             acc.init_trackers("ppo", config=flat_config(self.ctx.config()))
         if start == 0:
-            self._log_eval(model, metrics_log, 0)
+            self._log_eval(raw, metrics_log, 0)
         stream = batch_stream(acc, loader, sampler, state["epoch"], state["batches_in_epoch"])
         micro = self.update_cfg.micro_batch_size
         for step in range(start + 1, targs.max_steps + 1):
             state["epoch"], state["batches_in_epoch"], batch = next(stream)
             t0 = time.perf_counter()
-            model.eval()
-            rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], self.sampling, self.scorer,
+            raw.eval()
+            rollout = make_rollout(raw, batch["input_ids"], batch["attention_mask"], self.sampling, self.scorer,
                                    self.eos_id, self.pad_id, args.rollout_micro_batch_size, args.missing_eos_penalty,
                                    phase=recorder.phase)
             t_rollout = time.perf_counter() - t0
@@ -158,7 +166,7 @@ class PPOTrainer:
                             metrics["policy/clipfrac_avg"], metrics["val/response_length"], t_rollout,
                             metrics["perf/generate_tokens_per_s"], t_update, peak)
             if step == targs.max_steps or (targs.eval_every and step % targs.eval_every == 0):
-                self._log_eval(model, metrics_log, step)
+                self._log_eval(raw, metrics_log, step)
             if targs.save_every and (step % targs.save_every == 0 or step == targs.max_steps):
                 extra = {**state, "kl_controller": self.kl_ctl.state_dict(),
                          "minibatch_rng": generator.get_state().tolist()}
@@ -168,7 +176,7 @@ class PPOTrainer:
             logger.warning("the update settled on micro-batch %d (asked for %d) after running out of memory",
                            micro, targs.micro_batch_size)
         recorder.write(out_dir, config=flat_config(self.ctx.config()))
-        acc.end_training()
+        finish_trackers(acc)
         return {"update_micro_batch": micro}
 
     @torch.no_grad()

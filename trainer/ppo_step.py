@@ -133,6 +133,10 @@ def ppo_update(model, accelerator, optimizer, params, rollout: Rollout, adv: Adv
                 except (torch.OutOfMemoryError, RuntimeError) as exc:
                     if not is_oom(exc) or micro == 1:
                         raise
+                    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+                        # The engine owns the gradients and fixed its accumulation at prepare time.
+                        raise RuntimeError("out of memory in the PPO update under DeepSpeed: lower "
+                                           "micro_batch_size (the automatic retry needs the plain loop)") from exc
                     optimizer.zero_grad(set_to_none=True)
                     free_memory()
                     micro //= 2

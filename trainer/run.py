@@ -12,7 +12,9 @@ from accelerate.utils import set_seed
 
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
 from trainer.budget import check_budget
+from trainer.checkpoint import gathered_trainable
 from trainer.data import DataError, Splits, load_splits
+from trainer.launch import check_launch
 from trainer.loop import make_accelerator, setup_logging
 from trainer.models import ModelLoadError, load_tokenizer
 
@@ -69,13 +71,14 @@ def start_run(stage_args_cls: type, argv: Optional[list[str]] = None, stage: Opt
         (ModelArguments, DataArguments, TrainArguments, stage_args_cls), argv)
     accelerator = make_accelerator(train_args)
     setup_logging(accelerator)
+    check_launch(accelerator, stage)
     set_seed(train_args.seed)
     simulate_gpu_memory(train_args.simulate_gpu_gib, accelerator.device)
     check_adapter_paths(stage_args)
     try:
         tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides)
         if stage is not None and train_args.check_budget:
-            check_budget(stage, model_args, data_args, train_args, stage_args, accelerator.device)
+            check_budget(stage, model_args, data_args, train_args, stage_args, accelerator.device, accelerator)
         splits, _ = load_splits(data_args)
     except (ModelLoadError, DataError) as exc:
         raise SystemExit(f"{type(exc).__name__}: {exc}") from exc
@@ -90,9 +93,11 @@ def start_run(stage_args_cls: type, argv: Optional[list[str]] = None, stage: Opt
 def save_final_adapter(ctx: RunContext, model, adapter: str, folder: str = "adapter") -> Optional[Path]:
     """The stage's product in PEFT format, with the base-model settings needed to load it again."""
     ctx.accelerator.wait_for_everyone()
-    if not ctx.accelerator.is_main_process:
-        return None
-    out = ctx.accelerator.unwrap_model(model).save_adapter(adapter, ctx.output_dir / folder)
+    unwrapped = ctx.accelerator.unwrap_model(model)
+    with gathered_trainable(ctx.accelerator, unwrapped):  # ZeRO-3 partitions them: every rank gathers
+        if not ctx.accelerator.is_main_process:
+            return None
+        out = unwrapped.save_adapter(adapter, ctx.output_dir / folder)
     (out / BASE_MODEL_FILE).write_text(json.dumps(asdict(ctx.model_args), indent=2))
     logger.info("saved the %s adapter to %s", adapter, out)
     return out

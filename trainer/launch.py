@@ -1,0 +1,193 @@
+"""What the launch config (accelerate_configs/) means for the trainer, decided once at start.
+
+Single GPU, DDP, DeepSpeed ZeRO-2/3 and FSDP all run the same loop; this module holds the few
+places where they differ: which launch mode is on, the combinations refused up front (one line,
+no stack trace), the 4-bit storage dtype that sharding needs, and a debug trace of the rows each
+rank trains on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+TRACE_ROWS_ENV = "RLHF_TRACE_ROWS"  # a folder: each rank appends the rows of every micro-batch it trains on
+# Stages that switch adapters on one base inside a step (DPO: policy/reference; PPO: all four) and,
+# for PPO, generate with it.
+MULTI_ADAPTER_STAGES = ("dpo", "ppo")
+
+
+class LaunchError(SystemExit):
+    """A launch config that cannot work with this run; the message says what to use instead."""
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def deepspeed_requested() -> bool:
+    """The launcher was given a DeepSpeed config (accelerate sets this for DEEPSPEED configs)."""
+    return _env_true("ACCELERATE_USE_DEEPSPEED")
+
+
+def fsdp_requested() -> bool:
+    return _env_true("ACCELERATE_USE_FSDP")
+
+
+# These take an Accelerator or Accelerate's AcceleratorState (both say `distributed_type`).
+def is_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def is_fsdp(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def is_deepspeed_engine(model) -> bool:
+    """A model `prepare` wrapped in DeepSpeed's engine (which clips, steps and skips in backward)."""
+    return type(model).__name__ == "DeepSpeedEngine" or hasattr(model, "was_step_applied")
+
+
+def deepspeed_config(accelerator) -> Optional[dict]:
+    """The DeepSpeed config dict the engine will get (with 'auto' values still unfilled), or None."""
+    if not is_deepspeed(accelerator):
+        return None
+    return getattr(accelerator, "state", accelerator).deepspeed_plugin.deepspeed_config
+
+
+def zero_stage(accelerator) -> int:
+    config = deepspeed_config(accelerator)
+    return int(config.get("zero_optimization", {}).get("stage", 0)) if config else 0
+
+
+def offloads_optimizer(config: Optional[dict]) -> bool:
+    device = (config or {}).get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    return device not in (None, "none")
+
+
+def shards_parameters(accelerator) -> bool:
+    """ZeRO-3 or FSDP: every parameter, the frozen base included, is split across ranks."""
+    return is_fsdp(accelerator) or zero_stage(accelerator) == 3
+
+
+def accelerator_kwargs() -> dict:
+    """`cpu=` for Accelerator: True with no CUDA, except under DeepSpeed, which brings its own CPU backend.
+
+    With cpu=True Accelerate never switches to DeepSpeed (it would silently train with plain
+    gloo DDP and ignore the DeepSpeed config), so a DeepSpeed launch on CPU passes cpu=False.
+    """
+    if torch.cuda.is_available():
+        return {"cpu": False}
+    if fsdp_requested():
+        raise LaunchError("FSDP (accelerate_configs/fsdp_qlora.yaml) needs CUDA GPUs; on CPU use "
+                          "accelerate_configs/cpu_2proc.yaml (DDP over gloo) or a DeepSpeed config")
+    return {"cpu": not deepspeed_requested()}
+
+
+def fix_deepspeed_cpu_ranks(accelerator) -> None:
+    """Accelerate 1.15 on CPU under DeepSpeed reports 1 process, rank 0 on every rank: correct it.
+
+    With no CUDA, Accelerate lets DeepSpeed open the process group (gloo) but then takes the
+    'no backend' branch and records num_processes=1, process_index=0. Left so, every rank would
+    read the same rows, write the checkpoints, and compute train_batch_size for one process (which
+    DeepSpeed rejects). The real figures come from the process group DeepSpeed opened.
+    """
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, PartialState
+
+    if not (is_deepspeed(accelerator) and dist.is_available() and dist.is_initialized()):
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if accelerator.num_processes == world and accelerator.process_index == rank:
+        return
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+        shared.update(num_processes=world, process_index=rank, local_process_index=local)
+
+
+def fill_deepspeed_autos(accelerator, model, max_grad_norm: float) -> None:
+    """Fill the DeepSpeed config's "auto" values Accelerate cannot fill for the shared-base model.
+
+    Accelerate sizes the ZeRO buckets from `model.config.hidden_size`, which the wrapper does not
+    have (its base does), and fills gradient_clipping with 1.0 whatever the run asked for.
+    """
+    config = deepspeed_config(accelerator)
+    if config is None:
+        return
+    if config.get("gradient_clipping") == "auto":
+        config["gradient_clipping"] = max_grad_norm  # the engine clips; 0 turns clipping off
+    hidden = model.causal_lm.config.hidden_size
+    zero = config.get("zero_optimization", {})
+    for key, value in (("reduce_bucket_size", hidden * hidden),  # Accelerate's own formulas
+                       ("stage3_prefetch_bucket_size", int(0.9 * hidden * hidden)),
+                       ("stage3_param_persistence_threshold", 10 * hidden)):
+        if zero.get(key) == "auto":
+            zero[key] = value
+
+
+def describe_engine(model) -> Optional[str]:
+    """One line on what DeepSpeed built (None for other launch modes), for the run log."""
+    if not is_deepspeed_engine(model):
+        return None
+    offload = " with CPU optimizer offload" if model.zero_cpu_offload() else ""
+    return (f"DeepSpeed ZeRO-{model.zero_optimization_stage()}{offload}: optimizer "
+            f"{type(model.basic_optimizer).__name__}, {model.gradient_accumulation_steps()} micro-batches a step, "
+            f"clipping at {model.gradient_clipping()}, {model.world_size} ranks")
+
+
+def check_launch(accelerator, stage: Optional[str]) -> None:
+    """Refuse, at start and in one line, the launch modes a stage cannot run under."""
+    if stage not in MULTI_ADAPTER_STAGES or not shards_parameters(accelerator):
+        return
+    mode = "FSDP" if is_fsdp(accelerator) else "DeepSpeed ZeRO-3"
+    what = "generates with and switches four adapters on" if stage == "ppo" else "switches policy/reference adapters on"
+    raise LaunchError(
+        f"{stage} under {mode} is not supported: it {what} one base whose weights {mode} partitions across "
+        "ranks (untested, and every switch or decoded token would gather the whole base); use "
+        "accelerate_configs/multi_gpu.yaml or accelerate_configs/deepspeed_zero2_offload.yaml")
+
+
+def quant_storage_for(compute_dtype: torch.dtype, accelerator=None) -> torch.dtype:
+    """Storage dtype of packed 4-bit weights: the compute dtype where ZeRO-3 / FSDP shard them.
+
+    Both shard flat tensors of one floating dtype; uint8-packed NF4 weights would be left out or
+    mixed with the bf16 LoRA weights, so QLoRA under them stores the packed bytes as bf16 tensors
+    (bnb_4bit_quant_storage), which changes nothing in the weights' values or size. Without an
+    `accelerator`, the one this process made (Accelerate's shared state) decides.
+    """
+    if accelerator is None:
+        from accelerate.state import AcceleratorState
+
+        if not AcceleratorState._shared_state:
+            return torch.uint8
+        accelerator = AcceleratorState()
+    return compute_dtype if shards_parameters(accelerator) else torch.uint8
+
+
+class RowTrace:
+    """Debug hook: with $RLHF_TRACE_ROWS set to a folder, each rank appends, per micro-batch, a short
+    hash of every row it trains on to `rows-rank{R}.jsonl`, so a test can prove the ranks saw
+    different rows and together the same rows as a single process."""
+
+    def __init__(self, accelerator):
+        folder = os.environ.get(TRACE_ROWS_ENV)
+        self.path = Path(folder) / f"rows-rank{accelerator.process_index}.jsonl" if folder else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(self, step: int, batch: dict[str, torch.Tensor]) -> None:
+        if self.path is None:
+            return
+        ids, mask = batch["input_ids"], batch["attention_mask"].bool()
+        rows = [hashlib.sha1(ids[i][mask[i]].cpu().numpy().tobytes()).hexdigest()[:16] for i in range(ids.shape[0])]
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "rows": rows}) + "\n")
