@@ -1,0 +1,1 @@
+"""Benchmarks that compare this trainer with others; results under benchmarks/results/."""

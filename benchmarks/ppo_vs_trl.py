@@ -1,0 +1,237 @@
+"""Our PPO step against TRL's PPOTrainer on the same work, in ONE process: a JSON + Markdown comparison.
+
+    python -m benchmarks.ppo_vs_trl                                   # SmolLM2-135M, CPU or GPU
+    python -m benchmarks.ppo_vs_trl --model_name_or_path llama-2-7b --quantization nf4 --simulate_gpu_gib 24 ...
+
+Both sides get the same base weights, the same hh-rlhf prompts (all exactly `prompt_length`
+tokens), responses of exactly `max_new_tokens` tokens, the same rollout / mini / micro batch sizes,
+PPO epochs, LoRA shape, learning rate, optimizer, dtype and reward function (an untrained scalar
+head with identical weights on the same base). The sides run one after the other (ours first,
+then TRL); everything of the first is freed before the second starts, and each side's peak
+memory is reset after its models are loaded. `warmup_steps` steps are run first and left out of the
+timings. Writes ppo_vs_trl.json and ppo_vs_trl.md to `out_dir` (rewritten after each side).
+Figures on CPU and on a GPU are never put in one table: each file holds one device.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from benchmarks.measure import MemoryProbe, release_memory
+from benchmarks.workload import (
+    BenchArguments, export_tokenizer, fixed_length_prompts, head_weights, hidden_size, load_bench_tokenizer,
+    trl_batch_settings,
+)
+
+logger = logging.getLogger("benchmarks.ppo_vs_trl")
+ROOT = Path(__file__).resolve().parent.parent
+SIDE_NAMES = {"ours": "ours (one base, 4 adapters)", "trl": "TRL 1.12 PPOTrainer"}
+
+
+def parse(argv: Optional[list[str]]) -> BenchArguments:
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(BenchArguments).parse_args_into_dataclasses(args=argv)
+    return args
+
+
+def make_bench_accelerator(args: BenchArguments, out_dir: str):
+    """Our Accelerator, created before TRL's: TRL's `Accelerator()` then shares its mixed precision."""
+    from trainer.config import TrainArguments
+    from trainer.loop import make_accelerator
+
+    return make_accelerator(TrainArguments(output_dir=out_dir, micro_batch_size=args.micro_batch_size,
+                                           mixed_precision="auto", report_to="none", seed=args.seed))
+
+
+def summarize(side: dict, tokens: dict[str, int]) -> dict:
+    """Means over the measured steps; peaks over every step (warm-up included, model loading excluded)."""
+    measured = [s for s in side["steps"] if not s["warmup"]]
+    if not measured:
+        return {}
+
+    def mean(key: str) -> Optional[float]:
+        values = [s[key] for s in measured if s.get(key) is not None]
+        return statistics.fmean(values) if values else None
+
+    out = {k: mean(k) for k in ("step_s", "rollout_s", "generate_s", "update_s", "step_cpu_s", "rollout_cpu_s",
+                                "update_cpu_s", "optimizer_steps")}
+    out["rollout_tokens_per_s"] = tokens["generated"] / out["rollout_s"]
+    out["generate_tokens_per_s"] = tokens["generated"] / out["generate_s"] if out["generate_s"] else None
+    out["update_tokens_per_s"] = tokens["update"] / out["update_s"]
+    out["measured_steps"] = len(measured)
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes"):
+        values = [s["peak"][key] for s in side["steps"] if s["peak"].get(key) is not None]
+        out[key] = max(values) if values else None
+    out["nvml_used_max_bytes"] = side.get("nvml_used_max_bytes")
+    start_rss = (side.get("at_start") or {}).get("rss_bytes")
+    out["peak_rss_above_start_bytes"] = (out["peak_rss_bytes"] - start_rss
+                                         if out["peak_rss_bytes"] is not None and start_rss is not None else None)
+    return out
+
+
+def ratios(ours: dict, trl: dict) -> dict[str, Optional[float]]:
+    """How many times faster / lighter ours is (TRL's figure over ours: > 1 means ours is better)."""
+    def over(key: str) -> Optional[float]:
+        a, b = ours.get(key), trl.get(key)
+        return b / a if a and b else None
+
+    return {"step_time_speedup": over("step_s"), "rollout_speedup": over("rollout_s"),
+            "generation_speedup": over("generate_s"), "update_speedup": over("update_s"),
+            "step_cpu_time_speedup": over("step_cpu_s"), "rollout_cpu_time_speedup": over("rollout_cpu_s"),
+            "update_cpu_time_speedup": over("update_cpu_s"),
+            "peak_allocated_trl_over_ours": over("peak_allocated_bytes"),
+            "peak_reserved_trl_over_ours": over("peak_reserved_bytes"),
+            "peak_rss_trl_over_ours": over("peak_rss_bytes"),
+            "peak_rss_above_start_trl_over_ours": over("peak_rss_above_start_bytes")}
+
+
+def run_side(name: str, args: BenchArguments, prompts, tokenizer, accelerator, probe: MemoryProbe, heads) -> dict:
+    result = {"side": name, "label": SIDE_NAMES[name], "status": "ok", "error": None, "steps": [], "setup": {}}
+    release_memory()
+    result["at_start"] = probe.now()
+    result["load_average_at_start"] = os.getloadavg()  # other jobs on the machine stretch wall times
+    try:
+        if name == "ours":
+            from benchmarks.ours import run_ours
+
+            run_ours(args, prompts, tokenizer, accelerator, probe, heads, result)
+        else:
+            from benchmarks.trl_ppo import run_trl
+
+            run_trl(args, prompts, tokenizer, accelerator, probe, heads, result)
+    except torch.OutOfMemoryError as exc:
+        result.update(status="out_of_memory", error=f"{type(exc).__name__}: {str(exc)[:500]}")
+        logger.error("%s ran out of memory: %s", name, str(exc)[:300])
+    except Exception as exc:  # a broken side still leaves the other side's figures
+        result.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:500]}")
+        logger.exception("%s failed", name)
+    # NVML's device-wide reading (CUDA context and paged optimizer states included) at phase ends.
+    result["nvml_used_max_bytes"] = probe.nvml_max
+    probe.nvml_max = None
+    release_memory()
+    result["at_end"] = probe.now()
+    result["load_average_at_end"] = os.getloadavg()
+    return result
+
+
+def resolved(args: BenchArguments, device: torch.device) -> dict[str, str]:
+    """What the 'auto' settings became on this device (both sides load the same way)."""
+    from trainer.models import pick_attention, resolve_dtype, resolve_quantization
+    from trainer.optim import resolve_optimizer_name
+
+    four_bit = resolve_quantization(args.quantization, device)
+    dtype = resolve_dtype(args.dtype, device)
+    if four_bit and dtype == torch.float32:
+        dtype = torch.bfloat16
+    return {"quantization": "nf4" if four_bit else "none", "dtype": str(dtype).removeprefix("torch."),
+            "attn_implementation": pick_attention(args.attn_implementation, device),
+            "optimizer": resolve_optimizer_name(args.optimizer, device)}
+
+
+def default_out_dir(args: BenchArguments, device: torch.device) -> Path:
+    quant = f"-{args.quantization}" if args.quantization != "auto" else ""
+    return ROOT / "benchmarks" / "results" / f"ppo_vs_trl-{args.model_name_or_path}{quant}-{device.type}"
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    quiet_libraries()
+    if args.export_tokenizer:
+        export_tokenizer(args)
+        return {}
+    args.check()
+    scratch = tempfile.mkdtemp(prefix="ppo-bench-")  # the Accelerator's project folder; nothing is logged there
+    try:
+        return run_benchmark(args, argv, make_bench_accelerator(args, scratch))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run_benchmark(args: BenchArguments, argv: list[str], accelerator) -> dict:
+    from accelerate.utils import set_seed
+
+    from profiling.provenance import provenance
+    from trainer.run import simulate_gpu_memory
+
+    sides = args.side_list
+    device = accelerator.device
+    simulate_gpu_memory(args.simulate_gpu_gib, device)
+    if "trl" in sides:
+        try:  # before either side, so both start from the same libraries in memory
+            import trl.experimental.ppo.ppo_trainer  # noqa: F401
+        except ImportError as exc:  # the TRL side then records the error; ours still runs
+            logger.warning("TRL cannot be imported (%s); pip install -e '.[bench]'", exc)
+    set_seed(args.seed)
+    tokenizer = load_bench_tokenizer(args)
+    # One batch more than the steps: TRL's last step then does not end its DataLoader's epoch, where
+    # accelerate would sync (and step the optimizer) after every micro-batch. Ours reads the first ones.
+    prompts = fixed_length_prompts(args, tokenizer, (args.total_steps + 1) * args.rollout_batch_size)
+    heads = head_weights(hidden_size(args, len(tokenizer)), args.model_seed)
+    out_dir = Path(args.out_dir) if args.out_dir else default_out_dir(args, device)
+    command = "python -m benchmarks.ppo_vs_trl " + " ".join(shlex.quote(a) for a in argv)
+    report = {"kind": "ppo_vs_trl", "device_kind": "cuda" if device.type == "cuda" else "cpu",
+              **provenance(device, command), "trl_version": _version("trl"),
+              "mixed_precision": accelerator.mixed_precision, "settings": asdict(args), "resolved": resolved(args, device),
+              "trl_ppo_config": trl_batch_settings(args), "tokens_per_step": args.tokens(),
+              "simulated_gpu_gib": args.simulate_gpu_gib if device.type == "cuda" else None,
+              "device_total_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
+              "sides": {}}
+    probe = MemoryProbe(device)
+    report["rss_peak_resettable"] = probe.rss_resettable
+    for name in sides:
+        set_seed(args.seed)
+        side = run_side(name, args, prompts, tokenizer, accelerator, probe, heads)
+        side["summary"] = summarize(side, args.tokens())
+        report["sides"][name] = side
+        if "ours" in report["sides"] and "trl" in report["sides"]:
+            report["ratios"] = ratios(report["sides"]["ours"]["summary"], report["sides"]["trl"]["summary"])
+        write_report(report, out_dir)
+    logger.info("wrote %s", out_dir / "ppo_vs_trl.md")
+    return report
+
+
+def quiet_libraries() -> None:
+    """Deprecation notices that TRL 1.12 triggers in transformers 5 on every step, and accelerate's
+    gather notice TRL's metrics cause: nothing a reader of the benchmark acts on."""
+    import warnings
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\..*")
+    warnings.filterwarnings("ignore", message=".*generation_config.*generation-related arguments.*")
+    logging.getLogger("accelerate.accelerator").setLevel(logging.WARNING)
+
+
+def _version(package: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def write_report(report: dict, out_dir: Path) -> None:
+    from benchmarks.report import render_markdown
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "ppo_vs_trl.json").write_text(json.dumps(report, indent=2, default=str))
+    (out_dir / "ppo_vs_trl.md").write_text(render_markdown(report))
+
+
+if __name__ == "__main__":
+    main()

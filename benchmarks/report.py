@@ -1,0 +1,184 @@
+"""Markdown for a ppo_vs_trl.json: provenance, the work, what each side was, and the comparison.
+
+A file holds one device kind: a CPU report shows peak resident set and says it is no GPU figure;
+a CUDA report shows allocator peaks. The two are never put in one table.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+GIB = 2**30
+
+
+def _num(value: Optional[float], fmt: str = "{:.2f}") -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def _gib(value: Optional[int]) -> str:
+    return "n/a" if value is None else f"{value / GIB:.2f}"
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def result_rows(report: dict) -> list[tuple[str, str, str, str]]:
+    """(figure, ours, TRL, TRL / ours) rows for the device kind of `report`."""
+    sides = report["sides"]
+    ours = sides.get("ours", {}).get("summary", {})
+    trl = sides.get("trl", {}).get("summary", {})
+    r = report.get("ratios", {})
+    rows = [("whole PPO step (s)", _num(ours.get("step_s")), _num(trl.get("step_s")), _ratio(r.get("step_time_speedup"))),
+            ("rollout (s)", _num(ours.get("rollout_s")), _num(trl.get("rollout_s")), _ratio(r.get("rollout_speedup"))),
+            ("  of which generation (s)", _num(ours.get("generate_s")), _num(trl.get("generate_s")),
+             _ratio(r.get("generation_speedup"))),
+            ("update (s)", _num(ours.get("update_s")), _num(trl.get("update_s")), _ratio(r.get("update_speedup"))),
+            ("rollout tokens/s (generated)", _num(ours.get("rollout_tokens_per_s"), "{:.1f}"),
+             _num(trl.get("rollout_tokens_per_s"), "{:.1f}"), _ratio(r.get("rollout_speedup"))),
+            ("generation tokens/s", _num(ours.get("generate_tokens_per_s"), "{:.1f}"),
+             _num(trl.get("generate_tokens_per_s"), "{:.1f}"), _ratio(r.get("generation_speedup"))),
+            ("update tokens/s (prompt + response, x epochs)", _num(ours.get("update_tokens_per_s"), "{:.1f}"),
+             _num(trl.get("update_tokens_per_s"), "{:.1f}"), _ratio(r.get("update_speedup")))]
+    if report["device_kind"] != "cuda":
+        rows += [("whole PPO step, process CPU time (s)", _num(ours.get("step_cpu_s")), _num(trl.get("step_cpu_s")),
+                  _ratio(r.get("step_cpu_time_speedup"))),
+                 ("rollout, process CPU time (s)", _num(ours.get("rollout_cpu_s")), _num(trl.get("rollout_cpu_s")),
+                  _ratio(r.get("rollout_cpu_time_speedup"))),
+                 ("update, process CPU time (s)", _num(ours.get("update_cpu_s")), _num(trl.get("update_cpu_s")),
+                  _ratio(r.get("update_cpu_time_speedup")))]
+    if report["device_kind"] == "cuda":
+        rows += [("peak allocated (GiB)", _gib(ours.get("peak_allocated_bytes")), _gib(trl.get("peak_allocated_bytes")),
+                  _ratio(r.get("peak_allocated_trl_over_ours"))),
+                 ("peak reserved (GiB)", _gib(ours.get("peak_reserved_bytes")), _gib(trl.get("peak_reserved_bytes")),
+                  _ratio(r.get("peak_reserved_trl_over_ours"))),
+                 ("NVML device used, max at phase ends (GiB)", _gib(ours.get("nvml_used_max_bytes")),
+                  _gib(trl.get("nvml_used_max_bytes")), "")]
+    else:
+        rows += [("peak RSS, CPU (GiB)", _gib(ours.get("peak_rss_bytes")), _gib(trl.get("peak_rss_bytes")),
+                  _ratio(r.get("peak_rss_trl_over_ours"))),
+                 ("peak RSS above the side's start (GiB)", _gib(ours.get("peak_rss_above_start_bytes")),
+                  _gib(trl.get("peak_rss_above_start_bytes")), _ratio(r.get("peak_rss_above_start_trl_over_ours")))]
+    rows.append(("optimizer steps per PPO step", _num(ours.get("optimizer_steps"), "{:.1f}"),
+                 _num(trl.get("optimizer_steps"), "{:.1f}"), ""))
+    rows.append(("trainable parameters", _count(sides.get("ours")), _count(sides.get("trl")), ""))
+    return rows
+
+
+def _load(value) -> str:
+    return "n/a" if not value else f"{value[0]:.1f}"
+
+
+def _count(side: Optional[dict]) -> str:
+    n = (side or {}).get("setup", {}).get("trainable_parameters")
+    return "n/a" if n is None else f"{n:,}"
+
+
+def render_markdown(report: dict) -> str:
+    s = {**report["settings"], **report.get("resolved", {})}
+    cuda = report["device_kind"] == "cuda"
+    lines = [f"# PPO step: ours vs TRL {report.get('trl_version')} ({'GPU' if cuda else 'CPU'})", ""]
+    if not cuda:
+        lines += ["CPU figures: peak memory is the process's resident set, not GPU memory; compare these "
+                  "ratios only with other CPU runs.", ""]
+    lines += [f"- device: {report['device_name']} (`{report['device']}`)"
+              + (f", capped at {report['simulated_gpu_gib']:g} GiB (simulated card)"
+                 if cuda and report.get("simulated_gpu_gib") else ""),
+              f"- date: {report['date']}", f"- git revision: `{report['git_revision']}`",
+              f"- command: `{report['command']}`",
+              f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items() if v)}, trl {report.get('trl_version')}",
+              "",
+              "## The work (identical on both sides)", "",
+              f"{s['model_name_or_path']} (quantization {s['quantization']}, dtype {s['dtype']}, attention "
+              f"{s['attn_implementation']}, mixed precision {report['mixed_precision']}); LoRA r={s['lora_r']}, alpha={s['lora_alpha']}, {s['lora_target_modules']}; "
+              f"{s['rollout_batch_size']} hh-rlhf prompts of exactly {s['prompt_length']} tokens per step, "
+              f"{s['max_new_tokens']} sampled tokens each (no early stop, temperature {s['temperature']}); "
+              f"generation / scoring {s['rollout_micro_batch_size']} rows at a time; {s['ppo_epochs']} PPO epochs of "
+              f"minibatches of {s['mini_batch_size']}, micro-batches of {s['micro_batch_size']}; lr {s['learning_rate']}, "
+              f"optimizer {s['optimizer']}; gradient checkpointing {'on' if s['gradient_checkpointing'] else 'off'}; "
+              f"{s['warmup_steps']} warm-up step(s) then {s['steps']} measured step(s) per side.", ""]
+    lines += ["## Results", "", "| | ours | TRL | TRL / ours |", "|---|---:|---:|---:|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in result_rows(report)]
+    lines += ["", "TRL / ours above 1 means ours is faster (times) or lighter (memory). Times are means over the "
+              "measured steps; peaks are over all steps, model loading excluded."]
+    if not cuda:
+        loads = {n: (side.get("load_average_at_start"), side.get("load_average_at_end"))
+                 for n, side in report["sides"].items()}
+        lines += ["", "On a CPU shared with other jobs the wall times stretch with their load; the process CPU "
+                  "time (all of this process's threads) is the steadier comparison. 1-minute load average "
+                  "at the start / end of each side: "
+                  + "; ".join(f"{n} {_load(a)} / {_load(b)}" for n, (a, b) in loads.items()) + "."]
+    for name, side in report["sides"].items():
+        lines += ["", f"## {side['label']}: status {side['status']}", ""]
+        if side.get("error"):
+            lines += [f"Error: `{side['error']}`", ""]
+        for key, value in side.get("setup", {}).items():
+            if key != "ppo_config":
+                lines.append(f"- {key}: {value}")
+        if "ppo_config" in side.get("setup", {}):
+            lines.append(f"- PPOConfig: {side['setup']['ppo_config']}")
+    lines += ["", "## What is timed", "",
+              "- ours: rollout = `make_rollout` (generate; policy, reward, reference, value passes) + "
+              "`compute_advantages`; update = `ppo_update` + `rollout_metrics`.",
+              "- TRL: a step runs from one `on_step_end` callback to the next (the first from `on_train_begin`); "
+              "rollout = up to the first update forward (generation, reference / value / reward passes, GAE and "
+              "whitening, and TRL's `empty_cache` / `gc.collect` calls), update = the PPO epochs plus TRL's "
+              "metric gathering and logging. Generation = time inside TRL's `batch_generation`.",
+              "- Every boundary synchronizes the device. TRL's policy log-probs come from the logits it keeps "
+              "while generating; ours re-scores the sampled tokens in one forward pass."]
+    return "\n".join(lines) + "\n"
+
+
+def summary_tables(reports: list[tuple[str, dict]]) -> str:
+    """One Markdown table per device kind over several ppo_vs_trl.json files (name, report)."""
+    out = []
+    for kind, title in (("cuda", "GPU"), ("cpu", "CPU (resident set, not GPU memory; compare only with CPU rows)")):
+        rows = [(name, r) for name, r in reports if r["device_kind"] == kind]
+        if not rows:
+            continue
+        memory = "peak allocated / reserved GiB, ours | TRL" if kind == "cuda" else "peak RSS GiB, ours / TRL"
+        cpu_col = "" if kind == "cuda" else " CPU-time speedup |"
+        out += [f"**{title}**", "",
+                f"| result | device | model, work | step s, ours / TRL | speedup |{cpu_col} rollout tok/s, ours / TRL "
+                f"| update tok/s, ours / TRL | {memory} | TRL / ours memory |",
+                "|---|---|---|---|---:|" + ("---:|" if cpu_col else "") + "---|---|---|---:|"]
+        for name, r in rows:
+            s, sides, ratio = {**r["settings"], **r.get("resolved", {})}, r["sides"], r.get("ratios", {})
+            o, t = sides.get("ours", {}).get("summary", {}), sides.get("trl", {}).get("summary", {})
+            work = (f"{s['model_name_or_path']} {s['quantization']}, {s['rollout_batch_size']} x "
+                    f"({s['prompt_length']} + {s['max_new_tokens']}) tokens, {s['ppo_epochs']} epochs")
+            device = r["device_name"] + (f", {r['simulated_gpu_gib']:g} GiB cap" if r.get("simulated_gpu_gib") else "")
+            if kind == "cuda":
+                mem = (f"{_gib(o.get('peak_allocated_bytes'))} / {_gib(o.get('peak_reserved_bytes'))} | "
+                       f"{_gib(t.get('peak_allocated_bytes'))} / {_gib(t.get('peak_reserved_bytes'))}")
+                mem_ratio = _ratio(ratio.get("peak_allocated_trl_over_ours"))
+            else:
+                mem = f"{_gib(o.get('peak_rss_bytes'))} / {_gib(t.get('peak_rss_bytes'))}"
+                mem_ratio = _ratio(ratio.get("peak_rss_trl_over_ours"))
+            status = "" if all(x.get("status") == "ok" for x in sides.values()) else " (" + ", ".join(
+                f"{n}: {x.get('status')}" for n, x in sides.items()) + ")"
+            cpu = "" if kind == "cuda" else f" {_ratio(ratio.get('step_cpu_time_speedup'))} |"
+            out.append(f"| [{name}](results/{name}/ppo_vs_trl.md){status} | {device} | {work} | {_num(o.get('step_s'))} / "
+                       f"{_num(t.get('step_s'))} | {_ratio(ratio.get('step_time_speedup'))} |{cpu} "
+                       f"{_num(o.get('rollout_tokens_per_s'), '{:.1f}')} / {_num(t.get('rollout_tokens_per_s'), '{:.1f}')} | "
+                       f"{_num(o.get('update_tokens_per_s'), '{:.1f}')} / {_num(t.get('update_tokens_per_s'), '{:.1f}')} | "
+                       f"{mem} | {mem_ratio} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """python -m benchmarks.report benchmarks/results/*/ppo_vs_trl.json  -> Markdown on stdout."""
+    import json
+    import sys
+    from pathlib import Path
+
+    paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
+    if not paths:
+        raise SystemExit("usage: python -m benchmarks.report RESULT_DIR/ppo_vs_trl.json ...")
+    reports = [(p.parent.name, json.loads(p.read_text())) for p in sorted(paths)]
+    print(summary_tables(reports))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""benchmarks/ppo_vs_trl: both sides do the same PPO work, and the report never invents a GPU figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # benchmarks/ sits beside the installed packages, not inside them
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import render_markdown, summary_tables  # noqa: E402
+from benchmarks.workload import BenchArguments, head_weights, trl_batch_settings  # noqa: E402
+
+TINY = ["--model_name_or_path", "tiny-llama", "--lora_r", "4", "--lora_alpha", "8", "--prompt_length", "16",
+        "--max_new_tokens", "6", "--rollout_batch_size", "8", "--rollout_micro_batch_size", "4",
+        "--mini_batch_size", "4", "--micro_batch_size", "2", "--ppo_epochs", "2", "--steps", "1",
+        "--warmup_steps", "1"]
+
+
+def test_trl_batch_settings_reproduce_our_rollout_minibatch_and_micro_batch_sizes():
+    args = BenchArguments(rollout_batch_size=64, rollout_micro_batch_size=16, mini_batch_size=16, micro_batch_size=4,
+                          ppo_epochs=3)
+    cfg = trl_batch_settings(args)
+    # What trl.experimental.ppo.PPOTrainer.__init__ derives from them (world size 1):
+    local_batch = cfg["per_device_train_batch_size"] * cfg["gradient_accumulation_steps"]
+    assert local_batch == 64
+    assert local_batch // cfg["num_mini_batches"] == 16
+    assert cfg["per_device_train_batch_size"] == 4
+    assert cfg["local_rollout_forward_batch_size"] == 16 and cfg["num_ppo_epochs"] == 3
+    assert args.tokens() == {"generated": 64 * 16, "update": 64 * (32 + 16) * 3}
+
+
+def test_trl_reward_and_value_models_compute_our_reward_and_initial_value_functions():
+    """Same base weights + the same head weights: TRL's separate models score exactly as our adapters."""
+    from benchmarks.trl_ppo import add_value_lora, load_score_model
+    from trainer.models import load_tokenizer
+    from trainer.shared_base import AdapterSpec, build_shared_model
+
+    args = BenchArguments(model_name_or_path="tiny-llama", lora_r=4, lora_alpha=8)
+    tokenizer = load_tokenizer("tiny-llama")
+    device = torch.device("cpu")
+    heads = head_weights(64, args.model_seed)
+    ours = build_shared_model(args.model_arguments(), [AdapterSpec("policy", trainable=True), AdapterSpec("reference"),
+                                                       AdapterSpec("value", trainable=True, head=True),
+                                                       AdapterSpec("reward", head=True)],
+                              vocab_size=len(tokenizer), device=device)
+    with torch.no_grad():
+        for name, weight in heads.items():
+            ours.heads[name].linear.weight.copy_(weight)
+    reward, _ = load_score_model(args, len(tokenizer), device, heads["reward"])
+    value, _ = load_score_model(args, len(tokenizer), device, heads["value"])
+    add_value_lora(value, args)
+    ids = torch.randint(3, 1000, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    ours.eval()
+    with torch.no_grad():
+        ours_reward = ours(ids, mask, adapter="reward", output="scores")
+        ours_value = ours(ids, mask, adapter="value", output="scores")
+        trl_reward = reward.score(reward.model(input_ids=ids, attention_mask=mask).last_hidden_state).squeeze(-1)
+        trl_value = value.score(value.model(input_ids=ids, attention_mask=mask).last_hidden_state).squeeze(-1)
+    torch.testing.assert_close(trl_reward, ours_reward, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(trl_value, ours_value, rtol=1e-5, atol=1e-5)
+    value_trainable = sum(p.numel() for p in value.parameters() if p.requires_grad)
+    ours_value_lora = sum(p.numel() for p, a in ours._lora_params if a == "value")
+    assert value_trainable == ours_value_lora + 64  # its LoRA, the same shape as ours, and the bias-free score head
+
+
+def _report(kind: str) -> dict:
+    summary = {"step_s": 2.0, "rollout_s": 1.5, "generate_s": 1.0, "update_s": 0.5, "optimizer_steps": 2.0,
+               "rollout_tokens_per_s": 10.0, "generate_tokens_per_s": 15.0, "update_tokens_per_s": 100.0,
+               "peak_allocated_bytes": 2**30 if kind == "cuda" else None,
+               "peak_reserved_bytes": 2**31 if kind == "cuda" else None,
+               "peak_rss_bytes": None if kind == "cuda" else 3 * 2**30,
+               "peak_rss_above_start_bytes": None if kind == "cuda" else 2**30}
+    side = {"label": "x", "status": "ok", "error": None, "setup": {"trainable_parameters": 10}, "summary": summary}
+    return {"device_kind": kind, "device": kind, "device_name": kind, "date": "d", "git_revision": "r",
+            "command": "c", "versions": {"torch": "2"}, "trl_version": "1.12.0", "mixed_precision": "no",
+            "simulated_gpu_gib": 24.0 if kind == "cuda" else None,
+            "settings": vars(BenchArguments()), "sides": {"ours": side, "trl": side}, "ratios": {}}
+
+
+def test_markdown_shows_allocator_peaks_on_gpu_and_resident_set_on_cpu_never_both():
+    gpu, cpu = render_markdown(_report("cuda")), render_markdown(_report("cpu"))
+    assert "| peak allocated (GiB) | 1.00 | 1.00 |" in gpu and "peak RSS" not in gpu and "CPU time" not in gpu
+    assert "capped at 24 GiB" in gpu
+    assert "| peak RSS, CPU (GiB) | 3.00 | 3.00 |" in cpu and "peak allocated" not in cpu
+    assert "not GPU memory" in cpu and "process CPU time" in cpu
+
+
+def test_summary_keeps_one_table_per_device_kind():
+    text = summary_tables([("a-cuda", _report("cuda")), ("b-cpu", _report("cpu"))])
+    gpu_part, cpu_part = text.split("**CPU")
+    assert "a-cuda" in gpu_part and "b-cpu" not in gpu_part and "1.00 / 2.00" in gpu_part  # allocated / reserved
+    assert "b-cpu" in cpu_part and "a-cuda" not in cpu_part and "3.00 / 3.00" in cpu_part  # RSS
+
+
+def test_one_command_runs_both_sides_on_cpu_and_writes_the_comparison(tmp_path):
+    pytest.importorskip("trl", reason="the TRL side needs pip install -e '.[bench]'")
+    out = tmp_path / "bench"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.ppo_vs_trl", *TINY, "--out_dir", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "ppo_vs_trl.json").read_text())
+    assert report["device_kind"] == "cpu" and report["git_revision"] and report["date"] and report["trl_version"]
+    assert report["command"].startswith("python -m benchmarks.ppo_vs_trl --model_name_or_path tiny-llama")
+    assert report["tokens_per_step"] == {"generated": 8 * 6, "update": 8 * (16 + 6) * 2}
+    for name in ("ours", "trl"):
+        side = report["sides"][name]
+        assert side["status"] == "ok", side["error"]
+        assert [s["warmup"] for s in side["steps"]] == [True, False]
+        assert all(s["response_tokens"] == 8 * 6 for s in side["steps"])  # min == max new tokens: no early stop
+        summary = side["summary"]
+        assert summary["step_s"] > 0 and summary["rollout_tokens_per_s"] > 0 and summary["update_tokens_per_s"] > 0
+        assert 0 < summary["generate_s"] < summary["rollout_s"]
+        assert summary["peak_rss_bytes"] > 0
+        assert summary["peak_allocated_bytes"] is None and summary["peak_reserved_bytes"] is None  # no CUDA here
+    # One optimizer step per minibatch for ours; TRL 1.12 accumulates over the whole rollout: one per epoch.
+    assert report["sides"]["ours"]["summary"]["optimizer_steps"] == 2 * 2
+    assert report["sides"]["trl"]["summary"]["optimizer_steps"] == 2
+    assert report["sides"]["trl"]["setup"]["ppo_config"]["local_mini_batch_size"] == 4
+    assert report["ratios"]["step_time_speedup"] > 0 and report["ratios"]["peak_allocated_trl_over_ours"] is None
+    markdown = (out / "ppo_vs_trl.md").read_text()
+    assert "(CPU)" in markdown and "| whole PPO step (s) |" in markdown and "ref_model=None" in markdown
