@@ -91,6 +91,7 @@ class SharedBaseModel(nn.Module):
         self.heads = nn.ModuleDict(heads)
         self.specs = {s.name: s for s in specs}
         self._lora_params = self._collect_lora_params()
+        self._tuner_layers = self._collect_tuner_layers()
         self._apply_trainability()
 
     # ---- construction -------------------------------------------------------------------------
@@ -143,6 +144,11 @@ class SharedBaseModel(nn.Module):
         model._activate(specs[0].name)
         return model
 
+    def _collect_tuner_layers(self) -> list[nn.Module]:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        return [m for m in self.peft.modules() if isinstance(m, BaseTunerLayer)]
+
     def _collect_lora_params(self) -> list[tuple[nn.Parameter, str]]:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -176,8 +182,15 @@ class SharedBaseModel(nn.Module):
         if name not in self.specs:
             raise KeyError(f"no adapter '{name}' on this model (have {self.adapter_names})")
         if name != self.peft.active_adapter:
-            self.peft.set_adapter(name)
-            self._apply_trainability()
+            # Only the active-adapter pointer of each cached LoRA layer changes. PeftModel.set_adapter
+            # walks every module and rewrites requires_grad on every adapter (30 ms per switch on
+            # SmolLM2, ~7 ms even per layer), and a checkpointed backward switches twice per
+            # recomputed layer; trainability is ours anyway (`_apply_trainability`). `_active_adapter`
+            # is what peft's own set_adapter assigns (peft 0.21); the switching tests pin it.
+            for layer in self._tuner_layers:
+                layer._active_adapter = [name]
+            self.peft.base_model.active_adapter = name  # the LoraModel's record ...
+            self.peft.active_adapter = name  # ... and the PeftModel's (peft_config lookups, saving)
 
     def checkpoint_contexts(self):
         """`context_fn` for torch.utils.checkpoint: recompute under the adapter active in the forward.
