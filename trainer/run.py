@@ -76,7 +76,8 @@ def start_run(stage_args_cls: type, argv: Optional[list[str]] = None, stage: Opt
     simulate_gpu_memory(train_args.simulate_gpu_gib, accelerator.device)
     check_adapter_paths(stage_args)
     try:
-        tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides)
+        tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
+                                   model_args.tokenizer_name_or_path)
         if stage is not None and train_args.check_budget:
             check_budget(stage, model_args, data_args, train_args, stage_args, accelerator.device, accelerator)
         splits, _ = load_splits(data_args)
