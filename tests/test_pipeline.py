@@ -99,3 +99,16 @@ def test_dpo_loss_on_a_batch_matches_the_formula_by_hand(run_dir, smol_tokenizer
                  (seq_logprob("policy", r, n) - seq_logprob("reference", r, n))
         losses.append(-math.log(1 / (1 + math.exp(-args.beta * margin))))
     assert float(out.loss) == pytest.approx(sum(losses) / len(losses), rel=1e-4, abs=1e-6)
+
+
+def test_ppo_with_absent_earlier_stages_trains_them_first(tmp_path):
+    proc = subprocess.run([sys.executable, "trainer/ppo.py", "--config", str(RECIPE / "ppo.yaml"), "--output_dir",
+                           str(tmp_path / "ppo"), "--sft_adapter", str(tmp_path / "sft" / "adapter"), "--reward_adapter",
+                           str(tmp_path / "reward" / "adapter"), "--train_missing_stages", "true"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "sft adapter" in proc.stdout and "is missing: training it first" in proc.stdout
+    for stage in ("sft", "reward", "ppo"):
+        assert (tmp_path / stage / "adapter" / "adapter_config.json").is_file()
+    reward_cfg = json.loads((tmp_path / "reward" / "config.json").read_text())
+    assert reward_cfg["stage"]["sft_adapter"] == str(tmp_path / "sft" / "adapter")

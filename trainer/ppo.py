@@ -65,6 +65,9 @@ class PPOArguments:
     missing_eos_penalty: Optional[float] = field(default=None, metadata={"help": "Subtracted from scores of responses without EOS."})
     eval_prompts: int = field(default=16, metadata={"help": "Held-out prompts for policy-vs-SFT evaluation."})
     eval_seed: int = field(default=1234, metadata={"help": "Sampling seed of evaluations (same samples each time)."})
+    train_missing_stages: bool = field(
+        default=False, metadata={"help": "If sft_adapter / reward_adapter (.../STAGE/adapter) do not exist yet, "
+                                 "train them first with trainer/configs/STAGE.yaml (end to end from the base model)."})
 
 
 class PPOTrainer:
@@ -245,7 +248,41 @@ def check_batch_sizes(args: PPOArguments, micro: int) -> None:
                          f"({args.mini_batch_size}), and that a multiple of micro_batch_size ({micro})")
 
 
+def train_missing_stages(argv: Optional[list[str]]) -> None:
+    """Produce absent SFT / reward adapters with the stage configs, so the default PPO config runs
+    end to end on a fresh checkout."""
+    import sys
+
+    from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
+    from trainer.pipeline import CONFIG_ROOT, reset_accelerate
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model_args, _, _, args = parse_config((ModelArguments, DataArguments, TrainArguments, PPOArguments), argv)
+    if not args.train_missing_stages:
+        return
+    from trainer import reward, sft
+
+    # The stage configs beside the PPO config (a recipe folder), else the demo ones.
+    folder = Path(argv[argv.index("--config") + 1]).parent if "--config" in argv else CONFIG_ROOT
+    if not (folder / "sft.yaml").is_file() or not (folder / "reward.yaml").is_file():
+        folder = CONFIG_ROOT
+
+    for name, path, entry, links in (("sft", args.sft_adapter, sft.main, []),
+                                     ("reward", args.reward_adapter, reward.main, ["--sft_adapter", args.sft_adapter])):
+        if path is None or (Path(path) / "adapter_config.json").is_file():
+            continue
+        if Path(path).name != "adapter" or None in links:
+            raise SystemExit(f"--{name}_adapter {path} is missing and is not a STAGE_DIR/adapter path to train into")
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logger.info("%s adapter %s is missing: training it first with %s", name, path, folder / f"{name}.yaml")
+        reset_accelerate()
+        entry(["--config", str(folder / f"{name}.yaml"), "--output_dir", str(Path(path).parent),
+               "--model_name_or_path", model_args.model_name_or_path, *links])
+        reset_accelerate()
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
+    train_missing_stages(argv)
     ctx = start_run(PPOArguments, argv, stage="ppo")
     args = ctx.stage_args
     check_batch_sizes(args, ctx.train_args.micro_batch_size)
