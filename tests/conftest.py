@@ -30,3 +30,13 @@ def smol_tokenizer():
     from trainer.models import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """In-process runs each make an Accelerator; forget the singletons of the previous one."""
+    from trainer.pipeline import reset_accelerate
+
+    reset_accelerate()
+    yield
+    reset_accelerate()

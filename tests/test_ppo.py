@@ -26,17 +26,6 @@ def test_response_mask_stops_after_the_first_eos():
     assert ended.tolist() == [True, True, False, True]
 
 
-@pytest.fixture
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 @pytest.fixture(scope="module")
 def stage_adapters(tmp_path_factory, smol_tokenizer):
     """An 'SFT' and a 'reward' adapter (perturbed fresh LoRA; the reward one with a head)."""

@@ -110,17 +110,6 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one_readable(uninter
 
 # ---- in-process loop tests on the tiny model ----------------------------------------------------
 
-@pytest.fixture
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 @pytest.fixture(scope="module")
 def tiny_sft_data(shared_data, smol_tokenizer):
     from trainer.config import DataArguments

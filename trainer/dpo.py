@@ -17,7 +17,7 @@ from accelerate.utils import gather_object
 from trainer.collators import PairCollator
 from trainer.losses import dpo_loss, shift_for_next_token, token_logprobs
 from trainer.loop import StepOutput, run_training
-from trainer.run import eval_history, save_final_adapter, start_run, write_results
+from trainer.run import finish_stage, start_run
 from trainer.sft import rank_shard
 from trainer.shared_base import AdapterSpec, build_shared_model
 from trainer.tokenization import PairExample, tokenize_pairs
@@ -102,12 +102,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     collate = PairCollator(tok.pad_token_id)
     stage = DPOStage(args, held_out, collate, ctx.train_args.eval_batches)
     run_training(stage, model, train, collate, ctx.train_args, ctx.accelerator, config=ctx.config())
-    adapter = save_final_adapter(ctx, model, "policy")
-    evals = eval_history(ctx.output_dir)
-    results = {"stage": "dpo", "adapter": str(adapter), "train_pairs": len(train), "eval_pairs": len(held_out),
-               "eval_before": evals[0] if evals else None, "eval_after": evals[-1] if evals else None}
-    write_results(ctx, results)
-    return results
+    return finish_stage(ctx, "dpo", model, "policy", train_pairs=len(train), eval_pairs=len(held_out))
 
 
 if __name__ == "__main__":

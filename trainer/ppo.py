@@ -29,7 +29,7 @@ from trainer.loop import (
 from trainer.optim import build_loop_optimizer, schedule_for
 from trainer.ppo_step import UpdateConfig, compute_advantages, ppo_update, rollout_metrics
 from trainer.rollout import RewardModelScorer, SamplingConfig, ScriptedScorer, make_rollout, sample_responses
-from trainer.run import RunContext, check_adapter_paths, eval_history, save_final_adapter, start_run, write_results
+from trainer.run import RunContext, check_adapter_paths, finish_stage, start_run
 from trainer.shared_base import AdapterSpec, build_shared_model
 from trainer.tokenization import PromptExample, tokenize_prompts
 
@@ -292,12 +292,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     model = build_shared_model(ctx.model_args, specs, vocab_size=len(ctx.tokenizer), device=ctx.accelerator.device)
     trainer = PPOTrainer(ctx, model, prompts, held_out)
     summary = trainer.train()
-    adapter = save_final_adapter(ctx, model, "policy")
-    evals = eval_history(ctx.output_dir)
-    results = {"stage": "ppo", "adapter": str(adapter), "prompts": len(prompts), **summary,
-               "eval_before": evals[0] if evals else None, "eval_after": evals[-1] if evals else None}
-    write_results(ctx, results)
-    return results
+    return finish_stage(ctx, "ppo", model, "policy", prompts=len(prompts), **summary)
 
 
 if __name__ == "__main__":

@@ -112,10 +112,16 @@ def base_model_args(adapter_dir: str | Path, **overrides) -> ModelArguments:
     return ModelArguments(**values)
 
 
-def write_results(ctx: RunContext, results: dict[str, Any]) -> None:
+def finish_stage(ctx: RunContext, stage: str, model, adapter: str, **facts: Any) -> dict[str, Any]:
+    """Save the stage's adapter and write results.json: facts plus the first and last evaluation."""
+    path = save_final_adapter(ctx, model, adapter)
+    evals = eval_history(ctx.output_dir)
+    results = {"stage": stage, "adapter": str(path), **facts,
+               "eval_before": evals[0] if evals else None, "eval_after": evals[-1] if evals else None}
     if ctx.accelerator.is_main_process:
         (ctx.output_dir / "results.json").write_text(json.dumps(results, indent=2))
         logger.info("results: %s", json.dumps(results))
+    return results
 
 
 def eval_history(output_dir: Path) -> list[dict[str, Any]]:

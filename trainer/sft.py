@@ -14,7 +14,7 @@ import torch
 from trainer.collators import SFTCollator
 from trainer.losses import completion_ce_sum
 from trainer.loop import StepOutput, run_training
-from trainer.run import eval_history, save_final_adapter, start_run, write_results
+from trainer.run import finish_stage, start_run
 from trainer.shared_base import AdapterSpec, build_shared_model
 from trainer.tokenization import SFTExample, pack_sft, tokenize_sft
 
@@ -80,12 +80,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     collate = SFTCollator(tok.pad_token_id)
     stage = SFTStage(held_out, collate, args.eval_batch_size, ctx.train_args.eval_batches)
     run_training(stage, model, train, collate, ctx.train_args, ctx.accelerator, config=ctx.config())
-    adapter = save_final_adapter(ctx, model, "policy")
-    evals = eval_history(ctx.output_dir)
-    results = {"stage": "sft", "adapter": str(adapter), "train_examples": len(train), "eval_examples": len(held_out),
-               "eval_before": evals[0] if evals else None, "eval_after": evals[-1] if evals else None}
-    write_results(ctx, results)
-    return results
+    return finish_stage(ctx, "sft", model, "policy", train_examples=len(train), eval_examples=len(held_out))
 
 
 if __name__ == "__main__":
