@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test files run in parallel worker processes (one file stays on one worker: its fixtures are shared).
+TEST_WORKERS ?= 2
 
 .PHONY: install demo test test-fast bench clean
 
@@ -24,10 +26,10 @@ demo: install
 	$(PY) -m trainer.pipeline
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

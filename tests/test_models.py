@@ -69,7 +69,9 @@ def test_4bit_nf4_path_runs_on_cpu_close_to_full_precision(real_batch):
     assert len(linear4) == 30 * 7  # q, k, v, o, gate, up, down in every layer; lm_head stays full precision
     assert linear4[0].weight.quant_type == "nf4" and linear4[0].weight.quant_state.nested  # double quantization
     assert nf4.dtype == torch.bfloat16
-    ppl_full, ppl_nf4 = perplexity(full, real_batch), perplexity(nf4, real_batch)
+    # Four rows of 64 tokens: bitsandbytes' CPU 4-bit matmuls are slow, and this is plenty to compare.
+    small = tuple(t[:4, :64] for t in real_batch)
+    ppl_full, ppl_nf4 = perplexity(full, small), perplexity(nf4, small)
     assert abs(math.log(ppl_nf4) - math.log(ppl_full)) < 0.1 * math.log(ppl_full), (ppl_full, ppl_nf4)
 
 

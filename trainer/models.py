@@ -82,9 +82,14 @@ def embedded_model_dir() -> Path:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)  # atomic: a half-written conversion is never picked up
+        if target.exists() and not (target / "model.safetensors").is_file():
+            shutil.rmtree(target, ignore_errors=True)  # debris of an older, incomplete layout
+        try:
+            os.replace(tmp, target)  # atomic: a half-written conversion is never picked up
+        except OSError:
+            # Another process (a parallel test worker) finished the same conversion first: use it.
+            if not (target / "model.safetensors").is_file():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
