@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -250,3 +251,31 @@ def test_sft_loss_is_cross_entropy_on_completion_tokens_only(tiny_sft_data, smol
         assert logits.grad[row, : len(ex.prompt_ids) - 1].abs().sum() == 0
         assert logits.grad[row, len(ex.prompt_ids) - 1].abs().sum() > 0  # predicts the first completion token
     assert int(count) == sum(len(ex.completion_ids) for ex in examples)
+
+
+def test_resuming_under_other_data_settings_is_refused_naming_the_fields(uninterrupted, tmp_path):
+    out = tmp_path / "changed"
+    shutil.copytree(uninterrupted, out)
+    proc = subprocess.run([sys.executable, str(ROOT / "trainer" / "sft.py"), "--config", str(TINY_SFT),
+                           "--output_dir", str(out), "--max_length", "64", "--learning_rate", "0.01"],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode != 0
+    message = proc.stdout + proc.stderr
+    assert "would resume from checkpoint-0000008" in message, message[-2000:]
+    assert "data.max_length: 96 -> 64" in message and "train.learning_rate: 0.002 -> 0.01" in message
+    assert "--resume no" in message
+    assert json.loads((out / "config.json").read_text())["data"]["max_length"] == 96  # nothing overwritten
+
+
+def test_resume_config_check_lets_run_length_and_evaluation_settings_change():
+    from trainer.run import resume_config_changes
+
+    saved = {"train": {"max_steps": 8, "eval_every": 4, "seed": 0}, "data": {"max_length": 96},
+             "stage": {"eval_prompts": 8, "beta": 0.1}}
+    longer = {"train": {"max_steps": 20, "eval_every": 10, "seed": 0, "resume_config_check": True},
+              "data": {"max_length": 96}, "stage": {"eval_prompts": 32, "beta": 0.1}}
+    assert resume_config_changes(saved, longer) == []
+    other = {"train": {"max_steps": 8, "eval_every": 4, "seed": 1}, "data": {"max_length": 96},
+             "stage": {"eval_prompts": 8, "beta": 0.2}}
+    assert resume_config_changes(saved, other) == ["train.seed: 0 -> 1", "stage.beta: 0.1 -> 0.2"]

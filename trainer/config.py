@@ -191,6 +191,9 @@ class TrainArguments:
     resume: str = field(
         default="auto", metadata={"help": "'auto' (newest complete checkpoint in output_dir), 'no', or a checkpoint folder."}
     )
+    resume_config_check: bool = field(
+        default=True, metadata={"help": "Refuse to resume a run whose saved config.json differs in a field that "
+                                        "changes the data, model or optimisation (false: resume anyway)."})
     max_bad_steps: int = field(
         default=3, metadata={"help": "Stop after this many optimizer steps in a row with a NaN/inf loss or gradient."}
     )

@@ -65,6 +65,50 @@ def simulate_gpu_memory(gib: float, device) -> None:
     logger.info("CUDA memory capped at %.1f GiB (%.3f of %.1f GiB)", gib, fraction, total / 2**30)
 
 
+# Fields a resumed run may change without leaving the trajectory it was on (or only lengthening it).
+RESUME_SAFE_FIELDS = {
+    "train": {"output_dir", "resume", "resume_config_check", "max_steps", "eval_every", "eval_batches", "save_every",
+              "keep_checkpoints", "log_every", "report_to", "progress_bar", "profile_memory", "check_budget",
+              "memory_budget_gib", "simulate_gpu_gib", "max_bad_steps"},
+}
+
+
+def resume_config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """'section.field: saved -> now' for every field a resume must not change (evaluation-only stage
+    fields, like eval_prompts, may change; fields absent from the saved file are not compared)."""
+    changes = []
+    for section, values in now.items():
+        old_values = saved.get(section) or {}
+        for key, value in values.items():
+            if key not in old_values or key in RESUME_SAFE_FIELDS.get(section, set()):
+                continue
+            if section == "stage" and key.startswith("eval"):
+                continue
+            if old_values[key] != value:
+                changes.append(f"{section}.{key}: {old_values[key]!r} -> {value!r}")
+    return changes
+
+
+def check_resume_config(ctx: "RunContext") -> None:
+    """A rerun in a folder with checkpoints resumes it; stop if it would resume under other settings."""
+    from trainer.loop import resume_path
+
+    args = ctx.train_args
+    saved_file = ctx.output_dir / "config.json"
+    if not args.resume_config_check or not saved_file.is_file():
+        return
+    checkpoint = resume_path(args)
+    if checkpoint is None:
+        return
+    now = json.loads(json.dumps({k: asdict(v) for k, v in ctx.config().items()}))
+    changes = resume_config_changes(json.loads(saved_file.read_text()), now)
+    if changes:
+        raise SystemExit(
+            f"{ctx.output_dir} would resume from {checkpoint.name}, but its config.json was written with other "
+            f"settings: {'; '.join(changes)}. Rerun with the saved values, start over with --resume no (or "
+            "another --output_dir), or resume anyway with --resume_config_check false")
+
+
 def start_run(stage_args_cls: type, argv: Optional[list[str]] = None, stage: Optional[str] = None) -> RunContext:
     """Parse configs and check them (adapters, model name, memory budget) before anything heavy."""
     model_args, data_args, train_args, stage_args = parse_config(
@@ -84,6 +128,7 @@ def start_run(stage_args_cls: type, argv: Optional[list[str]] = None, stage: Opt
     except (ModelLoadError, DataError) as exc:
         raise SystemExit(f"{type(exc).__name__}: {exc}") from exc
     ctx = RunContext(model_args, data_args, train_args, stage_args, accelerator, tokenizer, splits)
+    check_resume_config(ctx)
     if accelerator.is_main_process:
         ctx.output_dir.mkdir(parents=True, exist_ok=True)
         (ctx.output_dir / "config.json").write_text(
