@@ -129,3 +129,22 @@ def test_one_command_runs_both_sides_on_cpu_and_writes_the_comparison(tmp_path):
     assert report["ratios"]["step_time_speedup"] > 0 and report["ratios"]["peak_allocated_trl_over_ours"] is None
     markdown = (out / "ppo_vs_trl.md").read_text()
     assert "(CPU)" in markdown and "| whole PPO step (s) |" in markdown and "ref_model=None" in markdown
+
+
+def test_collect_run_copies_reports_and_results_but_no_weights(tmp_path):
+    from benchmarks.collect_run import collect
+
+    run = tmp_path / "run"
+    (run / "sft" / "adapter").mkdir(parents=True)
+    (run / "sft" / "checkpoint-0000004").mkdir()
+    (run / "sft" / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
+    (run / "sft" / "results.json").write_text('{"stage": "sft"}')
+    (run / "sft" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "report.md").write_text("# report")
+    out = tmp_path / "out"
+    collect(run, out, note="unit test")
+    assert (out / "sft" / "results.json").read_text() == '{"stage": "sft"}'
+    assert (out / "report.md").is_file() and (out / "sft" / "metrics.jsonl").is_file()
+    assert not list(out.rglob("*.safetensors")) and not list(out.rglob("checkpoint-*"))
+    info = json.loads((out / "provenance.json").read_text())
+    assert info["note"] == "unit test" and info["git_revision"] and "sft/results.json" in info["files"]

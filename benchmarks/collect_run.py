@@ -1,0 +1,54 @@
+"""Copy a run folder's small, generated files (no weights, no checkpoints) into benchmarks/results/.
+
+    python -m benchmarks.collect_run runs/demo benchmarks/results/demo-smollm2-135m-cpu --note "make demo on a fresh clone"
+
+Keeps every stage's config.json, results.json, metrics.jsonl and memory report, and the run's
+report.md, curves.png and comparison.json, plus provenance.json (date, device, git revision,
+the note). What the run itself wrote is copied as it is, never edited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from profiling.provenance import provenance
+
+STAGE_FILES = ("config.json", "results.json", "metrics.jsonl", "memory.json", "memory.md", "memory.png")
+RUN_FILES = ("report.md", "curves.png", "comparison.json")
+
+
+def collect(run_dir: Path, out: Path, note: str = "") -> list[Path]:
+    if not run_dir.is_dir():
+        raise SystemExit(f"{run_dir}: no such run folder")
+    out.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in RUN_FILES:
+        if (run_dir / name).is_file():
+            copied.append(Path(shutil.copy2(run_dir / name, out / name)))
+    for stage in sorted(p for p in run_dir.iterdir() if p.is_dir()):
+        for name in STAGE_FILES:
+            if (stage / name).is_file():
+                (out / stage.name).mkdir(exist_ok=True)
+                copied.append(Path(shutil.copy2(stage / name, out / stage.name / name)))
+    if not copied:
+        raise SystemExit(f"{run_dir}: nothing to collect (no reports, results or metrics)")
+    info = {**provenance(), "run_dir": str(run_dir), "note": note, "files": [str(p.relative_to(out)) for p in copied]}
+    (out / "provenance.json").write_text(json.dumps(info, indent=2))
+    return copied
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--note", default="", help="what the run was, e.g. the commands behind it")
+    args = parser.parse_args(argv)
+    files = collect(args.run_dir, args.out_dir, args.note)
+    print(f"collected {len(files)} files into {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
