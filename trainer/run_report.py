@@ -79,7 +79,8 @@ def stage_table(results: dict[str, dict]) -> list[str]:
         before = (res.get("eval_before") or {}).get(key)
         after = (res.get("eval_after") or {}).get(key)
         label = key.split("/", 1)[-1]
-        lines.append(f"| {name} | {_fmt(res.get('seconds', float('nan')))} | {label} {_fmt(before)} | "
+        seconds = _fmt(res["seconds"]) if "seconds" in res else "-"  # only the pipeline times a stage
+        lines.append(f"| {name} | {seconds} | {label} {_fmt(before)} | "
                      f"{label} {_fmt(after)} |")
     return lines
 
@@ -109,7 +110,9 @@ def _cell(text: str) -> str:
 def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: Optional[dict] = None) -> Path:
     run_dir = Path(run_dir)
     if results is None:
-        results = {p.parent.name: json.loads(p.read_text()) for p in sorted(run_dir.glob("*/results.json"))}
+        order = {name: i for i, name in enumerate(("sft", "reward", "ppo", "dpo"))}  # pipeline order
+        found = sorted(run_dir.glob("*/results.json"), key=lambda p: (order.get(p.parent.name, 99), p.parent.name))
+        results = {p.parent.name: json.loads(p.read_text()) for p in found}
     if comparison is None and (run_dir / "comparison.json").is_file():
         comparison = json.loads((run_dir / "comparison.json").read_text())
     curves = plot_curves(run_dir)
