@@ -395,11 +395,14 @@ def test_every_launch_config_parses_and_points_at_its_deepspeed_file():
 
 PPO_CHECKSUM = """
 import sys
+from pathlib import Path
 import trainer.ppo as ppo
 real = ppo.finish_stage
 def report(ctx, stage, model, adapter, **facts):
+    # one file per rank: two processes printing to one pipe can interleave their lines
     total = sum(float(p.double().sum()) for p in model.trainable_parameters())
-    print(f"RANK {ctx.accelerator.process_index} CHECKSUM {total!r}", flush=True)
+    rank = ctx.accelerator.process_index
+    (Path(__file__).parent / f"checksum_rank{rank}.txt").write_text(repr(total))
     return real(ctx, stage, model, adapter, **facts)
 ppo.finish_stage = report
 ppo.main(sys.argv[1:])
@@ -413,7 +416,7 @@ def test_ppo_under_ddp_keeps_both_ranks_policy_and_value_identical(tmp_path):
     script.write_text(PPO_CHECKSUM)
     out = launch(script, tmp_path / "ppo", "--max_steps", "2", "--save_every", "0", config="cpu_2proc.yaml",
                  processes=2, train_config=ROOT / "tests" / "configs" / "tiny_ppo.yaml")
-    sums = dict(line.split(" CHECKSUM ") for line in out.splitlines() if " CHECKSUM " in line)
-    assert set(sums) == {"RANK 0", "RANK 1"} and sums["RANK 0"] == sums["RANK 1"]
+    sums = {rank: (tmp_path / f"checksum_rank{rank}.txt").read_text() for rank in (0, 1)}
+    assert sums[0] == sums[1], (sums, out[-2000:])
     first = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()][1]
     assert first["step"] == 1 and first["loss/policy_avg"] == first["loss/policy_avg"]  # finite, logged once
