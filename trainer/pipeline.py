@@ -34,7 +34,7 @@ class PipelineArguments:
     with_dpo: bool = field(default=False, metadata={"help": "Also train DPO from the SFT adapter."})
     overrides: str = field(default="", metadata={"help": "Extra 'key=value,...' applied to every stage (e.g. max_steps=2)."})
     eval_prompts: int = field(default=32, metadata={"help": "Held-out prompts for the final policy comparison."})
-    eval_max_new_tokens: int = field(default=48, metadata={"help": "Response length of the final comparison."})
+    eval_max_new_tokens: int = field(default=32, metadata={"help": "Response length of the final comparison."})
     samples_in_report: int = field(default=4, metadata={"help": "Side-by-side generations shown in the report."})
 
 
@@ -122,7 +122,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     from trainer.compare import compare_policies
     from trainer.run_report import write_run_report
 
+    started = time.time()
     comparison = compare_policies(run_dir, args, with_dpo=args.with_dpo)
+    comparison["seconds"] = time.time() - started
+    (run_dir / "comparison.json").write_text(json.dumps(comparison, indent=2))
     report = write_run_report(run_dir, results, comparison)
     logger.info("run report: %s", report)
     return {"stages": results, "comparison": comparison, "report": str(report)}

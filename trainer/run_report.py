@@ -123,6 +123,11 @@ def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: 
              f"Generated {prov['date']} on {prov['device_name']}, git `{prov['git_revision']}`, "
              f"from the files in this folder (`python -m trainer.run_report {run_dir}`).", "",
              "## Stages", "", *stage_table(results), ""]
+    timed = [r["seconds"] for r in results.values() if "seconds" in r]
+    if comparison and "seconds" in comparison and len(timed) == len(results):
+        total = sum(timed) + comparison["seconds"]
+        lines += [f"The policy comparison below took {comparison['seconds']:.0f} s; stages and comparison together "
+                  f"{total:.0f} s ({total / 60:.1f} min).", ""]
     if curves:
         lines += [f"![training curves]({curves.name})", ""]
     if comparison:
