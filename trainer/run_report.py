@@ -9,6 +9,7 @@ comparison.json), so the page can be regenerated at any time:
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -80,9 +81,26 @@ def stage_table(results: dict[str, dict]) -> list[str]:
         after = (res.get("eval_after") or {}).get(key)
         label = key.split("/", 1)[-1]
         seconds = _fmt(res["seconds"]) if "seconds" in res else "-"  # only the pipeline times a stage
-        lines.append(f"| {name} | {seconds} | {label} {_fmt(before)} | "
-                     f"{label} {_fmt(after)} |")
+        lines.append(f"| {name} | {seconds} | {label} {_fmt(before)}{_interval(before, res.get('eval_before'))} | "
+                     f"{label} {_fmt(after)}{_interval(after, res.get('eval_after'))} |")
     return lines
+
+
+def wilson_interval(accuracy: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a fraction measured on n pairs (sound near 0 and 1, unlike p +- 2 SE)."""
+    denom = 1 + z * z / n
+    center = (accuracy + z * z / (2 * n)) / denom
+    half = z * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n)) / denom
+    return center - half, center + half
+
+
+def _interval(accuracy: Any, evaluation: Optional[dict]) -> str:
+    """' (95% CI a-b, n pairs)' for a pairwise accuracy: is it above chance (0.5) or only noise?"""
+    pairs = int((evaluation or {}).get("eval/pairs", 0))
+    if not isinstance(accuracy, float) or pairs <= 0:
+        return ""
+    low, high = wilson_interval(accuracy, pairs)
+    return f" (95% CI {low:.2f}-{high:.2f}, {pairs} pairs)"
 
 
 def comparison_table(comparison: dict) -> list[str]:

@@ -1,0 +1,29 @@
+"""The run report's tables: pairwise accuracies carry a confidence interval, so noise reads as noise."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.run_report import stage_table, wilson_interval
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    low, high = wilson_interval(0.5, 100)
+    assert (round(low, 4), round(high, 4)) == (0.4038, 0.5962)
+    low, high = wilson_interval(1.0, 10)  # the normal approximation would give 1.0-1.0 here
+    assert round(low, 4) == 0.7225 and high == pytest.approx(1.0)
+
+
+def test_accuracy_rows_show_the_interval_and_the_pair_count():
+    results = {
+        "sft": {"eval_before": {"eval/perplexity": 12.0, "eval/tokens": 900.0},
+                "eval_after": {"eval/perplexity": 10.0, "eval/tokens": 900.0}},
+        "reward": {"eval_before": {"eval/accuracy": 0.5, "eval/pairs": 100.0},
+                   "eval_after": {"eval/accuracy": 0.64, "eval/pairs": 100.0}, "seconds": 12.0},
+    }
+    lines = stage_table(results)
+    sft_row = next(line for line in lines if line.startswith("| sft "))
+    reward_row = next(line for line in lines if line.startswith("| reward "))
+    assert "CI" not in sft_row and "| - |" in sft_row  # not timed outside the pipeline
+    assert "accuracy 0.5 (95% CI 0.40-0.60, 100 pairs)" in reward_row
+    assert "accuracy 0.64 (95% CI 0.54-0.73, 100 pairs)" in reward_row and "| 12 |" in reward_row
