@@ -99,6 +99,23 @@ def test_unknown_model_name_fails_with_what_to_use(tmp_path):
         load_base_model(ModelArguments(model_name_or_path="tiny-llama", quantization="int3"), vocab_size=64, device=CPU)
 
 
+def test_tiny_nf4_model_evaluates_on_cpu_with_the_standard_weight_layout():
+    """bitsandbytes would repack the weights in place on AVX512-BF16 CPUs at the first no-grad eval forward,
+    and assert on the tiny preset's 172-wide MLP; the loader keeps the standard NF4 layout instead."""
+    import bitsandbytes as bnb
+
+    model = load_base_model(ModelArguments(model_name_or_path="tiny-llama", quantization="nf4"), vocab_size=64,
+                            device=CPU).eval()
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert any(m.out_features % 32 for m in layers)  # the shape the repacking rejects is present
+    before = {id(m): (m.weight.data_ptr(), tuple(m.weight.shape)) for m in layers}
+    with torch.no_grad():
+        logits = model(input_ids=torch.randint(0, 64, (2, 8))).logits
+    assert torch.isfinite(logits).all()
+    assert all(not m.support_avx512bf16_for_cpu for m in layers)
+    assert {id(m): (m.weight.data_ptr(), tuple(m.weight.shape)) for m in layers} == before
+
+
 def test_quantization_auto_is_full_precision_without_cuda():
     assert resolve_quantization("auto", CPU) is False
     assert resolve_quantization("nf4", CPU) is True

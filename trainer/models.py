@@ -314,6 +314,25 @@ def quantize_linears_(model: torch.nn.Module, compute_dtype: torch.dtype, device
     return count
 
 
+def keep_cpu_nf4_layout_(model: torch.nn.Module) -> int:
+    """Turn off bitsandbytes' CPU repacking of NF4 weights on CPUs with AVX512-BF16.
+
+    bitsandbytes 0.50 rewrites a Linear4bit's weight in place into a CPU-only layout on its first
+    no-grad forward in eval mode. It asserts when out_features is not a multiple of 32 (the tiny preset's
+    172-wide MLP), and it makes the layout depend on whether an evaluation ran before training. The 4-bit path
+    on CPU exists to test the GPU recipe, so the standard layout is kept. Returns the number of layers changed.
+    """
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    changed = sum(1 for m in layers if getattr(m, "support_avx512bf16_for_cpu", False))
+    for m in layers:
+        m.support_avx512bf16_for_cpu = False
+    if changed:
+        logger.info("bitsandbytes CPU NF4 repacking off for %d layers (standard NF4 layout kept)", changed)
+    return changed
+
+
 def enable_checkpointing(model, context_fn=None) -> None:
     """Gradient (activation) checkpointing through the transformers 5 API, non-reentrant.
 
@@ -367,6 +386,8 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
         model = AutoModelForCausalLM.from_pretrained(str(path) if path else name, **kwargs)
         if not four_bit:
             model.to(device)
+    if four_bit and device.type == "cpu":
+        keep_cpu_nf4_layout_(model)
     model.requires_grad_(False)
     if args.gradient_checkpointing if checkpointing is None else checkpointing:
         enable_checkpointing(model)
