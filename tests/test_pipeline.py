@@ -51,6 +51,7 @@ def test_comparison_scores_every_policy_and_the_report_shows_it(run_dir):
     stage_seconds = [json.loads((run_dir / s / "results.json").read_text())["seconds"] for s in ("sft", "reward", "ppo", "dpo")]
     total = sum(stage_seconds) + comparison["seconds"]
     assert comparison["seconds"] > 0 and f"stages and comparison together {total:.0f} s" in report
+    assert "DPO starts with the policy equal to the reference" in report  # why its accuracy before is 0
     from PIL import Image
 
     with Image.open(run_dir / "curves.png") as image:

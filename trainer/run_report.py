@@ -141,6 +141,10 @@ def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: 
              f"Generated {prov['date']} on {prov['device_name']}, git `{prov['git_revision']}`, "
              f"from the files in this folder (`python -m trainer.run_report {run_dir}`).", "",
              "## Stages", "", *stage_table(results), ""]
+    dpo_before = (results.get("dpo") or {}).get("eval_before") or {}
+    if dpo_before.get("eval/rewards/margins") == 0.0:
+        lines += ["DPO starts with the policy equal to the reference, so every implicit reward is exactly 0 before "
+                  "training: those ties count as wrong, hence accuracy 0, not 0.5.", ""]
     timed = [r["seconds"] for r in results.values() if "seconds" in r]
     if comparison and "seconds" in comparison and len(timed) == len(results):
         total = sum(timed) + comparison["seconds"]
