@@ -48,7 +48,8 @@ def test_comparison_scores_every_policy_and_the_report_shows_it(run_dir):
     assert comparison["prompts"] == 4 and len(comparison["samples"]) == 4
     report = (run_dir / "report.md").read_text()
     assert "| ppo |" in report and "win rate vs SFT" in report and "![training curves](curves.png)" in report
-    stage_seconds = [json.loads((run_dir / s / "results.json").read_text())["seconds"] for s in ("sft", "reward", "ppo", "dpo")]
+    stage_seconds = [json.loads((run_dir / s / "results.json").read_text())["seconds"]
+                     for s in ("sft", "reward", "ppo", "dpo")]
     total = sum(stage_seconds) + comparison["seconds"]
     assert comparison["seconds"] > 0 and f"stages and comparison together {total:.0f} s" in report
     assert "DPO starts with the policy equal to the reference" in report  # why its accuracy before is 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ def held_out_prompts(run_dir: Path, tokenizer, count: int):
 
 @torch.no_grad()
 def compare_policies(run_dir: Path, args, with_dpo: bool = False) -> dict[str, Any]:
+    started = time.time()
     run_dir = Path(run_dir)
     adapters = policy_adapters(run_dir, with_dpo)
     model_args = base_model_args(adapters["sft"], gradient_checkpointing=False)
@@ -95,6 +97,7 @@ def compare_policies(run_dir: Path, args, with_dpo: bool = False) -> dict[str, A
     result["samples"] = [{"prompt": texts[i], **{name: responses[name][i] for name in adapters},
                           **{f"score_{name}": scores[name][i] for name in adapters}}
                          for i in range(min(args.samples_in_report, len(prompts)))]
+    result["seconds"] = time.time() - started  # the run report adds it to the stage times
     (run_dir / "comparison.json").write_text(json.dumps(result, indent=2))
     logger.info("comparison: %s", json.dumps(result["policies"]))
     return result

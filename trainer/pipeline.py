@@ -122,10 +122,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     from trainer.compare import compare_policies
     from trainer.run_report import write_run_report
 
-    started = time.time()
     comparison = compare_policies(run_dir, args, with_dpo=args.with_dpo)
-    comparison["seconds"] = time.time() - started
-    (run_dir / "comparison.json").write_text(json.dumps(comparison, indent=2))
     report = write_run_report(run_dir, results, comparison)
     logger.info("run report: %s", report)
     return {"stages": results, "comparison": comparison, "report": str(report)}
