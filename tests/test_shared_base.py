@@ -214,3 +214,62 @@ def test_left_padded_rows_score_like_unpadded_rows():
     torch.testing.assert_close(left[:, 3:], plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tail, left[:, -5:], rtol=1e-5, atol=1e-6)
     assert values.shape == (1, 5)
+
+
+def labelled_batch(seed=0):
+    """Right-padded rows whose labels cover only a completion tail (-100 on prompt and padding)."""
+    ids, _ = batch(seed, b=3, t=12)
+    mask = torch.ones_like(ids)
+    mask[2, 9:] = 0
+    labels = ids.clone()
+    labels[0, :7] = -100
+    labels[1, :4] = -100
+    labels[2, :5] = -100
+    labels[2, 9:] = -100
+    return ids, mask, labels
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_label_logprobs_equal_full_logits_log_probs_in_value_and_gradient(checkpointing):
+    from trainer.losses import shift_for_next_token, token_logprobs
+
+    torch.manual_seed(0)
+    model = build_shared_model(tiny_args(checkpointing=checkpointing, lora_dropout=0.0),
+                               [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.train()
+    ids, mask, labels = labelled_batch()
+    weights = torch.linspace(0.5, 2.0, labels.shape[1] - 1)  # a loss that weights positions unequally
+
+    results = []
+    for path in ("full", "labelled"):
+        model.zero_grad(set_to_none=True)
+        if path == "full":
+            logp = token_logprobs(*shift_for_next_token(model.logits(ids, mask, "policy"), labels))
+        else:
+            logp = model(ids, mask, adapter="policy", output="logprobs", labels=labels)
+        (logp * weights).sum().backward()
+        results.append((logp.detach(), [p.grad.clone() for p in model.trainable_parameters()]))
+    (full, full_grads), (mine, my_grads) = results
+    assert mine.shape == (3, 11)
+    assert torch.equal(mine == 0, labels[:, 1:] == -100)  # zero exactly where no label, nowhere else
+    torch.testing.assert_close(mine, full, rtol=1e-5, atol=1e-5)
+    for a, b in zip(full_grads, my_grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_label_logprobs_run_the_lm_head_on_labelled_positions_only():
+    model = build_shared_model(tiny_args(), [AdapterSpec("policy", trainable=False)], vocab_size=VOCAB).eval()
+    ids, mask, labels = labelled_batch()
+    rows = []
+    hook = model.causal_lm.get_output_embeddings().register_forward_hook(lambda m, inp, out: rows.append(inp[0].shape))
+    try:
+        with torch.no_grad():
+            model(ids, mask, adapter="policy", output="logprobs", labels=labels)
+    finally:
+        hook.remove()
+    assert rows == [torch.Size([int((labels[:, 1:] != -100).sum()), model.causal_lm.config.hidden_size])]
+    with pytest.raises(ValueError, match="needs labels"):
+        model(ids, mask, adapter="policy", output="logprobs")

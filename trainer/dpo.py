@@ -15,7 +15,7 @@ import torch
 from accelerate.utils import gather_object
 
 from trainer.collators import PairCollator
-from trainer.losses import dpo_loss, shift_for_next_token, token_logprobs
+from trainer.losses import dpo_loss
 from trainer.loop import StepOutput, run_training
 from trainer.run import finish_stage, start_run
 from trainer.sft import rank_shard
@@ -34,9 +34,9 @@ class DPOArguments:
 
 def sequence_logprobs(model, batch: dict[str, torch.Tensor], adapter: str) -> torch.Tensor:
     """(2B,) summed log-probs of each row's completion tokens under `adapter`."""
-    logits = model(batch["input_ids"], batch["attention_mask"], adapter=adapter)
-    logits, labels = shift_for_next_token(logits, batch["labels"])
-    return token_logprobs(logits, labels).sum(dim=1)
+    logp = model(batch["input_ids"], batch["attention_mask"], adapter=adapter, output="logprobs",
+                 labels=batch["labels"])
+    return logp.sum(dim=1)
 
 
 def dpo_terms(model, batch: dict[str, torch.Tensor], args: DPOArguments):

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from trainer.collators import SFTCollator
-from trainer.losses import completion_ce_sum
+from trainer.losses import IGNORE_INDEX
 from trainer.loop import StepOutput, run_training
 from trainer.run import finish_stage, start_run
 from trainer.shared_base import AdapterSpec, build_shared_model
@@ -31,6 +31,13 @@ def rank_shard(items: Sequence, accelerator) -> Sequence:
     return items[accelerator.process_index :: accelerator.num_processes]
 
 
+def completion_nll(model, batch: dict[str, torch.Tensor], adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed next-token NLL of the completion tokens, their count); the LM head runs on those tokens only."""
+    logp = model(batch["input_ids"], batch["attention_mask"], adapter=adapter, output="logprobs",
+                 labels=batch["labels"])
+    return -logp.sum(), (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+
 @torch.no_grad()
 def completion_perplexity(model, examples: Sequence[SFTExample], collate: SFTCollator, batch_size: int,
                           accelerator, adapter: str = "policy", max_batches: int = 0) -> dict[str, float]:
@@ -41,8 +48,7 @@ def completion_perplexity(model, examples: Sequence[SFTExample], collate: SFTCol
         if max_batches and i >= max_batches:
             break
         batch = {k: v.to(accelerator.device) for k, v in collate(mine[start : start + batch_size]).items()}
-        logits = model(batch["input_ids"], batch["attention_mask"], adapter=adapter)
-        loss_sum, count = completion_ce_sum(logits, batch["labels"])
+        loss_sum, count = completion_nll(model, batch, adapter)
         total += torch.stack([loss_sum.double(), count.double()])
     total = accelerator.reduce(total, reduction="sum")
     mean = (total[0] / total[1].clamp(min=1)).item()
@@ -58,8 +64,7 @@ class SFTStage:
         self.eval_batch_size, self.eval_batches = eval_batch_size, eval_batches
 
     def compute_loss(self, model, batch: dict[str, torch.Tensor]) -> StepOutput:
-        logits = model(batch["input_ids"], batch["attention_mask"], adapter="policy")
-        loss_sum, count = completion_ce_sum(logits, batch["labels"])
+        loss_sum, count = completion_nll(model, batch, "policy")
         loss = loss_sum / count.clamp(min=1)
         return StepOutput(loss, {"loss": loss.detach()}, tokens=int(batch["attention_mask"].sum()))
 

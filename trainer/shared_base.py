@@ -216,13 +216,19 @@ class SharedBaseModel(nn.Module):
         return self.peft.get_base_model()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str,
-                output: str = "logits", keep_last: int = 0) -> torch.Tensor:
+                output: str = "logits", keep_last: int = 0, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One entry point for wrappers (DDP, DeepSpeed) that must see `forward`.
 
-        `output` is "logits" (B, T, V), "scores" (B, T) from the adapter's head, or "hidden" (B, T, H).
+        `output` is "logits" (B, T, V), "scores" (B, T) from the adapter's head, "hidden" (B, T, H), or
+        "logprobs" (B, T-1): log p of each next-token `labels` entry, computing the LM head only where
+        a label is set (SFT and DPO score completions; the prompt's logits are never built).
         `keep_last=k` computes only the last k positions' outputs (PPO needs the response part only,
         and the vocab-sized logits of the prompt are the largest tensor of a scoring pass).
         """
+        if output == "logprobs":
+            if labels is None:
+                raise ValueError("output='logprobs' needs labels")
+            return self.label_logprobs(input_ids, attention_mask, labels, adapter)
         if output == "logits":
             return self.logits(input_ids, attention_mask, adapter, keep_last)
         if output == "scores":
@@ -247,6 +253,33 @@ class SharedBaseModel(nn.Module):
                                             position_ids=position_ids_from_mask(attention_mask), use_cache=False)
             hidden = out.last_hidden_state
             return hidden[:, -keep_last:] if keep_last else hidden
+
+    @property
+    def _plain_lm_head(self) -> bool:
+        """Logits are lm_head(last hidden state), as in Llama; some families scale or soft-cap them after."""
+        cfg = self.causal_lm.config
+        return not any(getattr(cfg, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+
+    def label_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                       adapter: str) -> torch.Tensor:
+        """(B, T-1) log p(labels[:, t+1] | tokens <= t) under `adapter`; 0 where the label is IGNORE_INDEX.
+
+        Equal to `token_logprobs(*shift_for_next_token(logits, labels))` over the full logits, but the
+        LM head and the fp32 log-softmax run only at labelled positions: on hh-rlhf most tokens are
+        prompt, so this skips most of the largest matmul and most of the (tokens x vocab) tensors.
+        """
+        from trainer.losses import IGNORE_INDEX, shift_for_next_token, token_logprobs
+
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} do not match input_ids {tuple(input_ids.shape)}")
+        if not self._plain_lm_head:
+            return token_logprobs(*shift_for_next_token(self.logits(input_ids, attention_mask, adapter), labels))
+        targets = labels[:, 1:]
+        keep = targets != IGNORE_INDEX
+        hidden = self.hidden_states(input_ids, attention_mask, adapter)[:, :-1]
+        logits = self.causal_lm.get_output_embeddings()(hidden[keep])  # (N, V) for the N labelled positions
+        picked = token_logprobs(logits.unsqueeze(0), targets[keep].unsqueeze(0)).squeeze(0)
+        return torch.zeros(targets.shape, dtype=picked.dtype, device=picked.device).masked_scatter(keep, picked)
 
     def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str,
                keep_last: int = 0) -> torch.Tensor:
