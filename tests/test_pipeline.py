@@ -106,6 +106,34 @@ def test_dpo_loss_on_a_batch_matches_the_formula_by_hand(run_dir, smol_tokenizer
     assert float(out.loss) == pytest.approx(sum(losses) / len(losses), rel=1e-4, abs=1e-6)
 
 
+def test_evaluate_dpo_on_the_runs_eval_split_reproduces_the_stages_final_evaluation(run_dir):
+    """`evaluate dpo --split eval` finds the reference (the run's SFT adapter), the split and beta from
+    the run's config.json, and scores the same pairs the DPO stage evaluated at its last step."""
+    proc = subprocess.run([sys.executable, "-m", "trainer.evaluate", "dpo", "--adapter", str(run_dir / "dpo" / "adapter"),
+                           "--split", "eval", "--batch_size", "4"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    final = json.loads((run_dir / "dpo" / "results.json").read_text())["eval_after"]
+    assert line["task"] == "dpo" and line["split"] == "eval"
+    assert line["reference"] == str(run_dir / "sft" / "adapter")
+    assert line["pairs"] == final["eval/pairs"] > 0
+    assert line["rewards/accuracies"] == pytest.approx(final["eval/rewards/accuracies"])
+    assert line["rewards/margins"] == pytest.approx(final["eval/rewards/margins"], rel=1e-4, abs=1e-6)
+    low, high = line["accuracy_ci95"]
+    assert 0.0 <= low <= line["rewards/accuracies"] <= high <= 1.0
+
+
+def test_evaluate_split_without_a_run_config_names_what_to_do(run_dir, tmp_path):
+    import shutil
+
+    lone = tmp_path / "adapter"
+    shutil.copytree(run_dir / "dpo" / "adapter", lone)
+    proc = subprocess.run([sys.executable, "-m", "trainer.evaluate", "dpo", "--adapter", str(lone), "--split", "eval"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "config.json does not exist: use --split all --data PATH" in proc.stderr
+
+
 def test_ppo_with_absent_earlier_stages_trains_them_first(tmp_path):
     proc = subprocess.run([sys.executable, "trainer/ppo.py", "--config", str(RECIPE / "ppo.yaml"), "--output_dir",
                            str(tmp_path / "ppo"), "--sft_adapter", str(tmp_path / "sft" / "adapter"), "--reward_adapter",
