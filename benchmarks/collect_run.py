@@ -2,7 +2,8 @@
 
     python -m benchmarks.collect_run runs/demo benchmarks/results/demo-smollm2-135m-cpu --note "make demo on a fresh clone"
 
-Keeps every stage's config.json, results.json, metrics.jsonl and memory report, and the run's
+Keeps every stage's config.json, results.json, metrics.jsonl, memory report and the
+`evaluation*.json` files `python -m trainer.evaluate --output_file` wrote there, and the run's
 report.md, curves.png and comparison.json, plus provenance.json (date, device, git revision,
 the note). What the run itself wrote is copied as it is, never edited.
 """
@@ -29,7 +30,8 @@ def collect(run_dir: Path, out: Path, note: str = "") -> list[Path]:
         if (run_dir / name).is_file():
             copied.append(Path(shutil.copy2(run_dir / name, out / name)))
     for stage in sorted(p for p in run_dir.iterdir() if p.is_dir()):
-        for name in STAGE_FILES:
+        names = list(STAGE_FILES) + sorted(p.name for p in stage.glob("evaluation*.json"))
+        for name in names:
             if (stage / name).is_file():
                 (out / stage.name).mkdir(exist_ok=True)
                 copied.append(Path(shutil.copy2(stage / name, out / stage.name / name)))

@@ -150,6 +150,8 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     grads = {C.GRADIENTS: gradient_bytes(trainable)}
     step = ("optimizer_step", {**grads, C.OPTIMIZER_TEMPORARIES: step_temporaries(trainable, args.optimizer)})
     mb, seq = args.micro_batch, args.max_length
+    # SFT and DPO build logits at completion positions only (`output="logprobs"`); how many there are
+    # depends on the data, so the logits are sized for the worst case, every position a completion.
     if args.stage == "sft":
         tokens = mb * seq
         return [("forward_backward", {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, seq),

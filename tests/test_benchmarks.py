@@ -140,6 +140,7 @@ def test_collect_run_copies_reports_and_results_but_no_weights(tmp_path):
     (run / "sft" / "adapter" / "adapter_model.safetensors").write_bytes(b"weights")
     (run / "sft" / "results.json").write_text('{"stage": "sft"}')
     (run / "sft" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "sft" / "evaluation-eval.json").write_text('{"task": "sft"}')
     (run / "report.md").write_text("# report")
     out = tmp_path / "out"
     collect(run, out, note="unit test")
@@ -148,3 +149,4 @@ def test_collect_run_copies_reports_and_results_but_no_weights(tmp_path):
     assert not list(out.rglob("*.safetensors")) and not list(out.rglob("checkpoint-*"))
     info = json.loads((out / "provenance.json").read_text())
     assert info["note"] == "unit test" and info["git_revision"] and "sft/results.json" in info["files"]
+    assert (out / "sft" / "evaluation-eval.json").read_text() == '{"task": "sft"}'  # evaluate --output_file

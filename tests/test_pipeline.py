@@ -110,9 +110,12 @@ def test_evaluate_dpo_on_the_runs_eval_split_reproduces_the_stages_final_evaluat
     """`evaluate dpo --split eval` finds the reference (the run's SFT adapter), the split and beta from
     the run's config.json, and scores the same pairs the DPO stage evaluated at its last step."""
     proc = subprocess.run([sys.executable, "-m", "trainer.evaluate", "dpo", "--adapter", str(run_dir / "dpo" / "adapter"),
-                           "--split", "eval", "--batch_size", "4"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--split", "eval", "--batch_size", "4", "--output_file", str(run_dir / "dpo" / "evaluation-eval.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
+    saved = json.loads((run_dir / "dpo" / "evaluation-eval.json").read_text())
+    assert saved.pop("provenance")["git_revision"] and saved == line
     final = json.loads((run_dir / "dpo" / "results.json").read_text())["eval_after"]
     assert line["task"] == "dpo" and line["split"] == "eval"
     assert line["reference"] == str(run_dir / "sft" / "adapter")

@@ -53,6 +53,8 @@ class EvalArguments:
     batch_size: int = field(default=8, metadata={"help": "Rows (sft) or pairs (reward) per forward pass."})
     limit: int = field(default=0, metadata={"help": "Use only the first N rows (0: all)."})
     on_bad_row: str = field(default="skip", metadata={"help": "'skip' or 'error' for malformed rows."})
+    output_file: Optional[str] = field(default=None, metadata={
+        "help": "Also write the result, with provenance (device, date, command, git revision), to this JSON file."})
     model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Override the adapter's base model."})
     quantization: Optional[str] = field(default=None, metadata={"help": "Override the base quantization."})
 
@@ -153,6 +155,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     result = evaluate(task, args)
     print(json.dumps(result), flush=True)
+    if args.output_file:
+        from profiling.provenance import provenance
+
+        out = Path(args.output_file)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        tmp.write_text(json.dumps({**result, "provenance": provenance(device)}, indent=2))
+        tmp.replace(out)
     return result
 
 
