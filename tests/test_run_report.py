@@ -27,3 +27,19 @@ def test_accuracy_rows_show_the_interval_and_the_pair_count():
     assert "CI" not in sft_row and "| - |" in sft_row  # not timed outside the pipeline
     assert "accuracy 0.5 (95% CI 0.40-0.60, 100 pairs)" in reward_row
     assert "accuracy 0.64 (95% CI 0.54-0.73, 100 pairs)" in reward_row and "| 12 |" in reward_row
+
+
+def test_saved_evaluations_appear_with_their_interval(tmp_path):
+    import json
+
+    from trainer.run_report import evaluation_table
+
+    (tmp_path / "dpo").mkdir()
+    (tmp_path / "dpo" / "evaluation-eval.json").write_text(json.dumps(
+        {"task": "dpo", "split": "eval", "rewards/accuracies": 0.5, "pairs": 100.0}))
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "evaluation-all.json").write_text(json.dumps({"task": "sft", "perplexity": 9.5}))
+    lines = evaluation_table(tmp_path)
+    assert "| dpo | eval | accuracy 0.5 (95% CI 0.404-0.596, 100 pairs) | `dpo/evaluation-eval.json` |" in lines
+    assert "| sft | all | perplexity 9.5 | `sft/evaluation-all.json` |" in lines
+    assert evaluation_table(tmp_path / "dpo") == []

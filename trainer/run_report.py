@@ -121,6 +121,24 @@ def sample_table(comparison: dict) -> list[str]:
     return lines
 
 
+def evaluation_table(run_dir: Path) -> list[str]:
+    """The `evaluate --output_file` results saved in the stage folders (e.g. dpo/evaluation-eval.json)."""
+    lines = []
+    for path in sorted(run_dir.glob("*/evaluation*.json")):
+        ev = json.loads(path.read_text())
+        accuracy = ev.get("accuracy", ev.get("rewards/accuracies"))
+        if accuracy is None:
+            figure = f"perplexity {ev['perplexity']:.4g}" if "perplexity" in ev else "-"
+        else:
+            low, high = wilson_interval(accuracy, int(ev["pairs"]))
+            figure = f"accuracy {accuracy:.4g} (95% CI {low:.3f}-{high:.3f}, {int(ev['pairs'])} pairs)"
+        lines.append(f"| {ev['task']} | {ev.get('split', 'all')} | {figure} | `{path.relative_to(run_dir)}` |")
+    if not lines:
+        return []
+    return ["## Evaluations (`python -m trainer.evaluate`)", "", "| task | split | result | file |",
+            "|---|---|---|---|", *lines, ""]
+
+
 def _cell(text: str) -> str:
     return " ".join(text.replace("|", "\\|").split())
 
@@ -145,6 +163,7 @@ def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: 
     if dpo_before.get("eval/rewards/margins") == 0.0:
         lines += ["DPO starts with the policy equal to the reference, so every implicit reward is exactly 0 before "
                   "training: those ties count as wrong, hence accuracy 0, not 0.5.", ""]
+    lines += evaluation_table(run_dir)
     timed = [r["seconds"] for r in results.values() if "seconds" in r]
     if comparison and "seconds" in comparison and len(timed) == len(results):
         total = sum(timed) + comparison["seconds"]
