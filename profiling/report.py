@@ -22,7 +22,8 @@ JSON_NAME, MD_NAME, PNG_NAME = "memory.json", "memory.md", "memory.png"
 REQUIRED_KEYS = ("device", "device_name", "date", "command", "git_revision", "config", "budget_bytes", "phases")
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder: readers never see half a file."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         f.write(text)
@@ -86,7 +87,7 @@ def write_reports(data: dict, run_dir, json_name: str = JSON_NAME) -> dict[str, 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": run_dir / json_name}
-    _write_atomic(paths["json"], json.dumps(data, indent=2, sort_keys=False) + "\n")
+    write_atomic(paths["json"], json.dumps(data, indent=2, sort_keys=False) + "\n")
     paths.update(render(data, run_dir, stem=Path(json_name).stem))
     return paths
 
@@ -94,7 +95,7 @@ def write_reports(data: dict, run_dir, json_name: str = JSON_NAME) -> dict[str, 
 def render(data: dict, run_dir, stem: str = "memory") -> dict[str, Path]:
     run_dir = Path(run_dir)
     md, png = run_dir / f"{stem}.md", run_dir / f"{stem}.png"
-    _write_atomic(md, markdown(data))
+    write_atomic(md, markdown(data))
     write_chart(data["phases"], png, data["budget_bytes"], _title(data))
     return {"md": md, "png": png}
 

@@ -36,7 +36,8 @@ def test_saved_evaluations_appear_with_their_interval(tmp_path):
 
     (tmp_path / "dpo").mkdir()
     (tmp_path / "dpo" / "evaluation-eval.json").write_text(json.dumps(
-        {"task": "dpo", "split": "eval", "rewards/accuracies": 0.5, "pairs": 100.0}))
+        {"task": "dpo", "split": "eval", "rewards/accuracies": 0.5, "pairs": 100.0,
+         "accuracy_ci95": list(wilson_interval(0.5, 100))}))
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "evaluation-all.json").write_text(json.dumps({"task": "sft", "perplexity": 9.5}))
     lines = evaluation_table(tmp_path)

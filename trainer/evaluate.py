@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -157,13 +157,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(json.dumps(result), flush=True)
     if args.output_file:
         from profiling.provenance import provenance
+        from profiling.report import write_atomic
 
         out = Path(args.output_file)
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        tmp.write_text(json.dumps({**result, "provenance": provenance(device)}, indent=2))
-        tmp.replace(out)
+        write_atomic(out, json.dumps({**result, "provenance": provenance(device)}, indent=2))
     return result
 
 

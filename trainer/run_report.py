@@ -130,7 +130,7 @@ def evaluation_table(run_dir: Path) -> list[str]:
         if accuracy is None:
             figure = f"perplexity {ev['perplexity']:.4g}" if "perplexity" in ev else "-"
         else:
-            low, high = wilson_interval(accuracy, int(ev["pairs"]))
+            low, high = ev["accuracy_ci95"]  # evaluate writes it beside every accuracy
             figure = f"accuracy {accuracy:.4g} (95% CI {low:.3f}-{high:.3f}, {int(ev['pairs'])} pairs)"
         lines.append(f"| {ev['task']} | {ev.get('split', 'all')} | {figure} | `{path.relative_to(run_dir)}` |")
     if not lines:
