@@ -142,8 +142,13 @@ def make_loader(dataset: Dataset, collate_fn: Callable, batch_size: int, seed: i
 def batch_stream(accelerator, loader, sampler: EpochShuffleSampler, epoch: int, skip: int):
     """Yield (epoch, batches done in this epoch, batch) forever, starting `skip` batches into `epoch`."""
     while True:
-        sampler.set_epoch(epoch)
         source = accelerator.skip_first_batches(loader, skip) if skip else loader
+        # Accelerate's prepared loaders count their own passes and reset the sampler's epoch to that
+        # count when iterated; a resumed run's first pass (and the skipping loader, which starts at
+        # pass 0) would replay epoch 0's order. Setting the epoch on the loader itself keeps them aligned.
+        if hasattr(source, "set_epoch"):
+            source.set_epoch(epoch)
+        sampler.set_epoch(epoch)
         done = skip
         for batch in source:
             done += 1

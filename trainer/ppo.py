@@ -21,7 +21,7 @@ import torch
 from trainer.checkpoint import save_checkpoint
 from trainer.collators import PromptCollator
 from trainer.kl_control import make_kl_controller
-from trainer.launch import describe_engine, fill_deepspeed_autos, is_deepspeed
+from trainer.launch import RowTrace, describe_engine, fill_deepspeed_autos, is_deepspeed
 from trainer.loop import (
     MetricsLog, all_finite, batch_stream, finish_trackers, flat_config, make_loader, make_recorder, peak_memory_gb,
     resume_path,
@@ -125,9 +125,11 @@ class PPOTrainer:
         if start == 0:
             self._log_eval(raw, metrics_log, 0)
         stream = batch_stream(acc, loader, sampler, state["epoch"], state["batches_in_epoch"])
+        trace = RowTrace(acc)
         micro = self.update_cfg.micro_batch_size
         for step in range(start + 1, targs.max_steps + 1):
             state["epoch"], state["batches_in_epoch"], batch = next(stream)
+            trace.record(step, batch)
             t0 = time.perf_counter()
             raw.eval()
             rollout = make_rollout(raw, batch["input_ids"], batch["attention_mask"], self.sampling, self.scorer,
