@@ -33,26 +33,30 @@ def describe(args: BenchArguments, four_bit: bool, optimizer_name: str) -> dict:
     }
 
 
+def build_model(args: BenchArguments, vocab_size: int, device: torch.device, head_dirs: dict[str, str]):
+    """ONE base with policy, reference, value (+ head) and reward (+ head) adapters; the heads from files."""
+    from trainer.shared_base import AdapterSpec, build_shared_model
+
+    specs = [AdapterSpec("policy", trainable=True), AdapterSpec("reference"),
+             AdapterSpec("value", trainable=True, head=True, head_from=head_dirs["value"]),
+             AdapterSpec("reward", head=True, head_from=head_dirs["reward"])]
+    return build_shared_model(args.model_arguments(), specs, vocab_size=vocab_size, device=device)
+
+
 def run_ours(args: BenchArguments, prompts: list[list[int]], tokenizer, accelerator, probe: MemoryProbe,
-             heads: dict[str, torch.Tensor], result: dict) -> None:
+             head_dirs: dict[str, str], result: dict) -> None:
     """Fill `result` (setup, steps) in place, so a failure part-way keeps what was measured."""
     from trainer.collators import PromptCollator
     from trainer.models import resolve_quantization
     from trainer.optim import build_optimizer, resolve_optimizer_name
     from trainer.ppo_step import UpdateConfig, compute_advantages, ppo_update, rollout_metrics
     from trainer.rollout import RewardModelScorer, SamplingConfig, make_rollout
-    from trainer.shared_base import AdapterSpec, build_shared_model
 
     device = accelerator.device
     model_args = args.model_arguments()
-    specs = [AdapterSpec("policy", trainable=True), AdapterSpec("reference"),
-             AdapterSpec("value", trainable=True, head=True), AdapterSpec("reward", head=True)]
     clock = PhaseClock(probe)
     clock.start()
-    model = build_shared_model(model_args, specs, vocab_size=len(tokenizer), device=device)
-    with torch.no_grad():
-        for name, weight in heads.items():
-            model.heads[name].linear.weight.copy_(weight)
+    model = build_model(args, len(tokenizer), device, head_dirs)
     params = model.trainable_parameters()
     optimizer_name = resolve_optimizer_name(args.optimizer, device)
     optimizer = build_optimizer(params, optimizer_name, args.learning_rate, 0.0, device)

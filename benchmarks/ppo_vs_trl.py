@@ -33,7 +33,7 @@ import torch
 from benchmarks.measure import MemoryProbe, release_memory
 from benchmarks.workload import (
     BenchArguments, export_tokenizer, fixed_length_prompts, head_weights, hidden_size, load_bench_tokenizer,
-    trl_batch_settings,
+    trl_batch_settings, write_heads,
 )
 
 logger = logging.getLogger("benchmarks.ppo_vs_trl")
@@ -108,7 +108,8 @@ def run_side(name: str, args: BenchArguments, prompts, tokenizer, accelerator, p
         if name == "ours":
             from benchmarks.ours import run_ours
 
-            run_ours(args, prompts, tokenizer, accelerator, probe, heads, result)
+            with tempfile.TemporaryDirectory(prefix="ppo-bench-heads-") as folder:
+                run_ours(args, prompts, tokenizer, accelerator, probe, write_heads(heads, folder), result)
         else:
             from benchmarks.trl_ppo import run_trl
 

@@ -198,3 +198,21 @@ def head_weights(hidden_size: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed + 7919)
     std = 1.0 / (hidden_size + 1) ** 0.5  # trainer.shared_base.ScalarHead's init
     return {name: torch.randn(1, hidden_size, generator=gen) * std for name in ("value", "reward")}
+
+
+def write_heads(heads: dict[str, torch.Tensor], folder) -> dict[str, str]:
+    """Save each head weight (bias 0) as a `head.safetensors` in `folder/NAME/`: our side loads its value
+    and reward heads from these files, as a run loads a trained reward head."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from trainer.shared_base import HEAD_FILE
+
+    out = {}
+    for name, weight in heads.items():
+        path = Path(folder) / name
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({"linear.weight": weight.float().contiguous(), "linear.bias": torch.zeros(1)}, str(path / HEAD_FILE))
+        out[name] = str(path)
+    return out

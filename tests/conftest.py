@@ -49,3 +49,15 @@ def fresh_accelerate_state():
     reset_accelerate()
     yield
     reset_accelerate()
+
+
+def saved_head(folder: Path, hidden_size: int, seed: int = 0) -> str:
+    """A folder holding a random scalar head (head.safetensors): what a frozen head must be loaded from."""
+    import torch
+
+    from trainer.shared_base import HEAD_FILE, ScalarHead
+
+    torch.manual_seed(seed)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    ScalarHead(hidden_size).save(Path(folder) / HEAD_FILE)
+    return str(folder)

@@ -37,23 +37,18 @@ def test_trl_batch_settings_reproduce_our_rollout_minibatch_and_micro_batch_size
     assert args.tokens() == {"generated": 64 * 16, "update": 64 * (32 + 16) * 3}
 
 
-def test_trl_reward_and_value_models_compute_our_reward_and_initial_value_functions():
+def test_trl_reward_and_value_models_compute_our_reward_and_initial_value_functions(tmp_path):
     """Same base weights + the same head weights: TRL's separate models score exactly as our adapters."""
+    from benchmarks.ours import build_model
     from benchmarks.trl_ppo import add_value_lora, load_score_model
+    from benchmarks.workload import write_heads
     from trainer.models import load_tokenizer
-    from trainer.shared_base import AdapterSpec, build_shared_model
 
     args = BenchArguments(model_name_or_path="tiny-llama", lora_r=4, lora_alpha=8)
     tokenizer = load_tokenizer("tiny-llama")
     device = torch.device("cpu")
     heads = head_weights(64, args.model_seed)
-    ours = build_shared_model(args.model_arguments(), [AdapterSpec("policy", trainable=True), AdapterSpec("reference"),
-                                                       AdapterSpec("value", trainable=True, head=True),
-                                                       AdapterSpec("reward", head=True)],
-                              vocab_size=len(tokenizer), device=device)
-    with torch.no_grad():
-        for name, weight in heads.items():
-            ours.heads[name].linear.weight.copy_(weight)
+    ours = build_model(args, len(tokenizer), device, write_heads(heads, tmp_path))  # the benchmark's own loading
     reward, _ = load_score_model(args, len(tokenizer), device, heads["reward"])
     value, _ = load_score_model(args, len(tokenizer), device, heads["value"])
     add_value_lora(value, args)

@@ -220,7 +220,7 @@ def test_deepspeed_checkpoint_holds_engine_shards_without_the_frozen_base_and_re
     files = sorted(p.name for p in (ckpt / "deepspeed").iterdir())
     assert files == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                      "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    assert not (ckpt / "optimizer.pt").exists() and (ckpt / "scheduler.pt").is_file()
+    assert not (ckpt / "optimizer.pt").exists() and (ckpt / "scheduler.json").is_file()
     assert {p.name for p in ckpt.glob("rng-rank*.pt")} == {"rng-rank0.pt", "rng-rank1.pt"}
     module = torch.load(ckpt / "deepspeed" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     assert module and all(".lora_" in key for key in module)  # exclude_frozen_parameters: no base weights
@@ -231,7 +231,8 @@ def test_deepspeed_checkpoint_holds_engine_shards_without_the_frozen_base_and_re
     resumed.mkdir()
     shutil.copytree(ckpt, resumed / ckpt.name)
     log = launch(ROOT / "trainer" / "sft.py", resumed, *CURVE, "--save_every", "1", "--keep_checkpoints", "5",
-                 "--gradient_accumulation_steps", "2", config="deepspeed_zero2_offload.yaml", processes=2)
+                 "--gradient_accumulation_steps", "2", "--optimizer", "paged_adamw_8bit",
+                 config="deepspeed_zero2_offload.yaml", processes=2)
     assert "resumed from" in log and "checkpoint-0000002" in log
     straight, again = curve(root / "zero2"), curve(resumed)
     # DeepSpeedCPUAdam recomputes beta^t with pow() after a load instead of multiplying it up step by
@@ -359,17 +360,17 @@ def test_4bit_base_is_stored_in_the_compute_dtype_only_where_zero3_or_fsdp_shard
 
 
 def test_checkpoint_from_another_launch_mode_is_refused_with_what_to_do(tmp_path):
-    from trainer.checkpoint import load_checkpoint
+    from trainer.checkpoint import CheckpointError, select_checkpoint
 
     ckpt = tmp_path / "checkpoint-0000002"
     (ckpt / "deepspeed").mkdir(parents=True)
     (ckpt / "state.json").write_text('{"step": 2}')
-    with pytest.raises(FileNotFoundError, match="was written under DeepSpeed .* resume it with the DeepSpeed launch "
-                                                "config, or start fresh with --resume no"):
-        load_checkpoint(fake_accelerator("ddp"), ckpt, None, ["policy"], None, None)
+    with pytest.raises(CheckpointError, match="was written under DeepSpeed .* resume it with the DeepSpeed launch "
+                                              "config, or start fresh with --resume no"):
+        select_checkpoint(tmp_path, str(ckpt), deepspeed=False)
     shutil.rmtree(ckpt / "deepspeed")
-    with pytest.raises(FileNotFoundError, match="was not written under DeepSpeed"):
-        load_checkpoint(fake_accelerator("deepspeed", ZERO2_OFFLOAD), ckpt, None, ["policy"], None, None)
+    with pytest.raises(CheckpointError, match="was not written under DeepSpeed"):
+        select_checkpoint(tmp_path, str(ckpt), deepspeed=True)
 
 
 def test_every_launch_config_parses_and_points_at_its_deepspeed_file():

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import saved_head
 
 from profiling import components as C
 from profiling.shapes import nf4_bytes
@@ -15,14 +17,18 @@ from trainer.config import ModelArguments
 from trainer.shared_base import AdapterSpec, build_shared_model
 
 VOCAB = 512
-PPO_SPECS = [AdapterSpec("policy", trainable=True), AdapterSpec("reference"),
-             AdapterSpec("value", trainable=True, head=True), AdapterSpec("reward", head=True)]
 
 
 def tiny_ppo(quantization: str, **kw):
+    import tempfile
+
     args = ModelArguments(model_name_or_path="tiny-llama", quantization=quantization, gradient_checkpointing=False,
                           lora_r=4, lora_alpha=8, **kw)
-    return build_shared_model(args, PPO_SPECS, vocab_size=VOCAB)
+    with tempfile.TemporaryDirectory() as reward_head:
+        specs = [AdapterSpec("policy", trainable=True), AdapterSpec("reference"),
+                 AdapterSpec("value", trainable=True, head=True),
+                 AdapterSpec("reward", head=True, head_from=saved_head(Path(reward_head), 64))]
+        return build_shared_model(args, specs, vocab_size=VOCAB)
 
 
 def nbytes(t: torch.Tensor) -> int:

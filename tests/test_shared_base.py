@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from conftest import saved_head
 
 from trainer.config import ModelArguments
 from trainer.shared_base import HEAD_FILE, AdapterSpec, build_shared_model, position_ids_from_mask
@@ -46,7 +49,7 @@ def ppo_model(args, sft_dir):
         AdapterSpec("policy", trainable=True, init_from=str(sft_dir)),
         AdapterSpec("reference", trainable=False, init_from=str(sft_dir)),
         AdapterSpec("value", trainable=True, head=True),
-        AdapterSpec("reward", trainable=False, head=True),
+        AdapterSpec("reward", trainable=False, head=True, head_from=saved_head(Path(sft_dir).parent / "head", 64)),
     ], vocab_size=VOCAB)
 
 
@@ -202,7 +205,7 @@ def test_generate_runs_under_the_policy_in_eval_mode_and_restores_train_mode(sft
 
 def test_left_padded_rows_score_like_unpadded_rows():
     """Positions come from the mask, so left padding changes nothing for the real tokens."""
-    model = build_shared_model(tiny_args(), [AdapterSpec("value", trainable=False, head=True)], vocab_size=VOCAB).eval()
+    model = build_shared_model(tiny_args(), [AdapterSpec("value", trainable=True, head=True)], vocab_size=VOCAB).eval()
     ids = batch(b=2, t=8)[0][:1]
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], dim=1)
@@ -273,3 +276,18 @@ def test_label_logprobs_run_the_lm_head_on_labelled_positions_only():
     assert rows == [torch.Size([int((labels[:, 1:] != -100).sum()), model.causal_lm.config.hidden_size])]
     with pytest.raises(ValueError, match="needs labels"):
         model(ids, mask, adapter="policy", output="logprobs")
+
+
+def test_a_frozen_head_without_saved_weights_is_an_error_naming_the_folder(sft_adapter):
+    """A reward head is never trained in PPO or evaluation: a random one would score noise silently."""
+    from trainer.shared_base import HeadMissingError
+
+    args, sft_dir, _ = sft_adapter
+    with pytest.raises(HeadMissingError, match=f"{sft_dir / HEAD_FILE} is missing"):
+        build_shared_model(args, [AdapterSpec("reward", init_from=str(sft_dir), head=True)], vocab_size=VOCAB)
+    with pytest.raises(HeadMissingError, match="no saved head was given"):
+        build_shared_model(args, [AdapterSpec("reward", head=True)], vocab_size=VOCAB)
+    # A trainable head may start fresh (the reward stage, PPO's value head).
+    model = build_shared_model(args, [AdapterSpec("value", trainable=True, init_from=str(sft_dir), head=True)],
+                               vocab_size=VOCAB)
+    assert "value" in model.heads

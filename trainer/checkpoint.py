@@ -1,27 +1,34 @@
-"""Resumable checkpoints, written atomically.
+"""Resumable checkpoints: written atomically, verified before use, loaded without running code.
 
 A checkpoint is a folder `checkpoint-0000120/` holding the trainable adapters (PEFT format plus
-heads), the optimizer and scheduler states, every rank's RNG states and `state.json` (step, data
-position, counters, stage extras). It is written under a temporary name and renamed into place, so
-a kill during the write leaves only a `.tmp` folder that resume ignores and the next save removes:
-the newest complete checkpoint is always readable.
+heads), the optimizer state, the LR schedule, every rank's RNG states, `state.json` (step, data
+position, counters, stage extras), `config.json` (the settings the run had when it saved) and
+`manifest.json` (size and SHA-256 of every other file). It is written under a temporary name and
+renamed into place, so a kill during the write leaves only a `.tmp` folder that resume ignores and
+the next save removes.
 
-The frozen base is never written: it is reloaded from its source on resume.
+Loading never unpickles code: tensors and plain data only (`torch.load(weights_only=True)`, JSON,
+safetensors). Before a run resumes, the checkpoint is verified against its manifest and every file
+is read; a damaged newest checkpoint gives way to the one before it with one warning line naming
+the bad file.
 
-Under DeepSpeed the optimizer state lives in the engine (sharded across ranks under ZeRO), so the
-engine writes it, from every rank, into `deepspeed/` inside the same temporary folder (trainable
-weights only: `exclude_frozen_parameters`), and the rename publishes it with the rest. The LR
-schedule is ours in every mode (scheduler.pt).
+The frozen base is never written: it is reloaded from its source on resume. Under DeepSpeed the
+optimizer state lives in the engine (sharded across ranks under ZeRO), so the engine writes it,
+from every rank, into `deepspeed/` inside the same temporary folder (trainable weights only), and
+the rename publishes it with the rest. The LR schedule is ours in every mode.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
@@ -34,8 +41,17 @@ logger = logging.getLogger(__name__)
 PREFIX = "checkpoint-"
 TMP_SUFFIX = ".tmp"
 STATE_FILE = "state.json"
+CONFIG_FILE = "config.json"
+MANIFEST_FILE = "manifest.json"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.json"
 ENGINE_TAG = "deepspeed"  # the DeepSpeed engine's sub-folder of a checkpoint
 _NAME = re.compile(rf"^{PREFIX}(\d+)$")
+HASH_CHUNK = 1 << 20
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be resumed from; the message names the file and what is wrong."""
 
 
 def checkpoint_dir(output_dir: str | os.PathLike, step: int) -> Path:
@@ -60,23 +76,34 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Optional[Path]:
     return found[-1] if found else None
 
 
+# ---- RNG states as tensors and plain data ---------------------------------------------------------
+
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), int(pos), int(has_gauss),
+                                                                    float(cached)],
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ---- saving ---------------------------------------------------------------------------------------
+
 def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, model, adapters: list[str],
-                    optimizer, scheduler, state: dict[str, Any], keep: int) -> Path:
+                    optimizer, scheduler, state: dict[str, Any], keep: int,
+                    config: Optional[dict[str, Any]] = None) -> Path:
     """Write checkpoint `step` atomically (RNG states and, under DeepSpeed, engine shards from every rank)."""
     from trainer.launch import is_deepspeed
 
@@ -98,11 +125,13 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, model
                 unwrapped.save_adapter(name, tmp / "adapters" / name)
     if accelerator.is_main_process:
         if not deepspeed:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        (tmp / SCHEDULER_FILE).write_text(json.dumps(scheduler.state_dict()))
+        (tmp / CONFIG_FILE).write_text(json.dumps(config or {}, indent=2))
         (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        write_manifest(tmp)
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -125,35 +154,190 @@ def gathered_trainable(accelerator, unwrapped):
     return deepspeed.zero.GatheredParameters(unwrapped.trainable_parameters(), modifier_rank=None)
 
 
-def load_checkpoint(accelerator, path: Path, model, adapters: list[str], optimizer, scheduler) -> dict[str, Any]:
-    """Restore adapters, optimizer, scheduler and this rank's RNG from `path`; return its state.json."""
-    from trainer.launch import is_deepspeed
-    from trainer.shared_base import load_adapter_weights
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
-    if is_deepspeed(accelerator):
-        if not (path / ENGINE_TAG).is_dir():
-            raise FileNotFoundError(f"{path} was not written under DeepSpeed (no {ENGINE_TAG}/ folder); resume it "
-                                    "with the launch config it was saved with, or start fresh with --resume no")
+
+def write_manifest(folder: Path) -> None:
+    """manifest.json: size and SHA-256 of every file of the checkpoint, checked before a resume."""
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
+    (folder / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1))
+
+
+# ---- verifying and choosing -----------------------------------------------------------------------
+
+def _safe_torch_load(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: refused: it holds objects other than tensors and plain data, which could "
+                              f"run code when loaded ({first[:160]})") from None
+    except Exception as exc:  # truncated or garbled bytes
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {str(exc)[:160]})") from None
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
+
+
+def verify_checkpoint(path: Path, deepspeed: bool = False) -> None:
+    """Check `path` against its manifest and read every file it holds; raise CheckpointError naming a bad file.
+
+    Reading is the real test: a file with the right checksum but pickled objects in it is refused too.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    manifest = path / MANIFEST_FILE
+    if manifest.is_file():
+        listed = _read_json(manifest).get("files", {})
+        for name, entry in listed.items():
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"{file}: missing (listed in {MANIFEST_FILE})")
+            size = file.stat().st_size
+            if size != entry["bytes"]:
+                raise CheckpointError(f"{file}: {size} bytes, {entry['bytes']} when saved (truncated or damaged)")
+            if _sha256(file) != entry["sha256"]:
+                raise CheckpointError(f"{file}: contents differ from when it was saved (SHA-256 mismatch)")
+    else:
+        logger.warning("%s has no %s (saved by an older version): its files are read but not checksummed",
+                       path, MANIFEST_FILE)
+    state = _read_json(path / STATE_FILE)
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{path / STATE_FILE}: no step count in it")
+    if deepspeed != (path / ENGINE_TAG).is_dir():
+        if deepspeed:
+            raise CheckpointError(f"{path} was not written under DeepSpeed (no {ENGINE_TAG}/ folder); resume it with "
+                                  "the launch config it was saved with, or start fresh with --resume no")
+        raise CheckpointError(f"{path} was written under DeepSpeed (its optimizer state is in {ENGINE_TAG}/); resume "
+                              "it with the DeepSpeed launch config, or start fresh with --resume no")
+    for name in (SCHEDULER_FILE, CONFIG_FILE):
+        if (path / name).is_file() or name == SCHEDULER_FILE:
+            _read_json(path / name)
+    for rng in sorted(path.glob("rng-rank*.pt")):
+        _safe_torch_load(rng)
+    if not deepspeed:
+        _safe_torch_load(path / OPTIMIZER_FILE)
+    adapters = sorted(p for p in (path / "adapters").glob("*") if p.is_dir())
+    if not adapters and not deepspeed:
+        raise CheckpointError(f"{path / 'adapters'}: no saved adapter in it")
+    for folder in adapters:
+        for weights in [folder / "adapter_model.safetensors", *folder.glob("head.safetensors")]:
+            try:
+                with safe_open(str(weights), framework="pt") as f:
+                    f.keys()
+            except Exception as exc:
+                raise CheckpointError(f"{weights}: unreadable ({type(exc).__name__}: {str(exc)[:160]})") from None
+
+
+def select_checkpoint(output_dir: str | os.PathLike, resume: str, deepspeed: bool = False) -> Optional[Path]:
+    """The checkpoint a run resumes from: None for `resume='no'` or a folder without checkpoints.
+
+    'auto' takes the newest one that verifies, warning in one line about each newer one it skips;
+    an explicit folder must verify, or the run stops with the reason.
+    """
+    if resume == "no":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if not (path / STATE_FILE).is_file():
+            raise CheckpointError(f"--resume {resume}: not a complete checkpoint folder (no {STATE_FILE})")
+        verify_checkpoint(path, deepspeed)
+        return path
+    candidates = complete_checkpoints(output_dir)[::-1]
+    for i, path in enumerate(candidates):
+        try:
+            verify_checkpoint(path, deepspeed)
+        except CheckpointError as exc:
+            after = f"trying {candidates[i + 1].name}" if i + 1 < len(candidates) else "no older checkpoint is left"
+            logger.warning("skipping damaged checkpoint: %s; %s", exc, after)
+            continue
+        return path
+    if candidates:
+        raise CheckpointError(f"{output_dir}: none of its {len(candidates)} checkpoints can be resumed (see the warnings "
+                              "above); start over with --resume no, or pass --resume CHECKPOINT_DIR")
+    return None
+
+
+def saved_config(path: Path) -> Optional[dict[str, Any]]:
+    """The run settings a checkpoint was saved under (None for checkpoints of older versions)."""
+    file = Path(path) / CONFIG_FILE
+    return _read_json(file) if file.is_file() else None
+
+
+# Everything a stage run writes into its output folder; `--resume no` sets these aside.
+RUN_ARTIFACTS = ("metrics.jsonl", "results.json", "config.json", "adapter", "tensorboard", "memory.json",
+                 "memory.md", "memory.png")
+
+
+def set_aside_previous_run(output_dir: str | os.PathLike) -> Optional[Path]:
+    """Move an earlier run's checkpoints and outputs into `previous-<time>/` inside `output_dir`.
+
+    A run started with `--resume no` must never later resume, report or publish what another run left.
+    """
+    root = Path(output_dir)
+    if not root.is_dir():
+        return None
+    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) or p.name in RUN_ARTIFACTS]
+    if not found:
+        return None
+    target = root / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while target.exists():
+        n += 1
+        target = root / f"previous-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+    target.mkdir()
+    for p in found:
+        os.replace(p, target / p.name)
+    logger.warning("--resume no: moved the earlier run's %d checkpoint(s) and outputs in %s to %s",
+                   sum(p.name.startswith(PREFIX) for p in found), root, target)
+    return target
+
+
+# ---- loading --------------------------------------------------------------------------------------
+
+def load_checkpoint(accelerator, path: Path, model, adapters: list[str], optimizer, scheduler) -> dict[str, Any]:
+    """Restore adapters, optimizer, scheduler and this rank's RNG from a verified `path`; return its state.json.
+
+    Every file is read before anything is changed, so a failure leaves the model and optimizer as they were.
+    """
+    from trainer.launch import is_deepspeed
+    from trainer.shared_base import apply_adapter_weights, read_adapter_weights
+
+    path = Path(path)
+    deepspeed = is_deepspeed(accelerator)
+    scheduler_state = _read_json(path / SCHEDULER_FILE)
+    state = _read_json(path / STATE_FILE)
+    rng_file = path / f"rng-rank{accelerator.process_index}.pt"
+    rng = _safe_torch_load(rng_file) if rng_file.is_file() else None
+    if deepspeed:
         # Trainable weights and optimizer state (with its fp32 master copy), each rank its own shard.
         loaded, _ = model.load_checkpoint(str(path), tag=ENGINE_TAG, load_module_strict=False)
         if loaded is None:
-            raise RuntimeError(f"DeepSpeed could not load the engine state in {path / ENGINE_TAG}")
+            raise CheckpointError(f"{path / ENGINE_TAG}: DeepSpeed could not load the engine state")
     else:
-        if (path / ENGINE_TAG).is_dir():
-            raise FileNotFoundError(f"{path} was written under DeepSpeed (its optimizer state is in {ENGINE_TAG}/); "
-                                    "resume it with the DeepSpeed launch config, or start fresh with --resume no")
         unwrapped = accelerator.unwrap_model(model)
-        for name in adapters:
-            load_adapter_weights(unwrapped, name, path / "adapters" / name)
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    rng_file = path / f"rng-rank{accelerator.process_index}.pt"
-    if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        weights = {name: read_adapter_weights(path / "adapters" / name) for name in adapters}
+        optimizer_state = _safe_torch_load(path / OPTIMIZER_FILE)
+        for name, (lora, head) in weights.items():
+            apply_adapter_weights(unwrapped, name, lora, head, source=path / "adapters" / name)
+        optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(scheduler_state)
+    if rng is not None:
+        set_rng_state(rng)
     else:
         logger.warning("%s has no RNG state for rank %d (saved with another process count)", path,
                        accelerator.process_index)
-    state = json.loads((path / STATE_FILE).read_text())
     logger.info("resumed from %s (step %d)", path, state["step"])
     return state
 

@@ -20,6 +20,7 @@ Tokenization lives in `trainer/tokenization.py`, batching in `trainer/collators.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 import os
@@ -83,6 +84,20 @@ class LoadReport:
     def summary(self) -> str:
         dropped = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.skipped.items())) or "none"
         return f"read {self.rows_read} rows from {self.dataset}: kept {self.kept}, skipped {dropped}"
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of what was read (file names below the source and their sizes, or the hub id), so
+        a resumed run notices that `--dataset auto` now means other files ($RLHF_DATA); no machine path in it."""
+        root = Path(self.dataset).expanduser()
+        items = []
+        for name in self.files:
+            path = Path(name)
+            if path.is_file():
+                items.append([path.name if root.is_file() else path.relative_to(root).as_posix(), path.stat().st_size])
+            else:
+                items.append([name, None])
+        return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -193,7 +208,7 @@ def read_rows(args: DataArguments, report: LoadReport) -> Iterator[RawRow]:
     """Every raw row of the configured source, in a fixed order; records the files in `report`."""
     dataset = report.dataset
     if is_hub_id(dataset):
-        report.files.append(dataset)
+        report.files.append(f"{dataset}[{args.dataset_subset or ''}/{args.dataset_split}]")
         yield from read_hub(dataset, args.dataset_split, args.dataset_subset)
         return
     for path in data_files(Path(dataset).expanduser()):

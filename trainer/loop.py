@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import load_checkpoint, save_checkpoint
 from trainer.config import TrainArguments
 from trainer.launch import (
     RowTrace, accelerator_kwargs, describe_engine, fill_deepspeed_autos, fix_deepspeed_cpu_ranks, is_deepspeed,
@@ -203,9 +203,10 @@ def make_recorder(stage_name: str, model, optimizer, args: TrainArguments, accel
 
 
 def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callable, args: TrainArguments,
-                 accelerator, config: Optional[dict[str, Any]] = None,
+                 accelerator, config: Optional[dict[str, Any]] = None, resume_from: Optional[Path] = None,
                  extra_state: Optional[Callable[[], dict]] = None) -> dict[str, float]:
-    """Train `model` with `stage` for `args.max_steps` optimizer steps; returns the last evaluation."""
+    """Train `model` with `stage` for `args.max_steps` optimizer steps, continuing the verified checkpoint
+    `resume_from` if given (see `trainer.run.prepare_output_dir`); returns the last evaluation."""
     from tqdm.auto import tqdm
 
     output_dir = Path(args.output_dir)
@@ -225,7 +226,6 @@ def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callab
 
     state = {"epoch": 0, "batches_in_epoch": 0, "bad_steps_in_row": 0, "bad_steps_total": 0}
     metrics_log = MetricsLog(accelerator, output_dir)
-    resume_from = resume_path(args)
     start_step = 0
     if resume_from is not None:
         state.update(load_checkpoint(accelerator, resume_from, model, stage.trainable_adapters, optimizer, scheduler))
@@ -317,7 +317,7 @@ def run_training(stage: Stage, model, train_dataset: Dataset, collate_fn: Callab
         if args.save_every and (step % args.save_every == 0 or step == args.max_steps):
             extras = extra_state() if extra_state else {}
             save_checkpoint(accelerator, output_dir, step, model, stage.trainable_adapters, optimizer, scheduler,
-                            {**state, **extras}, args.keep_checkpoints)
+                            {**state, **extras}, args.keep_checkpoints, config)
     bar.close()
     recorder.write(output_dir, config=flat_config(config or {}))
     finish_trackers(accelerator)
@@ -342,17 +342,6 @@ def _reduce(accelerator, values: dict[str, float]) -> dict[str, float]:
     t = torch.tensor([values[k] for k in keys], device=accelerator.device, dtype=torch.float64)
     t = accelerator.reduce(t, reduction="mean")
     return {k: float(v) for k, v in zip(keys, t.tolist())}
-
-
-def resume_path(args: TrainArguments) -> Optional[Path]:
-    if args.resume == "no":
-        return None
-    if args.resume == "auto":
-        return latest_checkpoint(args.output_dir)
-    path = Path(args.resume)
-    if not (path / "state.json").is_file():
-        raise FileNotFoundError(f"resume={args.resume}: not a complete checkpoint folder (no state.json)")
-    return path
 
 
 def flat_config(config: dict[str, Any]) -> dict[str, Any]:

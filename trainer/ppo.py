@@ -24,7 +24,6 @@ from trainer.kl_control import make_kl_controller
 from trainer.launch import RowTrace, describe_engine, fill_deepspeed_autos, is_deepspeed
 from trainer.loop import (
     MetricsLog, all_finite, batch_stream, finish_trackers, flat_config, make_loader, make_recorder, peak_memory_gb,
-    resume_path,
 )
 from trainer.optim import build_loop_optimizer, schedule_for
 from trainer.ppo_step import UpdateConfig, compute_advantages, ppo_update, rollout_metrics
@@ -110,7 +109,7 @@ class PPOTrainer:
         metrics_log = MetricsLog(acc, out_dir)
         state = {"epoch": 0, "batches_in_epoch": 0}
         start = 0
-        if (path := resume_path(targs)) is not None:
+        if (path := self.ctx.resume_from) is not None:
             from trainer.checkpoint import load_checkpoint
 
             state.update(load_checkpoint(acc, path, model, ["policy", "value"], optimizer, scheduler))
@@ -176,7 +175,7 @@ class PPOTrainer:
                 extra = {**state, "kl_controller": self.kl_ctl.state_dict(),
                          "minibatch_rng": generator.get_state().tolist()}
                 save_checkpoint(acc, out_dir, step, model, ["policy", "value"], optimizer, scheduler, extra,
-                                targs.keep_checkpoints)
+                                targs.keep_checkpoints, self.ctx.config())
         if micro != targs.micro_batch_size:
             logger.warning("the update settled on micro-batch %d (asked for %d) after running out of memory",
                            micro, targs.micro_batch_size)

@@ -88,7 +88,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     model = build_shared_model(ctx.model_args, [spec], vocab_size=len(tok), device=ctx.accelerator.device)
     collate = PairCollator(tok.pad_token_id)
     stage = RewardStage(held_out, collate, args.eval_batch_size, ctx.train_args.eval_batches)
-    run_training(stage, model, train, collate, ctx.train_args, ctx.accelerator, config=ctx.config())
+    run_training(stage, model, train, collate, ctx.train_args, ctx.accelerator, config=ctx.config(),
+                 resume_from=ctx.resume_from)
     return finish_stage(ctx, "reward", model, "reward", train_pairs=len(train), eval_pairs=len(held_out))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
 
@@ -12,7 +12,7 @@ from accelerate.utils import set_seed
 
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
 from trainer.budget import check_budget
-from trainer.checkpoint import gathered_trainable
+from trainer.checkpoint import CheckpointError, gathered_trainable, saved_config, select_checkpoint, set_aside_previous_run
 from trainer.data import DataError, Splits, load_splits
 from trainer.launch import check_launch
 from trainer.loop import make_accelerator, setup_logging
@@ -32,13 +32,17 @@ class RunContext:
     accelerator: Any
     tokenizer: Any
     splits: Splits
+    resolved: dict[str, Any] = field(default_factory=dict)  # what "auto" settings became (the data source)
+    resume_from: Optional[Path] = None  # the verified checkpoint this run continues, if any
 
     @property
     def output_dir(self) -> Path:
         return Path(self.train_args.output_dir)
 
     def config(self) -> dict[str, Any]:
-        return {"model": self.model_args, "data": self.data_args, "train": self.train_args, "stage": self.stage_args}
+        """The run's settings as plain JSON data: config.json, and every checkpoint's copy of it."""
+        sections = {"model": self.model_args, "data": self.data_args, "train": self.train_args, "stage": self.stage_args}
+        return json.loads(json.dumps({**{k: asdict(v) for k, v in sections.items()}, "resolved": self.resolved}))
 
 
 def check_adapter_paths(stage_args) -> None:
@@ -90,23 +94,38 @@ def resume_config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[st
 
 
 def check_resume_config(ctx: "RunContext") -> None:
-    """A rerun in a folder with checkpoints resumes it; stop if it would resume under other settings."""
-    from trainer.loop import resume_path
-
-    args = ctx.train_args
-    saved_file = ctx.output_dir / "config.json"
-    if not args.resume_config_check or not saved_file.is_file():
+    """Stop if the run would continue its checkpoint under other settings than the checkpoint was saved with."""
+    if ctx.resume_from is None or not ctx.train_args.resume_config_check:
         return
-    checkpoint = resume_path(args)
-    if checkpoint is None:
-        return
-    now = json.loads(json.dumps({k: asdict(v) for k, v in ctx.config().items()}))
-    changes = resume_config_changes(json.loads(saved_file.read_text()), now)
+    saved = saved_config(ctx.resume_from)
+    if saved is None:  # a checkpoint of an older version: the folder's config.json is the best record
+        folder_config = ctx.output_dir / "config.json"
+        saved = json.loads(folder_config.read_text()) if folder_config.is_file() else {}
+    changes = resume_config_changes(saved, ctx.config())
     if changes:
         raise SystemExit(
-            f"{ctx.output_dir} would resume from {checkpoint.name}, but its config.json was written with other "
-            f"settings: {'; '.join(changes)}. Rerun with the saved values, start over with --resume no (or "
-            "another --output_dir), or resume anyway with --resume_config_check false")
+            f"{ctx.output_dir} would resume from {ctx.resume_from.name}, which was saved with other settings: "
+            f"{'; '.join(changes)}. Rerun with the saved values, start over with --resume no (or another "
+            "--output_dir), or resume anyway with --resume_config_check false")
+
+
+def prepare_output_dir(ctx: "RunContext") -> None:
+    """Decide what this run continues: set an earlier run aside (`--resume no`) or pick and verify the
+    checkpoint to resume, check its settings, then record this run's settings in config.json."""
+    from trainer.launch import is_deepspeed
+
+    accelerator = ctx.accelerator
+    if ctx.train_args.resume == "no" and accelerator.is_main_process:
+        set_aside_previous_run(ctx.output_dir)
+    accelerator.wait_for_everyone()
+    try:
+        ctx.resume_from = select_checkpoint(ctx.output_dir, ctx.train_args.resume, is_deepspeed(accelerator))
+    except CheckpointError as exc:
+        raise SystemExit(f"CheckpointError: {exc}") from None
+    check_resume_config(ctx)
+    if accelerator.is_main_process:
+        ctx.output_dir.mkdir(parents=True, exist_ok=True)
+        (ctx.output_dir / "config.json").write_text(json.dumps(ctx.config(), indent=2))
 
 
 def start_run(stage_args_cls: type, argv: Optional[list[str]] = None, stage: Optional[str] = None) -> RunContext:
@@ -124,15 +143,12 @@ def start_run(stage_args_cls: type, argv: Optional[list[str]] = None, stage: Opt
                                    model_args.tokenizer_name_or_path)
         if stage is not None and train_args.check_budget:
             check_budget(stage, model_args, data_args, train_args, stage_args, accelerator.device, accelerator)
-        splits, _ = load_splits(data_args)
+        splits, report = load_splits(data_args)
     except (ModelLoadError, DataError) as exc:
         raise SystemExit(f"{type(exc).__name__}: {exc}") from exc
-    ctx = RunContext(model_args, data_args, train_args, stage_args, accelerator, tokenizer, splits)
-    check_resume_config(ctx)
-    if accelerator.is_main_process:
-        ctx.output_dir.mkdir(parents=True, exist_ok=True)
-        (ctx.output_dir / "config.json").write_text(
-            json.dumps({k: asdict(v) for k, v in ctx.config().items()}, indent=2))
+    ctx = RunContext(model_args, data_args, train_args, stage_args, accelerator, tokenizer, splits,
+                     resolved={"dataset_fingerprint": report.fingerprint})
+    prepare_output_dir(ctx)
     return ctx
 
 

@@ -84,7 +84,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                vocab_size=len(tok), device=ctx.accelerator.device)
     collate = SFTCollator(tok.pad_token_id)
     stage = SFTStage(held_out, collate, args.eval_batch_size, ctx.train_args.eval_batches)
-    run_training(stage, model, train, collate, ctx.train_args, ctx.accelerator, config=ctx.config())
+    run_training(stage, model, train, collate, ctx.train_args, ctx.accelerator, config=ctx.config(),
+                 resume_from=ctx.resume_from)
     return finish_stage(ctx, "sft", model, "policy", train_examples=len(train), eval_examples=len(held_out))
 
 

@@ -59,6 +59,10 @@ class ScalarHead(nn.Module):
         self.load_state_dict(load_file(str(path)))
 
 
+class HeadMissingError(FileNotFoundError):
+    """A frozen adapter's scalar head has no saved weights to load."""
+
+
 @dataclass
 class AdapterSpec:
     """One adapter on the shared base: where it starts from, whether it trains, whether it has a head."""
@@ -137,8 +141,13 @@ class SharedBaseModel(nn.Module):
             source = spec.head_from or spec.init_from
             if source is not None and (Path(source) / HEAD_FILE).is_file():
                 head.load(Path(source) / HEAD_FILE)
-            elif spec.head_from is not None:
-                raise FileNotFoundError(f"adapter '{spec.name}': no {HEAD_FILE} in {spec.head_from}")
+            elif spec.head_from is not None or not spec.trainable:
+                # A frozen head never learns: a random one would score noise while the run looks fine.
+                where = f"{Path(source) / HEAD_FILE} is missing" if source else "no saved head was given"
+                raise HeadMissingError(
+                    f"adapter '{spec.name}' needs its trained scalar head, but {where}: pass the folder a "
+                    f"{'reward' if spec.name == 'reward' else spec.name} stage saved (trainer/reward.py writes "
+                    f"adapter_model.safetensors + {HEAD_FILE}), not an SFT or policy adapter")
             heads[spec.name] = head
         model = cls(peft_model, specs, heads)
         model._activate(specs[0].name)
@@ -335,24 +344,34 @@ class SharedBaseModel(nn.Module):
         return out
 
 
-def load_adapter_weights(model: SharedBaseModel, name: str, folder: str | os.PathLike) -> None:
-    """Copy the weights saved by `save_adapter` into the existing adapter `name` (and its head), in place.
-
-    In place, so an optimizer built over these parameters keeps pointing at them (resume).
-    """
-    from peft import set_peft_model_state_dict
+def read_adapter_weights(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Optional[dict[str, torch.Tensor]]]:
+    """The LoRA tensors (and head tensors, if any) that `save_adapter` wrote into `folder`."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     weights = folder / "adapter_model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"{weights} is missing")
-    result = set_peft_model_state_dict(model.peft, load_file(str(weights)), adapter_name=name)
+    head = folder / HEAD_FILE
+    return load_file(str(weights)), (load_file(str(head)) if head.is_file() else None)
+
+
+def apply_adapter_weights(model: "SharedBaseModel", name: str, lora: dict[str, torch.Tensor],
+                          head: Optional[dict[str, torch.Tensor]], source: str | os.PathLike = "") -> None:
+    """Copy read weights into the existing adapter `name` (and its head), in place.
+
+    In place, so an optimizer built over these parameters keeps pointing at them (resume).
+    """
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(model.peft, lora, adapter_name=name)
     unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if unexpected:
-        raise ValueError(f"{weights}: weights that fit no layer of adapter '{name}': {unexpected[:3]}")
+        raise ValueError(f"{source}: weights that fit no layer of adapter '{name}': {unexpected[:3]}")
     if name in model.heads:
-        model.heads[name].load(folder / HEAD_FILE)
+        if head is None:
+            raise FileNotFoundError(f"{Path(source) / HEAD_FILE} is missing: adapter '{name}' has a scalar head")
+        model.heads[name].load_state_dict(head)
 
 
 def _set_dropout(peft_model, adapter: str, rate: float) -> None:
