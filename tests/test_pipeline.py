@@ -41,13 +41,25 @@ def test_pipeline_runs_every_stage_and_feeds_each_the_previous_adapters(run_dir)
 
 
 def test_comparison_scores_every_policy_and_the_report_shows_it(run_dir):
+    import math
+
     comparison = json.loads((run_dir / "comparison.json").read_text())
-    assert set(comparison["policies"]) == {"sft", "ppo", "dpo"}
-    assert comparison["policies"]["sft"]["win_rate_vs_sft"] == 0.5  # against itself: all ties
-    assert comparison["policies"]["sft"]["kl_to_sft"] == 0.0
+    policies = comparison["policies"]
+    assert set(policies) == {"sft", "ppo", "dpo"}
+    assert policies["sft"]["win_rate_vs_sft"] == 0.5  # against itself: all ties
+    assert policies["sft"]["kl_to_sft"] == 0.0
     assert comparison["prompts"] == 4 and len(comparison["samples"]) == 4
+    for name in ("ppo", "dpo"):  # trained policies: real scores, moved away from SFT, non-empty responses
+        row = policies[name]
+        assert all(math.isfinite(row[k]) for k in ("mean_score", "std_score", "win_rate_vs_sft", "kl_to_sft")), row
+        assert row["kl_to_sft"] > 0 and row["mean_length"] > 0 and 0 <= row["win_rate_vs_sft"] <= 1, row
+        assert any(sample[name] for sample in comparison["samples"])
     report = (run_dir / "report.md").read_text()
-    assert "| ppo |" in report and "win rate vs SFT" in report and "![training curves](curves.png)" in report
+    assert "win rate vs SFT" in report and "![training curves](curves.png)" in report
+    for name, row in policies.items():  # the report's table holds exactly the file's numbers
+        line = (f"| {name} | {row['mean_score']:.4f} | {row['win_rate_vs_sft']:.3f} | {row['kl_to_sft']:.3f} | "
+                f"{row['mean_length']:.1f} |")
+        assert line in report, line
     stage_seconds = [json.loads((run_dir / s / "results.json").read_text())["seconds"]
                      for s in ("sft", "reward", "ppo", "dpo")]
     total = sum(stage_seconds) + comparison["seconds"]
