@@ -104,10 +104,19 @@ def test_evaluate_cli_prints_one_json_line_for_any_hh_rlhf_file(launched_runs, s
                   str(launched_runs / "reward" / "adapter"), "--data", str(data), "--limit", "24"])
     line = json.loads(reward.stdout.strip().splitlines()[-1])
     assert line["task"] == "reward" and line["pairs"] == 24 and 0.0 <= line["accuracy"] <= 1.0
-    sft = run([sys.executable, "-m", "trainer.evaluate", "sft", "--adapter", str(launched_runs / "sft" / "adapter"),
-               "--data", str(data), "--limit", "16"])
-    line = json.loads(sft.stdout.strip().splitlines()[-1])
-    assert line["task"] == "sft" and line["rows"] == 16 and line["perplexity"] > 1.0
+    low, high = line["accuracy_ci95"]
+    assert low < line["accuracy"] < high
+
+
+@pytest.mark.parametrize("stage,key", [("sft", "perplexity"), ("reward", "accuracy")])
+def test_evaluate_on_the_runs_eval_split_reproduces_the_stages_final_evaluation(launched_runs, stage, key):
+    """The CLI and the stage share one evaluation: on the same rows they give the same figure."""
+    proc = run([sys.executable, "-m", "trainer.evaluate", stage, "--adapter", str(launched_runs / stage / "adapter"),
+                "--split", "eval"])
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    after = json.loads((launched_runs / stage / "results.json").read_text())["eval_after"]
+    assert line[key] == pytest.approx(after[f"eval/{key}"], rel=1e-5)
+    assert line["pairs" if stage == "reward" else "rows"] > 0
 
 
 def test_a_stage_with_profile_memory_writes_the_memory_report(launched_runs):
@@ -124,3 +133,43 @@ def test_a_stage_with_profile_memory_writes_the_memory_report(launched_runs):
 
     with Image.open(launched_runs / "sft" / "memory.png") as image:
         assert image.size[0] > 400
+
+
+def synthetic_preferences(shared_data: Path, out: Path, rows: int = 240) -> Path:
+    """Real hh-rlhf prompts, each followed by the same helpful (chosen) and curt (rejected) answer: a
+    preference even the tiny random model can learn and carry over to prompts it never saw."""
+    import gzip
+
+    with gzip.open(shared_data / "helpful-base" / "test.jsonl.gz", "rt") as f:
+        prompts = [json.loads(line)["chosen"] for line in f][:rows]
+    prompts = [p[: p.rfind("\n\nAssistant:")] for p in prompts]
+    with open(out, "w") as f:
+        for prompt in prompts:
+            f.write(json.dumps({"chosen": prompt + "\n\nAssistant: Sure, here is a careful and kind answer.",
+                                "rejected": prompt + "\n\nAssistant: No."}) + "\n")
+    return out
+
+
+def held_out(run_dir: Path, key: str) -> tuple[float, float]:
+    results = json.loads((run_dir / "results.json").read_text())
+    return results["eval_before"][key], results["eval_after"][key]
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward", "dpo"])
+def test_training_moves_the_held_out_metric_the_right_way(stage, shared_data, tmp_path):
+    """Long enough to learn: perplexity on held-out real dialogues falls; reward and DPO held-out pair
+    accuracy rises from chance (or 0, DPO's ties) to nearly all pairs on prompts never trained on."""
+    data = str(shared_data) if stage == "sft" else str(synthetic_preferences(shared_data, tmp_path / "pairs.jsonl"))
+    out = tmp_path / stage
+    run([sys.executable, f"trainer/{stage}.py", "--config", str(TINY_SFT), "--output_dir", str(out),
+         "--dataset", data, "--max_steps", "24", "--eval_every", "0", "--save_every", "0", "--eval_batches", "0",
+         "--eval_size", "32", "--learning_rate", "0.01" if stage == "sft" else "0.005", "--warmup_steps", "2",
+         "--lora_dropout", "0.0"])
+    if stage == "sft":
+        before, after = held_out(out, "eval/loss")  # nats per completion token, perplexity's log
+        assert after < before - 0.1, (before, after)  # measured: 10.81 -> 10.67
+    else:
+        key = "eval/accuracy" if stage == "reward" else "eval/rewards/accuracies"
+        before, after = held_out(out, key)
+        assert before <= 0.75 and after >= 0.9, (before, after)
+        assert json.loads((out / "results.json").read_text())["eval_after"]["eval/pairs"] >= 30
