@@ -55,11 +55,22 @@ def test_phase_on_cpu_reports_gpu_only_parts_as_none_with_a_reason(sft_model):
     assert "CUDA" in fb.gpu_reason and "\n" not in fb.gpu_reason
     assert {c for c, v in fb.components.items() if v is None} == GPU_PARTS
     assert set(recorder.needs_gpu()) == GPU_PARTS | {C.OPTIMIZER_TEMPORARIES}
-    # tensor-counted parts are exact: what a fresh walk finds, plus the gradients seen mid-phase
-    walked = count_tensors(model, optimizer).components()
+    # tensor-counted parts are exact: counted here straight from the parameters, not by the walk it uses
+    quantization, _ = sft_model
     trainable = sum(p.numel() for p in model.trainable_parameters())
-    for component in (C.BASE_WEIGHTS, C.BASE_OTHER, C.adapter("policy")):
-        assert fb.components[component] == walked[component]
+    named = dict(model.named_parameters())
+    lora = sum(p.numel() * p.element_size() for n, p in named.items() if ".lora_" in n and ".policy" in n)
+    linears = sum(p.numel() * p.element_size() for n, p in named.items() if n.endswith("_proj.base_layer.weight"))
+    other = sum(p.numel() * p.element_size() for n, p in named.items()
+                if ".lora_" not in n and not n.endswith("_proj.base_layer.weight"))
+    rotary = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "rotary" in n)
+    assert fb.components[C.adapter("policy")] == lora == 4 * trainable
+    assert fb.components[C.BASE_OTHER] == other + rotary
+    if quantization == "none":
+        assert fb.components[C.BASE_WEIGHTS] == linears
+    else:  # packed 4-bit: half a byte per weight
+        shapes = [m.weight.quant_state.shape for m in model.modules() if type(m).__name__ == "Linear4bit"]
+        assert fb.components[C.BASE_WEIGHTS] == sum((a * b + 1) // 2 for a, b in shapes) == linears
     assert fb.components[C.GRADIENTS] == 4 * trainable
     step = recorder.records[("sft", "optimizer_step")]
     assert step.components[C.OPTIMIZER_STATES] == 8 * trainable + 4 * len(model.trainable_parameters())
