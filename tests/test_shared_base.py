@@ -135,6 +135,23 @@ def test_switching_adapters_never_copies_base_weights(sft_adapter):
                 model.logits(ids, mask, name)
     assert pointers == {n: p.data_ptr() for n, p in model.peft.named_parameters() if "lora_" not in n}
 
+    # A switch allocates nothing at all (a temporary copy of a weight would show up here).
+    from torch.profiler import ProfilerActivity, profile
+
+    def allocations(body) -> list[tuple[str, int]]:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            body()
+        return [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0]
+
+    def switch_through_every_adapter():
+        for name in ("reference", "value", "reward", "policy"):
+            with model.use_adapter(name):
+                pass
+
+    assert allocations(switch_through_every_adapter) == []
+    weight = next(p for n, p in model.peft.named_parameters() if "lora_" not in n)
+    assert allocations(lambda: weight.detach().clone())  # the probe does see a copy
+
 
 def test_checkpointed_backward_recomputes_each_layer_under_its_forward_adapter():
     """Gradients with checkpointing equal those without, when adapters switch between forward and backward."""
