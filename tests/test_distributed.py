@@ -430,3 +430,38 @@ def test_ppo_under_ddp_keeps_both_ranks_policy_and_value_identical(tmp_path):
         assert torch.equal(w0, w1), out[-2000:]
     first = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()][1]
     assert first["step"] == 1 and all(math.isfinite(v) for v in first.values())  # finite, logged once
+
+
+PPO_KL_TRACE = """
+import json, os, sys
+from pathlib import Path
+import trainer.kl_control as kl_control
+real_update = kl_control.AdaptiveKLController.update
+def update(self, current_kl, n_steps):
+    real_update(self, current_kl, n_steps)
+    rank = os.environ.get("RANK", "0")
+    with open(Path(__file__).parent / f"beta_rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps({"kl": float(current_kl), "beta": self.value}) + "\\n")
+kl_control.AdaptiveKLController.update = update
+import trainer.ppo as ppo
+ppo.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_adaptive_kl_coefficient_moves_alike_on_every_rank(tmp_path):
+    """The ranks sample different prompts, so their KLs differ: the controller must see the KL averaged
+    over ranks, or each rank's beta drifts its own way (and only rank 0's is checkpointed)."""
+    script = tmp_path / "ppo_kl.py"
+    script.write_text(PPO_KL_TRACE)
+    launch(script, tmp_path / "ppo", "--max_steps", "3", "--save_every", "0", "--adaptive_kl", "true",
+           "--target_kl", "0.01", "--kl_horizon", "40", "--init_kl_coef", "0.2", config="cpu_2proc.yaml", processes=2,
+           train_config=ROOT / "tests" / "configs" / "tiny_ppo.yaml")
+    traces = [[json.loads(line) for line in (tmp_path / f"beta_rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert len(traces[0]) == len(traces[1]) == 3
+    assert [t["kl"] for t in traces[0]] == [t["kl"] for t in traces[1]]  # the controller saw one KL
+    assert [t["beta"] for t in traces[0]] == [t["beta"] for t in traces[1]]
+    assert traces[0][-1]["beta"] != 0.2  # it did adapt
+    logged = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    kls = [r["objective/kl"] for r in logged if "objective/kl" in r]
+    assert [t["kl"] for t in traces[0]] == pytest.approx(kls, rel=1e-9)  # the logged (rank-averaged) KL

@@ -45,9 +45,8 @@ def stage_adapters(tmp_path_factory, smol_tokenizer):
 
 
 def build_trainer(tmp_path, stage_adapters, *extra):
-    from trainer.ppo import PPOArguments, PPOTrainer, adapter_specs
+    from trainer.ppo import PPOArguments, PPOTrainer, build_model
     from trainer.run import start_run
-    from trainer.shared_base import build_shared_model
     from trainer.tokenization import tokenize_prompts
 
     sft_dir, reward_dir = stage_adapters
@@ -55,8 +54,7 @@ def build_trainer(tmp_path, stage_adapters, *extra):
             "--reward_adapter", str(reward_dir), *extra]
     ctx = start_run(PPOArguments, argv)
     ctx.stage_args.scripted_reward = None  # score with the reward adapter
-    model = build_shared_model(ctx.model_args, adapter_specs(ctx.stage_args), vocab_size=len(ctx.tokenizer),
-                               device=ctx.accelerator.device)
+    model = build_model(ctx)
     prompts, _ = tokenize_prompts(ctx.splits.ppo, ctx.tokenizer, ctx.data_args)
     held_out, _ = tokenize_prompts(ctx.splits.eval[:4], ctx.tokenizer, ctx.data_args)
     return PPOTrainer(ctx, model, prompts, held_out), model
@@ -196,3 +194,80 @@ def test_scripted_rewards_score_the_decoded_response(smol_tokenizer):
         [-abs(len(t) - 10) / 10 for t in texts])
     with pytest.raises(ValueError, match="unknown scripted reward"):
         ScriptedScorer("sentiment", tok)
+
+
+# ---- defects pinned before the harness redesign (issue 14) --------------------------------------
+
+def _perturb_policy(model, scale=0.3):
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p, adapter in model._lora_params:
+            if adapter == "policy":
+                p.add_(torch.randn_like(p) * scale)
+
+
+def _logprobs_at(model, ids, att, prompt_length, adapter, temperature):
+    """log p of the response tokens from the full softmax at `temperature`, computed here by hand."""
+    logits = model.logits(ids, att, adapter)[:, prompt_length - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, prompt_length:].unsqueeze(-1)).squeeze(-1)
+
+
+def test_evaluation_kl_is_scored_at_the_sampling_temperature(tmp_path, stage_adapters, fresh_accelerate_state):
+    """Responses sampled at temperature T are scored under the distributions at T (eval/kl)."""
+    from trainer.collators import PromptCollator
+    from trainer.rollout import sample_responses
+
+    temperature = 0.5
+    trainer, model = build_trainer(tmp_path, stage_adapters, "--temperature", str(temperature))
+    _perturb_policy(model)
+    result = trainer.evaluate(model)
+    # The same samples (same seeds), scored by hand at the sampling temperature.
+    batch = PromptCollator(trainer.pad_id)(trainer.eval_prompts)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    torch.manual_seed(trainer.args.eval_seed)
+    with torch.no_grad():
+        full, att, rmask, _ = sample_responses(model, ids, mask, trainer.sampling, trainer.eos_id, trainer.pad_id,
+                                               adapter="policy")
+        p = ids.shape[1]
+        kl = ((_logprobs_at(model, full, att, p, "policy", temperature)
+               - _logprobs_at(model, full, att, p, "reference", temperature)) * rmask).sum(1).mean()
+    assert abs(float(kl)) > 1e-3  # the policy really differs from SFT here
+    assert result["kl"] == pytest.approx(float(kl), rel=1e-4, abs=1e-5)
+
+
+def test_truncated_sampling_is_scored_as_the_full_policy_and_said_once(tmp_path, stage_adapters, capsys,
+                                                                      fresh_accelerate_state):
+    """Decision (README): with top_k / top_p / min_new_tokens the stored log-probs are those of the full
+    softmax at the sampling temperature (as TRL does), and the run says so once at start."""
+    from trainer.collators import PromptCollator
+    from trainer.rollout import make_rollout
+
+    trainer, model = build_trainer(tmp_path, stage_adapters, "--top_k", "5", "--temperature", "0.7")
+    notes = [line for line in capsys.readouterr().out.splitlines() if "untruncated" in line]
+    assert len(notes) == 1 and "top_k" in notes[0], notes
+    batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:2])
+    torch.manual_seed(0)
+    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
+                           trainer.eos_id, trainer.pad_id, micro_batch_size=2)
+    with torch.no_grad():
+        expected = _logprobs_at(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, "policy", 0.7)
+    torch.testing.assert_close(rollout.logprobs, expected * rollout.response_mask, rtol=1e-4, atol=1e-5)
+
+
+def test_ppo_turns_lora_dropout_off_so_the_first_ratio_is_one(tmp_path, stage_adapters, capsys,
+                                                               fresh_accelerate_state):
+    """A run started with lora_dropout > 0 (the ModelArguments default) still starts at ratio 1."""
+    from trainer.collators import PromptCollator
+    from trainer.ppo_step import compute_advantages, micro_loss
+    from trainer.rollout import make_rollout
+
+    trainer, model = build_trainer(tmp_path, stage_adapters, "--lora_dropout", "0.05")
+    assert "lora_dropout 0.05 -> 0" in capsys.readouterr().out
+    batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
+    torch.manual_seed(0)
+    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
+                           trainer.eos_id, trainer.pad_id, micro_batch_size=4)
+    adv = compute_advantages(rollout, 0.05, "k1", 1.0, 0.95)
+    model.train()
+    _, stats = micro_loss(model, rollout, adv.advantages, adv.returns, trainer.update_cfg)
+    assert float(stats["policy/approxkl_avg"]) < 1e-10 and float(stats["val/ratio"]) == pytest.approx(1.0, abs=1e-6)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -87,6 +87,12 @@ class PPOTrainer:
                                        a.cliprange_value, a.vf_coef, a.entropy_coef, self.targs.max_grad_norm,
                                        a.temperature or 1.0)
         self.kl_ctl = make_kl_controller(a.adaptive_kl, a.init_kl_coef, a.target_kl, a.kl_horizon)
+        truncating = [f"{k}={v}" for k, v, off in (("top_k", a.top_k, 0), ("top_p", a.top_p, 1.0),
+                                                   ("min_new_tokens", a.min_new_tokens, 0)) if v != off]
+        if truncating:
+            logger.warning("PPO scores the untruncated policy at temperature %s (as TRL does), while %s reshape the "
+                           "distribution responses are sampled from: ratios and KL are then approximate",
+                           a.temperature, ", ".join(truncating))
 
     def train(self) -> dict[str, float]:
         acc, targs, args = self.accelerator, self.targs, self.args
@@ -149,7 +155,6 @@ class PPOTrainer:
             recorder.track(rollout_buffers=[])
             t_update = time.perf_counter() - t1
             scheduler.step()
-            self.kl_ctl.update(metrics["objective/kl"], args.rollout_batch_size * acc.num_processes)
             new_tokens = rollout.response_mask.sum().item()
             seen_tokens = rollout.attention_mask.sum().item() * args.ppo_epochs
             peak, kind = peak_memory_gb(acc.device)
@@ -160,6 +165,8 @@ class PPOTrainer:
                             "perf/update_tokens_per_s": seen_tokens / max(t_update, 1e-9),
                             "perf/update_micro_batch": float(micro), f"perf/peak_{kind}_gb": peak})
             metrics = _mean_over_ranks(acc, metrics)
+            # After averaging: every rank's controller sees the same KL, so beta stays one value.
+            self.kl_ctl.update(metrics["objective/kl"], args.rollout_batch_size * acc.num_processes)
             if not all_finite(acc, torch.tensor(metrics["loss/policy_avg"])):
                 raise RuntimeError(f"PPO step {step}: the policy loss is not finite; lower the learning rate")
             metrics_log.write(step, metrics)
@@ -205,8 +212,9 @@ class PPOTrainer:
                     if name == "policy":
                         from trainer.rollout import response_logprobs
 
-                        lp, _ = response_logprobs(model, full, att, ids.shape[1], "policy")
-                        ref, _ = response_logprobs(model, full, att, ids.shape[1], "reference")
+                        temperature = self.sampling.temperature or 1.0  # the distribution sampled from
+                        lp, _ = response_logprobs(model, full, att, ids.shape[1], "policy", temperature=temperature)
+                        ref, _ = response_logprobs(model, full, att, ids.shape[1], "reference", temperature=temperature)
                         results["kl"].append(((lp - ref) * rmask).sum(1))
         from accelerate.utils import gather_object
 
@@ -282,15 +290,26 @@ def train_missing_stages(argv: Optional[list[str]]) -> None:
         reset_accelerate()
 
 
+def build_model(ctx: RunContext):
+    """The four adapters on one base, with LoRA dropout off: rollout log-probs are taken in eval mode, so
+    dropout in the update would make the first policy ratio differ from 1."""
+    model_args = ctx.model_args
+    if model_args.lora_dropout:
+        logger.info("PPO trains without LoRA dropout: lora_dropout %s -> 0", model_args.lora_dropout)
+        model_args = replace(model_args, lora_dropout=0.0)
+    return build_shared_model(model_args, adapter_specs(ctx.stage_args), vocab_size=len(ctx.tokenizer),
+                              device=ctx.accelerator.device)
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     train_missing_stages(argv)
     ctx = start_run(PPOArguments, argv, stage="ppo")
     args = ctx.stage_args
     check_batch_sizes(args, ctx.train_args.micro_batch_size)
-    specs = adapter_specs(args)
+    adapter_specs(args)  # a missing scorer stops the run before the data is tokenized
     prompts, _ = tokenize_prompts(ctx.splits.ppo, ctx.tokenizer, ctx.data_args)
     held_out, _ = tokenize_prompts(ctx.splits.eval[: args.eval_prompts], ctx.tokenizer, ctx.data_args)
-    model = build_shared_model(ctx.model_args, specs, vocab_size=len(ctx.tokenizer), device=ctx.accelerator.device)
+    model = build_model(ctx)
     trainer = PPOTrainer(ctx, model, prompts, held_out)
     summary = trainer.train()
     return finish_stage(ctx, "ppo", model, "policy", prompts=len(prompts), **summary)
