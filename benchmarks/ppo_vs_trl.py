@@ -8,7 +8,7 @@ tokens), responses of exactly `max_new_tokens` tokens, the same rollout / mini /
 PPO epochs, LoRA shape, learning rate, optimizer, dtype and reward function (an untrained scalar
 head with identical weights on the same base). The sides run one after the other (ours first,
 then TRL); everything of the first is freed before the second starts, and each side's peak
-memory is reset after its models are loaded. `warmup_steps` steps are run first and left out of the
+memory is reset after its models are loaded. `warmup_runs` steps are run first and left out of the
 timings. Writes ppo_vs_trl.json and ppo_vs_trl.md to `out_dir` (rewritten after each side).
 Figures on CPU and on a GPU are never put in one table: each file holds one device.
 """
@@ -24,7 +24,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -32,29 +31,23 @@ import torch
 
 from benchmarks.measure import MemoryProbe, release_memory
 from benchmarks.workload import (
-    BenchArguments, export_tokenizer, fixed_length_prompts, head_weights, hidden_size, load_bench_tokenizer,
+    Workload, export_tokenizer, fixed_length_prompts, head_weights, hidden_size, load_bench_tokenizer,
     trl_batch_settings, write_heads,
 )
+from profiling.cli import run
 
 logger = logging.getLogger("benchmarks.ppo_vs_trl")
 ROOT = Path(__file__).resolve().parent.parent
 SIDE_NAMES = {"ours": "ours (one base, 4 adapters)", "trl": "TRL 1.12 PPOTrainer"}
 
 
-def parse(argv: Optional[list[str]]) -> BenchArguments:
-    from transformers import HfArgumentParser
-
-    (args,) = HfArgumentParser(BenchArguments).parse_args_into_dataclasses(args=argv)
-    return args
-
-
-def make_bench_accelerator(args: BenchArguments, out_dir: str):
+def make_bench_accelerator(args: Workload, out_dir: str):
     """Our Accelerator, created before TRL's: TRL's `Accelerator()` then shares its mixed precision."""
-    from trainer.config import TrainArguments
-    from trainer.loop import make_accelerator
+    from dataclasses import replace
 
-    return make_accelerator(TrainArguments(output_dir=out_dir, micro_batch_size=args.micro_batch_size,
-                                           mixed_precision="auto", report_to="none", seed=args.seed))
+    from trainer.engine.launch import make_accelerator
+
+    return make_accelerator(replace(args.train, output_dir=out_dir))
 
 
 def summarize(side: dict, tokens: dict[str, int]) -> dict:
@@ -99,7 +92,7 @@ def ratios(ours: dict, trl: dict) -> dict[str, Optional[float]]:
             "peak_rss_above_start_trl_over_ours": over("peak_rss_above_start_bytes")}
 
 
-def run_side(name: str, args: BenchArguments, prompts, tokenizer, accelerator, probe: MemoryProbe, heads) -> dict:
+def run_side(name: str, args: Workload, prompts, tokenizer, accelerator, probe: MemoryProbe, heads) -> dict:
     result = {"side": name, "label": SIDE_NAMES[name], "status": "ok", "error": None, "steps": [], "setup": {}}
     release_memory()
     result["at_start"] = probe.now()
@@ -129,32 +122,29 @@ def run_side(name: str, args: BenchArguments, prompts, tokenizer, accelerator, p
     return result
 
 
-def resolved(args: BenchArguments, device: torch.device) -> dict[str, str]:
+def resolved(args: Workload, device: torch.device) -> dict[str, str]:
     """What the 'auto' settings became on this device (both sides load the same way)."""
-    from trainer.models import pick_attention, resolve_dtype, resolve_quantization
-    from trainer.optim import resolve_optimizer_name
+    from trainer.engine.optim import resolve_optimizer_name
+    from trainer.model.loading import pick_attention, resolve_precision
 
-    four_bit = resolve_quantization(args.quantization, device)
-    dtype = resolve_dtype(args.dtype, device)
-    if four_bit and dtype == torch.float32:
-        dtype = torch.bfloat16
+    four_bit, dtype = resolve_precision(args.model, device)
     return {"quantization": "nf4" if four_bit else "none", "dtype": str(dtype).removeprefix("torch."),
             "attn_implementation": pick_attention(args.attn_implementation, device),
-            "optimizer": resolve_optimizer_name(args.optimizer, device)}
+            "optimizer": resolve_optimizer_name(args.optimizer, device, quiet=True)}
 
 
-def default_out_dir(args: BenchArguments, device: torch.device) -> Path:
+def default_out_dir(args: Workload, device: torch.device) -> Path:
     quant = f"-{args.quantization}" if args.quantization != "auto" else ""
     return ROOT / "benchmarks" / "results" / f"ppo_vs_trl-{args.model_name_or_path}{quant}-{device.type}"
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse(argv)
+    args = Workload.parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stdout, force=True)
     quiet_libraries()
-    if args.export_tokenizer:
+    if args.bench.export_tokenizer:
         export_tokenizer(args)
         return {}
     args.check()
@@ -165,11 +155,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def run_benchmark(args: BenchArguments, argv: list[str], accelerator) -> dict:
+def run_benchmark(args: Workload, argv: list[str], accelerator) -> dict:
     from accelerate.utils import set_seed
 
     from profiling.provenance import provenance
-    from trainer.run import simulate_gpu_memory
+    from trainer.engine.setup import simulate_gpu_memory
 
     sides = args.side_list
     device = accelerator.device
@@ -185,11 +175,13 @@ def run_benchmark(args: BenchArguments, argv: list[str], accelerator) -> dict:
     # accelerate would sync (and step the optimizer) after every micro-batch. Ours reads the first ones.
     prompts = fixed_length_prompts(args, tokenizer, (args.total_steps + 1) * args.rollout_batch_size)
     heads = head_weights(hidden_size(args, len(tokenizer)), args.model_seed)
-    out_dir = Path(args.out_dir) if args.out_dir else default_out_dir(args, device)
+    out_dir = Path(args.bench.out_dir) if args.bench.out_dir else default_out_dir(args, device)
     command = "python -m benchmarks.ppo_vs_trl " + " ".join(shlex.quote(a) for a in argv)
     report = {"kind": "ppo_vs_trl", "device_kind": "cuda" if device.type == "cuda" else "cpu",
               **provenance(device, command), "trl_version": _version("trl"),
-              "mixed_precision": accelerator.mixed_precision, "settings": asdict(args), "resolved": resolved(args, device),
+              "mixed_precision": accelerator.mixed_precision,
+              "settings": {k: v for part in args.settings().values() for k, v in part.items()},
+              "resolved": resolved(args, device),
               "trl_ppo_config": trl_batch_settings(args), "tokens_per_step": args.tokens(),
               "simulated_gpu_gib": args.simulate_gpu_gib if device.type == "cuda" else None,
               "device_total_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
@@ -235,4 +227,4 @@ def write_report(report: dict, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -96,7 +96,8 @@ def render_markdown(report: dict) -> str:
               f"generation / scoring {s['rollout_micro_batch_size']} rows at a time; {s['ppo_epochs']} PPO epochs of "
               f"minibatches of {s['mini_batch_size']}, micro-batches of {s['micro_batch_size']}; lr {s['learning_rate']}, "
               f"optimizer {s['optimizer']}; gradient checkpointing {'on' if s['gradient_checkpointing'] else 'off'}; "
-              f"{s['warmup_steps']} warm-up step(s) then {s['steps']} measured step(s) per side.", ""]
+              f"{s.get('warmup_runs', s.get('warmup_steps'))} warm-up step(s) then {s['steps']} measured step(s) per "
+              "side.", ""]
     lines += ["## Results", "", "| | ours | TRL | TRL / ours |", "|---|---:|---:|---:|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in result_rows(report)]
     lines += ["", "TRL / ours above 1 means ours is faster (times) or lighter (memory). Times are means over the "
@@ -118,8 +119,9 @@ def render_markdown(report: dict) -> str:
         if "ppo_config" in side.get("setup", {}):
             lines.append(f"- PPOConfig: {side['setup']['ppo_config']}")
     lines += ["", "## What is timed", "",
-              "- ours: rollout = `make_rollout` (generate; policy, reward, reference, value passes) + "
-              "`compute_advantages`; update = `ppo_update` + `rollout_metrics`.",
+              "- ours: `trainer.rl.ppo_step.ppo_step`, the function `trainer/ppo.py` trains with; rollout = up to "
+              "its update phase (generate; policy, reward, reference, value passes; advantages), update = the PPO "
+              "epochs and the KL controller.",
               "- TRL: a step runs from one `on_step_end` callback to the next (the first from `on_train_begin`); "
               "rollout = up to the first update forward (generation, reference / value / reward passes, GAE and "
               "whitening, and TRL's `empty_cache` / `gc.collect` calls), update = the PPO epochs plus TRL's "

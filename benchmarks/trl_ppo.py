@@ -23,26 +23,21 @@ from typing import Optional
 import torch
 
 from benchmarks.measure import Lap, MemoryProbe, PhaseClock, StepCounter, step_record
-from benchmarks.workload import BenchArguments, trl_batch_settings
+from benchmarks.workload import Workload, trl_batch_settings
 
 logger = logging.getLogger(__name__)
 
 
-def load_score_model(args: BenchArguments, vocab_size: int, device: torch.device, head: torch.Tensor):
+def load_score_model(args: Workload, vocab_size: int, device: torch.device, head: torch.Tensor):
     """A frozen AutoModelForSequenceClassification(num_labels=1) of the same base, `score` = `head`."""
     from transformers import AutoModelForSequenceClassification
 
-    from trainer.models import (
-        PRESETS, bnb_config, pick_attention, preset_config, quantize_linears_, resolve_dtype, resolve_model_path,
-        resolve_quantization,
-    )
+    from profiling.shapes import PRESETS, preset_config
+    from trainer.model.loading import bnb_config, pick_attention, quantize_linears_, resolve_model_path, resolve_precision
 
-    model_args = args.model_arguments()
-    dtype = resolve_dtype(model_args.dtype, device)
-    four_bit = resolve_quantization(model_args.quantization, device)
+    model_args = args.model
+    four_bit, dtype = resolve_precision(model_args, device)  # the rule trainer.model.loading.load_base_model uses
     attn = pick_attention(model_args.attn_implementation, device)
-    if four_bit and dtype == torch.float32:
-        dtype = torch.bfloat16  # as trainer.models.load_base_model does
     name = model_args.model_name_or_path
     if name in PRESETS:
         config = preset_config(name, vocab_size, model_args.preset_overrides)
@@ -67,7 +62,7 @@ def load_score_model(args: BenchArguments, vocab_size: int, device: torch.device
     return model, four_bit
 
 
-def add_value_lora(model, args: BenchArguments) -> None:
+def add_value_lora(model, args: Workload) -> None:
     """LoRA of the policy's shape injected into the value model; LoRA weights and `score` train."""
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -77,7 +72,7 @@ def add_value_lora(model, args: BenchArguments) -> None:
         param.requires_grad_("lora_" in name or name.startswith("score."))
 
 
-def describe(args: BenchArguments, four_bit: bool, optimizer_name: str) -> dict:
+def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
     base = "4-bit NF4 (double quant)" if four_bit else "full precision"
     targets = ",".join(args.lora_targets())
     return {
@@ -99,7 +94,7 @@ def describe(args: BenchArguments, four_bit: bool, optimizer_name: str) -> dict:
 class _Hooks:
     """Step boundaries from a TrainerCallback; rollout/update boundary and generation time from wrappers."""
 
-    def __init__(self, clock: PhaseClock, result: dict, args: BenchArguments):
+    def __init__(self, clock: PhaseClock, result: dict, args: Workload):
         self.clock, self.result, self.args = clock, result, args
         self.update_model = None  # TRL's policy-and-value wrapper, once the trainer exists
         self.counter: Optional[StepCounter] = None
@@ -122,7 +117,7 @@ class _Hooks:
         update = self.clock.lap()
         self.step += 1
         self.result["steps"].append(step_record(
-            self.step, self.step <= self.args.warmup_steps, self.rollout, update, self.clock.parts,
+            self.step, self.step <= self.args.warmup_runs, self.rollout, update, self.clock.parts,
             optimizer_steps=self.counter.take() if self.counter else None, response_tokens=self.generated,
             update_micro_batch=self.args.micro_batch_size))
         self.result["metrics"] = {k: float(v) for k, v in self.last_logs.items() if isinstance(v, (int, float))}
@@ -130,7 +125,7 @@ class _Hooks:
         self.step_begin()  # what TRL does after a step (empty_cache, gc) counts toward the next one
 
 
-def run_trl(args: BenchArguments, prompts: list[list[int]], tokenizer, accelerator, probe: MemoryProbe,
+def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, probe: MemoryProbe,
             heads: dict[str, torch.Tensor], result: dict) -> None:
     """Fill `result` (setup, steps) in place, so a failure part-way keeps what was measured."""
     import datasets
@@ -139,13 +134,13 @@ def run_trl(args: BenchArguments, prompts: list[list[int]], tokenizer, accelerat
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback
 
-    from trainer.models import enable_checkpointing, load_base_model
-    from trainer.optim import resolve_optimizer_name
+    from trainer.engine.optim import resolve_optimizer_name
+    from trainer.model.loading import enable_checkpointing, load_base_model
 
     device, vocab = accelerator.device, len(tokenizer)
     clock = PhaseClock(probe)
     clock.start()
-    policy = load_base_model(args.model_arguments(), vocab_size=vocab, device=device, checkpointing=False)
+    policy = load_base_model(args.model, vocab_size=vocab, device=device, checkpointing=False)
     value, four_bit = load_score_model(args, vocab, device, heads["value"])
     add_value_lora(value, args)
     reward, _ = load_score_model(args, vocab, device, heads["reward"])
@@ -173,7 +168,7 @@ def run_trl(args: BenchArguments, prompts: list[list[int]], tokenizer, accelerat
         learning_rate=args.learning_rate, lr_scheduler_type="constant", weight_decay=0.0,
         gradient_checkpointing=args.gradient_checkpointing, total_episodes=args.total_steps * args.rollout_batch_size,
         response_length=args.max_new_tokens, stop_token=None, temperature=args.temperature,
-        kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, cliprange=args.cliprange,
+        kl_coef=args.init_kl_coef, kl_estimator=args.kl_estimator, cliprange=args.cliprange,
         cliprange_value=args.cliprange_value, vf_coef=args.vf_coef, gamma=args.gamma, lam=args.lam,
         num_sample_generations=0, **trl_batch_settings(args))
     peft_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,

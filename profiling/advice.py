@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Optional
 
 from profiling import components as C
+from profiling.predict import estimate
 from profiling.shapes import ModelShape
 
 
@@ -21,25 +22,25 @@ def _halve(value: int) -> int:
 def candidates(args) -> list[tuple[str, object]]:
     """(description, changed arguments) in the order they are suggested; only real changes."""
     out = []
-    if args.micro_batch > 1:
-        mb = _halve(args.micro_batch)
-        out.append((f"micro_batch {args.micro_batch} -> {mb} (raise gradient accumulation to keep the batch)",
-                    replace(args, micro_batch=mb)))
+    if args.micro_batch_size > 1:
+        mb = _halve(args.micro_batch_size)
+        out.append((f"micro_batch_size {args.micro_batch_size} -> {mb} (raise gradient_accumulation_steps to keep the batch)",
+                    replace(args, micro_batch_size=mb)))
     if not args.gradient_checkpointing:
         out.append(("gradient checkpointing on", replace(args, gradient_checkpointing=True)))
     if args.optimizer == "adamw_torch":
         out.append(("optimizer adamw_torch -> paged_adamw_8bit", replace(args, optimizer="paged_adamw_8bit")))
     if args.stage == "ppo":
-        rows = args.generation_batch or args.micro_batch
+        rows = args.rollout_micro_batch_size or args.micro_batch_size
         if rows > 1:
-            out.append((f"generation_batch {rows} -> {_halve(rows)} (generate and score fewer rows at once)",
-                        replace(args, generation_batch=_halve(rows))))
-        if args.generation_length > 16:
-            out.append((f"generation_length {args.generation_length} -> {_halve(args.generation_length)}",
-                        replace(args, generation_length=_halve(args.generation_length))))
-        if args.prompt_length > 16:
-            out.append((f"prompt_length {args.prompt_length} -> {_halve(args.prompt_length)}",
-                        replace(args, prompt_length=_halve(args.prompt_length))))
+            out.append((f"rollout_micro_batch_size {rows} -> {_halve(rows)} (generate and score fewer rows at once)",
+                        replace(args, rollout_micro_batch_size=_halve(rows))))
+        if args.max_new_tokens > 16:
+            out.append((f"max_new_tokens {args.max_new_tokens} -> {_halve(args.max_new_tokens)}",
+                        replace(args, max_new_tokens=_halve(args.max_new_tokens))))
+        if args.max_prompt_length > 16:
+            out.append((f"max_prompt_length {args.max_prompt_length} -> {_halve(args.max_prompt_length)}",
+                        replace(args, max_prompt_length=_halve(args.max_prompt_length))))
     elif args.max_length > 16:
         out.append((f"max_length {args.max_length} -> {_halve(args.max_length)}",
                     replace(args, max_length=_halve(args.max_length))))
@@ -55,8 +56,6 @@ def candidates(args) -> list[tuple[str, object]]:
 
 def suggest(shape: ModelShape, args, est: dict) -> list[dict]:
     """Each candidate alone (peak after, saving), then the first cumulative prefix that fits."""
-    from profiling.estimate import estimate
-
     rows = []
     for description, changed in candidates(args):
         after = estimate(shape, changed)
@@ -70,8 +69,6 @@ def suggest(shape: ModelShape, args, est: dict) -> list[dict]:
 def plan_to_fit(shape: ModelShape, args) -> Optional[list[str]]:
     """Changes applied one after another until the estimate fits: the first candidate (in the
     suggestion order) that fits alone ends the plan; otherwise the one that saves most is taken."""
-    from profiling.estimate import estimate
-
     steps: list[str] = []
     current = args
     for _ in range(32):

@@ -22,14 +22,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from profiling.cli import Checked, UsageError, above, at_least, one_of, parse, parse_assignments, run
 from profiling.components import GIB
+from profiling.files import write_atomic
+from profiling.stages import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGES = ("sft", "reward", "dpo", "ppo")
 
 
 @dataclass
-class BenchArguments:
+class BenchArguments(Checked):
     stage: str = field(default="sft", metadata={"help": "sft, reward, dpo or ppo."})
     model_name_or_path: str = field(default="smollm2-135m", metadata={"help": "Model for every variant."})
     config: Optional[str] = field(default=None, metadata={"help": "Stage YAML (default trainer/configs/STAGE.yaml)."})
@@ -41,6 +43,9 @@ class BenchArguments:
     budget_gib: float = field(default=24.0, metadata={"help": "Budget line of the chart."})
     out_dir: Optional[str] = field(default=None, metadata={"help": "Default benchmarks/results/flags-STAGE-MODEL."})
     timeout_s: int = field(default=3600, metadata={"help": "Limit per variant."})
+
+    RULES = {"stage": one_of(*STAGES), "steps": at_least(1), "simulate_gpu_gib": at_least(0),
+             "budget_gib": above(0), "timeout_s": at_least(1)}
 
 
 @dataclass
@@ -85,7 +90,7 @@ def grid(spec: str) -> list[Variant]:
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         key, sep, values = part.partition("=")
         if not sep:
-            raise SystemExit(f"--grid: '{part}' is not key=v1,v2")
+            raise UsageError(f"--grid: '{part}' is not key=v1,v2")
         axes.append([(key.strip(), v.strip()) for v in values.split(",") if v.strip()])
     return [Variant(", ".join(f"{k}={v}" for k, v in combo), dict(combo)) for combo in itertools.product(*axes)]
 
@@ -111,8 +116,7 @@ def command(args: BenchArguments, variant: Variant, run_dir: Path) -> list[str]:
     if args.stage == "ppo":
         cmd += ["--sft_adapter", "null", "--reward_adapter", "null", "--scripted_reward", "length:16",
                 "--eval_prompts", "0"]
-    for item in filter(None, (i.strip() for i in args.extra.split(","))):
-        key, _, value = item.partition("=")
+    for key, value in parse_assignments(args.extra, "extra").items():
         cmd += [f"--{key}", value]
     for key, value in variant.overrides.items():
         cmd += [f"--{key}", value]
@@ -212,14 +216,11 @@ def chart(data: dict, path: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    from transformers import HfArgumentParser
-
     from profiling.provenance import provenance
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    (args,) = HfArgumentParser(BenchArguments).parse_args_into_dataclasses(args=argv)
-    if args.stage not in STAGES:
-        raise SystemExit(f"unknown stage '{args.stage}': use one of {', '.join(STAGES)}")
+    (args,) = parse([BenchArguments], argv)
+    parse_assignments(args.extra, "extra")  # a malformed --extra stops here, before the first variant
     variants = grid(args.grid) if args.grid else ladder()
     if args.with_deepspeed and not args.grid:
         variants.append(deepspeed_variant(variants[-2]))
@@ -232,12 +233,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
             "stage": args.stage, "model": args.model_name_or_path, "steps": args.steps,
             "simulate_gpu_gib": args.simulate_gpu_gib, "budget_gib": args.budget_gib, "arguments": asdict(args),
             "rows": [run_variant(args, v, out_dir, i) for i, v in enumerate(variants)]}
-    (out_dir / "bench.json").write_text(json.dumps(data, indent=2) + "\n")
-    (out_dir / "bench.md").write_text(markdown(data))
+    write_atomic(out_dir / "bench.json", json.dumps(data, indent=2) + "\n")
+    write_atomic(out_dir / "bench.md", markdown(data))
     chart(data, out_dir / "bench.png")
     print(markdown(data))
     return data
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

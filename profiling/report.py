@@ -8,26 +8,17 @@ regenerates RUN_DIR/memory.md and RUN_DIR/memory.png from RUN_DIR/memory.json. T
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 from profiling import components as C
 from profiling.chart import write_chart
+from profiling.cli import InputError, UsageError, argument_parser, run
+from profiling.files import write_atomic
 
 JSON_NAME, MD_NAME, PNG_NAME = "memory.json", "memory.md", "memory.png"
 REQUIRED_KEYS = ("device", "device_name", "date", "command", "git_revision", "config", "budget_bytes", "phases")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _cell(value: Optional[int], size: int) -> str:
@@ -106,16 +97,25 @@ def load(path) -> dict:
     if path.is_dir():
         path = path / JSON_NAME
     if not path.is_file():
-        raise SystemExit(f"no memory report at {path} (a run writes memory.json when profiling is on)")
-    data = json.loads(path.read_text())
+        raise UsageError(f"no memory report at {path} (a run writes memory.json when profiling is on)")
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: not a memory report (a JSON object with {', '.join(REQUIRED_KEYS)})")
     missing = [k for k in REQUIRED_KEYS if k not in data]
     if missing:
-        raise SystemExit(f"{path}: not a memory report, missing keys {missing}")
+        raise InputError(f"{path}: not a memory report, missing keys {missing}")
+    phases = data["phases"]
+    if not isinstance(phases, list) or not all(isinstance(p, dict) and isinstance(p.get("components"), dict)
+                                               and "stage" in p and "phase" in p for p in phases):
+        raise InputError(f"{path}: 'phases' must be a list of {{stage, phase, components}} entries")
     return data
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m profiling.report", description=__doc__.split("\n")[0])
+    parser = argument_parser("python -m profiling.report", __doc__.split("\n")[0])
     parser.add_argument("run_dir", help="a run folder holding memory.json, or a memory/estimate JSON file")
     parser.add_argument("--budget-gib", type=float, default=None, help="redraw against this budget (GiB)")
     args = parser.parse_args(argv)
@@ -131,4 +131,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run(main)

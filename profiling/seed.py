@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from profiling import components as C
+from profiling.predict import estimate
 from profiling.shapes import ModelShape, lora_tensor_sizes
 
 SEED_GB = {  # component: (low, high), from the seed's design card
@@ -44,12 +45,10 @@ def ours(est: dict) -> dict[str, int]:
 
 def _tokens_for(shape: ModelShape, args, checkpointing: bool) -> tuple[int, int]:
     """Tokens per micro-batch at which our training activations reach the seed's range (linear fit)."""
-    from profiling.estimate import estimate
-
     def act(mb: int) -> int:
-        return ours(estimate(shape, replace(args, micro_batch=mb, gradient_checkpointing=checkpointing)))["activations"]
+        return ours(estimate(shape, replace(args, micro_batch_size=mb, gradient_checkpointing=checkpointing)))["activations"]
 
-    context = args.prompt_length + args.generation_length if args.stage == "ppo" else args.max_length
+    context = args.max_prompt_length + args.max_new_tokens if args.stage == "ppo" else args.max_length
     slope = (act(2) - act(1)) / context
     base = act(1) - slope * context
     low, high = SEED_GB["activations"]
@@ -66,9 +65,9 @@ def _explain(shape: ModelShape, args, est: dict) -> dict[str, str]:
     trainable = est["config"]["trainable_parameters"]
     with_ckpt, without = _tokens_for(shape, args, True), _tokens_for(shape, args, False)
     low, high = SEED_GB["optimizer"]
-    context = args.prompt_length + args.generation_length if args.stage == "ppo" else args.max_length
+    context = args.max_prompt_length + args.max_new_tokens if args.stage == "ppo" else args.max_length
     kv_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
-    rows = args.generation_batch or args.micro_batch
+    rows = args.rollout_micro_batch_size or args.micro_batch_size
     return {
         "base": f"NF4 packs the {linear / 1e9:.2f}B linear weights at 0.5 B each plus 1/64 + 1/4096 B of "
                 f"double-quant constants ({C.gib(constants)} GiB); embeddings and lm_head ({other / 1e9:.2f}B "
@@ -81,7 +80,7 @@ def _explain(shape: ModelShape, args, est: dict) -> dict[str, str]:
                      f"({args.optimizer}). The seed's {low:g}-{high:g} would take {low / 8:.2f}-{high / 8:.2f}B "
                      f"parameters with fp32 AdamW (8 B each) or {low / 2:.0f}-{high / 2:.0f}B with 8-bit "
                      "AdamW: full fine-tuning of most of the 7B, which a frozen 4-bit base never does",
-        "activations": f"micro-batch {args.micro_batch} x {context} tokens, checkpointing "
+        "activations": f"micro-batch {args.micro_batch_size} x {context} tokens, checkpointing "
                        f"{'on' if args.gradient_checkpointing else 'off'}, logits chunked. The seed's 6-8 is "
                        f"~{with_ckpt[0]:,}-{with_ckpt[1]:,} tokens per micro-batch with checkpointing, or "
                        f"~{without[0]:,}-{without[1]:,} without (PEFT's fp32 copy of each LoRA input makes "

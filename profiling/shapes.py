@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from profiling.cli import UsageError
+
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 NF4_BLOCK = 64
@@ -33,8 +35,31 @@ CODEBOOK_BYTES = 16 * 4
 NESTED_CODEBOOK_BYTES = 256 * 4
 OFFSET_BYTES = 4
 LORA_BYTES = 4
-HEAD_BYTES = 4
 SMOLLM2_TOKENIZER_VOCAB = 49152  # presets without a vocab of their own use SmolLM2's tokenizer
+
+# Architecture presets built with random weights, for memory and speed work (no download needed).
+PRESETS: dict[str, dict] = {
+    "tiny-llama": dict(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "llama-2-7b": dict(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    "llama-2-13b": dict(
+        hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+}
+# Real models the project knows by name (the embedded default), as their config.json says; a test
+# checks this against the converted model, so the estimator needs no conversion to size it.
+KNOWN_MODELS: dict[str, dict] = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True),
+}
 
 
 @dataclass(frozen=True)
@@ -81,21 +106,39 @@ class ModelShape:
         return asdict(self)
 
 
-def load_shape(model: str, vocab_size: Optional[int] = None, overrides: Optional[str] = None) -> ModelShape:
-    """Shape of a preset ('tiny-llama', 'llama-2-7b', ...), 'smollm2-135m', or an HF folder with config.json."""
-    from trainer.models import PRESETS, embedded_model_dir, preset_config
+def preset_config(name: str, vocab_size: int, overrides: Optional[str] = None):
+    """LlamaConfig of an architecture preset; `overrides` like 'num_hidden_layers=4,hidden_size=128'."""
+    from transformers import LlamaConfig
 
+    from profiling.cli import parse_assignments
+
+    values = dict(PRESETS[name])
+    values.setdefault("vocab_size", vocab_size)
+    defaults = LlamaConfig()
+    for key, raw in parse_assignments(overrides, "preset_overrides").items():
+        if not hasattr(defaults, key):
+            raise UsageError(f"--preset_overrides: '{key}' is not a LlamaConfig field")
+        default = getattr(defaults, key)
+        try:
+            values[key] = (raw.lower() in ("1", "true", "yes") if isinstance(default, bool)
+                           else type(default)(raw) if isinstance(default, (int, float)) else raw)
+        except ValueError:
+            raise UsageError(f"--preset_overrides: {key}={raw} is not a {type(default).__name__}") from None
+    return LlamaConfig(**values)
+
+
+def load_shape(model: str, vocab_size: Optional[int] = None, overrides: Optional[str] = None) -> ModelShape:
+    """Shape of a preset ('tiny-llama', 'llama-2-7b', ...), the embedded 'smollm2-135m', or an HF folder."""
     if model in PRESETS:
         cfg = preset_config(model, vocab_size or SMOLLM2_TOKENIZER_VOCAB, overrides).to_dict()
-        if vocab_size is not None:
-            cfg["vocab_size"] = vocab_size
-        return ModelShape.from_config(model, cfg)
-    path = embedded_model_dir() if model == "smollm2-135m" else Path(model).expanduser()
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise SystemExit(f"unknown model '{model}': use a preset ({', '.join(PRESETS)}), 'smollm2-135m', "
-                         "or a folder holding a Hugging Face config.json")
-    cfg = json.loads(config_file.read_text())
+    elif model in KNOWN_MODELS:
+        cfg = dict(KNOWN_MODELS[model])
+    else:
+        config_file = Path(model).expanduser() / "config.json"
+        if not config_file.is_file():
+            raise UsageError(f"unknown model '{model}': use a preset ({', '.join(PRESETS)}), "
+                             f"{', '.join(KNOWN_MODELS)}, or a folder holding a Hugging Face config.json")
+        cfg = json.loads(config_file.read_text())
     if vocab_size is not None:
         cfg["vocab_size"] = vocab_size
     return ModelShape.from_config(model, cfg)
@@ -142,7 +185,7 @@ def lora_targets(shape: ModelShape, targets: str) -> list[tuple[str, int, int]]:
     wanted = [t.strip() for t in targets.split(",") if t.strip()]
     unknown = sorted(set(wanted) - set(LLAMA_LINEARS))
     if unknown:
-        raise SystemExit(f"unknown LoRA target(s) {unknown}; Llama linear layers are {', '.join(LLAMA_LINEARS)}")
+        raise UsageError(f"unknown LoRA target(s) {unknown}; Llama linear layers are {', '.join(LLAMA_LINEARS)}")
     return [lin for lin in shape.linears() if lin[0] in wanted]
 
 

@@ -36,7 +36,7 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """The embedded SmolLM2-135M-Instruct tokenizer (converted from the package's GGUF, cached)."""
-    from trainer.models import load_tokenizer
+    from trainer.model.loading import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 
@@ -44,7 +44,7 @@ def smol_tokenizer():
 @pytest.fixture
 def fresh_accelerate_state():
     """In-process runs each make an Accelerator; forget the singletons of the previous one."""
-    from trainer.pipeline import reset_accelerate
+    from trainer.engine.launch import reset_accelerate
 
     reset_accelerate()
     yield
@@ -55,7 +55,7 @@ def saved_head(folder: Path, hidden_size: int, seed: int = 0) -> str:
     """A folder holding a random scalar head (head.safetensors): what a frozen head must be loaded from."""
     import torch
 
-    from trainer.shared_base import HEAD_FILE, ScalarHead
+    from trainer.model.shared_base import HEAD_FILE, ScalarHead
 
     torch.manual_seed(seed)
     Path(folder).mkdir(parents=True, exist_ok=True)

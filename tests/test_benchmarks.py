@@ -16,17 +16,28 @@ if str(ROOT) not in sys.path:  # benchmarks/ sits beside the installed packages,
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import render_markdown, summary_tables  # noqa: E402
-from benchmarks.workload import BenchArguments, head_weights, trl_batch_settings  # noqa: E402
+from benchmarks.workload import Workload, head_weights, trl_batch_settings  # noqa: E402
 
 TINY = ["--model_name_or_path", "tiny-llama", "--lora_r", "4", "--lora_alpha", "8", "--prompt_length", "16",
         "--max_new_tokens", "6", "--rollout_batch_size", "8", "--rollout_micro_batch_size", "4",
         "--mini_batch_size", "4", "--micro_batch_size", "2", "--ppo_epochs", "2", "--steps", "1",
-        "--warmup_steps", "1"]
+        "--warmup_runs", "1"]
+
+
+def test_the_benchmark_times_the_very_ppo_step_training_runs():
+    import benchmarks.ours
+    import trainer.ppo
+    import trainer.rl.ppo_step
+
+    assert benchmarks.ours.ppo_step is trainer.ppo.ppo_step is trainer.rl.ppo_step.ppo_step
+    args = Workload.parse(TINY)
+    assert type(args.ppo) is trainer.ppo.PPOArguments  # training's own frozen settings object
+    assert args.ppo.min_new_tokens == args.ppo.max_new_tokens == 6  # fixed-length responses
 
 
 def test_trl_batch_settings_reproduce_our_rollout_minibatch_and_micro_batch_sizes():
-    args = BenchArguments(rollout_batch_size=64, rollout_micro_batch_size=16, mini_batch_size=16, micro_batch_size=4,
-                          ppo_epochs=3)
+    args = Workload.parse(["--rollout_batch_size", "64", "--rollout_micro_batch_size", "16", "--mini_batch_size",
+                           "16", "--micro_batch_size", "4", "--ppo_epochs", "3"])
     cfg = trl_batch_settings(args)
     # What trl.experimental.ppo.PPOTrainer.__init__ derives from them (world size 1):
     local_batch = cfg["per_device_train_batch_size"] * cfg["gradient_accumulation_steps"]
@@ -42,9 +53,9 @@ def test_trl_reward_and_value_models_compute_our_reward_and_initial_value_functi
     from benchmarks.ours import build_model
     from benchmarks.trl_ppo import add_value_lora, load_score_model
     from benchmarks.workload import write_heads
-    from trainer.models import load_tokenizer
+    from trainer.model.loading import load_tokenizer
 
-    args = BenchArguments(model_name_or_path="tiny-llama", lora_r=4, lora_alpha=8)
+    args = Workload.parse(["--model_name_or_path", "tiny-llama", "--lora_r", "4", "--lora_alpha", "8"])
     tokenizer = load_tokenizer("tiny-llama")
     device = torch.device("cpu")
     heads = head_weights(64, args.model_seed)
@@ -78,7 +89,8 @@ def _report(kind: str) -> dict:
     return {"device_kind": kind, "device": kind, "device_name": kind, "date": "d", "git_revision": "r",
             "command": "c", "versions": {"torch": "2"}, "trl_version": "1.12.0", "mixed_precision": "no",
             "simulated_gpu_gib": 24.0 if kind == "cuda" else None,
-            "settings": vars(BenchArguments()), "sides": {"ours": side, "trl": side}, "ratios": {}}
+            "settings": {k: v for part in Workload.parse([]).settings().values() for k, v in part.items()},
+            "sides": {"ours": side, "trl": side}, "ratios": {}}
 
 
 def test_markdown_shows_allocator_peaks_on_gpu_and_resident_set_on_cpu_never_both():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import (
+from trainer.engine.checkpoint import (
     MANIFEST_FILE, CheckpointError, complete_checkpoints, select_checkpoint, write_manifest,
 )
 
@@ -93,7 +93,7 @@ def _truncate(path: Path) -> None:
                                   "adapters/policy/adapter_model.safetensors", "adapters/policy/adapter_config.json"])
 def test_each_truncated_file_is_caught_and_named(run_copy, name, caplog):
     _truncate(run_copy / "checkpoint-0000004" / name)
-    with caplog.at_level(logging.WARNING, logger="trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trainer.engine.checkpoint"):
         chosen = select_checkpoint(run_copy, "auto")
     assert chosen.name == "checkpoint-0000002"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -13,11 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import trainer.data as data
-from trainer.collators import PairCollator, PromptCollator, SFTCollator
+import trainer.data.hh_rlhf as data
+from profiling.cli import UsageError
+from trainer.data.collators import PairCollator, PromptCollator, SFTCollator
 from trainer.config import DATA_ENV, HUB_DATASET, DataArguments
-from trainer.data import ASSISTANT, DataError, PreferencePair, load_pairs, load_splits, split_pairs
-from trainer.tokenization import (
+from trainer.data.hh_rlhf import ASSISTANT, DataError, PreferencePair, load_pairs, load_splits, split_pairs
+from trainer.data.tokenization import (
     IGNORE_INDEX, PairExample, PromptExample, SFTExample, fit_prompt, tokenize_pairs, tokenize_prompts, tokenize_sft,
 )
 
@@ -113,7 +114,7 @@ def test_bad_row_under_error_names_file_line_and_reason(tmp_path, real_lines, re
 @pytest.mark.parametrize("reason", sorted(DEFECTS))
 def test_bad_row_under_skip_is_counted_once_by_reason(tmp_path, real_lines, reason, caplog):
     path = write_jsonl(tmp_path / "bad.jsonl", with_defect(real_lines, reason))
-    with caplog.at_level(logging.INFO, logger="trainer.data"):
+    with caplog.at_level(logging.INFO, logger="trainer.data.hh_rlhf"):
         pairs, report = load_pairs(args_for(path, on_bad_row="skip"))
     assert (report.rows_read, report.kept, dict(report.skipped)) == (N_LINES, N_LINES - 1, {reason: 1})
     assert f"{path}:{BAD_LINE}" not in {p.source for p in pairs}
@@ -207,8 +208,53 @@ def test_corrupt_file_is_an_error_naming_it_even_under_skip(tmp_path, real_lines
         load_pairs(args_for(fake, on_bad_row="skip"))
 
 
+def test_corrupt_deflate_data_is_an_error_naming_the_file(tmp_path, real_lines):
+    whole = write_jsonl(tmp_path / "whole.jsonl.gz", real_lines).read_bytes()
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(whole[:60] + bytes(b ^ 0x5A for b in whole[60:200]) + whole[200:])  # zlib.error inside
+    with pytest.raises(DataError, match=f"{broken}: unreadable_file"):
+        load_pairs(args_for(broken, on_bad_row="skip"))
+
+
+def test_a_byte_order_mark_does_not_cost_the_first_row(tmp_path, real_lines):
+    plain = write_jsonl(tmp_path / "plain.jsonl", real_lines)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    with_bom, report = load_pairs(args_for(bom))
+    assert without_source(with_bom) == without_source(load_pairs(args_for(plain))[0])
+    assert report.skipped == {}
+
+
+def test_one_line_that_is_not_utf8_is_one_bad_row_not_a_bad_file(tmp_path, real_lines):
+    path = tmp_path / "latin1.jsonl"
+    lines = [line.encode("utf-8") for line in real_lines]
+    lines[4] = b'{"chosen": "caf\xe9", "rejected": "x"}\n'  # Latin-1, invalid as UTF-8
+    path.write_bytes(b"".join(lines))
+    pairs, report = load_pairs(args_for(path))
+    assert len(pairs) == len(real_lines) - 1 and report.skipped == {"not_utf8": 1}
+    with pytest.raises(DataError, match=f"{path}:5: not_utf8"):
+        load_pairs(args_for(path, on_bad_row="error"))
+
+
+def test_a_null_field_is_reported_as_null(tmp_path, real_lines):
+    record = json.loads(real_lines[0])
+    record["rejected"] = None
+    path = write_jsonl(tmp_path / "null.jsonl", [json.dumps(record)])
+    with pytest.raises(DataError, match=f"{path}:1: missing_field: 'rejected' is null"):
+        load_pairs(args_for(path, on_bad_row="error"))
+
+
+def test_a_limit_counts_skips_only_among_the_rows_it_read(tmp_path, real_lines):
+    lines = list(real_lines)
+    lines[1] = "not json"
+    lines[30] = "not json either"  # past the limit: neither read nor counted
+    path = write_jsonl(tmp_path / "limited.jsonl", lines)
+    pairs, report = load_pairs(args_for(path), limit=10)
+    assert len(pairs) == 10 and report.rows_read == 11 and report.skipped == {"not_json": 1}
+
+
 def test_unknown_bad_row_policy_is_rejected_before_reading(tmp_path):
-    with pytest.raises(ValueError, match=r"on_bad_row must be one of \('error', 'skip'\), got 'ignore'"):
+    with pytest.raises(UsageError, match=r"--on_bad_row 'ignore': must be one of skip, error"):
         load_pairs(args_for(tmp_path / "never-read", on_bad_row="ignore"))
 
 
@@ -235,7 +281,7 @@ def test_hub_dataset_is_loaded_through_datasets_load_dataset(fake_hub, tmp_path,
     local, _ = load_pairs(args_for(write_jsonl(tmp_path / "a.jsonl", real_lines)))
     assert without_source(pairs) == without_source(local)
     assert pairs[0].source == "Anthropic/hh-rlhf[train]:1"
-    assert report.files == [HUB_DATASET]
+    assert report.files == [f"{HUB_DATASET}[/train]"]
 
 
 def test_hub_subset_and_split_are_passed_on(fake_hub):
@@ -308,7 +354,7 @@ def test_split_is_deterministic_order_free_and_seeded(real_pairs):
 def test_requests_beyond_the_data_are_scaled_down_proportionally(real_lines, tmp_path, caplog):
     pairs, _ = load_pairs(args_for(write_jsonl(tmp_path / "a.jsonl", real_lines)))
     assert len(prompts_of(pairs)) == N_LINES
-    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+    with caplog.at_level(logging.WARNING, logger="trainer.data.hh_rlhf"):
         splits = split_pairs(pairs, DataArguments(eval_size=10, sft_size=40, reward_size=20, ppo_size=20))
     assert splits.scale == 0.5  # 40 pairs left after eval, 80 requested
     assert splits.sizes() == {"eval": 10, "sft": 20, "reward": 10, "ppo": 10}
@@ -437,13 +483,13 @@ def test_all_real_rows_tokenize_in_seconds(smol_tokenizer, real_pairs):
 # --- collators -----------------------------------------------------------------------------------
 
 def test_sft_collator_pads_right_with_masked_labels():
-    batch = SFTCollator(pad_token_id=0, pad_to_multiple_of=4)(
+    batch = SFTCollator(pad_token_id=0)(
         [SFTExample([5, 6], [7, 2], "a"), SFTExample([5, 6, 8], [9, 9, 9, 2], "b")]
     )
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 2, 0, 0, 0, 0], [5, 6, 8, 9, 9, 9, 2, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0]]
-    assert batch["labels"].tolist() == [[-100, -100, 7, 2, -100, -100, -100, -100],
-                                        [-100, -100, -100, 9, 9, 9, 2, -100]]
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 2, 0, 0, 0], [5, 6, 8, 9, 9, 9, 2]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1]]
+    assert batch["labels"].tolist() == [[-100, -100, 7, 2, -100, -100, -100],
+                                        [-100, -100, -100, 9, 9, 9, 2]]
     assert batch["input_ids"].dtype == torch.long
 
 
@@ -457,19 +503,19 @@ def test_pair_collator_puts_chosen_rows_before_rejected_rows():
 
 
 def test_prompt_collator_pads_left_for_generation():
-    batch = PromptCollator(pad_token_id=0, pad_to_multiple_of=4)([PromptExample([5, 6, 7], "a"), PromptExample([8], "b")])
-    assert batch["input_ids"].tolist() == [[0, 5, 6, 7], [0, 0, 0, 8]]
-    assert batch["attention_mask"].tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
+    batch = PromptCollator(pad_token_id=0)([PromptExample([5, 6, 7], "a"), PromptExample([8], "b")])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
     assert set(batch) == {"input_ids", "attention_mask"}
 
 
 def test_collators_batch_real_tokenized_rows(smol_tokenizer, real_pairs):
     args = DataArguments(max_length=256, max_prompt_length=64)
     pair_examples, _ = tokenize_pairs(real_pairs[:4], smol_tokenizer, args)
-    batch = PairCollator(smol_tokenizer.pad_token_id, pad_to_multiple_of=8)(pair_examples)
+    batch = PairCollator(smol_tokenizer.pad_token_id)(pair_examples)
     lengths = [len(e.prompt_ids) + len(e.chosen_ids) for e in pair_examples]
     lengths += [len(e.prompt_ids) + len(e.rejected_ids) for e in pair_examples]
-    assert batch["input_ids"].shape == (8, -(-max(lengths) // 8) * 8)
+    assert batch["input_ids"].shape == (8, max(lengths))
     assert batch["attention_mask"].sum(1).tolist() == lengths
     completion_tokens = sum(len(e.chosen_ids) + len(e.rejected_ids) for e in pair_examples)
     assert int((batch["labels"] != IGNORE_INDEX).sum()) == completion_tokens

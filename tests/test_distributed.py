@@ -41,17 +41,20 @@ import os, sys
 sys.path.insert(0, {root!r})
 from trainer import sft
 
-real, calls = sft.SFTStage.compute_loss, [0]
+import torch
+
+real, calls = sft.completion_nll, [0]
 rank, call = (int(x) for x in os.environ["RLHF_TEST_POISON"].split(":"))
 
-def poisoned(self, model, batch):
-    out = real(self, model, batch)
-    calls[0] += 1
-    if int(os.environ.get("RANK", "0")) == rank and calls[0] == call:
-        out.loss = out.loss * float("nan")
-    return out
+def poisoned(model, batch, adapter):
+    loss_sum, count = real(model, batch, adapter)
+    if torch.is_grad_enabled():  # training micro-batches only, not evaluation
+        calls[0] += 1
+        if int(os.environ.get("RANK", "0")) == rank and calls[0] == call:
+            loss_sum = loss_sum * float("nan")
+    return loss_sum, count
 
-sft.SFTStage.compute_loss = poisoned
+sft.completion_nll = poisoned
 sft.main(sys.argv[1:])
 """
 # Step 2 of a 2-process run with accumulation 2 is batches 4-7 of the shuffled order: rank 1 reads
@@ -250,7 +253,7 @@ def test_ppo_under_zero3_is_refused_at_start_in_one_line(tmp_path):
                  expect_ok=False)
     message = [line for line in log.splitlines() if "is not supported" in line]
     assert message == [
-        "ppo under DeepSpeed ZeRO-3 is not supported: it generates with and switches four adapters on one base whose "
+        "error: ppo under DeepSpeed ZeRO-3 is not supported: it generates with and switches four adapters on one base whose "
         "weights DeepSpeed ZeRO-3 partitions across ranks (untested, and every switch or decoded token would gather "
         "the whole base); use accelerate_configs/multi_gpu.yaml or accelerate_configs/deepspeed_zero2_offload.yaml"]
     assert "[rank0]: Traceback" not in log  # the launcher reports the exit; the trainer printed no stack trace
@@ -273,7 +276,7 @@ ZERO3 = {"zero_optimization": {"stage": 3}}
 @pytest.mark.parametrize("stage, kind, config", [("dpo", "fsdp", None), ("ppo", "fsdp", None),
                                                  ("dpo", "deepspeed", ZERO3), ("ppo", "deepspeed", ZERO3)])
 def test_adapter_switching_stages_are_refused_where_the_base_is_sharded(stage, kind, config):
-    from trainer.launch import LaunchError, check_launch
+    from trainer.engine.launch import LaunchError, check_launch
 
     mode = "FSDP" if kind == "fsdp" else "DeepSpeed ZeRO-3"
     with pytest.raises(LaunchError, match=f"^{stage} under {mode} is not supported: it .* use "
@@ -285,13 +288,13 @@ def test_adapter_switching_stages_are_refused_where_the_base_is_sharded(stage, k
 @pytest.mark.parametrize("stage, kind, config", [("sft", "deepspeed", ZERO3), ("reward", "fsdp", None),
                                                  ("ppo", "deepspeed", ZERO2_OFFLOAD), ("ppo", "ddp", None)])
 def test_stages_that_can_run_pass_the_launch_check(stage, kind, config):
-    from trainer.launch import check_launch
+    from trainer.engine.launch import check_launch
 
     check_launch(fake_accelerator(kind, config), stage)
 
 
 def test_fsdp_launch_on_a_cpu_machine_is_refused_with_what_to_use_instead(monkeypatch):
-    from trainer.launch import LaunchError, accelerator_kwargs
+    from trainer.engine.launch import LaunchError, accelerator_kwargs
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -311,12 +314,12 @@ def test_deepspeed_optimizer_offload_replaces_a_client_optimizer_and_says_so_for
     from accelerate.utils import DummyOptim
 
     from trainer.config import TrainArguments
-    from trainer.optim import build_loop_optimizer
+    from trainer.engine.optim import build_loop_optimizer
 
     config = json.loads(json.dumps(ZERO2_OFFLOAD))
     params = [torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))]
     args = TrainArguments(optimizer=asked, learning_rate=1e-3, weight_decay=0.1)
-    with caplog.at_level("INFO", logger="trainer.optim"):
+    with caplog.at_level("INFO", logger="trainer.engine.optim"):
         optimizer = build_loop_optimizer(params, args, fake_accelerator("deepspeed", config))
     assert isinstance(optimizer, DummyOptim) and optimizer.lr == 1e-3 and optimizer.weight_decay == 0.1
     assert [g["weight_decay"] for g in optimizer.params] == [0.1, 0.0]  # no decay on biases, as elsewhere
@@ -336,8 +339,8 @@ def test_4bit_base_is_stored_in_the_compute_dtype_only_where_zero3_or_fsdp_shard
     import copy
 
     from trainer.config import ModelArguments
-    from trainer.launch import quant_storage_for
-    from trainer.models import load_base_model, quantize_linears_
+    from trainer.engine.launch import quant_storage_for
+    from trainer.model.loading import load_base_model, quantize_linears_
 
     bf16 = torch.bfloat16
     assert quant_storage_for(bf16, fake_accelerator("deepspeed", ZERO3)) == bf16
@@ -360,7 +363,7 @@ def test_4bit_base_is_stored_in_the_compute_dtype_only_where_zero3_or_fsdp_shard
 
 
 def test_checkpoint_from_another_launch_mode_is_refused_with_what_to_do(tmp_path):
-    from trainer.checkpoint import CheckpointError, select_checkpoint
+    from trainer.engine.checkpoint import CheckpointError, select_checkpoint
 
     ckpt = tmp_path / "checkpoint-0000002"
     (ckpt / "deepspeed").mkdir(parents=True)
@@ -399,16 +402,16 @@ import sys
 from pathlib import Path
 import torch
 import trainer.ppo as ppo
-real_train = ppo.PPOTrainer.train
-def train(self):
+real_train = ppo.train
+def train(ctx, model, prompts, held_out):
     # every rank saves its trainable weights before and after training, each into its own file
-    rank = self.ctx.accelerator.process_index
-    weights = lambda: [p.detach().cpu().clone() for p in self.model.trainable_parameters()]
+    rank = ctx.accelerator.process_index
+    weights = lambda: [p.detach().cpu().clone() for p in model.trainable_parameters()]
     before = weights()
-    result = real_train(self)
+    state = real_train(ctx, model, prompts, held_out)
     torch.save({"before": before, "after": weights()}, Path(__file__).parent / f"weights_rank{rank}.pt")
-    return result
-ppo.PPOTrainer.train = train
+    return state
+ppo.train = train
 ppo.main(sys.argv[1:])
 """
 
@@ -435,7 +438,7 @@ def test_ppo_under_ddp_keeps_both_ranks_policy_and_value_identical(tmp_path):
 PPO_KL_TRACE = """
 import json, os, sys
 from pathlib import Path
-import trainer.kl_control as kl_control
+import trainer.rl.kl_control as kl_control
 real_update = kl_control.AdaptiveKLController.update
 def update(self, current_kl, n_steps):
     real_update(self, current_kl, n_steps)

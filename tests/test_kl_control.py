@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.kl_control import AdaptiveKLController, FixedKLController, make_kl_controller
+from trainer.rl.kl_control import AdaptiveKLController, FixedKLController, make_kl_controller
 
 
 def test_fixed_kl_controller_keeps_beta_whatever_the_kl():

@@ -9,8 +9,6 @@ import torch
 from torch.testing import assert_close
 
 from trainer.losses import (
-    completion_ce_loss,
-    completion_ce_sum,
     dpo_loss,
     entropy_from_logits,
     gae,
@@ -132,29 +130,6 @@ def test_entropy_from_logits_chunked_values_and_gradient_match_autograd_referenc
 
 
 # ---------------------------------------------------------------- SFT
-
-
-def test_completion_ce_scores_only_labelled_tokens_after_the_next_token_shift():
-    # logits[:, 0] predicts labels[:, 1] = 1 (p 1/2); logits[:, 1] predicts labels[:, 2] = 0 (p 1/4);
-    # logits[:, 2] would predict past the end and is never scored.
-    logits = t([[QUARTER_HALF_QUARTER, QUARTER_HALF_QUARTER, [9.0, 0.0, 0.0]]])
-    labels = torch.tensor([[-100, 1, 0]])
-    total, n_tokens = completion_ce_sum(logits, labels)
-    assert_close(total, t(LN2 + 2 * LN2))
-    assert n_tokens.item() == 2
-    assert_close(completion_ce_loss(logits, labels), t(1.5 * LN2))
-
-
-def test_completion_ce_sum_over_micro_batches_divided_by_total_tokens_equals_full_batch_mean():
-    logits, labels = random_case(time=6)
-    labels[1, :4] = -100  # uneven token counts per micro-batch
-    sum_a, n_a = completion_ce_sum(logits[:1], labels[:1])
-    sum_b, n_b = completion_ce_sum(logits[1:], labels[1:])
-    assert n_a.item() != n_b.item()
-    assert_close((sum_a + sum_b) / (n_a + n_b), completion_ce_loss(logits, labels))
-
-
-# ---------------------------------------------------------------- masked statistics
 
 
 def test_masked_mean_ignores_padding_even_when_it_holds_inf_and_nan():

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from trainer.config import ModelArguments
-from trainer.data import load_pairs
-from trainer.models import (
-    ModelLoadError, embedded_model_dir, load_base_model, load_tokenizer, pick_attention, preset_config,
-    resolve_quantization,
-)
+from trainer.data.hh_rlhf import load_pairs
+from profiling.cli import UsageError
+from profiling.shapes import KNOWN_MODELS, load_shape, preset_config
 from trainer.config import DataArguments
+from trainer.model.loading import (
+    ModelLoadError, embedded_model_dir, load_base_model, load_tokenizer, pick_attention, resolve_precision,
+)
 
 CPU = torch.device("cpu")
 
@@ -85,8 +86,21 @@ def test_presets_build_the_named_architectures():
     assert 6.7e9 < n < 6.8e9  # Llama-2-7B has 6.74B parameters
     tiny = preset_config("tiny-llama", vocab_size=512, overrides="num_hidden_layers=3,hidden_size=32")
     assert (tiny.num_hidden_layers, tiny.hidden_size, tiny.vocab_size) == (3, 32, 512)
-    with pytest.raises(ModelLoadError, match="bad preset override"):
+    with pytest.raises(UsageError, match="'not_a_field' is not a LlamaConfig field"):
         preset_config("tiny-llama", vocab_size=512, overrides="not_a_field=3")
+    with pytest.raises(UsageError, match="is not key=value"):
+        preset_config("tiny-llama", vocab_size=512, overrides="num_hidden_layers")
+
+
+def test_the_estimators_shape_of_the_embedded_model_is_its_real_config():
+    """The estimator sizes smollm2-135m from a table (no conversion needed): it must match the model."""
+    import json
+
+    config = json.loads((embedded_model_dir() / "config.json").read_text())
+    for key, value in KNOWN_MODELS["smollm2-135m"].items():
+        assert config[key] == value, key
+    shape = load_shape("smollm2-135m")
+    assert (shape.num_layers, shape.num_kv_heads, shape.tie_word_embeddings) == (30, 3, True)
 
 
 def test_unknown_model_name_fails_with_what_to_use(tmp_path):
@@ -95,8 +109,8 @@ def test_unknown_model_name_fails_with_what_to_use(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_base_model(ModelArguments(model_name_or_path=str(tmp_path / "empty")), device=CPU)
-    with pytest.raises(ModelLoadError, match="unknown quantization"):
-        load_base_model(ModelArguments(model_name_or_path="tiny-llama", quantization="int3"), vocab_size=64, device=CPU)
+    with pytest.raises(UsageError, match="--quantization 'int3': must be one of auto, nf4, none"):
+        ModelArguments(model_name_or_path="tiny-llama", quantization="int3")
 
 
 def test_tiny_nf4_model_evaluates_on_cpu_with_the_standard_weight_layout():
@@ -116,14 +130,33 @@ def test_tiny_nf4_model_evaluates_on_cpu_with_the_standard_weight_layout():
     assert {id(m): (m.weight.data_ptr(), tuple(m.weight.shape)) for m in layers} == before
 
 
-def test_quantization_auto_is_full_precision_without_cuda():
-    assert resolve_quantization("auto", CPU) is False
-    assert resolve_quantization("nf4", CPU) is True
-    assert resolve_quantization("none", CPU) is False
+def test_quantization_auto_is_full_precision_without_cuda_and_nf4_computes_in_bf16():
+    def precision(quantization, dtype="auto"):
+        return resolve_precision(ModelArguments(quantization=quantization, dtype=dtype), CPU)
+
+    assert precision("auto") == (False, torch.float32)
+    assert precision("nf4") == (True, torch.bfloat16)  # fp32 compute would only double the dequantization
+    assert precision("none", "bfloat16") == (False, torch.bfloat16)
+
+
+def test_one_precision_and_optimizer_rule_for_trainer_estimator_and_benchmarks():
+    """The estimator resolves 'auto' settings with the same functions the trainer loads with."""
+    from profiling import resolve
+    from profiling.predict import EstimateArguments
+
+    assert resolve.four_bit("auto", "cuda") and not resolve.four_bit("auto", "cpu")
+    assert resolve.compute_dtype("auto", "cuda", nf4=True, bf16_supported=False) == "float16"
+    assert resolve.optimizer("auto", "cuda") == "paged_adamw_8bit" and resolve.optimizer("auto", "cpu") == "adamw_torch"
+    assert resolve.optimizer("paged_adamw_8bit", "cpu") == "adamw_8bit"
+    est = EstimateArguments(model_name_or_path="tiny-llama", quantization="auto", dtype="auto", optimizer="auto",
+                            device="cpu").resolved()
+    four_bit, dtype = resolve_precision(ModelArguments(quantization="auto", dtype="auto"), CPU)
+    assert (est.quantization == "nf4", est.dtype) == (four_bit, str(dtype).removeprefix("torch."))
+    assert est.optimizer == "adamw_torch"
 
 
 def test_attention_falls_back_from_flash_attention_with_a_logged_reason(caplog):
-    with caplog.at_level(logging.INFO, logger="trainer.models"):
+    with caplog.at_level(logging.INFO, logger="trainer.model.loading"):
         assert pick_attention("flash_attention_2", CPU) == "sdpa"
     assert "flash_attention_2 unavailable: no CUDA device" in caplog.text
     assert pick_attention("auto", CPU) == "sdpa"

@@ -78,17 +78,28 @@ def test_a_second_run_skips_finished_stages(run_dir):
     assert (run_dir / "ppo" / "results.json").stat().st_mtime_ns == before
 
 
+def test_a_rerun_with_other_settings_does_not_reuse_finished_stages(run_dir):
+    before = (run_dir / "sft" / "results.json").read_text()
+    proc = subprocess.run([sys.executable, "-m", "trainer.pipeline", "--recipe", str(RECIPE), "--run_dir", str(run_dir),
+                           "--with_dpo", "true", "--overrides", "max_steps=3,learning_rate=0.01"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"stage sft in {run_dir / 'sft'} was finished with other settings" in proc.stderr
+    assert "train.max_steps: 2 -> 3" in proc.stderr and "train.learning_rate: 0.002 -> 0.01" in proc.stderr
+    assert (run_dir / "sft" / "results.json").read_text() == before
+
+
 def test_dpo_loss_on_a_batch_matches_the_formula_by_hand(run_dir, smol_tokenizer, shared_data):
     """The DPO stage's loss equals -log sigmoid(beta * margin) computed from separate log-prob passes."""
     import math
 
-    from trainer.collators import PairCollator
+    from trainer.data.collators import PairCollator
     from trainer.config import DataArguments
-    from trainer.data import load_pairs
-    from trainer.dpo import DPOArguments, DPOStage
-    from trainer.run import base_model_args
-    from trainer.shared_base import AdapterSpec, build_shared_model
-    from trainer.tokenization import tokenize_pairs
+    from trainer.data.hh_rlhf import load_pairs
+    from trainer.dpo import DPOArguments, dpo_terms
+    from trainer.engine.setup import base_model_args
+    from trainer.model.shared_base import AdapterSpec, build_shared_model
+    from trainer.data.tokenization import tokenize_pairs
 
     adapter = run_dir / "dpo" / "adapter"
     model_args = base_model_args(adapter, gradient_checkpointing=False)
@@ -101,7 +112,7 @@ def test_dpo_loss_on_a_batch_matches_the_formula_by_hand(run_dir, smol_tokenizer
     batch = PairCollator(smol_tokenizer.pad_token_id)(examples)
     args = DPOArguments(beta=0.5)
     with torch.no_grad():
-        out = DPOStage(args, [], PairCollator(smol_tokenizer.pad_token_id), 0).compute_loss(model, batch)
+        losses_of_stage, *_ = dpo_terms(model, batch, args)  # what the DPO stage's step body backpropagates
 
     def seq_logprob(adapter_name, ids, n_prompt):
         t = torch.tensor([ids])
@@ -115,7 +126,7 @@ def test_dpo_loss_on_a_batch_matches_the_formula_by_hand(run_dir, smol_tokenizer
         margin = (seq_logprob("policy", c, n) - seq_logprob("reference", c, n)) - \
                  (seq_logprob("policy", r, n) - seq_logprob("reference", r, n))
         losses.append(-math.log(1 / (1 + math.exp(-args.beta * margin))))
-    assert float(out.loss) == pytest.approx(sum(losses) / len(losses), rel=1e-4, abs=1e-6)
+    assert float(losses_of_stage.mean()) == pytest.approx(sum(losses) / len(losses), rel=1e-4, abs=1e-6)
 
 
 def test_evaluate_dpo_on_the_runs_eval_split_reproduces_the_stages_final_evaluation(run_dir):

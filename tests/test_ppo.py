@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from trainer.rollout import response_mask_after_eos
+from trainer.rl.rollout import response_mask_after_eos
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_PPO = ROOT / "tests" / "configs" / "tiny_ppo.yaml"
@@ -30,7 +26,7 @@ def test_response_mask_stops_after_the_first_eos():
 def stage_adapters(tmp_path_factory, smol_tokenizer):
     """An 'SFT' and a 'reward' adapter (perturbed fresh LoRA; the reward one with a head)."""
     from trainer.config import ModelArguments
-    from trainer.shared_base import AdapterSpec, build_shared_model
+    from trainer.model.shared_base import AdapterSpec, build_shared_model
 
     root = tmp_path_factory.mktemp("adapters")
     args = ModelArguments(model_name_or_path="tiny-llama", lora_r=4, lora_alpha=8)
@@ -44,27 +40,52 @@ def stage_adapters(tmp_path_factory, smol_tokenizer):
     return root / "policy", root / "reward"
 
 
-def build_trainer(tmp_path, stage_adapters, *extra):
-    from trainer.ppo import PPOArguments, PPOTrainer, build_model
-    from trainer.run import start_run
-    from trainer.tokenization import tokenize_prompts
+class PPOSetup:
+    """A PPO run's pieces as trainer/ppo.py makes them, for tests that drive them one by one."""
+
+    def __init__(self, ctx, model, prompts, held_out):
+        from trainer.ppo import make_scorer
+        from trainer.rl.rollout import Sampling
+
+        self.ctx, self.model, self.train_prompts, self.eval_prompts = ctx, model, prompts, held_out
+        self.args, tok = ctx.stage_args, ctx.tokenizer
+        self.eos_id, self.pad_id = tok.eos_token_id, tok.pad_token_id
+        self.sampling, self.scorer = Sampling.of(self.args), make_scorer(self.args, tok)
+
+    def train(self):
+        from trainer.ppo import train
+
+        return train(self.ctx, self.model, self.train_prompts, self.eval_prompts)
+
+    def evaluate(self) -> dict:
+        from trainer.rl.policy_eval import policy_vs_reference
+
+        return policy_vs_reference(self.model, self.eval_prompts, self.sampling, self.scorer, self.eos_id,
+                                   self.pad_id, self.args.rollout_micro_batch_size, self.args.eval_seed,
+                                   self.ctx.accelerator, "policy", "reference")
+
+
+def build_trainer(tmp_path, stage_adapters, *extra) -> tuple[PPOSetup, object]:
+    from trainer.data.tokenization import tokenize_prompts
+    from trainer.engine.setup import start_run
+    from trainer.ppo import PPOArguments, build_model, check_settings
 
     sft_dir, reward_dir = stage_adapters
     argv = ["--config", str(TINY_PPO), "--output_dir", str(tmp_path / "ppo"), "--sft_adapter", str(sft_dir),
-            "--reward_adapter", str(reward_dir), *extra]
+            "--reward_adapter", str(reward_dir), "--scripted_reward", "null", *extra]  # scored by the reward adapter
     ctx = start_run(PPOArguments, argv)
-    ctx.stage_args.scripted_reward = None  # score with the reward adapter
+    check_settings(ctx.stage_args, ctx.train_args.micro_batch_size)
     model = build_model(ctx)
     prompts, _ = tokenize_prompts(ctx.splits.ppo, ctx.tokenizer, ctx.data_args)
     held_out, _ = tokenize_prompts(ctx.splits.eval[:4], ctx.tokenizer, ctx.data_args)
-    return PPOTrainer(ctx, model, prompts, held_out), model
+    return PPOSetup(ctx, model, prompts, held_out), model
 
 
 def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_adapters, fresh_accelerate_state):
     """Scoring and the first update forward agree: ratio 1, nothing clipped, approx KL 0."""
-    from trainer.collators import PromptCollator
-    from trainer.ppo_step import compute_advantages, micro_loss
-    from trainer.rollout import make_rollout
+    from trainer.data.collators import PromptCollator
+    from trainer.rl.ppo_step import compute_advantages, micro_loss
+    from trainer.rl.rollout import make_rollout
 
     trainer, model = build_trainer(tmp_path, stage_adapters)
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
@@ -74,9 +95,9 @@ def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_
     assert rollout.input_ids.shape[1] == batch["input_ids"].shape[1] + rollout.response_length
     # policy and reference start from the same SFT weights: zero KL on every token
     torch.testing.assert_close(rollout.logprobs, rollout.ref_logprobs)
-    adv = compute_advantages(rollout, 0.05, "k1", 1.0, 0.95)
+    adv = compute_advantages(rollout, 0.05, trainer.args)
     model.train()
-    _, stats = micro_loss(model, rollout, adv.advantages, adv.returns, trainer.update_cfg)
+    _, stats = micro_loss(model, rollout, adv.advantages, adv.returns, trainer.args, 1.0)
     assert float(stats["val/ratio"]) == pytest.approx(1.0, abs=1e-5)
     assert float(stats["policy/clipfrac_avg"]) == 0.0
     assert float(stats["policy/approxkl_avg"]) < 1e-10
@@ -109,73 +130,32 @@ def test_ppo_steps_move_only_policy_value_and_value_head(tmp_path, stage_adapter
 
 def test_out_of_memory_in_the_update_retries_with_half_the_micro_batch(tmp_path, stage_adapters, capsys,
                                                                         fresh_accelerate_state):
-    import trainer.ppo_step as ppo_step
+    import trainer.rl.ppo_step as ppo_step
 
     trainer, model = build_trainer(tmp_path, stage_adapters, "--max_steps", "1", "--save_every", "0")
     real = ppo_step.micro_loss
     seen = []
 
-    def flaky(model, sub, advantages, returns, cfg):
+    def flaky(model, sub, advantages, returns, args, temperature):
         seen.append(sub.input_ids.shape[0])
         if sub.input_ids.shape[0] > 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-        return real(model, sub, advantages, returns, cfg)
+        return real(model, sub, advantages, returns, args, temperature)
 
     ppo_step.micro_loss = flaky
     try:
-        summary = trainer.train()
+        state = trainer.train()
     finally:
         ppo_step.micro_loss = real
-    assert summary["update_micro_batch"] == 1
+    assert state.micro_batch_size == 1
     assert seen[0] == 2 and set(seen[1:]) == {1}
     assert "retrying the minibatch with micro-batch 1" in capsys.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     assert [r["perf/update_micro_batch"] for r in rows if "perf/update_micro_batch" in r] == [1.0]
 
 
-DETERMINISTIC = ("objective/kl", "objective/scores", "loss/policy_avg", "loss/value_avg", "policy/clipfrac_avg")
-
-
-def run_ppo(out: Path, wait=True):
-    cmd = [sys.executable, str(ROOT / "trainer" / "ppo.py"), "--config", str(TINY_PPO), "--output_dir", str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    if not wait:
-        return proc
-    out_text, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out_text[-3000:]
-    return out_text
-
-
-def ppo_rows(out: Path):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: r.get(k) for k in ("step", *DETERMINISTIC)} for r in rows if "objective/kl" in r]
-
-
-def test_killed_ppo_run_resumes_to_the_same_metrics_and_policy(tmp_path):
-    import time
-
-    from safetensors.torch import load_file
-
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run_ppo(straight)
-    proc = run_ppo(killed, wait=False)
-    deadline = time.time() + 300
-    while not (killed / "checkpoint-0000002").is_dir():
-        assert proc.poll() is None and time.time() < deadline, "run ended before the kill point"
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (killed / "adapter").exists()
-    assert "resumed from" in run_ppo(killed)
-    assert ppo_rows(killed) == ppo_rows(straight)
-    a = load_file(str(straight / "adapter" / "adapter_model.safetensors"))
-    b = load_file(str(killed / "adapter" / "adapter_model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
 def test_scripted_rewards_score_the_decoded_response(smol_tokenizer):
-    from trainer.rollout import ScriptedScorer
+    from trainer.rl.rollout import ScriptedScorer
 
     tok = smol_tokenizer
     prompt = tok(["\n\nHuman: hi\n\nAssistant:"], add_special_tokens=False)["input_ids"][0]
@@ -192,8 +172,11 @@ def test_scripted_rewards_score_the_decoded_response(smol_tokenizer):
     assert ScriptedScorer("length:3", tok)(None, ids, att, p, rmask).tolist() == pytest.approx(expected)
     assert ScriptedScorer("chars:10", tok)(None, ids, att, p, rmask).tolist() == pytest.approx(
         [-abs(len(t) - 10) / 10 for t in texts])
-    with pytest.raises(ValueError, match="unknown scripted reward"):
-        ScriptedScorer("sentiment", tok)
+    from profiling.cli import UsageError
+
+    for bad in ("sentiment", "length:", "length:abc", "chars:0", "keyword"):
+        with pytest.raises(UsageError, match="--scripted_reward"):
+            ScriptedScorer(bad, tok)
 
 
 # ---- defects pinned before the harness redesign (issue 14) --------------------------------------
@@ -214,13 +197,13 @@ def _logprobs_at(model, ids, att, prompt_length, adapter, temperature):
 
 def test_evaluation_kl_is_scored_at_the_sampling_temperature(tmp_path, stage_adapters, fresh_accelerate_state):
     """Responses sampled at temperature T are scored under the distributions at T (eval/kl)."""
-    from trainer.collators import PromptCollator
-    from trainer.rollout import sample_responses
+    from trainer.data.collators import PromptCollator
+    from trainer.rl.rollout import sample_responses
 
     temperature = 0.5
     trainer, model = build_trainer(tmp_path, stage_adapters, "--temperature", str(temperature))
     _perturb_policy(model)
-    result = trainer.evaluate(model)
+    result = trainer.evaluate()
     # The same samples (same seeds), scored by hand at the sampling temperature.
     batch = PromptCollator(trainer.pad_id)(trainer.eval_prompts)
     ids, mask = batch["input_ids"], batch["attention_mask"]
@@ -239,8 +222,8 @@ def test_truncated_sampling_is_scored_as_the_full_policy_and_said_once(tmp_path,
                                                                       fresh_accelerate_state):
     """Decision (README): with top_k / top_p / min_new_tokens the stored log-probs are those of the full
     softmax at the sampling temperature (as TRL does), and the run says so once at start."""
-    from trainer.collators import PromptCollator
-    from trainer.rollout import make_rollout
+    from trainer.data.collators import PromptCollator
+    from trainer.rl.rollout import make_rollout
 
     trainer, model = build_trainer(tmp_path, stage_adapters, "--top_k", "5", "--temperature", "0.7")
     notes = [line for line in capsys.readouterr().out.splitlines() if "untruncated" in line]
@@ -257,9 +240,9 @@ def test_truncated_sampling_is_scored_as_the_full_policy_and_said_once(tmp_path,
 def test_ppo_turns_lora_dropout_off_so_the_first_ratio_is_one(tmp_path, stage_adapters, capsys,
                                                                fresh_accelerate_state):
     """A run started with lora_dropout > 0 (the ModelArguments default) still starts at ratio 1."""
-    from trainer.collators import PromptCollator
-    from trainer.ppo_step import compute_advantages, micro_loss
-    from trainer.rollout import make_rollout
+    from trainer.data.collators import PromptCollator
+    from trainer.rl.ppo_step import compute_advantages, micro_loss
+    from trainer.rl.rollout import make_rollout
 
     trainer, model = build_trainer(tmp_path, stage_adapters, "--lora_dropout", "0.05")
     assert "lora_dropout 0.05 -> 0" in capsys.readouterr().out
@@ -267,7 +250,7 @@ def test_ppo_turns_lora_dropout_off_so_the_first_ratio_is_one(tmp_path, stage_ad
     torch.manual_seed(0)
     rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
                            trainer.eos_id, trainer.pad_id, micro_batch_size=4)
-    adv = compute_advantages(rollout, 0.05, "k1", 1.0, 0.95)
+    adv = compute_advantages(rollout, 0.05, trainer.args)
     model.train()
-    _, stats = micro_loss(model, rollout, adv.advantages, adv.returns, trainer.update_cfg)
+    _, stats = micro_loss(model, rollout, adv.advantages, adv.returns, trainer.args, 1.0)
     assert float(stats["policy/approxkl_avg"]) < 1e-10 and float(stats["val/ratio"]) == pytest.approx(1.0, abs=1e-6)

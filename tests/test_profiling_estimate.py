@@ -16,11 +16,11 @@ import torch
 from profiling import activations as A
 from profiling import components as C
 from profiling.advice import plan_to_fit, suggest
-from profiling.estimate import STAGE_ADAPTERS, EstimateArguments, estimate, resolve_shape
+from profiling.predict import EstimateArguments, estimate, resolve_shape
 from profiling.recorder import MemoryRecorder
 from profiling.shapes import base_bytes, load_shape, lora_tensor_sizes
 from trainer.config import ModelArguments
-from trainer.shared_base import AdapterSpec, build_shared_model
+from trainer.model.shared_base import build_shared_model, stage_specs
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPARED = (C.BASE_WEIGHTS, C.BASE_QUANT_CONSTANTS, C.BASE_OTHER, C.GRADIENTS, C.OPTIMIZER_STATES)
@@ -36,11 +36,12 @@ def recorded_and_estimated(model_name, quantization, stage, optimizer, lora_r, v
 
     from conftest import saved_head
 
+    # Built the way the stages build it (trainer.model.shared_base.stage_specs); frozen heads from files.
     with tempfile.TemporaryDirectory() as heads:
-        hidden = load_shape(model_name, vocab).hidden_size
-        specs = [AdapterSpec(name, trainable=train, head=head,
-                             head_from=None if train or not head else saved_head(Path(heads) / name, hidden))
-                 for name, train, head in STAGE_ADAPTERS[stage]]
+        specs = stage_specs(stage, {})
+        for spec in specs:
+            if spec.head and not spec.trainable:
+                spec.head_from = saved_head(Path(heads) / spec.name, load_shape(model_name, vocab).hidden_size)
         model = build_shared_model(args, specs, vocab_size=vocab)
     params = model.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=1e-3) if optimizer == "adamw_torch" else bnb.optim.AdamW8bit(params, lr=1e-3)
@@ -50,7 +51,7 @@ def recorded_and_estimated(model_name, quantization, stage, optimizer, lora_r, v
             p.grad = torch.ones_like(p)
         opt.step()
     measured = recorder.records[(stage, "optimizer_step")].components
-    est_args = EstimateArguments(model=model_name, stage=stage, quantization=quantization, dtype="float32",
+    est_args = EstimateArguments(model_name_or_path=model_name, stage=stage, quantization=quantization, dtype="float32",
                                  lora_r=lora_r, optimizer=optimizer, device="cpu", vocab_size=vocab)
     phases = estimate(resolve_shape(est_args), est_args)["phases"]
     predicted = next(p for p in phases if p["phase"] == "optimizer_step")["components"]
@@ -134,18 +135,18 @@ def test_checkpointing_cuts_llama2_7b_training_activations(llama7b):
 
 
 def test_over_budget_estimate_suggests_changes_and_a_plan_that_fits(llama7b):
-    args = EstimateArguments(model="llama-2-7b", stage="sft", micro_batch=16, max_length=2048,
+    args = EstimateArguments(model_name_or_path="llama-2-7b", stage="sft", micro_batch_size=16, max_length=2048,
                              gradient_checkpointing=False, optimizer="adamw_torch")
     est = estimate(llama7b, args)
     assert not est["fits"]
     rows = suggest(llama7b, args, est)
-    assert rows[0]["change"].startswith("micro_batch 16 -> 8")
+    assert rows[0]["change"].startswith("micro_batch_size 16 -> 8")
     assert any(r["change"] == "gradient checkpointing on" for r in rows)
     assert all(r["peak_bytes"] < est["peak_bytes"] for r in rows)
     plan = plan_to_fit(llama7b, args)
     assert plan and plan[0] == "gradient checkpointing on"
     fitted = replace(args, gradient_checkpointing=True,
-                     micro_batch=16 // 2 ** sum(step.startswith("micro_batch") for step in plan))
+                     micro_batch_size=16 // 2 ** sum(step.startswith("micro_batch_size") for step in plan))
     assert estimate(llama7b, fitted)["fits"]
 
 
@@ -153,7 +154,7 @@ def test_shape_from_a_config_folder_and_from_flags(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 3, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": True}))
-    shape = resolve_shape(EstimateArguments(model=str(tmp_path)))
+    shape = resolve_shape(EstimateArguments(model_name_or_path=str(tmp_path)))
     assert (shape.head_dim, shape.num_kv_heads, shape.tie_word_embeddings) == (32, 2, True)
     flags = resolve_shape(EstimateArguments(hidden_size=128, intermediate_size=344, num_layers=3, num_heads=4,
                                             num_kv_heads=2, vocab_size=1000, tie_word_embeddings=True))

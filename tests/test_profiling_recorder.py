@@ -8,11 +8,11 @@ import torch
 from profiling import activations as A
 from profiling import components as C
 from profiling.device import cuda_unavailable_reason, read_nvml
-from profiling.estimate import EstimateArguments, forward_spec, resolve_shape
+from profiling.predict import EstimateArguments, forward_spec, resolve_shape
 from profiling.recorder import MemoryRecorder
 from profiling.tensors import count_tensors
 from trainer.config import ModelArguments
-from trainer.shared_base import AdapterSpec, build_shared_model
+from trainer.model.shared_base import AdapterSpec, build_shared_model
 
 VOCAB = 512
 GPU_PARTS = {C.ACTIVATIONS, C.OTHER_TENSORS, C.ALLOCATOR_OVERHEAD, C.CUDA_CONTEXT}
@@ -109,7 +109,7 @@ def test_saved_for_backward_equals_the_activation_formula_exactly(sft_model):
     with recorder.phase("forward", count_saved=True):
         logits = model.logits(ids, mask, "policy")
     measured = recorder.records[("sft", "forward")].saved_for_backward
-    args = EstimateArguments(model="tiny-llama", stage="sft", quantization=quantization, dtype="float32",
+    args = EstimateArguments(model_name_or_path="tiny-llama", stage="sft", quantization=quantization, dtype="float32",
                              lora_r=8, device="cpu", vocab_size=VOCAB)
     spec = forward_spec(args, 2 if quantization == "nf4" else 4)
     assert measured == A.saved_for_backward(resolve_shape(args), spec, b * t, t)

@@ -15,7 +15,7 @@ from profiling.chart import DPI, FIGSIZE
 from profiling.recorder import MemoryRecorder
 from profiling.report import markdown_table
 from trainer.config import ModelArguments
-from trainer.shared_base import AdapterSpec, build_shared_model
+from trainer.model.shared_base import AdapterSpec, build_shared_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_SIZE = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))

@@ -14,7 +14,7 @@ from profiling import components as C
 from profiling.shapes import nf4_bytes
 from profiling.tensors import count_tensors, quant_state_tensors
 from trainer.config import ModelArguments
-from trainer.shared_base import AdapterSpec, build_shared_model
+from trainer.model.shared_base import AdapterSpec, build_shared_model
 
 VOCAB = 512
 

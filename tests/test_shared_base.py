@@ -9,7 +9,7 @@ import torch
 from conftest import saved_head
 
 from trainer.config import ModelArguments
-from trainer.shared_base import HEAD_FILE, AdapterSpec, build_shared_model, position_ids_from_mask
+from trainer.model.shared_base import HEAD_FILE, AdapterSpec, build_shared_model, position_ids_from_mask
 
 VOCAB = 512
 
@@ -177,7 +177,7 @@ def test_checkpointed_backward_recomputes_each_layer_under_its_forward_adapter()
 def test_saved_adapter_loads_with_plain_peft_and_head_round_trips(tmp_path):
     from peft import PeftModel
 
-    from trainer.models import load_base_model
+    from trainer.model.loading import load_base_model
 
     args = tiny_args()
     model = build_shared_model(args, [AdapterSpec("reward", trainable=True, head=True)], vocab_size=VOCAB)
@@ -203,7 +203,9 @@ def test_saved_adapter_loads_with_plain_peft_and_head_round_trips(tmp_path):
 
 
 def test_missing_adapter_folder_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a PEFT adapter folder"):
+    from profiling.cli import InputError
+
+    with pytest.raises(InputError, match="nope is not a saved adapter .no adapter_config.json."):
         build_shared_model(tiny_args(), [AdapterSpec("policy", init_from=str(tmp_path / "nope"))], vocab_size=VOCAB)
     with pytest.raises(ValueError, match="unique"):
         build_shared_model(tiny_args(), [AdapterSpec("policy"), AdapterSpec("policy")], vocab_size=VOCAB)
@@ -297,7 +299,7 @@ def test_label_logprobs_run_the_lm_head_on_labelled_positions_only():
 
 def test_a_frozen_head_without_saved_weights_is_an_error_naming_the_folder(sft_adapter):
     """A reward head is never trained in PPO or evaluation: a random one would score noise silently."""
-    from trainer.shared_base import HeadMissingError
+    from trainer.model.shared_base import HeadMissingError
 
     args, sft_dir, _ = sft_adapter
     with pytest.raises(HeadMissingError, match=f"{sft_dir / HEAD_FILE} is missing"):

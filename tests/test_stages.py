@@ -17,10 +17,10 @@ TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
 
 @pytest.fixture(scope="module")
 def pair_batch(shared_data, smol_tokenizer):
-    from trainer.collators import PairCollator
+    from trainer.data.collators import PairCollator
     from trainer.config import DataArguments
-    from trainer.data import load_pairs
-    from trainer.tokenization import tokenize_pairs
+    from trainer.data.hh_rlhf import load_pairs
+    from trainer.data.tokenization import tokenize_pairs
 
     args = DataArguments(dataset=str(shared_data / "helpful-base"), max_length=96, min_prompt_tokens=4)
     pairs, _ = load_pairs(args)
@@ -30,7 +30,7 @@ def pair_batch(shared_data, smol_tokenizer):
 
 def tiny_reward_model(vocab):
     from trainer.config import ModelArguments
-    from trainer.shared_base import AdapterSpec, build_shared_model
+    from trainer.model.shared_base import AdapterSpec, build_shared_model
 
     args = ModelArguments(model_name_or_path="tiny-llama", lora_r=4, lora_alpha=8, gradient_checkpointing=False)
     model = build_shared_model(args, [AdapterSpec("reward", trainable=True, head=True)], vocab_size=vocab,
@@ -42,8 +42,8 @@ def tiny_reward_model(vocab):
 
 
 def test_reward_stage_scores_chosen_and_rejected_in_one_forward_pass(pair_batch, smol_tokenizer):
-    from trainer.losses import pairwise_ranking_loss
-    from trainer.reward import RewardStage
+    from trainer.losses import pairwise_ranking_loss, ranking_stats
+    from trainer.reward import pair_rewards
 
     examples, collate = pair_batch
     model = tiny_reward_model(len(smol_tokenizer))
@@ -51,7 +51,8 @@ def test_reward_stage_scores_chosen_and_rejected_in_one_forward_pass(pair_batch,
     handle = model.register_forward_hook(lambda m, args, kwargs, out: calls.append(args[0].shape) or None,
                                          with_kwargs=True)
     batch = collate(examples)
-    out = RewardStage([], collate, 4, 1).compute_loss(model, batch)
+    rc, rr = pair_rewards(model, batch)  # what the reward stage's step body scores
+    loss, accuracy = pairwise_ranking_loss(rc, rr), ranking_stats(rc, rr)["accuracy"]
     handle.remove()
     assert calls == [torch.Size([6, batch["input_ids"].shape[1]])]  # one pass over 2B rows
     # Same rewards as scoring each side on its own (row i of the batch pairs with row i + B).
@@ -61,9 +62,9 @@ def test_reward_stage_scores_chosen_and_rejected_in_one_forward_pass(pair_batch,
             t = torch.tensor([ids])
             sink.append(model(t, torch.ones_like(t), adapter="reward", output="scores")[0, -1])
     expected = pairwise_ranking_loss(torch.stack(chosen), torch.stack(rejected))
-    torch.testing.assert_close(out.loss, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
     expected_acc = (torch.stack(chosen) > torch.stack(rejected)).float().mean()
-    assert float(out.metrics["accuracy"]) == pytest.approx(float(expected_acc))
+    assert float(accuracy) == pytest.approx(float(expected_acc))
 
 
 def run(cmd, **kw):

@@ -8,14 +8,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer.checkpoint import complete_checkpoints, latest_checkpoint
+from trainer.engine.checkpoint import complete_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
@@ -49,43 +48,15 @@ def uninterrupted(tmp_path_factory) -> Path:
     return out
 
 
-def wait_for(predicate, proc, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended before the kill point: {proc.stdout.read()[-3000:]}")
-        time.sleep(0.02)
-    raise AssertionError("timed out waiting for the kill point")
-
-
-def test_sigkilled_run_resumes_to_the_same_parameters_and_metrics(uninterrupted, tmp_path):
-    out = tmp_path / "killed"
-    proc = run_sft(out, wait=False)
-    wait_for(lambda: (out / "checkpoint-0000004").is_dir(), proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (out / "adapter").exists(), "the run finished before it was killed"
-    assert latest_checkpoint(out).name in ("checkpoint-0000004", "checkpoint-0000006")
-    log = run_sft(out)
-    assert "resumed from" in log
-    assert metric_rows(out) == metric_rows(uninterrupted)
-    a, b = adapter_weights(uninterrupted), adapter_weights(out)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
-
 KILL_IN_SAVE = """
 import os, signal, sys
-import trainer.checkpoint as ck
-real = ck._fsync_tree
+import profiling.files as files
+real = files.fsync_tree
 def dying_fsync(root):
     if root.name.startswith("checkpoint-0000004"):
         os.kill(os.getpid(), signal.SIGKILL)  # every file written, nothing renamed yet
     real(root)
-ck._fsync_tree = dying_fsync
+files.fsync_tree = dying_fsync
 sys.argv = sys.argv[1:]
 from trainer.sft import main
 main(sys.argv[1:])
@@ -109,13 +80,13 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one_readable(uninter
         assert torch.equal(value, adapter_weights(out)[key]), key
 
 
-# ---- in-process loop tests on the tiny model ----------------------------------------------------
+# ---- in-process harness tests on the tiny model -------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tiny_sft_data(shared_data, smol_tokenizer):
     from trainer.config import DataArguments
-    from trainer.data import load_splits
-    from trainer.tokenization import tokenize_sft
+    from trainer.data.hh_rlhf import load_splits
+    from trainer.data.tokenization import tokenize_sft
 
     args = DataArguments(dataset=str(shared_data / "harmless-base"), max_length=96, min_prompt_tokens=4,
                          eval_size=8, sft_size=48, reward_size=0, ppo_size=0)
@@ -127,7 +98,7 @@ def tiny_sft_data(shared_data, smol_tokenizer):
 
 def tiny_policy(vocab: int, dropout: float = 0.0):
     from trainer.config import ModelArguments
-    from trainer.shared_base import AdapterSpec, build_shared_model
+    from trainer.model.shared_base import AdapterSpec, build_shared_model
 
     args = ModelArguments(model_name_or_path="tiny-llama", lora_r=4, lora_alpha=8, lora_dropout=dropout,
                           gradient_checkpointing=False)
@@ -135,62 +106,47 @@ def tiny_policy(vocab: int, dropout: float = 0.0):
                               device=torch.device("cpu"))
 
 
-class PoisonedStage:
-    """The SFT stage, with a NaN loss on chosen micro-batch calls (1-based)."""
+def poison_sft(monkeypatch, poisoned_calls):
+    """SFT's training loss made NaN on chosen micro-batch calls (1-based; evaluation calls not counted)."""
+    import trainer.sft as sft
 
-    name, trainable_adapters = "sft", ["policy"]
+    real, calls = sft.completion_nll, [0]
 
-    def __init__(self, inner, poisoned_calls):
-        self.inner, self.poisoned, self.calls = inner, set(poisoned_calls), 0
+    def poisoned(model, batch, adapter):
+        loss_sum, count = real(model, batch, adapter)
+        if torch.is_grad_enabled():
+            calls[0] += 1
+            if calls[0] in poisoned_calls:
+                loss_sum = loss_sum * float("nan")
+        return loss_sum, count
 
-    def compute_loss(self, model, batch):
-        self.calls += 1
-        out = self.inner.compute_loss(model, batch)
-        if self.calls in self.poisoned:
-            out.loss = out.loss * float("nan")
-        return out
-
-    def evaluate(self, model, accelerator):
-        return {}
+    monkeypatch.setattr(sft, "completion_nll", poisoned)
 
 
-def loop_args(tmp_path, **overrides):
-    from trainer.config import TrainArguments
-
-    values = dict(output_dir=str(tmp_path / "run"), max_steps=4, micro_batch_size=4, gradient_accumulation_steps=2,
-                  learning_rate=1e-2, warmup_steps=0, eval_every=0, save_every=0, report_to="none",
-                  progress_bar=False, max_bad_steps=2)
-    values.update(overrides)
-    return TrainArguments(**values)
+def sft_argv(tmp_path, *extra):
+    return ["--config", str(TINY_SFT), "--output_dir", str(tmp_path / "run"), "--learning_rate", "0.01",
+            "--warmup_steps", "0", "--eval_every", "0", "--save_every", "0", "--max_bad_steps", "2",
+            "--lora_dropout", "0.0", *extra]
 
 
-def test_nan_loss_skips_the_step_counts_it_and_leaves_weights_untouched(tiny_sft_data, smol_tokenizer, tmp_path,
+def test_nan_loss_skips_the_step_counts_it_and_leaves_weights_untouched(tmp_path, monkeypatch,
                                                                         fresh_accelerate_state):
-    from trainer.collators import SFTCollator
-    from trainer.loop import make_accelerator, run_training
-    from trainer.sft import SFTStage
+    import trainer.sft as sft
 
-    train, held_out = tiny_sft_data
-    args = loop_args(tmp_path)
-    accelerator = make_accelerator(args)
-    model = tiny_policy(len(smol_tokenizer))
-    collate = SFTCollator(smol_tokenizer.pad_token_id)
-    # Micro-batch calls 3 and 4 make optimizer step 2: poison call 4 only.
-    stage = PoisonedStage(SFTStage(held_out, collate, 4, 1), poisoned_calls=[4])
+    # Micro-batch calls 3 and 4 make optimizer step 2 (accumulation 2): poison call 4 only.
+    poison_sft(monkeypatch, [4])
     before_step, after_step = [], []
     real_step = torch.optim.AdamW.step
 
     def recording_step(self, *a, **kw):
-        before_step.append([p.detach().clone() for p in model.trainable_parameters()])
+        params = [p for group in self.param_groups for p in group["params"]]
+        before_step.append([p.detach().clone() for p in params])
         result = real_step(self, *a, **kw)
-        after_step.append([p.detach().clone() for p in model.trainable_parameters()])
+        after_step.append([p.detach().clone() for p in params])
         return result
 
-    torch.optim.AdamW.step = recording_step
-    try:
-        run_training(stage, model, train, collate, args, accelerator)
-    finally:
-        torch.optim.AdamW.step = real_step
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    sft.main(sft_argv(tmp_path, "--max_steps", "4"))
     assert len(before_step) == 3  # steps 1, 3, 4 stepped; step 2 was skipped
     # Between the end of step 1 and the start of step 3 nothing moved: the poisoned step 2 changed nothing.
     assert all(torch.equal(a, b) for a, b in zip(after_step[0], before_step[1]))
@@ -198,41 +154,33 @@ def test_nan_loss_skips_the_step_counts_it_and_leaves_weights_untouched(tiny_sft
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "train/skipped_steps" in r]
     assert [r["train/skipped_steps"] for r in train_rows] == [0.0, 1.0, 1.0, 1.0]
-    assert all(torch.isfinite(p).all() for p in model.trainable_parameters())
+    assert [r["train/lr"] for r in train_rows][1:3] == [train_rows[1]["train/lr"]] * 2  # the schedule waited
+    assert all(torch.isfinite(p).all() for p in after_step[-1])
 
 
-def test_consecutive_nan_losses_stop_the_run_with_a_clear_message(tiny_sft_data, smol_tokenizer, tmp_path,
-                                                                   fresh_accelerate_state):
-    from trainer.collators import SFTCollator
-    from trainer.loop import TrainingDiverged, make_accelerator, run_training
-    from trainer.sft import SFTStage
+def test_consecutive_nan_losses_stop_the_run_with_a_clear_message(tmp_path, monkeypatch, fresh_accelerate_state):
+    import trainer.sft as sft
+    from trainer.engine.harness import TrainingDiverged
 
-    train, held_out = tiny_sft_data
-    args = loop_args(tmp_path, max_steps=10)
-    accelerator = make_accelerator(args)
-    model = tiny_policy(len(smol_tokenizer))
-    collate = SFTCollator(smol_tokenizer.pad_token_id)
-    stage = PoisonedStage(SFTStage(held_out, collate, 4, 1), poisoned_calls=range(3, 100))
-    before = [p.detach().clone() for p in model.trainable_parameters()]
+    poison_sft(monkeypatch, range(3, 100))
     with pytest.raises(TrainingDiverged, match="2 steps in a row had a NaN/inf loss or gradient \\(at step 3\\)"):
-        run_training(stage, model, train, collate, args, accelerator)
-    after = model.trainable_parameters()
-    assert not all(torch.equal(a, b) for a, b in zip(before, after))  # step 1 trained
-    assert all(torch.isfinite(p).all() for p in after)
+        sft.main(sft_argv(tmp_path, "--max_steps", "10"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]  # step 1 trained, step 2 was the first bad
+    assert not (tmp_path / "run" / "adapter").exists()
 
 
 def test_sft_loss_is_cross_entropy_on_completion_tokens_only(tiny_sft_data, smol_tokenizer):
     import torch.nn.functional as F
 
-    from trainer.collators import SFTCollator
-    from trainer.sft import SFTStage
+    from trainer.data.collators import SFTCollator
+    from trainer.sft import completion_nll
 
-    train, held_out = tiny_sft_data
+    train, _ = tiny_sft_data
     examples = train[:3]
     batch = SFTCollator(smol_tokenizer.pad_token_id)(examples)
     model = tiny_policy(len(smol_tokenizer)).eval()
-    stage = SFTStage(held_out, SFTCollator(smol_tokenizer.pad_token_id), 4, 1)
-    loss = stage.compute_loss(model, batch).loss
+    loss_sum, count = completion_nll(model, batch, "policy")
     logits = model(batch["input_ids"], batch["attention_mask"], adapter="policy")
     # Hand-built: predict token t+1 from position t, only where t+1 is a completion token.
     terms = []
@@ -240,17 +188,19 @@ def test_sft_loss_is_cross_entropy_on_completion_tokens_only(tiny_sft_data, smol
         start, end = len(ex.prompt_ids), len(ex.input_ids)
         for t in range(start, end):
             terms.append(F.cross_entropy(logits[row, t - 1], torch.tensor(ex.input_ids[t])))
-    torch.testing.assert_close(loss, torch.stack(terms).mean())
-    # The prompt carries no gradient: perturbing prompt positions' logits leaves the loss alone.
-    logits = logits.detach().requires_grad_(True)
-    from trainer.losses import completion_ce_sum
-
-    total, count = completion_ce_sum(logits, batch["labels"])
-    (total / count).backward()
-    for row, ex in enumerate(examples):
-        assert logits.grad[row, : len(ex.prompt_ids) - 1].abs().sum() == 0
-        assert logits.grad[row, len(ex.prompt_ids) - 1].abs().sum() > 0  # predicts the first completion token
+    torch.testing.assert_close(loss_sum / count, torch.stack(terms).mean())
     assert int(count) == sum(len(ex.completion_ids) for ex in examples)
+    # The prompt carries no gradient: the hidden states at prompt positions before the last get none.
+    hidden = {}
+    handle = model.causal_lm.model.norm.register_forward_hook(lambda m, i, o: hidden.setdefault("h", o))
+    model.train()
+    loss_sum, _ = completion_nll(model, batch, "policy")
+    handle.remove()
+    hidden["h"].retain_grad()
+    loss_sum.backward()
+    for row, ex in enumerate(examples):
+        assert hidden["h"].grad[row, : len(ex.prompt_ids) - 1].abs().sum() == 0
+        assert hidden["h"].grad[row, len(ex.prompt_ids) - 1].abs().sum() > 0  # predicts the first completion token
 
 
 def test_resuming_under_other_data_settings_is_refused_naming_the_fields(uninterrupted, tmp_path):
@@ -269,7 +219,7 @@ def test_resuming_under_other_data_settings_is_refused_naming_the_fields(uninter
 
 
 def test_resume_config_check_lets_run_length_and_evaluation_settings_change():
-    from trainer.run import resume_config_changes
+    from trainer.engine.setup import resume_config_changes
 
     saved = {"train": {"max_steps": 8, "eval_every": 4, "seed": 0}, "data": {"max_length": 96},
              "stage": {"eval_prompts": 8, "beta": 0.1}}

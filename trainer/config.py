@@ -1,20 +1,23 @@
-"""Dataclass configs for every stage, read from YAML plus command-line overrides.
+"""The argument dataclasses every stage shares, and the one way a stage reads them: a YAML file with
+`model:`, `data:`, `train:` and `stage:` sections, then `--field value` flags over it.
 
-Parsing goes through `transformers.HfArgumentParser`: the YAML file given with `--config` sets the
-parser's defaults, and any `--field value` on the command line overrides them.
+    accelerate launch trainer/sft.py --config trainer/configs/sft.yaml --max_steps 200
+
+Each section holds only its own dataclass's fields; an unknown section or key, a value of the wrong
+type, or one outside its range stops the run at start with one line naming it (`profiling.cli`).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, Sequence
 
 import yaml
 
-T = TypeVar("T")
+from profiling.cli import Checked, UsageError, above, at_least, between, one_of, parse
+from profiling.resolve import DTYPES, OPTIMIZER_NAMES, QUANTIZATIONS
 
 # Where the shared hh-rlhf rows live on the development machines, relative to the project root.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +25,7 @@ SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data" / "hh-rlhf"
 HUB_DATASET = "Anthropic/hh-rlhf"
 DATA_ENV = "RLHF_DATA"
 CACHE_ENV = "RLHF_CACHE"
+BAD_ROW_POLICIES = ("skip", "error")
 
 
 def cache_dir() -> Path:
@@ -33,7 +37,7 @@ def cache_dir() -> Path:
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(Checked):
     """Which base model to load and how: quantization, attention backend, LoRA shape."""
 
     model_name_or_path: str = field(
@@ -59,7 +63,7 @@ class ModelArguments:
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the hub."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input (PPO turns it off)."})
     lora_target_modules: str = field(
         default="all-linear",
         metadata={"help": "'all-linear' or a comma-separated list of module names (q_proj,v_proj,...)."},
@@ -71,13 +75,17 @@ class ModelArguments:
     )
     preset_overrides: Optional[str] = field(
         default=None,
-        metadata={"help": "For presets: comma-separated config overrides, e.g. 'num_hidden_layers=4'."},
+        metadata={"help": "For presets: config overrides as key=value,key=value, e.g. 'num_hidden_layers=4'."},
     )
     model_seed: int = field(default=0, metadata={"help": "Seed for random preset weights and fresh LoRA init."})
 
+    RULES = {"quantization": one_of(*QUANTIZATIONS), "dtype": one_of("auto", *DTYPES),
+             "attn_implementation": one_of("auto", "flash_attention_2", "sdpa", "eager"), "lora_r": at_least(1),
+             "lora_alpha": at_least(1), "lora_dropout": between(0, 1, high_open=True)}
+
 
 @dataclass
-class DataArguments:
+class DataArguments(Checked):
     """Where hh-rlhf comes from, how it is split into stage subsets, and how it is tokenized."""
 
     dataset: str = field(
@@ -107,63 +115,17 @@ class DataArguments:
     ppo_size: int = field(default=20000, metadata={"help": "Prompts for PPO."})
     split_seed: int = field(default=0, metadata={"help": "Seed of the deterministic prompt-disjoint split."})
 
+    RULES = {"on_bad_row": one_of(*BAD_ROW_POLICIES), "max_length": at_least(2), "max_prompt_length": at_least(1),
+             "min_prompt_tokens": at_least(1), "eval_size": at_least(0), "sft_size": at_least(0),
+             "reward_size": at_least(0), "ppo_size": at_least(0)}
 
-def parse_config(dataclass_types: tuple[type, ...], args: Optional[list[str]] = None) -> tuple[Any, ...]:
-    """Parse `--config file.yaml` plus CLI overrides into instances of `dataclass_types`.
-
-    Unknown YAML keys are an error naming the file and key, so a typo never silently does nothing.
-    """
-    from transformers import HfArgumentParser
-
-    args = list(sys.argv[1:] if args is None else args)
-    config_path = None
-    if "--config" in args:
-        i = args.index("--config")
-        if i + 1 >= len(args):
-            raise SystemExit("--config needs a YAML file path")
-        config_path = args[i + 1]
-        del args[i : i + 2]
-    parser = HfArgumentParser(dataclass_types)
-    if config_path is not None:
-        values = load_yaml(config_path)
-        known = {f.name for dt in dataclass_types for f in fields(dt)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise SystemExit(f"{config_path}: unknown config key(s) {unknown}; known keys: {sorted(known)}")
-        parser.set_defaults(**values)
-    parsed = parser.parse_args_into_dataclasses(args=args)
-    for obj in parsed:
-        for f in fields(obj):
-            # `--sft_adapter null` on the command line means None, as `null` does in the YAML.
-            if getattr(obj, f.name) in NULL_WORDS and f.default is None:
-                setattr(obj, f.name, None)
-    return tuple(parsed)
-
-
-NULL_WORDS = ("null", "None", "none", "~")
-
-
-def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a flat YAML mapping; nested sections (model:, data:, ...) are flattened into one namespace."""
-    path = Path(path)
-    if not path.is_file():
-        raise SystemExit(f"config file not found: {path}")
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
-    if not isinstance(raw, dict):
-        raise SystemExit(f"{path}: expected a mapping of config keys, got {type(raw).__name__}")
-    flat: dict[str, Any] = {}
-    for key, value in raw.items():
-        items = value.items() if isinstance(value, dict) else [(key, value)]
-        for k, v in items:
-            if k in flat:
-                raise SystemExit(f"{path}: key '{k}' is set twice")
-            flat[k] = v
-    return flat
+    def check(self) -> None:
+        if self.max_length <= self.min_prompt_tokens:
+            raise UsageError(f"--max_length {self.max_length} must exceed --min_prompt_tokens {self.min_prompt_tokens}")
 
 
 @dataclass
-class TrainArguments:
+class TrainArguments(Checked):
     """The shared training loop: steps, batches, optimizer, precision, evaluation, checkpoints, logs."""
 
     output_dir: str = field(default="runs/default", metadata={"help": "Run folder: checkpoints, adapters, logs."})
@@ -186,14 +148,16 @@ class TrainArguments:
     )
     eval_every: int = field(default=50, metadata={"help": "Evaluate every N optimizer steps (0: only at the end)."})
     eval_batches: int = field(default=0, metadata={"help": "Cap on evaluation batches (0: the whole eval set)."})
+    eval_batch_size: int = field(default=8, metadata={"help": "Rows (or pairs) per evaluation forward pass."})
     save_every: int = field(default=50, metadata={"help": "Checkpoint every N optimizer steps (0: never)."})
-    keep_checkpoints: int = field(default=2, metadata={"help": "Newest checkpoints to keep."})
+    keep_checkpoints: int = field(default=2, metadata={"help": "Newest checkpoints to keep (0: all)."})
     resume: str = field(
-        default="auto", metadata={"help": "'auto' (newest complete checkpoint in output_dir), 'no', or a checkpoint folder."}
+        default="auto", metadata={"help": "'auto' (newest complete checkpoint in output_dir), 'no' (set an earlier "
+                                  "run in output_dir aside and start over), or a checkpoint folder."}
     )
     resume_config_check: bool = field(
-        default=True, metadata={"help": "Refuse to resume a run whose saved config.json differs in a field that "
-                                        "changes the data, model or optimisation (false: resume anyway)."})
+        default=True, metadata={"help": "Refuse to resume a checkpoint saved with other settings that change the "
+                                        "data, model or optimisation (false: resume anyway)."})
     max_bad_steps: int = field(
         default=3, metadata={"help": "Stop after this many optimizer steps in a row with a NaN/inf loss or gradient."}
     )
@@ -209,3 +173,88 @@ class TrainArguments:
         default=0.0, metadata={"help": "Cap this process's CUDA memory at this many GiB (simulate a 24 GB card on a "
                                "bigger one with torch.cuda.set_per_process_memory_fraction); 0: no cap."})
     progress_bar: bool = field(default=True, metadata={"help": "Show a tqdm progress bar."})
+
+    RULES = {"max_steps": at_least(1), "micro_batch_size": at_least(1), "gradient_accumulation_steps": at_least(1),
+             "learning_rate": above(0), "weight_decay": at_least(0), "warmup_steps": at_least(0),
+             "min_lr_ratio": between(0, 1), "max_grad_norm": at_least(0), "optimizer": one_of(*OPTIMIZER_NAMES),
+             "mixed_precision": one_of("auto", "no", "bf16", "fp16"), "eval_every": at_least(0),
+             "eval_batches": at_least(0), "eval_batch_size": at_least(1), "save_every": at_least(0),
+             "keep_checkpoints": at_least(0), "max_bad_steps": at_least(1), "log_every": at_least(1),
+             "report_to": one_of("tensorboard", "none"), "memory_budget_gib": above(0),
+             "simulate_gpu_gib": at_least(0)}
+
+
+@dataclass
+class PipelineArguments(Checked):
+    """`trainer.pipeline` (every stage, then the comparison and the report) and `trainer.compare`."""
+
+    run_dir: str = field(default="runs/demo", metadata={"help": "Folder for every stage's run and the report."})
+    recipe: str = field(default="demo", metadata={"help": "Stage configs: demo, llama2_7b (or a folder of YAMLs)."})
+    with_dpo: bool = field(default=False, metadata={"help": "Also train DPO from the SFT adapter."})
+    overrides: str = field(default="", metadata={
+        "help": "Settings for every stage as key=value,key=value (e.g. max_steps=2)."})
+    eval_prompts: int = field(default=32, metadata={"help": "Held-out prompts for the final policy comparison."})
+    eval_max_new_tokens: int = field(default=32, metadata={"help": "Response length of the final comparison."})
+    samples_in_report: int = field(default=4, metadata={"help": "Side-by-side generations shown in the report."})
+
+    RULES = {"eval_prompts": at_least(1), "eval_max_new_tokens": at_least(1), "samples_in_report": at_least(0)}
+
+
+SECTIONS = ("model", "data", "train", "stage")
+
+
+def load_yaml(path: str | os.PathLike, section_types: dict[str, type]) -> dict[str, Any]:
+    """The values of a sectioned YAML config, flattened, after checking every section and key.
+
+    `section_types` maps each allowed section to its dataclass; a key must belong to its section's class.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UsageError(f"{path}: not valid YAML{where} ({getattr(exc, 'problem', None) or exc})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: cannot be read ({exc})") from None
+    if not isinstance(raw, dict):
+        raise UsageError(f"{path}: expected sections {', '.join(SECTIONS)}, got a {type(raw).__name__}")
+    flat: dict[str, Any] = {}
+    for section, values in raw.items():
+        if section not in section_types:
+            owner = _owner(section, section_types)
+            hint = f" ('{section}' is a key of section '{owner}': put it under {owner}:)" if owner else ""
+            raise UsageError(f"{path}: unknown section '{section}'; sections: {', '.join(section_types)}{hint}")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise UsageError(f"{path}: section '{section}' must hold key: value lines")
+        known = {f.name for f in fields(section_types[section])}
+        for key, value in values.items():
+            if key not in known:
+                owner = _owner(key, section_types)
+                hint = f" (it belongs in section '{owner}')" if owner else f"; known keys: {', '.join(sorted(known))}"
+                raise UsageError(f"{path}: unknown key '{key}' in section '{section}'{hint}")
+            flat[key] = value
+    return flat
+
+
+def _owner(key: str, section_types: dict[str, type]) -> Optional[str]:
+    return next((s for s, cls in section_types.items() if key in {f.name for f in fields(cls)}), None)
+
+
+def parse_config(stage_cls: type, argv: Sequence[str]) -> tuple[ModelArguments, DataArguments, TrainArguments, Any]:
+    """`--config file.yaml` (optional) plus flags into the four argument objects of a stage."""
+    argv = list(argv)
+    config_path = None
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise UsageError("--config needs a YAML file path")
+        config_path = argv[i + 1]
+        del argv[i : i + 2]
+    types = {"model": ModelArguments, "data": DataArguments, "train": TrainArguments, "stage": stage_cls}
+    defaults = load_yaml(config_path, types) if config_path else {}
+    return parse(list(types.values()), argv, defaults, config_path)

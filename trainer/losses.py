@@ -137,28 +137,6 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SI
     return _Entropy.apply(logits, chunk_size)
 
 
-# ---------------------------------------------------------------- SFT
-
-
-def completion_ce_sum(
-    logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T, V), unshifted (B, T) labels -> (summed next-token CE, number of scored tokens).
-
-    Gradient accumulation divides the sum of sums by the total token count over all micro-batches
-    (and ranks): averaging per-micro-batch means would over-weight short completions.
-    """
-    shifted_logits, shifted_labels = shift_for_next_token(logits, labels)
-    logp = token_logprobs(shifted_logits, shifted_labels, chunk_size)
-    return -logp.sum(), (shifted_labels != IGNORE_INDEX).sum()
-
-
-def completion_ce_loss(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
-    """(B, T, V), unshifted (B, T) labels -> scalar mean next-token CE over labels != IGNORE_INDEX."""
-    total, n_tokens = completion_ce_sum(logits, labels, chunk_size)
-    return total / n_tokens.clamp(min=1)
-
-
 # ---------------------------------------------------------------- masked statistics
 
 

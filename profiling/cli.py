@@ -1,0 +1,196 @@
+"""Every command line of the project parses through here: flags into argument dataclasses, each field
+checked, and a mistake reported as one line.
+
+An argument dataclass derives from `Checked` and says what its fields may hold in a `RULES` class
+variable (`{"max_steps": at_least(1), "optimizer": one_of(...)}`); the field types (int, float, bool,
+str, Optional[...]) are checked too, so a YAML value of the wrong kind (2.5 for an int) is caught
+where a command-line flag would be. A cross-field rule goes in a `check()` method.
+
+`run(main)` is what every entry point calls: a `UsageError` (bad flags or config: exit 2) or an
+`InputError` (a data, model, adapter or checkpoint file that cannot be used: exit 1) becomes one line
+on stderr, printed by the first process only, instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import typing
+from dataclasses import fields
+from typing import Any, Callable, ClassVar, Optional, Sequence
+
+NULL_WORDS = ("null", "None", "none", "~")
+
+
+class UsageError(Exception):
+    """Flags or a config file that cannot work; the message names the setting and what to use."""
+
+
+class InputError(Exception):
+    """A data, model, adapter or checkpoint file that cannot be used; the message names the file."""
+
+
+class FieldError(UsageError):
+    def __init__(self, name: str, value: Any, problem: str):
+        self.name, self.value, self.problem = name, value, problem
+        super().__init__(f"--{name} {value!r}: {problem}")
+
+
+# ---- rules ----------------------------------------------------------------------------------------
+
+Rule = Callable[[str, Any], Optional[str]]  # (field name, value) -> what is wrong, or None
+
+
+def at_least(low: float) -> Rule:
+    return lambda name, value: None if value >= low else f"must be at least {low}"
+
+
+def above(low: float) -> Rule:
+    return lambda name, value: None if value > low else f"must be greater than {low}"
+
+
+def between(low: float, high: float, high_open: bool = False) -> Rule:
+    def rule(name, value):
+        ok = low <= value < high if high_open else low <= value <= high
+        return None if ok else f"must be in [{low}, {high}{')' if high_open else ']'}"
+    return rule
+
+
+def one_of(*choices: str) -> Rule:
+    return lambda name, value: None if value in choices else f"must be one of {', '.join(map(str, choices))}"
+
+
+def _unwrap_optional(hint) -> tuple[Any, bool]:
+    if typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return hint, False
+
+
+def _check_type(name: str, hint, value):
+    """`value` as the field's type (an int is a float too), or a FieldError."""
+    kind, optional = _unwrap_optional(hint)
+    if optional and (value is None or value in NULL_WORDS):
+        return None
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise FieldError(name, value, "must be true or false")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise FieldError(name, value, "must be a whole number")
+    if kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise FieldError(name, value, "must be a number")
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise FieldError(name, value, "must be a string")
+    return value
+
+
+class Checked:
+    """Base of every argument dataclass: types and `RULES` are checked when an instance is made."""
+
+    RULES: ClassVar[dict[str, Rule]] = {}
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            value = _check_type(f.name, hints[f.name], getattr(self, f.name))
+            object.__setattr__(self, f.name, value)
+            rule = self.RULES.get(f.name)
+            if rule is not None and value is not None:
+                problem = rule(f.name, value)
+                if problem:
+                    raise FieldError(f.name, value, problem)
+        self.check()
+
+    def check(self) -> None:
+        """Rules between fields; raise UsageError."""
+
+
+# ---- parsing --------------------------------------------------------------------------------------
+
+def parser_for(types: Sequence[type]):
+    from transformers import HfArgumentParser
+
+    class Parser(HfArgumentParser):
+        def error(self, message: str):  # argparse would print the whole usage (dozens of flags) first
+            raise UsageError(message)
+
+    return Parser(list(types))
+
+
+def parse(types: Sequence[type], argv: Sequence[str], defaults: Optional[dict[str, Any]] = None,
+          defaults_from: Optional[str] = None) -> tuple:
+    """Instances of `types` from command-line `argv`, over `defaults` (a config file's values, named by
+    `defaults_from` in messages). Raises UsageError naming the flag or the config key at fault."""
+    parser = parser_for(types)
+    if defaults:
+        parser.set_defaults(**defaults)
+    try:
+        return tuple(parser.parse_args_into_dataclasses(args=list(argv)))
+    except UsageError as exc:
+        if not isinstance(exc, FieldError):
+            raise
+        given = any(a == f"--{exc.name}" or a.startswith(f"--{exc.name}=") for a in argv)
+        if defaults_from and not given and exc.name in (defaults or {}):
+            raise UsageError(f"{defaults_from}: {exc.name}: {exc.value!r} {exc.problem}") from None
+        raise
+    except ValueError as exc:  # HfArgumentParser's own complaint about flags it does not know
+        raise UsageError(f"unrecognized arguments: {' '.join(_leftover(str(exc)))}; --help lists them") from None
+
+
+def _leftover(message: str) -> list[str]:
+    import ast
+
+    start = message.find("[")
+    try:
+        return [str(a) for a in ast.literal_eval(message[start:])] if start >= 0 else [message]
+    except (ValueError, SyntaxError):
+        return [message]
+
+
+def argument_parser(prog: str, description: str):
+    """An argparse parser (for the few tools with positional arguments) whose mistakes are one-line UsageErrors."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):
+            raise UsageError(message)
+
+    return Parser(prog=prog, description=description)
+
+
+def parse_assignments(text: Optional[str], flag: str) -> dict[str, str]:
+    """'key=value,key2=value2' (the one syntax of every override flag) as a dict of strings."""
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = (p.strip() for p in item.partition("="))
+        if not sep or not key:
+            raise UsageError(f"--{flag}: '{item}' is not key=value (use 'key=value,key2=value2')")
+        out[key] = value
+    return out
+
+
+def main_process() -> bool:
+    return os.environ.get("RANK", "0") in ("0", "")
+
+
+def run(main: Callable[[Optional[list[str]]], Any], argv: Optional[list[str]] = None) -> Any:
+    """Call an entry point's `main`; our errors end the process with one line and exit code 2 or 1."""
+    try:
+        return main(argv)
+    except UsageError as exc:
+        code = 2
+        message = str(exc)
+    except InputError as exc:
+        code = 1
+        message = str(exc)
+    if main_process():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)

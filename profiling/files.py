@@ -1,0 +1,63 @@
+"""Atomic writes, the one way the project publishes a file or a folder: readers never see half of one.
+
+A file is written beside its target and renamed over it; a folder is built under a temporary name,
+flushed to disk, and renamed into place (checkpoints, saved adapters, the converted embedded model).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Union
+
+
+def write_atomic(path: Union[str, os.PathLike], data: Union[str, bytes]) -> Path:
+    """Write `data` to `path` through a temporary file in the same folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file below `root`, so a rename never publishes data still in the page cache only."""
+    for path in Path(root).rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def publish_folder(tmp: Path, target: Path, replace: bool = True) -> Path:
+    """Make the finished folder `tmp` (flushed first) the `target`. With replace=False an existing
+    `target` wins (another process published the same thing first) and `tmp` is dropped."""
+    fsync_tree(tmp)
+    if target.exists():
+        if not replace:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return target
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    return target
+
+
+@contextmanager
+def atomic_folder(target: Union[str, os.PathLike], replace: bool = True) -> Iterator[Path]:
+    """Yield an empty temporary folder beside `target`; on success it becomes `target`, on error it is removed."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        yield tmp
+        publish_folder(tmp, target, replace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

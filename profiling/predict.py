@@ -1,0 +1,268 @@
+"""Predict device memory per component and phase for a stage, before running it.
+
+Resident components (base weights, NF4 constants, adapters, heads, gradients, optimizer states)
+are exact closed forms (`profiling.shapes`, `profiling.optimizers`); activations, logits and the KV
+cache follow the formulas in `profiling.activations`. Allocator overhead and the CUDA context are
+assumptions (flags) until a GPU run replaces them. The output uses the recorder's JSON layout, so
+`python -m profiling.report` renders an estimate the same way as a measured run.
+
+The settings carry the trainer's own field names (`micro_batch_size`, `max_prompt_length`,
+`max_new_tokens`, ...): a stage hands the estimator its argument objects as they are
+(`EstimateArguments.of_run`), and the command line (`python -m profiling.estimate`) takes the same
+flags as the stage scripts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Optional
+
+from profiling import activations as A
+from profiling import components as C
+from profiling import resolve
+from profiling.cli import Checked, UsageError, above, at_least, between, one_of
+from profiling.optimizers import OPTIMIZERS, gradient_bytes, optimizer_bytes, step_temporaries
+from profiling.shapes import DTYPE_BYTES, ModelShape, base_bytes, head_tensor_sizes, load_shape, lora_tensor_sizes
+from profiling.stages import STAGES, stage_adapters
+
+
+def _alias(*names: str, **kwargs) -> Any:
+    """A field that also answers to the estimator's older flag names (the README's commands)."""
+    metadata = kwargs.pop("metadata", {})
+    return field(metadata={**metadata, "aliases": [f"--{n}" for n in names]}, **kwargs)
+
+
+@dataclass
+class EstimateArguments(Checked):
+    """Model, stage and run settings to estimate; defaults are the seed recipe's QLoRA settings."""
+
+    model_name_or_path: Optional[str] = _alias("model", default=None, metadata={
+        "help": "Preset (tiny-llama, llama-2-7b, llama-2-13b), 'smollm2-135m', or an HF folder with config.json; "
+                "or give the shape flags."})
+    stage: str = field(default="ppo", metadata={"help": "sft, reward, ppo or dpo."})
+    hidden_size: Optional[int] = field(default=None, metadata={"help": "Shape override (all shape flags too)."})
+    intermediate_size: Optional[int] = None
+    num_layers: Optional[int] = None
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    vocab_size: Optional[int] = None
+    tie_word_embeddings: Optional[bool] = None
+    preset_overrides: Optional[str] = field(default=None, metadata={"help": "As in ModelArguments."})
+    quantization: str = field(default="nf4", metadata={"help": "nf4 (double quant), none, or auto (nf4 on cuda)."})
+    dtype: str = field(default="bfloat16", metadata={"help": "Compute dtype: bfloat16, float16, float32 or auto."})
+    lora_r: int = 16
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "'all-linear' or q_proj,v_proj,..."})
+    lora_dropout: float = 0.05
+    optimizer: str = field(default="paged_adamw_8bit", metadata={"help": ", ".join(("auto",) + OPTIMIZERS)})
+    gradient_checkpointing: bool = True
+    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, flash_attention_2 or eager."})
+    micro_batch_size: int = _alias("micro_batch", "micro-batch", default=4, metadata={
+        "help": "Sequences (sft) or pairs (reward, dpo) per micro-batch; PPO's update micro-batch."})
+    max_length: int = field(default=512, metadata={"help": "Sequence length for sft, reward and dpo."})
+    max_prompt_length: int = _alias("prompt_length", default=256, metadata={"help": "PPO prompt tokens."})
+    max_new_tokens: int = _alias("generation_length", default=128, metadata={"help": "PPO generated tokens."})
+    rollout_batch_size: int = _alias("rollout_batch", default=64, metadata={
+        "help": "PPO prompts per rollout (sizes the rollout buffers)."})
+    rollout_micro_batch_size: Optional[int] = _alias("generation_batch", default=None, metadata={
+        "help": "PPO rows per generate / scoring pass (default: the micro-batch)."})
+    logprob_chunk: int = field(default=1024, metadata={"help": "Positions per fp32 log-prob chunk."})
+    device: str = field(default="cuda", metadata={"help": "cuda, or cpu (fp32 dropout masks, step counters on device)."})
+    memory_budget_gib: float = _alias("budget_gib", "budget-gib", default=24.0, metadata={
+        "help": "Device budget in GiB (2^30 bytes)."})
+    cuda_context_gib: float = field(default=0.5, metadata={"help": "Assumed memory outside the allocator."})
+    allocator_overhead: float = field(default=0.05, metadata={"help": "Assumed reserved-minus-allocated, as a "
+                                      "fraction of allocated."})
+    compare_seed: bool = field(default=False, metadata={"help": "Compare with seed 000's 7B/4090 breakdown."})
+    json: Optional[str] = field(default=None, metadata={"help": "Write the estimate as JSON to this file."})
+    out_dir: Optional[str] = field(default=None, metadata={"help": "Write estimate.json/.md/.png here."})
+
+    RULES = {"stage": one_of(*STAGES), "quantization": one_of(*resolve.QUANTIZATIONS),
+             "dtype": one_of("auto", *resolve.DTYPES), "optimizer": one_of("auto", *OPTIMIZERS),
+             "device": one_of("cuda", "cpu"), "lora_r": at_least(1), "lora_dropout": between(0, 1, high_open=True),
+             "attn_implementation": one_of("sdpa", "flash_attention_2", "eager", "auto"),
+             "micro_batch_size": at_least(1), "max_length": at_least(2), "max_prompt_length": at_least(1),
+             "max_new_tokens": at_least(1), "rollout_batch_size": at_least(1), "rollout_micro_batch_size": at_least(1),
+             "logprob_chunk": at_least(1), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
+             "allocator_overhead": at_least(0), "vocab_size": at_least(1), "hidden_size": at_least(1),
+             "intermediate_size": at_least(1), "num_layers": at_least(1), "num_heads": at_least(1),
+             "num_kv_heads": at_least(1), "head_dim": at_least(1)}
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.memory_budget_gib * C.GIB)
+
+    @classmethod
+    def of_run(cls, *settings: Any, **given: Any) -> "EstimateArguments":
+        """The estimate of a run from its own argument objects: each field is read, by name, from the
+        first object that has it (ModelArguments, DataArguments, TrainArguments, the stage's)."""
+        values = {}
+        for f in fields(cls):
+            for obj in settings:
+                if hasattr(obj, f.name):
+                    values[f.name] = getattr(obj, f.name)
+                    break
+        return cls(**{**values, **given})
+
+    def resolved(self) -> "EstimateArguments":
+        """The settings with 'auto' turned into what it means on `device` (profiling.resolve's rule)."""
+        nf4 = resolve.four_bit(self.quantization, self.device)
+        return replace(self, quantization="nf4" if nf4 else "none",
+                       dtype=resolve.compute_dtype(self.dtype, self.device, nf4),
+                       optimizer=self.optimizer if self.optimizer == "deepspeed_zero2_offload"
+                       else resolve.optimizer(self.optimizer, self.device),
+                       rollout_micro_batch_size=self.rollout_micro_batch_size or self.micro_batch_size)
+
+
+def resolve_shape(args: EstimateArguments) -> ModelShape:
+    """The model's shape from --model_name_or_path, with any explicit shape flag overriding it."""
+    flags = {k: getattr(args, k) for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                           "num_kv_heads", "head_dim", "vocab_size", "tie_word_embeddings")}
+    if args.model_name_or_path is None:
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "vocab_size")
+                   if flags[k] is None]
+        if missing:
+            raise UsageError(f"without --model, give the shape: missing --{', --'.join(missing)}")
+        heads = flags["num_heads"]
+        return ModelShape(name="custom", hidden_size=flags["hidden_size"], intermediate_size=flags["intermediate_size"],
+                          num_layers=flags["num_layers"], num_heads=heads, num_kv_heads=flags["num_kv_heads"] or heads,
+                          vocab_size=flags["vocab_size"], head_dim=flags["head_dim"] or flags["hidden_size"] // heads,
+                          tie_word_embeddings=bool(flags["tie_word_embeddings"]))
+    shape = load_shape(args.model_name_or_path, args.vocab_size, args.preset_overrides)
+    return replace(shape, **{k: v for k, v in flags.items() if v is not None})
+
+
+# ---------------------------------------------------------------- resident components
+
+
+def resident(shape: ModelShape, args: EstimateArguments) -> dict:
+    """Components that live through the whole stage, and the trainable tensor sizes behind them."""
+    a = 2 if args.quantization == "nf4" and DTYPE_BYTES[args.dtype] == 4 else DTYPE_BYTES[args.dtype]
+    parts = base_bytes(shape, args.quantization, a)
+    lora = lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules)
+    trainable: list[int] = []
+    for slot in stage_adapters(args.stage):
+        parts[C.adapter(slot.role)] = 4 * sum(lora)
+        if slot.head:
+            parts[C.head(slot.role)] = 4 * sum(head_tensor_sizes(shape))
+        if slot.trainable:
+            trainable += lora + (head_tensor_sizes(shape) if slot.head else [])
+    opt = optimizer_bytes(trainable, args.optimizer, args.device)
+    parts[C.OPTIMIZER_STATES] = opt.device
+    return {"components": parts, "trainable": trainable, "optimizer": opt, "dtype_bytes": a}
+
+
+def forward_spec(args: EstimateArguments, dtype_bytes: int) -> A.ForwardSpec:
+    return A.ForwardSpec(dtype_bytes=dtype_bytes, lora_rank=args.lora_r, lora_targets=args.lora_target_modules,
+                         lora_dropout=args.lora_dropout > 0, device=args.device, attention=args.attn_implementation,
+                         checkpointing=args.gradient_checkpointing, logprob_chunk=args.logprob_chunk,
+                         nf4=args.quantization == "nf4")
+
+
+def rollout_buffer_bytes(args: EstimateArguments) -> int:
+    """Token ids and attention mask (int64) of the rollout, and six fp32 per-token series over the
+    response: log-probs, reference log-probs, values, rewards, advantages, returns."""
+    batch, context = args.rollout_batch_size, args.max_prompt_length + args.max_new_tokens
+    return batch * context * 8 * 2 + 6 * batch * args.max_new_tokens * 4
+
+
+# ---------------------------------------------------------------- phases
+
+
+def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.ForwardSpec, trainable: list[int]) -> list:
+    """(phase, {component: bytes}) for what each phase adds on top of the resident components."""
+    grads = {C.GRADIENTS: gradient_bytes(trainable)}
+    step = ("optimizer_step", {**grads, C.OPTIMIZER_TEMPORARIES: step_temporaries(trainable, args.optimizer)})
+    mb, seq = args.micro_batch_size, args.max_length
+    # SFT and DPO build logits at completion positions only (`output="logprobs"`); how many there are
+    # depends on the data, so the logits are sized for the worst case, every position a completion.
+    if args.stage == "sft":
+        tokens = mb * seq
+        return [("forward_backward", {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, seq),
+                                      C.LOGITS: A.logits_training(shape, spec, tokens)}), step]
+    if args.stage == "reward":  # chosen and rejected of each pair; scores read hidden states, no logits
+        tokens = 2 * mb * seq
+        return [("forward_backward", {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, seq)}), step]
+    if args.stage == "dpo":
+        tokens = 2 * mb * seq
+        return [("reference", {C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, seq),
+                               C.LOGITS: A.logits_nograd(shape, spec, tokens)}),
+                ("forward_backward", {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, seq),
+                                      C.LOGITS: A.logits_training(shape, spec, tokens)}), step]
+    # PPO as trainer.rollout / trainer.ppo_step run it: generation and scoring in chunks of
+    # `rollout_micro_batch_size` rows; logits only for the response positions (keep_last = generation + 1).
+    context = args.max_prompt_length + args.max_new_tokens
+    rows = args.rollout_micro_batch_size
+    buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(args)}
+    scored = rows * (args.max_new_tokens + 1)
+    return [
+        ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
+                      + A.kv_cache_growth(shape, spec, rows, context),
+                      C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length, args.max_prompt_length)}),
+        # policy log-probs and entropy, and the reward model's scores
+        ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
+                   C.LOGITS: A.logits_nograd(shape, spec, scored)}),
+        ("reference", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
+                       C.LOGITS: A.logits_nograd(shape, spec, scored)}),
+        ("value", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context)}),
+        # Policy and value forwards of a micro-batch are alive together (one backward of the summed loss).
+        ("update", {**buffers, **grads,
+                    C.ACTIVATIONS: A.training_activations(shape, spec, mb * context, context, forwards=2),
+                    C.LOGITS: A.logits_training(shape, spec, mb * (args.max_new_tokens + 1))}),
+        step,
+    ]
+
+
+def estimate(shape: ModelShape, args: EstimateArguments) -> dict:
+    """The estimate in the recorder's JSON layout: one entry per phase, components in bytes."""
+    args = args.resolved()
+    res = resident(shape, args)
+    spec = forward_spec(args, res["dtype_bytes"])
+    phases = []
+    for name, extra in _transient_phases(shape, args, spec, res["trainable"]):
+        comps = {**res["components"], **extra}
+        allocated = C.total(comps)
+        comps[C.ALLOCATOR_OVERHEAD] = int(args.allocator_overhead * allocated)
+        comps[C.CUDA_CONTEXT] = int(args.cuda_context_gib * C.GIB) if args.device == "cuda" else 0
+        comps = {k: comps[k] for k in C.ordered(comps)}
+        phase = {"stage": args.stage, "phase": name, "components": comps, "total": C.total(comps),
+                 "peak_allocated": allocated}
+        if res["optimizer"].host:
+            phase["elsewhere"] = {"cpu": {C.OPTIMIZER_STATES: res["optimizer"].host}}
+        if res["optimizer"].paged:
+            phase["paged"] = {C.OPTIMIZER_STATES: res["optimizer"].paged}
+        phases.append(phase)
+    peak = max(phases, key=lambda p: p["total"])
+    return {
+        "title": f"estimate: {shape.name} {args.stage}",
+        "kind": "estimate",
+        "unit": "bytes",
+        "budget_bytes": args.budget_bytes,
+        "config": {"shape": shape.to_dict(), "settings": asdict(args),
+                   "trainable_parameters": sum(res["trainable"])},
+        "phases": phases,
+        "peak_phase": peak["phase"],
+        "peak_bytes": peak["total"],
+        "fits": peak["total"] <= args.budget_bytes,
+        "notes": assumptions(args),
+    }
+
+
+def assumptions(args: EstimateArguments) -> list[str]:
+    notes = [
+        "activations: formulas in profiling/activations.py (saved tensors per layer read off autograd); "
+        + ("checkpointing keeps each layer's input and recomputes one layer in backward"
+           if args.gradient_checkpointing else "no checkpointing: every layer's saved tensors live until backward"),
+        "logits: (tokens x vocab) in the compute dtype plus fp32 chunks of "
+        f"{args.logprob_chunk} positions (trainer.losses.token_logprobs); in training also their gradient",
+        f"allocator_overhead and cuda_context are assumptions ({args.allocator_overhead:.0%} of allocated, "
+        f"{args.cuda_context_gib} GiB) until a GPU run measures them",
+        "optimizer_states are the steady state after the first step; gradients are fp32 LoRA/head gradients",
+    ]
+    if args.stage == "ppo":
+        notes.append("ppo update: policy and value forwards alive together; the optimizer step of ppo is "
+                     "listed as its own phase")
+    if args.optimizer == "paged_adamw_8bit":
+        notes.append("paged 8-bit states are CUDA managed memory: same bytes, but they can spill to host RAM "
+                     "and torch.cuda.memory_allocated does not count them")
+    return notes

@@ -1,0 +1,113 @@
+"""The shape of the code: layers point one way and no module imports itself round a cycle.
+
+The graph is read from the source (every `import` and `from ... import`, at module level or inside a
+function), so an import hidden in a function body counts like any other.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("trainer", "profiling", "benchmarks")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def imports_of(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `path` imports (an `from a.b import c` counts as a.b.c when that is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
+    for name in graph:  # importing a.b.c runs the package a.b's __init__, which imports nothing here
+        graph[name] = {m for m in graph[name] if not (ROOT / m.replace(".", "/") / "__init__.py").is_file()}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as a list of modules (first == last), or [] when there is none."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return []
+
+
+def test_no_module_imports_itself_round_a_cycle():
+    cycle = find_cycle(import_graph())
+    assert not cycle, " -> ".join(cycle)
+
+
+def test_profiling_is_a_leaf_that_imports_nothing_from_trainer_or_benchmarks():
+    offenders = {m: sorted(i for i in deps if i.startswith(("trainer", "benchmarks")))
+                 for m, deps in import_graph().items() if m.startswith("profiling")}
+    assert not {m: d for m, d in offenders.items() if d}
+
+
+def test_trainer_does_not_import_the_benchmarks():
+    offenders = {m: sorted(i for i in deps if i.startswith("benchmarks"))
+                 for m, deps in import_graph().items() if m.startswith("trainer")}
+    assert not {m: d for m, d in offenders.items() if d}
+
+
+def test_the_checks_see_a_cycle_and_a_backwards_import_when_there_is_one(tmp_path):
+    """The walkers above are not vacuous: a planted cycle is found, and so is a function-level import."""
+    graph = import_graph()
+    assert graph["trainer.ppo"] >= {"trainer.rl.ppo_step", "trainer.engine.harness"}  # the graph is real
+    planted = {**graph, "trainer.rl.ppo_step": graph["trainer.rl.ppo_step"] | {"trainer.ppo"}}
+    assert find_cycle(planted)[0] == find_cycle(planted)[-1]
+    hidden = tmp_path / "hidden.py"
+    hidden.write_text("def f():\n    from trainer.config import TrainArguments\n    return TrainArguments\n")
+    assert imports_of(hidden, project_modules()) == {"trainer.config"}
+
+
+def test_one_table_says_which_adapters_each_stage_has():
+    """profiling.stages is the table; the stages, the estimator and the benchmark all read it."""
+    from profiling.stages import ADAPTERS, HEADED, TRAINED
+    from trainer.model.shared_base import stage_specs
+
+    for stage, roles in ADAPTERS.items():
+        specs = stage_specs(stage, {})
+        assert [s.name for s in specs] == list(roles)
+        assert {s.name for s in specs if s.trainable} == set(TRAINED[stage])
+        assert {s.name for s in specs if s.head} == set(roles) & set(HEADED)
+    graph = import_graph()
+    for reader in ("trainer.model.shared_base", "profiling.predict"):
+        assert "profiling.stages" in graph[reader], reader

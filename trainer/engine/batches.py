@@ -1,0 +1,74 @@
+"""Training batches in a resumable order: a fresh permutation per epoch from (seed, epoch) alone, and a
+stream that starts anywhere (epoch, batches done) and crosses epoch boundaries without ending."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from profiling.cli import InputError
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A fresh permutation each epoch from (seed, epoch) alone, so a resumed run sees the same order."""
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.size, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def make_loader(dataset: Dataset, collate_fn: Callable, batch_size: int, seed: int) -> tuple[DataLoader, EpochShuffleSampler]:
+    if len(dataset) < batch_size:
+        raise InputError(f"the training set has {len(dataset)} rows, fewer than one batch ({batch_size}); lower the "
+                         "batch size or use more data")
+    sampler = EpochShuffleSampler(len(dataset), seed)
+    # Its own generator: creating a DataLoader iterator draws a seed, and drawing it from the global
+    # RNG would shift every later dropout mask whenever a resumed run creates one more iterator.
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=True,
+                        generator=torch.Generator().manual_seed(seed))
+    return loader, sampler
+
+
+def batch_stream(accelerator, loader, sampler: EpochShuffleSampler, epoch: int, skip: int):
+    """Yield (epoch, batches done in this epoch, batch) forever, starting `skip` batches into `epoch`."""
+    while True:
+        source = accelerator.skip_first_batches(loader, skip) if skip else loader
+        # Accelerate's prepared loaders count their own passes and reset the sampler's epoch to that
+        # count when iterated; a resumed run's first pass (and the skipping loader, which starts at
+        # pass 0) would replay epoch 0's order. Setting the epoch on the loader itself keeps them aligned.
+        if hasattr(source, "set_epoch"):
+            source.set_epoch(epoch)
+        sampler.set_epoch(epoch)
+        done = skip
+        for batch in source:
+            done += 1
+            yield epoch, done, batch
+        epoch, skip = epoch + 1, 0
+
+
+def eval_batches(examples: Sequence, collate: Callable, batch_size: int, accelerator, max_batches: int = 0,
+                 desc: str = "evaluate", progress: bool = True) -> Iterator[dict]:
+    """This rank's share of a held-out set (every example on exactly one rank; the first `max_batches`
+    batches' worth if set), in batches of like lengths so short rows are not padded to the longest,
+    on the device, under a progress bar."""
+    from tqdm.auto import tqdm
+
+    mine = list(examples[accelerator.process_index :: accelerator.num_processes])
+    if max_batches:
+        mine = mine[: max_batches * batch_size]
+    mine.sort(key=lambda e: e.length, reverse=True)  # longest first: a batch too big fails at once
+    starts = range(0, len(mine), batch_size)
+    for start in tqdm(starts, desc=desc, leave=False, dynamic_ncols=True,
+                      disable=not (progress and accelerator.is_main_process)):
+        yield {k: v.to(accelerator.device) for k, v in collate(mine[start : start + batch_size]).items()}

@@ -1,0 +1,53 @@
+"""Check a stage's predicted peak memory against the budget before loading anything.
+
+The analytic estimator (`profiling.predict`) is handed the stage's own argument objects; if the peak
+does not fit `memory_budget_gib`, the run stops at once with the estimator's suggestions instead of
+running out of memory an hour in.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from profiling import components as C
+from profiling.advice import advice_lines
+from profiling.cli import UsageError
+from profiling.predict import EstimateArguments, estimate, resolve_shape
+from trainer.engine.launch import deepspeed_config, offloads_optimizer
+
+logger = logging.getLogger(__name__)
+
+
+class BudgetError(UsageError):
+    """The stage's estimated peak memory exceeds the configured budget."""
+
+
+def estimate_arguments(stage: str, model_args, data_args, train_args, stage_args, accelerator) -> EstimateArguments:
+    """The stage's settings as the estimator reads them (the same field names), on this run's device.
+
+    Two facts only the launch knows are added: the device, and DeepSpeed's optimizer offload (the
+    optimizer states then live in host RAM). Precision and 'auto' settings resolve by the same rule
+    the model loading uses (`profiling.resolve`).
+    """
+    device = accelerator.device.type
+    extra = {"stage": stage, "device": "cuda" if device == "cuda" else "cpu"}
+    if offloads_optimizer(deepspeed_config(accelerator)):
+        extra["optimizer"] = "deepspeed_zero2_offload"
+    return EstimateArguments.of_run(model_args, data_args, train_args, stage_args, **extra)
+
+
+def check_budget(stage: str, model_args, data_args, train_args, stage_args, accelerator) -> dict:
+    """Return the estimate; raise BudgetError naming what to change when it does not fit."""
+    args = estimate_arguments(stage, model_args, data_args, train_args, stage_args, accelerator)
+    shape = resolve_shape(args)
+    est = estimate(shape, args)
+    peak, budget = est["peak_bytes"], args.budget_bytes
+    if est["fits"]:
+        logger.info("memory estimate: peak %s GiB (%s) within the %s GiB budget", C.gib(peak), est["peak_phase"],
+                    C.gib(budget))
+        return est
+    lines, _ = advice_lines(shape, args.resolved(), est)
+    raise BudgetError(
+        f"{stage}: the estimated peak memory {C.gib(peak)} GiB (phase '{est['peak_phase']}') exceeds "
+        f"memory_budget_gib={train_args.memory_budget_gib}. Change the settings, or raise the budget "
+        "(check_budget: false skips this check): " + " ".join(line.strip() for line in lines))

@@ -1,0 +1,285 @@
+"""The one harness every stage runs in, and the pieces of a training step the stages share.
+
+`Engine` is a model made ready to train in the launch mode at hand: optimizer, LR schedule,
+Accelerate / DeepSpeed wrappers, the memory recorder, and `optimizer_step()` (clip, NaN check, step).
+
+`Harness` runs an engine for `max_steps` optimizer steps around a stage's step body: setup and
+resume, the batch stream, the progress bar, the metrics log, the NaN/inf policy (a step whose loss or
+gradient is not finite is skipped and counted; `max_bad_steps` in a row stop the run), evaluation
+and checkpoint cadence, and memory phases. A step body takes the step number and the batch stream
+and returns a `StepResult`:
+
+- SFT, reward and DPO: `supervised_step(engine, compute_loss)` - accumulate the micro-batches of one
+  optimizer step (each stage's `compute_loss` is its explicit step body), then one optimizer step.
+- PPO: `trainer.rl.ppo_step.ppo_step` - rollout, advantages, clipped update, KL control.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Protocol
+
+import torch
+
+from profiling.cli import InputError
+from trainer.engine.batches import batch_stream, make_loader
+from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
+from trainer.engine.launch import RowTrace, describe_engine, fill_deepspeed_autos, is_deepspeed
+from trainer.engine.metrics import (
+    MetricsLog, all_finite, flat_config, format_line, mean_over_ranks, peak_memory_gb,
+)
+from trainer.engine.optim import build_loop_optimizer, schedule_for
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingDiverged(InputError):
+    """Too many optimizer steps in a row had a NaN or inf loss or gradient."""
+
+
+@dataclass
+class StepOutput:
+    """What a stage's `compute_loss` returns for one micro-batch."""
+
+    loss: torch.Tensor  # scalar to backpropagate (a mean over this micro-batch)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # detached scalars, averaged per step
+    tokens: int = 0  # tokens processed, for tokens/s
+
+
+@dataclass
+class StepResult:
+    """What one step body did: its figures (this rank's), whether its losses and gradients were all finite
+    (`finite`; a step that was not counts towards max_bad_steps), and whether the weights moved (`stepped`;
+    the learning-rate schedule advances only then)."""
+
+    metrics: dict[str, float]
+    finite: bool = True
+    stepped: bool = True
+    tokens: int = 0
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class Engine:
+    """A model ready to train: optimizer, schedule and wrappers for the launch mode, and its memory recorder.
+
+    `model` is what `accelerator.prepare` returned (DDP / DeepSpeed wrap it: training passes go through
+    it); `raw` is the model itself (generation and no-grad scoring go around the wrapper).
+    """
+
+    def __init__(self, model, train_args, accelerator, stage: str, loader=None, accumulation_steps: Optional[int] = None):
+        from profiling.components import GIB
+        from profiling.recorder import MemoryRecorder
+
+        self.args, self.accelerator, self.raw = train_args, accelerator, model
+        if accumulation_steps is not None and is_deepspeed(accelerator):
+            accelerator.gradient_accumulation_steps = accumulation_steps  # the engine fixes it at prepare
+        optimizer = build_loop_optimizer(model.trainable_parameters(), train_args, accelerator)
+        fill_deepspeed_autos(accelerator, model, train_args.max_grad_norm)
+        if loader is None:
+            self.model, self.optimizer = accelerator.prepare(model, optimizer)
+            self.loader = None
+        else:
+            self.model, self.optimizer, self.loader = accelerator.prepare(model, optimizer, loader)
+        self.scheduler = schedule_for(self.model, self.optimizer, train_args)
+        self.deepspeed = is_deepspeed(accelerator)
+        if self.deepspeed and accelerator.is_main_process:
+            logger.info(describe_engine(self.model))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]  # FSDP swaps in sharded ones
+        self.recorder = MemoryRecorder(stage, model=model, optimizer=self.optimizer, device=accelerator.device,
+                                       budget_bytes=int(train_args.memory_budget_gib * GIB),
+                                       enabled=train_args.profile_memory and accelerator.is_main_process)
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """Backpropagate `loss` if it is finite on every rank; returns whether it was.
+
+        Under DeepSpeed every loss goes through: the engine counts micro-steps itself and steps inside the
+        last backward, and a NaN loss makes NaN gradients that its overflow check skips.
+        """
+        finite = all_finite(self.accelerator, loss)
+        if finite or self.deepspeed:
+            self.accelerator.backward(loss)
+        return finite
+
+    def optimizer_step(self, finite: bool = True) -> tuple[bool, bool, float]:
+        """Clip and step after the backward passes of one optimizer step: (stepped, sound, gradient norm).
+
+        Nothing steps when a loss (`finite=False`) or the gradient is not finite on some rank; `sound` is
+        False then. Under DeepSpeed the engine has clipped and stepped (or skipped the step) already; this
+        reads what it did (fp16 loss scaling skips steps by design while it calibrates: sound, not stepped).
+        """
+        if self.deepspeed:
+            stepped, norm = self.model.was_step_applied(), self.model.get_global_grad_norm()
+            sound = stepped or (finite and self.model.fp16_enabled())
+            self.optimizer.zero_grad(set_to_none=True)
+            return stepped, sound, float("nan") if norm is None else float(norm)
+        norm = torch.tensor(float("nan"))
+        if finite:
+            max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+            norm = self.accelerator.clip_grad_norm_(self.params, max_norm)
+            finite = all_finite(self.accelerator, norm)
+        if finite:
+            with self.recorder.phase("optimizer_step"):
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return finite, finite, float(norm)
+
+
+StepBody = Callable[[int, Iterator[dict]], StepResult]
+
+
+class Harness:
+    """Runs `engine` for train_args.max_steps optimizer steps around a stage's step body (see the module doc)."""
+
+    def __init__(self, ctx, model, stage: str, adapters: list[str], dataset, collate: Callable, batch_size: int,
+                 evaluate: Callable[[], dict[str, float]], log_keys: list[str], extra_state: Optional[Stateful] = None,
+                 accumulation_steps: Optional[int] = None):
+        self.ctx, self.args, self.accelerator = ctx, ctx.train_args, ctx.accelerator
+        self.stage, self.adapters, self.evaluate_fn, self.log_keys = stage, adapters, evaluate, log_keys
+        self.extra_state = extra_state
+        loader, self.sampler = make_loader(dataset, collate, batch_size, self.args.seed)
+        self.engine = Engine(model, self.args, self.accelerator, stage, loader, accumulation_steps)
+        self.output_dir = Path(self.args.output_dir)
+        self.metrics_log = MetricsLog(self.accelerator, self.output_dir)
+        self.trace = RowTrace(self.accelerator)
+        self.state = {"epoch": 0, "batches_in_epoch": 0, "bad_steps_in_row": 0, "bad_steps_total": 0}
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def train(self, step_body: StepBody) -> dict[str, float]:
+        """Run the steps; returns the last evaluation."""
+        from tqdm.auto import tqdm
+
+        args, acc, engine = self.args, self.accelerator, self.engine
+        start = self._resume()
+        if args.report_to == "tensorboard":
+            acc.init_trackers(self.stage, config=flat_config(self.ctx.config()))
+        last_eval = self._evaluate(0) if start == 0 else {}
+        stream = batch_stream(acc, engine.loader, self.sampler, self.state["epoch"], self.state["batches_in_epoch"])
+        bar = tqdm(total=args.max_steps, initial=start, desc=self.stage, dynamic_ncols=True,
+                   disable=not (acc.is_main_process and args.progress_bar))
+        engine.model.train()
+        for step in range(start + 1, args.max_steps + 1):
+            started = time.perf_counter()
+            result = step_body(step, self._batches(step, stream))
+            elapsed = time.perf_counter() - started
+            self._count_bad_step(step, result.finite)
+            if result.stepped:
+                engine.scheduler.step()
+            self._log(step, result, elapsed, bar)
+            bar.update(1)
+            if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
+                last_eval = self._evaluate(step)
+                engine.model.train()
+            if args.save_every and (step % args.save_every == 0 or step == args.max_steps):
+                extra = self.extra_state.state_dict() if self.extra_state is not None else {}
+                save_checkpoint(acc, self.output_dir, step, engine.model, self.adapters, engine.optimizer,
+                                engine.scheduler, {**self.state, **extra}, args.keep_checkpoints, self.ctx.config())
+        bar.close()
+        engine.recorder.write(self.output_dir, config=flat_config(self.ctx.config()))
+        self._finish_trackers()
+        return last_eval
+
+    def _batches(self, step: int, stream) -> Iterator[dict]:
+        """The batch stream as a step body sees it: the data position is kept for checkpoints."""
+        while True:
+            self.state["epoch"], self.state["batches_in_epoch"], batch = next(stream)
+            self.trace.record(step, batch)
+            yield batch
+
+    def _resume(self) -> int:
+        if self.ctx.resume_from is None:
+            self.metrics_log.start_fresh()  # a fresh run in a used folder starts a fresh log
+            return 0
+        engine = self.engine
+        state = load_checkpoint(self.accelerator, self.ctx.resume_from, engine.model, self.adapters, engine.optimizer,
+                                engine.scheduler)
+        step = state.pop("step")
+        for key in self.state:
+            self.state[key] = state.pop(key, self.state[key])
+        if self.extra_state is not None:
+            self.extra_state.load_state_dict(state)
+        self.metrics_log.truncate_after(step)
+        return step
+
+    def _count_bad_step(self, step: int, finite: bool) -> None:
+        if finite:
+            self.state["bad_steps_in_row"] = 0
+            return
+        self.state["bad_steps_in_row"] += 1
+        self.state["bad_steps_total"] += 1
+        logger.warning("step %d: non-finite loss or gradient, step skipped (%d in a row, %d in all)",
+                       step, self.state["bad_steps_in_row"], self.state["bad_steps_total"])
+        if self.state["bad_steps_in_row"] >= self.args.max_bad_steps:
+            self._finish_trackers()
+            raise TrainingDiverged(
+                f"{self.state['bad_steps_in_row']} steps in a row had a NaN/inf loss or gradient (at step {step}); "
+                "lower the learning rate, check the data, or raise max_bad_steps")
+
+    def _log(self, step: int, result: StepResult, elapsed: float, bar) -> None:
+        acc = self.accelerator
+        metrics = mean_over_ranks(acc, result.metrics)
+        tokens = acc.reduce(torch.tensor(float(result.tokens), device=acc.device), "sum").item()
+        peak, kind = peak_memory_gb(acc.device)
+        metrics.update({"perf/step_s": elapsed, f"perf/peak_{kind}_gb": peak,
+                        "train/skipped_steps": float(self.state["bad_steps_total"])})
+        if result.tokens:
+            metrics["perf/tokens_per_s"] = tokens / elapsed
+        if step % self.args.log_every == 0 or step == self.args.max_steps:
+            self.metrics_log.write(step, metrics)
+            if acc.is_main_process:
+                keys = [k if k != "perf/peak_gb" else f"perf/peak_{kind}_gb" for k in self.log_keys]
+                bar.write(f"step {step}/{self.args.max_steps} | " + format_line(metrics, keys))
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        model, acc = self.engine.model, self.accelerator
+        model.eval()
+        with self.engine.recorder.phase("evaluate"), torch.no_grad(), acc.autocast():
+            results = self.evaluate_fn()
+        metrics = {f"eval/{k}": float(v) for k, v in results.items()}
+        if metrics:
+            self.metrics_log.write(step, metrics)
+            if acc.is_main_process:
+                logger.info("eval at step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
+        return metrics
+
+    def _finish_trackers(self) -> None:
+        """`end_training` without its destroy_process_group: the stage still saves its adapter after the loop."""
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
+
+
+def supervised_step(engine: Engine, compute_loss: Callable[[dict], StepOutput], accumulation_steps: int) -> StepBody:
+    """The step of SFT, reward and DPO: `accumulation_steps` micro-batches through `compute_loss` (the
+    stage's own step body), their gradients summed, then one optimizer step."""
+    acc = engine.accelerator
+
+    first = [True]  # the first step of this process meters what autograd saves for backward
+
+    def step(step_number: int, batches: Iterator[dict]) -> StepResult:
+        sums: dict[str, float] = defaultdict(float)
+        tokens, finite = 0, True
+        lr = engine.scheduler.get_last_lr()[0]
+        with engine.recorder.phase("forward_backward", count_saved=first[0]):
+            for _ in range(accumulation_steps):
+                batch = next(batches)
+                with acc.accumulate(engine.model), acc.autocast():
+                    out = compute_loss(batch)
+                    finite = engine.backward(out.loss) and finite
+                tokens += out.tokens
+                for key, value in out.metrics.items():
+                    sums[f"train/{key}"] += float(value) / accumulation_steps
+            engine.recorder.sample()  # gradients are alive here
+        first[0] = False
+        stepped, sound, grad_norm = engine.optimizer_step(finite)
+        return StepResult({**sums, "train/lr": lr, "train/grad_norm": grad_norm}, finite=sound, stepped=stepped,
+                          tokens=tokens)
+
+    return step

@@ -1,0 +1,90 @@
+"""The run's figures: averaged over ranks, written one JSON line a step to metrics.jsonl and to the
+trackers (TensorBoard), and printed as one short line."""
+
+from __future__ import annotations
+
+import json
+import resource
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    """One JSON line per logged step in the run folder, plus TensorBoard through Accelerate."""
+
+    def __init__(self, accelerator, output_dir: Path):
+        self.accelerator = accelerator
+        self.path = Path(output_dir) / METRICS_FILE
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines a killed run wrote after the checkpoint it resumes from."""
+        if not self.accelerator.is_main_process or not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def start_fresh(self) -> None:
+        if self.accelerator.is_main_process and self.path.exists():
+            self.path.unlink()
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.accelerator.log(metrics, step=step)
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def eval_history(run_dir: Path) -> list[dict[str, Any]]:
+    """The evaluation lines of a run's metrics.jsonl, in step order (resumed runs included)."""
+    return [r for r in read_metrics(run_dir) if any(k.startswith("eval/") for k in r)]
+
+
+def mean_over_ranks(accelerator, values: dict[str, float]) -> dict[str, float]:
+    if not values:
+        return {}
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], device=accelerator.device, dtype=torch.float64)
+    t = accelerator.reduce(t, reduction="mean")
+    return {k: float(v) for k, v in zip(keys, t.tolist())}
+
+
+def all_finite(accelerator, value: torch.Tensor) -> bool:
+    """True when `value` is finite on every rank (ranks must agree, or DDP would hang)."""
+    flag = torch.tensor(1.0 if bool(torch.isfinite(value.detach()).all()) else 0.0, device=accelerator.device)
+    return bool(accelerator.reduce(flag, reduction="sum").item() == accelerator.num_processes)
+
+
+def peak_memory_gb(device: torch.device) -> tuple[float, str]:
+    """Peak device memory in GB (CUDA allocator) or, on CPU, the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9, "gpu"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, "rss"
+
+
+def format_line(metrics: dict[str, float], keys: list[str]) -> str:
+    return " | ".join(f"{key.split('/')[-1]} {metrics[key]:.4g}" for key in keys if key in metrics)
+
+
+def flat_config(config: dict[str, Any]) -> dict[str, Any]:
+    """TensorBoard's hparams take scalars and strings only."""
+    flat = {}
+    for key, value in config.items():
+        if hasattr(value, "__dataclass_fields__"):
+            value = asdict(value)
+        if isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flat.items()}

@@ -1,0 +1,226 @@
+"""What every stage does before its loop, in an order that fails fast: parse and check the settings,
+make the Accelerator, check the output folder and the adapters named, load the tokenizer, check the
+memory estimate, load and split the data, then decide what the run continues. No model is loaded here;
+a stage checks its tokenized rows (`require_rows`) before it builds one.
+
+And what it does after: save the final adapter and results.json (`finish_stage`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from accelerate.utils import set_seed
+
+from profiling.cli import InputError, UsageError
+from profiling.files import write_atomic
+from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
+from trainer.data.hh_rlhf import Splits, load_splits
+from trainer.engine.budget import check_budget
+from trainer.engine.checkpoint import (
+    gathered_trainable, saved_config, select_checkpoint, set_aside_previous_run,
+)
+from trainer.engine.launch import check_launch, is_deepspeed, make_accelerator, setup_logging
+from trainer.engine.metrics import eval_history
+from trainer.model.loading import load_tokenizer
+from trainer.model.shared_base import check_adapter_folder
+
+logger = logging.getLogger(__name__)
+
+BASE_MODEL_FILE = "base_model.json"  # beside a saved adapter: how to rebuild the base it sits on
+CONFIG_FILE = "config.json"
+
+
+@dataclass
+class RunContext:
+    model_args: ModelArguments
+    data_args: DataArguments
+    train_args: TrainArguments
+    stage_args: Any
+    accelerator: Any
+    tokenizer: Any
+    splits: Splits
+    resolved: dict[str, Any] = field(default_factory=dict)  # what "auto" settings became (the data source)
+    resume_from: Optional[Path] = None  # the verified checkpoint this run continues, if any
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.train_args.output_dir)
+
+    def config(self) -> dict[str, Any]:
+        """The run's settings as plain JSON data: config.json, and every checkpoint's copy of it."""
+        return run_config(self.model_args, self.data_args, self.train_args, self.stage_args, self.resolved)
+
+
+def run_config(model_args, data_args, train_args, stage_args, resolved: dict[str, Any]) -> dict[str, Any]:
+    sections = {"model": model_args, "data": data_args, "train": train_args, "stage": stage_args}
+    return json.loads(json.dumps({**{k: asdict(v) for k, v in sections.items()}, "resolved": resolved}))
+
+
+def check_adapter_paths(stage_args) -> None:
+    """Every `*_adapter` setting must name a saved adapter: say which one is wrong, at start."""
+    for f in fields(stage_args):
+        path = getattr(stage_args, f.name)
+        if f.name.endswith("_adapter") and path is not None:
+            check_adapter_folder(path, f"--{f.name}")
+
+
+def check_output_dir(path: Path) -> None:
+    """The run folder can be created and written, or the run stops before loading anything."""
+    import os
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"  # one per process: ranks check the same folder at once
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"--output_dir {path}: cannot write there ({exc.strerror or exc}); pick a writable folder") \
+            from None
+
+
+def simulate_gpu_memory(gib: float, device) -> None:
+    """Cap the CUDA caching allocator at `gib` GiB, so a larger GPU behaves like a smaller card."""
+    if gib <= 0:
+        return
+    import torch
+
+    if device.type != "cuda":
+        logger.info("simulate_gpu_gib=%s ignored: no CUDA device", gib)
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, gib * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    logger.info("CUDA memory capped at %.1f GiB (%.3f of %.1f GiB)", gib, fraction, total / 2**30)
+
+
+# Fields that change nothing a run computes (only where it writes, how long it runs, what it logs).
+COSMETIC_FIELDS = {
+    "train": {"output_dir", "resume", "resume_config_check", "log_every", "report_to", "progress_bar",
+              "profile_memory", "check_budget", "memory_budget_gib", "simulate_gpu_gib", "keep_checkpoints",
+              "max_bad_steps"},
+}
+# A resumed run may also lengthen itself and evaluate or save differently.
+RESUME_SAFE_FIELDS = {"train": COSMETIC_FIELDS["train"] | {"max_steps", "eval_every", "eval_batches",
+                                                           "eval_batch_size", "save_every"}}
+
+
+def config_changes(saved: dict[str, Any], now: dict[str, Any], allowed: dict[str, set[str]]) -> list[str]:
+    """'section.field: saved -> now' for every field that differs, but those in `allowed` (evaluation-only
+    stage fields, like eval_prompts, may always change; fields absent from the saved file are not compared)."""
+    changes = []
+    for section, values in now.items():
+        old_values = saved.get(section) or {}
+        for key, value in values.items():
+            if key not in old_values or key in allowed.get(section, set()):
+                continue
+            if section == "stage" and key.startswith("eval"):
+                continue
+            if old_values[key] != value:
+                changes.append(f"{section}.{key}: {old_values[key]!r} -> {value!r}")
+    return changes
+
+
+def resume_config_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    return config_changes(saved, now, RESUME_SAFE_FIELDS)
+
+
+def check_resume_config(ctx: RunContext) -> None:
+    """Stop if the run would continue its checkpoint under other settings than the checkpoint was saved with."""
+    if ctx.resume_from is None or not ctx.train_args.resume_config_check:
+        return
+    saved = saved_config(ctx.resume_from)
+    if saved is None:  # a checkpoint of an older version: the folder's config.json is the best record
+        folder_config = ctx.output_dir / CONFIG_FILE
+        saved = json.loads(folder_config.read_text()) if folder_config.is_file() else {}
+    changes = resume_config_changes(saved, ctx.config())
+    if changes:
+        raise UsageError(
+            f"{ctx.output_dir} would resume from {ctx.resume_from.name}, which was saved with other settings: "
+            f"{'; '.join(changes)}. Rerun with the saved values, start over with --resume no (or another "
+            "--output_dir), or resume anyway with --resume_config_check false")
+
+
+def prepare_output_dir(ctx: RunContext) -> None:
+    """Decide what this run continues: set an earlier run aside (`--resume no`) or pick and verify the
+    checkpoint to resume, check its settings, then record this run's settings in config.json."""
+    accelerator = ctx.accelerator
+    if ctx.train_args.resume == "no" and accelerator.is_main_process:
+        set_aside_previous_run(ctx.output_dir)
+    accelerator.wait_for_everyone()
+    ctx.resume_from = select_checkpoint(ctx.output_dir, ctx.train_args.resume, is_deepspeed(accelerator))
+    check_resume_config(ctx)
+    if accelerator.is_main_process:
+        write_atomic(ctx.output_dir / CONFIG_FILE, json.dumps(ctx.config(), indent=2))
+
+
+def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage: Optional[str] = None) -> RunContext:
+    """Parse and check everything a stage needs (settings, folders, adapters, budget, data) before any model."""
+    import sys
+
+    model_args, data_args, train_args, stage_args = parse_config(stage_args_cls, sys.argv[1:] if argv is None else argv)
+    accelerator = make_accelerator(train_args)
+    setup_logging(accelerator)
+    check_launch(accelerator, stage)
+    check_output_dir(Path(train_args.output_dir))
+    set_seed(train_args.seed)
+    simulate_gpu_memory(train_args.simulate_gpu_gib, accelerator.device)
+    check_adapter_paths(stage_args)
+    tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
+                               model_args.tokenizer_name_or_path)
+    if stage is not None and train_args.check_budget:
+        check_budget(stage, model_args, data_args, train_args, stage_args, accelerator)
+    splits, report = load_splits(data_args)
+    ctx = RunContext(model_args, data_args, train_args, stage_args, accelerator, tokenizer, splits,
+                     resolved={"dataset_fingerprint": report.fingerprint})
+    prepare_output_dir(ctx)
+    return ctx
+
+
+def require_rows(rows: Sequence, what: str, needed: int, data_args: DataArguments) -> None:
+    """Stop before any model loads when tokenization left fewer rows than one batch needs."""
+    if len(rows) < needed:
+        raise InputError(f"{what}: {len(rows)} usable rows from {data_args.dataset}, and one batch needs {needed} "
+                         "(the data log above says how many were skipped and why); use more data, a larger "
+                         "max_length or a smaller batch")
+
+
+def save_final_adapter(ctx: RunContext, model, adapter: str, folder: str = "adapter") -> Optional[Path]:
+    """The stage's product in PEFT format, with the base-model settings needed to load it again."""
+    ctx.accelerator.wait_for_everyone()
+    unwrapped = ctx.accelerator.unwrap_model(model)
+    with gathered_trainable(ctx.accelerator, unwrapped):  # ZeRO-3 partitions them: every rank gathers
+        if not ctx.accelerator.is_main_process:
+            return None
+        out = unwrapped.save_adapter(adapter, ctx.output_dir / folder)
+    write_atomic(out / BASE_MODEL_FILE, json.dumps(asdict(ctx.model_args), indent=2))
+    logger.info("saved the %s adapter to %s", adapter, out)
+    return out
+
+
+def base_model_args(adapter_dir: str | Path, **overrides) -> ModelArguments:
+    """The ModelArguments an adapter was trained with (from its base_model.json), with overrides."""
+    path = Path(adapter_dir) / BASE_MODEL_FILE
+    try:
+        values = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})") from None
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    known = {f.name for f in fields(ModelArguments)}
+    return ModelArguments(**{k: v for k, v in values.items() if k in known})
+
+
+def finish_stage(ctx: RunContext, stage: str, model, adapter: str, **facts: Any) -> dict[str, Any]:
+    """Save the stage's adapter and write results.json: facts plus the first and last evaluation."""
+    path = save_final_adapter(ctx, model, adapter)
+    evals = eval_history(ctx.output_dir)
+    results = {"stage": stage, "adapter": str(path), **facts,
+               "eval_before": evals[0] if evals else None, "eval_after": evals[-1] if evals else None}
+    if ctx.accelerator.is_main_process:
+        write_atomic(ctx.output_dir / "results.json", json.dumps(results, indent=2))
+        logger.info("results: %s", json.dumps(results))
+    return results

@@ -1,0 +1,2 @@
+"""The model side: loading the base (presets, NF4, attention, checkpointing) and the shared-base
+multi-adapter model."""

@@ -1,0 +1,230 @@
+"""One PPO step, the same function for training (`trainer/ppo.py`) and the benchmarks:
+
+    rollout (generate, score, reference, value) -> per-token rewards and GAE advantages
+    -> clipped policy + value update over shuffled minibatches -> KL control
+
+The maths is in `trainer.losses` (pure, tested against hand-computed values); this module is the
+plumbing around it. What a run carries from step to step (the KL controller, the minibatch order,
+the micro-batch size the update settled on after running out of memory) is `PPOState`, which the
+harness checkpoints.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from profiling.stages import POLICY
+from trainer.engine.harness import Engine, StepResult
+from trainer.engine.metrics import mean_over_ranks
+from trainer.losses import (
+    gae, kl_penalty, masked_mean, masked_var, masked_whiten, per_token_rewards, ppo_policy_loss, ppo_value_loss,
+)
+from trainer.rl.kl_control import KLController, make_kl_controller
+from trainer.rl.rollout import Rollout, Sampling, Scorer, make_rollout
+from trainer.rl.scoring import response_logprobs, response_values
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PPOState:
+    """What a PPO run carries from step to step; saved in every checkpoint."""
+
+    kl: KLController
+    generator: torch.Generator  # minibatch order
+    micro_batch_size: int  # the update's micro-batch, halved after an out-of-memory error
+    steps_here: int = 0  # steps taken by this process (not saved): the first one meters saved activations
+
+    @classmethod
+    def start(cls, args, micro_batch_size: int, seed: int) -> "PPOState":
+        return cls(make_kl_controller(args.adaptive_kl, args.init_kl_coef, args.target_kl, args.kl_horizon),
+                   torch.Generator().manual_seed(seed), micro_batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kl_controller": self.kl.state_dict(), "minibatch_rng": self.generator.get_state().tolist(),
+                "update_micro_batch": self.micro_batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.kl.load_state_dict(state["kl_controller"])
+        self.generator.set_state(torch.tensor(state["minibatch_rng"], dtype=torch.uint8))
+        self.micro_batch_size = state.get("update_micro_batch", self.micro_batch_size)
+
+
+@dataclass
+class Advantages:
+    rewards: torch.Tensor  # (B, R) -beta * kl plus the score on the last token
+    non_score_reward: torch.Tensor  # (B, R) -beta * kl
+    kl: torch.Tensor  # (B, R) per-token KL estimate
+    advantages: torch.Tensor  # (B, R) whitened
+    returns: torch.Tensor  # (B, R)
+
+
+def compute_advantages(rollout: Rollout, beta: float, args) -> Advantages:
+    """Per-token rewards (score at the last token, -beta * KL on every token) and whitened GAE advantages."""
+    mask = rollout.response_mask
+    kl = kl_penalty(rollout.logprobs, rollout.ref_logprobs, args.kl_estimator) * mask
+    rewards, non_score = per_token_rewards(rollout.scores, kl, beta, mask)
+    if args.whiten_rewards:
+        rewards = masked_whiten(rewards, mask, shift_mean=False)
+    advantages, returns = gae(rewards, rollout.values, mask, args.gamma, args.lam)
+    return Advantages(rewards, non_score, kl, masked_whiten(advantages, mask), returns)
+
+
+def rollout_metrics(rollout: Rollout, adv: Advantages) -> dict[str, float]:
+    """TRL-named rollout figures: sums over a response's tokens, means over responses."""
+    mask = rollout.response_mask
+    non_score = adv.non_score_reward.sum(1)
+    return {
+        "objective/kl": adv.kl.sum(1).mean().item(),
+        "objective/entropy": (rollout.entropy * mask).sum(1).mean().item(),
+        "objective/non_score_reward": non_score.mean().item(),
+        "objective/rlhf_reward": (non_score + rollout.scores).mean().item(),
+        "objective/scores": rollout.scores.mean().item(),
+        "objective/scores_std": rollout.scores.std().item() if rollout.scores.numel() > 1 else 0.0,
+        "val/num_eos_tokens": rollout.ended.float().sum().item(),
+        "val/response_length": mask.sum(1).mean().item(),
+        "val/returns_mean": masked_mean(adv.returns, mask).item(),
+        "val/values_mean": masked_mean(rollout.values, mask).item(),
+        "val/values_var": masked_var(rollout.values, mask).item() if mask.sum() > 1 else 0.0,
+    }
+
+
+def micro_loss(model, sub: Rollout, advantages: torch.Tensor, returns: torch.Tensor, args, temperature: float):
+    """Policy + value loss of one micro-batch, and its detached statistics."""
+    mask = sub.response_mask
+    width = int(mask.sum(1).max().item())  # trailing columns no row uses cost compute and nothing else
+    keep = sub.input_ids.shape[1] - sub.response_length + width
+    ids, att = sub.input_ids[:, :keep], sub.attention_mask[:, :keep]
+    mask, adv, ret = mask[:, :width], advantages[:, :width], returns[:, :width]
+    logprobs, entropy = response_logprobs(model, ids, att, width, POLICY, temperature, with_entropy=True)
+    pg_loss, pg_stats = ppo_policy_loss(logprobs, sub.logprobs[:, :width], adv, mask, args.cliprange)
+    values = response_values(model, ids, att, width)
+    vf_loss, vf_clipfrac = ppo_value_loss(values, sub.values[:, :width], ret, mask, args.cliprange_value)
+    entropy = masked_mean(entropy if args.entropy_coef else entropy.detach(), mask)
+    loss = pg_loss + args.vf_coef * vf_loss - args.entropy_coef * entropy
+    stats = {"loss/policy_avg": pg_loss.detach(), "loss/value_avg": vf_loss.detach(),
+             "policy/entropy_avg": entropy.detach(), "policy/approxkl_avg": pg_stats["approxkl"],
+             "policy/clipfrac_avg": pg_stats["clipfrac"], "val/clipfrac_avg": vf_clipfrac.detach(),
+             "val/ratio": pg_stats["ratio"]}
+    return loss, stats
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def ppo_update(engine: Engine, rollout: Rollout, adv: Advantages, args, state: PPOState,
+               temperature: float) -> tuple[dict[str, float], bool, bool]:
+    """`ppo_epochs` passes of shuffled minibatches, one optimizer step each: (mean statistics, every
+    minibatch finite, any minibatch stepped).
+
+    A minibatch whose loss or gradient is not finite is skipped. A CUDA out-of-memory error inside a
+    minibatch drops its partial gradients and retries it with half the micro-batch (logged; kept in
+    `state` for the rest of the run).
+    """
+    size = rollout.input_ids.shape[0]
+    sums: dict[str, float] = defaultdict(float)
+    count, all_finite, any_stepped = 0, True, False
+    for _ in range(args.ppo_epochs):
+        order = torch.randperm(size, generator=state.generator)
+        for start in range(0, size, args.mini_batch_size):
+            rows = order[start : start + args.mini_batch_size]
+            while True:
+                try:
+                    stats, finite = _minibatch(engine, rollout, adv, rows, args, state.micro_batch_size, temperature)
+                    break
+                except (torch.OutOfMemoryError, RuntimeError) as exc:
+                    if not is_oom(exc) or state.micro_batch_size == 1:
+                        raise
+                    if engine.deepspeed:
+                        # The engine owns the gradients and fixed its accumulation at prepare time.
+                        raise RuntimeError("out of memory in the PPO update under DeepSpeed: lower "
+                                           "micro_batch_size (the automatic retry needs the plain loop)") from exc
+                    engine.optimizer.zero_grad(set_to_none=True)
+                    free_memory()
+                    state.micro_batch_size //= 2
+                    logger.warning("out of memory in the PPO update: retrying the minibatch with micro-batch %d",
+                                   state.micro_batch_size)
+            engine.recorder.sample()  # the memory recorder counts gradients while they exist
+            stepped, sound, grad_norm = engine.optimizer_step(finite)
+            all_finite, any_stepped = all_finite and sound, any_stepped or stepped
+            stats["policy/grad_norm"] = grad_norm
+            for key, value in stats.items():
+                sums[key] += float(value)
+            count += 1
+    return {k: v / count for k, v in sums.items()}, all_finite, any_stepped
+
+
+def _minibatch(engine: Engine, rollout: Rollout, adv: Advantages, rows: torch.Tensor, args, micro: int,
+               temperature: float) -> tuple[dict[str, float], bool]:
+    acc = engine.accelerator
+    steps = -(-len(rows) // micro)
+    acc.gradient_accumulation_steps = steps
+    acc.step = 0  # realign the accumulation counter (after an OOM retry, too)
+    sums: dict[str, float] = defaultdict(float)
+    finite = True
+    for i in range(0, len(rows), micro):
+        idx = rows[i : i + micro]
+        with acc.accumulate(engine.model), acc.autocast():
+            loss, stats = micro_loss(engine.model, rollout.select(idx), adv.advantages[idx], adv.returns[idx], args,
+                                     temperature)
+            finite = engine.backward(loss) and finite
+        for key, value in stats.items():
+            sums[key] += float(value) / steps
+    return dict(sums), finite
+
+
+def ppo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: PPOState, scorer: Scorer, eos_id: int,
+             pad_id: int, phase: Optional[Callable] = None) -> StepResult:
+    """Rollout -> advantages -> update -> KL control for one batch of prompts (`args`: PPOArguments).
+
+    `phase(name, **options)` (default: the engine's memory recorder) wraps generate / score / reference /
+    value / update, so the recorder, and a benchmark's clock, see each part.
+    """
+    acc, raw = engine.accelerator, engine.raw
+    phase = phase or engine.recorder.phase
+    sampling = Sampling.of(args)
+    ids, mask = batch["input_ids"].to(acc.device), batch["attention_mask"].to(acc.device)
+    started = time.perf_counter()
+    # Generation and the no-grad scoring passes go around the DDP / DeepSpeed wrapper (DDP has no
+    # generate, and no gradient sync is wanted there); the update goes through it.
+    rollout = make_rollout(raw, ids, mask, sampling, scorer, eos_id, pad_id, args.rollout_micro_batch_size,
+                           args.missing_eos_penalty, phase=phase)
+    beta = state.kl.value
+    adv = compute_advantages(rollout, beta, args)
+    metrics = rollout_metrics(rollout, adv)
+    rollout_s = time.perf_counter() - started
+    engine.model.train()
+    engine.recorder.track(rollout_buffers=[rollout.input_ids, rollout.logprobs, rollout.ref_logprobs, rollout.values,
+                                           adv.advantages, adv.returns, adv.rewards])
+    lr = engine.scheduler.get_last_lr()[0]
+    started = time.perf_counter()
+    with phase("update", count_saved=state.steps_here == 0):
+        stats, finite, stepped = ppo_update(engine, rollout, adv, args, state, sampling.scoring_temperature)
+    state.steps_here += 1
+    update_s = time.perf_counter() - started
+    engine.recorder.track(rollout_buffers=[])
+    # The controller sees the KL averaged over ranks: every rank keeps the same beta.
+    kl = mean_over_ranks(acc, {"kl": metrics["objective/kl"]})["kl"]
+    state.kl.update(kl, args.rollout_batch_size * acc.num_processes)
+    new_tokens = rollout.response_mask.sum().item()
+    update_tokens = rollout.attention_mask.sum().item() * args.ppo_epochs
+    metrics.update(stats)
+    metrics.update({"objective/kl_coef": beta, "lr": lr, "perf/rollout_s": rollout_s, "perf/update_s": update_s,
+                    "perf/generate_tokens_per_s": new_tokens / max(rollout_s, 1e-9),
+                    "perf/update_tokens_per_s": update_tokens / max(update_s, 1e-9),
+                    "perf/update_micro_batch": float(state.micro_batch_size)})
+    return StepResult(metrics, finite=finite, stepped=stepped)

@@ -1,0 +1,42 @@
+"""How a response is scored under an adapter - log-probs at a temperature, per-token values, one score
+per sequence - for the rollout, the PPO update and every evaluation alike.
+
+Rows are a (left-padded) prompt followed by a right-padded response whose `width` tokens are the
+last columns. The output at position t predicts token t+1, so the response's tokens are scored from
+the last width+1 positions, minus the final one; only those positions' outputs are computed, so the
+vocabulary-sized logits of the prompt never exist.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from profiling.stages import REWARD, VALUE
+from trainer.losses import entropy_from_logits, last_token_values, token_logprobs
+
+
+def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int, adapter: str,
+                      temperature: float = 1.0, with_entropy: bool = False
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(B, width) log-probs of the response tokens under `adapter`'s full softmax at `temperature`
+    (the distribution sampling used, before any top-k / top-p truncation), and their entropy if asked."""
+    logits = model(input_ids, attention_mask, adapter=adapter, output="logits", keep_last=width + 1)[:, :-1]
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    logprobs = token_logprobs(logits, input_ids[:, -width:])
+    return logprobs, entropy_from_logits(logits) if with_entropy else None
+
+
+def response_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int,
+                    adapter: str = VALUE) -> torch.Tensor:
+    """(B, width) value estimates for the states before each response token."""
+    return model(input_ids, attention_mask, adapter=adapter, output="scores", keep_last=width + 1)[:, :-1]
+
+
+def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                    adapter: str = REWARD) -> torch.Tensor:
+    """(B,) `adapter`'s head read at each row's last response token (a reward model's score)."""
+    scores = model(input_ids, attention_mask, adapter=adapter, output="scores", keep_last=response_mask.shape[1])
+    return last_token_values(scores, response_mask).float()
