@@ -27,9 +27,6 @@ OTHER_TENSORS = "other_tensors"  # live tensors at phase entry that no walked ob
 ALLOCATOR_OVERHEAD = "allocator_overhead"  # reserved minus allocated at the phase peak
 CUDA_CONTEXT = "cuda_context"  # device memory outside the torch allocator (CUDA context, other processes)
 
-TENSOR_COUNTED = (BASE_WEIGHTS, BASE_QUANT_CONSTANTS, BASE_OTHER, GRADIENTS, OPTIMIZER_STATES)
-GPU_ONLY = (ACTIVATIONS, KV_CACHE, ROLLOUT_BUFFERS, OPTIMIZER_TEMPORARIES, OTHER_TENSORS, ALLOCATOR_OVERHEAD,
-            CUDA_CONTEXT)
 
 # Byte units. Reports use GiB (2**30 bytes): an RTX 4090's "24 GB" is 24 GiB (24,564 MiB in nvidia-smi).
 GIB = 2**30
@@ -47,10 +44,6 @@ def adapter(name: str) -> str:
 
 def head(name: str) -> str:
     return f"{HEAD_PREFIX}{name}"
-
-
-def needs_gpu(component: str) -> bool:
-    return component in GPU_ONLY
 
 
 def sort_key(component: str) -> tuple[int, str]:

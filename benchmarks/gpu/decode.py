@@ -1,0 +1,155 @@
+"""Rollout decode throughput of the shared base, against the bandwidth bound.
+
+    python -m benchmarks.gpu.decode --model_name_or_path llama-2-7b --quantization nf4 --batches 1,16,64
+
+Each decoded token reads every weight of the base once (packed 4-bit weights, their quantization
+constants, norms and the LM head; an embedding row per sequence) plus the active LoRA adapter, whatever
+the batch: the bandwidth bound on tokens/s at batch B is B x (device bandwidth) / (bytes read per
+decode step). The bandwidth is measured in the same run by a device-to-device copy (bytes read plus
+bytes written, over the time). Decode time is generation of N new tokens less generation of one (the
+prefill), so tokens/s counts decoded tokens only. KV-cache reads are left out of the bound (they grow
+with the context; at these lengths they are a few percent of the weights).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from profiling.cli import Checked, UsageError, at_least, parse, run
+from profiling.files import write_atomic
+from profiling.provenance import provenance
+from trainer.config import ModelArguments
+
+
+@dataclass
+class DecodeArguments(Checked):
+    batches: str = field(default="1,16,64", metadata={"help": "Decode batch sizes, comma-separated."})
+    prompt_tokens: int = field(default=128, metadata={"help": "Prompt length (random tokens)."})
+    new_tokens: int = field(default=64, metadata={"help": "Tokens decoded per row (fixed: min == max)."})
+    repeats: int = field(default=2, metadata={"help": "Timed generations per batch size (best kept)."})
+    copy_gib: float = field(default=1.0, metadata={"help": "Size of the bandwidth-measuring copy, GiB."})
+    out_dir: str = field(default="decode", metadata={"help": "Folder for decode.json and decode.md."})
+
+    RULES = {"prompt_tokens": at_least(1), "new_tokens": at_least(2), "repeats": at_least(1)}
+
+
+def batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"--batches {text!r}: give batch sizes like 1,16,64")
+    return sizes
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, gib: float, repeats: int = 5) -> float:
+    """Bytes per second a device-to-device copy moves (read + write)."""
+    n = int(gib * 2**30)
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        b.copy_(a)
+    sync(device)
+    seconds = time.perf_counter() - started
+    del a, b
+    return 2 * n * repeats / seconds
+
+
+def bytes_per_decode_step(model, adapter: str = "policy") -> dict[str, int]:
+    """What one decode step reads from memory, by part (the embedding table is read a row per sequence)."""
+    from profiling import components as C
+    from profiling.tensors import count_tensors
+
+    parts = count_tensors(model).components()
+    embeddings = model.causal_lm.get_input_embeddings().weight
+    head = model.causal_lm.get_output_embeddings().weight
+    tied = embeddings.data_ptr() == head.data_ptr()
+    embedding_bytes = 0 if tied else embeddings.numel() * embeddings.element_size()
+    return {"base_weights": parts.get(C.BASE_WEIGHTS, 0), "base_quant_constants": parts.get(C.BASE_QUANT_CONSTANTS, 0),
+            "norms_and_lm_head": parts.get(C.BASE_OTHER, 0) - embedding_bytes,
+            f"adapter_{adapter}": parts.get(C.adapter(adapter), 0)}
+
+
+def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
+    """Best wall time of generating exactly `new_tokens` tokens for the rows of `ids`."""
+    mask = torch.ones_like(ids)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first run warms kernels and caches up
+        sync(ids.device)
+        started = time.perf_counter()
+        model.generate(ids, mask, adapter="policy", max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=True, temperature=1.0, pad_token_id=0)
+        sync(ids.device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    from profiling.shapes import load_shape
+    from trainer.model.loading import pick_device
+    from trainer.model.shared_base import build_shared_model, stage_specs
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model_args, args = parse([ModelArguments, DecodeArguments], argv, {"gradient_checkpointing": False})
+    device = pick_device()
+    vocab = load_shape(model_args.model_name_or_path, overrides=model_args.preset_overrides).vocab_size
+    model = build_shared_model(model_args, stage_specs("sft", {}), vocab_size=vocab, device=device).eval()
+    bandwidth = copy_bandwidth(device, args.copy_gib)
+    read = bytes_per_decode_step(model)
+    step_bytes = sum(read.values())
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for batch in batch_sizes(args.batches):
+        ids = torch.randint(3, vocab, (batch, args.prompt_tokens), generator=generator).to(device)
+        full = time_generation(model, ids, args.new_tokens, args.repeats)
+        prefill = time_generation(model, ids, 1, args.repeats)
+        decode_s = max(full - prefill, 1e-9)
+        tokens_per_s = batch * (args.new_tokens - 1) / decode_s
+        bound = batch * bandwidth / step_bytes
+        rows.append({"batch": batch, "decode_s": decode_s, "tokens_per_s": tokens_per_s, "bound_tokens_per_s": bound,
+                     "bandwidth_fraction": tokens_per_s / bound, "ms_per_step": 1e3 * decode_s / (args.new_tokens - 1)})
+        print(f"batch {batch}: {tokens_per_s:.1f} tokens/s, {rows[-1]['ms_per_step']:.1f} ms per step, "
+              f"{rows[-1]['bandwidth_fraction']:.1%} of the bandwidth bound ({bound:.0f} tokens/s)", flush=True)
+    result = {**provenance(device, "python -m benchmarks.gpu.decode " + " ".join(shlex.quote(a) for a in argv)),
+              "kind": "decode", "model": asdict(model_args), "settings": asdict(args),
+              "copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_decode_step": read,
+              "bytes_per_decode_step": step_bytes, "rows": rows}
+    out = Path(args.out_dir)
+    write_atomic(out / "decode.json", json.dumps(result, indent=2))
+    write_atomic(out / "decode.md", markdown(result))
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Decode throughput: {result['model']['model_name_or_path']} ({result['model']['quantization']})", "",
+             f"- device: {result['device_name']}; date {result['date']}; git `{result['git_revision']}`",
+             f"- command: `{result['command']}`",
+             f"- device copy bandwidth: {result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write); "
+             f"bytes read per decode step: {result['bytes_per_decode_step'] / 2**30:.3f} GiB "
+             f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in result['bytes_read_per_decode_step'].items())})", "",
+             "| batch | decoded tokens/s | ms per step | bound tokens/s | fraction of bound |", "|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | {r['bound_tokens_per_s']:.0f} "
+                     f"| {r['bandwidth_fraction']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    run(main)

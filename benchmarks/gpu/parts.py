@@ -1,0 +1,216 @@
+"""The parts of the GPU kit: what each measures, as commands run one after another into one folder.
+
+    python -m benchmarks.gpu.parts PART --out DIR [--smoke]
+
+- check:  nvidia-smi, library versions, and the GPU tests (`pytest -m gpu tests/test_gpu.py`).
+- memory: the seed recipe's SFT, reward model and PPO stages (trainer/configs/llama2_7b/) on the
+          Llama-2-7B architecture (random weights, NF4) under a simulated 24 GB card with
+          `--profile_memory true`, 3 steps each, then each stage measured against the estimator.
+- speed:  `benchmarks.ppo_vs_trl` at 7B NF4 under the same cap, and decode throughput at batch 1,
+          16 and 64 against the bandwidth bound (`benchmarks.gpu.decode`).
+- ladder: the SFT flag ladder (`profiling.bench`) at 7B under the cap.
+
+`--smoke` runs the same code paths on the CPU with the tiny preset and small settings (about a minute
+a part): CI runs every part that way, so the kit cannot rot between GPU sessions. Each step runs in its
+own process with what is left of the part's time; a step that fails is recorded (its exit code and the
+end of its log) and the part goes on. `manifest.json` in DIR says what ran, how long, and where: the
+GPU, its driver, the date, the command and the git revision.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from profiling.cli import Checked, UsageError, at_least, one_of, parse, run
+from profiling.files import write_atomic
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+PARTS = ("check", "memory", "speed", "ladder")
+RECIPE = ROOT / "trainer" / "configs" / "llama2_7b"
+
+
+@dataclass
+class PartArguments(Checked):
+    part: str = field(default="check", metadata={"help": "check, memory, speed or ladder."})
+    out: str = field(default="gpu-out", metadata={"help": "Folder the part writes into (then packed by run.sh)."})
+    smoke: bool = field(default=False, metadata={"help": "Same code paths on the CPU with the tiny preset."})
+    data: str = field(default=".data/hh-rlhf", metadata={"help": "hh-rlhf rows carried to the GPU machine."})
+    tokenizer: str = field(default=".data/tokenizer", metadata={"help": "Exported tokenizer (prepare.sh)."})
+    budget_s: int = field(default=530, metadata={"help": "Seconds the whole part may take (a command gets 600)."})
+
+    RULES = {"part": one_of(*PARTS), "budget_s": at_least(30)}
+
+
+@dataclass
+class Step:
+    name: str
+    argv: list[str]
+    status: str = "not run"
+    seconds: float = 0.0
+    tail: str = ""
+
+
+def python() -> str:
+    return sys.executable
+
+
+def model_flags(args: PartArguments) -> list[str]:
+    """The model: 7B architecture in NF4 on the GPU; the tiny preset in NF4 on the CPU for the smoke run."""
+    if args.smoke:
+        return ["--model_name_or_path", "tiny-llama", "--quantization", "nf4", "--lora_r", "4", "--lora_alpha", "8"]
+    return ["--model_name_or_path", "llama-2-7b", "--quantization", "nf4", "--dtype", "bfloat16",
+            "--tokenizer_name_or_path", args.tokenizer]
+
+
+def cap_flags(args: PartArguments) -> list[str]:
+    return [] if args.smoke else ["--simulate_gpu_gib", "24"]
+
+
+def data_path(args: PartArguments) -> str:
+    """The carried rows on the GPU machine; the shared rows ($RLHF_DATA or ../shared) for the smoke run."""
+    if not args.smoke:
+        return args.data
+    from trainer.config import DATA_ENV, SHARED_DATA
+
+    return os.environ.get(DATA_ENV) or str(SHARED_DATA)
+
+
+def data_flags(args: PartArguments) -> list[str]:
+    return ["--dataset", data_path(args)]
+
+
+def stage_run(args: PartArguments, stage: str, out: Path, *extra: str) -> list[str]:
+    """One stage of the seed recipe, a few steps long, its memory recorded against the 24 GB budget."""
+    small = ["--eval_size", "16", "--sft_size", "64", "--reward_size", "64", "--ppo_size", "64"]
+    smoke = ["--max_length", "96", "--max_prompt_length", "24", "--micro_batch_size", "2",
+             "--gradient_accumulation_steps", "1", "--optimizer", "adamw_8bit", "--mixed_precision", "no",
+             "--dtype", "float32"] if args.smoke else []
+    return [python(), str(ROOT / "trainer" / f"{stage}.py"), "--config", str(RECIPE / f"{stage}.yaml"),
+            "--output_dir", str(out / stage), *model_flags(args), *data_flags(args), *small, *cap_flags(args),
+            "--max_steps", "2" if args.smoke else "3", "--eval_every", "0", "--eval_batches", "1", "--save_every", "0",
+            "--report_to", "none", "--progress_bar", "false", "--profile_memory", "true", "--resume", "no",
+            *smoke, *extra]
+
+
+def steps_for(args: PartArguments, out: Path) -> list[Step]:
+    if args.part == "check":
+        return [Step("nvidia-smi", ["nvidia-smi"]),
+                Step("versions", [python(), "-m", "benchmarks.gpu.versions", str(out / "versions.json")]),
+                Step("gpu-tests", [python(), "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q",
+                                   str(ROOT / "tests" / "test_gpu.py"), f"--junitxml={out / 'gpu-tests.xml'}"])]
+    if args.part == "memory":
+        ppo = ["--sft_adapter", str(out / "sft" / "adapter"), "--reward_adapter", str(out / "reward" / "adapter"),
+               "--eval_prompts", "0", "--min_new_tokens", "128" if not args.smoke else "8"]
+        if args.smoke:
+            ppo += ["--max_new_tokens", "8", "--rollout_batch_size", "4", "--rollout_micro_batch_size", "4",
+                    "--mini_batch_size", "2"]
+        return [Step("sft", stage_run(args, "sft", out)),
+                Step("reward", stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"))),
+                Step("ppo", stage_run(args, "ppo", out, *ppo, "--max_steps", "3")),
+                Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate",
+                                     *(str(out / s) for s in ("sft", "reward", "ppo"))])]
+    if args.part == "speed":
+        if args.smoke:
+            work = ["--prompt_length", "16", "--max_new_tokens", "6", "--rollout_batch_size", "4",
+                    "--rollout_micro_batch_size", "4", "--mini_batch_size", "2", "--micro_batch_size", "2",
+                    "--steps", "1", "--warmup_runs", "1"]
+            decode = ["--batches", "1,4", "--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1",
+                      "--copy_gib", "0.05"]
+        else:
+            work = ["--attn_implementation", "sdpa", "--optimizer", "paged_adamw_8bit", "--prompt_length", "256",
+                    "--max_new_tokens", "128", "--rollout_batch_size", "16", "--rollout_micro_batch_size", "16",
+                    "--mini_batch_size", "8", "--micro_batch_size", "4", "--ppo_epochs", "2", "--steps", "1",
+                    "--warmup_runs", "1", "--lora_r", "16", "--lora_alpha", "32"]
+            decode = ["--batches", "1,16,64", "--prompt_tokens", "128", "--new_tokens", "64"]
+        return [Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args), *data_flags(args),
+                                    *cap_flags(args), *work, "--out_dir", str(out / "ppo_vs_trl")]),
+                Step("decode", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), *decode,
+                                "--out_dir", str(out / "decode")])]
+    # The ladder varies quantization, dtype, attention, checkpointing and optimizer itself.
+    extra = {"dataset": data_path(args), "eval_size": 16, "sft_size": 64, "reward_size": 64, "ppo_size": 64}
+    if args.smoke:
+        extra.update(max_length=96, micro_batch_size=2, gradient_accumulation_steps=1, lora_r=64, lora_alpha=128,
+                     mixed_precision="no")
+    else:
+        extra["tokenizer_name_or_path"] = args.tokenizer
+    return [Step("ladder", [python(), "-m", "profiling.bench", "--stage", "sft", "--model_name_or_path",
+                            "tiny-llama" if args.smoke else "llama-2-7b", "--config", str(RECIPE / "sft.yaml"),
+                            "--steps", "2" if args.smoke else "3", "--extra",
+                            ",".join(f"{k}={v}" for k, v in extra.items()), *cap_flags(args),
+                            "--with_deepspeed", "false" if args.smoke else "true", "--out_dir", str(out / "ladder"),
+                            "--timeout_s", "300" if args.smoke else "150"])]
+
+
+def device_facts() -> dict:
+    """The GPU's name and driver (nvidia-smi), or the CPU's, for the manifest and the results folder."""
+    import torch
+
+    from profiling.device import device_name
+
+    facts = {"device": "cuda" if torch.cuda.is_available() else "cpu"}
+    facts["device_name"] = device_name(torch.device(facts["device"]))
+    try:
+        facts["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                         capture_output=True, text=True, timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        facts["driver"] = None
+    return facts
+
+
+def run_steps(steps: list[Step], out: Path, deadline: float) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for step in steps:
+        left = deadline - time.time()
+        if left < 10:
+            step.status = "skipped: no time left in the part"
+            continue
+        started = time.time()
+        log = out / "logs" / f"{step.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(log, "w") as f:
+                proc = subprocess.run(step.argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                      timeout=left)
+            step.status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            step.status = "timeout"
+        except OSError as exc:  # nvidia-smi on a machine without it
+            step.status = f"not available ({exc.strerror or exc})"
+        step.seconds = time.time() - started
+        step.tail = log.read_text()[-3000:] if log.is_file() else ""
+        print(f"[{step.name}] {step.status} in {step.seconds:.0f} s", flush=True)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    from profiling.provenance import provenance
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-"):
+        argv = ["--part", *argv]
+    (args,) = parse([PartArguments], argv)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"--out {out} is not empty: a part writes into a fresh folder")
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    steps = steps_for(args, out)
+    run_steps(steps, out, started + args.budget_s)
+    model = "tiny-llama" if args.smoke else "llama-2-7b"
+    manifest = {**provenance(command="benchmarks/gpu/run.sh " + ("--smoke " if args.smoke else "") + args.part),
+                **device_facts(), "part": args.part, "smoke": args.smoke, "model": model, "arguments": asdict(args),
+                "seconds": time.time() - started, "steps": [asdict(s) for s in steps]}
+    write_atomic(out / "manifest.json", json.dumps(manifest, indent=2))
+    print(f"part {args.part}: " + ", ".join(f"{s.name} {s.status}" for s in steps), flush=True)
+    return manifest
+
+
+if __name__ == "__main__":
+    run(main)

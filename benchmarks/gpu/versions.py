@@ -1,0 +1,33 @@
+"""The versions the GPU machine runs with (the kit's `check` part): Python, torch and CUDA, the libraries."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import sys
+from pathlib import Path
+
+LIBRARIES = ("torch", "transformers", "tokenizers", "peft", "accelerate", "bitsandbytes", "deepspeed", "trl",
+             "datasets", "safetensors", "nvidia-ml-py", "pytest")
+
+
+def versions() -> dict:
+    import torch
+
+    out = {"python": platform.python_version(), "cuda": torch.version.cuda,
+           "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    for name in LIBRARIES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+if __name__ == "__main__":
+    found = versions()
+    print(json.dumps(found, indent=2))
+    if len(sys.argv) > 1:
+        Path(sys.argv[1]).write_text(json.dumps(found, indent=2))

@@ -1,0 +1,115 @@
+"""A recorded run's memory against the estimator's prediction for the same settings, phase by phase.
+
+    python -m benchmarks.gpu.vs_estimate RUN_DIR [RUN_DIR ...]
+
+For each stage folder (config.json and memory.json, written by a run with `--profile_memory true`)
+the estimator is run on the run's own saved settings (`EstimateArguments.of_run`: the trainer's
+field names, as the start-up budget check does), and every component of every phase both have is
+set side by side with the ratio measured / predicted, plus each phase's total and peak. Writes
+vs_estimate.json and vs_estimate.md into the run folder. A ratio within 0.85-1.15 is the project's
+target for the estimator.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+from profiling import components as C
+from profiling.cli import InputError, argument_parser, run
+from profiling.files import write_atomic
+from profiling.predict import EstimateArguments, estimate, resolve_shape
+
+TARGET = (0.85, 1.15)
+
+
+def predicted_for(run_dir: Path) -> tuple[dict, dict]:
+    """(the run's memory.json, the estimate of the run's saved settings on its device)."""
+    config_file, memory_file = run_dir / "config.json", run_dir / "memory.json"
+    for path in (config_file, memory_file):
+        if not path.is_file():
+            raise InputError(f"{path} is missing (run the stage with --profile_memory true)")
+    config, memory = json.loads(config_file.read_text()), json.loads(memory_file.read_text())
+    stage = memory["phases"][0]["stage"] if memory["phases"] else "sft"
+    device = "cuda" if str(memory.get("device", "")).startswith("cuda") else "cpu"
+    sections = [SimpleNamespace(**config.get(k, {})) for k in ("model", "data", "train", "stage")]
+    args = EstimateArguments.of_run(*sections, stage=stage, device=device)
+    return memory, estimate(resolve_shape(args), args)
+
+
+def _ratio(measured: Optional[float], predicted: Optional[float]) -> Optional[float]:
+    return measured / predicted if measured is not None and predicted else None
+
+
+def compare(run_dir: Path) -> dict:
+    memory, est = predicted_for(run_dir)
+    predicted = {p["phase"]: p for p in est["phases"]}
+    phases = []
+    for phase in memory["phases"]:
+        guess = predicted.get(phase["phase"])
+        if guess is None:
+            continue
+        rows = []
+        for component in C.ordered(set(phase["components"]) | set(guess["components"])):
+            m, p = phase["components"].get(component), guess["components"].get(component)
+            rows.append({"component": component, "measured": m, "predicted": p, "ratio": _ratio(m, p)})
+        cuda = phase.get("cuda") or {}
+        measured_total = C.total(phase["components"])
+        phases.append({"phase": phase["phase"], "components": rows, "measured_total": measured_total,
+                       "predicted_total": guess["total"], "total_ratio": _ratio(measured_total, guess["total"]),
+                       "measured_peak_allocated": cuda.get("peak_allocated"),
+                       "predicted_peak_allocated": guess.get("peak_allocated"),
+                       "peak_allocated_ratio": _ratio(cuda.get("peak_allocated"), guess.get("peak_allocated"))})
+    within = [p["total_ratio"] for p in phases if p["total_ratio"] is not None]
+    result = {"run": run_dir.name, "stage": est["phases"][0]["stage"], "device": memory.get("device"),
+              "device_name": memory.get("device_name"), "date": memory.get("date"),
+              "git_revision": memory.get("git_revision"), "command": memory.get("command"),
+              "estimate_settings": est["config"]["settings"], "phases": phases, "target": list(TARGET),
+              "all_within_target": bool(within) and all(TARGET[0] <= r <= TARGET[1] for r in within)}
+    write_atomic(run_dir / "vs_estimate.json", json.dumps(result, indent=2))
+    write_atomic(run_dir / "vs_estimate.md", markdown(result))
+    return result
+
+
+def _gib(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / C.GIB:.3f}"
+
+
+def _r(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Measured vs estimated memory: {result['stage']} ({result['run']})", "",
+             f"- measured on {result['device_name']} (`{result['device']}`), {result['date']}, git "
+             f"`{result['git_revision']}`", f"- run command: `{result['command']}`",
+             f"- estimate: `profiling.predict` on the run's own saved settings; target ratio "
+             f"{TARGET[0]}-{TARGET[1]}", "", "| phase | measured GiB | estimated GiB | ratio | peak allocated, "
+             "measured / estimated GiB | ratio |", "|---|---:|---:|---:|---:|---:|"]
+    for p in result["phases"]:
+        lines.append(f"| {p['phase']} | {_gib(p['measured_total'])} | {_gib(p['predicted_total'])} | "
+                     f"{_r(p['total_ratio'])} | {_gib(p['measured_peak_allocated'])} / "
+                     f"{_gib(p['predicted_peak_allocated'])} | {_r(p['peak_allocated_ratio'])} |")
+    for p in result["phases"]:
+        lines += ["", f"## {p['phase']}", "", "| component | measured GiB | estimated GiB | ratio |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {r['component']} | {_gib(r['measured'])} | {_gib(r['predicted'])} | {_r(r['ratio'])} |"
+                  for r in p["components"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    parser = argument_parser("python -m benchmarks.gpu.vs_estimate", __doc__.splitlines()[0])
+    parser.add_argument("run_dirs", nargs="+", type=Path)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    results = [compare(d) for d in args.run_dirs]
+    for r in results:
+        print(f"{r['run']}: " + ", ".join(f"{p['phase']} {_r(p['total_ratio'])}" for p in r["phases"]))
+    return results
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,143 @@
+"""What only a GPU can check: bitsandbytes' CUDA kernels, paged optimizer states, adapter isolation on
+CUDA, and the recorder's allocator and NVML readings. Marked `gpu`: they skip on a machine without
+CUDA (CI) and run in the GPU kit's `check` part (`benchmarks/gpu/run.sh check`: `pytest -m gpu`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU kit runs these)")]
+
+VOCAB = 512
+
+
+def cuda() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def tiny_args(**kw):
+    from trainer.config import ModelArguments
+
+    values = dict(model_name_or_path="tiny-llama", quantization="nf4", gradient_checkpointing=True, lora_r=8,
+                  lora_alpha=16, lora_dropout=0.0, preset_overrides="hidden_size=256,intermediate_size=704")
+    values.update(kw)
+    return ModelArguments(**values)
+
+
+def test_nf4_linear_forward_and_backward_on_cuda_match_bf16():
+    """bitsandbytes' 4-bit matmul against the same weights dequantized, in bf16: outputs and input
+    gradients agree to NF4's rounding of the weights (compared with the dequantized weights: exact maths)."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(1024, 4096, bias=False, dtype=torch.bfloat16, device="cuda")
+    q = bnb.nn.Linear4bit(1024, 4096, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
+                          compress_statistics=True, device="meta")
+    q.weight = bnb.nn.Params4bit(dense.weight.data.clone(), requires_grad=False, quant_type="nf4",
+                                 compress_statistics=True, module=q).to("cuda")
+    dequantized = F.dequantize_4bit(q.weight.data, q.weight.quant_state).to(torch.bfloat16)
+    x1 = torch.randn(8, 16, 1024, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    y_q, y_ref = q(x1), x2 @ dequantized.t()
+    torch.testing.assert_close(y_q, y_ref, rtol=2e-2, atol=2e-2)
+    y_q.float().pow(2).mean().backward()
+    y_ref.float().pow(2).mean().backward()
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=3e-2, atol=3e-3)
+    # and the 4-bit weights are close to the original ones (NF4 rounding: a few percent of their scale)
+    error = (dequantized.float() - dense.weight.float()).abs().mean() / dense.weight.float().abs().mean()
+    assert error < 0.15, error
+
+
+def test_paged_8bit_adamw_steps_on_cuda_with_8bit_states():
+    from trainer.engine.optim import build_optimizer
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4096, 64, device="cuda"))
+    before = p.detach().clone()
+    opt = build_optimizer([p], "paged_adamw_8bit", 1e-3, 0.0, cuda())
+    assert type(opt).__name__ == "PagedAdamW8bit"
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert not torch.equal(p.detach(), before)
+    state = opt.state[p]
+    assert state["state1"].dtype == torch.uint8 and state["state2"].dtype == torch.uint8  # 8-bit moments
+
+
+def test_a_ppo_step_on_cuda_moves_only_policy_value_and_value_head(tmp_path):
+    """Adapter isolation on CUDA with NF4 and gradient checkpointing: after a PPO update the base, the
+    reference and reward adapters and the reward head are bit-for-bit what they were."""
+    from conftest import saved_head
+
+    from trainer.config import TrainArguments
+    from trainer.engine.harness import Engine
+    from trainer.engine.launch import make_accelerator
+    from trainer.model.shared_base import build_shared_model, stage_specs
+    from trainer.ppo import PPOArguments
+    from trainer.rl.ppo_step import PPOState, ppo_step
+    from trainer.rl.rollout import RewardModelScorer
+
+    train_args = TrainArguments(output_dir=str(tmp_path), micro_batch_size=2, learning_rate=1e-2, warmup_steps=0,
+                                report_to="none")
+    accelerator = make_accelerator(train_args)
+    specs = stage_specs("ppo", {})
+    specs[-1].head_from = saved_head(tmp_path / "reward-head", 256)
+    model = build_shared_model(tiny_args(), specs, vocab_size=VOCAB, device=cuda())
+    before = {name: model.adapter_state(name) for name in model.adapter_names}
+    base = {n: p.detach().clone() for n, p in model.peft.named_parameters() if "lora_" not in n}
+    engine = Engine(model, train_args, accelerator, "ppo")
+    args = PPOArguments(scripted_reward=None, rollout_batch_size=4, rollout_micro_batch_size=4, mini_batch_size=2,
+                        max_new_tokens=6, min_new_tokens=6)
+    state = PPOState.start(args, 2, 0)
+    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    result = ppo_step(engine, batch, args, state, RewardModelScorer(), eos_id=2, pad_id=0)
+    assert result.stepped and all(torch.isfinite(torch.tensor(v)) for v in result.metrics.values())
+    after = {name: model.adapter_state(name) for name in model.adapter_names}
+    for name in ("reference", "reward"):
+        assert all(torch.equal(before[name][k], after[name][k]) for k in before[name]), name
+    assert any(not torch.equal(before["policy"][k], after["policy"][k]) for k in before["policy"])
+    assert any(k.startswith("head.") and not torch.equal(before["value"][k], after["value"][k]) for k in before["value"])
+    for n, p in model.peft.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base[n]), n
+
+
+def test_the_recorder_fills_its_cuda_allocator_and_nvml_fields():
+    from profiling import components as C
+    from profiling.recorder import MemoryRecorder
+    from trainer.model.shared_base import AdapterSpec, build_shared_model
+
+    model = build_shared_model(tiny_args(), [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB, device=cuda())
+    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-3)
+    recorder = MemoryRecorder("sft", model=model, optimizer=optimizer, device=cuda())
+    ids = torch.randint(0, VOCAB, (4, 64), device="cuda")
+    with recorder.phase("forward_backward"):
+        model.logits(ids, torch.ones_like(ids), "policy").float().pow(2).mean().backward()
+        recorder.sample()
+    record = recorder.records[("sft", "forward_backward")]
+    assert record.gpu_reason is None and record.cuda is not None
+    assert record.cuda.peak_allocated > record.cuda.allocated_before > 0
+    assert record.cuda.nvml_used is not None and record.cuda.nvml_total > record.cuda.nvml_used > 0
+    assert record.components[C.ACTIVATIONS] > 0 and record.components[C.CUDA_CONTEXT] is not None
+    assert recorder.needs_gpu() == []
+
+
+def test_the_simulated_card_caps_the_allocator():
+    """--simulate_gpu_gib: an allocation above the cap fails although the real card has room."""
+    from trainer.engine.setup import simulate_gpu_memory
+
+    total = torch.cuda.get_device_properties(cuda()).total_memory
+    simulate_gpu_memory(1.0, cuda())
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int(1.5 * 2**30), dtype=torch.uint8, device="cuda")
+        assert total > 4 * 2**30  # the card itself had room
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, cuda())
+        torch.cuda.empty_cache()
