@@ -103,10 +103,13 @@ def deepspeed_variant(previous: Variant) -> Variant:
 
 
 def command(args: BenchArguments, variant: Variant, run_dir: Path) -> list[str]:
-    config = args.config or str(ROOT / "trainer" / "configs" / f"{args.stage}.yaml")
+    import os
+
+    config = args.config or f"trainer/configs/{args.stage}.yaml"
     launch_config = variant.launch_config if cuda_available() else "accelerate_configs/cpu.yaml"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / launch_config),
-           str(ROOT / "trainer" / f"{args.stage}.py"), "--config", config, "--output_dir", str(run_dir),
+    # Paths relative to the project root (the variants run there): the recorded commands name no machine's folders.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", launch_config,
+           f"trainer/{args.stage}.py", "--config", config, "--output_dir", os.path.relpath(run_dir, ROOT),
            "--model_name_or_path", args.model_name_or_path, "--max_steps", str(args.steps),
            "--profile_memory", "true", "--report_to", "none", "--save_every", "0", "--eval_every", "0",
            "--eval_batches", "1", "--progress_bar", "false", "--warmup_steps", "0",
@@ -152,7 +155,9 @@ def run_variant(args: BenchArguments, variant: Variant, out_dir: Path, index: in
         return {**row, "status": "skipped", "reason": variant.skip_reason}
     run_dir = out_dir / "runs" / f"{index:02d}"
     cmd = command(args, variant, run_dir)
-    row["command"] = " ".join(shlex.quote(c) for c in cmd)
+    from profiling.provenance import relative_command
+
+    row["command"] = relative_command(cmd)
     print(f"[bench] {variant.name}", flush=True)
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
@@ -232,9 +237,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     data = {**provenance(device, command="python -m profiling.bench " + " ".join(shlex.quote(a) for a in argv)),
             "stage": args.stage, "model": args.model_name_or_path, "steps": args.steps,
             "simulate_gpu_gib": args.simulate_gpu_gib, "budget_gib": args.budget_gib, "arguments": asdict(args),
-            "rows": [run_variant(args, v, out_dir, i) for i, v in enumerate(variants)]}
-    write_atomic(out_dir / "bench.json", json.dumps(data, indent=2) + "\n")
-    write_atomic(out_dir / "bench.md", markdown(data))
+            "rows": []}
+    for i, variant in enumerate(variants):  # the files are rewritten after each rung: a run cut short keeps them
+        data["rows"].append(run_variant(args, variant, out_dir, i))
+        write_atomic(out_dir / "bench.json", json.dumps(data, indent=2) + "\n")
+        write_atomic(out_dir / "bench.md", markdown(data))
     chart(data, out_dir / "bench.png")
     print(markdown(data))
     return data

@@ -20,7 +20,12 @@ _LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "de
 
 
 def git_revision(cwd: Path = PROJECT_ROOT) -> str:
-    """`git rev-parse HEAD` (with '-dirty' when tracked files changed), or 'unknown' outside a checkout."""
+    """`git rev-parse HEAD` (with '-dirty' when tracked files changed); outside a checkout, the revision the
+    tree was copied at ($RLHF_GIT_REVISION: the GPU kit carries it), else 'unknown'."""
+    import os
+
+    if os.environ.get("RLHF_GIT_REVISION") and not (cwd / ".git").exists():
+        return os.environ["RLHF_GIT_REVISION"]
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()
@@ -41,13 +46,27 @@ def library_versions() -> dict[str, Optional[str]]:
     return out
 
 
+def relative_command(argv: Optional[list[str]] = None) -> str:
+    """The command line with every absolute path made relative to the project root (provenance never names
+    a machine's folders): /home/x/onebase/trainer/sft.py -> trainer/sft.py, /tmp/run -> ../../tmp/run."""
+    import os
+
+    words = []
+    for arg in sys.argv if argv is None else argv:
+        head, sep, value = arg.partition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
+        if value.startswith("/"):
+            value = os.path.relpath(value, PROJECT_ROOT)
+        words.append(shlex.quote(head + sep + value))
+    return " ".join(words)
+
+
 def provenance(device: Optional[torch.device] = None, command: Optional[str] = None) -> dict:
     device = device or torch.device("cpu")
     return {
         "device": str(device),
         "device_name": device_name(device),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command if command is not None else " ".join(shlex.quote(a) for a in sys.argv),
+        "command": command if command is not None else relative_command(),
         "git_revision": git_revision(),
         "host": platform.node(),
         "python": platform.python_version(),

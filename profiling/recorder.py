@@ -17,8 +17,6 @@ the phase's transient memory: KV cache for generation, activations for the other
 
 from __future__ import annotations
 
-import shlex
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -88,8 +86,10 @@ class MemoryRecorder:
         self.resident_label = resident_label or (C.ROLLOUT_BUFFERS if stage == "ppo" else C.OTHER_TENSORS)
         self.records: dict[tuple[str, str], PhaseRecord] = {}
         self.extra: dict[str, object] = {}
-        self._samples: Optional[list[TensorLedger]] = None
-        self.command = " ".join(shlex.quote(a) for a in sys.argv)
+        self._open: list[dict] = []  # the phases entered and not yet left, outermost first
+        from profiling.provenance import relative_command
+
+        self.command = relative_command()
 
     def track(self, model=None, optimizer=None, **extra) -> None:
         """Point the recorder at objects created later (the optimizer, a rollout buffer: component=tensors)."""
@@ -107,13 +107,19 @@ class MemoryRecorder:
 
     def sample(self) -> None:
         """Re-count inside a phase, e.g. after backward and before zero_grad frees the gradients."""
-        if self.enabled and self._samples is not None:
-            self._samples.append(self.count())
+        if self.enabled and self._open:
+            ledger = self.count()
+            for phase in self._open:
+                phase["samples"].append(ledger)
 
     @contextmanager
     def phase(self, name: str, stage: Optional[str] = None, transient: Optional[str] = None,
               count_saved: bool = False) -> Iterator[None]:
-        """Record the body as phase `name` of `stage`; `count_saved` also meters saved-for-backward bytes."""
+        """Record the body as phase `name` of `stage`; `count_saved` also meters saved-for-backward bytes.
+
+        Phases nest (PPO's update holds its optimizer steps): an inner phase is recorded on its own, and the
+        outer phase's peak and tensor counts include what happened inside it.
+        """
         if not self.enabled:
             yield
             return
@@ -122,9 +128,13 @@ class MemoryRecorder:
         dev = str(self.device)
         cuda = self.gpu_reason is None
         if cuda:
+            self._fold_peak_into_open_phases()  # the reset below would lose the outer phases' peak so far
             allocated_before = D.begin_phase(self.device)
         entry = self.count()
-        self._samples = [entry]
+        for outer in self._open:
+            outer["samples"].append(entry)
+        mine = {"samples": [entry], "peak_allocated": 0, "peak_reserved": 0}
+        self._open.append(mine)
         meter = SavedTensorMeter(exclude=entry.storage_keys()) if count_saved else None
         start = time.perf_counter()
         try:
@@ -135,22 +145,39 @@ class MemoryRecorder:
                 yield
         finally:
             seconds = time.perf_counter() - start
-            samples, self._samples = self._samples + [self.count()], None
+            self._open.pop()
+            exit_count = self.count()
+            for outer in self._open:
+                outer["samples"].append(exit_count)
+            samples = mine["samples"] + [exit_count]
             cuda_figures = None
             if cuda:
                 reading = D.read_allocator(self.device)
                 nvml = D.read_nvml(self.device)
+                peak_allocated = max(reading.peak_allocated, mine["peak_allocated"])
+                peak_reserved = max(reading.peak_reserved, mine["peak_reserved"])
+                self._fold_peak_into_open_phases(peak_allocated, peak_reserved)
                 cuda_figures = CudaFigures(
                     allocated_before=allocated_before, allocated_after=reading.allocated,
-                    peak_allocated=reading.peak_allocated,
-                    peak_above_entry=reading.peak_allocated - allocated_before,
-                    peak_reserved=reading.peak_reserved, reserved_after=reading.reserved,
+                    peak_allocated=peak_allocated, peak_above_entry=peak_allocated - allocated_before,
+                    peak_reserved=peak_reserved, reserved_after=reading.reserved,
                     nvml_used=nvml.used, nvml_total=nvml.total, nvml_reason=nvml.reason,
                 )
             record = self._build(stage, name, transient, dev, samples, cuda_figures)
             record.seconds = seconds
             record.saved_for_backward = meter.bytes if meter is not None else None
             self._keep(record)
+
+    def _fold_peak_into_open_phases(self, allocated: Optional[int] = None, reserved: Optional[int] = None) -> None:
+        """Carry the allocator's peak so far into every open phase (before a nested phase resets it)."""
+        if not self._open:
+            return
+        if allocated is None:
+            reading = D.read_allocator(self.device)
+            allocated, reserved = reading.peak_allocated, reading.peak_reserved
+        for phase in self._open:
+            phase["peak_allocated"] = max(phase["peak_allocated"], allocated)
+            phase["peak_reserved"] = max(phase["peak_reserved"], reserved)
 
     def _build(self, stage: str, name: str, transient: str, dev: str, samples: list[TensorLedger],
                cuda: Optional[CudaFigures]) -> PhaseRecord:

@@ -61,3 +61,14 @@ def saved_head(folder: Path, hidden_size: int, seed: int = 0) -> str:
     Path(folder).mkdir(parents=True, exist_ok=True)
     ScalarHead(hidden_size).save(Path(folder) / HEAD_FILE)
     return str(folder)
+
+
+# The slowest files first: `make test` hands whole files to two workers in collection order, so a long
+# file that starts last would run on alone while the other worker idles.
+SLOW_FIRST = ("test_ppo_learning.py", "test_distributed.py", "test_gpu_kit.py", "test_resume.py",
+              "test_pipeline.py", "test_checkpoints.py", "test_stages.py", "test_training.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))

@@ -5,7 +5,6 @@ CUDA (CI) and run in the GPU kit's `check` part (`benchmarks/gpu/run.sh check`: 
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

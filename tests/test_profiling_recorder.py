@@ -154,3 +154,30 @@ def test_cuda_attribution_arithmetic_with_given_allocator_figures(sft_model, mon
     assert record.components[C.ALLOCATOR_OVERHEAD] == 2_048
     assert record.components[C.CUDA_CONTEXT] == 300_000_000
     assert record.cuda.peak_above_entry == trainable + 50_000
+
+
+def test_nested_phases_are_each_recorded_and_the_outer_keeps_the_inner_peak(sft_model, monkeypatch):
+    """PPO's update holds its optimizer steps: both phases are recorded, and the reset of the allocator's
+    peak statistics at the inner phase's start does not lose the outer phase's peak."""
+    from profiling import device as D
+
+    _, model = sft_model
+    recorder = MemoryRecorder("ppo", model=model)
+    recorder.gpu_reason = None
+    peaks = iter([500, 900, 300, 400])  # outer so far, inner, after the inner (since its reset), outer at exit
+    allocated = {"now": 100}
+    monkeypatch.setattr(D, "begin_phase", lambda device: allocated["now"])
+
+    def reading(device):
+        peak = next(peaks)
+        return D.AllocatorSample(allocated=allocated["now"], reserved=peak, peak_allocated=peak, peak_reserved=peak)
+
+    monkeypatch.setattr(D, "read_allocator", reading)
+    monkeypatch.setattr(D, "read_nvml", lambda device: D.NvmlReading(None, None, None, "none"))
+    with recorder.phase("update"):
+        with recorder.phase("optimizer_step"):
+            pass
+    inner, outer = recorder.records[("ppo", "optimizer_step")], recorder.records[("ppo", "update")]
+    assert inner.cuda.peak_allocated == 900
+    assert outer.cuda.peak_allocated == 900  # not the 400 read after the inner phase's reset
+    assert recorder._open == []

@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 

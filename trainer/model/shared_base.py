@@ -21,7 +21,7 @@ from torch import nn
 
 from profiling.cli import InputError
 from profiling.files import atomic_folder
-from profiling.stages import stage_adapters
+from profiling.stages import POLICY, stage_adapters
 from trainer.config import ModelArguments
 
 logger = logging.getLogger(__name__)
@@ -294,7 +294,7 @@ class SharedBaseModel(nn.Module):
         return self.heads[adapter](self.hidden_states(input_ids, attention_mask, adapter, keep_last))
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = "policy", **kwargs):
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = POLICY, **kwargs):
         """Sample under `adapter` in eval mode (no dropout, KV cache on), restoring train mode after."""
         was_training = self.training
         self.eval()

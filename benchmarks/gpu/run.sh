@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The GPU kit, on the GPU machine: run one or more parts and pack each into ONE archive under $OUT.
+#
+#   benchmarks/gpu/run.sh [--smoke] PART [PART ...]     PART: check | memory | speed | ladder
+#
+# On the GPU machine (no index, no hub): installs the carried wheels (.whl/, from prepare.sh) into
+# /tmp/site first. --smoke runs the same code paths on the CPU with the tiny preset (what CI runs).
+# Each archive, $OUT/PART-MODEL-DEVICE.tar.gz, holds the part's folder with its manifest.json; unpack
+# it here with `python -m benchmarks.gpu.collect ARCHIVE...`.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+smoke=()
+if [[ ${1:-} == --smoke ]]; then smoke=(--smoke true); shift; fi
+[[ $# -ge 1 ]] || { echo "usage: benchmarks/gpu/run.sh [--smoke] check|memory|speed|ladder ..." >&2; exit 2; }
+OUT=${OUT:-$PWD/.gpu-out}
+mkdir -p "$OUT"
+# The project's venv where there is one (development machines, CI); the GPU machine's own python3 there.
+PY=${PYTHON:-python3}
+[[ -z ${PYTHON:-} && -x .venv/bin/python ]] && PY=.venv/bin/python
+if [[ ${#smoke[@]} -eq 0 && -d .whl ]]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+# No .git travels to the GPU machine: prepare.sh wrote the revision the tree was taken at.
+if ! git rev-parse HEAD >/dev/null 2>&1 && [[ -f .data/git-revision ]]; then
+  export RLHF_GIT_REVISION=$(cat .data/git-revision)
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}
+work=.gpu-work  # inside the project: the parts' commands and files name it relative to the root
+rm -rf "$work" && mkdir -p "$work"
+status=0
+for part in "$@"; do
+  "$PY" -m benchmarks.gpu.parts "$part" --out "$work/$part" "${smoke[@]}" || status=$?
+  name=$("$PY" -c "import json,sys; m=json.load(open(sys.argv[1])); print('-'.join([m['part'], m['model'], 'smoke' if m['smoke'] else m['device_slug']]))" "$work/$part/manifest.json" 2>/dev/null || echo "$part-failed")
+  # weights and checkpoints stay behind: the 7B adapters alone are 160 MB each
+  tar -czf "$OUT/$name.tar.gz" --exclude=adapter --exclude='checkpoint-*' --exclude='previous-*' \
+      --exclude='*.safetensors' --exclude='*.pt' --exclude=tensorboard -C "$work" "$part"
+  echo "packed $OUT/$name.tar.gz ($(du -h "$OUT/$name.tar.gz" | cut -f1))"
+done
+rm -rf "$work"
+exit $status

@@ -1,0 +1,162 @@
+"""The GPU kit end to end in smoke mode: `benchmarks/gpu/run.sh --smoke` runs every part's code path on
+the CPU with the tiny preset, packs each part into one archive small enough to come back from the GPU
+machine, and `benchmarks.gpu.collect` files the archives and regenerates the README's GPU section.
+
+The smoke run's files are checked for what each part must measure: the flag ladder's rungs really ran
+with their flags, both sides of the TRL comparison did the same work, decode throughput and the
+estimator comparison were written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("check", "memory", "speed", "ladder")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[Path, Path]:
+    """(archives folder, unpacked folder) of one smoke run of every part."""
+    out = tmp_path_factory.mktemp("gpu-out")
+    env = {**os.environ, "OUT": str(out), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run(["benchmarks/gpu/run.sh", "--smoke", *PARTS], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    unpacked = tmp_path_factory.mktemp("unpacked")
+    for archive in out.glob("*.tar.gz"):
+        with tarfile.open(archive) as tar:
+            tar.extractall(unpacked, filter="data")
+    return out, unpacked
+
+
+def test_every_part_runs_and_packs_one_archive_that_can_come_back(smoke):
+    out, unpacked = smoke
+    archives = sorted(p.name for p in out.iterdir())
+    assert archives == sorted(f"{part}-tiny-llama-smoke.tar.gz" for part in PARTS)
+    for archive in out.iterdir():
+        assert archive.stat().st_size < 16 * 2**20  # the device tool returns files up to 16 MiB
+        with tarfile.open(archive) as tar:
+            names = tar.getnames()
+        assert not any(n.endswith((".safetensors", ".pt")) or "/checkpoint-" in n for n in names), archive
+    for part in PARTS:
+        manifest = json.loads((unpacked / part / "manifest.json").read_text())
+        assert manifest["part"] == part and manifest["smoke"] is True and manifest["git_revision"]
+        statuses = {s["name"]: s["status"] for s in manifest["steps"]}
+        expected = {"nvidia-smi"} if part == "check" else set()  # no nvidia-smi on a CPU machine
+        assert all(v == "ok" for k, v in statuses.items() if k not in expected), statuses
+        assert manifest["seconds"] < manifest["budget_s"]
+        assert "/work/" not in manifest["command"]
+
+
+def test_check_runs_the_gpu_tests_which_skip_without_cuda(smoke):
+    _, unpacked = smoke
+    report = (unpacked / "check" / "gpu-tests.xml").read_text()
+    assert 'tests="5"' in report and 'skipped="5"' in report
+    versions = json.loads((unpacked / "check" / "versions.json").read_text())
+    assert versions["torch"] and versions["bitsandbytes"] and versions["gpu"] is None
+
+
+def test_memory_records_each_stage_and_compares_it_with_the_estimator(smoke):
+    _, unpacked = smoke
+    for stage in ("sft", "reward", "ppo"):
+        memory = json.loads((unpacked / "memory" / stage / "memory.json").read_text())
+        assert memory["phases"] and not memory["command"].startswith("/")
+        compared = json.loads((unpacked / "memory" / stage / "vs_estimate.json").read_text())
+        phases = {p["phase"]: p for p in compared["phases"]}
+        assert phases, stage
+        for phase in phases.values():
+            rows = {r["component"]: r for r in phase["components"]}
+            # tensor-counted components are exact closed forms of the estimator: ratio 1 on any device
+            assert rows["base_weights"]["ratio"] == pytest.approx(1.0), (stage, phase["phase"])
+    ppo = {p["phase"] for p in json.loads((unpacked / "memory" / "ppo" / "vs_estimate.json").read_text())["phases"]}
+    assert {"generate", "score", "reference", "value", "update", "optimizer_step"} <= ppo
+    config = json.loads((unpacked / "memory" / "ppo" / "config.json").read_text())
+    assert config["stage"]["min_new_tokens"] == config["stage"]["max_new_tokens"]  # fixed-length generation
+
+
+def test_speed_compares_with_trl_on_the_same_work_and_measures_decode(smoke):
+    _, unpacked = smoke
+    report = json.loads((unpacked / "speed" / "ppo_vs_trl" / "ppo_vs_trl.json").read_text())
+    assert report["tokens_per_step"] == {"generated": 4 * 6, "update": 4 * (16 + 6) * 2}
+    for name in ("ours", "trl"):
+        side = report["sides"][name]
+        assert side["status"] == "ok", side["error"]
+        assert [s["warmup"] for s in side["steps"]] == [True, False]
+        assert all(s["response_tokens"] == 4 * 6 for s in side["steps"])  # min == max new tokens
+        summary = side["summary"]
+        assert summary["step_s"] > 0 and 0 < summary["generate_s"] < summary["rollout_s"]
+        assert summary["peak_rss_bytes"] > 0 and summary["peak_allocated_bytes"] is None  # no CUDA here
+    # One optimizer step per minibatch for ours; TRL 1.12 accumulates over the whole rollout: one per epoch.
+    assert report["sides"]["ours"]["summary"]["optimizer_steps"] == 2 * 2
+    assert report["sides"]["trl"]["summary"]["optimizer_steps"] == 2
+    assert "ppo_step" in report["sides"]["ours"]["setup"]["step"]
+    decode = json.loads((unpacked / "speed" / "decode" / "decode.json").read_text())
+    assert [r["batch"] for r in decode["rows"]] == [1, 4]
+    assert all(r["tokens_per_s"] > 0 and 0 < r["bandwidth_fraction"] < 1 for r in decode["rows"])
+    assert decode["bytes_per_decode_step"] > decode["bytes_read_per_decode_step"]["base_weights"] > 0
+
+
+def test_the_flag_ladder_ran_each_rung_with_its_flag(smoke):
+    """Read what each rung's own run wrote, not the ladder's settings."""
+    _, unpacked = smoke
+    bench = unpacked / "ladder" / "ladder"
+    data = json.loads((bench / "bench.json").read_text())
+    status = {r["name"]: r["status"] for r in data["rows"]}
+    assert status["+ flash_attention_2"] == "skipped"  # needs CUDA
+    runs = {r["name"]: bench / "runs" / f"{i:02d}" for i, r in enumerate(data["rows"]) if r["status"] == "ok"}
+    assert len(runs) == 5, status
+
+    def phase(name: str) -> dict:
+        memory = json.loads((runs[name] / "memory.json").read_text())
+        return next(p for p in memory["phases"] if p["phase"] == "forward_backward")
+
+    baseline, sdpa = phase(next(iter(runs))), phase("+ SDPA attention")
+    ckpt, nf4, adam8 = phase("+ gradient checkpointing"), phase("+ 4-bit NF4 base"), phase("+ paged 8-bit AdamW")
+    # eager attention saves its (B, heads, T, T) probabilities for backward; SDPA does not keep them
+    assert sdpa["saved_for_backward"] < baseline["saved_for_backward"]
+    # checkpointing keeps each layer's input only (on the tiny model the LM head's logits, which it
+    # does not touch, are most of what is saved)
+    assert ckpt["saved_for_backward"] < 0.9 * sdpa["saved_for_backward"]
+    # the NF4 base holds packed 4-bit weights and their quantization constants; full precision has neither
+    assert "base_quant_constants" not in ckpt["components"] and nf4["components"]["base_quant_constants"] > 0
+    assert nf4["components"]["base_weights"] < 0.2 * ckpt["components"]["base_weights"]
+    # 8-bit AdamW states: 2 bytes per parameter plus block statistics, against fp32 AdamW's 8 (r=64)
+    assert adam8["components"]["optimizer_states"] < 0.35 * nf4["components"]["optimizer_states"]
+    for row in data["rows"]:
+        if row["status"] == "ok":
+            assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["peak_allocated_bytes"] is None
+
+
+def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tmp_path):
+    from benchmarks.gpu.collect import END, START, main
+
+    out, _ = smoke
+    results, readme = tmp_path / "results", tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{START}\nold\n{END}\n\nrest\n")
+    folders = main([*map(str, sorted(out.glob("*.tar.gz"))), "--results_dir", str(results), "--readme", str(readme)])
+    assert sorted(f.name for f in folders) == sorted(f"{p}-tiny-llama-smoke" for p in PARTS)
+    info = json.loads((results / "memory-tiny-llama-smoke" / "provenance.json").read_text())
+    assert info["device_name"] and info["date"] and info["git_revision"] and info["steps"]["ppo"]["status"] == "ok"
+    text = readme.read_text()
+    assert "No GPU run has been collected yet" in text and "old" not in text and text.endswith("rest\n")
+    # A GPU result (here: the smoke folder relabelled) is tabulated from its files.
+    gpu = results / "memory-llama-2-7b-nvidia-h100"
+    shutil.copytree(results / "memory-tiny-llama-smoke", gpu)
+    info.update(smoke=False, device="cuda")
+    (gpu / "provenance.json").write_text(json.dumps(info))
+    from benchmarks.gpu.collect import update_readme
+
+    update_readme(readme, results)
+    text = readme.read_text()
+    assert "| memory-llama-2-7b-nvidia-h100 | ppo | update |" in text
+    compared = json.loads((gpu / "ppo" / "vs_estimate.json").read_text())
+    update = next(p for p in compared["phases"] if p["phase"] == "update")
+    assert f"{update['predicted_total'] / 2**30:.2f}" in text.split("| memory-llama-2-7b-nvidia-h100 | ppo | update |")[-1]
