@@ -307,7 +307,7 @@ def test_auto_uses_env_folder_then_shared_folder_then_hub(fake_hub, monkeypatch,
 
 def test_unreachable_hub_is_a_clear_error():
     # conftest sets HF_DATASETS_OFFLINE=1, so this is the real datasets code path failing.
-    with pytest.raises(DataError, match="Anthropic/hh-rlhf: hub_unavailable: not a local path"):
+    with pytest.raises(DataError, match="Anthropic/hh-rlhf: hub_unavailable: no such local file or folder"):
         load_pairs(DataArguments(dataset=HUB_DATASET))
 
 

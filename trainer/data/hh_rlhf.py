@@ -183,8 +183,10 @@ def read_hub(name: str, split: str, subset: Optional[str]) -> Iterator[RawRow]:
     try:
         table = datasets.load_dataset(name, data_dir=subset, split=split)
     except Exception as exc:  # offline, unknown id, bad split: all end here, none is ours to fix
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
         raise DataError(name, "hub_unavailable",
-                        f"not a local path, and datasets.load_dataset failed: {type(exc).__name__}: {exc}") from exc
+                        f"no such local file or folder, and as a hub dataset id datasets.load_dataset failed "
+                        f"({type(exc).__name__}: {first[:200]})") from None
     label = f"{name}[{subset + '/' if subset else ''}{split}]"
     number = 0
     for batch in table.iter(batch_size=4096):
