@@ -189,7 +189,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
                                C.LOGITS: A.logits_nograd(shape, spec, tokens)}),
                 ("forward_backward", {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, seq),
                                       C.LOGITS: A.logits_training(shape, spec, tokens)}), step]
-    # PPO as trainer.rollout / trainer.ppo_step run it: generation and scoring in chunks of
+    # PPO as trainer.rl.rollout / trainer.rl.ppo_step run it: generation and scoring in chunks of
     # `rollout_micro_batch_size` rows; logits only for the response positions (keep_last = generation + 1).
     context = args.max_prompt_length + args.max_new_tokens
     rows = args.rollout_micro_batch_size

@@ -36,9 +36,9 @@ def git_revision(cwd: Path = PROJECT_ROOT) -> str:
     return f"{rev}-dirty" if dirty else rev or "unknown"
 
 
-def library_versions() -> dict[str, Optional[str]]:
+def library_versions(names=_LIBRARIES) -> dict[str, Optional[str]]:
     out = {}
-    for name in _LIBRARIES:
+    for name in names:
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

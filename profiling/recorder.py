@@ -87,6 +87,7 @@ class MemoryRecorder:
         self.records: dict[tuple[str, str], PhaseRecord] = {}
         self.extra: dict[str, object] = {}
         self._open: list[dict] = []  # the phases entered and not yet left, outermost first
+        self.peak_allocated = 0  # the largest CUDA peak any phase saw (each phase resets CUDA's counter)
         from profiling.provenance import relative_command
 
         self.command = relative_command()
@@ -156,6 +157,7 @@ class MemoryRecorder:
                 nvml = D.read_nvml(self.device)
                 peak_allocated = max(reading.peak_allocated, mine["peak_allocated"])
                 peak_reserved = max(reading.peak_reserved, mine["peak_reserved"])
+                self.peak_allocated = max(self.peak_allocated, peak_allocated)
                 self._fold_peak_into_open_phases(peak_allocated, peak_reserved)
                 cuda_figures = CudaFigures(
                     allocated_before=allocated_before, allocated_after=reading.allocated,
@@ -246,7 +248,7 @@ class MemoryRecorder:
 
     def write(self, run_dir, config: Optional[dict] = None) -> dict:
         """memory.json, memory.md and memory.png under `run_dir`; returns the paths written."""
-        if not self.enabled:
+        if not self.enabled or not self.records:  # e.g. a resumed run that had no step left to take
             return {}
         from profiling.report import write_reports
 

@@ -82,6 +82,10 @@ def test_a_damaged_newest_checkpoint_gives_way_to_the_previous_one_with_one_warn
     warnings = [line for line in proc.stdout.splitlines() if "skipping damaged checkpoint" in line]
     assert len(warnings) == 1 and "checkpoint-0000004/rng-rank0.pt" in warnings[0], warnings
     assert "resumed from" in proc.stdout and "checkpoint-0000002 (step 2)" in proc.stdout
+    # The damaged newer checkpoint went aside: pruning (which keeps the highest steps) cannot prefer it.
+    aside = [p for p in run_copy.iterdir() if p.name.startswith("previous-")]
+    assert len(aside) == 1 and (aside[0] / "checkpoint-0000004" / "rng-rank0.pt").is_file()
+    assert [p.name for p in complete_checkpoints(run_copy)] == [f"checkpoint-000000{s}" for s in (2, 4, 6)]
 
 
 def _truncate(path: Path) -> None:
@@ -154,3 +158,33 @@ def test_other_files_behind_dataset_auto_count_as_a_data_change(run_copy, shared
     proc = run_sft(run_copy, "--max_steps", "6", env={"RLHF_DATA": str(subset)})
     assert proc.returncode != 0
     assert "resolved.dataset_fingerprint" in proc.stderr
+
+
+def test_a_half_written_metrics_line_is_dropped_not_fatal(tmp_path):
+    from trainer.engine.metrics import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.0}\n{"step": 2, "train/lo')
+    assert read_metrics(tmp_path) == [{"step": 1, "train/loss": 2.0}]
+
+
+def test_every_rank_runs_the_same_number_of_evaluation_batches():
+    """Under ZeRO-3 / FSDP every forward gathers weights from all ranks: a rank with a row less must
+    still run as many forwards (its extra one flagged not real)."""
+    from types import SimpleNamespace
+
+    from trainer.data.tokenization import SFTExample
+    from trainer.engine.batches import eval_batches
+
+    examples = [SFTExample([1] * (i + 2), [2], f"row{i}") for i in range(17)]
+
+    def collate(rows):
+        return {"input_ids": torch.tensor([[len(r.input_ids)] for r in rows])}
+
+    seen = {}
+    for rank in (0, 1):
+        acc = SimpleNamespace(process_index=rank, num_processes=2, device=torch.device("cpu"), is_main_process=rank == 0)
+        seen[rank] = list(eval_batches(examples, collate, 8, acc, progress=False))
+    assert len(seen[0]) == len(seen[1]) == 2  # 9 and 8 rows in batches of 8
+    assert [real for _, real in seen[0]] == [True, True] and [real for _, real in seen[1]] == [True, False]
+    rows = [int(x) for r in (0, 1) for batch, real in seen[r] if real for x in batch["input_ids"].flatten()]
+    assert sorted(rows) == sorted(e.length for e in examples)  # every example once, on one rank

@@ -62,10 +62,11 @@ def implicit_reward_accuracy(model, examples: Sequence[PairExample], collate: Pa
                              progress: bool = True) -> dict[str, float]:
     """Held-out accuracy of DPO's implicit reward beta * (log pi - log pi_ref) on chosen vs rejected."""
     chosen, rejected = [], []
-    for batch in eval_batches(examples, collate, batch_size, accelerator, max_batches, "accuracy", progress):
+    for batch, real in eval_batches(examples, collate, batch_size, accelerator, max_batches, "accuracy", progress):
         _, rc, rr, _, _ = dpo_terms(model, batch, args)
-        chosen += rc.float().tolist()
-        rejected += rr.float().tolist()
+        if real:
+            chosen += rc.float().tolist()
+            rejected += rr.float().tolist()
     rc, rr = torch.tensor(gather_object(chosen)), torch.tensor(gather_object(rejected))
     return {"rewards/accuracies": (rc > rr).float().mean().item(), "rewards/margins": (rc - rr).mean().item(),
             "rewards/chosen": rc.mean().item(), "rewards/rejected": rr.mean().item(), "pairs": float(rc.numel())}

@@ -43,10 +43,11 @@ def reward_accuracy(model, examples: Sequence[PairExample], collate: PairCollato
                     adapter: str = REWARD, max_batches: int = 0, progress: bool = True) -> dict[str, float]:
     """Held-out pairwise accuracy, margin and chosen / rejected reward statistics over all ranks."""
     chosen, rejected = [], []
-    for batch in eval_batches(examples, collate, batch_size, accelerator, max_batches, "accuracy", progress):
+    for batch, real in eval_batches(examples, collate, batch_size, accelerator, max_batches, "accuracy", progress):
         rc, rr = pair_rewards(model, batch, adapter)
-        chosen += rc.float().tolist()
-        rejected += rr.float().tolist()
+        if real:
+            chosen += rc.float().tolist()
+            rejected += rr.float().tolist()
     # Shares differ in size by up to one pair: gather Python lists, not equal-shape tensors.
     rc, rr = torch.tensor(gather_object(chosen)), torch.tensor(gather_object(rejected))
     stats = ranking_stats(rc, rr)

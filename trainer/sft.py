@@ -41,9 +41,10 @@ def completion_perplexity(model, examples: Sequence[SFTExample], collate: SFTCol
                           progress: bool = True) -> dict[str, float]:
     """Held-out perplexity over completion tokens only, summed over every rank's share."""
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    for batch in eval_batches(examples, collate, batch_size, accelerator, max_batches, "perplexity", progress):
+    for batch, real in eval_batches(examples, collate, batch_size, accelerator, max_batches, "perplexity", progress):
         loss_sum, count = completion_nll(model, batch, adapter)
-        total += torch.stack([loss_sum.double(), count.double()])
+        if real:
+            total += torch.stack([loss_sum.double(), count.double()])
     total = accelerator.reduce(total, reduction="sum")
     mean = (total[0] / total[1].clamp(min=1)).item()
     return {"loss": mean, "perplexity": math.exp(mean), "tokens": total[1].item()}

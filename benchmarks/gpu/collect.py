@@ -46,7 +46,10 @@ def unpack(archive: Path, results: Path) -> Path:
         manifests = list(Path(tmp).glob("*/manifest.json"))
         if len(manifests) != 1:
             raise InputError(f"{archive}: expected one PART/manifest.json inside, found {len(manifests)}")
-        manifest = json.loads(manifests[0].read_text())
+        try:
+            manifest = json.loads(manifests[0].read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InputError(f"{archive}: its manifest.json is not valid JSON ({exc})") from None
         target = results / folder_name(manifest)
         if target.exists():
             shutil.rmtree(target)

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from profiling.cli import Checked, UsageError, at_least, parse, run
+from profiling.cli import Checked, UsageError, above, at_least, parse, run
 from profiling.files import write_atomic
 from profiling.provenance import provenance
 from trainer.config import ModelArguments
@@ -38,7 +38,7 @@ class DecodeArguments(Checked):
     copy_gib: float = field(default=1.0, metadata={"help": "Size of the bandwidth-measuring copy, GiB."})
     out_dir: str = field(default="decode", metadata={"help": "Folder for decode.json and decode.md."})
 
-    RULES = {"prompt_tokens": at_least(1), "new_tokens": at_least(2), "repeats": at_least(1)}
+    RULES = {"prompt_tokens": at_least(1), "new_tokens": at_least(2), "repeats": at_least(1), "copy_gib": above(0)}
 
 
 def batch_sizes(text: str) -> list[int]:

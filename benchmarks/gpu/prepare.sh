@@ -25,7 +25,7 @@ data_src=${RLHF_DATA:-../shared/data/hh-rlhf}
 [[ -f .data/tokenizer/tokenizer.json ]] || \
   "$PY" -m benchmarks.ppo_vs_trl --model_name_or_path llama-2-7b --export_tokenizer .data/tokenizer
 rev=$(git rev-parse HEAD)
-git diff --quiet HEAD -- 2>/dev/null || rev="$rev-dirty"
+[[ -z $(git status --porcelain) ]] || rev="$rev-dirty"  # untracked files travel too
 echo "$rev" > .data/git-revision
 
 # What travels: tracked and untracked-not-ignored files, plus the carried folders.

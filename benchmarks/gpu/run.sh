@@ -33,7 +33,8 @@ work=.gpu-work  # inside the project: the parts' commands and files name it rela
 rm -rf "$work" && mkdir -p "$work"
 status=0
 for part in "$@"; do
-  "$PY" -m benchmarks.gpu.parts "$part" --out "$work/$part" "${smoke[@]}" || status=$?
+  "$PY" -m benchmarks.gpu.parts "$part" --out "$work/$part" ${smoke[@]+"${smoke[@]}"} || status=$?
+  [[ -d $work/$part ]] || continue  # the part never started (a typo in its name: parts.py said so)
   name=$("$PY" -c "import json,sys; m=json.load(open(sys.argv[1])); print('-'.join([m['part'], m['model'], 'smoke' if m['smoke'] else m['device_slug']]))" "$work/$part/manifest.json" 2>/dev/null || echo "$part-failed")
   # weights and checkpoints stay behind: the 7B adapters alone are 160 MB each
   tar -czf "$OUT/$name.tar.gz" --exclude=adapter --exclude='checkpoint-*' --exclude='previous-*' \

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import platform
 import sys
@@ -18,12 +17,9 @@ def versions() -> dict:
     out = {"python": platform.python_version(), "cuda": torch.version.cuda,
            "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    for name in LIBRARIES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    from profiling.provenance import library_versions
+
+    return {**out, **library_versions(LIBRARIES)}
 
 
 if __name__ == "__main__":

@@ -58,17 +58,28 @@ def batch_stream(accelerator, loader, sampler: EpochShuffleSampler, epoch: int, 
 
 
 def eval_batches(examples: Sequence, collate: Callable, batch_size: int, accelerator, max_batches: int = 0,
-                 desc: str = "evaluate", progress: bool = True) -> Iterator[dict]:
-    """This rank's share of a held-out set (every example on exactly one rank; the first `max_batches`
-    batches' worth if set), in batches of like lengths so short rows are not padded to the longest,
-    on the device, under a progress bar."""
+                 desc: str = "evaluate", progress: bool = True) -> Iterator[tuple[dict, bool]]:
+    """(batch, real) over this rank's share of a held-out set: every example on exactly one rank (the
+    first `max_batches` batches' worth per rank, if set), in batches of like lengths so short rows are not
+    padded to the longest, on the device, under a progress bar.
+
+    Every rank runs the same number of batches, since under ZeRO-3 or FSDP each forward gathers the
+    weights from all ranks: a rank whose share is a row short ends with a repeat of a batch it already
+    had, flagged `real=False`, whose outputs the caller drops.
+    """
     from tqdm.auto import tqdm
 
-    mine = list(examples[accelerator.process_index :: accelerator.num_processes])
+    ranks = accelerator.num_processes
+    mine = list(examples[accelerator.process_index :: ranks])
     if max_batches:
         mine = mine[: max_batches * batch_size]
     mine.sort(key=lambda e: e.length, reverse=True)  # longest first: a batch too big fails at once
-    starts = range(0, len(mine), batch_size)
-    for start in tqdm(starts, desc=desc, leave=False, dynamic_ncols=True,
-                      disable=not (progress and accelerator.is_main_process)):
-        yield {k: v.to(accelerator.device) for k, v in collate(mine[start : start + batch_size]).items()}
+    largest_share = -(-len(examples) // ranks)
+    count = -(-largest_share // batch_size)
+    count = min(count, max_batches) if max_batches else count
+    for i in tqdm(range(count), desc=desc, leave=False, dynamic_ncols=True,
+                  disable=not (progress and accelerator.is_main_process)):
+        rows = mine[i * batch_size : (i + 1) * batch_size]
+        real = bool(rows)
+        batch = collate(rows if real else (mine or list(examples))[:1])
+        yield {k: v.to(accelerator.device) for k, v in batch.items()}, real

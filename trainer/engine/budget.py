@@ -33,6 +33,8 @@ def estimate_arguments(stage: str, model_args, data_args, train_args, stage_args
     extra = {"stage": stage, "device": "cuda" if device == "cuda" else "cpu"}
     if offloads_optimizer(deepspeed_config(accelerator)):
         extra["optimizer"] = "deepspeed_zero2_offload"
+    if stage == "ppo":
+        extra["lora_dropout"] = 0.0  # PPO turns LoRA dropout off (trainer/ppo.py: build_model)
     return EstimateArguments.of_run(model_args, data_args, train_args, stage_args, **extra)
 
 

@@ -1,4 +1,4 @@
-"""Resumable checkpoints: written atomically, verified before use, loaded without running code.
+"""Resumable checkpoints: written atomically, verified before use, loaded without unpickling code.
 
 A checkpoint is a folder `checkpoint-0000120/` holding the trainable adapters (PEFT format plus
 heads), the optimizer state, the LR schedule, every rank's RNG states, `state.json` (step, data
@@ -8,7 +8,8 @@ renamed into place, so a kill during the write leaves only a `.tmp` folder that 
 the next save removes.
 
 Loading never unpickles code: tensors and plain data only (`torch.load(weights_only=True)`, JSON,
-safetensors). Before a run resumes, the checkpoint is verified against its manifest and every file
+safetensors). Under DeepSpeed the engine's own files are loaded by DeepSpeed, which unpickles them: there
+the manifest's checksums detect damage but not a deliberate change. Before a run resumes, the checkpoint is verified against its manifest and every file
 is read; a damaged newest checkpoint gives way to the one before it with one warning line naming
 the bad file.
 
@@ -72,11 +73,6 @@ def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
         if match and path.is_dir() and (path / STATE_FILE).is_file():
             found.append((int(match.group(1)), path))
     return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(output_dir: str | os.PathLike) -> Optional[Path]:
-    found = complete_checkpoints(output_dir)
-    return found[-1] if found else None
 
 
 # ---- RNG states as tensors and plain data ---------------------------------------------------------
@@ -280,6 +276,16 @@ RUN_ARTIFACTS = ("metrics.jsonl", "results.json", "config.json", "adapter", "ten
                  "memory.md", "memory.png")
 
 
+def _aside_folder(root: Path) -> Path:
+    target = root / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while target.exists():
+        n += 1
+        target = root / f"previous-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+    target.mkdir()
+    return target
+
+
 def set_aside_previous_run(output_dir: str | os.PathLike) -> Optional[Path]:
     """Move an earlier run's checkpoints and outputs into `previous-<time>/` inside `output_dir`.
 
@@ -291,16 +297,28 @@ def set_aside_previous_run(output_dir: str | os.PathLike) -> Optional[Path]:
     found = [p for p in root.iterdir() if p.name.startswith(PREFIX) or p.name in RUN_ARTIFACTS]
     if not found:
         return None
-    target = root / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
-    n = 1
-    while target.exists():
-        n += 1
-        target = root / f"previous-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
-    target.mkdir()
+    target = _aside_folder(root)
     for p in found:
         os.replace(p, target / p.name)
     logger.warning("--resume no: moved the earlier run's %d checkpoint(s) and outputs in %s to %s",
                    sum(p.name.startswith(PREFIX) for p in found), root, target)
+    return target
+
+
+def set_aside_newer(output_dir: str | os.PathLike, resume_from: Path) -> Optional[Path]:
+    """Move the checkpoints newer than the one a run resumes from (damaged ones it skipped, or a later
+    point of the run it rewinds) into `previous-<time>/`: pruning keeps the highest steps, and would
+    otherwise delete the new checkpoints and keep these."""
+    step = int(_NAME.match(Path(resume_from).name).group(1)) if _NAME.match(Path(resume_from).name) else None
+    root = Path(output_dir)
+    newer = [p for p in root.iterdir() if _NAME.match(p.name) and step is not None
+             and int(_NAME.match(p.name).group(1)) > step] if root.is_dir() else []
+    if not newer:
+        return None
+    target = _aside_folder(root)
+    for p in newer:
+        os.replace(p, target / p.name)
+    logger.warning("resuming from step %d: moved %d newer checkpoint(s) of %s to %s", step, len(newer), root, target)
     return target
 
 

@@ -113,24 +113,29 @@ class Engine:
         """Clip and step after the backward passes of one optimizer step: (stepped, sound, gradient norm).
 
         Nothing steps when a loss (`finite=False`) or the gradient is not finite on some rank; `sound` is
-        False then. Under DeepSpeed the engine has clipped and stepped (or skipped the step) already; this
-        reads what it did (fp16 loss scaling skips steps by design while it calibrates: sound, not stepped).
+        False then. fp16 loss scaling skips steps by design while it calibrates its scale: that is sound,
+        just not stepped (its scaler must see every step, or the scale never comes down). Under DeepSpeed
+        the engine has clipped and stepped (or skipped the step) already; this reads what it did.
         """
         if self.deepspeed:
             stepped, norm = self.model.was_step_applied(), self.model.get_global_grad_norm()
-            sound = stepped or (finite and self.model.fp16_enabled())
+            sound = finite and (stepped or self.model.fp16_enabled())
             self.optimizer.zero_grad(set_to_none=True)
             return stepped, sound, float("nan") if norm is None else float(norm)
         norm = torch.tensor(float("nan"))
-        if finite:
-            max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
-            norm = self.accelerator.clip_grad_norm_(self.params, max_norm)
-            finite = all_finite(self.accelerator, norm)
-        if finite:
+        if not finite:
+            self.optimizer.zero_grad(set_to_none=True)
+            return False, False, float(norm)
+        max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else float("inf")
+        norm = self.accelerator.clip_grad_norm_(self.params, max_norm)
+        norm_finite = all_finite(self.accelerator, norm)
+        scaled = self.accelerator.scaler is not None  # fp16 AMP: the scaler decides, and must update
+        if norm_finite or scaled:
             with self.recorder.phase("optimizer_step"):
                 self.optimizer.step()
+        stepped = norm_finite and not (scaled and self.optimizer.step_was_skipped)
         self.optimizer.zero_grad(set_to_none=True)
-        return finite, finite, float(norm)
+        return stepped, norm_finite or scaled, float(norm)
 
 
 StepBody = Callable[[int, Iterator[dict]], StepResult]
@@ -228,6 +233,7 @@ class Harness:
         metrics = mean_over_ranks(acc, result.metrics)
         tokens = acc.reduce(torch.tensor(float(result.tokens), device=acc.device), "sum").item()
         peak, kind = peak_memory_gb(acc.device)
+        peak = max(peak, self.engine.recorder.peak_allocated / 1e9)  # its phases reset CUDA's peak counter
         metrics.update({"perf/step_s": elapsed, f"perf/peak_{kind}_gb": peak,
                         "train/skipped_steps": float(self.state["bad_steps_total"])})
         if result.tokens:

@@ -25,7 +25,7 @@ class MetricsLog:
         """Drop lines a killed run wrote after the checkpoint it resumes from."""
         if not self.accelerator.is_main_process or not self.path.is_file():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        kept = [json.dumps(row) for row in parse_lines(self.path) if row["step"] <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def start_fresh(self) -> None:
@@ -41,9 +41,20 @@ class MetricsLog:
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
+    return parse_lines(path) if path.is_file() else []
+
+
+def parse_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of a metrics file; a line a killed run left half-written is dropped."""
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
 
 
 def eval_history(run_dir: Path) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_
 from trainer.data.hh_rlhf import Splits, load_splits
 from trainer.engine.budget import check_budget
 from trainer.engine.checkpoint import (
-    gathered_trainable, saved_config, select_checkpoint, set_aside_previous_run,
+    gathered_trainable, saved_config, select_checkpoint, set_aside_newer, set_aside_previous_run,
 )
 from trainer.engine.launch import check_launch, is_deepspeed, make_accelerator, setup_logging
 from trainer.engine.metrics import eval_history
@@ -136,8 +136,16 @@ def check_resume_config(ctx: RunContext) -> None:
     saved = saved_config(ctx.resume_from)
     if saved is None:  # a checkpoint of an older version: the folder's config.json is the best record
         folder_config = ctx.output_dir / CONFIG_FILE
-        saved = json.loads(folder_config.read_text()) if folder_config.is_file() else {}
+        try:
+            saved = json.loads(folder_config.read_text()) if folder_config.is_file() else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InputError(f"{folder_config}: not valid JSON ({exc}); resume with --resume_config_check false "
+                             "or start over with --resume no") from None
     changes = resume_config_changes(saved, ctx.config())
+    old_steps = (saved.get("train") or {}).get("max_steps")
+    if old_steps not in (None, ctx.train_args.max_steps):
+        logger.warning("max_steps %s -> %s: the learning-rate schedule is stretched to the new length, so the "
+                       "rate jumps at the first resumed step", old_steps, ctx.train_args.max_steps)
     if changes:
         raise UsageError(
             f"{ctx.output_dir} would resume from {ctx.resume_from.name}, which was saved with other settings: "
@@ -154,6 +162,10 @@ def prepare_output_dir(ctx: RunContext) -> None:
     accelerator.wait_for_everyone()
     ctx.resume_from = select_checkpoint(ctx.output_dir, ctx.train_args.resume, is_deepspeed(accelerator))
     check_resume_config(ctx)
+    if ctx.resume_from is not None and accelerator.is_main_process and \
+            ctx.resume_from.parent.resolve() == ctx.output_dir.resolve():
+        set_aside_newer(ctx.output_dir, ctx.resume_from)
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_atomic(ctx.output_dir / CONFIG_FILE, json.dumps(ctx.config(), indent=2))
 

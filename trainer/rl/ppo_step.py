@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from profiling.cli import InputError, UsageError
 from profiling.stages import POLICY
 from trainer.engine.harness import Engine, StepResult
 from trainer.engine.metrics import mean_over_ranks
@@ -52,7 +54,10 @@ class PPOState:
                 "update_micro_batch": self.micro_batch_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.kl.load_state_dict(state["kl_controller"])
+        try:
+            self.kl.load_state_dict(state["kl_controller"])
+        except ValueError as exc:  # adaptive_kl changed, and --resume_config_check false let it through
+            raise UsageError(f"{exc}: resume with the --adaptive_kl setting the checkpoint was saved with") from None
         self.generator.set_state(torch.tensor(state["minibatch_rng"], dtype=torch.uint8))
         self.micro_batch_size = state.get("update_micro_batch", self.micro_batch_size)
 
@@ -149,10 +154,12 @@ def ppo_update(engine: Engine, rollout: Rollout, adv: Advantages, args, state: P
                 except (torch.OutOfMemoryError, RuntimeError) as exc:
                     if not is_oom(exc) or state.micro_batch_size == 1:
                         raise
-                    if engine.deepspeed:
-                        # The engine owns the gradients and fixed its accumulation at prepare time.
-                        raise RuntimeError("out of memory in the PPO update under DeepSpeed: lower "
-                                           "micro_batch_size (the automatic retry needs the plain loop)") from exc
+                    if engine.deepspeed or engine.accelerator.num_processes > 1:
+                        # The engine owns the gradients and fixed its accumulation at prepare time; with
+                        # several processes a retry on one rank alone would pair its collectives wrongly.
+                        raise InputError(f"out of memory in the PPO update at micro-batch {state.micro_batch_size} "
+                                         "with DeepSpeed or several processes: lower --micro_batch_size (the "
+                                         "automatic retry needs one process without DeepSpeed)") from None
                     engine.optimizer.zero_grad(set_to_none=True)
                     free_memory()
                     state.micro_batch_size //= 2
@@ -217,9 +224,11 @@ def ppo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: PPOSta
     state.steps_here += 1
     update_s = time.perf_counter() - started
     engine.recorder.track(rollout_buffers=[])
-    # The controller sees the KL averaged over ranks: every rank keeps the same beta.
+    # The controller sees the KL averaged over ranks: every rank keeps the same beta (and a NaN KL
+    # would make it NaN for good: such a step leaves it alone).
     kl = mean_over_ranks(acc, {"kl": metrics["objective/kl"]})["kl"]
-    state.kl.update(kl, args.rollout_batch_size * acc.num_processes)
+    if math.isfinite(kl):
+        state.kl.update(kl, args.rollout_batch_size * acc.num_processes)
     new_tokens = rollout.response_mask.sum().item()
     update_tokens = rollout.attention_mask.sum().item() * args.ppo_epochs
     metrics.update(stats)
