@@ -10,12 +10,14 @@ the note). What the run itself wrote is copied as it is, never edited.
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 
-from profiling.provenance import provenance
+from profiling.cli import InputError, argument_parser, run
+from profiling.files import write_atomic
+from profiling.provenance import PROJECT_ROOT, provenance
 
 STAGE_FILES = ("config.json", "results.json", "metrics.jsonl", "memory.json", "memory.md", "memory.png")
 RUN_FILES = ("report.md", "curves.png", "comparison.json")
@@ -23,7 +25,7 @@ RUN_FILES = ("report.md", "curves.png", "comparison.json")
 
 def collect(run_dir: Path, out: Path, note: str = "") -> list[Path]:
     if not run_dir.is_dir():
-        raise SystemExit(f"{run_dir}: no such run folder")
+        raise InputError(f"{run_dir}: no such run folder")
     out.mkdir(parents=True, exist_ok=True)
     copied = []
     for name in RUN_FILES:
@@ -36,14 +38,15 @@ def collect(run_dir: Path, out: Path, note: str = "") -> list[Path]:
                 (out / stage.name).mkdir(exist_ok=True)
                 copied.append(Path(shutil.copy2(stage / name, out / stage.name / name)))
     if not copied:
-        raise SystemExit(f"{run_dir}: nothing to collect (no reports, results or metrics)")
-    info = {**provenance(), "run_dir": str(run_dir), "note": note, "files": [str(p.relative_to(out)) for p in copied]}
-    (out / "provenance.json").write_text(json.dumps(info, indent=2))
+        raise InputError(f"{run_dir}: nothing to collect (no reports, results or metrics)")
+    info = {**provenance(), "run_dir": os.path.relpath(run_dir, PROJECT_ROOT), "note": note,
+            "files": [str(p.relative_to(out)) for p in copied]}
+    write_atomic(out / "provenance.json", json.dumps(info, indent=2))
     return copied
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser("python -m benchmarks.collect_run", __doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--note", default="", help="what the run was, e.g. the commands behind it")
@@ -53,4 +56,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -152,7 +152,7 @@ def train(ctx: RunContext, model, prompts, held_out) -> PPOState:
     def evaluate() -> dict[str, float]:
         return policy_vs_reference(harness.engine.raw, held_out, Sampling.of(args), scorer, tok.eos_token_id,
                                    tok.pad_token_id, args.rollout_micro_batch_size, args.eval_seed, ctx.accelerator,
-                                   POLICY, REFERENCE) or {}
+                                   POLICY, REFERENCE, progress=targs.progress_bar) or {}
 
     def step(step_number: int, batches) -> StepResult:
         return ppo_step(harness.engine, next(batches), args, state, scorer, tok.eos_token_id, tok.pad_token_id)

@@ -39,7 +39,7 @@ class PolicySamples:
 @torch.no_grad()
 def sample_policies(model, prompts: Sequence[PromptExample], policies: Sequence[str], reference: str,
                     scorer: Scorer, sampling: Sampling, eos_id: int, pad_id: int, batch_size: int, seed: int,
-                    accelerator=None, tokenizer=None) -> dict[str, PolicySamples]:
+                    accelerator=None, tokenizer=None, progress: bool = True) -> dict[str, PolicySamples]:
     """Sample every policy on `prompts` (this rank's share of them under `accelerator`, gathered after).
 
     Sampling noise is seeded per batch, the same for every policy, and forked from the caller's RNG so
@@ -47,6 +47,7 @@ def sample_policies(model, prompts: Sequence[PromptExample], policies: Sequence[
     decoded too (on one process).
     """
     from accelerate.utils import gather_object
+    from tqdm.auto import tqdm
 
     rank, ranks = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
     device = accelerator.device if accelerator is not None else next(model.parameters()).device
@@ -56,7 +57,9 @@ def sample_policies(model, prompts: Sequence[PromptExample], policies: Sequence[
     was_training = model.training
     model.eval()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for start in range(0, len(mine), batch_size):
+        main = accelerator is None or accelerator.is_main_process
+        for start in tqdm(range(0, len(mine), batch_size), desc="policies", leave=False, dynamic_ncols=True,
+                          disable=not (progress and main)):
             batch = collate(mine[start : start + batch_size])
             ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             for name in policies:
@@ -83,13 +86,13 @@ def sample_policies(model, prompts: Sequence[PromptExample], policies: Sequence[
 
 
 def policy_vs_reference(model, prompts: Sequence[PromptExample], sampling: Sampling, scorer: Scorer, eos_id: int,
-                        pad_id: int, batch_size: int, seed: int, accelerator, policy: str, reference: str
-                        ) -> Optional[dict[str, float]]:
+                        pad_id: int, batch_size: int, seed: int, accelerator, policy: str, reference: str,
+                        progress: bool = True) -> Optional[dict[str, float]]:
     """PPO's evaluation figures: both policies' scores, the policy's win rate and KL, response lengths."""
     if not prompts:
         return None
     samples = sample_policies(model, prompts, [policy, reference], reference, scorer, sampling, eos_id, pad_id,
-                              batch_size, seed, accelerator)
+                              batch_size, seed, accelerator, progress=progress)
     mine, base = samples[policy].summary(samples[reference]), samples[reference].summary(samples[reference])
     return {"score_policy": mine["mean_score"], "score_sft": base["mean_score"], "win_rate": mine["win_rate"],
             "kl": mine["kl"], "response_length_policy": mine["mean_length"],
