@@ -26,6 +26,7 @@ demo: install
 	$(PY) -m trainer.pipeline
 
 test: install
+	@$(PY) tests/build_ops.py 2>&1 | grep -v WARNING
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-fast: install

@@ -4,7 +4,7 @@ Two gloo processes train exactly like one process with twice the accumulation, e
 own rows; DeepSpeed ZeRO-2 with CPU optimizer offload steps, skips a NaN step as DDP does, and
 resumes from its engine checkpoint; the launch modes a run cannot use are refused in one line.
 
-The DeepSpeed tests compile DeepSpeed's cpu_adam and shm_comm ops on first use (~3 min on 2 cores),
+The DeepSpeed tests need DeepSpeed's cpu_adam and shm_comm ops, which `make test` compiles first (tests/build_ops.py),
 cached under $TORCH_EXTENSIONS_DIR (default: the project cache), so CI pays it once.
 """
 
