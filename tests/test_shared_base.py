@@ -310,3 +310,71 @@ def test_a_frozen_head_without_saved_weights_is_an_error_naming_the_folder(sft_a
     model = build_shared_model(args, [AdapterSpec("value", trainable=True, init_from=str(sft_dir), head=True)],
                                vocab_size=VOCAB)
     assert "value" in model.heads
+
+
+def perturbed_ppo_model(args, sft_dir):
+    """PPO's four adapters, each with distinct weights (policy moved off the SFT copy, value non-zero)."""
+    model = ppo_model(args, sft_dir)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for param, adapter in model._lora_params:
+            if adapter in ("policy", "value", "reward"):
+                param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
+FOUR = (("policy", "logits"), ("reference", "logits"), ("value", "scores"), ("reward", "scores"))
+
+
+@pytest.mark.parametrize("keep_last", [0, 4])
+def test_a_fused_pass_gives_each_adapter_what_its_own_pass_gives(sft_adapter, keep_last):
+    args, sft_dir, _ = sft_adapter
+    model = perturbed_ppo_model(args, sft_dir)
+    model.eval()
+    ids, mask = batch(b=3)
+    adapters, outputs = zip(*FOUR)
+    with torch.no_grad():
+        fused = model(ids, mask, adapter=adapters, output=outputs, keep_last=keep_last)
+        separate = [model(ids, mask, adapter=a, output=o, keep_last=keep_last) for a, o in FOUR]
+    assert model.routable and model.active == "policy"  # the route is gone after the pass
+    for (adapter, _), got, want in zip(FOUR, fused, separate):
+        assert got.shape == want.shape, adapter
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=adapter)
+    # the groups really differ: each got its own adapter
+    assert not torch.allclose(fused[0], fused[1]) and not torch.allclose(fused[2], fused[3])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_fused_policy_and_value_pass_backpropagates_as_two_passes_do(sft_adapter, checkpointing):
+    args, sft_dir, _ = sft_adapter
+    # train mode without dropout (PPO turns LoRA dropout off: its ratio must start at 1)
+    model = perturbed_ppo_model(tiny_args(args.quantization, checkpointing=checkpointing, lora_dropout=0.0), sft_dir)
+    model.train()
+    ids, mask = batch(b=3)
+    target = torch.randn(3, 5, generator=torch.Generator().manual_seed(3))
+
+    def loss_of(logits, values):
+        return logits.float().log_softmax(-1)[..., 0].sum() + (values - target).pow(2).sum()
+
+    grads = []
+    for fused in (True, False):
+        model.zero_grad(set_to_none=True)
+        logits, values = model.fused(ids, mask, ("policy", "value"), ("logits", "scores"), keep_last=5,
+                                     separate=not fused)
+        loss_of(logits, values).backward()
+        grads.append([None if p.grad is None else p.grad.clone() for p in model.trainable_parameters()])
+    assert all(g is not None for g in grads[0]) and any(g.abs().sum() > 0 for g in grads[0])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p, a in model._lora_params if a in ("reference", "reward"))
+
+
+def test_routing_refuses_unknown_adapters_and_mismatched_rows(sft_adapter):
+    args, sft_dir, _ = sft_adapter
+    model = ppo_model(args, sft_dir)
+    ids, mask = batch(b=2)
+    with pytest.raises(KeyError, match="critic"):
+        model.fused(ids, mask, ("policy", "critic"), ("logits", "scores"))
+    with pytest.raises(ValueError, match="routed batch has 2 rows"), torch.no_grad():
+        model.hidden_states(ids, mask, (("policy", 1), ("value", 2)))
+    assert model.active == "policy"

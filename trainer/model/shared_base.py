@@ -14,7 +14,7 @@ import shutil
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -28,6 +28,11 @@ logger = logging.getLogger(__name__)
 
 HEAD_FILE = "head.safetensors"
 WEIGHTS_FILE = "adapter_model.safetensors"
+
+# A routed batch: (adapter, rows) per group, in batch order. The groups' rows go through the base as
+# ONE batch, each group through its own LoRA weights (`SharedBaseModel.fused`).
+Route = tuple[tuple[str, int], ...]
+Active = Union[str, Route]
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -106,6 +111,8 @@ class SharedBaseModel(nn.Module):
         self.specs = {s.name: s for s in specs}
         self._lora_params = self._collect_lora_params()
         self._tuner_layers = self._collect_tuner_layers()
+        self._route: Optional[Route] = None
+        self.routable = self._install_routing()
         self._apply_trainability()
 
     # ---- construction -------------------------------------------------------------------------
@@ -174,18 +181,66 @@ class SharedBaseModel(nn.Module):
         for name, head in self.heads.items():
             head.requires_grad_(self.specs[name].trainable)
 
+    def _install_routing(self) -> bool:
+        """Give every LoRA linear layer the hook that adds each group's own LoRA output in a routed
+        batch; False (routing unavailable, passes run one adapter at a time) for other layer kinds."""
+        from peft.tuners.lora import LoraLayer
+
+        plain = all(isinstance(m, LoraLayer) and isinstance(m.base_layer, nn.Linear)  # bnb Linear4bit is one
+                    and not getattr(m, "lora_variant", {}) for m in self._tuner_layers)
+        if plain:
+            for layer in self._tuner_layers:
+                layer.register_forward_hook(self._add_routed_lora)
+        return plain
+
+    def _add_routed_lora(self, layer, inputs, output):
+        """Forward hook: in a routed batch (no adapter active in peft's own forward, so `output` is the
+        base layer's), add to each group's rows the LoRA output of that group's adapter."""
+        route = self._route
+        if route is None:
+            return None
+        x = inputs[0]
+        sizes = [rows for _, rows in route]
+        if x.shape[0] != sum(sizes):
+            raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(sizes)}")
+        # Rounded as peft's own layer rounds (its bitsandbytes layers cast the LoRA output to the
+        # result's dtype before adding; the plain one adds in the wider dtype, then casts), so a
+        # routed pass gives each group what a pass under its adapter gives.
+        round_first = type(layer).__module__.endswith(".bnb")
+        pieces = []
+        for (name, _), xs, out in zip(route, x.split(sizes), output.split(sizes)):
+            if name in layer.lora_A:
+                lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+                delta = lora_b(lora_a(layer.lora_dropout[name](xs.to(lora_a.weight.dtype)))) * layer.scaling[name]
+                out = out + delta.to(out.dtype) if round_first else (out + delta).to(out.dtype)
+            pieces.append(out)
+        return torch.cat(pieces)
+
     # ---- switching ----------------------------------------------------------------------------
     @property
     def active_adapter(self) -> str:
         return self.peft.active_adapter
 
     @property
+    def active(self) -> Active:
+        """The active adapter's name, or the route of a routed batch."""
+        return self._route if self._route is not None else self.peft.active_adapter
+
+    @property
     def adapter_names(self) -> list[str]:
         return list(self.specs)
 
-    def _activate(self, name: str) -> None:
+    def _activate(self, target: Active) -> None:
+        if not isinstance(target, str):
+            self._route_to(tuple(target))
+            return
+        name = target
         if name not in self.specs:
             raise KeyError(f"no adapter '{name}' on this model (have {self.adapter_names})")
+        if self._route is not None:
+            self._route = None
+            for layer in self._tuner_layers:
+                layer._active_adapter = [name]
         if name != self.peft.active_adapter:
             # Only the active-adapter pointer of each cached LoRA layer changes. PeftModel.set_adapter
             # walks every module and rewrites requires_grad on every adapter (30 ms per switch on
@@ -197,18 +252,29 @@ class SharedBaseModel(nn.Module):
             self.peft.base_model.active_adapter = name  # the LoraModel's record ...
             self.peft.active_adapter = name  # ... and the PeftModel's (peft_config lookups, saving)
 
+    def _route_to(self, route: Route) -> None:
+        if not self.routable:
+            raise ValueError("this model's adapters cannot be routed per row group (only plain LoRA on linear "
+                             "layers can): run the passes one adapter at a time")
+        for name, rows in route:
+            if name not in self.specs:
+                raise KeyError(f"no adapter '{name}' on this model (have {self.adapter_names})")
+        for layer in self._tuner_layers:
+            layer._active_adapter = []  # peft's forward returns the base output; the hook adds each group's LoRA
+        self._route = route
+
     def checkpoint_contexts(self):
-        """`context_fn` for torch.utils.checkpoint: recompute under the adapter active in the forward.
+        """`context_fn` for torch.utils.checkpoint: recompute under the adapter (or route) active in the forward.
 
         Without it, a layer checkpointed under `value` would be recomputed in backward under whatever
         adapter is active then (usually `policy`), giving wrong gradients or a metadata mismatch.
         """
-        return nullcontext(), self.use_adapter(self.active_adapter)
+        return nullcontext(), self.use_adapter(self.active)
 
     @contextmanager
-    def use_adapter(self, name: str) -> Iterator["SharedBaseModel"]:
-        """Run the body with adapter `name` active; the previous adapter is restored, also on exceptions."""
-        previous = self.active_adapter
+    def use_adapter(self, name: Active) -> Iterator["SharedBaseModel"]:
+        """Run the body with adapter `name` (or a route) active; the previous one is restored, also on exceptions."""
+        previous = self.active
         self._activate(name)
         try:
             yield self
@@ -220,9 +286,12 @@ class SharedBaseModel(nn.Module):
     def causal_lm(self) -> nn.Module:
         return self.peft.get_base_model()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str,
-                output: str = "logits", keep_last: int = 0, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str | Sequence[str],
+                output: str | Sequence[str] = "logits", keep_last: int = 0, labels: Optional[torch.Tensor] = None):
         """One entry point for wrappers (DDP, DeepSpeed) that must see `forward`.
+
+        Several adapters (and one output per adapter) score the same rows in one routed pass of the
+        base (`fused`) and return a tuple.
 
         `output` is "logits" (B, T, V), "scores" (B, T) from the adapter's head, "hidden" (B, T, H), or
         "logprobs" (B, T-1): log p of each next-token `labels` entry, computing the LM head only where
@@ -230,6 +299,8 @@ class SharedBaseModel(nn.Module):
         `keep_last=k` computes only the last k positions' outputs (PPO needs the response part only,
         and the vocab-sized logits of the prompt are the largest tensor of a scoring pass).
         """
+        if not isinstance(adapter, str):
+            return self.fused(input_ids, attention_mask, adapter, output, keep_last)
         if output == "logprobs":
             if labels is None:
                 raise ValueError("output='logprobs' needs labels")
@@ -250,9 +321,9 @@ class SharedBaseModel(nn.Module):
                              position_ids=position_ids_from_mask(attention_mask), use_cache=False,
                              logits_to_keep=keep_last).logits
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str,
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: Active,
                       keep_last: int = 0) -> torch.Tensor:
-        """(B, T, H) last hidden states under `adapter`, skipping the LM head (no vocab-sized tensor)."""
+        """(B, T, H) last hidden states under `adapter` (or a route), skipping the LM head (no vocab-sized tensor)."""
         with self.use_adapter(adapter):
             out = self.causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                             position_ids=position_ids_from_mask(attention_mask), use_cache=False)
@@ -292,6 +363,36 @@ class SharedBaseModel(nn.Module):
         if adapter not in self.heads:
             raise KeyError(f"adapter '{adapter}' has no scalar head")
         return self.heads[adapter](self.hidden_states(input_ids, attention_mask, adapter, keep_last))
+
+    def fused(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapters: Sequence[str],
+              outputs: Sequence[str], keep_last: int = 0, separate: bool = False) -> tuple[torch.Tensor, ...]:
+        """The same rows under several adapters in ONE pass of the base.
+
+        The rows are stacked once per adapter and each copy is routed through its own LoRA weights, so
+        every base layer (in 4-bit: every dequantization) runs once for all of them instead of once per
+        adapter. `outputs[g]` ("logits" or "scores") is what `adapters[g]` gives; result g equals
+        `self(input_ids, attention_mask, adapters[g], outputs[g], keep_last)`. `separate=True`, or a
+        model that cannot route, runs those passes one after the other instead (same results).
+        """
+        if len(adapters) != len(outputs) or not adapters:
+            raise ValueError(f"one output per adapter: got {list(adapters)} and {list(outputs)}")
+        for output in outputs:
+            if output not in ("logits", "scores"):
+                raise ValueError(f"a fused pass gives logits or scores, not '{output}'")
+        if separate or not self.routable or ("logits" in outputs and not self._plain_lm_head):
+            return tuple(self.forward(input_ids, attention_mask, a, o, keep_last) for a, o in zip(adapters, outputs))
+        rows, groups = input_ids.shape[0], len(adapters)
+        route = tuple((adapter, rows) for adapter in adapters)
+        hidden = self.hidden_states(input_ids.repeat(groups, 1), attention_mask.repeat(groups, 1), route, keep_last)
+        results = []
+        for adapter, output, part in zip(adapters, outputs, hidden.split(rows)):
+            if output == "logits":
+                results.append(self.causal_lm.get_output_embeddings()(part))
+            else:
+                if adapter not in self.heads:
+                    raise KeyError(f"adapter '{adapter}' has no scalar head")
+                results.append(self.heads[adapter](part))
+        return tuple(results)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = POLICY, **kwargs):
