@@ -36,7 +36,12 @@ def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
         "reward": "LoRA adapter 'reward' + scalar head (frozen; fresh adapter, shared head weights) on the same base",
         "optimizer": optimizer_name,
         "gradient_checkpointing": args.gradient_checkpointing,
-        "scoring": "policy / reward / reference / value passes compute only the response positions' outputs",
+        "scoring": ("ONE routed pass of the base for policy / reference / value / reward (each row group through "
+                    "its own adapter), and one for policy + value in the update"
+                    if args.ppo.fused_passes else "one pass per adapter")
+                   + "; only the response positions' outputs are computed",
+        "generation": "from a merged working copy of the policy weights" if args.ppo.merged_generation
+                      else "through the LoRA layers (unmerged)",
         "step": "trainer.rl.ppo_step.ppo_step (the function trainer/ppo.py trains with)",
     }
 

@@ -38,7 +38,9 @@ from profiling.cli import run
 
 logger = logging.getLogger("benchmarks.ppo_vs_trl")
 ROOT = Path(__file__).resolve().parent.parent
-SIDE_NAMES = {"ours": "ours (one base, 4 adapters)", "trl": "TRL 1.12 PPOTrainer"}
+SIDE_NAMES = {"ours": "ours (one base, 4 adapters)", "trl": "TRL 1.12 PPOTrainer",
+              "ours_separate": "ours, ablation: one pass per adapter (--fused_passes false)",
+              "ours_merged": "ours, ablation: generation from merged weights (--merged_generation true)"}
 
 
 def make_bench_accelerator(args: Workload, out_dir: str):
@@ -98,11 +100,11 @@ def run_side(name: str, args: Workload, prompts, tokenizer, accelerator, probe: 
     result["at_start"] = probe.now()
     result["load_average_at_start"] = os.getloadavg()  # other jobs on the machine stretch wall times
     try:
-        if name == "ours":
+        if name != "trl":
             from benchmarks.ours import run_ours
 
             with tempfile.TemporaryDirectory(prefix="ppo-bench-heads-") as folder:
-                run_ours(args, prompts, tokenizer, accelerator, probe, write_heads(heads, folder), result)
+                run_ours(args.ablation(name), prompts, tokenizer, accelerator, probe, write_heads(heads, folder), result)
         else:
             from benchmarks.trl_ppo import run_trl
 

@@ -109,6 +109,7 @@ def render_markdown(report: dict) -> str:
                   "time (all of this process's threads) is the steadier comparison. 1-minute load average "
                   "at the start / end of each side: "
                   + "; ".join(f"{n} {_load(a)} / {_load(b)}" for n, (a, b) in loads.items()) + "."]
+    lines += ablation_lines(report)
     for name, side in report["sides"].items():
         lines += ["", f"## {side['label']}: status {side['status']}", ""]
         if side.get("error"):
@@ -129,6 +130,28 @@ def render_markdown(report: dict) -> str:
               "- Every boundary synchronizes the device. TRL's policy log-probs come from the logits it keeps "
               "while generating; ours re-scores the sampled tokens in one forward pass."]
     return "\n".join(lines) + "\n"
+
+
+def ablation_lines(report: dict) -> list[str]:
+    """A table of our side against each of its ablations run in the same command (ablation / ours:
+    above 1, the ablated feature saves that much)."""
+    sides = report["sides"]
+    ours = sides.get("ours", {}).get("summary", {})
+    ablations = [n for n in sides if n.startswith("ours_")]
+    if not ours or not ablations:
+        return []
+    lines = ["", "## Ablations of ours (same command, same work)", "",
+             "| | ours | " + " | ".join(ablations) + " |", "|---|---:|" + "---:|" * len(ablations)]
+    figures = [("whole PPO step (s)", "step_s"), ("rollout (s)", "rollout_s"), ("  of which generation (s)", "generate_s"),
+               ("update (s)", "update_s"), ("whole PPO step, process CPU time (s)", "step_cpu_s")]
+    memory = "peak_allocated_bytes" if report["device_kind"] == "cuda" else "peak_rss_bytes"
+    for label, key in figures:
+        cells = [_num(sides[n].get("summary", {}).get(key)) for n in ablations]
+        lines.append(f"| {label} | {_num(ours.get(key))} | " + " | ".join(cells) + " |")
+    cells = [_gib(sides[n].get("summary", {}).get(memory)) for n in ablations]
+    lines.append(f"| peak {'allocated' if memory == 'peak_allocated_bytes' else 'RSS'} (GiB) | "
+                 f"{_gib(ours.get(memory))} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def summary_tables(reports: list[tuple[str, dict]]) -> str:

@@ -41,13 +41,20 @@ class PPOBenchArguments(Checked):
     prompt_length: int = field(default=32, metadata={"help": "Every prompt has exactly this many tokens."})
     steps: int = field(default=2, metadata={"help": "Measured PPO steps per side."})
     warmup_runs: int = field(default=1, metadata={"help": "Steps run first and left out of the figures."})
-    sides: str = field(default="ours,trl", metadata={"help": "Which sides to run, in this order: ours, trl."})
+    sides: str = field(default="ours,trl", metadata={
+        "help": "Which sides to run, in this order: ours, trl, and the ablations of ours: ours_separate (one pass "
+                "per adapter, --fused_passes false), ours_merged (--merged_generation true)."})
     out_dir: Optional[str] = field(default=None, metadata={"help": "Default benchmarks/results/ppo_vs_trl-MODEL-DEVICE."})
     export_tokenizer: Optional[str] = field(default=None, metadata={
         "help": "Only write the tokenizer of --model_name_or_path into this folder (for --tokenizer_name_or_path) "
                 "and exit."})
 
     RULES = {"prompt_length": at_least(2), "steps": at_least(1), "warmup_runs": at_least(0)}
+
+
+# Our side's ablations: the PPO settings each changes.
+ABLATIONS = {"ours_separate": {"fused_passes": False}, "ours_merged": {"merged_generation": True}}
+SIDES = ("ours", "trl", *ABLATIONS)
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,10 @@ class Workload:
         return cls(model, replace(data, max_prompt_length=bench.prompt_length), train,
                    replace(ppo, min_new_tokens=ppo.max_new_tokens), bench)
 
+    def ablation(self, side: str) -> "Workload":
+        """This workload with the PPO settings of ablation `side` (itself for ours and trl)."""
+        return replace(self, ppo=replace(self.ppo, **ABLATIONS[side])) if side in ABLATIONS else self
+
     def settings(self) -> dict[str, dict]:
         return {part: asdict(getattr(self, part)) for part in ("model", "data", "train", "ppo", "bench")}
 
@@ -89,8 +100,8 @@ class Workload:
     @property
     def side_list(self) -> list[str]:
         sides = [s.strip() for s in self.bench.sides.split(",") if s.strip()]
-        if set(sides) - {"ours", "trl"} or not sides:
-            raise UsageError(f"--sides {self.bench.sides!r}: use ours, trl or ours,trl")
+        if set(sides) - set(SIDES) or not sides:
+            raise UsageError(f"--sides {self.bench.sides!r}: use some of {', '.join(SIDES)}")
         return sides
 
     def check(self) -> None:

@@ -66,6 +66,9 @@ class EstimateArguments(Checked):
         "help": "PPO prompts per rollout (sizes the rollout buffers)."})
     rollout_micro_batch_size: Optional[int] = _alias("generation_batch", default=None, metadata={
         "help": "PPO rows per generate / scoring pass (default: the micro-batch)."})
+    fused_passes: bool = field(default=True, metadata={
+        "help": "PPO: the rollout's four scoring passes as one routed pass over 4x the rows, and the update's "
+                "policy and value passes as one over 2x (as trainer/ppo.py --fused_passes)."})
     logprob_chunk: int = field(default=1024, metadata={"help": "Positions per fp32 log-prob chunk."})
     device: str = field(default="cuda", metadata={"help": "cuda, or cpu (fp32 dropout masks, step counters on device)."})
     memory_budget_gib: float = _alias("budget_gib", "budget-gib", default=24.0, metadata={
@@ -195,10 +198,26 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     rows = args.rollout_micro_batch_size
     buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(args)}
     scored = rows * (args.max_new_tokens + 1)
+    mb_tokens = mb * context
+    update = {**buffers, **grads, C.LOGITS: A.logits_training(shape, spec, mb * (args.max_new_tokens + 1))}
+    generate = ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
+                             + A.kv_cache_growth(shape, spec, rows, context),
+                             C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
+                                                                 args.max_prompt_length)})
+    if args.fused_passes:
+        # One routed pass over the rows stacked once per adapter; the policy's and the reference's
+        # response logits are both alive when their log-probs are taken. In the update, policy and
+        # value rows are one batch: their layer inputs are kept, and a layer is recomputed for both.
+        groups = len(stage_adapters(args.stage))
+        return [
+            generate,
+            ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
+                       C.LOGITS: A.logits_nograd(shape, spec, scored) + scored * shape.vocab_size * spec.dtype_bytes}),
+            ("update", {**update, C.ACTIVATIONS: A.training_activations(shape, spec, 2 * mb_tokens, context)}),
+            step,
+        ]
     return [
-        ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
-                      + A.kv_cache_growth(shape, spec, rows, context),
-                      C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length, args.max_prompt_length)}),
+        generate,
         # policy log-probs and entropy, and the reward model's scores
         ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
                    C.LOGITS: A.logits_nograd(shape, spec, scored)}),
@@ -206,9 +225,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
                        C.LOGITS: A.logits_nograd(shape, spec, scored)}),
         ("value", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context)}),
         # Policy and value forwards of a micro-batch are alive together (one backward of the summed loss).
-        ("update", {**buffers, **grads,
-                    C.ACTIVATIONS: A.training_activations(shape, spec, mb * context, context, forwards=2),
-                    C.LOGITS: A.logits_training(shape, spec, mb * (args.max_new_tokens + 1))}),
+        ("update", {**update, C.ACTIVATIONS: A.training_activations(shape, spec, mb_tokens, context, forwards=2)}),
         step,
     ]
 

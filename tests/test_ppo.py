@@ -123,7 +123,7 @@ def test_ppo_steps_move_only_policy_value_and_value_head(tmp_path, stage_adapter
     for key in ("objective/kl", "objective/entropy", "objective/scores", "objective/rlhf_reward",
                 "objective/non_score_reward", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg",
                 "loss/value_avg", "val/clipfrac_avg", "val/ratio", "val/response_length",
-                "perf/generate_tokens_per_s", "perf/update_tokens_per_s"):
+                "perf/generate_tokens_per_s", "perf/update_tokens_per_s", "perf/decode_tokens_per_s"):
         assert key in step_rows[-1], key
     assert {"eval/score_policy", "eval/score_sft", "eval/win_rate", "eval/kl"} <= set(rows[0])
 
@@ -254,3 +254,31 @@ def test_ppo_turns_lora_dropout_off_so_the_first_ratio_is_one(tmp_path, stage_ad
     model.train()
     _, stats = micro_loss(model, rollout, adv.advantages, adv.returns, trainer.args, 1.0)
     assert float(stats["policy/approxkl_avg"]) < 1e-10 and float(stats["val/ratio"]) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_fused_passes_give_the_rollout_and_the_steps_that_separate_passes_give(tmp_path, stage_adapters,
+                                                                               fresh_accelerate_state):
+    """--fused_passes true (one routed pass of the base) and false (one pass per adapter): the same
+    rollout to fp32 tolerance, and two PPO steps that end at the same weights."""
+    from trainer.data.collators import PromptCollator
+    from trainer.rl.rollout import make_rollout
+
+    ends = {}
+    for fused in ("true", "false"):
+        trainer, model = build_trainer(tmp_path / fused, stage_adapters, "--max_steps", "2", "--save_every", "0",
+                                       "--eval_every", "0", "--fused_passes", fused)
+        batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
+        torch.manual_seed(0)
+        rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
+                               trainer.eos_id, trainer.pad_id, micro_batch_size=2, fused=fused == "true")
+        trainer.train()
+        ends[fused] = rollout, {name: model.adapter_state(name) for name in ("policy", "value")}
+    (fused_rollout, fused_weights), (separate_rollout, separate_weights) = ends["true"], ends["false"]
+    assert torch.equal(fused_rollout.input_ids, separate_rollout.input_ids)  # sampling is not scoring
+    for name in ("logprobs", "ref_logprobs", "values", "scores", "entropy"):
+        torch.testing.assert_close(getattr(fused_rollout, name), getattr(separate_rollout, name), rtol=1e-5, atol=1e-5,
+                                   msg=name)
+    for adapter, state in fused_weights.items():
+        for key, value in state.items():
+            torch.testing.assert_close(value, separate_weights[adapter][key], rtol=1e-4, atol=1e-6,
+                                       msg=f"{adapter} {key}")

@@ -15,6 +15,7 @@ import torch
 
 from profiling import activations as A
 from profiling import components as C
+from profiling import predict
 from profiling.advice import plan_to_fit, suggest
 from profiling.predict import EstimateArguments, estimate, resolve_shape
 from profiling.recorder import MemoryRecorder
@@ -170,9 +171,25 @@ def test_estimate_cli_for_llama2_7b_ppo_prints_a_total_and_writes_reports(tmp_pa
     assert "| **total** |" in done.stdout and "peak:" in done.stdout and "fits" in done.stdout
     assert "| optimizer | 8-10 |" in done.stdout
     data = json.loads(out.read_text())
-    assert [p["phase"] for p in data["phases"]] == ["generate", "score", "reference", "value", "update",
-                                                    "optimizer_step"]
+    assert [p["phase"] for p in data["phases"]] == ["generate", "score", "update", "optimizer_step"]
     assert data["fits"] and data["peak_bytes"] == max(p["total"] for p in data["phases"])
     assert {r["component"] for r in data["seed_comparison"]} == {"base", "lora", "optimizer", "activations",
                                                                  "kv_cache", "total"}
     assert (tmp_path / "report" / "estimate.md").is_file() and (tmp_path / "report" / "estimate.png").is_file()
+
+
+def test_fused_passes_hold_every_adapter_s_rows_at_once_and_separate_ones_are_phases_of_their_own():
+    shape = load_shape("llama-2-7b")
+    fused = {p["phase"]: p["components"] for p in estimate(shape, EstimateArguments(stage="ppo"))["phases"]}
+    separate = {p["phase"]: p["components"]
+                for p in estimate(shape, EstimateArguments(stage="ppo", fused_passes=False))["phases"]}
+    assert list(fused) == ["generate", "score", "update", "optimizer_step"]
+    assert list(separate) == ["generate", "score", "reference", "value", "update", "optimizer_step"]
+    act, logits = C.ACTIVATIONS, C.LOGITS
+    # four adapters' rows in one pass, minus the one copy of the dequantized weight they share
+    dequantized = A.dequantized_weight_bytes(shape, predict.forward_spec(EstimateArguments().resolved(), 2))
+    assert fused["score"][act] - dequantized == 4 * (separate["score"][act] - dequantized)
+    assert fused["score"][logits] > separate["score"][logits]  # policy and reference logits together
+    # the update's two forwards: the same layer inputs kept, one layer recomputed for both
+    assert fused["update"][act] > separate["update"][act]
+    assert fused["generate"] == separate["generate"] and fused["optimizer_step"] == separate["optimizer_step"]

@@ -51,6 +51,13 @@ class PPOArguments(Checked):
     rollout_batch_size: int = field(default=8, metadata={"help": "Prompts per PPO step on each process."})
     rollout_micro_batch_size: int = field(default=8, metadata={"help": "Rows per generation / scoring pass."})
     mini_batch_size: int = field(default=4, metadata={"help": "Rows per optimizer step in the update."})
+    fused_passes: bool = field(default=True, metadata={
+        "help": "Run the rollout's policy / reference / value / reward passes as ONE routed pass of the base, "
+                "and the update's policy and value passes as one (same numbers; false: one pass per adapter)."})
+    merged_generation: bool = field(default=False, metadata={
+        "help": "Sample from a working copy of the base with the policy merged in (one matmul per layer; the copy, "
+                "dequantized on a 4-bit base, lives during generation only). Old log-probs stay exact: they come "
+                "from the unmerged scoring pass."})
     ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
     max_new_tokens: int = field(default=32, metadata={"help": "Response length limit."})
     min_new_tokens: int = field(default=0, metadata={"help": "Fix the response length (= max_new_tokens) for benchmarks."})

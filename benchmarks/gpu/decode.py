@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from profiling.cli import Checked, UsageError, above, at_least, parse, run
+from profiling.decode import bytes_per_decode_step, copy_bandwidth, sync
 from profiling.files import write_atomic
 from profiling.provenance import provenance
 from trainer.config import ModelArguments
@@ -49,42 +50,6 @@ def batch_sizes(text: str) -> list[int]:
     if not sizes or min(sizes) < 1:
         raise UsageError(f"--batches {text!r}: give batch sizes like 1,16,64")
     return sizes
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device, gib: float, repeats: int = 5) -> float:
-    """Bytes per second a device-to-device copy moves (read + write)."""
-    n = int(gib * 2**30)
-    a = torch.empty(n, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    sync(device)
-    started = time.perf_counter()
-    for _ in range(repeats):
-        b.copy_(a)
-    sync(device)
-    seconds = time.perf_counter() - started
-    del a, b
-    return 2 * n * repeats / seconds
-
-
-def bytes_per_decode_step(model, adapter: str = "policy") -> dict[str, int]:
-    """What one decode step reads from memory, by part (the embedding table is read a row per sequence)."""
-    from profiling import components as C
-    from profiling.tensors import count_tensors
-
-    parts = count_tensors(model).components()
-    embeddings = model.causal_lm.get_input_embeddings().weight
-    head = model.causal_lm.get_output_embeddings().weight
-    tied = embeddings.data_ptr() == head.data_ptr()
-    embedding_bytes = 0 if tied else embeddings.numel() * embeddings.element_size()
-    return {"base_weights": parts.get(C.BASE_WEIGHTS, 0), "base_quant_constants": parts.get(C.BASE_QUANT_CONSTANTS, 0),
-            "norms_and_lm_head": parts.get(C.BASE_OTHER, 0) - embedding_bytes,
-            f"adapter_{adapter}": parts.get(C.adapter(adapter), 0)}
 
 
 def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:

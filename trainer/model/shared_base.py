@@ -207,14 +207,17 @@ class SharedBaseModel(nn.Module):
         # result's dtype before adding; the plain one adds in the wider dtype, then casts), so a
         # routed pass gives each group what a pass under its adapter gives.
         round_first = type(layer).__module__.endswith(".bnb")
+        in_place = not torch.is_grad_enabled()  # scoring: add into the base output's rows, no copies
         pieces = []
         for (name, _), xs, out in zip(route, x.split(sizes), output.split(sizes)):
             if name in layer.lora_A:
                 lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
                 delta = lora_b(lora_a(layer.lora_dropout[name](xs.to(lora_a.weight.dtype)))) * layer.scaling[name]
-                out = out + delta.to(out.dtype) if round_first else (out + delta).to(out.dtype)
+                if round_first:
+                    delta = delta.to(out.dtype)
+                out = out.add_(delta) if in_place else (out + delta).to(out.dtype)
             pieces.append(out)
-        return torch.cat(pieces)
+        return output if in_place else torch.cat(pieces)
 
     # ---- switching ----------------------------------------------------------------------------
     @property
@@ -316,6 +319,8 @@ class SharedBaseModel(nn.Module):
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str,
                keep_last: int = 0) -> torch.Tensor:
         """(B, T, V) next-token logits under `adapter` (the last `keep_last` positions if > 0)."""
+        if keep_last and self._plain_lm_head:
+            return self.lm_head(self.hidden_states(input_ids, attention_mask, adapter, keep_last))
         with self.use_adapter(adapter):
             return self.peft(input_ids=input_ids, attention_mask=attention_mask,
                              position_ids=position_ids_from_mask(attention_mask), use_cache=False,
@@ -329,6 +334,17 @@ class SharedBaseModel(nn.Module):
                                             position_ids=position_ids_from_mask(attention_mask), use_cache=False)
             hidden = out.last_hidden_state
             return hidden[:, -keep_last:] if keep_last else hidden
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits of (..., H) hidden states as ONE matrix product.
+
+        The last k positions of a batch are a strided view; the LM head applied to it as it is (what
+        transformers' `logits_to_keep` does) runs as a batched product against the (V x H) weight
+        expanded per row when the head is frozen: half as fast as this (measured with SmolLM2's head,
+        8 rows x 17 positions, 2 CPU threads: 259 ms strided, 121 ms flat).
+        """
+        flat = hidden.reshape(-1, hidden.shape[-1])  # a copy of the few kept positions when strided
+        return self.causal_lm.get_output_embeddings()(flat).view(*hidden.shape[:-1], -1)
 
     @property
     def _plain_lm_head(self) -> bool:
@@ -387,7 +403,7 @@ class SharedBaseModel(nn.Module):
         results = []
         for adapter, output, part in zip(adapters, outputs, hidden.split(rows)):
             if output == "logits":
-                results.append(self.causal_lm.get_output_embeddings()(part))
+                results.append(self.lm_head(part))
             else:
                 if adapter not in self.heads:
                     raise KeyError(f"adapter '{adapter}' has no scalar head")
@@ -395,15 +411,50 @@ class SharedBaseModel(nn.Module):
         return tuple(results)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = POLICY, **kwargs):
-        """Sample under `adapter` in eval mode (no dropout, KV cache on), restoring train mode after."""
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = POLICY,
+                 merged: bool = False, **kwargs):
+        """Sample under `adapter` in eval mode (no dropout, KV cache on), restoring train mode after.
+
+        `merged`: decode with a working copy of every LoRA layer's weight with `adapter` merged in
+        (`merged_weights`): one matmul per layer instead of three. The copy is freed on return.
+        """
         was_training = self.training
         self.eval()
         try:
-            with self.use_adapter(adapter):
+            with self.use_adapter(adapter), (self.merged_weights(adapter) if merged else nullcontext()):
                 return self.peft.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
         finally:
             self.train(was_training)
+
+    @contextmanager
+    def merged_weights(self, adapter: str) -> Iterator[int]:
+        """Every LoRA linear layer runs as one matmul with W + scaling * B A of `adapter`, from a working
+        copy (dequantized to the compute dtype when the base is 4-bit); yields the copy's size in bytes.
+
+        Nothing of the base or the adapter changes: the copy replaces each layer's forward for the
+        body only. Its outputs equal the unmerged layer's up to rounding, so it serves sampling; PPO's
+        old log-probs come from a scoring pass with the adapters unmerged.
+        """
+        from peft.utils.integrations import dequantize_module_weight
+
+        replaced, size = [], 0
+        try:
+            with torch.no_grad():
+                for layer in self._tuner_layers:
+                    base = layer.base_layer
+                    dense = dequantize_module_weight(base) if base.weight.dtype == torch.uint8 else base.weight
+                    if adapter in layer.lora_A:
+                        delta = layer.lora_B[adapter].weight @ layer.lora_A[adapter].weight * layer.scaling[adapter]
+                        dense = (dense + delta).to(dense.dtype)
+                    dense = dense.to(_compute_dtype(base, dense))
+                    if dense is not base.weight:
+                        size += dense.numel() * dense.element_size()
+                    layer.forward = _FixedLinear(dense, base.bias)
+                    replaced.append(layer)
+            yield size
+        finally:
+            for layer in replaced:
+                del layer.forward  # the class's forward again
 
     # ---- parameters, saving -------------------------------------------------------------------
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -435,6 +486,21 @@ class SharedBaseModel(nn.Module):
             if name in self.heads:
                 self.heads[name].save(tmp / HEAD_FILE)
         return out
+
+
+class _FixedLinear:
+    """`x -> x W^T + b` with a fixed weight, standing in for a LoRA layer's forward."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+def _compute_dtype(base: nn.Module, dense: torch.Tensor) -> torch.dtype:
+    """The dtype a layer computes in: a 4-bit layer's compute dtype, else its weight's."""
+    return getattr(base, "compute_dtype", None) or dense.dtype
 
 
 def head_source(spec: AdapterSpec) -> Optional[Path]:

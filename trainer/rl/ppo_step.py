@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from profiling.cli import InputError, UsageError
-from profiling.stages import POLICY
+from profiling.decode import bandwidth_fraction, bytes_per_decode_step, copy_bandwidth
 from trainer.engine.harness import Engine, StepResult
 from trainer.engine.metrics import mean_over_ranks
 from trainer.losses import (
@@ -30,7 +30,7 @@ from trainer.losses import (
 )
 from trainer.rl.kl_control import KLController, make_kl_controller
 from trainer.rl.rollout import Rollout, Sampling, Scorer, make_rollout
-from trainer.rl.scoring import response_logprobs, response_values
+from trainer.rl.scoring import policy_and_values
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class PPOState:
     generator: torch.Generator  # minibatch order
     micro_batch_size: int  # the update's micro-batch, halved after an out-of-memory error
     steps_here: int = 0  # steps taken by this process (not saved): the first one meters saved activations
+    decode_bound: Optional[tuple[float, int]] = None  # CUDA: (copy bandwidth, bytes read per decode step)
 
     @classmethod
     def start(cls, args, micro_batch_size: int, seed: int) -> "PPOState":
@@ -108,9 +109,8 @@ def micro_loss(model, sub: Rollout, advantages: torch.Tensor, returns: torch.Ten
     keep = sub.input_ids.shape[1] - sub.response_length + width
     ids, att = sub.input_ids[:, :keep], sub.attention_mask[:, :keep]
     mask, adv, ret = mask[:, :width], advantages[:, :width], returns[:, :width]
-    logprobs, entropy = response_logprobs(model, ids, att, width, POLICY, temperature, with_entropy=True)
+    logprobs, entropy, values = policy_and_values(model, ids, att, width, temperature, separate=not args.fused_passes)
     pg_loss, pg_stats = ppo_policy_loss(logprobs, sub.logprobs[:, :width], adv, mask, args.cliprange)
-    values = response_values(model, ids, att, width)
     vf_loss, vf_clipfrac = ppo_value_loss(values, sub.values[:, :width], ret, mask, args.cliprange_value)
     entropy = masked_mean(entropy if args.entropy_coef else entropy.detach(), mask)
     loss = pg_loss + args.vf_coef * vf_loss - args.entropy_coef * entropy
@@ -194,6 +194,23 @@ def _minibatch(engine: Engine, rollout: Rollout, adv: Advantages, rows: torch.Te
     return dict(sums), finite
 
 
+def decode_metrics(model, rollout: Rollout, rows_per_call: int, state: PPOState) -> dict[str, float]:
+    """Decoded positions per second of the rollout's generation (prefill included), and on CUDA that
+    speed over the bandwidth bound (rows decoded together x copy bandwidth / bytes one step reads;
+    the bandwidth is measured once per run by a device copy)."""
+    decoded = rollout.input_ids.shape[0] * rollout.response_length
+    tokens_per_s = decoded / max(rollout.generate_s, 1e-9)
+    out = {"perf/decode_tokens_per_s": tokens_per_s}
+    device = rollout.input_ids.device
+    if device.type == "cuda":
+        if state.decode_bound is None:
+            state.decode_bound = (copy_bandwidth(device), sum(bytes_per_decode_step(model).values()))
+        bandwidth, step_bytes = state.decode_bound
+        rows = min(rows_per_call, rollout.input_ids.shape[0])
+        out["perf/decode_bandwidth_fraction"] = bandwidth_fraction(tokens_per_s, rows, step_bytes, bandwidth)
+    return out
+
+
 def ppo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: PPOState, scorer: Scorer, eos_id: int,
              pad_id: int, phase: Optional[Callable] = None) -> StepResult:
     """Rollout -> advantages -> update -> KL control for one batch of prompts (`args`: PPOArguments).
@@ -209,7 +226,8 @@ def ppo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: PPOSta
     # Generation and the no-grad scoring passes go around the DDP / DeepSpeed wrapper (DDP has no
     # generate, and no gradient sync is wanted there); the update goes through it.
     rollout = make_rollout(raw, ids, mask, sampling, scorer, eos_id, pad_id, args.rollout_micro_batch_size,
-                           args.missing_eos_penalty, phase=phase)
+                           args.missing_eos_penalty, phase=phase, fused=args.fused_passes,
+                           merged_generation=args.merged_generation)
     beta = state.kl.value
     adv = compute_advantages(rollout, beta, args)
     metrics = rollout_metrics(rollout, adv)
@@ -232,6 +250,7 @@ def ppo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: PPOSta
     new_tokens = rollout.response_mask.sum().item()
     update_tokens = rollout.attention_mask.sum().item() * args.ppo_epochs
     metrics.update(stats)
+    metrics.update(decode_metrics(raw, rollout, args.rollout_micro_batch_size, state))
     metrics.update({"objective/kl_coef": beta, "lr": lr, "perf/rollout_s": rollout_s, "perf/update_s": update_s,
                     "perf/generate_tokens_per_s": new_tokens / max(rollout_s, 1e-9),
                     "perf/update_tokens_per_s": update_tokens / max(update_s, 1e-9),

@@ -3,12 +3,14 @@
 All passes run on the ONE shared base: `policy` samples (KV cache on, left-padded prompts), then
 under `torch.no_grad` the policy and `reference` log-probs of the response tokens, the `value`
 adapter's per-token values and the scorer's score of each response (the `reward` adapter, or a
-scripted reward), every pass through `trainer.rl.scoring`.
+scripted reward), every pass through `trainer.rl.scoring`. By default those four passes are ONE
+routed pass of the base (`SharedBaseModel.fused`): each base layer runs once for all four adapters.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from typing import Callable, Optional, Protocol
@@ -16,8 +18,9 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from profiling.cli import UsageError
+from profiling.decode import sync
 from profiling.stages import POLICY, REFERENCE, REWARD
-from trainer.rl.scoring import response_logprobs, response_values, sequence_scores
+from trainer.rl.scoring import response_logprobs, response_values, rollout_scores, sequence_scores
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class Rollout:
     scores: torch.Tensor  # (B,) reward model (or scripted) score of each whole response
     ended: torch.Tensor  # (B,) bool: the response reached EOS
     entropy: torch.Tensor  # (B, R) policy entropy per response position (metrics only)
+    generate_s: float = 0.0  # wall time of the generation (prefill and decode), device synchronised
 
     @property
     def response_length(self) -> int:
@@ -93,12 +97,15 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -
 
 @torch.no_grad()
 def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
-                     eos_id: int, pad_id: int, adapter: str = POLICY) -> tuple[torch.Tensor, ...]:
-    """Sample under `adapter`. Returns (input_ids, attention_mask, response_mask, ended)."""
+                     eos_id: int, pad_id: int, adapter: str = POLICY, merged: bool = False) -> tuple[torch.Tensor, ...]:
+    """Sample under `adapter` (from merged weights if `merged`: `SharedBaseModel.merged_weights`).
+    Returns (input_ids, attention_mask, response_mask, ended)."""
     kwargs = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens,
                   do_sample=sampling.temperature > 0, eos_token_id=eos_id, pad_token_id=pad_id)
     if sampling.temperature > 0:
         kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    if merged:
+        kwargs["merged"] = True
     sequences = model.generate(prompt_ids, prompt_mask, adapter=adapter, **kwargs)
     responses = sequences[:, prompt_ids.shape[1]:]
     response_mask, ended = response_mask_after_eos(responses, eos_id, pad_id)
@@ -166,28 +173,36 @@ def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
 @torch.no_grad()
 def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, scorer: Scorer,
                  eos_id: int, pad_id: int, micro_batch_size: int, missing_eos_penalty: Optional[float] = None,
-                 phase=None) -> Rollout:
+                 phase=None, fused: bool = True, merged_generation: bool = False) -> Rollout:
     """Generate, then score with policy / reference / value / reward, `micro_batch_size` rows at a time.
 
-    `phase` is an optional context-manager factory (`phase("generate")`): the memory recorder's, or a
-    benchmark's clock.
+    `fused`: the four scoring passes run as ONE routed pass of the base per micro-batch (phase
+    "score"); otherwise one pass per adapter (phases "score" for policy and reward, "reference",
+    "value"). `merged_generation` samples from a merged working copy of the policy's weights.
+    `phase` is an optional context-manager factory (`phase("generate")`): the memory
+    recorder's, or a benchmark's clock.
     """
     phase = phase or (lambda name: nullcontext())
     was_training = model.training
     model.eval()  # no dropout: these log-probs and values are the fixed "old" ones of the update
     try:
         return _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                             missing_eos_penalty, phase)
+                             missing_eos_penalty, phase, fused and getattr(model, "routable", False), merged_generation)
     finally:
         model.train(was_training)
 
 
 def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                  missing_eos_penalty, phase) -> Rollout:
+                  missing_eos_penalty, phase, fused, merged_generation) -> Rollout:
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
     with phase("generate"):
+        sync(prompt_ids.device)
+        started = time.perf_counter()
         parts = [sample_responses(model, prompt_ids[i : i + micro_batch_size], prompt_mask[i : i + micro_batch_size],
-                                  sampling, eos_id, pad_id) for i in range(0, batch, micro_batch_size)]
+                                  sampling, eos_id, pad_id, merged=merged_generation)
+                 for i in range(0, batch, micro_batch_size)]
+        sync(prompt_ids.device)
+        generate_s = time.perf_counter() - started
     # Micro-batches can stop at different lengths: right-pad every response to the longest.
     width = max(p[0].shape[1] for p in parts)
     input_ids = torch.cat([_pad_right(p[0], width, pad_id) for p in parts])
@@ -197,6 +212,16 @@ def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_
     width = response_mask.shape[1]
     temperature = sampling.scoring_temperature
 
+    if fused:
+        reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
+        with phase("score"):
+            logprobs, entropy, ref_logprobs, values, scores = chunked(
+                lambda i, m, r: rollout_scores(model, i, m, r, temperature, reward_adapter),
+                micro_batch_size, batch, input_ids, attention_mask, response_mask)
+            if scores is None:
+                scores = scorer(model, input_ids, attention_mask, prompt_length, response_mask)
+        return _finish(input_ids, attention_mask, response_mask, prompt_length, logprobs, ref_logprobs, values, scores,
+                       ended, entropy, missing_eos_penalty, generate_s)
     with phase("score"):
         logprobs, entropy = chunked(
             lambda i, m: response_logprobs(model, i, m, width, POLICY, temperature, with_entropy=True),
@@ -209,12 +234,19 @@ def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_
     with phase("value"):
         values = chunked(lambda i, m: response_values(model, i, m, width), micro_batch_size, batch,
                          input_ids, attention_mask)
+    return _finish(input_ids, attention_mask, response_mask, prompt_length, logprobs, ref_logprobs, values, scores,
+                   ended, entropy, missing_eos_penalty, generate_s)
+
+
+def _finish(input_ids, attention_mask, response_mask, prompt_length, logprobs, ref_logprobs, values, scores, ended,
+            entropy, missing_eos_penalty, generate_s) -> Rollout:
     if missing_eos_penalty is not None:
         scores = torch.where(ended, scores, scores - missing_eos_penalty)
     fmask = response_mask.float()
     return Rollout(input_ids=input_ids, attention_mask=attention_mask, response_mask=fmask,
                    prompt_length=prompt_length, logprobs=logprobs * fmask, ref_logprobs=ref_logprobs * fmask,
-                   values=values.float() * fmask, scores=scores.float(), ended=ended, entropy=entropy * fmask)
+                   values=values.float() * fmask, scores=scores.float(), ended=ended, entropy=entropy * fmask,
+                   generate_s=generate_s)
 
 
 def _pad_right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:

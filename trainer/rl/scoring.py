@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from profiling.stages import REWARD, VALUE
+from profiling.stages import POLICY, REFERENCE, REWARD, VALUE
 from trainer.losses import entropy_from_logits, last_token_values, token_logprobs
 
 
@@ -22,10 +22,17 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(B, width) log-probs of the response tokens under `adapter`'s full softmax at `temperature`
     (the distribution sampling used, before any top-k / top-p truncation), and their entropy if asked."""
-    logits = model(input_ids, attention_mask, adapter=adapter, output="logits", keep_last=width + 1)[:, :-1]
+    logits = model(input_ids, attention_mask, adapter=adapter, output="logits", keep_last=width + 1)
+    return logprobs_of(logits, input_ids, temperature, with_entropy)
+
+
+def logprobs_of(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`response_logprobs` from the logits of the last width + 1 positions (a fused pass's)."""
+    logits = logits[:, :-1]
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
-    logprobs = token_logprobs(logits, input_ids[:, -width:])
+    logprobs = token_logprobs(logits, input_ids[:, -logits.shape[1]:])
     return logprobs, entropy_from_logits(logits) if with_entropy else None
 
 
@@ -33,6 +40,35 @@ def response_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                     adapter: str = VALUE) -> torch.Tensor:
     """(B, width) value estimates for the states before each response token."""
     return model(input_ids, attention_mask, adapter=adapter, output="scores", keep_last=width + 1)[:, :-1]
+
+
+def policy_and_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int, temperature: float,
+                      separate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy, values) of the response under `policy` and `value`, from one routed pass of
+    the base (two passes if `separate`): the PPO update's forward. `model` may be wrapped (DDP)."""
+    if separate:
+        logprobs, entropy = response_logprobs(model, input_ids, attention_mask, width, POLICY, temperature, True)
+        return logprobs, entropy, response_values(model, input_ids, attention_mask, width)
+    logits, scores = model(input_ids, attention_mask, adapter=(POLICY, VALUE), output=("logits", "scores"),
+                           keep_last=width + 1)
+    logprobs, entropy = logprobs_of(logits, input_ids, temperature, with_entropy=True)
+    return logprobs, entropy, scores[:, :-1]
+
+
+def rollout_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                   temperature: float, reward_adapter: Optional[str]) -> tuple[torch.Tensor, ...]:
+    """(policy log-probs, entropy, reference log-probs, values, reward scores or None) of a rollout's
+    rows from ONE routed pass of the base over policy, reference, value (and reward) together."""
+    width = response_mask.shape[1]
+    adapters, outputs = [POLICY, REFERENCE, VALUE], ["logits", "logits", "scores"]
+    if reward_adapter is not None:
+        adapters.append(reward_adapter)
+        outputs.append("scores")
+    out = model.fused(input_ids, attention_mask, adapters, outputs, keep_last=width + 1)
+    logprobs, entropy = logprobs_of(out[0], input_ids, temperature, with_entropy=True)
+    ref_logprobs, _ = logprobs_of(out[1], input_ids, temperature)
+    scores = last_token_values(out[3][:, 1:], response_mask).float() if reward_adapter is not None else None
+    return logprobs, entropy, ref_logprobs, out[2][:, :-1], scores
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
