@@ -54,6 +54,10 @@ class PPOArguments(Checked):
     fused_passes: bool = field(default=True, metadata={
         "help": "Run the rollout's policy / reference / value / reward passes as ONE routed pass of the base, "
                 "and the update's policy and value passes as one (same numbers; false: one pass per adapter)."})
+    auto_fit: Optional[bool] = field(default=None, metadata={
+        "help": "Plan rollout_micro_batch_size, micro_batch_size and gradient_checkpointing from the memory estimate "
+                "to use memory_budget_gib with a 10%% margin (profiling/plan.py), logged as a table at start. "
+                "Default: on with CUDA, off on CPU."})
     merged_generation: bool = field(default=False, metadata={
         "help": "Sample from a working copy of the base with the policy merged in (one matmul per layer; the copy, "
                 "dequantized on a 4-bit base, lives during generation only). Old log-probs stay exact: they come "

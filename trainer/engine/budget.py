@@ -12,6 +12,7 @@ import logging
 from profiling import components as C
 from profiling.advice import advice_lines
 from profiling.cli import UsageError
+from profiling.plan import plan_ppo
 from profiling.predict import EstimateArguments, estimate, resolve_shape
 from trainer.engine.launch import deepspeed_config, offloads_optimizer
 
@@ -53,3 +54,23 @@ def check_budget(stage: str, model_args, data_args, train_args, stage_args, acce
         f"{stage}: the estimated peak memory {C.gib(peak)} GiB (phase '{est['peak_phase']}') exceeds "
         f"memory_budget_gib={train_args.memory_budget_gib}. Change the settings, or raise the budget "
         "(check_budget: false skips this check): " + " ".join(line.strip() for line in lines))
+
+
+def fit_to_budget(model_args, data_args, train_args, stage_args, accelerator):
+    """PPO's budget plan (`profiling.plan`) applied to the run's settings, when `auto_fit` is on (its
+    default on CUDA): returns (model_args, train_args, stage_args), changed where the plan says."""
+    from dataclasses import replace
+
+    on = stage_args.auto_fit if stage_args.auto_fit is not None else accelerator.device.type == "cuda"
+    if not on:
+        return model_args, train_args, stage_args
+    args = estimate_arguments("ppo", model_args, data_args, train_args, stage_args, accelerator)
+    plan = plan_ppo(resolve_shape(args), args, stage_args.mini_batch_size)
+    if plan is None:
+        logger.warning("auto_fit: no batch sizes fit memory_budget_gib=%s; keeping the configured ones",
+                       train_args.memory_budget_gib)
+        return model_args, train_args, stage_args
+    logger.info("%s", plan.table())
+    return (replace(model_args, gradient_checkpointing=plan.gradient_checkpointing),
+            replace(train_args, micro_batch_size=plan.micro_batch_size),
+            replace(stage_args, rollout_micro_batch_size=plan.rollout_micro_batch_size))

@@ -20,7 +20,7 @@ from profiling.cli import InputError, UsageError
 from profiling.files import write_atomic
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
 from trainer.data.hh_rlhf import Splits, load_splits
-from trainer.engine.budget import check_budget
+from trainer.engine.budget import check_budget, fit_to_budget
 from trainer.engine.checkpoint import (
     gathered_trainable, saved_config, select_checkpoint, set_aside_newer, set_aside_previous_run,
 )
@@ -184,6 +184,8 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     check_adapter_paths(stage_args)
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
                                model_args.tokenizer_name_or_path)
+    if stage == "ppo":
+        model_args, train_args, stage_args = fit_to_budget(model_args, data_args, train_args, stage_args, accelerator)
     if stage is not None and train_args.check_budget:
         check_budget(stage, model_args, data_args, train_args, stage_args, accelerator)
     splits, report = load_splits(data_args)

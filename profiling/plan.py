@@ -1,0 +1,95 @@
+"""The PPO budget planner: from the estimator and the memory budget, pick the batch sizes and whether
+gradient checkpointing is needed, so a run uses the card instead of whatever the config guessed.
+
+    plan_ppo(shape, settings) -> Plan(rollout_micro_batch_size, micro_batch_size, gradient_checkpointing, ...)
+
+The rule, in order (each choice is the largest that keeps the estimated peak within the usable
+budget, the budget less `margin`):
+
+1. generation and scoring rows per pass (`rollout_micro_batch_size`): the largest divisor of the
+   rollout batch whose generate and score phases fit;
+2. the update micro-batch: the largest divisor of the minibatch that fits, without gradient
+   checkpointing when that fits at least half the micro-batch checkpointing allows (the recompute
+   costs about a third of the update; a micro-batch half as large costs little per row), else with.
+
+Nothing here runs a model: a plan is the estimator's arithmetic, and the OOM back-off of the PPO
+update stays as the safety net when the estimate is short.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from profiling import components as C
+from profiling.predict import EstimateArguments, estimate
+from profiling.shapes import ModelShape
+
+ROLLOUT_PHASES = ("generate", "score", "reference", "value")
+UPDATE_PHASES = ("update", "optimizer_step")
+
+
+@dataclass(frozen=True)
+class Plan:
+    rollout_micro_batch_size: int
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    peak_bytes: int
+    peak_phase: str
+    usable_bytes: int
+    budget_bytes: int
+    phases: tuple[tuple[str, int], ...]  # (phase, estimated total bytes)
+
+    def table(self) -> str:
+        """The plan and the predicted peak per phase, as the log prints it at the start of a run."""
+        lines = [f"budget plan (estimate within {C.gib(self.usable_bytes)} of {C.gib(self.budget_bytes)} GiB):",
+                 f"  rollout_micro_batch_size {self.rollout_micro_batch_size}  micro_batch_size "
+                 f"{self.micro_batch_size}  gradient_checkpointing {str(self.gradient_checkpointing).lower()}"]
+        for phase, total in self.phases:
+            mark = "  <- peak" if phase == self.peak_phase else ""
+            lines.append(f"  {phase:<15} {C.gib(total):>7} GiB{mark}")
+        return "\n".join(lines)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def _peaks(shape: ModelShape, args: EstimateArguments) -> dict[str, int]:
+    return {p["phase"]: p["total"] for p in estimate(shape, args)["phases"]}
+
+
+def _largest(shape: ModelShape, args: EstimateArguments, field: str, sizes: list[int], phases: tuple[str, ...],
+             usable: int) -> Optional[int]:
+    for size in sizes:
+        peaks = _peaks(shape, replace(args, **{field: size}))
+        if all(total <= usable for name, total in peaks.items() if name in phases):
+            return size
+    return None
+
+
+def plan_ppo(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float = 0.1) -> Optional[Plan]:
+    """The plan for PPO `args` (EstimateArguments of the run) with minibatches of `mini_batch_size`
+    rows; None when not even one row per pass fits."""
+    args = replace(args.resolved(), stage="ppo")
+    usable = int(args.budget_bytes * (1 - margin))
+    rows = _largest(shape, args, "rollout_micro_batch_size", _divisors(args.rollout_batch_size), ROLLOUT_PHASES, usable)
+    if rows is None:
+        return None
+    args = replace(args, rollout_micro_batch_size=rows)
+    sizes = _divisors(mini_batch_size)
+    with_ckpt = _largest(shape, replace(args, gradient_checkpointing=True), "micro_batch_size", sizes, UPDATE_PHASES,
+                         usable)
+    without = _largest(shape, replace(args, gradient_checkpointing=False), "micro_batch_size", sizes, UPDATE_PHASES,
+                       usable)
+    if without is not None and (with_ckpt is None or 2 * without >= with_ckpt):
+        args = replace(args, gradient_checkpointing=False, micro_batch_size=without)
+    elif with_ckpt is not None:
+        args = replace(args, gradient_checkpointing=True, micro_batch_size=with_ckpt)
+    else:
+        return None
+    est = estimate(shape, args)
+    return Plan(rollout_micro_batch_size=rows, micro_batch_size=args.micro_batch_size,
+                gradient_checkpointing=args.gradient_checkpointing, peak_bytes=est["peak_bytes"],
+                peak_phase=est["peak_phase"], usable_bytes=usable, budget_bytes=args.budget_bytes,
+                phases=tuple((p["phase"], p["total"]) for p in est["phases"]))
