@@ -79,7 +79,7 @@ def test_memory_records_each_stage_and_compares_it_with_the_estimator(smoke):
             # tensor-counted components are exact closed forms of the estimator: ratio 1 on any device
             assert rows["base_weights"]["ratio"] == pytest.approx(1.0), (stage, phase["phase"])
     ppo = {p["phase"] for p in json.loads((unpacked / "memory" / "ppo" / "vs_estimate.json").read_text())["phases"]}
-    assert {"generate", "score", "reference", "value", "update", "optimizer_step"} <= ppo
+    assert {"generate", "score", "update", "optimizer_step"} <= ppo  # fused passes: one scoring phase
     config = json.loads((unpacked / "memory" / "ppo" / "config.json").read_text())
     assert config["stage"]["min_new_tokens"] == config["stage"]["max_new_tokens"]  # fixed-length generation
 

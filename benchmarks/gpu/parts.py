@@ -130,7 +130,8 @@ def steps_for(args: PartArguments, out: Path) -> list[Step]:
             work = ["--attn_implementation", "sdpa", "--optimizer", "paged_adamw_8bit", "--prompt_length", "256",
                     "--max_new_tokens", "128", "--rollout_batch_size", "16", "--rollout_micro_batch_size", "16",
                     "--mini_batch_size", "8", "--micro_batch_size", "4", "--ppo_epochs", "2", "--steps", "1",
-                    "--warmup_runs", "1", "--lora_r", "16", "--lora_alpha", "32"]
+                    "--warmup_runs", "1", "--lora_r", "16", "--lora_alpha", "32",
+                    "--sides", "ours,ours_separate,trl"]  # the fused-vs-separate ablation where it should pay
             decode = ["--batches", "1,16,64", "--prompt_tokens", "128", "--new_tokens", "64"]
         return [Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args), *data_flags(args),
                                     *cap_flags(args), *work, "--out_dir", str(out / "ppo_vs_trl")]),
