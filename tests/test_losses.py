@@ -293,3 +293,54 @@ def test_ppo_value_loss_takes_the_larger_of_clipped_and_unclipped_errors():
     loss.backward()
     # d/dv 0.5 (v-R)^2 / n = (v-R) / n on the unclipped winners; 0 where the clipped branch won
     assert_close(values.grad, t([[(1.1 - 2.0) / 3, 0.0, 1.5 / 3, 0.0]]))
+
+
+# ---- critic-free group advantages and the GRPO loss (hand-computed values)
+
+def test_grpo_advantages_are_group_z_scores_with_the_unbiased_std():
+    from trainer.losses import group_advantages
+
+    rewards = torch.tensor([[1.0, 2.0, 3.0], [5.0, 5.0, 5.0]])
+    adv = group_advantages(rewards, "grpo", eps=0.0)
+    # group 1: mean 2, unbiased std 1 -> -1, 0, 1; group 2: all equal -> 0 (0 / (0 + eps) with eps 0 is nan)
+    assert_close(adv[0], torch.tensor([-1.0, 0.0, 1.0]))
+    assert_close(group_advantages(rewards, "grpo")[1], torch.zeros(3))
+    assert_close(group_advantages(rewards, "grpo", scale_std=False), torch.tensor([[-1.0, 0.0, 1.0], [0.0, 0.0, 0.0]]))
+    assert_close(group_advantages(torch.tensor([[4.0], [-2.0]]), "grpo"), torch.zeros(2, 1))  # one response each
+
+
+def test_rloo_advantages_subtract_the_mean_of_the_other_responses():
+    from trainer.losses import group_advantages
+
+    rewards = torch.tensor([[1.0, 2.0, 6.0], [3.0, 3.0, 3.0]])
+    # r_i - mean(others): 1 - 4 = -3, 2 - 3.5 = -1.5, 6 - 1.5 = 4.5
+    assert_close(group_advantages(rewards, "rloo"), torch.tensor([[-3.0, -1.5, 4.5], [0.0, 0.0, 0.0]]))
+    with pytest.raises(ValueError, match="at least 2"):
+        group_advantages(torch.tensor([[1.0]]), "rloo")
+
+
+def test_grpo_loss_by_hand_for_each_normalisation_and_the_k3_term():
+    from trainer.losses import grpo_policy_loss
+
+    old = torch.zeros(2, 3)
+    logprobs = torch.tensor([[math.log(1.5), 0.0, 0.0], [math.log(0.5), 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    adv = torch.tensor([1.0, -2.0])
+    # row 0: ratio 1.5 clipped to 1.2 with A=1: max(-1.5, -1.2) = -1.2; token 2: -1. row 1: ratio 0.5, A=-2:
+    # max(1.0, 2 * 0.8 = 1.6) = 1.6
+    loss, stats = grpo_policy_loss(logprobs, old, adv, mask, 0.2, normalisation="sequence")
+    assert_close(loss, torch.tensor(((-1.2 - 1.0) / 2 + 1.6) / 2))
+    assert_close(stats["clipfrac"], torch.tensor(2 / 3))
+    loss, _ = grpo_policy_loss(logprobs, old, adv, mask, 0.2, normalisation="token")
+    assert_close(loss, torch.tensor((-1.2 - 1.0 + 1.6) / 3))
+    loss, _ = grpo_policy_loss(logprobs, old, adv, mask, 0.2, normalisation="fixed", max_length=4)
+    assert_close(loss, torch.tensor((-1.2 - 1.0 + 1.6) / 8))
+    # k3 with ref = logp - log 2 on every token: exp(-log 2) - 1 + log 2 = log 2 - 0.5 per token
+    ref = logprobs - math.log(2.0)
+    with_kl, stats = grpo_policy_loss(logprobs, old, adv, mask, 0.2, ref_logprobs=ref, beta=0.1, normalisation="token")
+    assert_close(with_kl, torch.tensor((-1.2 - 1.0 + 1.6) / 3 + 0.1 * (math.log(2.0) - 0.5)))
+    assert_close(stats["kl"], torch.tensor(math.log(2.0) - 0.5))
+    # beta 0: no reference needed at all
+    assert grpo_policy_loss(logprobs, old, adv, mask, 0.2, beta=0.0)[1]["kl"] == 0
+    with pytest.raises(ValueError, match="reference"):
+        grpo_policy_loss(logprobs, old, adv, mask, 0.2, beta=0.1)

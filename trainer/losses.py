@@ -11,6 +11,8 @@ logits and its input ids without copying.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -333,3 +335,81 @@ def last_token_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     last = torch.where(mask.bool(), positions, -1).max(dim=1).values.clamp(min=0)
     return values.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+GROUP_ADVANTAGES = ("grpo", "rloo")
+LOSS_NORMALISATIONS = ("sequence", "token", "fixed")
+
+
+def group_advantages(rewards: torch.Tensor, method: str = "grpo", scale_std: bool = True,
+                     eps: float = 1e-4) -> torch.Tensor:
+    """(P, G) rewards of G responses to each of P prompts -> (P, G) advantages, one per response.
+
+    grpo: (r - group mean) / (group std + eps), the std unbiased over the group (as TRL); with
+    `scale_std` False (Dr. GRPO) only the mean is taken off. A group of one response has std 0 and
+    advantage 0. rloo: r_i - mean of the group's other rewards (leave-one-out), which needs G >= 2.
+    Groups whose rewards are all equal get advantage 0 either way.
+    """
+    if method not in GROUP_ADVANTAGES:
+        raise ValueError(f"method must be one of {GROUP_ADVANTAGES}, got {method!r}")
+    rewards = rewards.float()
+    size = rewards.shape[1]
+    if method == "rloo":
+        if size < 2:
+            raise ValueError("rloo needs at least 2 responses per prompt (num_generations >= 2)")
+        others = (rewards.sum(dim=1, keepdim=True) - rewards) / (size - 1)
+        return rewards - others
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if not scale_std or size < 2:
+        return centred if size > 1 else torch.zeros_like(rewards)
+    return centred / (rewards.std(dim=1, keepdim=True) + eps)
+
+
+def grpo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    beta: float = 0.0,
+    normalisation: str = "sequence",
+    max_length: Optional[int] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(B, T) log-probs, old log-probs, mask and (B,) sequence advantages -> (scalar loss, stats).
+
+    Per token: max(-A * ratio, -A * clip(ratio, 1-eps, 1+eps)) + beta * k3(policy || reference), the
+    k3 term only when beta > 0 (then `ref_logprobs` is needed). Reduced by `normalisation`:
+    sequence = mean over each response's tokens, then over responses (GRPO's paper); token = sum over
+    every token / number of tokens (long responses weigh more, DAPO); fixed = sum / (B x max_length)
+    (Dr. GRPO: no length bias from the divisor).
+    """
+    if normalisation not in LOSS_NORMALISATIONS:
+        raise ValueError(f"normalisation must be one of {LOSS_NORMALISATIONS}, got {normalisation!r}")
+    keep = mask.bool()
+    log_ratio = torch.where(keep, logprobs - old_logprobs, 0.0)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.unsqueeze(1).to(ratio.dtype)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    per_token = torch.maximum(unclipped, clipped)
+    kl = None
+    if beta > 0:
+        if ref_logprobs is None:
+            raise ValueError("beta > 0 needs the reference log-probs")
+        kl = torch.where(keep, kl_penalty(logprobs, ref_logprobs, "k3"), 0.0)
+        per_token = per_token + beta * kl
+    maskf = mask.to(per_token.dtype)
+    if normalisation == "sequence":
+        loss = ((per_token * maskf).sum(1) / maskf.sum(1).clamp(min=1)).mean()
+    elif normalisation == "token":
+        loss = (per_token * maskf).sum() / maskf.sum().clamp(min=1)
+    else:
+        if max_length is None:
+            raise ValueError("normalisation 'fixed' needs max_length")
+        loss = (per_token * maskf).sum() / (mask.shape[0] * max_length)
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask),
+                 "ratio": masked_mean(ratio, mask),
+                 "kl": masked_mean(kl, mask) if kl is not None else torch.zeros((), dtype=ratio.dtype)}
+    return loss, stats
