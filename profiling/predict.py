@@ -39,7 +39,7 @@ class EstimateArguments(Checked):
     model_name_or_path: Optional[str] = _alias("model", default=None, metadata={
         "help": "Preset (tiny-llama, llama-2-7b, llama-2-13b), 'smollm2-135m', or an HF folder with config.json; "
                 "or give the shape flags."})
-    stage: str = field(default="ppo", metadata={"help": "sft, reward, ppo or dpo."})
+    stage: str = field(default="ppo", metadata={"help": "sft, reward, ppo, dpo or grpo."})
     hidden_size: Optional[int] = field(default=None, metadata={"help": "Shape override (all shape flags too)."})
     intermediate_size: Optional[int] = None
     num_layers: Optional[int] = None
@@ -66,6 +66,7 @@ class EstimateArguments(Checked):
         "help": "PPO prompts per rollout (sizes the rollout buffers)."})
     rollout_micro_batch_size: Optional[int] = _alias("generation_batch", default=None, metadata={
         "help": "PPO rows per generate / scoring pass (default: the micro-batch)."})
+    num_generations: int = field(default=1, metadata={"help": "GRPO: responses per prompt."})
     fused_passes: bool = field(default=True, metadata={
         "help": "PPO: the rollout's four scoring passes as one routed pass over 4x the rows, and the update's "
                 "policy and value passes as one over 2x (as trainer/ppo.py --fused_passes)."})
@@ -86,7 +87,7 @@ class EstimateArguments(Checked):
              "attn_implementation": one_of("sdpa", "flash_attention_2", "eager", "auto"),
              "micro_batch_size": at_least(1), "max_length": at_least(2), "max_prompt_length": at_least(1),
              "max_new_tokens": at_least(1), "rollout_batch_size": at_least(1), "rollout_micro_batch_size": at_least(1),
-             "logprob_chunk": at_least(1), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
+             "num_generations": at_least(1), "logprob_chunk": at_least(1), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
              "allocator_overhead": at_least(0), "vocab_size": at_least(1), "hidden_size": at_least(1),
              "intermediate_size": at_least(1), "num_layers": at_least(1), "num_heads": at_least(1),
              "num_kv_heads": at_least(1), "head_dim": at_least(1)}
@@ -192,6 +193,24 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
                                C.LOGITS: A.logits_nograd(shape, spec, tokens)}),
                 ("forward_backward", {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, seq),
                                       C.LOGITS: A.logits_training(shape, spec, tokens)}), step]
+    if args.stage == "grpo":  # critic-free: the rollout rows are prompts x generations, one forward in the update
+        rows_all = replace(args, rollout_batch_size=args.rollout_batch_size * args.num_generations)
+        context = args.max_prompt_length + args.max_new_tokens
+        rows = args.rollout_micro_batch_size
+        buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(rows_all)}
+        scored = rows * (args.max_new_tokens + 1)
+        groups = len(stage_adapters(args.stage))
+        return [
+            ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
+                          + A.kv_cache_growth(shape, spec, rows, context),
+                          C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
+                                                              args.max_prompt_length)}),
+            ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
+                       C.LOGITS: A.logits_nograd(shape, spec, scored) + scored * shape.vocab_size * spec.dtype_bytes}),
+            ("update", {**buffers, **grads, C.ACTIVATIONS: A.training_activations(shape, spec, mb * context, context),
+                        C.LOGITS: A.logits_training(shape, spec, mb * (args.max_new_tokens + 1))}),
+            step,
+        ]
     # PPO as trainer.rl.rollout / trainer.rl.ppo_step run it: generation and scoring in chunks of
     # `rollout_micro_batch_size` rows; logits only for the response positions (keep_last = generation + 1).
     context = args.max_prompt_length + args.max_new_tokens

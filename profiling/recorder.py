@@ -83,7 +83,7 @@ class MemoryRecorder:
         self.device = D.normalize(device or _device_of(model))
         self.gpu_reason = D.cuda_unavailable_reason(self.device)
         # Tensors alive at phase entry that nothing walked owns: in PPO, the rollout being processed.
-        self.resident_label = resident_label or (C.ROLLOUT_BUFFERS if stage == "ppo" else C.OTHER_TENSORS)
+        self.resident_label = resident_label or (C.ROLLOUT_BUFFERS if stage in ("ppo", "grpo") else C.OTHER_TENSORS)
         self.records: dict[tuple[str, str], PhaseRecord] = {}
         self.extra: dict[str, object] = {}
         self._open: list[dict] = []  # the phases entered and not yet left, outermost first

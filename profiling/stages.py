@@ -1,8 +1,8 @@
 """Which adapters each stage puts on the one shared base: the single table the trainer's stages,
 evaluation, comparison and the memory estimator all read.
 
-Four roles exist. `policy` is the model being trained (SFT, DPO, PPO), `reference` the frozen SFT
-copy it is anchored to (DPO, PPO), `value` PPO's critic and `reward` the reward model; the last two
+Four roles exist. `policy` is the model being trained (SFT, DPO, PPO, GRPO), `reference` the frozen
+SFT copy it is anchored to (DPO, PPO, GRPO), `value` PPO's critic and `reward` the reward model; the last two
 carry a scalar head. A role is trainable only in the stages listed for it in `TRAINED`.
 """
 
@@ -14,14 +14,15 @@ POLICY, REFERENCE, VALUE, REWARD = "policy", "reference", "value", "reward"
 ROLES = (POLICY, REFERENCE, VALUE, REWARD)
 HEADED = (VALUE, REWARD)  # roles with a scalar head (per-token values, a sequence's reward)
 
-STAGES = ("sft", "reward", "dpo", "ppo")
+STAGES = ("sft", "reward", "dpo", "ppo", "grpo")
 ADAPTERS = {  # in the order they are put on the base; the first is active after loading
     "sft": (POLICY,),
     "reward": (REWARD,),
     "dpo": (POLICY, REFERENCE),
     "ppo": (POLICY, REFERENCE, VALUE, REWARD),
+    "grpo": (POLICY, REFERENCE, REWARD),  # critic-free (GRPO, RLOO): no value adapter
 }
-TRAINED = {"sft": (POLICY,), "reward": (REWARD,), "dpo": (POLICY,), "ppo": (POLICY, VALUE)}
+TRAINED = {"sft": (POLICY,), "reward": (REWARD,), "dpo": (POLICY,), "ppo": (POLICY, VALUE), "grpo": (POLICY,)}
 
 
 @dataclass(frozen=True)

@@ -253,7 +253,7 @@ def test_ppo_under_zero3_is_refused_at_start_in_one_line(tmp_path):
                  expect_ok=False)
     message = [line for line in log.splitlines() if "is not supported" in line]
     assert message == [
-        "error: ppo under DeepSpeed ZeRO-3 is not supported: it generates with and switches four adapters on one base whose "
+        "error: ppo under DeepSpeed ZeRO-3 is not supported: it generates with and switches its adapters on one base whose "
         "weights DeepSpeed ZeRO-3 partitions across ranks (untested, and every switch or decoded token would gather "
         "the whole base); use accelerate_configs/multi_gpu.yaml or accelerate_configs/deepspeed_zero2_offload.yaml"]
     assert "[rank0]: Traceback" not in log  # the launcher reports the exit; the trainer printed no stack trace

@@ -24,7 +24,7 @@ from profiling.cli import UsageError
 TRACE_ROWS_ENV = "RLHF_TRACE_ROWS"  # a folder: each rank appends the rows of every micro-batch it trains on
 # Stages that switch adapters on one base inside a step (DPO: policy/reference; PPO: all four) and,
 # for PPO, generate with it.
-MULTI_ADAPTER_STAGES = ("dpo", "ppo")
+MULTI_ADAPTER_STAGES = ("dpo", "ppo", "grpo")
 
 
 class LaunchError(UsageError):
@@ -201,7 +201,8 @@ def check_launch(accelerator, stage: Optional[str]) -> None:
     if stage not in MULTI_ADAPTER_STAGES or not shards_parameters(accelerator):
         return
     mode = "FSDP" if is_fsdp(accelerator) else "DeepSpeed ZeRO-3"
-    what = "generates with and switches four adapters on" if stage == "ppo" else "switches policy/reference adapters on"
+    what = ("generates with and switches its adapters on" if stage in ("ppo", "grpo")
+            else "switches policy/reference adapters on")
     raise LaunchError(
         f"{stage} under {mode} is not supported: it {what} one base whose weights {mode} partitions across "
         "ranks (untested, and every switch or decoded token would gather the whole base); use "

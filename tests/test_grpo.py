@@ -1,0 +1,71 @@
+"""The critic-free stage (trainer/grpo.py): GRPO and RLOO on the shared base, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_GRPO = ROOT / "tests" / "configs" / "tiny_grpo.yaml"
+
+
+@pytest.mark.parametrize("extra, adapters", [
+    ((), ["policy", "reference"]),  # GRPO, k3 KL term against the reference
+    (("--advantage", "rloo", "--beta", "0", "--max_steps", "1"), ["policy"]),  # beta 0: no reference pass at all
+])
+def test_a_grpo_run_trains_only_the_policy_and_logs_trl_named_figures(tmp_path, extra, adapters, monkeypatch,
+                                                                      fresh_accelerate_state):
+    import trainer.grpo as grpo
+
+    built = {}
+    original = grpo.build_model
+
+    def spy(ctx):
+        model = original(ctx)
+        built["model"] = model
+        built["before"] = {name: model.adapter_state(name) for name in model.adapter_names}
+        return model
+
+    monkeypatch.setattr(grpo, "build_model", spy)
+    grpo.main(["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"), *extra])
+    model = built["model"]
+    assert model.adapter_names == adapters and "value" not in model.adapter_names
+    for name, state in built["before"].items():
+        moved = any(not torch.equal(v, model.adapter_state(name)[k]) for k, v in state.items())
+        assert moved == (name == "policy"), name
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward" in r]
+    assert steps and {"reward", "reward_std", "clip_ratio", "completions/mean_length", "loss",
+                      "perf/decode_tokens_per_s"} <= set(steps[-1])
+    assert ("kl" in steps[-1]) == ("reference" in adapters)
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_rloo_with_one_response_per_prompt_is_refused_in_one_line(tmp_path, capsys):
+    import trainer.grpo as grpo
+    from profiling.cli import run
+
+    with pytest.raises(SystemExit) as exit_info:
+        run(grpo.main, ["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"), "--advantage", "rloo",
+                        "--num_generations", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --advantage rloo needs --num_generations of at least 2")
+
+
+def test_the_estimator_knows_the_critic_free_stage():
+    from profiling.predict import EstimateArguments, estimate
+    from profiling.shapes import load_shape
+
+    shape = load_shape("llama-2-7b")
+    grpo = estimate(shape, EstimateArguments(stage="grpo", rollout_batch_size=16, num_generations=4,
+                                             rollout_micro_batch_size=16))
+    ppo = estimate(shape, EstimateArguments(stage="ppo", rollout_batch_size=16, rollout_micro_batch_size=16))
+    assert [p["phase"] for p in grpo["phases"]] == ["generate", "score", "update", "optimizer_step"]
+    g, p = ({x["phase"]: x["components"] for x in e["phases"]} for e in (grpo, ppo))
+    assert "adapter/value" not in g["update"] and "adapter/value" in p["update"]
+    assert g["update"]["activations"] < p["update"]["activations"]  # one forward, not policy + value
+    assert g["score"]["rollout_buffers"] > p["score"]["rollout_buffers"]  # 64 responses, not 16

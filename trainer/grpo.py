@@ -1,0 +1,129 @@
+"""Critic-free online RL on ONE shared base: GRPO or RLOO with three adapters (policy trainable,
+reference frozen SFT, reward frozen with its head), no value model.
+
+Each step (`trainer.rl.grpo_step.grpo_step`): sample `num_generations` responses to each prompt,
+score them (reward adapter or a scripted reward), turn each prompt group's rewards into advantages
+(GRPO: z-scores; RLOO: leave-one-out baseline) and take clipped policy-ratio steps, with the KL to the
+reference as a k3 loss term (GRPO) or a reward penalty (RLOO). Evaluation is PPO's: policy vs SFT on
+held-out prompts.
+
+    accelerate launch trainer/grpo.py --config trainer/configs/grpo.yaml [--advantage rloo ...]
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+from profiling.cli import UsageError, above, at_least, between, one_of, run
+from profiling.stages import POLICY, REFERENCE, REWARD
+from trainer.data.collators import PromptCollator
+from trainer.data.tokenization import tokenize_prompts
+from trainer.engine.harness import Harness, StepResult
+from trainer.engine.setup import RunContext, finish_stage, require_rows, start_run
+from trainer.losses import GROUP_ADVANTAGES, LOSS_NORMALISATIONS
+from trainer.model.shared_base import build_shared_model, stage_specs
+from trainer.ppo import PPOArguments, make_scorer
+from trainer.rl.grpo_step import GroupState, grpo_step
+from trainer.rl.policy_eval import policy_vs_reference
+from trainer.rl.rollout import Sampling
+
+logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class GRPOArguments(PPOArguments):
+    """PPO's sampling, scoring and batch settings (`rollout_batch_size` counts prompts; minibatches and
+    micro-batches count responses), plus the critic-free ones. PPO-only fields (value, GAE, KL
+    controller) are not read."""
+
+    advantage: str = field(default="grpo", metadata={"help": "grpo (group z-scores) or rloo (leave-one-out baseline)."})
+    num_generations: int = field(default=4, metadata={"help": "Responses sampled per prompt (a group)."})
+    scale_rewards: bool = field(default=True, metadata={"help": "GRPO: divide by the group's std (false: Dr. GRPO)."})
+    beta: float = field(default=0.04, metadata={"help": "KL weight: a k3 loss term (grpo) or a reward penalty (rloo); "
+                                                "0 skips the reference pass."})
+    epochs: int = field(default=1, metadata={"help": "Passes over each rollout (TRL's num_iterations)."})
+    loss_normalisation: str = field(default="token", metadata={
+        "help": "token (sum over tokens / tokens, TRL's and DAPO's default: every token weighs the same), sequence "
+                "(each response's mean, then the mean: short responses weigh more per token), fixed (sum / "
+                "(rows x max_new_tokens), Dr. GRPO)."})
+
+    RULES = {**PPOArguments.RULES, "advantage": one_of(*GROUP_ADVANTAGES), "num_generations": at_least(1),
+             "beta": at_least(0), "epochs": at_least(1), "loss_normalisation": one_of(*LOSS_NORMALISATIONS),
+             "cliprange": above(0), "top_p": between(0, 1)}
+
+    def check(self) -> None:
+        super().check()
+        if self.advantage == "rloo" and self.num_generations < 2:
+            raise UsageError("--advantage rloo needs --num_generations of at least 2 (a leave-one-out baseline)")
+
+
+def check_settings(args: GRPOArguments, micro: int) -> None:
+    if args.reward_adapter is None and args.scripted_reward is None:
+        raise UsageError("GRPO needs a scorer: pass --reward_adapter DIR (from trainer/reward.py) or "
+                         "--scripted_reward keyword:WORD|length:N|chars:N")
+    rows = args.rollout_batch_size * args.num_generations
+    if rows % args.mini_batch_size or args.mini_batch_size % micro:
+        raise UsageError(f"rollout_batch_size x num_generations ({rows}) must be a multiple of --mini_batch_size "
+                         f"({args.mini_batch_size}), and that a multiple of --micro_batch_size ({micro})")
+
+
+def build_model(ctx: RunContext):
+    """Policy and reference from the SFT adapter, the reward adapter + head (if scored by it); LoRA
+    dropout off, as in PPO (old log-probs are taken in eval mode)."""
+    model_args, args = ctx.model_args, ctx.stage_args
+    if model_args.lora_dropout:
+        logger.info("GRPO trains without LoRA dropout: lora_dropout %s -> 0", model_args.lora_dropout)
+        model_args = replace(model_args, lora_dropout=0.0)
+    sources = {POLICY: args.sft_adapter, REFERENCE: args.sft_adapter, REWARD: args.reward_adapter}
+    without = ((REWARD,) if args.reward_adapter is None else ()) + ((REFERENCE,) if args.beta == 0 else ())
+    specs = stage_specs("grpo", sources, without=without)
+    return build_shared_model(model_args, specs, vocab_size=len(ctx.tokenizer), device=ctx.accelerator.device)
+
+
+def train(ctx: RunContext, model, prompts, held_out) -> GroupState:
+    args, targs, tok = ctx.stage_args, ctx.train_args, ctx.tokenizer
+    scorer = make_scorer(args, tok)
+    state = GroupState(torch.Generator().manual_seed(targs.seed))
+    reference = REFERENCE if REFERENCE in model.adapter_names else None
+
+    def evaluate() -> dict[str, float]:
+        if reference is None:
+            return {}
+        return policy_vs_reference(harness.engine.raw, held_out, Sampling.of(args), scorer, tok.eos_token_id,
+                                   tok.pad_token_id, args.rollout_micro_batch_size, args.eval_seed, ctx.accelerator,
+                                   POLICY, reference, progress=targs.progress_bar) or {}
+
+    def step(step_number: int, batches) -> StepResult:
+        return grpo_step(harness.engine, next(batches), args, state, scorer, tok.eos_token_id, tok.pad_token_id)
+
+    rows = args.rollout_batch_size * args.num_generations
+    harness = Harness(ctx, model, "grpo", [POLICY], prompts, PromptCollator(tok.pad_token_id),
+                      args.rollout_batch_size, evaluate, extra_state=state,
+                      accumulation_steps=args.mini_batch_size // targs.micro_batch_size,
+                      log_keys=["reward", "reward_std", "kl", "clip_ratio", "completions/mean_length",
+                                "perf/rollout_s", "perf/update_s"])
+    logger.info("%s: %d prompts x %d responses = %d rows per step", args.advantage, args.rollout_batch_size,
+                args.num_generations, rows)
+    harness.train(step)
+    return state
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    ctx = start_run(GRPOArguments, argv, stage="grpo")
+    args = ctx.stage_args
+    check_settings(args, ctx.train_args.micro_batch_size)
+    prompts, _ = tokenize_prompts(ctx.splits.ppo, ctx.tokenizer, ctx.data_args)
+    held_out, _ = tokenize_prompts(ctx.splits.eval[: args.eval_prompts], ctx.tokenizer, ctx.data_args)
+    require_rows(prompts, "GRPO prompts", args.rollout_batch_size, ctx.data_args)
+    model = build_model(ctx)
+    train(ctx, model, prompts, held_out)
+    return finish_stage(ctx, "grpo", model, POLICY, prompts=len(prompts))
+
+
+ARGUMENTS = GRPOArguments  # the `stage:` section of this stage's config
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,180 @@
+"""One critic-free step (GRPO or RLOO) on the shared base: the same plumbing as `ppo_step`, less the
+value model.
+
+    prompts x num_generations -> generate (one batched call per chunk) -> ONE routed pass for the
+    policy's old log-probs, the reference's (beta > 0) and the reward adapter's score
+    -> advantages per prompt group (`trainer.losses.group_advantages`)
+    -> clipped ratio loss (+ beta * k3 to the reference for GRPO) over shuffled minibatches
+
+RLOO puts the KL in the reward instead (r - beta * sum of the k1 KL over the response), as TRL's
+RLOOTrainer does. beta 0 skips the reference pass altogether.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from profiling.stages import POLICY, REFERENCE
+from trainer.engine.harness import Engine, StepResult
+from trainer.losses import group_advantages, grpo_policy_loss, kl_penalty, last_token_values
+from trainer.rl.rollout import Sampling, _pad_right, chunked, sample_responses
+from trainer.rl.scoring import logprobs_of, response_logprobs
+
+
+@dataclass
+class GroupRollout:
+    input_ids: torch.Tensor  # (P*G, P_len + R): each prompt's G responses are consecutive rows
+    attention_mask: torch.Tensor
+    response_mask: torch.Tensor  # (P*G, R) float
+    logprobs: torch.Tensor  # (P*G, R) old policy log-probs
+    ref_logprobs: Optional[torch.Tensor]  # (P*G, R), None when beta is 0
+    scores: torch.Tensor  # (P*G,)
+    ended: torch.Tensor  # (P*G,) bool
+    generate_s: float
+
+
+@dataclass
+class GroupState:
+    """What a critic-free run carries between steps (checkpointed): the minibatch order."""
+
+    generator: torch.Generator
+
+    def state_dict(self) -> dict:
+        return {"minibatch_rng": self.generator.get_state().tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(torch.tensor(state["minibatch_rng"], dtype=torch.uint8))
+
+
+@torch.no_grad()
+def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, args, scorer, eos_id: int,
+                  pad_id: int, phase: Callable) -> GroupRollout:
+    """Generate `num_generations` responses per prompt and score them in one routed pass per chunk."""
+    sampling, rows = Sampling.of(args), args.rollout_micro_batch_size
+    ids = prompt_ids.repeat_interleave(args.num_generations, dim=0)
+    mask = prompt_mask.repeat_interleave(args.num_generations, dim=0)
+    was_training = model.training
+    model.eval()
+    try:
+        with phase("generate"):
+            started = time.perf_counter()
+            parts = [sample_responses(model, ids[i : i + rows], mask[i : i + rows], sampling, eos_id, pad_id,
+                                      merged=args.merged_generation) for i in range(0, ids.shape[0], rows)]
+            generate_s = time.perf_counter() - started
+        width = max(p[0].shape[1] for p in parts)
+        input_ids = torch.cat([_pad_right(p[0], width, pad_id) for p in parts])
+        attention_mask = torch.cat([_pad_right(p[1], width, 0) for p in parts])
+        response_mask = torch.cat([_pad_right(p[2], width - ids.shape[1], 0) for p in parts])
+        ended = torch.cat([p[3] for p in parts])
+        reward_adapter = getattr(scorer, "adapter", None)
+        adapters, outputs = [POLICY], ["logits"]
+        if args.beta > 0:
+            adapters, outputs = adapters + [REFERENCE], outputs + ["logits"]
+        if reward_adapter is not None:
+            adapters, outputs = adapters + [reward_adapter], outputs + ["scores"]
+        temperature, r = sampling.scoring_temperature, response_mask.shape[1]
+
+        def score(i, m, rm):
+            out = model.fused(i, m, adapters, outputs, keep_last=r + 1, separate=not args.fused_passes)
+            old = logprobs_of(out[0], i, temperature)[0]
+            ref = logprobs_of(out[1], i, temperature)[0] if args.beta > 0 else None
+            reward = last_token_values(out[-1][:, 1:], rm).float() if reward_adapter is not None else None
+            return old, ref, reward
+
+        with phase("score"):
+            old, ref, scores = chunked(score, rows, input_ids.shape[0], input_ids, attention_mask, response_mask)
+            if scores is None:
+                scores = scorer(model, input_ids, attention_mask, ids.shape[1], response_mask).float()
+    finally:
+        model.train(was_training)
+    if args.missing_eos_penalty is not None:
+        scores = torch.where(ended, scores, scores - args.missing_eos_penalty)
+    fmask = response_mask.float()
+    return GroupRollout(input_ids, attention_mask, fmask, old * fmask, None if ref is None else ref * fmask,
+                        scores, ended, generate_s)
+
+
+def rollout_advantages(rollout: GroupRollout, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages (P*G,), the rewards they came from (P*G,)): RLOO folds -beta * KL into the reward."""
+    rewards = rollout.scores
+    if args.advantage == "rloo" and args.beta > 0:
+        kl = (kl_penalty(rollout.logprobs, rollout.ref_logprobs, "k1") * rollout.response_mask).sum(1)
+        rewards = rewards - args.beta * kl
+    groups = rewards.view(-1, args.num_generations)
+    return group_advantages(groups, args.advantage, args.scale_rewards).flatten(), rewards
+
+
+def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: GroupState, scorer, eos_id: int,
+              pad_id: int, phase: Optional[Callable] = None) -> StepResult:
+    """Rollout -> group advantages -> `epochs` passes of clipped-ratio minibatch updates (`args`: GRPOArguments)."""
+    acc, raw = engine.accelerator, engine.raw
+    phase = phase or engine.recorder.phase
+    started = time.perf_counter()
+    rollout = group_rollout(raw, batch["input_ids"].to(acc.device), batch["attention_mask"].to(acc.device), args,
+                            scorer, eos_id, pad_id, phase)
+    advantages, rewards = rollout_advantages(rollout, args)
+    rollout_s = time.perf_counter() - started
+    engine.model.train()
+    temperature = Sampling.of(args).scoring_temperature
+    sums: dict[str, float] = defaultdict(float)
+    count, all_finite, any_stepped = 0, True, False
+    started = time.perf_counter()
+    size = rollout.input_ids.shape[0]
+    with phase("update"):
+        for _ in range(args.epochs):
+            order = torch.randperm(size, generator=state.generator)
+            for start in range(0, size, args.mini_batch_size):
+                rows = order[start : start + args.mini_batch_size]
+                stats, finite = _minibatch(engine, rollout, advantages, rows, args, temperature)
+                stepped, sound, grad_norm = engine.optimizer_step(finite)
+                all_finite, any_stepped = all_finite and sound, any_stepped or stepped
+                stats["grad_norm"] = grad_norm
+                for key, value in stats.items():
+                    sums[key] += float(value)
+                count += 1
+    update_s = time.perf_counter() - started
+    groups = rollout.scores.view(-1, args.num_generations)
+    metrics = {k: v / count for k, v in sums.items()}
+    metrics.update({
+        "reward": rewards.mean().item(), "reward_std": groups.std(dim=1).mean().item() if args.num_generations > 1 else 0.0,
+        "objective/scores": rollout.scores.mean().item(),
+        "completions/mean_length": rollout.response_mask.sum(1).mean().item(),
+        "completions/clipped_ratio": (~rollout.ended).float().mean().item(),
+        "frac_reward_zero_std": (groups.std(dim=1) == 0).float().mean().item() if args.num_generations > 1 else 1.0,
+        "lr": engine.scheduler.get_last_lr()[0], "perf/rollout_s": rollout_s, "perf/update_s": update_s,
+        "perf/decode_tokens_per_s": size * rollout.response_mask.shape[1] / max(rollout.generate_s, 1e-9)})
+    if rollout.ref_logprobs is not None:
+        metrics["kl"] = (kl_penalty(rollout.logprobs, rollout.ref_logprobs, "k1") * rollout.response_mask).sum(1).mean().item()
+    return StepResult(metrics, finite=all_finite, stepped=any_stepped)
+
+
+def _minibatch(engine: Engine, rollout: GroupRollout, advantages: torch.Tensor, rows: torch.Tensor, args,
+               temperature: float) -> tuple[dict[str, float], bool]:
+    acc, micro = engine.accelerator, engine.args.micro_batch_size
+    steps = -(-len(rows) // micro)
+    acc.gradient_accumulation_steps = steps
+    acc.step = 0
+    sums: dict[str, float] = defaultdict(float)
+    finite = True
+    for i in range(0, len(rows), micro):
+        idx = rows[i : i + micro]
+        mask = rollout.response_mask[idx]
+        width = int(mask.sum(1).max().item())
+        keep = rollout.input_ids.shape[1] - mask.shape[1] + width
+        ids, att = rollout.input_ids[idx, :keep], rollout.attention_mask[idx, :keep]
+        with acc.accumulate(engine.model), acc.autocast():
+            logprobs, _ = response_logprobs(engine.model, ids, att, width, POLICY, temperature)
+            ref = rollout.ref_logprobs[idx, :width] if args.advantage == "grpo" and args.beta > 0 else None
+            loss, stats = grpo_policy_loss(logprobs, rollout.logprobs[idx, :width], advantages[idx], mask[:, :width],
+                                           args.cliprange, ref, args.beta if ref is not None else 0.0,
+                                           args.loss_normalisation, args.max_new_tokens)
+            finite = engine.backward(loss) and finite
+        for key, value in {"loss": loss.detach(), "clip_ratio": stats["clipfrac"], "kl_term": stats["kl"],
+                           "ratio": stats["ratio"]}.items():
+            sums[key] += float(value) / steps
+    return dict(sums), finite
