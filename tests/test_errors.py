@@ -142,7 +142,7 @@ def cases(tmp: Path, shared: Path) -> dict[str, tuple]:
         "report: no memory.json": (("profiling.report", [str(tmp)]), 2, "no memory report"),
         "estimate: max_length -5": (("profiling.estimate", ["--model", "llama-2-7b", "--stage", "sft",
                                                             "--max_length", "-5"]), 2, "--max_length -5: must be at least 2"),
-        "estimate: unknown stage": (("profiling.estimate", ["--stage", "grpo"]), 2, "--stage 'grpo': must be one of"),
+        "estimate: unknown stage": (("profiling.estimate", ["--stage", "kto"]), 2, "--stage 'kto': must be one of"),
         "pipeline: unknown recipe": (("trainer.pipeline", ["--recipe", str(tmp / "nothing"), "--run_dir",
                                                            str(tmp / "p")]), 2, "no sft.yaml, reward.yaml, ppo.yaml"),
         "pipeline: malformed --overrides": (("trainer.pipeline", ["--overrides", "max_steps"]), 2,
