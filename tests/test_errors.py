@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,10 @@ def cases(tmp: Path, shared: Path) -> dict[str, tuple]:
     bad_memory.mkdir()
     (bad_memory / "memory.json").write_text("{truncated")
     sft_like = adapter_folder(tmp / "sft-adapter", weights=True)  # a saved adapter without a head
+    recipe = tmp / "recipe"  # a PPO recipe: no grpo.yaml for RLOO
+    recipe.mkdir()
+    for name in ("sft", "reward", "ppo"):
+        shutil.copy(ROOT / "tests" / "configs" / "tiny_recipe" / f"{name}.yaml", recipe)
     return {
         # data
         "every row skipped": (sft(tmp, "--dataset", str(all_bad)), 1, "0 usable rows"),
@@ -147,6 +152,10 @@ def cases(tmp: Path, shared: Path) -> dict[str, tuple]:
                                                            str(tmp / "p")]), 2, "no sft.yaml, reward.yaml, ppo.yaml"),
         "pipeline: malformed --overrides": (("trainer.pipeline", ["--overrides", "max_steps"]), 2,
                                             "--overrides: 'max_steps' is not key=value"),
+        "pipeline: unknown --algorithm": (("trainer.pipeline", ["--algorithm", "ppo,kto"]), 2,
+                                          "--algorithm 'ppo,kto': must be one or more of ppo, grpo, rloo"),
+        "pipeline: recipe without grpo.yaml": (("trainer.pipeline", ["--recipe", str(recipe), "--algorithm", "rloo",
+                                                                     "--run_dir", str(tmp / "p")]), 2, "no grpo.yaml in"),
     }
 
 

@@ -1,11 +1,11 @@
 """Compare trained policies on held-out prompts under the reward model, on one shared base.
 
-The SFT, PPO (and DPO) policies and the reward model are adapters on ONE base: each policy samples
+The SFT policy, each online RL policy of the run (PPO, GRPO, RLOO), DPO's when asked, and the reward model are adapters on ONE base: each policy samples
 responses to the same held-out prompts (same seed), the `reward` adapter scores them, and each
 policy's KL to the SFT policy is estimated from its own samples (`trainer.rl.policy_eval`, which
 PPO's periodic evaluation runs too). Writes `comparison.json`.
 
-    python -m trainer.compare --run_dir runs/demo [--with_dpo true]
+    python -m trainer.compare --run_dir runs/demo [--algorithm ppo,grpo,rloo] [--with_dpo true]
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ SEED = 0
 BATCH_SIZE = 8
 
 
-def policy_adapters(run_dir: Path, with_dpo: bool) -> dict[str, Path]:
-    found = {"sft": run_dir / "sft" / "adapter", "ppo": run_dir / "ppo" / "adapter"}
-    if with_dpo:
-        found["dpo"] = run_dir / "dpo" / "adapter"
+def policy_adapters(run_dir: Path, args: PipelineArguments) -> dict[str, Path]:
+    """policy name -> its adapter folder: SFT first (the baseline), then the run's trained policies."""
+    names = ["sft", *args.algorithms] + (["dpo"] if args.with_dpo else [])
+    found = {name: run_dir / name / "adapter" for name in names}
     missing = [str(p) for p in [*found.values(), run_dir / "reward" / "adapter"] if not (p / "adapter_config.json").is_file()]
     if missing:
         raise InputError(f"cannot compare: no adapter in {', '.join(missing)} (run the stages first)")
@@ -54,10 +54,10 @@ def held_out_prompts(run_dir: Path, tokenizer, count: int):
     return prompts, [p.prompt for p in splits.eval[:count]]
 
 
-def compare_policies(run_dir: Path, args: PipelineArguments, with_dpo: bool = False) -> dict[str, Any]:
+def compare_policies(run_dir: Path, args: PipelineArguments) -> dict[str, Any]:
     started = time.time()
     run_dir = Path(run_dir)
-    adapters = policy_adapters(run_dir, with_dpo)
+    adapters = policy_adapters(run_dir, args)
     model_args = base_model_args(adapters["sft"], gradient_checkpointing=False)
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
                                model_args.tokenizer_name_or_path)
@@ -86,7 +86,7 @@ def compare_policies(run_dir: Path, args: PipelineArguments, with_dpo: bool = Fa
 def main(argv: Optional[list[str]] = None) -> dict:
     (args,) = parse([PipelineArguments], list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True)
-    result = compare_policies(Path(args.run_dir), args, with_dpo=args.with_dpo)
+    result = compare_policies(Path(args.run_dir), args)
     print(json.dumps(result["policies"]))
     return result
 

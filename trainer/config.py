@@ -190,6 +190,9 @@ class PipelineArguments(Checked):
 
     run_dir: str = field(default="runs/demo", metadata={"help": "Folder for every stage's run and the report."})
     recipe: str = field(default="demo", metadata={"help": "Stage configs: demo, llama2_7b (or a folder of YAMLs)."})
+    algorithm: str = field(default="ppo", metadata={
+        "help": "Online RL after the reward model: ppo, grpo, rloo, or several comma-separated (ppo,grpo,rloo), each "
+                "from the same SFT and reward adapters into its own folder."})
     with_dpo: bool = field(default=False, metadata={"help": "Also train DPO from the SFT adapter."})
     overrides: str = field(default="", metadata={
         "help": "Settings for every stage as key=value,key=value (e.g. max_steps=2)."})
@@ -197,7 +200,24 @@ class PipelineArguments(Checked):
     eval_max_new_tokens: int = field(default=32, metadata={"help": "Response length of the final comparison."})
     samples_in_report: int = field(default=4, metadata={"help": "Side-by-side generations shown in the report."})
 
-    RULES = {"eval_prompts": at_least(1), "eval_max_new_tokens": at_least(1), "samples_in_report": at_least(0)}
+    RULES = {"eval_prompts": at_least(1), "eval_max_new_tokens": at_least(1), "samples_in_report": at_least(0),
+             "algorithm": lambda name, value: _online_algorithms_rule(value)}
+
+    @property
+    def algorithms(self) -> list[str]:
+        """The online RL stages asked for, in the order given."""
+        return [a.strip() for a in self.algorithm.split(",") if a.strip()]
+
+
+ONLINE_ALGORITHMS = ("ppo", "grpo", "rloo")
+
+
+def _online_algorithms_rule(value: str) -> Optional[str]:
+    names = [a.strip() for a in value.split(",") if a.strip()]
+    unknown = [a for a in names if a not in ONLINE_ALGORITHMS]
+    if not names or unknown or len(set(names)) != len(names):
+        return f"must be one or more of {', '.join(ONLINE_ALGORITHMS)}, comma-separated, each once"
+    return None
 
 
 SECTIONS = ("model", "data", "train", "stage")

@@ -26,7 +26,7 @@ from trainer.engine.harness import Harness, StepResult
 from trainer.engine.setup import RunContext, finish_stage, require_rows, start_run
 from trainer.losses import GROUP_ADVANTAGES, LOSS_NORMALISATIONS
 from trainer.model.shared_base import build_shared_model, stage_specs
-from trainer.ppo import PPOArguments, make_scorer
+from trainer.ppo import PPOArguments, make_scorer, train_missing_stages
 from trainer.rl.grpo_step import GroupState, grpo_step
 from trainer.rl.policy_eval import policy_vs_reference
 from trainer.rl.rollout import Sampling
@@ -112,6 +112,7 @@ def train(ctx: RunContext, model, prompts, held_out) -> GroupState:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
+    train_missing_stages(argv, GRPOArguments)
     ctx = start_run(GRPOArguments, argv, stage="grpo")
     args = ctx.stage_args
     check_settings(args, ctx.train_args.micro_batch_size)

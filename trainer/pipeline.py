@@ -1,9 +1,10 @@
-"""SFT -> reward model -> PPO (and DPO when asked), each stage feeding the next, then the comparison of
-the policies and a run report. This is what `make demo` runs, and the one place that runs stages one
+"""SFT -> reward model -> PPO (or GRPO / RLOO, or several side by side; and DPO when asked), each stage
+feeding the next, then the comparison of the policies and a run report. This is what `make demo` runs, and the one place that runs stages one
 after another (PPO's `train_missing_stages` uses it too).
 
     python -m trainer.pipeline                       # the CPU demo on the embedded SmolLM2
     python -m trainer.pipeline --with_dpo true       # also DPO from the same SFT adapter
+    python -m trainer.pipeline --algorithm ppo,grpo,rloo   # three online RL policies from the same adapters
     python -m trainer.pipeline --recipe llama2_7b    # the seed recipe (7B, 20k / 50k / 20k, GPU)
 
 A stage whose `results.json` exists was finished with the same settings is skipped (with other
@@ -31,7 +32,11 @@ logger = logging.getLogger(__name__)
 
 CONFIG_ROOT = PROJECT_ROOT / "trainer" / "configs"
 RECIPES = {"demo": CONFIG_ROOT, "llama2_7b": CONFIG_ROOT / "llama2_7b"}
-ORDER = ("sft", "reward", "ppo", "dpo")
+# A pipeline stage: its folder -> (entry module, config file of the recipe, settings it always gets).
+# RLOO is the GRPO stage with the leave-one-out advantage, in a folder of its own.
+STAGES = {"sft": ("sft", "sft.yaml", {}), "reward": ("reward", "reward.yaml", {}), "ppo": ("ppo", "ppo.yaml", {}),
+          "grpo": ("grpo", "grpo.yaml", {}), "rloo": ("grpo", "grpo.yaml", {"advantage": "rloo"}),
+          "dpo": ("dpo", "dpo.yaml", {})}
 SPLIT_KEYS = ("dataset", "dataset_split", "dataset_subset", "eval_size", "sft_size", "reward_size", "ppo_size",
               "split_seed")
 
@@ -56,29 +61,35 @@ def stage_argv(config: Path, out: Path, settings: dict[str, str]) -> list[str]:
     return argv
 
 
-def check_finished_stage(name: str, argv: Sequence[str], out: Path) -> None:
+def stages_of(args: PipelineArguments) -> list[str]:
+    """The stage folders this pipeline run trains, in order."""
+    return ["sft", "reward", *args.algorithms] + (["dpo"] if args.with_dpo else [])
+
+
+def check_finished_stage(name: str, argv: Sequence[str], out: Path, module: Optional[str] = None) -> None:
     """A finished stage is reused only if it was trained with the settings this run asks for."""
     saved_file = out / "config.json"
     if not saved_file.is_file():
         return
-    now = run_config(*parse_config(stage_module(name).ARGUMENTS, argv), resolved={})
+    now = run_config(*parse_config(stage_module(module or name).ARGUMENTS, argv), resolved={})
     changes = config_changes(json.loads(saved_file.read_text()), now, COSMETIC_FIELDS)
     if changes:
         raise UsageError(f"stage {name} in {out} was finished with other settings ({'; '.join(changes)}): rerun with "
                          f"those, use another --run_dir, or delete {out} to train it again")
 
 
-def run_stage(name: str, argv: list[str], out: Path) -> dict:
-    """Run one stage's `main` in this process, unless `out` holds its finished results (same settings)."""
+def run_stage(name: str, argv: list[str], out: Path, module: Optional[str] = None) -> dict:
+    """Run one stage's `main` (entry module `module`, else `name`) in this process, unless `out` holds its
+    finished results (same settings)."""
     done = out / "results.json"
     if done.is_file():
-        check_finished_stage(name, argv, out)
+        check_finished_stage(name, argv, out, module)
         logger.info("stage %s: done already (%s), skipped", name, done)
         return json.loads(done.read_text())
     logger.info("stage %s: %s", name, " ".join(argv))
     reset_accelerate()
     started = time.time()
-    results = stage_module(name).main(argv)
+    results = stage_module(module or name).main(argv)
     results["seconds"] = time.time() - started
     write_atomic(done, json.dumps(results, indent=2))
     reset_accelerate()
@@ -104,16 +115,17 @@ def train_stages_into(folder: Path, targets: dict[str, Optional[str]], extra: Se
 
 def check_recipe(args: PipelineArguments) -> Path:
     folder = RECIPES.get(args.recipe, Path(args.recipe))
-    needed = ["sft", "reward", "ppo"] + (["dpo"] if args.with_dpo else [])
-    missing = [s for s in needed if not (folder / f"{s}.yaml").is_file()]
+    needed = stages_of(args)
+    missing = list(dict.fromkeys(STAGES[s][1] for s in needed if not (folder / STAGES[s][1]).is_file()))
     if missing:
-        raise UsageError(f"recipe '{args.recipe}': no {', '.join(m + '.yaml' for m in missing)} in {folder}")
+        raise UsageError(f"recipe '{args.recipe}': no {', '.join(missing)} in {folder}")
     # A broken YAML fails here, before hours of training; so do stages that would split the data
     # differently (a PPO prompt could then be one the SFT stage trained on).
     defaults = DataArguments()
     splits = {}
     for stage in needed:
-        values = load_yaml(folder / f"{stage}.yaml", stage_sections(stage))
+        module, config, _ = STAGES[stage]
+        values = load_yaml(folder / config, stage_sections(module))
         splits[stage] = tuple(values.get(k, getattr(defaults, k)) for k in SPLIT_KEYS)
     if len(set(splits.values())) > 1:
         raise UsageError(f"recipe '{args.recipe}': the stages must split the data alike ({', '.join(SPLIT_KEYS)}), "
@@ -130,18 +142,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     sft_dir, reward_dir = run_dir / "sft" / "adapter", run_dir / "reward" / "adapter"
-    links = {"sft": {}, "reward": {"sft_adapter": str(sft_dir)},
-             "ppo": {"sft_adapter": str(sft_dir), "reward_adapter": str(reward_dir)}, "dpo": {"sft_adapter": str(sft_dir)}}
+    online = {"sft_adapter": str(sft_dir), "reward_adapter": str(reward_dir)}
+    links = {"sft": {}, "reward": {"sft_adapter": str(sft_dir)}, "dpo": {"sft_adapter": str(sft_dir)},
+             **{name: online for name in args.algorithms}}
     results = {}
-    for name in ORDER:
-        if name == "dpo" and not args.with_dpo:
-            continue
-        argv_stage = stage_argv(folder / f"{name}.yaml", run_dir / name, {**links[name], **overrides})
-        results[name] = run_stage(name, argv_stage, run_dir / name)
+    for name in stages_of(args):
+        module, config, fixed = STAGES[name]
+        argv_stage = stage_argv(folder / config, run_dir / name, {**links[name], **overrides, **fixed})
+        results[name] = run_stage(name, argv_stage, run_dir / name, module)
     from trainer.compare import compare_policies
     from trainer.run_report import write_run_report
 
-    comparison = compare_policies(run_dir, args, with_dpo=args.with_dpo)
+    comparison = compare_policies(run_dir, args)
     report = write_run_report(run_dir, results, comparison)
     logger.info("run report: %s", report)
     return {"stages": results, "comparison": comparison, "report": str(report)}

@@ -135,14 +135,14 @@ def make_scorer(args: PPOArguments, tokenizer):
     return ScriptedScorer(args.scripted_reward, tokenizer) if args.scripted_reward else RewardModelScorer()
 
 
-def train_missing_stages(argv: Optional[list[str]]) -> None:
-    """Produce absent SFT / reward adapters through the pipeline's stage runner, so the default PPO config
-    runs end to end on a fresh checkout."""
+def train_missing_stages(argv: Optional[list[str]], arguments: type = None) -> None:
+    """Produce absent SFT / reward adapters through the pipeline's stage runner, so the default PPO (or
+    GRPO: `arguments` is the stage's argument class) config runs end to end on a fresh checkout."""
     from trainer.config import parse_config
     from trainer.pipeline import train_stages_into
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    model_args, _, _, args = parse_config(PPOArguments, argv)
+    model_args, _, _, args = parse_config(arguments or PPOArguments, argv)
     if not args.train_missing_stages:
         return
     # The stage configs beside the PPO config (a recipe folder), else the demo ones.

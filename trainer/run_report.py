@@ -18,6 +18,7 @@ from profiling.files import write_atomic
 from trainer.engine.metrics import read_metrics
 
 REPORT = "report.md"
+STAGE_FOLDERS = ("sft", "reward", "ppo", "grpo", "rloo", "dpo")  # a pipeline run's stage folders, in its order
 CURVES = "curves.png"
 
 
@@ -30,6 +31,8 @@ PANELS = [  # (stage, title, [(metric, label)])
     ("sft", "SFT", [("train/loss", "train loss"), ("eval/loss", "held-out loss")]),
     ("reward", "Reward model", [("train/accuracy", "train accuracy"), ("eval/accuracy", "held-out accuracy")]),
     ("ppo", "PPO", [("objective/scores", "reward score"), ("objective/kl", "KL to reference")]),
+    ("grpo", "GRPO", [("objective/scores", "reward score"), ("kl", "KL to reference")]),
+    ("rloo", "RLOO", [("objective/scores", "reward score"), ("kl", "KL to reference")]),
     ("dpo", "DPO", [("train/rewards/accuracies", "train implicit-reward acc."), ("eval/rewards/accuracies", "held-out acc.")]),
 ]
 
@@ -70,7 +73,7 @@ def _fmt(value: Any) -> str:
 def stage_table(results: dict[str, dict]) -> list[str]:
     lines = ["| stage | time (s) | held-out before | held-out after |", "|---|---:|---|---|"]
     key_of = {"sft": "eval/perplexity", "reward": "eval/accuracy", "ppo": "eval/score_policy",
-              "dpo": "eval/rewards/accuracies"}
+              "grpo": "eval/score_policy", "rloo": "eval/score_policy", "dpo": "eval/rewards/accuracies"}
     for name, res in results.items():
         key = key_of.get(name, "")
         before = (res.get("eval_before") or {}).get(key)
@@ -142,7 +145,7 @@ def _cell(text: str) -> str:
 def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: Optional[dict] = None) -> Path:
     run_dir = Path(run_dir)
     if results is None:
-        order = {name: i for i, name in enumerate(("sft", "reward", "ppo", "dpo"))}  # pipeline order
+        order = {name: i for i, name in enumerate(STAGE_FOLDERS)}  # pipeline order
         found = sorted(run_dir.glob("*/results.json"), key=lambda p: (order.get(p.parent.name, 99), p.parent.name))
         results = {p.parent.name: json.loads(p.read_text()) for p in found}
     if comparison is None and (run_dir / "comparison.json").is_file():
@@ -171,7 +174,7 @@ def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: 
         lines += [f"## Policies on {comparison['prompts']} held-out prompts, scored by the reward model", "",
                   *comparison_table(comparison), "", "### Samples (reward-model score in brackets)", "",
                   *sample_table(comparison), ""]
-    memory = [d for d in ("sft", "reward", "ppo", "dpo") if (run_dir / d / "memory.png").is_file()]
+    memory = [d for d in STAGE_FOLDERS if (run_dir / d / "memory.png").is_file()]
     if memory:
         lines += ["## Memory", ""] + [f"![{d} memory]({d}/memory.png) ([table]({d}/memory.md))" for d in memory] + [""]
     return write_atomic(run_dir / REPORT, "\n".join(lines))
