@@ -44,3 +44,17 @@ def test_saved_evaluations_appear_with_their_interval(tmp_path):
     assert "| dpo | eval | accuracy 0.5 (95% CI 0.404-0.596, 100 pairs) | `dpo/evaluation-eval.json` |" in lines
     assert "| sft | all | perplexity 9.5 | `sft/evaluation-all.json` |" in lines
     assert evaluation_table(tmp_path / "dpo") == []
+
+
+def test_stage_rows_show_the_mean_step_time_and_peak_memory_from_the_metrics(tmp_path):
+    import json
+
+    (tmp_path / "grpo").mkdir()
+    rows = [{"step": 1, "perf/step_s": 2.0, "perf/peak_rss_gb": 1.5}, {"step": 1, "eval/score_policy": 0.3},
+            {"step": 2, "perf/step_s": 4.0, "perf/peak_rss_gb": 1.75}]
+    (tmp_path / "grpo" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results = {"grpo": {"eval_before": {"eval/score_policy": 0.1}, "eval_after": {"eval/score_policy": 0.3}},
+               "sft": {}}
+    lines = stage_table(results, tmp_path)
+    assert "| grpo | - | 3 | 1.75 (process RSS) | score_policy 0.1 | score_policy 0.3 |" in lines
+    assert next(line for line in lines if line.startswith("| sft ")).startswith("| sft | - | - | - |")  # no metrics

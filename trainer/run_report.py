@@ -70,8 +70,22 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def stage_table(results: dict[str, dict]) -> list[str]:
-    lines = ["| stage | time (s) | held-out before | held-out after |", "|---|---:|---|---|"]
+def step_costs(rows: list[dict]) -> tuple[str, str]:
+    """(mean seconds per training step, peak memory in GB with its kind) from a stage's metrics.jsonl rows."""
+    seconds = [r["perf/step_s"] for r in rows if "perf/step_s" in r]
+    peaks = [(v, k.split("_")[1]) for r in rows for k, v in r.items() if k.startswith("perf/peak_") and k.endswith("_gb")]
+    step = f"{sum(seconds) / len(seconds):.3g}" if seconds else "-"
+    if not peaks:
+        return step, "-"
+    value, kind = max(peaks)
+    return step, f"{value:.3g} ({'process RSS' if kind == 'rss' else 'GPU allocated'})"
+
+
+def stage_table(results: dict[str, dict], run_dir: Optional[Path] = None) -> list[str]:
+    """One row per stage: time, mean step time and peak memory (from its metrics, when `run_dir` is given),
+    and the held-out figure before and after training."""
+    lines = ["| stage | time (s) | mean step (s) | peak memory (GB) | held-out before | held-out after |",
+             "|---|---:|---:|---:|---|---|"]
     key_of = {"sft": "eval/perplexity", "reward": "eval/accuracy", "ppo": "eval/score_policy",
               "grpo": "eval/score_policy", "rloo": "eval/score_policy", "dpo": "eval/rewards/accuracies"}
     for name, res in results.items():
@@ -80,7 +94,8 @@ def stage_table(results: dict[str, dict]) -> list[str]:
         after = (res.get("eval_after") or {}).get(key)
         label = key.split("/", 1)[-1]
         seconds = _fmt(res["seconds"]) if "seconds" in res else "-"  # only the pipeline times a stage
-        lines.append(f"| {name} | {seconds} | {label} {_fmt(before)}{_interval(before, res.get('eval_before'))} | "
+        step, peak = step_costs(read_metrics(run_dir / name)) if run_dir is not None else ("-", "-")
+        lines.append(f"| {name} | {seconds} | {step} | {peak} | {label} {_fmt(before)}{_interval(before, res.get('eval_before'))} | "
                      f"{label} {_fmt(after)}{_interval(after, res.get('eval_after'))} |")
     return lines
 
@@ -157,7 +172,10 @@ def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: 
     lines = [f"# Run report: {run_dir}", "",
              f"Generated {prov['date']} on {prov['device_name']}, git `{prov['git_revision']}`, "
              f"from the files in this folder (`python -m trainer.run_report {run_dir}`).", "",
-             "## Stages", "", *stage_table(results), ""]
+             "## Stages", "", *stage_table(results, run_dir), ""]
+    if any("process RSS" in line for line in lines):
+        lines += ["On a CPU the peak memory is the process's resident set since it started: where stages ran in one "
+                  "process (`trainer.pipeline`), a stage's figure includes the stages before it.", ""]
     dpo_before = (results.get("dpo") or {}).get("eval_before") or {}
     if dpo_before.get("eval/rewards/margins") == 0.0:
         lines += ["DPO starts with the policy equal to the reference, so every implicit reward is exactly 0 before "

@@ -1,0 +1,34 @@
+"""GRPO on the real embedded SmolLM2 learns a scripted reward within eight steps, KL bounded: the same
+reward, prompts and responses per step as PPO's learning check (tests/test_ppo_learning.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_grpo_raises_a_scripted_reward_on_held_out_prompts_with_bounded_kl(tmp_path):
+    out = tmp_path / "grpo"
+    proc = subprocess.run([sys.executable, "trainer/grpo.py", "--config", "tests/configs/smol_grpo_keyword.yaml",
+                           "--output_dir", str(out)], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    before, after = results["eval_before"], results["eval_after"]
+    assert before["step"] == 0 and after["step"] == 8
+    assert before["eval/score_policy"] == before["eval/score_sft"]  # same adapter weights at step 0
+    gain = after["eval/score_policy"] - after["eval/score_sft"]
+    assert gain >= 0.25, (before, after)  # measured +0.75 (0.19 -> 0.94) on 16 held-out prompts
+    assert after["eval/win_rate"] > 0.6  # measured 0.875
+    assert 0.0 < after["eval/kl"] < 20.0  # measured 8.4 nats: moved away from the reference, but boundedly
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward"] for r in rows if "reward" in r]
+    assert len(rewards) == 8 and sum(rewards[-2:]) > sum(rewards[:2])  # the training reward rose too
