@@ -1,13 +1,14 @@
-"""The PPO budget planner: from the estimator and the memory budget, pick the batch sizes and whether
-gradient checkpointing is needed, so a run uses the card instead of whatever the config guessed.
+"""The budget planner of the online RL stages (PPO, GRPO / RLOO): from the estimator and the memory
+budget, pick the batch sizes and whether gradient checkpointing is needed, so a run uses the card
+instead of whatever the config guessed.
 
-    plan_ppo(shape, settings) -> Plan(rollout_micro_batch_size, micro_batch_size, gradient_checkpointing, ...)
+    plan_rl(shape, settings) -> Plan(rollout_micro_batch_size, micro_batch_size, gradient_checkpointing, ...)
 
 The rule, in order (each choice is the largest that keeps the estimated peak within the usable
 budget, the budget less `margin`):
 
 1. generation and scoring rows per pass (`rollout_micro_batch_size`): the largest divisor of the
-   rollout batch whose generate and score phases fit;
+   rollout's rows (PPO: the prompts; GRPO: prompts x num_generations) whose generate and score phases fit;
 2. the update micro-batch: the largest divisor of the minibatch that fits, without gradient
    checkpointing when that fits at least half the micro-batch checkpointing allows (the recompute
    costs about a third of the update; a micro-batch half as large costs little per row), else with.
@@ -68,12 +69,15 @@ def _largest(shape: ModelShape, args: EstimateArguments, field: str, sizes: list
     return None
 
 
-def plan_ppo(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float = 0.1) -> Optional[Plan]:
-    """The plan for PPO `args` (EstimateArguments of the run) with minibatches of `mini_batch_size`
-    rows; None when not even one row per pass fits."""
-    args = replace(args.resolved(), stage="ppo")
+def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float = 0.1) -> Optional[Plan]:
+    """The plan for a PPO or GRPO run (`args.stage`; EstimateArguments of the run) with minibatches of
+    `mini_batch_size` rows; None when not even one row per pass fits."""
+    args = args.resolved()
+    if args.stage not in ("ppo", "grpo"):
+        raise ValueError(f"the planner plans online RL stages (ppo, grpo), not {args.stage!r}")
     usable = int(args.budget_bytes * (1 - margin))
-    rows = _largest(shape, args, "rollout_micro_batch_size", _divisors(args.rollout_batch_size), ROLLOUT_PHASES, usable)
+    total = args.rollout_batch_size * (args.num_generations if args.stage == "grpo" else 1)
+    rows = _largest(shape, args, "rollout_micro_batch_size", _divisors(total), ROLLOUT_PHASES, usable)
     if rows is None:
         return None
     args = replace(args, rollout_micro_batch_size=rows)

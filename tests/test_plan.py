@@ -1,4 +1,4 @@
-"""The PPO budget planner (profiling/plan.py): batch sizes and checkpointing chosen from the estimate."""
+"""The online RL budget planner (profiling/plan.py): batch sizes and checkpointing chosen from the estimate."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from profiling.plan import plan_ppo
+from profiling.plan import plan_rl
 from profiling.predict import EstimateArguments, estimate
 from profiling.shapes import load_shape
 
@@ -21,7 +21,7 @@ RECIPE = EstimateArguments(stage="ppo", rollout_batch_size=16, rollout_micro_bat
     (24, 16, 8, True), (16, 16, 8, True), (12, 16, 8, True),
 ])
 def test_the_7b_recipe_plan_at_24_16_and_12_gb(budget, rollout_rows, micro, checkpointing):
-    plan = plan_ppo(SEVEN_B, replace(RECIPE, memory_budget_gib=budget), mini_batch_size=8)
+    plan = plan_rl(SEVEN_B, replace(RECIPE, memory_budget_gib=budget), mini_batch_size=8)
     assert (plan.rollout_micro_batch_size, plan.micro_batch_size, plan.gradient_checkpointing) == \
         (rollout_rows, micro, checkpointing)
     assert plan.peak_bytes <= plan.usable_bytes == int(budget * 2**30 * 0.9)
@@ -30,7 +30,7 @@ def test_the_7b_recipe_plan_at_24_16_and_12_gb(budget, rollout_rows, micro, chec
 @pytest.mark.parametrize("budget, rollout_rows, micro", [(24, 64, 16), (16, 32, 16), (12, 16, 8), (8, 4, 2)])
 def test_a_64_prompt_rollout_is_split_to_what_each_budget_holds(budget, rollout_rows, micro):
     args = replace(RECIPE, rollout_batch_size=64, memory_budget_gib=budget)
-    plan = plan_ppo(SEVEN_B, args, mini_batch_size=16)
+    plan = plan_rl(SEVEN_B, args, mini_batch_size=16)
     assert (plan.rollout_micro_batch_size, plan.micro_batch_size, plan.gradient_checkpointing) == \
         (rollout_rows, micro, True)
     # the largest that fits: the next divisor up does not
@@ -41,15 +41,41 @@ def test_a_64_prompt_rollout_is_split_to_what_each_budget_holds(budget, rollout_
     assert "<- peak" in plan.table() and f"rollout_micro_batch_size {rollout_rows}" in plan.table()
 
 
+# trainer/configs/llama2_7b/grpo.yaml's settings: 4 prompts x 4 responses, no value adapter
+GRPO = replace(RECIPE, stage="grpo", rollout_batch_size=4, num_generations=4)
+
+
+@pytest.mark.parametrize("budget, rollout_rows, micro, checkpointing", [
+    # no value rows in the update: at 24 GB a micro-batch of 4 fits without recomputation, and that is
+    # at least half of the 8 checkpointing would allow, so the recompute is not worth it
+    (24, 16, 4, False), (16, 16, 8, True), (12, 16, 8, True), (8, 8, 4, True),
+])
+def test_the_7b_grpo_recipe_plan_at_24_16_and_12_gb(budget, rollout_rows, micro, checkpointing):
+    plan = plan_rl(SEVEN_B, replace(GRPO, memory_budget_gib=budget), mini_batch_size=8)
+    assert (plan.rollout_micro_batch_size, plan.micro_batch_size, plan.gradient_checkpointing) == \
+        (rollout_rows, micro, checkpointing)
+    assert plan.peak_bytes <= plan.usable_bytes
+
+
+def test_grpo_rollout_rows_are_prompts_times_generations():
+    plan = plan_rl(SEVEN_B, replace(GRPO, rollout_batch_size=16, memory_budget_gib=24), mini_batch_size=16)
+    assert plan.rollout_micro_batch_size == 64  # 16 prompts x 4 responses in one pass: more than the prompts
+
+
+def test_the_planner_plans_online_rl_stages_only():
+    with pytest.raises(ValueError, match="not 'sft'"):
+        plan_rl(SEVEN_B, replace(RECIPE, stage="sft"), mini_batch_size=8)
+
+
 def test_checkpointing_is_turned_off_where_the_update_fits_without_it():
     small = load_shape("tiny-llama")
-    plan = plan_ppo(small, replace(RECIPE, model_name_or_path="tiny-llama", quantization="none", dtype="float32",
+    plan = plan_rl(small, replace(RECIPE, model_name_or_path="tiny-llama", quantization="none", dtype="float32",
                                    memory_budget_gib=24), mini_batch_size=8)
     assert plan.gradient_checkpointing is False and plan.micro_batch_size == 8
 
 
 def test_nothing_fits_gives_no_plan():
-    assert plan_ppo(SEVEN_B, replace(RECIPE, memory_budget_gib=3), mini_batch_size=8) is None
+    assert plan_rl(SEVEN_B, replace(RECIPE, memory_budget_gib=3), mini_batch_size=8) is None
 
 
 def test_auto_fit_is_off_on_cpu_by_default_and_applies_the_plan_when_asked(tmp_path, capfd, fresh_accelerate_state):
@@ -66,3 +92,13 @@ def test_auto_fit_is_off_on_cpu_by_default_and_applies_the_plan_when_asked(tmp_p
     assert ctx.stage_args.rollout_micro_batch_size == ctx.stage_args.rollout_batch_size
     assert ctx.model_args.gradient_checkpointing is False  # the tiny model's update fits without it
     assert "budget plan" in logged and "<- peak" in logged
+
+
+def test_grpo_applies_the_plan_when_asked(tmp_path, capfd, fresh_accelerate_state):
+    from trainer.engine.setup import start_run
+    from trainer.grpo import GRPOArguments
+
+    ctx = start_run(GRPOArguments, ["--config", "tests/configs/tiny_grpo.yaml", "--rollout_micro_batch_size", "2",
+                                    "--output_dir", str(tmp_path / "on"), "--auto_fit", "true"], stage="grpo")
+    assert ctx.stage_args.rollout_micro_batch_size == 16  # 4 prompts x 4 responses in one pass
+    assert "budget plan" in "".join(capfd.readouterr())

@@ -12,7 +12,7 @@ import logging
 from profiling import components as C
 from profiling.advice import advice_lines
 from profiling.cli import UsageError
-from profiling.plan import plan_ppo
+from profiling.plan import plan_rl
 from profiling.predict import EstimateArguments, estimate, resolve_shape
 from trainer.engine.launch import deepspeed_config, offloads_optimizer
 
@@ -34,8 +34,8 @@ def estimate_arguments(stage: str, model_args, data_args, train_args, stage_args
     extra = {"stage": stage, "device": "cuda" if device == "cuda" else "cpu"}
     if offloads_optimizer(deepspeed_config(accelerator)):
         extra["optimizer"] = "deepspeed_zero2_offload"
-    if stage == "ppo":
-        extra["lora_dropout"] = 0.0  # PPO turns LoRA dropout off (trainer/ppo.py: build_model)
+    if stage in ("ppo", "grpo"):
+        extra["lora_dropout"] = 0.0  # online RL turns LoRA dropout off (trainer/ppo.py, trainer/grpo.py: build_model)
     return EstimateArguments.of_run(model_args, data_args, train_args, stage_args, **extra)
 
 
@@ -56,16 +56,16 @@ def check_budget(stage: str, model_args, data_args, train_args, stage_args, acce
         "(check_budget: false skips this check): " + " ".join(line.strip() for line in lines))
 
 
-def fit_to_budget(model_args, data_args, train_args, stage_args, accelerator):
-    """PPO's budget plan (`profiling.plan`) applied to the run's settings, when `auto_fit` is on (its
-    default on CUDA): returns (model_args, train_args, stage_args), changed where the plan says."""
+def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, accelerator):
+    """An online RL stage's budget plan (`profiling.plan`) applied to the run's settings, when `auto_fit`
+    is on (its default on CUDA): returns (model_args, train_args, stage_args), changed where the plan says."""
     from dataclasses import replace
 
     on = stage_args.auto_fit if stage_args.auto_fit is not None else accelerator.device.type == "cuda"
     if not on:
         return model_args, train_args, stage_args
-    args = estimate_arguments("ppo", model_args, data_args, train_args, stage_args, accelerator)
-    plan = plan_ppo(resolve_shape(args), args, stage_args.mini_batch_size)
+    args = estimate_arguments(stage, model_args, data_args, train_args, stage_args, accelerator)
+    plan = plan_rl(resolve_shape(args), args, stage_args.mini_batch_size)
     if plan is None:
         logger.warning("auto_fit: no batch sizes fit memory_budget_gib=%s; keeping the configured ones",
                        train_args.memory_budget_gib)

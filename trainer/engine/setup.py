@@ -184,8 +184,9 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     check_adapter_paths(stage_args)
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
                                model_args.tokenizer_name_or_path)
-    if stage == "ppo":
-        model_args, train_args, stage_args = fit_to_budget(model_args, data_args, train_args, stage_args, accelerator)
+    if stage in ("ppo", "grpo"):
+        model_args, train_args, stage_args = fit_to_budget(stage, model_args, data_args, train_args, stage_args,
+                                                           accelerator)
     if stage is not None and train_args.check_budget:
         check_budget(stage, model_args, data_args, train_args, stage_args, accelerator)
     splits, report = load_splits(data_args)
