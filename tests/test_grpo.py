@@ -69,3 +69,25 @@ def test_the_estimator_knows_the_critic_free_stage():
     assert "adapter/value" not in g["update"] and "adapter/value" in p["update"]
     assert g["update"]["activations"] < p["update"]["activations"]  # one forward, not policy + value
     assert g["score"]["rollout_buffers"] > p["score"]["rollout_buffers"]  # 64 responses, not 16
+
+
+def test_out_of_memory_in_the_grpo_update_retries_with_half_the_micro_batch(tmp_path, monkeypatch, capsys,
+                                                                             fresh_accelerate_state):
+    import trainer.grpo as grpo
+    import trainer.rl.grpo_step as grpo_step
+
+    real, seen = grpo_step.response_logprobs, []
+
+    def flaky(model, ids, *args, **kwargs):
+        seen.append(ids.shape[0])
+        if ids.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(model, ids, *args, **kwargs)
+
+    monkeypatch.setattr(grpo_step, "response_logprobs", flaky)
+    results = grpo.main(["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run")])
+    assert results["update_micro_batch"] == 2
+    assert seen[0] == 4 and set(seen[1:]) == {2}
+    assert "out of memory in the GRPO update: retrying the minibatch with micro-batch 2" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["perf/update_micro_batch"] for r in rows if "perf/update_micro_batch" in r] == [2.0]

@@ -86,7 +86,7 @@ def build_model(ctx: RunContext):
 def train(ctx: RunContext, model, prompts, held_out) -> GroupState:
     args, targs, tok = ctx.stage_args, ctx.train_args, ctx.tokenizer
     scorer = make_scorer(args, tok)
-    state = GroupState(torch.Generator().manual_seed(targs.seed))
+    state = GroupState(torch.Generator().manual_seed(targs.seed), targs.micro_batch_size)
     reference = REFERENCE if REFERENCE in model.adapter_names else None
 
     def evaluate() -> dict[str, float]:
@@ -108,6 +108,9 @@ def train(ctx: RunContext, model, prompts, held_out) -> GroupState:
     logger.info("%s: %d prompts x %d responses = %d rows per step", args.advantage, args.rollout_batch_size,
                 args.num_generations, rows)
     harness.train(step)
+    if state.micro_batch_size != targs.micro_batch_size:
+        logger.warning("the update settled on micro-batch %d (asked for %d) after running out of memory",
+                       state.micro_batch_size, targs.micro_batch_size)
     return state
 
 
@@ -120,8 +123,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     held_out, _ = tokenize_prompts(ctx.splits.eval[: args.eval_prompts], ctx.tokenizer, ctx.data_args)
     require_rows(prompts, "GRPO prompts", args.rollout_batch_size, ctx.data_args)
     model = build_model(ctx)
-    train(ctx, model, prompts, held_out)
-    return finish_stage(ctx, "grpo", model, POLICY, prompts=len(prompts))
+    state = train(ctx, model, prompts, held_out)
+    return finish_stage(ctx, "grpo", model, POLICY, prompts=len(prompts), update_micro_batch=state.micro_batch_size)
 
 
 ARGUMENTS = GRPOArguments  # the `stage:` section of this stage's config

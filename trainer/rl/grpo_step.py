@@ -22,6 +22,7 @@ import torch
 from profiling.stages import POLICY, REFERENCE
 from trainer.engine.harness import Engine, StepResult
 from trainer.losses import group_advantages, grpo_policy_loss, kl_penalty, last_token_values
+from trainer.rl.ppo_step import halving_on_oom
 from trainer.rl.rollout import Sampling, _pad_right, chunked, sample_responses
 from trainer.rl.scoring import logprobs_of, response_logprobs
 
@@ -40,15 +41,18 @@ class GroupRollout:
 
 @dataclass
 class GroupState:
-    """What a critic-free run carries between steps (checkpointed): the minibatch order."""
+    """What a critic-free run carries between steps (checkpointed): the minibatch order and the update's
+    micro-batch (halved after an out-of-memory error)."""
 
     generator: torch.Generator
+    micro_batch_size: int
 
     def state_dict(self) -> dict:
-        return {"minibatch_rng": self.generator.get_state().tolist()}
+        return {"minibatch_rng": self.generator.get_state().tolist(), "update_micro_batch": self.micro_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(torch.tensor(state["minibatch_rng"], dtype=torch.uint8))
+        self.micro_batch_size = state.get("update_micro_batch", self.micro_batch_size)
 
 
 @torch.no_grad()
@@ -130,7 +134,9 @@ def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: Group
             order = torch.randperm(size, generator=state.generator)
             for start in range(0, size, args.mini_batch_size):
                 rows = order[start : start + args.mini_batch_size]
-                stats, finite = _minibatch(engine, rollout, advantages, rows, args, temperature)
+                stats, finite = halving_on_oom(engine, state, "GRPO", lambda micro: _minibatch(
+                    engine, rollout, advantages, rows, args, micro, temperature))
+                engine.recorder.sample()  # the memory recorder counts gradients while they exist
                 stepped, sound, grad_norm = engine.optimizer_step(finite)
                 all_finite, any_stepped = all_finite and sound, any_stepped or stepped
                 stats["grad_norm"] = grad_norm
@@ -147,6 +153,7 @@ def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: Group
         "completions/clipped_ratio": (~rollout.ended).float().mean().item(),
         "frac_reward_zero_std": (groups.std(dim=1) == 0).float().mean().item() if args.num_generations > 1 else 1.0,
         "lr": engine.scheduler.get_last_lr()[0], "perf/rollout_s": rollout_s, "perf/update_s": update_s,
+        "perf/update_micro_batch": float(state.micro_batch_size),
         "perf/decode_tokens_per_s": size * rollout.response_mask.shape[1] / max(rollout.generate_s, 1e-9)})
     if rollout.ref_logprobs is not None:
         metrics["kl"] = (kl_penalty(rollout.logprobs, rollout.ref_logprobs, "k1") * rollout.response_mask).sum(1).mean().item()
@@ -154,11 +161,11 @@ def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: Group
 
 
 def _minibatch(engine: Engine, rollout: GroupRollout, advantages: torch.Tensor, rows: torch.Tensor, args,
-               temperature: float) -> tuple[dict[str, float], bool]:
-    acc, micro = engine.accelerator, engine.args.micro_batch_size
+               micro: int, temperature: float) -> tuple[dict[str, float], bool]:
+    acc = engine.accelerator
     steps = -(-len(rows) // micro)
     acc.gradient_accumulation_steps = steps
-    acc.step = 0
+    acc.step = 0  # realign the accumulation counter (after an OOM retry, too)
     sums: dict[str, float] = defaultdict(float)
     finite = True
     for i in range(0, len(rows), micro):

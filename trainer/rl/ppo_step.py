@@ -131,6 +131,29 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def halving_on_oom(engine: Engine, state, stage: str, minibatch: Callable[[int], Any]) -> Any:
+    """`minibatch(state.micro_batch_size)`; on a CUDA out-of-memory error, its partial gradients are
+    dropped and it runs again with half the micro-batch (logged; kept in `state` for the rest of the run).
+    Shared by the PPO and GRPO updates."""
+    while True:
+        try:
+            return minibatch(state.micro_batch_size)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not is_oom(exc) or state.micro_batch_size == 1:
+                raise
+            if engine.deepspeed or engine.accelerator.num_processes > 1:
+                # The engine owns the gradients and fixed its accumulation at prepare time; with
+                # several processes a retry on one rank alone would pair its collectives wrongly.
+                raise InputError(f"out of memory in the {stage} update at micro-batch {state.micro_batch_size} "
+                                 "with DeepSpeed or several processes: lower --micro_batch_size (the "
+                                 "automatic retry needs one process without DeepSpeed)") from None
+            engine.optimizer.zero_grad(set_to_none=True)
+            free_memory()
+            state.micro_batch_size //= 2
+            logger.warning("out of memory in the %s update: retrying the minibatch with micro-batch %d", stage,
+                           state.micro_batch_size)
+
+
 def ppo_update(engine: Engine, rollout: Rollout, adv: Advantages, args, state: PPOState,
                temperature: float) -> tuple[dict[str, float], bool, bool]:
     """`ppo_epochs` passes of shuffled minibatches, one optimizer step each: (mean statistics, every
@@ -147,24 +170,8 @@ def ppo_update(engine: Engine, rollout: Rollout, adv: Advantages, args, state: P
         order = torch.randperm(size, generator=state.generator)
         for start in range(0, size, args.mini_batch_size):
             rows = order[start : start + args.mini_batch_size]
-            while True:
-                try:
-                    stats, finite = _minibatch(engine, rollout, adv, rows, args, state.micro_batch_size, temperature)
-                    break
-                except (torch.OutOfMemoryError, RuntimeError) as exc:
-                    if not is_oom(exc) or state.micro_batch_size == 1:
-                        raise
-                    if engine.deepspeed or engine.accelerator.num_processes > 1:
-                        # The engine owns the gradients and fixed its accumulation at prepare time; with
-                        # several processes a retry on one rank alone would pair its collectives wrongly.
-                        raise InputError(f"out of memory in the PPO update at micro-batch {state.micro_batch_size} "
-                                         "with DeepSpeed or several processes: lower --micro_batch_size (the "
-                                         "automatic retry needs one process without DeepSpeed)") from None
-                    engine.optimizer.zero_grad(set_to_none=True)
-                    free_memory()
-                    state.micro_batch_size //= 2
-                    logger.warning("out of memory in the PPO update: retrying the minibatch with micro-batch %d",
-                                   state.micro_batch_size)
+            stats, finite = halving_on_oom(engine, state, "PPO", lambda micro: _minibatch(
+                engine, rollout, adv, rows, args, micro, temperature))
             engine.recorder.sample()  # the memory recorder counts gradients while they exist
             stepped, sound, grad_norm = engine.optimizer_step(finite)
             all_finite, any_stepped = all_finite and sound, any_stepped or stepped
