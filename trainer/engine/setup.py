@@ -26,7 +26,7 @@ from trainer.engine.checkpoint import (
 )
 from trainer.engine.launch import check_launch, is_deepspeed, make_accelerator, setup_logging
 from trainer.engine.metrics import eval_history
-from trainer.model.loading import load_tokenizer
+from trainer.model.loading import load_tokenizer, precision_record
 from trainer.model.shared_base import check_adapter_folder
 
 logger = logging.getLogger(__name__)
@@ -212,7 +212,8 @@ def save_final_adapter(ctx: RunContext, model, adapter: str, folder: str = "adap
         if not ctx.accelerator.is_main_process:
             return None
         out = unwrapped.save_adapter(adapter, ctx.output_dir / folder)
-    write_atomic(out / BASE_MODEL_FILE, json.dumps(asdict(ctx.model_args), indent=2))
+    trained_on = precision_record(ctx.model_args, ctx.accelerator.device)  # what trainer.export rebuilds
+    write_atomic(out / BASE_MODEL_FILE, json.dumps({**asdict(ctx.model_args), "trained_on": trained_on}, indent=2))
     logger.info("saved the %s adapter to %s", adapter, out)
     return out
 

@@ -195,6 +195,12 @@ def resolve_precision(args: ModelArguments, device: torch.device) -> tuple[bool,
     return four_bit, TORCH_DTYPES[dtype]
 
 
+def precision_record(args: ModelArguments, device: torch.device) -> dict[str, str]:
+    """How the base computes on `device` ({quantization: nf4|none, dtype}), as saved beside an adapter."""
+    four_bit, dtype = resolve_precision(args, device)
+    return {"quantization": "nf4" if four_bit else "none", "dtype": str(dtype).removeprefix("torch.")}
+
+
 def pick_attention(requested: str, device: torch.device) -> str:
     """flash_attention_2 when importable on CUDA, else sdpa (PyTorch's fused kernels), else eager."""
     if requested not in ("auto", "flash_attention_2", "sdpa", "eager"):

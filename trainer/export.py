@@ -1,0 +1,126 @@
+"""Take a trained policy out: its LoRA adapter merged into a full-precision copy of the base, written as
+a standalone Hugging Face model folder (safetensors, config, generation config, tokenizer) that plain
+`transformers` loads with no project code and no PEFT.
+
+    python -m trainer.export --adapter runs/demo/ppo/adapter --out exported/ppo [--dtype bfloat16]
+
+The base is rebuilt from the adapter's `base_model.json`. When the adapter was trained on a 4-bit NF4
+base (the GPU recipe), the adapter learned its correction against the NF4-rounded weights: by default
+(`--nf4_rounding true`) the exported base weights are those rounded values, dequantized, so the export
+computes what the trained model computed; `--nf4_rounding false` merges into the original full-precision
+weights instead (the rounding error, about 1e-2 relative per weight, then stays out of the export).
+A reward adapter (a scalar head, not a language model) is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from profiling.cli import Checked, InputError, UsageError, one_of, parse, run
+from profiling.files import atomic_folder
+from trainer.engine.setup import BASE_MODEL_FILE, base_model_args
+from trainer.model.loading import load_base_model, load_tokenizer
+from trainer.model.shared_base import HEAD_FILE, check_adapter_folder
+
+logger = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ExportArguments(Checked):
+    adapter: str = field(default="", metadata={"help": "A saved policy adapter (STAGE_DIR/adapter of sft, ppo, grpo, dpo)."})
+    out: str = field(default="", metadata={"help": "The model folder to write (must not exist, or be empty)."})
+    dtype: str = field(default="auto", metadata={
+        "help": "Weights of the export: float32, bfloat16, float16, or auto (the dtype the base computed in)."})
+    nf4_rounding: bool = field(default=True, metadata={
+        "help": "For an adapter trained on an NF4 base: export the NF4-rounded base weights it was trained against "
+                "(false: the original full-precision weights)."})
+
+    RULES = {"dtype": one_of("auto", *DTYPES)}
+
+    def check(self) -> None:
+        if not self.adapter or not self.out:
+            raise UsageError("usage: python -m trainer.export --adapter DIR --out DIR [--dtype bfloat16]")
+
+
+def trained_on(adapter: Path) -> dict:
+    """How the base computed during training ({quantization, dtype}), as the stage saved it."""
+    saved = json.loads((adapter / BASE_MODEL_FILE).read_text()) if (adapter / BASE_MODEL_FILE).is_file() else {}
+    return saved.get("trained_on") or {"quantization": "none", "dtype": "float32"}
+
+
+def check_inputs(args: ExportArguments) -> tuple[Path, Path]:
+    adapter, out = Path(args.adapter), Path(args.out)
+    check_adapter_folder(adapter, "--adapter")
+    if (adapter / HEAD_FILE).is_file():
+        raise InputError(f"--adapter {adapter}: a reward adapter (it has {HEAD_FILE}), not a language model; "
+                         "export a policy adapter (sft, ppo, grpo or dpo)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out}: exists and is not an empty folder; pick a new one")
+    return adapter, out
+
+
+def round_like_nf4_(model: torch.nn.Module, compute_dtype: torch.dtype) -> int:
+    """Replace each Linear's weight (but the LM head's, which training kept in full precision) with its
+    NF4 double-quantized round trip: the values the 4-bit base computed with. Returns the layers changed."""
+    import bitsandbytes.functional as F
+
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            w = module.weight.data
+            q, state = F.quantize_4bit(w.to(compute_dtype), quant_type="nf4", compress_statistics=True)
+            module.weight.data = F.dequantize_4bit(q, state).to(w.dtype).reshape(w.shape)
+            count += 1
+    return count
+
+
+def export(args: ExportArguments) -> Path:
+    from peft import PeftModel
+
+    adapter, out = check_inputs(args)
+    model_args = base_model_args(adapter, quantization="none", dtype="float32", gradient_checkpointing=False)
+    trained = trained_on(adapter)
+    tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
+                               model_args.tokenizer_name_or_path)
+    base = load_base_model(model_args, vocab_size=len(tokenizer), device=torch.device("cpu"))
+    if trained["quantization"] == "nf4" and args.nf4_rounding:
+        layers = round_like_nf4_(base, DTYPES.get(trained["dtype"], torch.bfloat16))
+        logger.info("base weights of %d layers rounded as NF4 rounded them in training (--nf4_rounding)", layers)
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    dtype = DTYPES[trained["dtype"] if args.dtype == "auto" else args.dtype]
+    merged = merged.to(dtype)
+    merged.config.use_cache = True
+    for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        value = getattr(tokenizer, key, None)
+        if value is not None:
+            setattr(merged.generation_config, key, value)
+    with atomic_folder(out) as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "export.json").write_text(json.dumps({
+            "adapter": str(adapter), "base": model_args.model_name_or_path, "trained_on": trained,
+            "dtype": str(dtype).removeprefix("torch."), "nf4_rounding": args.nf4_rounding}, indent=2))
+    logger.info("exported %s merged into %s (%s) to %s", adapter, model_args.model_name_or_path,
+                str(dtype).removeprefix("torch."), out)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> Path:
+    (args,) = parse([ExportArguments], list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", force=True)
+    path = export(args)
+    print(path)
+    return path
+
+
+if __name__ == "__main__":
+    run(main)
