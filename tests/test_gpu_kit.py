@@ -68,7 +68,7 @@ def test_check_runs_the_gpu_tests_which_skip_without_cuda(smoke):
 
 def test_memory_records_each_stage_and_compares_it_with_the_estimator(smoke):
     _, unpacked = smoke
-    for stage in ("sft", "reward", "ppo"):
+    for stage in ("sft", "reward", "ppo", "grpo"):
         memory = json.loads((unpacked / "memory" / stage / "memory.json").read_text())
         assert memory["phases"] and not memory["command"].startswith("/")
         compared = json.loads((unpacked / "memory" / stage / "vs_estimate.json").read_text())
@@ -80,6 +80,10 @@ def test_memory_records_each_stage_and_compares_it_with_the_estimator(smoke):
             assert rows["base_weights"]["ratio"] == pytest.approx(1.0), (stage, phase["phase"])
     ppo = {p["phase"] for p in json.loads((unpacked / "memory" / "ppo" / "vs_estimate.json").read_text())["phases"]}
     assert {"generate", "score", "update", "optimizer_step"} <= ppo  # fused passes: one scoring phase
+    grpo = {p["phase"] for p in json.loads((unpacked / "memory" / "grpo" / "vs_estimate.json").read_text())["phases"]}
+    assert grpo == {"generate", "score", "update", "optimizer_step"}
+    components = json.loads((unpacked / "memory" / "grpo" / "memory.json").read_text())["phases"][-1]["components"]
+    assert "adapter/value" not in components and "adapter/reward" in components  # three adapters, no critic
     config = json.loads((unpacked / "memory" / "ppo" / "config.json").read_text())
     assert config["stage"]["min_new_tokens"] == config["stage"]["max_new_tokens"]  # fixed-length generation
 

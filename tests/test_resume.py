@@ -1,6 +1,6 @@
 """Resume across epoch boundaries: a run killed with SIGKILL at a random step and resumed ends with
 the same parameters and the same logged figures as the run that was never interrupted, for every
-stage (SFT, reward, DPO and PPO) on the tiny preset and real hh-rlhf rows."""
+stage (SFT, reward, DPO, PPO and GRPO) on the tiny preset and real hh-rlhf rows."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parent.parent
 TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
 TINY_PPO = ROOT / "tests" / "configs" / "tiny_ppo.yaml"
+TINY_GRPO = ROOT / "tests" / "configs" / "tiny_grpo.yaml"
 
 # Each run is short enough to take seconds and long enough to cross at least two epoch boundaries:
 # (config, extra flags, optimizer steps per epoch, total steps).
@@ -33,9 +34,12 @@ STAGES = {
                        "--eval_every", "0"], 2, 7),
     # 16 prompts, 8 per rollout -> 2 PPO steps per epoch.
     "ppo": (TINY_PPO, ["--ppo_size", "16", "--max_steps", "7"], 2, 7),
+    # 8 prompts, 4 per step (x 4 responses each) -> 2 GRPO steps per epoch.
+    "grpo": (TINY_GRPO, ["--ppo_size", "8", "--max_steps", "7"], 2, 7),
 }
 KEYS = ("train/loss", "train/grad_norm", "train/lr", "objective/scores", "objective/kl", "loss/policy_avg",
-        "loss/value_avg", "eval/loss", "eval/accuracy", "eval/rewards/accuracies", "eval/score_policy")
+        "loss/value_avg", "loss", "reward", "kl", "eval/loss", "eval/accuracy", "eval/rewards/accuracies",
+        "eval/score_policy")
 
 
 def launch(stage: str, out: Path, wait: bool = True, trace: Path | None = None):

@@ -162,7 +162,10 @@ class TrainArguments(Checked):
         default=3, metadata={"help": "Stop after this many optimizer steps in a row with a NaN/inf loss or gradient."}
     )
     log_every: int = field(default=1, metadata={"help": "Log line every N optimizer steps."})
-    report_to: str = field(default="tensorboard", metadata={"help": "'tensorboard' or 'none'."})
+    report_to: str = field(default="tensorboard", metadata={
+        "help": "Trackers, comma-separated (tensorboard, wandb, mlflow, trackio, comet_ml, aim, clearml, dvclive, "
+                "swanlab: Accelerate's), 'all' (every one installed) or 'none'. Each logs under the run folder "
+                "where it can (WANDB_MODE=offline etc. as the tracker documents)."})
     profile_memory: bool = field(
         default=False, metadata={"help": "Record memory per component and phase: memory.json/.md/.png in the run folder."})
     memory_budget_gib: float = field(
@@ -180,7 +183,7 @@ class TrainArguments(Checked):
              "mixed_precision": one_of("auto", "no", "bf16", "fp16"), "eval_every": at_least(0),
              "eval_batches": at_least(0), "eval_batch_size": at_least(1), "save_every": at_least(0),
              "keep_checkpoints": at_least(0), "max_bad_steps": at_least(1), "log_every": at_least(1),
-             "report_to": one_of("tensorboard", "none"), "memory_budget_gib": above(0),
+             "report_to": lambda name, value: _trackers_rule(value), "memory_budget_gib": above(0),
              "simulate_gpu_gib": at_least(0)}
 
 
@@ -207,6 +210,16 @@ class PipelineArguments(Checked):
     def algorithms(self) -> list[str]:
         """The online RL stages asked for, in the order given."""
         return [a.strip() for a in self.algorithm.split(",") if a.strip()]
+
+
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio", "comet_ml", "aim", "clearml", "dvclive", "swanlab")
+
+
+def _trackers_rule(value: str) -> Optional[str]:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if names in (["all"], ["none"]) or (names and all(n in TRACKERS for n in names)):
+        return None
+    return f"must be 'all', 'none', or trackers out of {', '.join(TRACKERS)}, comma-separated"
 
 
 ONLINE_ALGORITHMS = ("ppo", "grpo", "rloo")

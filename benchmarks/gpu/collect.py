@@ -78,7 +78,7 @@ def gpu_folders(results: Path, part: str) -> list[Path]:
 
 def memory_rows(folder: Path) -> list[str]:
     rows = []
-    for stage in ("sft", "reward", "ppo"):
+    for stage in ("sft", "reward", "ppo", "grpo"):
         memory = folder / stage / "memory.json"
         if not memory.is_file():
             continue
@@ -93,7 +93,7 @@ def memory_rows(folder: Path) -> list[str]:
 
 def estimate_rows(folder: Path) -> list[str]:
     rows = []
-    for stage in ("sft", "reward", "ppo"):
+    for stage in ("sft", "reward", "ppo", "grpo"):
         path = folder / stage / "vs_estimate.json"
         if not path.is_file():
             continue

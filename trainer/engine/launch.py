@@ -120,11 +120,28 @@ def make_accelerator(args):
         # Steps are counted in micro-batches, never cut short at an epoch boundary.
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=args.gradient_accumulation_steps, sync_with_dataloader=False),
-        log_with="tensorboard" if args.report_to == "tensorboard" else None,
+        log_with=trackers_for(args.report_to) or None,
         project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "tensorboard")),
     )
     fix_deepspeed_cpu_ranks(accelerator)
     return accelerator
+
+
+def trackers_for(report_to: str) -> list[str]:
+    """The Accelerate trackers `report_to` asks for, each installed (else one line naming what to install)."""
+    from accelerate.tracking import get_available_trackers
+
+    installed = [str(getattr(t, "value", t)) for t in get_available_trackers()]
+    names = [n.strip() for n in report_to.split(",") if n.strip()]
+    if names == ["none"]:
+        return []
+    if names == ["all"]:
+        return installed
+    missing = [n for n in names if n not in installed]
+    if missing:
+        raise UsageError(f"--report_to {report_to}: {', '.join(missing)} is not installed (pip install "
+                         f"{' '.join(m.replace('_', '-') for m in missing)}); installed: {', '.join(installed) or 'none'}")
+    return names
 
 
 def setup_logging(accelerator, stream=None) -> None:
