@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from dataclasses import replace
 from typing import Optional
 
 from profiling import components as C
@@ -24,9 +25,34 @@ from profiling.provenance import provenance
 from profiling.report import markdown_table, write_reports
 
 
+def families_table(args: EstimateArguments) -> str:
+    """One row per model of `args.models` at the same settings: what each model costs the card."""
+    rows, phases = [], None
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        one = replace(args, model_name_or_path=name, models=None)
+        shape = resolve_shape(one)
+        est = estimate(shape, one)
+        phases = phases or [p["phase"] for p in est["phases"]]
+        base = est["phases"][0]["components"]
+        weights = sum(base.get(k) or 0 for k in (C.BASE_WEIGHTS, C.BASE_QUANT_CONSTANTS, C.BASE_OTHER))
+        cells = [f"{C.gib(p['total'])}" for p in est["phases"]]
+        rows.append(f"| {name} | {shape.total_params() / 1e9:.2f}B | {shape.num_kv_heads}/{shape.num_heads} | "
+                    f"{shape.vocab_size:,} | {C.gib(weights)} | " + " | ".join(cells) +
+                    f" | {C.gib(est['peak_bytes'])} ({est['peak_phase']}) |")
+    used = args.resolved()
+    head = [f"stage {args.stage}, {used.quantization}, {used.dtype}, {used.optimizer}, LoRA r={args.lora_r} "
+            f"{args.lora_target_modules}, checkpointing {'on' if args.gradient_checkpointing else 'off'}; GiB",
+            "", "| model | parameters | KV heads / heads | vocabulary | base weights | " +
+            " | ".join(phases or []) + " | peak |", "|---|---:|---:|---:|---:|" + "---:|" * (len(phases or []) + 1)]
+    return "\n".join(head + rows)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     (args,) = parse([EstimateArguments], argv)
+    if args.models:
+        print(families_table(args))
+        return 0
     shape = resolve_shape(args)
     est = estimate(shape, args)
     used = args.resolved()

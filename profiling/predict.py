@@ -37,7 +37,8 @@ class EstimateArguments(Checked):
     """Model, stage and run settings to estimate; defaults are the seed recipe's QLoRA settings."""
 
     model_name_or_path: Optional[str] = _alias("model", default=None, metadata={
-        "help": "Preset (tiny-llama, llama-2-7b, llama-2-13b), 'smollm2-135m', or an HF folder with config.json; "
+        "help": "Preset (tiny-llama, llama-2-7b, llama-2-13b, llama-3.1-8b, qwen2.5-7b, mistral-7b), 'smollm2-135m', "
+                "or an HF folder with config.json; "
                 "or give the shape flags."})
     stage: str = field(default="ppo", metadata={"help": "sft, reward, ppo, dpo or grpo."})
     hidden_size: Optional[int] = field(default=None, metadata={"help": "Shape override (all shape flags too)."})
@@ -77,6 +78,9 @@ class EstimateArguments(Checked):
     cuda_context_gib: float = field(default=0.5, metadata={"help": "Assumed memory outside the allocator."})
     allocator_overhead: float = field(default=0.05, metadata={"help": "Assumed reserved-minus-allocated, as a "
                                       "fraction of allocated."})
+    models: Optional[str] = field(default=None, metadata={
+        "help": "Several models, comma-separated: one summary row each (parameters, base weights, peak per phase) "
+                "instead of one model's full table."})
     compare_seed: bool = field(default=False, metadata={"help": "Compare with seed 000's 7B/4090 breakdown."})
     json: Optional[str] = field(default=None, metadata={"help": "Write the estimate as JSON to this file."})
     out_dir: Optional[str] = field(default=None, metadata={"help": "Write estimate.json/.md/.png here."})

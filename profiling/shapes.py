@@ -53,6 +53,24 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=40, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     ),
+    # The families users bring today, with their real shapes (meta-llama/Llama-3.1-8B, Qwen/Qwen2.5-7B,
+    # mistralai/Mistral-7B-v0.3 config.json): grouped-query attention (8 or 4 KV heads), large vocabularies,
+    # Qwen2's q/k/v biases. Rope scaling is left out: it changes no tensor's size.
+    "llama-3.1-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+    ),
+    "qwen2.5-7b": dict(
+        model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151643,
+    ),
+    "mistral-7b": dict(
+        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32768, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
 }
 # Real models the project knows by name (the embedded default), as their config.json says; a test
 # checks this against the converted model, so the estimator needs no conversion to size it.
@@ -75,17 +93,26 @@ class ModelShape:
     vocab_size: int
     head_dim: int
     tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: biases on q, k and v (Llama's attention_bias: on o as well)
+    o_bias: bool = False
 
     @classmethod
     def from_config(cls, name: str, cfg: dict) -> "ModelShape":
         heads = cfg["num_attention_heads"]
+        qwen2, llama_bias = cfg.get("model_type") == "qwen2", bool(cfg.get("attention_bias", False))
         return cls(
             name=name, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"], num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads, vocab_size=cfg["vocab_size"],
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qwen2 or llama_bias, o_bias=llama_bias and not qwen2,
         )
+
+    def bias_params(self) -> int:
+        """Bias weights of all the layers' linears (they stay in the compute dtype under NF4)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return self.num_layers * ((q + 2 * kv) * self.qkv_bias + self.hidden_size * self.o_bias)
 
     def linears(self) -> list[tuple[str, int, int]]:
         """(name, in_features, out_features) of each linear layer in one decoder layer."""
@@ -100,31 +127,33 @@ class ModelShape:
     def total_params(self) -> int:
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         norms = (2 * self.num_layers + 1) * self.hidden_size
-        return self.linear_params() + embed + norms
+        return self.linear_params() + embed + norms + self.bias_params()
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def preset_config(name: str, vocab_size: int, overrides: Optional[str] = None):
-    """LlamaConfig of an architecture preset; `overrides` like 'num_hidden_layers=4,hidden_size=128'."""
-    from transformers import LlamaConfig
+    """The transformers config (LlamaConfig, Qwen2Config, MistralConfig) of an architecture preset;
+    `overrides` like 'num_hidden_layers=4,hidden_size=128'."""
+    from transformers import AutoConfig
 
     from profiling.cli import parse_assignments
 
     values = dict(PRESETS[name])
+    config_class = type(AutoConfig.for_model(values.pop("model_type", "llama")))
     values.setdefault("vocab_size", vocab_size)
-    defaults = LlamaConfig()
+    defaults = config_class()
     for key, raw in parse_assignments(overrides, "preset_overrides").items():
         if not hasattr(defaults, key):
-            raise UsageError(f"--preset_overrides: '{key}' is not a LlamaConfig field")
+            raise UsageError(f"--preset_overrides: '{key}' is not a {config_class.__name__} field")
         default = getattr(defaults, key)
         try:
             values[key] = (raw.lower() in ("1", "true", "yes") if isinstance(default, bool)
                            else type(default)(raw) if isinstance(default, (int, float)) else raw)
         except ValueError:
             raise UsageError(f"--preset_overrides: {key}={raw} is not a {type(default).__name__}") from None
-    return LlamaConfig(**values)
+    return config_class(**values)
 
 
 def load_shape(model: str, vocab_size: Optional[int] = None, overrides: Optional[str] = None) -> ModelShape:
@@ -169,7 +198,8 @@ def base_bytes(shape: ModelShape, quantization: str, dtype_bytes: int, double_qu
     embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
     norms = (2 * shape.num_layers + 1) * shape.hidden_size
     rotary = 2 * (shape.head_dim // 2) * 4  # inv_freq and original_inv_freq, fp32
-    out = {"base_weights": weights * shape.num_layers, "base_other": (embeddings + norms) * dtype_bytes + rotary}
+    out = {"base_weights": weights * shape.num_layers,
+           "base_other": (embeddings + norms + shape.bias_params()) * dtype_bytes + rotary}
     if quantization == "nf4":
         out["base_quant_constants"] = constants * shape.num_layers
     return out

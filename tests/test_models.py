@@ -92,6 +92,37 @@ def test_presets_build_the_named_architectures():
         preset_config("tiny-llama", vocab_size=512, overrides="num_hidden_layers")
 
 
+@pytest.mark.parametrize("name, config_class, billions, kv_heads, vocab", [
+    ("llama-3.1-8b", "LlamaConfig", 8.03, 8, 128256),  # published sizes: 8.03B, 7.62B, 7.25B parameters
+    ("qwen2.5-7b", "Qwen2Config", 7.62, 4, 152064),
+    ("mistral-7b", "MistralConfig", 7.25, 8, 32768),
+])
+def test_model_family_presets_have_the_real_shapes_and_the_estimator_counts_every_weight(name, config_class, billions,
+                                                                                         kv_heads, vocab):
+    from transformers import AutoModelForCausalLM
+
+    cfg = preset_config(name, vocab_size=49152)  # the borrowed tokenizer does not shrink a real vocabulary
+    assert type(cfg).__name__ == config_class and cfg.vocab_size == vocab and cfg.num_key_value_heads == kv_heads
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    built = sum(p.numel() for p in model.parameters())
+    shape = load_shape(name)
+    assert shape.total_params() == built  # biases (Qwen2's q/k/v), GQA and untied embeddings included
+    assert round(built / 1e9, 2) == billions
+    biases = sum(p.numel() for n, p in model.named_parameters() if n.endswith(".bias"))
+    assert shape.bias_params() == biases and (biases > 0) == (name == "qwen2.5-7b")
+
+
+def test_the_estimator_sizes_several_models_in_one_table(capsys):
+    from profiling.estimate import main
+
+    main(["--models", "llama-2-7b,llama-3.1-8b,qwen2.5-7b,mistral-7b", "--stage", "ppo"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "B |" in line]
+    assert [r.split(" | ")[0][2:] for r in rows] == ["llama-2-7b", "llama-3.1-8b", "qwen2.5-7b", "mistral-7b"]
+    assert "| 8/32 | 128,256 |" in rows[1] and "| 4/28 | 152,064 |" in rows[2]
+
+
 def test_the_estimators_shape_of_the_embedded_model_is_its_real_config():
     """The estimator sizes smollm2-135m from a table (no conversion needed): it must match the model."""
     import json
