@@ -84,6 +84,9 @@ class ModelArguments(Checked):
              "lora_alpha": at_least(1), "lora_dropout": between(0, 1, high_open=True)}
 
 
+DATA_FORMATS = ("auto", "hh", "preference", "prompt_completion", "conversational")  # trainer/data/formats.py
+
+
 @dataclass
 class DataArguments(Checked):
     """Where hh-rlhf comes from, how it is split into stage subsets, and how it is tokenized."""
@@ -104,6 +107,13 @@ class DataArguments(Checked):
     on_bad_row: str = field(
         default="skip", metadata={"help": "'skip' (count and drop malformed rows) or 'error' (stop at the first)."}
     )
+    data_format: str = field(default="auto", metadata={
+        "help": "Row format: auto (from each row's columns), hh (hh-rlhf dialogues), preference (prompt / chosen / "
+                "rejected strings), prompt_completion (SFT and PPO prompts only) or conversational (lists of "
+                "role/content messages, explicit or implicit prompt)."})
+    chat_template: str = field(default="auto", metadata={
+        "help": "How conversational rows become text: auto (the tokenizer's chat template, if it has one), none "
+                "(hh-rlhf's Human:/Assistant: turns) or the path of a Jinja template file."})
     max_length: int = field(default=512, metadata={"help": "Token limit for prompt + completion."})
     max_prompt_length: int = field(default=256, metadata={"help": "Token limit for PPO prompts (left-truncated)."})
     min_prompt_tokens: int = field(
@@ -115,7 +125,10 @@ class DataArguments(Checked):
     ppo_size: int = field(default=20000, metadata={"help": "Prompts for PPO."})
     split_seed: int = field(default=0, metadata={"help": "Seed of the deterministic prompt-disjoint split."})
 
-    RULES = {"on_bad_row": one_of(*BAD_ROW_POLICIES), "max_length": at_least(2), "max_prompt_length": at_least(1),
+    RULES = {"on_bad_row": one_of(*BAD_ROW_POLICIES), "data_format": one_of(*DATA_FORMATS),
+             "chat_template": lambda name, value: None if value in ("auto", "none") or Path(value).is_file() else
+             "must be auto, none, or an existing Jinja template file",
+             "max_length": at_least(2), "max_prompt_length": at_least(1),
              "min_prompt_tokens": at_least(1), "eval_size": at_least(0), "sft_size": at_least(0),
              "reward_size": at_least(0), "ppo_size": at_least(0)}
 

@@ -29,6 +29,7 @@ from profiling.files import write_atomic
 from profiling.stages import POLICY, REFERENCE, REWARD
 from trainer.config import BAD_ROW_POLICIES, DataArguments
 from trainer.data.collators import PairCollator, SFTCollator
+from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import load_pairs, load_splits
 from trainer.data.tokenization import tokenize_pairs, tokenize_sft
 from trainer.dpo import DPOArguments, implicit_reward_accuracy
@@ -121,10 +122,11 @@ def evaluate(task: str, args: EvalArguments) -> dict:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
                                model_args.tokenizer_name_or_path)
+    parse = parser_for(data_args, tokenizer)
     if args.split == "all":
-        pairs, report = load_pairs(data_args, limit=args.limit)  # skips counted among the rows read only
+        pairs, report = load_pairs(data_args, limit=args.limit, parse=parse)  # skips counted among the rows read only
     else:
-        splits, report = load_splits(data_args)
+        splits, report = load_splits(data_args, parse)
         pairs = getattr(splits, args.split)[: args.limit or None]
     tokenize = tokenize_sft if task == "sft" else tokenize_pairs
     examples, tok_report = tokenize(pairs, tokenizer, data_args)

@@ -29,7 +29,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from profiling.cli import InputError
 from trainer.config import DATA_ENV, HUB_DATASET, SHARED_DATA, DataArguments
@@ -50,9 +50,10 @@ PROMPT_MISMATCH = "prompt_mismatch"
 EMPTY_COMPLETION = "empty_completion"
 IDENTICAL = "identical"
 TOO_LONG = "too_long"  # found at tokenization, see trainer/tokenization.py
+NO_REJECTED = "no_rejected"  # a prompt/completion row where a pair is needed (reward, DPO): found at tokenization
 UNREADABLE_FILE = "unreadable_file"  # a whole file, not a row: never skipped
 REASONS = (NOT_UTF8, NOT_JSON, NOT_OBJECT, MISSING_FIELD, NOT_STRING, NO_ASSISTANT_TURN, PROMPT_MISMATCH,
-           EMPTY_COMPLETION, IDENTICAL, TOO_LONG)
+           EMPTY_COMPLETION, IDENTICAL, TOO_LONG, NO_REJECTED)
 
 
 class DataError(InputError, ValueError):
@@ -65,11 +66,12 @@ class DataError(InputError, ValueError):
 
 @dataclass(frozen=True)
 class PreferencePair:
-    """One hh-rlhf row: the shared prompt (ends with "\\n\\nAssistant:") and the two completions."""
+    """One row: the shared prompt (for hh-rlhf, ending with "\\n\\nAssistant:") and the two completions;
+    `rejected` is None for a prompt/completion row (SFT and PPO prompts only)."""
 
     prompt: str
     chosen: str
-    rejected: str
+    rejected: Optional[str]
     source: str  # "path/to/file.jsonl.gz:123" (1-based row), or "Anthropic/hh-rlhf[train]:123"
 
 
@@ -266,8 +268,10 @@ def apply_policy(error: DataError, on_bad_row: str, skipped: Counter) -> None:
     logger.debug("skipping %s", error)
 
 
-def validate_rows(rows: Iterable[RawRow], on_bad_row: str, report: LoadReport, limit: int = 0) -> list[PreferencePair]:
-    """The usable pairs of `rows` (the first `limit` of them, if set); bad ones raise or are counted in
+def validate_rows(rows: Iterable[RawRow], on_bad_row: str, report: LoadReport, limit: int = 0,
+                  parse: Callable[[RawRow], PreferencePair] = parse_row) -> list[PreferencePair]:
+    """The usable pairs of `rows` (the first `limit` of them, if set) through `parse` (hh-rlhf rows by
+    default; `trainer.data.formats.parser_for` reads the other formats); bad ones raise or are counted in
     `report` per `on_bad_row`, so the counts cover exactly the rows read."""
     pairs = []
     for row in rows:
@@ -275,20 +279,21 @@ def validate_rows(rows: Iterable[RawRow], on_bad_row: str, report: LoadReport, l
             break
         report.rows_read += 1
         try:
-            pairs.append(parse_row(row))
+            pairs.append(parse(row))
         except DataError as error:
             apply_policy(error, on_bad_row, report.skipped)
     report.kept = len(pairs)
     return pairs
 
 
-def load_pairs(args: DataArguments, limit: int = 0) -> tuple[list[PreferencePair], LoadReport]:
+def load_pairs(args: DataArguments, limit: int = 0,
+               parse: Callable[[RawRow], PreferencePair] = parse_row) -> tuple[list[PreferencePair], LoadReport]:
     """Read and validate the rows of `args.dataset` (only until `limit` usable pairs, if set); logs and
     returns what was kept and dropped."""
     report = LoadReport(dataset=resolve_dataset(args.dataset))
     if args.dataset == "auto":
         logger.info("dataset 'auto' resolved to %s", report.dataset)
-    pairs = validate_rows(read_rows(args, report), args.on_bad_row, report, limit)
+    pairs = validate_rows(read_rows(args, report), args.on_bad_row, report, limit, parse)
     if report.rows_read == 0:
         raise DataError(report.dataset, "empty", "the source holds no rows")
     logger.log(logging.WARNING if report.skipped else logging.INFO, "%s", report.summary())
@@ -321,7 +326,7 @@ def group_by_prompt(pairs: Iterable[PreferencePair], seed: int) -> list[list[Pre
     for pair in pairs:
         groups.setdefault(pair.prompt, []).append(pair)
     # Sorting first makes the shuffle see the same sequence whatever file order or format the rows had.
-    ordered = [sorted(g, key=lambda p: (p.chosen, p.rejected, p.source)) for _, g in sorted(groups.items())]
+    ordered = [sorted(g, key=lambda p: (p.chosen, p.rejected or "", p.source)) for _, g in sorted(groups.items())]
     random.Random(seed).shuffle(ordered)
     return ordered
 
@@ -362,8 +367,9 @@ def split_pairs(pairs: list[PreferencePair], args: DataArguments) -> Splits:
     return splits
 
 
-def load_splits(args: DataArguments) -> tuple[Splits, LoadReport]:
+def load_splits(args: DataArguments, parse: Callable[[RawRow], PreferencePair] = parse_row
+                ) -> tuple[Splits, LoadReport]:
     """Load, validate and split in one call: what the stage scripts use."""
-    pairs, report = load_pairs(args)
+    pairs, report = load_pairs(args, parse=parse)
     return split_pairs(pairs, args), report
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from trainer.config import DataArguments
-from trainer.data.hh_rlhf import TOO_LONG, DataError, PreferencePair, apply_policy
+from trainer.data.hh_rlhf import NO_REJECTED, TOO_LONG, DataError, PreferencePair, apply_policy
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +84,12 @@ class TokenizeReport:
     kept: int = 0
     truncated: int = 0
     too_long: int = 0
+    no_rejected: int = 0
 
     def summary(self) -> str:
+        unpaired = f", {self.no_rejected} without a rejected completion" if self.no_rejected else ""
         return (f"tokenized {self.rows} {self.kind} rows: kept {self.kept}, "
-                f"{self.truncated} prompts left-truncated, {self.too_long} too long")
+                f"{self.truncated} prompts left-truncated, {self.too_long} too long{unpaired}")
 
 
 def check_tokenizer(tokenizer) -> None:
@@ -133,8 +135,8 @@ def reject_too_long(pair: PreferencePair, completion_len: int, args: DataArgumen
 
 
 def log_report(report: TokenizeReport, skipped: Counter) -> TokenizeReport:
-    report.too_long = skipped[TOO_LONG]
-    level = logging.WARNING if report.too_long else logging.INFO
+    report.too_long, report.no_rejected = skipped[TOO_LONG], skipped[NO_REJECTED]
+    level = logging.WARNING if report.too_long or report.no_rejected else logging.INFO
     logger.log(level, "%s", report.summary())
     return report
 
@@ -161,10 +163,15 @@ def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer, args: DataArgumen
     """Reward / DPO examples: both completions after one prompt, budgeted by the longer completion."""
     check_tokenizer(tokenizer)
     eos = tokenizer.eos_token_id
+    report, skipped, examples = TokenizeReport("pair", rows=len(pairs)), Counter(), []
+    for pair in pairs:
+        if pair.rejected is None:  # a prompt/completion row: SFT and PPO read it, a pairwise loss cannot
+            apply_policy(DataError(pair.source, NO_REJECTED, "a prompt/completion row has no 'rejected' completion "
+                                   "for a pairwise loss"), args.on_bad_row, skipped)
+    pairs = [p for p in pairs if p.rejected is not None]
     prompts = encode(tokenizer, [p.prompt for p in pairs], add_special_tokens=True)
     chosen = with_eos(encode(tokenizer, [p.chosen for p in pairs], add_special_tokens=False), eos)
     rejected = with_eos(encode(tokenizer, [p.rejected for p in pairs], add_special_tokens=False), eos)
-    report, skipped, examples = TokenizeReport("pair", rows=len(pairs)), Counter(), []
     for pair, prompt_ids, chosen_ids, rejected_ids in zip(pairs, prompts, chosen, rejected):
         longest = max(len(chosen_ids), len(rejected_ids))
         fitted = fit_prompt(prompt_ids, args.max_length - longest, args.min_prompt_tokens, tokenizer.bos_token_id)

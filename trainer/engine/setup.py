@@ -19,6 +19,7 @@ from accelerate.utils import set_seed
 from profiling.cli import InputError, UsageError
 from profiling.files import write_atomic
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
+from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import Splits, load_splits
 from trainer.engine.budget import check_budget, fit_to_budget
 from trainer.engine.checkpoint import (
@@ -189,7 +190,7 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
                                                            accelerator)
     if stage is not None and train_args.check_budget:
         check_budget(stage, model_args, data_args, train_args, stage_args, accelerator)
-    splits, report = load_splits(data_args)
+    splits, report = load_splits(data_args, parser_for(data_args, tokenizer))
     ctx = RunContext(model_args, data_args, train_args, stage_args, accelerator, tokenizer, splits,
                      resolved={"dataset_fingerprint": report.fingerprint})
     prepare_output_dir(ctx)

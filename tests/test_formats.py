@@ -1,0 +1,124 @@
+"""Bring your own data: TRL's plain and conversational preference rows beside hh-rlhf's, chat templates, and
+the whole pipeline on a conversational file (rows made here from the shared hh-rlhf rows)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config import DataArguments
+from trainer.data.formats import ChatRenderer, row_parser
+from trainer.data.hh_rlhf import DataError, RawRow, load_pairs, parse_row
+
+ROOT = Path(__file__).resolve().parent.parent
+HH = {"chosen": "\n\nHuman: How do I bake bread?\n\nAssistant: Knead it.\n\nHuman: And then?\n\nAssistant: Bake it "
+                "at 220 C.",
+      "rejected": "\n\nHuman: How do I bake bread?\n\nAssistant: Knead it.\n\nHuman: And then?\n\nAssistant: No."}
+
+
+def messages_of(text: str) -> list[dict]:
+    """hh-rlhf text as role/content messages."""
+    turns = re.split(r"\n\n(Human|Assistant): ?", text)[1:]
+    return [{"role": "user" if who == "Human" else "assistant", "content": said} for who, said in zip(turns[::2], turns[1::2])]
+
+
+def conversational(row: dict, implicit: bool) -> dict:
+    chosen, rejected = messages_of(row["chosen"]), messages_of(row["rejected"])
+    if implicit:
+        return {"chosen": chosen, "rejected": rejected}
+    return {"prompt": chosen[:-1], "chosen": chosen[-1:], "rejected": rejected[-1:]}
+
+
+def parsed(record, data_format="auto", render=None):
+    return row_parser(data_format, render)(RawRow("rows.jsonl:1", json.dumps(record)))
+
+
+@pytest.mark.parametrize("implicit", [False, True])
+def test_conversational_rows_without_a_template_read_exactly_as_their_hh_rlhf_text(implicit):
+    hh = parse_row(RawRow("rows.jsonl:1", json.dumps(HH)))
+    pair = parsed(conversational(HH, implicit), render=ChatRenderer(chat_template="none"))
+    assert (pair.prompt, pair.chosen, pair.rejected) == (hh.prompt, hh.chosen, hh.rejected)
+    plain = parsed({"prompt": hh.prompt, "chosen": hh.chosen, "rejected": hh.rejected})
+    assert (plain.prompt, plain.chosen, plain.rejected) == (hh.prompt, hh.chosen, hh.rejected)
+
+
+def test_with_smollm2s_chat_template_the_loss_covers_exactly_the_assistant_turn(smol_tokenizer):
+    from trainer.data.tokenization import tokenize_sft
+
+    tok = smol_tokenizer
+    row = conversational(HH, implicit=False)
+    pair = parsed(row, render=ChatRenderer(tok, "auto"))
+    assert pair.prompt.endswith("<|im_start|>assistant\n") and pair.chosen == "Bake it at 220 C."
+    (example,), _ = tokenize_sft([pair], tok, DataArguments(max_length=512, min_prompt_tokens=4))
+    full = tok.apply_chat_template(row["prompt"] + row["chosen"], tokenize=False)
+    # prompt + completion tokens are the whole rendered conversation's tokens, cut where the answer starts
+    assert example.prompt_ids + example.completion_ids == tok(full.rstrip(), add_special_tokens=False)["input_ids"]
+    trained = [t for t, label in zip(example.input_ids, example.labels) if label != -100]
+    assert tok.decode(trained) == "Bake it at 220 C.<|im_end|>"  # the answer and its end of turn, nothing else
+
+
+def test_prompt_completion_rows_feed_sft_and_ppo_and_are_skipped_by_pairwise_stages(smol_tokenizer):
+    from trainer.data.tokenization import tokenize_pairs, tokenize_prompts, tokenize_sft
+
+    plain = parsed({"prompt": "Say hi.", "completion": "Hello!"})
+    chat = parsed({"prompt": [{"role": "user", "content": "Say hi."}],
+                   "completion": [{"role": "assistant", "content": "Hello!"}]}, render=ChatRenderer(smol_tokenizer))
+    assert (plain.prompt, plain.chosen, plain.rejected) == ("Say hi.", "Hello!", None)
+    assert chat.prompt.endswith("<|im_start|>assistant\n") and chat.chosen == "Hello!" and chat.rejected is None
+    args = DataArguments(max_length=256, min_prompt_tokens=2)
+    assert len(tokenize_sft([plain, chat], smol_tokenizer, args)[0]) == 2
+    assert len(tokenize_prompts([plain, chat], smol_tokenizer, args)[0]) == 2
+    examples, report = tokenize_pairs([plain, chat], smol_tokenizer, args)
+    assert examples == [] and report.no_rejected == 2 and "2 without a rejected completion" in report.summary()
+    with pytest.raises(DataError, match="rows.jsonl:1: no_rejected"):
+        tokenize_pairs([plain], smol_tokenizer, DataArguments(max_length=256, min_prompt_tokens=2, on_bad_row="error"))
+
+
+def test_bad_rows_of_every_format_are_named_counted_and_refused_under_error(tmp_path):
+    rows = [HH, conversational(HH, implicit=True),
+            {"prompt": "Hi", "chosen": "Hello", "rejected": 3},  # not_string
+            {"chosen": [{"role": "user", "content": "x"}], "rejected": [{"role": "user", "content": "y"}]},  # no prompt
+            {"prompt": [{"role": "user", "content": "x"}], "chosen": [{"role": "robot", "content": "y"}],
+             "rejected": [{"role": "assistant", "content": "z"}]},  # not_messages
+            {"chosen": messages_of(HH["chosen"]), "rejected": [{"role": "user", "content": "other"},
+                                                               {"role": "assistant", "content": "No."}]}]  # mismatch
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs, report = load_pairs(DataArguments(dataset=str(path)), parse=row_parser("auto", ChatRenderer(None, "none")))
+    assert len(pairs) == 2 and report.skipped == {"not_string": 1, "not_messages": 2, "prompt_mismatch": 1}
+    pairs, report = load_pairs(DataArguments(dataset=str(path)), parse=row_parser("conversational", ChatRenderer()))
+    assert len(pairs) == 1 and report.skipped["wrong_format"] == 2
+    with pytest.raises(DataError, match=r"mixed.jsonl:3: not_string: 'rejected' is int"):
+        load_pairs(DataArguments(dataset=str(path), on_bad_row="error"), parse=row_parser())
+
+
+def test_the_pipeline_runs_end_to_end_on_a_conversational_file_with_smollm2s_chat_template(tmp_path, shared_data):
+    """Every stage (SFT, reward, PPO, DPO) and the comparison, on rows in TRL's conversational format made
+    from the shared hh-rlhf rows, rendered with SmolLM2's chat template (the tiny preset borrows SmolLM2's
+    tokenizer and its template)."""
+    data = tmp_path / "chat.jsonl"
+    with gzip.open(shared_data / "helpful-base" / "test.jsonl.gz", "rt") as f, data.open("w") as out:
+        for i, line in enumerate(f):
+            if i >= 400:
+                break
+            row = json.loads(line)
+            out.write(json.dumps(conversational(row, implicit=i % 2 == 0)) + "\n")
+    run_dir = tmp_path / "run"
+    overrides = f"dataset={data},data_format=conversational,chat_template=auto,max_length=160"
+    proc = subprocess.run([sys.executable, "-m", "trainer.pipeline", "--recipe", "tests/configs/tiny_recipe",
+                           "--run_dir", str(run_dir), "--with_dpo", "true", "--overrides", overrides,
+                           "--eval_prompts", "4", "--eval_max_new_tokens", "6"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for stage in ("sft", "reward", "ppo", "dpo"):
+        assert (run_dir / stage / "adapter" / "adapter_model.safetensors").is_file(), stage
+        assert json.loads((run_dir / stage / "config.json").read_text())["data"]["data_format"] == "conversational"
+    comparison = json.loads((run_dir / "comparison.json").read_text())
+    assert set(comparison["policies"]) == {"sft", "ppo", "dpo"}
+    assert all(s["prompt"].endswith("<|im_start|>assistant\n") for s in comparison["samples"])  # templated prompts

@@ -1,0 +1,186 @@
+"""Preference rows in the formats users bring, each turned into the one `PreferencePair` every stage reads.
+
+Detected per row from its columns, or forced with `--data_format`:
+
+- `hh`: hh-rlhf's `{"chosen": "\\n\\nHuman: ...\\n\\nAssistant: ...", "rejected": "..."}`; the prompt is
+  the dialogue up to its last `\\n\\nAssistant:` (`trainer.data.hh_rlhf.parse_row`).
+- `preference`: TRL's plain preference rows, `{"prompt": str, "chosen": str, "rejected": str}`.
+- `prompt_completion`: TRL's prompt/completion rows, `{"prompt": ..., "completion": ...}`, plain strings or
+  message lists: SFT and PPO prompts read them; reward and DPO, which need a rejected completion, skip
+  them as bad rows (`no_rejected`).
+- `conversational`: TRL's conversational preference rows (UltraFeedback-binarized style): lists of
+  `{"role", "content"}` messages, `{"prompt": [...], "chosen": [...], "rejected": [...]}`, or without
+  `prompt` (implicit: the messages both share before the final assistant message).
+
+Conversational rows are rendered to text by a `ChatRenderer`: the tokenizer's chat template
+(`--chat_template auto`, when it has one), a Jinja template file (`--chat_template PATH`), or hh-rlhf's
+plain `\\n\\nHuman: / \\n\\nAssistant:` turns (`none`). The prompt is the rendering of the prompt messages
+with the generation prompt; the completion is what the full conversation adds to it, less the
+end-of-sequence text that tokenization appends anyway, so the completion-only loss covers exactly the
+assistant's turn.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from trainer.data.hh_rlhf import (
+    EMPTY_COMPLETION, IDENTICAL, MISSING_FIELD, NOT_JSON, NOT_OBJECT, NOT_STRING, NOT_UTF8, PROMPT_MISMATCH, DataError,
+    PreferencePair, RawRow, parse_row,
+)
+
+logger = logging.getLogger(__name__)
+
+NOT_MESSAGES = "not_messages"
+WRONG_FORMAT = "wrong_format"
+TEMPLATE_MISMATCH = "template_mismatch"
+ROLES = ("system", "user", "assistant")
+PLAIN_ROLES = {"system": "System", "user": "Human", "assistant": "Assistant"}
+
+
+class ChatRenderer:
+    """Messages -> (prompt text, completion text), by a chat template or hh-rlhf's plain turns."""
+
+    def __init__(self, tokenizer=None, chat_template: str = "auto"):
+        self.tokenizer, self.template = tokenizer, None
+        if chat_template not in ("auto", "none"):
+            self.template = Path(chat_template).read_text()  # checked to exist with the arguments
+        self.plain = chat_template == "none" or tokenizer is None or (
+            self.template is None and not getattr(tokenizer, "chat_template", None))
+        if chat_template == "auto" and self.plain and tokenizer is not None:
+            logger.info("the tokenizer has no chat template: conversational rows are rendered as hh-rlhf turns")
+
+    def __call__(self, prompt: list[dict], completion: list[dict], source: str) -> tuple[str, str]:
+        if self.plain:
+            text = "".join(f"\n\n{PLAIN_ROLES[m['role']]}: {m['content']}" for m in prompt) + "\n\nAssistant:"
+            return text, "".join(f" {m['content']}" if i == 0 else f"\n\n{PLAIN_ROLES[m['role']]}: {m['content']}"
+                                 for i, m in enumerate(completion))
+        kwargs = {"tokenize": False, "chat_template": self.template}
+        head = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **kwargs)
+        full = self.tokenizer.apply_chat_template(prompt + completion, **kwargs)
+        if not full.startswith(head):
+            raise DataError(source, TEMPLATE_MISMATCH, "the chat template renders the prompt differently inside the "
+                            "full conversation, so the assistant's turn cannot be cut out exactly")
+        tail = full[len(head):].rstrip()
+        eos = getattr(self.tokenizer, "eos_token", None)
+        if eos and tail.endswith(eos):  # tokenization appends EOS to every completion
+            tail = tail[: -len(eos)]
+        return head, tail
+
+
+def _decode(row: RawRow) -> dict:
+    record = row.value
+    if isinstance(record, bytes):
+        raise DataError(row.source, NOT_UTF8, "line is not UTF-8 text")
+    if isinstance(record, str):
+        try:
+            record = json.loads(record)
+        except json.JSONDecodeError as exc:
+            raise DataError(row.source, NOT_JSON, f"line is not JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise DataError(row.source, NOT_OBJECT, f"expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def detect(record: dict) -> str:
+    """The format of one decoded row, from its columns."""
+    if "completion" in record:
+        return "prompt_completion"
+    if isinstance(record.get("chosen"), list) or isinstance(record.get("prompt"), list):
+        return "conversational"
+    return "preference" if "prompt" in record else "hh"
+
+
+def _messages(value: Any, source: str, key: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise DataError(source, NOT_MESSAGES, f"'{key}' is not a non-empty list of messages")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise DataError(source, NOT_MESSAGES, f"'{key}'[{i}] is not a {{'role': {'|'.join(ROLES)}, "
+                            "'content': str} message")
+    return value
+
+
+def _strings(record: dict, source: str, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if key not in record or record[key] is None:
+            raise DataError(source, MISSING_FIELD, f"no '{key}' field (keys: {sorted(record)})" if key not in record
+                            else f"'{key}' is null")
+        if not isinstance(record[key], str):
+            raise DataError(source, NOT_STRING, f"'{key}' is {type(record[key]).__name__}, not a string")
+
+
+def _pair(prompt: str, chosen: str, rejected: Optional[str], source: str) -> PreferencePair:
+    for key, text in (("chosen", chosen), ("rejected", rejected)):
+        if text is not None and not text.strip():
+            raise DataError(source, EMPTY_COMPLETION, f"the '{key}' completion is empty")
+    if chosen == rejected:
+        raise DataError(source, IDENTICAL, "'chosen' and 'rejected' are the same text")
+    return PreferencePair(prompt=prompt, chosen=chosen, rejected=rejected, source=source)
+
+
+def parse_conversational(record: dict, source: str, render: ChatRenderer) -> PreferencePair:
+    for key in ("chosen", "rejected"):
+        if key not in record or record[key] is None:
+            raise DataError(source, MISSING_FIELD, f"no '{key}' field (keys: {sorted(record)})")
+    chosen, rejected = _messages(record["chosen"], source, "chosen"), _messages(record["rejected"], source, "rejected")
+    if "prompt" in record:
+        prompt = _messages(record["prompt"], source, "prompt")
+    else:  # implicit prompt: everything before the final assistant message, the same in both
+        prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
+        if prompt != record["rejected"][:-1]:
+            raise DataError(source, PROMPT_MISMATCH, "'chosen' and 'rejected' differ before their last message")
+        if not prompt:
+            raise DataError(source, NOT_MESSAGES, "no prompt: 'chosen' holds one message")
+    for key, messages in (("chosen", chosen), ("rejected", rejected)):
+        if messages[-1]["role"] != "assistant":
+            raise DataError(source, NOT_MESSAGES, f"'{key}' does not end with an assistant message")
+    head, chosen_text = render(prompt, chosen, source)
+    rejected_head, rejected_text = render(prompt, rejected, source)
+    return _pair(head, chosen_text, rejected_text, source)
+
+
+def parse_prompt_completion(record: dict, source: str, render: ChatRenderer) -> PreferencePair:
+    if "prompt" not in record:
+        raise DataError(source, MISSING_FIELD, f"no 'prompt' field (keys: {sorted(record)})")
+    if isinstance(record["prompt"], list) or isinstance(record["completion"], list):
+        prompt = _messages(record["prompt"], source, "prompt")
+        completion = _messages(record["completion"], source, "completion")
+        if completion[-1]["role"] != "assistant":
+            raise DataError(source, NOT_MESSAGES, "'completion' does not end with an assistant message")
+        head, text = render(prompt, completion, source)
+        return _pair(head, text, None, source)
+    _strings(record, source, ("prompt", "completion"))
+    return _pair(record["prompt"], record["completion"], None, source)
+
+
+def row_parser(data_format: str = "auto", render: Optional[ChatRenderer] = None) -> Callable[[RawRow], PreferencePair]:
+    """The function that turns one raw row into a pair (or raises `DataError` with the reason)."""
+    render = render or ChatRenderer()
+
+    def parse(row: RawRow) -> PreferencePair:
+        if data_format == "hh":  # the original path, untouched (including its own messages)
+            return parse_row(row)
+        record = _decode(row)
+        found = detect(record)
+        if data_format != "auto" and found != data_format:
+            raise DataError(row.source, WRONG_FORMAT, f"a {found} row (keys: {sorted(record)}), and --data_format "
+                            f"is {data_format}")
+        if found == "hh":
+            return parse_row(RawRow(row.source, record))
+        if found == "preference":
+            _strings(record, row.source, ("prompt", "chosen", "rejected"))
+            return _pair(record["prompt"], record["chosen"], record["rejected"], row.source)
+        if found == "prompt_completion":
+            return parse_prompt_completion(record, row.source, render)
+        return parse_conversational(record, row.source, render)
+
+    return parse
+
+
+def parser_for(args, tokenizer=None) -> Callable[[RawRow], PreferencePair]:
+    """The row parser of `args` (DataArguments: data_format, chat_template) with the run's tokenizer."""
+    return row_parser(args.data_format, ChatRenderer(tokenizer, args.chat_template))
