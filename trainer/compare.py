@@ -22,6 +22,7 @@ from profiling.cli import InputError, parse, run
 from profiling.files import write_atomic
 from profiling.stages import REWARD
 from trainer.config import DataArguments, PipelineArguments
+from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import load_splits
 from trainer.data.tokenization import tokenize_prompts
 from trainer.engine.setup import base_model_args
@@ -49,7 +50,7 @@ def held_out_prompts(run_dir: Path, tokenizer, count: int):
     """The SFT run's evaluation split: prompts no stage trained on."""
     saved = json.loads((run_dir / "sft" / "config.json").read_text())["data"]
     data_args = DataArguments(**saved)
-    splits, _ = load_splits(data_args)
+    splits, _ = load_splits(data_args, parser_for(data_args, tokenizer))  # rendered as the stages rendered them
     prompts, _ = tokenize_prompts(splits.eval[:count], tokenizer, data_args)
     return prompts, [p.prompt for p in splits.eval[:count]]
 
