@@ -80,6 +80,27 @@ def test_prompt_completion_rows_feed_sft_and_ppo_and_are_skipped_by_pairwise_sta
         tokenize_pairs([plain], smol_tokenizer, DataArguments(max_length=256, min_prompt_tokens=2, on_bad_row="error"))
 
 
+def test_text_rows_train_sft_on_every_token_each_in_its_own_split_group(smol_tokenizer, tmp_path):
+    from trainer.data.hh_rlhf import split_pairs
+    from trainer.data.tokenization import tokenize_pairs, tokenize_prompts, tokenize_sft
+
+    long_text = "Bread is flour, water and salt. " * 40
+    path = tmp_path / "text.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["Bread needs yeast.", long_text, "Bake it hot."]))
+    pairs, _ = load_pairs(DataArguments(dataset=str(path)), parse=row_parser())
+    assert [p.prompt for p in pairs] == ["", "", ""] and pairs[0].chosen == "Bread needs yeast."
+    args = DataArguments(dataset=str(path), max_length=32, min_prompt_tokens=4, eval_size=1, sft_size=2,
+                         reward_size=0, ppo_size=0)
+    assert split_pairs(pairs, args).sizes() == {"eval": 1, "sft": 2, "reward": 0, "ppo": 0}  # one group per text
+    examples, report = tokenize_sft(pairs, smol_tokenizer, args)
+    assert len(examples) == 3 and report.truncated == 1 and max(e.length for e in examples) == 32
+    short = examples[0]
+    assert -100 not in short.labels[len(short.prompt_ids):] and short.labels[-1] == smol_tokenizer.eos_token_id
+    assert smol_tokenizer.decode(short.completion_ids) == "Bread needs yeast.<|im_end|>"  # every text token trained
+    assert tokenize_prompts(pairs, smol_tokenizer, args)[1].no_prompt == 3
+    assert tokenize_pairs(pairs, smol_tokenizer, args)[1].no_rejected == 3
+
+
 def test_bad_rows_of_every_format_are_named_counted_and_refused_under_error(tmp_path):
     rows = [HH, conversational(HH, implicit=True),
             {"prompt": "Hi", "chosen": "Hello", "rejected": 3},  # not_string

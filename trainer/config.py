@@ -84,7 +84,7 @@ class ModelArguments(Checked):
              "lora_alpha": at_least(1), "lora_dropout": between(0, 1, high_open=True)}
 
 
-DATA_FORMATS = ("auto", "hh", "preference", "prompt_completion", "conversational")  # trainer/data/formats.py
+DATA_FORMATS = ("auto", "hh", "preference", "prompt_completion", "text", "conversational")  # trainer/data/formats.py
 
 
 @dataclass
@@ -109,8 +109,8 @@ class DataArguments(Checked):
     )
     data_format: str = field(default="auto", metadata={
         "help": "Row format: auto (from each row's columns), hh (hh-rlhf dialogues), preference (prompt / chosen / "
-                "rejected strings), prompt_completion (SFT and PPO prompts only) or conversational (lists of "
-                "role/content messages, explicit or implicit prompt)."})
+                "rejected strings), prompt_completion (SFT and PPO prompts only), text (SFT only) or "
+                "conversational (lists of role/content messages, explicit or implicit prompt)."})
     chat_template: str = field(default="auto", metadata={
         "help": "How conversational rows become text: auto (the tokenizer's chat template, if it has one), none "
                 "(hh-rlhf's Human:/Assistant: turns) or the path of a Jinja template file."})

@@ -8,6 +8,8 @@ Detected per row from its columns, or forced with `--data_format`:
 - `prompt_completion`: TRL's prompt/completion rows, `{"prompt": ..., "completion": ...}`, plain strings or
   message lists: SFT and PPO prompts read them; reward and DPO, which need a rejected completion, skip
   them as bad rows (`no_rejected`).
+- `text`: TRL's language-modelling rows, `{"text": str}`: SFT only, the loss on every token (cut at
+  max_length); PPO/GRPO skip them (`no_prompt`), reward and DPO too (`no_rejected`).
 - `conversational`: TRL's conversational preference rows (UltraFeedback-binarized style): lists of
   `{"role", "content"}` messages, `{"prompt": [...], "chosen": [...], "rejected": [...]}`, or without
   `prompt` (implicit: the messages both share before the final assistant message).
@@ -89,6 +91,8 @@ def detect(record: dict) -> str:
     """The format of one decoded row, from its columns."""
     if "completion" in record:
         return "prompt_completion"
+    if "text" in record and "chosen" not in record:
+        return "text"
     if isinstance(record.get("chosen"), list) or isinstance(record.get("prompt"), list):
         return "conversational"
     return "preference" if "prompt" in record else "hh"
@@ -174,6 +178,11 @@ def row_parser(data_format: str = "auto", render: Optional[ChatRenderer] = None)
         if found == "preference":
             _strings(record, row.source, ("prompt", "chosen", "rejected"))
             return _pair(record["prompt"], record["chosen"], record["rejected"], row.source)
+        if found == "text":
+            _strings(record, row.source, ("text",))
+            if not record["text"].strip():
+                raise DataError(row.source, EMPTY_COMPLETION, "'text' is empty")
+            return PreferencePair(prompt="", chosen=record["text"], rejected=None, source=row.source)
         if found == "prompt_completion":
             return parse_prompt_completion(record, row.source, render)
         return parse_conversational(record, row.source, render)

@@ -51,9 +51,10 @@ EMPTY_COMPLETION = "empty_completion"
 IDENTICAL = "identical"
 TOO_LONG = "too_long"  # found at tokenization, see trainer/tokenization.py
 NO_REJECTED = "no_rejected"  # a prompt/completion row where a pair is needed (reward, DPO): found at tokenization
+NO_PROMPT = "no_prompt"  # a text row where a prompt is needed (PPO / GRPO): found at tokenization
 UNREADABLE_FILE = "unreadable_file"  # a whole file, not a row: never skipped
 REASONS = (NOT_UTF8, NOT_JSON, NOT_OBJECT, MISSING_FIELD, NOT_STRING, NO_ASSISTANT_TURN, PROMPT_MISMATCH,
-           EMPTY_COMPLETION, IDENTICAL, TOO_LONG, NO_REJECTED)
+           EMPTY_COMPLETION, IDENTICAL, TOO_LONG, NO_REJECTED, NO_PROMPT)
 
 
 class DataError(InputError, ValueError):
@@ -323,8 +324,8 @@ class Splits:
 def group_by_prompt(pairs: Iterable[PreferencePair], seed: int) -> list[list[PreferencePair]]:
     """Pairs grouped by prompt, groups in a seeded order that does not depend on the input order."""
     groups: dict[str, list[PreferencePair]] = {}
-    for pair in pairs:
-        groups.setdefault(pair.prompt, []).append(pair)
+    for pair in pairs:  # text rows (no prompt) are each a group of their own
+        groups.setdefault(pair.prompt or "\0text\0" + pair.chosen, []).append(pair)
     # Sorting first makes the shuffle see the same sequence whatever file order or format the rows had.
     ordered = [sorted(g, key=lambda p: (p.chosen, p.rejected or "", p.source)) for _, g in sorted(groups.items())]
     random.Random(seed).shuffle(ordered)

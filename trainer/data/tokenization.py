@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from trainer.config import DataArguments
-from trainer.data.hh_rlhf import NO_REJECTED, TOO_LONG, DataError, PreferencePair, apply_policy
+from trainer.data.hh_rlhf import NO_PROMPT, NO_REJECTED, TOO_LONG, DataError, PreferencePair, apply_policy
 
 logger = logging.getLogger(__name__)
 
@@ -85,9 +85,11 @@ class TokenizeReport:
     truncated: int = 0
     too_long: int = 0
     no_rejected: int = 0
+    no_prompt: int = 0
 
     def summary(self) -> str:
         unpaired = f", {self.no_rejected} without a rejected completion" if self.no_rejected else ""
+        unpaired += f", {self.no_prompt} without a prompt" if self.no_prompt else ""
         return (f"tokenized {self.rows} {self.kind} rows: kept {self.kept}, "
                 f"{self.truncated} prompts left-truncated, {self.too_long} too long{unpaired}")
 
@@ -135,8 +137,8 @@ def reject_too_long(pair: PreferencePair, completion_len: int, args: DataArgumen
 
 
 def log_report(report: TokenizeReport, skipped: Counter) -> TokenizeReport:
-    report.too_long, report.no_rejected = skipped[TOO_LONG], skipped[NO_REJECTED]
-    level = logging.WARNING if report.too_long or report.no_rejected else logging.INFO
+    report.too_long, report.no_rejected, report.no_prompt = skipped[TOO_LONG], skipped[NO_REJECTED], skipped[NO_PROMPT]
+    level = logging.WARNING if report.too_long or report.no_rejected or report.no_prompt else logging.INFO
     logger.log(level, "%s", report.summary())
     return report
 
@@ -148,6 +150,13 @@ def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer, args: DataArguments
     completions = with_eos(encode(tokenizer, [p.chosen for p in pairs], add_special_tokens=False), tokenizer.eos_token_id)
     report, skipped, examples = TokenizeReport("sft", rows=len(pairs)), Counter(), []
     for pair, prompt_ids, completion_ids in zip(pairs, prompts, completions):
+        if not pair.prompt:  # a text row: the loss covers all of it, cut at max_length (EOS kept last)
+            room = args.max_length - len(prompt_ids)
+            if len(completion_ids) > room:
+                completion_ids = completion_ids[: room - 1] + completion_ids[-1:]
+                report.truncated += 1
+            examples.append(SFTExample(prompt_ids, completion_ids, pair.source))
+            continue
         fitted = fit_prompt(prompt_ids, args.max_length - len(completion_ids), args.min_prompt_tokens,
                             tokenizer.bos_token_id)
         if fitted is None:
@@ -185,15 +194,22 @@ def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer, args: DataArgumen
 
 
 def tokenize_prompts(pairs: Sequence[PreferencePair], tokenizer, args: DataArguments) -> tuple[list[PromptExample], TokenizeReport]:
-    """PPO prompts, left-truncated to `args.max_prompt_length` (a leading BOS kept); none is dropped."""
+    """PPO prompts, left-truncated to `args.max_prompt_length` (a leading BOS kept); text rows, which have no
+    prompt, are bad rows here (`no_prompt`)."""
+    skipped = Counter()
+    for pair in pairs:
+        if not pair.prompt:
+            apply_policy(DataError(pair.source, NO_PROMPT, "a text row has no prompt to generate from"),
+                         args.on_bad_row, skipped)
+    rows, pairs = len(pairs), [p for p in pairs if p.prompt]
     prompts = encode(tokenizer, [p.prompt for p in pairs], add_special_tokens=True)
-    report, examples = TokenizeReport("prompt", rows=len(pairs)), []
+    report, examples = TokenizeReport("prompt", rows=rows), []
     for pair, prompt_ids in zip(pairs, prompts):
         fitted = fit_prompt(prompt_ids, args.max_prompt_length, 1, tokenizer.bos_token_id)
         report.truncated += len(fitted) < len(prompt_ids)
         examples.append(PromptExample(fitted, pair.source))
     report.kept = len(examples)
-    return examples, log_report(report, Counter())
+    return examples, log_report(report, skipped)
 
 
 @dataclass(frozen=True)
