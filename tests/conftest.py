@@ -42,6 +42,25 @@ def smol_tokenizer():
 
 
 @pytest.fixture
+def learning_run(tmp_path):
+    """Run `trainer/STAGE.py --config CONFIG` in a subprocess (one thread) and return (results.json, run
+    folder): the learning checks of PPO and GRPO on the embedded SmolLM2."""
+    import json
+    import subprocess
+    import sys
+
+    def run(stage: str, config: str) -> tuple[dict, Path]:
+        out = tmp_path / stage
+        proc = subprocess.run([sys.executable, f"trainer/{stage}.py", "--config", config, "--output_dir", str(out)],
+                              cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              capture_output=True, text=True, timeout=1500)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return json.loads((out / "results.json").read_text()), out
+
+    return run
+
+
+@pytest.fixture
 def fresh_accelerate_state():
     """In-process runs each make an Accelerator; forget the singletons of the previous one."""
     from trainer.engine.launch import reset_accelerate

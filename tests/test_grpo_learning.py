@@ -4,24 +4,13 @@ reward, prompts and responses per step as PPO's learning check (tests/test_ppo_l
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.mark.slow
-def test_grpo_raises_a_scripted_reward_on_held_out_prompts_with_bounded_kl(tmp_path):
-    out = tmp_path / "grpo"
-    proc = subprocess.run([sys.executable, "trainer/grpo.py", "--config", "tests/configs/smol_grpo_keyword.yaml",
-                           "--output_dir", str(out)], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
+def test_grpo_raises_a_scripted_reward_on_held_out_prompts_with_bounded_kl(learning_run):
+    results, out = learning_run("grpo", "tests/configs/smol_grpo_keyword.yaml")
     before, after = results["eval_before"], results["eval_after"]
     assert before["step"] == 0 and after["step"] == 8
     assert before["eval/score_policy"] == before["eval/score_sft"]  # same adapter weights at step 0

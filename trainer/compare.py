@@ -38,8 +38,7 @@ BATCH_SIZE = 8
 
 def policy_adapters(run_dir: Path, args: PipelineArguments) -> dict[str, Path]:
     """policy name -> its adapter folder: SFT first (the baseline), then the run's trained policies."""
-    names = ["sft", *args.algorithms] + (["dpo"] if args.with_dpo else [])
-    found = {name: run_dir / name / "adapter" for name in names}
+    found = {name: run_dir / name / "adapter" for name in ["sft", *args.trained_policies]}
     missing = [str(p) for p in [*found.values(), run_dir / "reward" / "adapter"] if not (p / "adapter_config.json").is_file()]
     if missing:
         raise InputError(f"cannot compare: no adapter in {', '.join(missing)} (run the stages first)")

@@ -224,6 +224,11 @@ class PipelineArguments(Checked):
         """The online RL stages asked for, in the order given."""
         return [a.strip() for a in self.algorithm.split(",") if a.strip()]
 
+    @property
+    def trained_policies(self) -> list[str]:
+        """The policies the run trains after SFT and the reward model (its stage folders, in order)."""
+        return self.algorithms + (["dpo"] if self.with_dpo else [])
+
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio", "comet_ml", "aim", "clearml", "dvclive", "swanlab")
 

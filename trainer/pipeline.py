@@ -63,7 +63,7 @@ def stage_argv(config: Path, out: Path, settings: dict[str, str]) -> list[str]:
 
 def stages_of(args: PipelineArguments) -> list[str]:
     """The stage folders this pipeline run trains, in order."""
-    return ["sft", "reward", *args.algorithms] + (["dpo"] if args.with_dpo else [])
+    return ["sft", "reward", *args.trained_policies]
 
 
 def check_finished_stage(name: str, argv: Sequence[str], out: Path, module: Optional[str] = None) -> None:

@@ -24,14 +24,13 @@ assistant's turn.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from trainer.data.hh_rlhf import (
-    EMPTY_COMPLETION, IDENTICAL, MISSING_FIELD, NOT_JSON, NOT_OBJECT, NOT_STRING, NOT_UTF8, PROMPT_MISMATCH, DataError,
-    PreferencePair, RawRow, parse_row,
+    EMPTY_COMPLETION, IDENTICAL, MISSING_FIELD, PROMPT_MISMATCH, DataError, PreferencePair, RawRow, decode_record,
+    parse_row, require_strings,
 )
 
 logger = logging.getLogger(__name__)
@@ -73,20 +72,6 @@ class ChatRenderer:
         return head, tail
 
 
-def _decode(row: RawRow) -> dict:
-    record = row.value
-    if isinstance(record, bytes):
-        raise DataError(row.source, NOT_UTF8, "line is not UTF-8 text")
-    if isinstance(record, str):
-        try:
-            record = json.loads(record)
-        except json.JSONDecodeError as exc:
-            raise DataError(row.source, NOT_JSON, f"line is not JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(record, dict):
-        raise DataError(row.source, NOT_OBJECT, f"expected a JSON object, got {type(record).__name__}")
-    return record
-
-
 def detect(record: dict) -> str:
     """The format of one decoded row, from its columns."""
     if "completion" in record:
@@ -106,15 +91,6 @@ def _messages(value: Any, source: str, key: str) -> list[dict]:
             raise DataError(source, NOT_MESSAGES, f"'{key}'[{i}] is not a {{'role': {'|'.join(ROLES)}, "
                             "'content': str} message")
     return value
-
-
-def _strings(record: dict, source: str, keys: tuple[str, ...]) -> None:
-    for key in keys:
-        if key not in record or record[key] is None:
-            raise DataError(source, MISSING_FIELD, f"no '{key}' field (keys: {sorted(record)})" if key not in record
-                            else f"'{key}' is null")
-        if not isinstance(record[key], str):
-            raise DataError(source, NOT_STRING, f"'{key}' is {type(record[key]).__name__}, not a string")
 
 
 def _pair(prompt: str, chosen: str, rejected: Optional[str], source: str) -> PreferencePair:
@@ -143,7 +119,7 @@ def parse_conversational(record: dict, source: str, render: ChatRenderer) -> Pre
         if messages[-1]["role"] != "assistant":
             raise DataError(source, NOT_MESSAGES, f"'{key}' does not end with an assistant message")
     head, chosen_text = render(prompt, chosen, source)
-    rejected_head, rejected_text = render(prompt, rejected, source)
+    _, rejected_text = render(prompt, rejected, source)
     return _pair(head, chosen_text, rejected_text, source)
 
 
@@ -157,7 +133,7 @@ def parse_prompt_completion(record: dict, source: str, render: ChatRenderer) -> 
             raise DataError(source, NOT_MESSAGES, "'completion' does not end with an assistant message")
         head, text = render(prompt, completion, source)
         return _pair(head, text, None, source)
-    _strings(record, source, ("prompt", "completion"))
+    require_strings(record, source, ("prompt", "completion"))
     return _pair(record["prompt"], record["completion"], None, source)
 
 
@@ -168,18 +144,18 @@ def row_parser(data_format: str = "auto", render: Optional[ChatRenderer] = None)
     def parse(row: RawRow) -> PreferencePair:
         if data_format == "hh":  # the original path, untouched (including its own messages)
             return parse_row(row)
-        record = _decode(row)
+        record = decode_record(row)
         found = detect(record)
         if data_format != "auto" and found != data_format:
             raise DataError(row.source, WRONG_FORMAT, f"a {found} row (keys: {sorted(record)}), and --data_format "
                             f"is {data_format}")
         if found == "hh":
-            return parse_row(RawRow(row.source, record))
+            return parse_row(RawRow(row.source, record))  # the decoded mapping: not parsed twice
         if found == "preference":
-            _strings(record, row.source, ("prompt", "chosen", "rejected"))
+            require_strings(record, row.source, ("prompt", "chosen", "rejected"))
             return _pair(record["prompt"], record["chosen"], record["rejected"], row.source)
         if found == "text":
-            _strings(record, row.source, ("text",))
+            require_strings(record, row.source, ("text",))
             if not record["text"].strip():
                 raise DataError(row.source, EMPTY_COMPLETION, "'text' is empty")
             return PreferencePair(prompt="", chosen=record["text"], rejected=None, source=row.source)

@@ -230,8 +230,8 @@ def split_dialogue(text: str, source: str, which: str) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
-def parse_row(row: RawRow) -> PreferencePair:
-    """Validate one raw row into a pair, or raise `DataError` with the first reason it fails."""
+def decode_record(row: RawRow) -> dict:
+    """The row as a mapping: a JSON line parsed, a parquet / hub record as it is; or the reason it is none."""
     record = row.value
     if isinstance(record, bytes):
         raise DataError(row.source, NOT_UTF8, "line is not UTF-8 text")
@@ -242,13 +242,24 @@ def parse_row(row: RawRow) -> PreferencePair:
             raise DataError(row.source, NOT_JSON, f"line is not JSON ({exc.msg} at column {exc.colno})") from None
     if not isinstance(record, dict):
         raise DataError(row.source, NOT_OBJECT, f"expected a JSON object, got {type(record).__name__}")
-    for key in ("chosen", "rejected"):
+    return record
+
+
+def require_strings(record: dict, source: str, keys: Iterable[str]) -> None:
+    """Each of `keys` is present, not null, and a string; else the first that is not, as a `DataError`."""
+    for key in keys:
         if key not in record:
-            raise DataError(row.source, MISSING_FIELD, f"no '{key}' field (keys: {sorted(record)})")
+            raise DataError(source, MISSING_FIELD, f"no '{key}' field (keys: {sorted(record)})")
         if record[key] is None:
-            raise DataError(row.source, MISSING_FIELD, f"'{key}' is null")
+            raise DataError(source, MISSING_FIELD, f"'{key}' is null")
         if not isinstance(record[key], str):
-            raise DataError(row.source, NOT_STRING, f"'{key}' is {type(record[key]).__name__}, not a string")
+            raise DataError(source, NOT_STRING, f"'{key}' is {type(record[key]).__name__}, not a string")
+
+
+def parse_row(row: RawRow) -> PreferencePair:
+    """Validate one raw row into a pair, or raise `DataError` with the first reason it fails."""
+    record = decode_record(row)
+    require_strings(record, row.source, ("chosen", "rejected"))
     prompt, chosen = split_dialogue(record["chosen"], row.source, "chosen")
     rejected_prompt, rejected = split_dialogue(record["rejected"], row.source, "rejected")
     if prompt != rejected_prompt:

@@ -28,7 +28,7 @@ import torch
 from profiling.cli import InputError
 from trainer.engine.batches import batch_stream, make_loader
 from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
-from trainer.engine.launch import RowTrace, describe_engine, fill_deepspeed_autos, is_deepspeed, trackers_for
+from trainer.engine.launch import RowTrace, describe_engine, fill_deepspeed_autos, is_deepspeed
 from trainer.engine.metrics import (
     MetricsLog, all_finite, flat_config, format_line, mean_over_ranks, peak_memory_gb,
 )
@@ -164,7 +164,7 @@ class Harness:
 
         args, acc, engine = self.args, self.accelerator, self.engine
         start = self._resume()
-        if trackers_for(args.report_to):  # wandb's files go into the run folder as TensorBoard's do
+        if acc.log_with:  # the trackers make_accelerator checked; wandb's files go into the run folder too
             acc.init_trackers(self.stage, config=flat_config(self.ctx.config()),
                               init_kwargs={"wandb": {"dir": str(self.ctx.output_dir)}})
         last_eval = self._evaluate(0) if start == 0 else {}
