@@ -173,13 +173,13 @@ class Harness:
                    disable=not (acc.is_main_process and args.progress_bar))
         engine.model.train()
         for step in range(start + 1, args.max_steps + 1):
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             result = step_body(step, self._batches(step, stream))
-            elapsed = time.perf_counter() - started
+            elapsed, cpu_elapsed = time.perf_counter() - started, time.process_time() - cpu_started
             self._count_bad_step(step, result.finite)
             if result.stepped:
                 engine.scheduler.step()
-            self._log(step, result, elapsed, bar)
+            self._log(step, result, elapsed, cpu_elapsed, bar)
             bar.update(1)
             if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
                 last_eval = self._evaluate(step)
@@ -229,13 +229,14 @@ class Harness:
                 f"{self.state['bad_steps_in_row']} steps in a row had a NaN/inf loss or gradient (at step {step}); "
                 "lower the learning rate, check the data, or raise max_bad_steps")
 
-    def _log(self, step: int, result: StepResult, elapsed: float, bar) -> None:
+    def _log(self, step: int, result: StepResult, elapsed: float, cpu_elapsed: float, bar) -> None:
         acc = self.accelerator
         metrics = mean_over_ranks(acc, result.metrics)
         tokens = acc.reduce(torch.tensor(float(result.tokens), device=acc.device), "sum").item()
         peak, kind = peak_memory_gb(acc.device)
         peak = max(peak, self.engine.recorder.peak_allocated / 1e9)  # its phases reset CUDA's peak counter
-        metrics.update({"perf/step_s": elapsed, f"perf/peak_{kind}_gb": peak,
+        # step_cpu_s: this process's CPU seconds in the step (all threads): steadier than wall time on a shared CPU
+        metrics.update({"perf/step_s": elapsed, "perf/step_cpu_s": cpu_elapsed, f"perf/peak_{kind}_gb": peak,
                         "train/skipped_steps": float(self.state["bad_steps_total"])})
         if result.tokens:
             metrics["perf/tokens_per_s"] = tokens / elapsed

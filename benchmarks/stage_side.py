@@ -1,0 +1,105 @@
+"""One side of `benchmarks.stages_vs_trl`, in a process of its own (the parent starts it):
+
+    python -m benchmarks.stage_side ours|trl SETTINGS_JSON SIDE_DIR
+
+ours: the stage script itself (`trainer/<stage>.py`'s main, with the workload's settings as flags),
+its per-step wall and CPU seconds read back from its metrics log and the rows it trained on from its
+row trace ($RLHF_TRACE_ROWS). trl: `benchmarks.trl_stages.run_trl`. Either way the process's peak
+memory is read over the side's whole run (data, model, training, saving: the same span on both
+sides) and everything goes into SIDE_DIR/side.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from benchmarks.measure import MemoryProbe, release_memory
+from benchmarks.stages_vs_trl import StageWorkload, training_rows
+
+logger = logging.getLogger("benchmarks.stage_side")
+
+
+def stage_argv(w: StageWorkload, output_dir: Path) -> list[str]:
+    """The workload's model, data and train settings (and the stage's) as our stage script's flags."""
+    argv = []
+    for part in (w.model, w.data, w.train):
+        for f in dataclasses.fields(part):
+            value = getattr(part, f.name)
+            if value is not None and f.name != "output_dir":
+                argv += [f"--{f.name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv + w.stage_flags() + ["--output_dir", str(output_dir)]
+
+
+def run_ours(w: StageWorkload, side_dir: Path, result: dict) -> None:
+    from trainer.engine.launch import TRACE_ROWS_ENV
+
+    run_dir, trace_dir = side_dir / "run", side_dir / "trace"
+    os.environ[TRACE_ROWS_ENV] = str(trace_dir)
+    argv = stage_argv(w, run_dir)
+    result["setup"] = {"class": f"trainer/{w.stage}.py (the stage script, in-process)", "argv": argv}
+    importlib.import_module(f"trainer.{w.stage}").main(argv)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    result["steps"] = [{"step": r["step"], "wall_s": r["perf/step_s"], "cpu_s": r.get("perf/step_cpu_s")}
+                       for r in metrics if "perf/step_s" in r]
+    result["trace"] = [json.loads(line)["rows"] for line in (trace_dir / "rows-rank0.jsonl").read_text().splitlines()]
+    result["adapter"] = str(run_dir / "adapter")
+
+
+def run_trl_side(w: StageWorkload, side_dir: Path, result: dict, device: torch.device) -> None:
+    from benchmarks.trl_stages import run_trl
+    from trainer.model.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(w.model.model_name_or_path, w.model.preset_overrides, w.model.tokenizer_name_or_path)
+    run_trl(w, training_rows(w, tokenizer), tokenizer, device, side_dir, result)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    name, settings, side_dir = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    w = StageWorkload.from_dict(json.loads(Path(settings).read_text()))
+    side_dir = Path(side_dir)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "trl":  # imported before the span measured, as ours imports its trainer before it
+        import trl  # noqa: F401
+    import trainer.engine.harness  # noqa: F401
+
+    probe = MemoryProbe(device)
+    release_memory()
+    result = {"side": name, "status": "ok", "error": None, "steps": [], "at_start": probe.now(),
+              "load_average_at_start": os.getloadavg()}
+    probe.reset()
+    started = time.perf_counter()
+    try:
+        if name == "ours":
+            run_ours(w, side_dir, result)
+        else:
+            run_trl_side(w, side_dir, result, device)
+    except torch.OutOfMemoryError as exc:
+        result.update(status="out_of_memory", error=f"{type(exc).__name__}: {str(exc)[:500]}")
+    except Exception as exc:  # the report keeps the other side's figures and says what broke here
+        result.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:500]}")
+        logger.exception("%s side failed", name)
+    probe.sync()
+    result["side_s"] = time.perf_counter() - started
+    result.update(probe.peak())
+    start_rss = result["at_start"].get("rss_bytes")
+    result["peak_rss_above_start_bytes"] = (result["peak_rss_bytes"] - start_rss
+                                            if result.get("peak_rss_bytes") and start_rss else None)
+    result["load_average_at_end"] = os.getloadavg()
+    (side_dir / "side.json").write_text(json.dumps(result, indent=2, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""Our SFT, reward and DPO stages against TRL's SFTTrainer, RewardTrainer and DPOTrainer on the same work.
+
+    python -m benchmarks.stages_vs_trl --stage reward                 # SmolLM2-135M, CPU or GPU
+    python -m benchmarks.stages_vs_trl --stage dpo --max_steps 4 --eval_size 64      # a quick look
+    python -m benchmarks.stages_vs_trl --table benchmarks/results/stages_vs_trl-*/stages_vs_trl.json
+
+One stage per run. Both sides get the same base weights, LoRA shape, rows in the same order (the
+first epoch of our trainer's shuffle, tokenized once by `trainer.data`, handed to TRL pre-tokenized
+through a sequential sampler), max length, micro-batch, accumulation, steps, optimizer and learning
+rate schedule (our AdamW and warmup-cosine schedule objects, given to TRL's Trainer through
+`optimizers=`), and loss (completion-only NLL; -log sigmoid(r_chosen - r_rejected); sigmoid DPO with
+the same beta against the base model as reference). Each side runs in a process of its own, one
+after the other (ours first), so each has its own peak memory. Both sides' adapters are then scored
+by the same evaluation code (`trainer.evaluate`) on the same held-out split, so only training differs.
+Writes stages_vs_trl.json and stages_vs_trl.md into `--out_dir`
+(default benchmarks/results/stages_vs_trl-STAGE-MODEL-DEVICE/).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from profiling.cli import Checked, UsageError, at_least, one_of, parse, run
+from trainer.config import DataArguments, ModelArguments, TrainArguments
+
+logger = logging.getLogger("benchmarks.stages_vs_trl")
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("sft", "reward", "dpo")
+SIDES = ("ours", "trl")
+SIDE_NAMES = {"sft": {"ours": "ours (trainer/sft.py)", "trl": "TRL 1.12 SFTTrainer"},
+              "reward": {"ours": "ours (trainer/reward.py)", "trl": "TRL 1.12 RewardTrainer"},
+              "dpo": {"ours": "ours (trainer/dpo.py)", "trl": "TRL 1.12 DPOTrainer"}}
+EVAL_TASK_KEY = {"sft": "perplexity", "reward": "accuracy", "dpo": "rewards/accuracies"}
+
+# Where the benchmark's settings differ from the trainer's defaults: 150 steps of 16 rows, a fresh LoRA
+# (no SFT adapter: both sides start from the base, which is also DPO's reference), at least 500 held-out
+# pairs, no checkpoints, trackers or mid-run evaluation (our stage's own start / end evaluation reads one
+# batch; the figures that count come from trainer.evaluate afterwards, the same code for both sides).
+BENCH_DEFAULTS = {"max_steps": 150, "micro_batch_size": 8, "gradient_accumulation_steps": 2, "max_length": 128,
+                  "eval_size": 700, "ppo_size": 0, "warmup_steps": 10, "min_lr_ratio": 0.1, "weight_decay": 0.0,
+                  "lora_dropout": 0.0, "report_to": "none", "progress_bar": False, "save_every": 0, "eval_every": 0,
+                  "eval_batches": 1, "eval_batch_size": 16, "check_budget": False, "resume": "no"}
+STAGE_DEFAULTS = {"sft": {"learning_rate": 2e-4, "sft_size": 1_000_000, "reward_size": 0},
+                  "reward": {"learning_rate": 2e-4, "sft_size": 0, "reward_size": 1_000_000},
+                  "dpo": {"learning_rate": 5e-4, "sft_size": 0, "reward_size": 1_000_000}}
+
+
+@dataclass
+class StagesBenchArguments(Checked):
+    """What the benchmark adds to the training settings."""
+
+    stage: str = field(default="reward", metadata={"help": "sft, reward or dpo."})
+    beta: float = field(default=0.1, metadata={"help": "dpo: the temperature of sigmoid DPO, on both sides."})
+    sides: str = field(default="ours,trl", metadata={"help": "Which sides to run, in this order: ours, trl."})
+    warmup_runs: int = field(default=1, metadata={"help": "First optimizer steps left out of the timings."})
+    out_dir: Optional[str] = field(default=None, metadata={
+        "help": "Default benchmarks/results/stages_vs_trl-STAGE-MODEL-DEVICE."})
+    table: bool = field(default=False, metadata={
+        "help": "Print the Markdown table of the stages_vs_trl.json files given as arguments, and exit."})
+
+    RULES = {"stage": one_of(*STAGES), "warmup_runs": at_least(0)}
+
+
+@dataclass(frozen=True)
+class StageWorkload:
+    """One stage's work, run by our trainer and by TRL's trainer: the trainer's own settings objects."""
+
+    model: ModelArguments
+    data: DataArguments
+    train: TrainArguments
+    bench: StagesBenchArguments
+
+    @classmethod
+    def parse(cls, argv: Sequence[str]) -> "StageWorkload":
+        stage = _flag(argv, "stage", "reward")
+        if stage not in STAGES:
+            raise UsageError(f"--stage {stage!r}: must be one of {', '.join(STAGES)}")
+        model, data, train, bench = parse([ModelArguments, DataArguments, TrainArguments, StagesBenchArguments], argv,
+                                          {**BENCH_DEFAULTS, **STAGE_DEFAULTS[stage]})
+        return cls(model, data, train, bench)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "StageWorkload":
+        return cls(ModelArguments(**values["model"]), DataArguments(**values["data"]),
+                   TrainArguments(**values["train"]), StagesBenchArguments(**values["bench"]))
+
+    def to_dict(self) -> dict[str, dict]:
+        return {part: asdict(getattr(self, part)) for part in ("model", "data", "train", "bench")}
+
+    @property
+    def stage(self) -> str:
+        return self.bench.stage
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.train.micro_batch_size * self.train.gradient_accumulation_steps
+
+    @property
+    def side_list(self) -> list[str]:
+        sides = [s.strip() for s in self.bench.sides.split(",") if s.strip()]
+        if not sides or set(sides) - set(SIDES):
+            raise UsageError(f"--sides {self.bench.sides!r}: use some of {', '.join(SIDES)}")
+        return sides
+
+    def check(self) -> None:
+        self.side_list  # noqa: B018  (raises on an unknown side before anything is loaded)
+        if self.bench.warmup_runs >= self.train.max_steps:
+            raise UsageError(f"--warmup_runs {self.bench.warmup_runs} leaves no measured step of --max_steps "
+                             f"{self.train.max_steps}")
+
+    def stage_flags(self) -> list[str]:
+        """The `stage:` settings our stage script gets (the benchmark's are fixed: a fresh LoRA, sigmoid DPO)."""
+        return ["--beta", str(self.bench.beta), "--loss_type", "sigmoid"] if self.stage == "dpo" else []
+
+
+def _flag(argv: Sequence[str], name: str, default: str) -> str:
+    for i, arg in enumerate(argv):
+        if arg == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+# ---- the rows both sides train on ----------------------------------------------------------------------
+def training_rows(w: StageWorkload, tokenizer) -> list:
+    """The examples of every optimizer step, in the order our harness draws them: the stage's split of
+    the data tokenized by `trainer.data`, in epoch 0 of `EpochShuffleSampler(seed)`, cut to
+    max_steps x micro-batch x accumulation rows (one epoch at most: the two sides reshuffle differently)."""
+    from trainer.data.formats import parser_for
+    from trainer.data.hh_rlhf import load_splits
+    from trainer.data.tokenization import tokenize_pairs, tokenize_sft
+    from trainer.engine.batches import EpochShuffleSampler
+
+    splits, _ = load_splits(w.data, parser_for(w.data, tokenizer))
+    if w.stage == "sft":
+        examples, _ = tokenize_sft(splits.sft, tokenizer, w.data)
+    else:
+        examples, _ = tokenize_pairs(splits.reward, tokenizer, w.data)
+    needed = w.train.max_steps * w.rows_per_step
+    if needed > len(examples):
+        raise UsageError(f"{w.train.max_steps} steps of {w.rows_per_step} rows need {needed} rows, and the {w.stage} "
+                         f"split has {len(examples)}: fewer --max_steps, a smaller batch or a larger --max_length")
+    order = list(EpochShuffleSampler(len(examples), w.train.seed))
+    return [examples[i] for i in order[:needed]]
+
+
+def row_texts(example) -> list[list[int]]:
+    """The token rows one example puts into a training batch: prompt + completion (SFT), or prompt +
+    chosen and prompt + rejected (pairs)."""
+    if hasattr(example, "completion_ids"):
+        return [example.prompt_ids + example.completion_ids]
+    return [example.prompt_ids + example.chosen_ids, example.prompt_ids + example.rejected_ids]
+
+
+def row_hash(ids: Sequence[int]) -> str:
+    """The short hash `trainer.engine.launch.RowTrace` writes for a row (its unpadded token ids)."""
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha1(np.asarray(list(ids), dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+def expected_trace(w: StageWorkload, rows: Sequence) -> list[list[str]]:
+    """Row hashes per micro-batch as our collators lay a batch out: chosen rows over rejected rows."""
+    micro = w.train.micro_batch_size
+    out = []
+    for start in range(0, len(rows), micro):
+        batch = rows[start : start + micro]
+        texts = [row_texts(e) for e in batch]
+        out.append([row_hash(t[0]) for t in texts] + [row_hash(t[1]) for t in texts if len(t) > 1])
+    return out
+
+
+def step_tokens(w: StageWorkload, rows: Sequence) -> list[int]:
+    """Real (unpadded) tokens each optimizer step trains on: the same rows, so the same count on both sides."""
+    per = w.rows_per_step
+    return [sum(len(t) for e in rows[i : i + per] for t in row_texts(e)) for i in range(0, len(rows), per)]
+
+
+# ---- one side, in a process of its own -------------------------------------------------------------------
+def run_side(name: str, w: StageWorkload, out_dir: Path) -> dict:
+    """`python -m benchmarks.stage_side NAME` in a fresh process; its side.json (or the error it died with)."""
+    side_dir = out_dir / name
+    shutil.rmtree(side_dir, ignore_errors=True)
+    side_dir.mkdir(parents=True)
+    settings = side_dir / "settings.json"
+    settings.write_text(json.dumps(w.to_dict(), indent=2))
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
+    command = [sys.executable, "-m", "benchmarks.stage_side", name, str(settings), str(side_dir)]
+    logger.info("%s side: %s", name, " ".join(shlex.quote(c) for c in command))
+    proc = subprocess.run(command, cwd=ROOT, env=env)
+    path = side_dir / "side.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    return {"side": name, "status": "failed", "error": f"the side's process exited with {proc.returncode} and wrote "
+            "no side.json (its log is above)"}
+
+
+def evaluate_side(w: StageWorkload, side: dict) -> dict:
+    """The side's saved adapter scored by trainer.evaluate on the held-out split: the same code for both."""
+    from trainer.evaluate import EvalArguments, evaluate
+
+    args = EvalArguments(adapter=side["adapter"], split="eval", batch_size=w.train.eval_batch_size,
+                         progress_bar=sys.stderr.isatty())
+    result = evaluate(w.stage, args)
+    return {k: v for k, v in result.items() if k not in ("adapter", "data")}
+
+
+# ---- figures -----------------------------------------------------------------------------------------
+def summarize(side: dict, tokens: list[int], warmup: int) -> dict[str, Any]:
+    """Means over the measured steps (the first `warmup` left out); tokens/s over the same steps."""
+    steps = [s for s in side.get("steps", []) if s["step"] > warmup]
+    if not steps:
+        return {}
+    wall = [s["wall_s"] for s in steps]
+    cpu = [s["cpu_s"] for s in steps if s.get("cpu_s") is not None]
+    measured_tokens = sum(tokens[s["step"] - 1] for s in steps)
+    out = {"measured_steps": len(steps), "step_s": statistics.fmean(wall), "step_s_median": statistics.median(wall),
+           "step_cpu_s": statistics.fmean(cpu) if cpu else None,
+           "tokens_per_s": measured_tokens / sum(wall),
+           "tokens_per_cpu_s": measured_tokens / sum(cpu) if cpu else None}
+    for key in ("peak_rss_bytes", "peak_rss_above_start_bytes", "peak_allocated_bytes", "peak_reserved_bytes"):
+        out[key] = side.get(key)
+    return out
+
+
+def ratios(ours: dict, trl: dict) -> dict[str, Optional[float]]:
+    """TRL's figure over ours for times and memory, ours over TRL's for tokens/s: > 1 means ours is better."""
+    def over(a, b):
+        return a / b if a and b else None
+
+    return {"step_time_speedup": over(trl.get("step_s"), ours.get("step_s")),
+            "step_cpu_time_speedup": over(trl.get("step_cpu_s"), ours.get("step_cpu_s")),
+            "tokens_per_s_ratio": over(ours.get("tokens_per_s"), trl.get("tokens_per_s")),
+            "peak_rss_trl_over_ours": over(trl.get("peak_rss_bytes"), ours.get("peak_rss_bytes")),
+            "peak_rss_above_start_trl_over_ours": over(trl.get("peak_rss_above_start_bytes"),
+                                                       ours.get("peak_rss_above_start_bytes")),
+            "peak_allocated_trl_over_ours": over(trl.get("peak_allocated_bytes"), ours.get("peak_allocated_bytes"))}
+
+
+def default_out_dir(w: StageWorkload, device: torch.device) -> Path:
+    quant = f"-{w.model.quantization}" if w.model.quantization != "auto" else ""
+    return ROOT / "benchmarks" / "results" / f"stages_vs_trl-{w.stage}-{w.model.model_name_or_path}{quant}-{device.type}"
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    if "--table" in argv:
+        from benchmarks.stages_report import render_table
+
+        files = [a for a in argv if not a.startswith("--")]
+        print(render_table([json.loads(Path(f).read_text()) for f in files]))
+        return {}
+    w = StageWorkload.parse(argv)
+    w.check()
+    return run_benchmark(w, argv)
+
+
+def run_benchmark(w: StageWorkload, argv: list[str]) -> dict:
+    from profiling.provenance import provenance
+    from trainer.model.loading import load_tokenizer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out_dir = Path(w.bench.out_dir) if w.bench.out_dir else default_out_dir(w, device)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(w.model.model_name_or_path, w.model.preset_overrides, w.model.tokenizer_name_or_path)
+    rows = training_rows(w, tokenizer)  # fails here, before any side runs, when the data is too short
+    tokens = step_tokens(w, rows)
+    command = "python -m benchmarks.stages_vs_trl " + " ".join(shlex.quote(a) for a in argv)
+    report = {"kind": "stages_vs_trl", "stage": w.stage, "device_kind": device.type, **provenance(device, command),
+              "trl_version": _version("trl"), "settings": w.to_dict(),
+              "rows": {"train_rows": len(rows), "rows_per_step": w.rows_per_step,
+                       "tokens_per_step_mean": statistics.fmean(tokens), "tokens_per_step": tokens},
+              "sides": {}}
+    expected = expected_trace(w, rows)
+    for name in w.side_list:
+        side = run_side(name, w, out_dir)
+        side["label"] = SIDE_NAMES[w.stage][name]
+        side["rows_as_planned"] = side.get("trace") == expected if side.get("trace") is not None else None
+        side.pop("trace", None)
+        if side.get("status") == "ok":
+            side["evaluation"] = evaluate_side(w, side)
+        side["summary"] = summarize(side, tokens, w.bench.warmup_runs)
+        report["sides"][name] = side
+        if {"ours", "trl"} <= set(report["sides"]):
+            report["ratios"] = ratios(report["sides"]["ours"]["summary"], report["sides"]["trl"]["summary"])
+        write_report(report, out_dir)
+    logger.info("wrote %s", out_dir / "stages_vs_trl.md")
+    return report
+
+
+def write_report(report: dict, out_dir: Path) -> None:
+    from benchmarks.stages_report import render_markdown
+
+    (out_dir / "stages_vs_trl.json").write_text(json.dumps(report, indent=2, default=str))
+    (out_dir / "stages_vs_trl.md").write_text(render_markdown(report))
+
+
+def _version(package: str) -> Optional[str]:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+if __name__ == "__main__":
+    run(main)
