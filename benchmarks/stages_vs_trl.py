@@ -44,13 +44,14 @@ SIDE_NAMES = {"sft": {"ours": "ours (trainer/sft.py)", "trl": "TRL 1.12 SFTTrain
               "dpo": {"ours": "ours (trainer/dpo.py)", "trl": "TRL 1.12 DPOTrainer"}}
 EVAL_TASK_KEY = {"sft": "perplexity", "reward": "accuracy", "dpo": "rewards/accuracies"}
 
-# Where the benchmark's settings differ from the trainer's defaults: 150 steps of 16 rows, a fresh LoRA
+# Where the benchmark's settings differ from the trainer's defaults: 150 steps of 16 rows, no gradient
+# checkpointing (as the CPU configs; pass --gradient_checkpointing true on a GPU: both sides get it), a fresh LoRA
 # (no SFT adapter: both sides start from the base, which is also DPO's reference), at least 500 held-out
 # pairs, no checkpoints, trackers or mid-run evaluation (our stage's own start / end evaluation reads one
 # batch; the figures that count come from trainer.evaluate afterwards, the same code for both sides).
 BENCH_DEFAULTS = {"max_steps": 150, "micro_batch_size": 8, "gradient_accumulation_steps": 2, "max_length": 128,
                   "eval_size": 700, "ppo_size": 0, "warmup_steps": 10, "min_lr_ratio": 0.1, "weight_decay": 0.0,
-                  "lora_dropout": 0.0, "report_to": "none", "progress_bar": False, "save_every": 0, "eval_every": 0,
+                  "lora_dropout": 0.0, "gradient_checkpointing": False, "report_to": "none", "progress_bar": False, "save_every": 0, "eval_every": 0,
                   "eval_batches": 1, "eval_batch_size": 16, "check_budget": False, "resume": "no"}
 STAGE_DEFAULTS = {"sft": {"learning_rate": 2e-4, "sft_size": 1_000_000, "reward_size": 0},
                   "reward": {"learning_rate": 2e-4, "sft_size": 0, "reward_size": 1_000_000},
