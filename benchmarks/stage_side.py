@@ -12,6 +12,7 @@ sides) and everything goes into SIDE_DIR/side.json.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 import importlib
 import json
 import logging
@@ -57,7 +58,10 @@ def run_ours(w: StageWorkload, side_dir: Path, result: dict) -> None:
 
 def run_trl_side(w: StageWorkload, side_dir: Path, result: dict, device: torch.device) -> None:
     from benchmarks.trl_stages import run_trl
+    from trainer.engine.setup import simulate_gpu_memory
     from trainer.model.loading import load_tokenizer
+
+    simulate_gpu_memory(w.train.simulate_gpu_gib, device)  # the cap our stage script sets itself
 
     tokenizer = load_tokenizer(w.model.model_name_or_path, w.model.preset_overrides, w.model.tokenizer_name_or_path)
     run_trl(w, training_rows(w, tokenizer), tokenizer, device, side_dir, result)
@@ -81,7 +85,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     probe.reset()
     started = time.perf_counter()
     try:
-        if name == "ours":
+        if name.startswith("ours"):
+            if name == "ours_ungrouped":
+                w = replace(w, train=replace(w.train, group_by_length=False))
             run_ours(w, side_dir, result)
         else:
             run_trl_side(w, side_dir, result, device)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("check", "memory", "speed", "ladder")
+PARTS = ("check", "memory", "speed", "ladder", "stages")
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,19 @@ def test_speed_compares_with_trl_on_the_same_work_and_measures_decode(smoke):
     assert [r["batch"] for r in decode["rows"]] == [1, 4]
     assert all(r["tokens_per_s"] > 0 and 0 < r["bandwidth_fraction"] < 1 for r in decode["rows"])
     assert decode["bytes_per_decode_step"] > decode["bytes_read_per_decode_step"]["base_weights"] > 0
+
+
+def test_stages_compare_sft_reward_and_dpo_with_trl_on_the_planned_rows(smoke):
+    _, unpacked = smoke
+    for stage in ("sft", "reward", "dpo"):
+        report = json.loads((unpacked / "stages" / f"stages_vs_trl-{stage}" / "stages_vs_trl.json").read_text())
+        assert report["stage"] == stage and report["rows"]["train_rows"] == 2 * 2
+        for name in ("ours", "trl"):
+            side = report["sides"][name]
+            assert side["status"] == "ok", side["error"]
+            assert side["rows_as_planned"] is True and "evaluation" not in side  # speed and memory only
+            assert side["summary"]["measured_steps"] == 1 and side["summary"]["tokens_per_s"] > 0
+        assert not report["command"].startswith("/") and "--stage " + stage in report["command"]
 
 
 def test_the_flag_ladder_ran_each_rung_with_its_flag(smoke):

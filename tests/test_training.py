@@ -229,3 +229,19 @@ def test_resume_config_check_lets_run_length_and_evaluation_settings_change():
     other = {"train": {"max_steps": 8, "eval_every": 4, "seed": 1}, "data": {"max_length": 96},
              "stage": {"eval_prompts": 8, "beta": 0.2}}
     assert resume_config_changes(saved, other) == ["train.seed: 0 -> 1", "stage.beta: 0.1 -> 0.2"]
+
+
+def test_length_grouping_orders_each_steps_rows_longest_first_and_keeps_every_step_its_rows():
+    from trainer.engine.batches import EpochShuffleSampler
+
+    lengths = [(i * 37) % 101 for i in range(50)]
+    plain = list(EpochShuffleSampler(50, 3))
+    grouped = list(EpochShuffleSampler(50, 3, lengths, window=8))
+    for start in range(0, 50, 8):  # the last window is short: 50 = 6 x 8 + 2
+        window = plain[start : start + 8]
+        assert sorted(grouped[start : start + 8]) == sorted(window)  # the same rows in the same step
+        assert [lengths[i] for i in grouped[start : start + 8]] == sorted((lengths[i] for i in window), reverse=True)
+    assert grouped != plain
+    again = EpochShuffleSampler(50, 3, lengths, window=8)
+    again.set_epoch(1)
+    assert list(again) != grouped and sorted(again) == list(range(50))  # a fresh order each epoch, every row once

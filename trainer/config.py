@@ -150,6 +150,9 @@ class TrainArguments(Checked):
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
     warmup_steps: int = field(default=10, metadata={"help": "Linear warmup steps before the cosine decay."})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "Cosine decay floor as a fraction of the peak."})
+    group_by_length: bool = field(default=True, metadata={
+        "help": "SFT, reward, DPO: within each optimizer step's rows, micro-batches of like lengths (longest first): "
+                "less padding, the same rows per step."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
     optimizer: str = field(
         default="auto",
@@ -198,6 +201,11 @@ class TrainArguments(Checked):
              "keep_checkpoints": at_least(0), "max_bad_steps": at_least(1), "log_every": at_least(1),
              "report_to": lambda name, value: _trackers_rule(value), "memory_budget_gib": above(0),
              "simulate_gpu_gib": at_least(0)}
+
+    @property
+    def length_window(self) -> int:
+        """Rows of one optimizer step when they are grouped by length (`group_by_length`), else 0."""
+        return self.micro_batch_size * self.gradient_accumulation_steps if self.group_by_length else 0
 
 
 @dataclass

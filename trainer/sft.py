@@ -75,6 +75,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                      max_batches=targs.eval_batches, progress=targs.progress_bar)
 
     harness = Harness(ctx, model, "sft", [POLICY], train, collate, targs.micro_batch_size, evaluate,
+                      length_window=targs.length_window,
                       log_keys=["train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/peak_gb"])
     harness.train(supervised_step(harness.engine, compute_loss, targs.gradient_accumulation_steps))
     return finish_stage(ctx, "sft", model, POLICY, train_examples=len(train), eval_examples=len(held_out))

@@ -9,6 +9,8 @@
 - speed:  `benchmarks.ppo_vs_trl` at 7B NF4 under the same cap, and decode throughput at batch 1,
           16 and 64 against the bandwidth bound (`benchmarks.gpu.decode`).
 - ladder: the SFT flag ladder (`profiling.bench`) at 7B under the cap.
+- stages: `benchmarks.stages_vs_trl` for SFT, reward and DPO at 7B NF4 under the cap, 3 steps each:
+          our stage scripts against TRL's SFTTrainer, RewardTrainer and DPOTrainer (speed and memory).
 
 `--smoke` runs the same code paths on the CPU with the tiny preset and small settings (about a minute
 a part): CI runs every part that way, so the kit cannot rot between GPU sessions. Each step runs in its
@@ -33,13 +35,13 @@ from profiling.cli import Checked, UsageError, at_least, one_of, parse, run
 from profiling.files import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-PARTS = ("check", "memory", "speed", "ladder")
-BUDGET_S = {"check": 90, "memory": 540, "speed": 540, "ladder": 540}  # + wheel install and packing < 600
+PARTS = ("check", "memory", "speed", "ladder", "stages")
+BUDGET_S = {"check": 90, "memory": 540, "speed": 540, "ladder": 540, "stages": 540}  # + wheel install and packing < 600
 
 
 @dataclass
 class PartArguments(Checked):
-    part: str = field(default="check", metadata={"help": "check, memory, speed or ladder."})
+    part: str = field(default="check", metadata={"help": "check, memory, speed, ladder or stages."})
     out: str = field(default="gpu-out", metadata={"help": "Folder the part writes into (then packed by run.sh)."})
     smoke: bool = field(default=False, metadata={"help": "Same code paths on the CPU with the tiny preset."})
     data: str = field(default=".data/hh-rlhf", metadata={"help": "hh-rlhf rows carried to the GPU machine."})
@@ -102,6 +104,21 @@ def stage_run(args: PartArguments, stage: str, out: Path, *extra: str) -> list[s
             *smoke, *extra]
 
 
+def stages_vs_trl(args: PartArguments, stage: str, out: Path) -> list[str]:
+    """`benchmarks.stages_vs_trl` at 7B NF4 under the cap: a few steps, speed and memory only (random weights)."""
+    if args.smoke:
+        work = ["--max_length", "96", "--min_prompt_tokens", "4", "--micro_batch_size", "2",
+                "--gradient_accumulation_steps", "1", "--max_steps", "2", "--optimizer", "adamw_8bit",
+                "--mixed_precision", "no", "--dtype", "float32"]
+    else:
+        work = ["--max_length", "512", "--micro_batch_size", "4", "--gradient_accumulation_steps", "2",
+                "--max_steps", "3", "--optimizer", "paged_adamw_8bit", "--gradient_checkpointing", "true",
+                "--attn_implementation", "sdpa", "--lora_r", "16", "--lora_alpha", "32"]
+    return [python(), "-m", "benchmarks.stages_vs_trl", "--stage", stage, *model_flags(args), *data_flags(args),
+            *cap_flags(args), *work, "--eval_size", "16", "--warmup_runs", "1", "--evaluate", "false",
+            "--out_dir", str(out / f"stages_vs_trl-{stage}")]
+
+
 def steps_for(args: PartArguments, out: Path) -> list[Step]:
     if args.part == "check":
         return [Step("nvidia-smi", ["nvidia-smi"]),
@@ -142,6 +159,8 @@ def steps_for(args: PartArguments, out: Path) -> list[Step]:
                                     *cap_flags(args), *work, "--out_dir", str(out / "ppo_vs_trl")]),
                 Step("decode", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), *decode,
                                 "--out_dir", str(out / "decode")])]
+    if args.part == "stages":
+        return [Step(f"stages_vs_trl-{stage}", stages_vs_trl(args, stage, out)) for stage in ("sft", "reward", "dpo")]
     # The ladder varies quantization, dtype, attention, checkpointing and optimizer itself.
     extra = {"dataset": data_path(args), "eval_size": 16, "sft_size": 64, "reward_size": 64, "ppo_size": 64}
     if args.smoke:

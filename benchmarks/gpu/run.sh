@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU kit, on the GPU machine: run one or more parts and pack each into ONE archive under $OUT.
 #
-#   benchmarks/gpu/run.sh [--smoke] PART [PART ...]     PART: check | memory | speed | ladder
+#   benchmarks/gpu/run.sh [--smoke] PART [PART ...]     PART: check | memory | speed | ladder | stages
 #
 # On the GPU machine (no index, no hub): installs the carried wheels (.whl/, from prepare.sh) into
 # /tmp/site first. --smoke runs the same code paths on the CPU with the tiny preset (what CI runs).
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 smoke=()
 if [[ ${1:-} == --smoke ]]; then smoke=(--smoke true); shift; fi
-[[ $# -ge 1 ]] || { echo "usage: benchmarks/gpu/run.sh [--smoke] check|memory|speed|ladder ..." >&2; exit 2; }
+[[ $# -ge 1 ]] || { echo "usage: benchmarks/gpu/run.sh [--smoke] check|memory|speed|ladder|stages ..." >&2; exit 2; }
 OUT=${OUT:-$PWD/.gpu-out}
 mkdir -p "$OUT"
 # The project's venv where there is one (development machines, CI); the GPU machine's own python3 there.

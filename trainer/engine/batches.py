@@ -1,9 +1,13 @@
 """Training batches in a resumable order: a fresh permutation per epoch from (seed, epoch) alone, and a
-stream that starts anywhere (epoch, batches done) and crosses epoch boundaries without ending."""
+stream that starts anywhere (epoch, batches done) and crosses epoch boundaries without ending.
+
+With a length window (the rows of one optimizer step: micro-batch x accumulation), each window of the
+permutation is ordered longest first, so the micro-batches of a step hold rows of like lengths and pad
+less; a step still trains on exactly the rows the plain shuffle gives it."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -12,27 +16,40 @@ from profiling.cli import InputError
 
 
 class EpochShuffleSampler(Sampler[int]):
-    """A fresh permutation each epoch from (seed, epoch) alone, so a resumed run sees the same order."""
+    """A fresh permutation each epoch from (seed, epoch) alone, so a resumed run sees the same order;
+    with `lengths` and `window` > 1, each window of `window` indices ordered longest first."""
 
-    def __init__(self, size: int, seed: int):
+    def __init__(self, size: int, seed: int, lengths: Optional[Sequence[int]] = None, window: int = 0):
+        if lengths is not None and len(lengths) != size:
+            raise ValueError(f"{len(lengths)} lengths for {size} rows")
         self.size, self.seed, self.epoch = size, seed, 0
+        self.lengths, self.window = lengths, window if lengths is not None else 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return iter(torch.randperm(self.size, generator=g).tolist())
+        order = torch.randperm(self.size, generator=g).tolist()
+        if self.window > 1:
+            lengths = self.lengths
+            order = [i for start in range(0, self.size, self.window)
+                     for i in sorted(order[start : start + self.window], key=lambda i: -lengths[i])]
+        return iter(order)
 
     def __len__(self) -> int:
         return self.size
 
 
-def make_loader(dataset: Dataset, collate_fn: Callable, batch_size: int, seed: int) -> tuple[DataLoader, EpochShuffleSampler]:
+def make_loader(dataset: Dataset, collate_fn: Callable, batch_size: int, seed: int,
+                length_window: int = 0) -> tuple[DataLoader, EpochShuffleSampler]:
+    """Shuffled, drop-last batches of `batch_size`; `length_window` > 1 groups like lengths within each window
+    of that many rows (its examples' `length`)."""
     if len(dataset) < batch_size:
         raise InputError(f"the training set has {len(dataset)} rows, fewer than one batch ({batch_size}); lower the "
                          "batch size or use more data")
-    sampler = EpochShuffleSampler(len(dataset), seed)
+    lengths = [example.length for example in dataset] if length_window > 1 else None
+    sampler = EpochShuffleSampler(len(dataset), seed, lengths, length_window)
     # Its own generator: creating a DataLoader iterator draws a seed, and drawing it from the global
     # RNG would shift every later dropout mask whenever a resumed run creates one more iterator.
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=True,

@@ -146,11 +146,13 @@ class Harness:
 
     def __init__(self, ctx, model, stage: str, adapters: list[str], dataset, collate: Callable, batch_size: int,
                  evaluate: Callable[[], dict[str, float]], log_keys: list[str], extra_state: Optional[Stateful] = None,
-                 accumulation_steps: Optional[int] = None):
+                 accumulation_steps: Optional[int] = None, length_window: int = 0):
         self.ctx, self.args, self.accelerator = ctx, ctx.train_args, ctx.accelerator
         self.stage, self.adapters, self.evaluate_fn, self.log_keys = stage, adapters, evaluate, log_keys
         self.extra_state = extra_state
-        loader, self.sampler = make_loader(dataset, collate, batch_size, self.args.seed)
+        # The window spans every rank's share of a step: N processes with accumulation A group as one with N x A.
+        loader, self.sampler = make_loader(dataset, collate, batch_size, self.args.seed,
+                                           length_window * self.accelerator.num_processes)
         self.engine = Engine(model, self.args, self.accelerator, stage, loader, accumulation_steps)
         self.output_dir = Path(self.args.output_dir)
         self.metrics_log = MetricsLog(self.accelerator, self.output_dir)
