@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from benchmarks.measure import MemoryProbe, release_memory
-from benchmarks.stages_vs_trl import StageWorkload, training_rows
+from benchmarks.stages_vs_trl import ABLATIONS, StageWorkload, training_rows
 
 logger = logging.getLogger("benchmarks.stage_side")
 
@@ -86,9 +86,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     started = time.perf_counter()
     try:
         if name.startswith("ours"):
-            if name == "ours_ungrouped":
-                w = replace(w, train=replace(w.train, group_by_length=False))
-            run_ours(w, side_dir, result)
+            run_ours(replace(w, train=replace(w.train, **ABLATIONS.get(name, {}))), side_dir, result)
         else:
             run_trl_side(w, side_dir, result, device)
     except torch.OutOfMemoryError as exc:

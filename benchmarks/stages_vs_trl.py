@@ -38,11 +38,15 @@ from trainer.config import DataArguments, ModelArguments, TrainArguments
 logger = logging.getLogger("benchmarks.stages_vs_trl")
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("sft", "reward", "dpo")
-SIDES = ("ours", "trl", "ours_ungrouped")  # the last: ours without length-grouped micro-batches (an ablation)
+# Ablations of ours: the TrainArguments each changes, so each gain is attributed.
+ABLATIONS = {"ours_ungrouped": {"group_by_length": False}, "ours_unshared": {"share_pair_prompts": False}}
+SIDES = ("ours", "trl", *ABLATIONS)
 SIDE_NAMES = {"sft": {"ours": "ours (trainer/sft.py)", "trl": "TRL 1.12 SFTTrainer"},
               "reward": {"ours": "ours (trainer/reward.py)", "trl": "TRL 1.12 RewardTrainer"},
               "dpo": {"ours": "ours (trainer/dpo.py)", "trl": "TRL 1.12 DPOTrainer"}}
-UNGROUPED = "ours, ablation: micro-batches in shuffle order (--group_by_length false)"
+ABLATION_NAMES = {"ours_ungrouped": "ours, ablation: micro-batches in shuffle order (--group_by_length false)",
+                  "ours_unshared": "ours, ablation: chosen and rejected as rows of their own (--share_pair_prompts "
+                                   "false)"}
 
 # Where the benchmark's settings differ from the trainer's defaults: 150 steps of 16 rows, no gradient
 # checkpointing (as the CPU configs; pass --gradient_checkpointing true on a GPU: both sides get it), a fresh LoRA
@@ -65,7 +69,8 @@ class StagesBenchArguments(Checked):
     stage: str = field(default="reward", metadata={"help": "sft, reward or dpo."})
     beta: float = field(default=0.1, metadata={"help": "dpo: the temperature of sigmoid DPO, on both sides."})
     sides: str = field(default="ours,trl", metadata={
-        "help": "Which sides to run, in this order: ours, trl, and the ablation ours_ungrouped (--group_by_length false)."})
+        "help": "Which sides to run, in this order: ours, trl, and the ablations of ours: ours_ungrouped "
+                "(--group_by_length false), ours_unshared (--share_pair_prompts false)."})
     warmup_runs: int = field(default=1, metadata={"help": "First optimizer steps left out of the timings."})
     evaluate: bool = field(default=True, metadata={
         "help": "Score both adapters on the held-out split (false: speed and memory only, e.g. random-weight presets)."})
@@ -184,15 +189,18 @@ def step_rows(w: StageWorkload, trace: Sequence[Sequence[str]]) -> list[list[str
     return [sorted(h for batch in trace[i : i + accum] for h in batch) for i in range(0, len(trace), accum)]
 
 
-def expected_trace(w: StageWorkload, rows: Sequence) -> list[list[str]]:
-    """Row hashes per micro-batch as our collators lay a batch out (chosen rows over rejected rows), in the
-    plain shuffle's micro-batches (our length grouping reorders rows inside a step, never across steps)."""
+def expected_trace(w: StageWorkload, rows: Sequence, shared_prompt: bool = False) -> list[list[str]]:
+    """Row hashes per micro-batch of the plain shuffle (our length grouping reorders rows inside a step, never
+    across steps), as a batch lays them out: prompt + completion rows, or for pairs with `shared_prompt`
+    one row of prompt + chosen + rejected (SharedPromptPairCollator)."""
     micro = w.train.micro_batch_size
     out = []
     for start in range(0, len(rows), micro):
         batch = rows[start : start + micro]
-        texts = [row_texts(e) for e in batch]
-        out.append([row_hash(t[0]) for t in texts] + [row_hash(t[1]) for t in texts if len(t) > 1])
+        if shared_prompt and w.stage != "sft":
+            out.append([row_hash(e.prompt_ids + e.chosen_ids + e.rejected_ids) for e in batch])
+        else:
+            out.append([row_hash(t) for e in batch for t in row_texts(e)])
     return out
 
 
@@ -299,12 +307,12 @@ def run_benchmark(w: StageWorkload, argv: list[str]) -> dict:
               "rows": {"train_rows": len(rows), "rows_per_step": w.rows_per_step,
                        "tokens_per_step_mean": statistics.fmean(tokens), "tokens_per_step": tokens},
               "sides": {}}
-    expected = step_rows(w, expected_trace(w, rows))
+    layouts = [step_rows(w, expected_trace(w, rows, shared)) for shared in (False, True)]
     for name in w.side_list:
         side = run_side(name, w, out_dir)
-        side["label"] = SIDE_NAMES[w.stage].get(name, UNGROUPED)
-        # every optimizer step trained on exactly the planned rows (micro-batch grouping aside)
-        side["rows_as_planned"] = step_rows(w, side["trace"]) == expected if side.get("trace") is not None else None
+        side["label"] = SIDE_NAMES[w.stage].get(name) or ABLATION_NAMES[name]
+        # every optimizer step trained on exactly the planned rows (micro-batch grouping and pair layout aside)
+        side["rows_as_planned"] = step_rows(w, side["trace"]) in layouts if side.get("trace") is not None else None
         side.pop("trace", None)
         if side.get("status") == "ok" and w.bench.evaluate:
             side["evaluation"] = evaluate_side(w, side)

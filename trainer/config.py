@@ -153,6 +153,9 @@ class TrainArguments(Checked):
     group_by_length: bool = field(default=True, metadata={
         "help": "SFT, reward, DPO: within each optimizer step's rows, micro-batches of like lengths (longest first): "
                 "less padding, the same rows per step."})
+    share_pair_prompts: bool = field(default=True, metadata={
+        "help": "Reward, DPO: chosen and rejected in ONE row after one copy of the prompt (a pair mask keeps them "
+                "apart; SDPA or eager attention), so the prompt runs once per pair instead of twice."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (0 disables)."})
     optimizer: str = field(
         default="auto",

@@ -16,7 +16,7 @@ from accelerate.utils import gather_object
 
 from profiling.cli import Checked, UsageError, above, between, one_of, run
 from profiling.stages import POLICY, REFERENCE
-from trainer.data.collators import PairCollator
+from trainer.data.collators import PairCollator, pair_collator
 from trainer.data.tokenization import PairExample, tokenize_pairs
 from trainer.engine.batches import eval_batches
 from trainer.engine.harness import Harness, StepOutput, supervised_step
@@ -39,18 +39,22 @@ class DPOArguments(Checked):
             raise UsageError(f"--label_smoothing applies to --loss_type sigmoid only, not {self.loss_type}")
 
 
-def sequence_logprobs(model, batch: dict[str, torch.Tensor], adapter: str) -> torch.Tensor:
-    """(2B,) summed log-probs of each row's completion tokens under `adapter`."""
+def sequence_logprobs(model, batch: dict[str, torch.Tensor], adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected): the summed log-probs of each pair's completion tokens under `adapter`, from one row
+    per pair (SharedPromptPairCollator: the prompt once) or from chosen rows over rejected rows (PairCollator)."""
+    if "segments" in batch:
+        return model(batch["input_ids"], batch["attention_mask"], adapter=adapter, output="pair_logprobs",
+                     labels=batch["labels"], segments=batch["segments"])
     logp = model(batch["input_ids"], batch["attention_mask"], adapter=adapter, output="logprobs",
                  labels=batch["labels"])
-    return logp.sum(dim=1)
+    return logp.sum(dim=1).chunk(2)
 
 
 def dpo_terms(model, batch: dict[str, torch.Tensor], args: DPOArguments):
     """Per-pair DPO losses and implicit rewards from one policy and one reference pass."""
-    policy_c, policy_r = sequence_logprobs(model, batch, POLICY).chunk(2)
+    policy_c, policy_r = sequence_logprobs(model, batch, POLICY)
     with torch.no_grad():
-        ref_c, ref_r = sequence_logprobs(model, batch, REFERENCE).chunk(2)
+        ref_c, ref_r = sequence_logprobs(model, batch, REFERENCE)
     losses, reward_c, reward_r = dpo_loss(policy_c, policy_r, ref_c, ref_r, args.beta, args.loss_type,
                                           args.label_smoothing)
     return losses, reward_c, reward_r, policy_c.detach(), policy_r.detach()
@@ -84,7 +88,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     require_rows(train, "DPO training pairs", targs.micro_batch_size, data_args)
     specs = stage_specs("dpo", {POLICY: args.sft_adapter, REFERENCE: args.sft_adapter})
     model = build_shared_model(ctx.model_args, specs, vocab_size=len(tok), device=ctx.accelerator.device)
-    collate = PairCollator(tok.pad_token_id)
+    collate = pair_collator(tok.pad_token_id, targs.share_pair_prompts, model)
 
     def compute_loss(batch: dict[str, torch.Tensor]) -> StepOutput:
         losses, rc, rr, pc, pr = dpo_terms(harness.engine.model, batch, args)

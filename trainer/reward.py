@@ -16,7 +16,7 @@ from accelerate.utils import gather_object
 
 from profiling.cli import Checked, run
 from profiling.stages import REWARD
-from trainer.data.collators import PairCollator
+from trainer.data.collators import PairCollator, pair_collator
 from trainer.data.tokenization import PairExample, tokenize_pairs
 from trainer.engine.batches import eval_batches
 from trainer.engine.harness import Harness, StepOutput, supervised_step
@@ -32,7 +32,11 @@ class RewardArguments(Checked):
 
 
 def pair_rewards(model, batch: dict[str, torch.Tensor], adapter: str = REWARD) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of the chosen and rejected rows of a pair batch, from one forward pass over all 2B rows."""
+    """Scores of the chosen and rejected completions of a pair batch, from one forward pass: over B rows of
+    prompt + chosen + rejected (SharedPromptPairCollator), or over 2B rows, chosen over rejected (PairCollator)."""
+    if "segments" in batch:
+        return model(batch["input_ids"], batch["attention_mask"], adapter=adapter, output="pair_scores",
+                     segments=batch["segments"])
     scores = model(batch["input_ids"], batch["attention_mask"], adapter=adapter, output="scores")
     rewards = last_token_values(scores, batch["attention_mask"])
     return rewards.chunk(2)
@@ -67,7 +71,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     require_rows(train, "reward training pairs", targs.micro_batch_size, data_args)
     model = build_shared_model(ctx.model_args, stage_specs("reward", {REWARD: ctx.stage_args.sft_adapter}),
                                vocab_size=len(tok), device=ctx.accelerator.device)
-    collate = PairCollator(tok.pad_token_id)
+    collate = pair_collator(tok.pad_token_id, targs.share_pair_prompts, model)
 
     def compute_loss(batch: dict[str, torch.Tensor]) -> StepOutput:
         rc, rr = pair_rewards(harness.engine.model, batch)

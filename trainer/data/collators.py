@@ -8,12 +8,15 @@ pickle them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from trainer.data.tokenization import IGNORE_INDEX, PairExample, PromptExample, SFTExample
+
+logger = logging.getLogger(__name__)
 
 
 def pad(rows: Sequence[Sequence[int]], value: int, left: bool = False) -> torch.Tensor:
@@ -63,6 +66,38 @@ class PairCollator:
         inputs = [p + c for p, c in zip(prompts, completions)]
         labels = [[IGNORE_INDEX] * len(p) + c for p, c in zip(prompts, completions)]
         return lm_batch(inputs, labels, self.pad_token_id)
+
+
+@dataclass
+class SharedPromptPairCollator:
+    """Reward / DPO batch of B rows, ONE per pair: prompt, chosen, rejected, the prompt's tokens computed once.
+
+    `segments` marks each token: 0 prompt, 1 chosen, 2 rejected, -1 padding. The model's pair mask lets a
+    completion token see the prompt and its own completion's earlier tokens only, and both completions'
+    positions continue the prompt's, so each is scored exactly as in a row of its own (`PairCollator`)
+    while the prompt, usually most of an hh-rlhf row, runs once instead of twice. Labels are the
+    completion tokens (-100 on prompt and padding)."""
+
+    pad_token_id: int
+
+    def __call__(self, examples: Sequence[PairExample]) -> dict[str, torch.Tensor]:
+        inputs = [e.prompt_ids + e.chosen_ids + e.rejected_ids for e in examples]
+        labels = [[IGNORE_INDEX] * len(e.prompt_ids) + e.chosen_ids + e.rejected_ids for e in examples]
+        segments = [[0] * len(e.prompt_ids) + [1] * len(e.chosen_ids) + [2] * len(e.rejected_ids) for e in examples]
+        batch = lm_batch(inputs, labels, self.pad_token_id)
+        batch["segments"] = pad(segments, -1)
+        return batch
+
+
+def pair_collator(pad_token_id: int, share_prompt: bool, model) -> "PairCollator | SharedPromptPairCollator":
+    """The reward / DPO batch layout: one row per pair (`share_prompt`, where `model` takes the pair mask), else
+    chosen rows over rejected rows, with one line saying why."""
+    if share_prompt and not model.shares_pair_prompts:
+        logger.info("share_pair_prompts: this attention implementation takes no custom mask (use sdpa or eager); "
+                    "chosen and rejected run as rows of their own")
+    if share_prompt and model.shares_pair_prompts:
+        return SharedPromptPairCollator(pad_token_id)
+    return PairCollator(pad_token_id)
 
 
 @dataclass

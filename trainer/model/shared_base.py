@@ -290,7 +290,8 @@ class SharedBaseModel(nn.Module):
         return self.peft.get_base_model()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str | Sequence[str],
-                output: str | Sequence[str] = "logits", keep_last: int = 0, labels: Optional[torch.Tensor] = None):
+                output: str | Sequence[str] = "logits", keep_last: int = 0, labels: Optional[torch.Tensor] = None,
+                segments: Optional[torch.Tensor] = None):
         """One entry point for wrappers (DDP, DeepSpeed) that must see `forward`.
 
         Several adapters (and one output per adapter) score the same rows in one routed pass of the
@@ -301,7 +302,14 @@ class SharedBaseModel(nn.Module):
         a label is set (SFT and DPO score completions; the prompt's logits are never built).
         `keep_last=k` computes only the last k positions' outputs (PPO needs the response part only,
         and the vocab-sized logits of the prompt are the largest tensor of a scoring pass).
+        "pair_scores" / "pair_logprobs" read a batch of one row per pair (`segments`, from
+        `SharedPromptPairCollator`) and return (chosen, rejected) per pair: the head's score at each
+        completion's last token, or each completion's summed label log-probs (`pair_outputs`).
         """
+        if output in ("pair_scores", "pair_logprobs"):
+            if segments is None:
+                raise ValueError(f"output='{output}' needs segments (SharedPromptPairCollator)")
+            return self.pair_outputs(input_ids, segments, adapter, output, labels)
         if not isinstance(adapter, str):
             return self.fused(input_ids, attention_mask, adapter, output, keep_last)
         if output == "logprobs":
@@ -334,6 +342,51 @@ class SharedBaseModel(nn.Module):
                                             position_ids=position_ids_from_mask(attention_mask), use_cache=False)
             hidden = out.last_hidden_state
             return hidden[:, -keep_last:] if keep_last else hidden
+
+    @property
+    def shares_pair_prompts(self) -> bool:
+        """Whether the attention implementation takes the custom mask of one-row pairs (SDPA, eager)."""
+        from trainer.model.pairs import MASK_IMPLEMENTATIONS
+
+        return (getattr(self.causal_lm.config, "_attn_implementation", None) in MASK_IMPLEMENTATIONS
+                and self._plain_lm_head)
+
+    def pair_outputs(self, input_ids: torch.Tensor, segments: torch.Tensor, adapter: str, output: str,
+                     labels: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) per pair from ONE row per pair (see trainer.model.pairs): the prompt runs once.
+
+        "pair_scores": the head's score at each completion's last token (EOS). "pair_logprobs": the summed
+        log-probs of each completion's `labels`, the LM head run only at completion positions."""
+        from trainer.losses import IGNORE_INDEX, token_logprobs
+        from trainer.model.pairs import (
+            CHOSEN, REJECTED, last_of, pair_attention_mask, pair_positions, predicting_positions,
+        )
+
+        if not self.shares_pair_prompts:
+            raise ValueError("one-row pairs need SDPA or eager attention (a custom attention mask); "
+                             f"this model uses {self.causal_lm.config._attn_implementation}")
+        dtype = self.causal_lm.get_input_embeddings().weight.dtype
+        if torch.is_autocast_enabled(input_ids.device.type):
+            dtype = torch.get_autocast_dtype(input_ids.device.type)
+        mask = pair_attention_mask(segments, dtype, additive=self.causal_lm.config._attn_implementation == "eager")
+        with self.use_adapter(adapter):
+            hidden = self.causal_lm.base_model(input_ids=input_ids, attention_mask=mask,
+                                               position_ids=pair_positions(segments), use_cache=False).last_hidden_state
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        if output == "pair_scores":
+            if adapter not in self.heads:
+                raise KeyError(f"adapter '{adapter}' has no scalar head")
+            head = self.heads[adapter]
+            return (head(hidden[rows, last_of(segments, CHOSEN)]), head(hidden[rows, last_of(segments, REJECTED)]))
+        if labels is None:
+            raise ValueError("output='pair_logprobs' needs labels")
+        keep = labels != IGNORE_INDEX
+        source = predicting_positions(segments)
+        picked_hidden = hidden[rows[:, None].expand_as(source)[keep], source[keep]]  # (N, H) at N completion tokens
+        logits = self.causal_lm.get_output_embeddings()(picked_hidden)
+        picked = token_logprobs(logits.unsqueeze(0), labels[keep].unsqueeze(0)).squeeze(0)
+        per_token = torch.zeros(labels.shape, dtype=picked.dtype, device=picked.device).masked_scatter(keep, picked)
+        return (per_token * (segments == CHOSEN)).sum(dim=1), (per_token * (segments == REJECTED)).sum(dim=1)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., V) logits of (..., H) hidden states as ONE matrix product.
