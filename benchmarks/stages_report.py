@@ -28,6 +28,7 @@ def quality(report: dict, side: dict) -> str:
 
 def render_markdown(report: dict) -> str:
     stage, s = report["stage"], report["settings"]
+    unit = "rows" if stage == "sft" else "pairs"
     train, data, model = s["train"], s["data"], s["model"]
     lines = [f"# {stage}: ours vs TRL {report.get('trl_version')} on the same work", "",
              f"- device: {report['device']} ({report.get('device_name')}); {report['date']}; revision "
@@ -36,8 +37,8 @@ def render_markdown(report: dict) -> str:
              f"- model {model['model_name_or_path']} (quantization {model['quantization']}), LoRA r={model['lora_r']} "
              f"alpha={model['lora_alpha']} dropout={model['lora_dropout']} {model['lora_target_modules']}",
              f"- {train['max_steps']} optimizer steps of {train['micro_batch_size']} x "
-             f"{train['gradient_accumulation_steps']} rows ({report['rows']['train_rows']} rows, the same rows in the "
-             f"same order on both sides), max_length {data['max_length']}, lr {train['learning_rate']} (warmup "
+             f"{train['gradient_accumulation_steps']} {unit} ({report['rows']['train_rows']} {unit}, the same ones in "
+             f"the same order on both sides), max_length {data['max_length']}, lr {train['learning_rate']} (warmup "
              f"{train['warmup_steps']}, cosine to {train['min_lr_ratio']}x), AdamW, max_grad_norm {train['max_grad_norm']}"
              + (f", beta {s['bench']['beta']}" if stage == "dpo" else ""),
              f"- real tokens per step: {report['rows']['tokens_per_step_mean']:.0f} on average (the same rows on both "
@@ -68,20 +69,53 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_table(reports: list[dict]) -> str:
-    """One row per (stage, device) run: quality of both sides, speed and memory ratios."""
-    lines = ["| stage | device | steps x rows | held-out: ours | held-out: TRL | step s ours / TRL | tokens/s ratio "
-             "| peak RSS ours / TRL GB | source |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for rep in sorted(reports, key=lambda r: ("sft", "reward", "dpo").index(r["stage"])):
+def not_worse(report: dict) -> str:
+    """Whether ours learned as well: its held-out accuracy at or above the low end of TRL's 95% interval
+    (perplexity: at or below TRL's; no interval is computed for it)."""
+    ours = (report["sides"].get("ours") or {}).get("evaluation") or {}
+    trl = (report["sides"].get("trl") or {}).get("evaluation") or {}
+    key = METRIC[report["stage"]][0]
+    if key not in ours or key not in trl:
+        return "-"
+    if "accuracy_ci95" in trl:
+        return "yes" if ours[key] >= trl["accuracy_ci95"][0] else "no"
+    return "yes" if ours[key] <= trl[key] else "no (higher perplexity)"
+
+
+def render_table(reports: list[dict], links: Optional[list[str]] = None) -> str:
+    """One row per (stage, device) run: quality of both sides, speed and memory ratios; `links[i]`, the
+    path of report i's Markdown relative to the README the table goes into."""
+    lines = ["| stage | device | steps x rows | held-out: ours | held-out: TRL | ours not worse | step s ours / TRL "
+             "| tokens/s ratio | peak RSS ours / TRL GB | source |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    links = links or [""] * len(reports)
+    for rep, link in sorted(zip(reports, links), key=lambda r: ("sft", "reward", "dpo").index(r[0]["stage"])):
         ours, trl = rep["sides"].get("ours", {}), rep["sides"].get("trl", {})
         mo, mt = ours.get("summary") or {}, trl.get("summary") or {}
         train = rep["settings"]["train"]
         lines.append(
             f"| {rep['stage']} | {rep['device_name']} | {train['max_steps']} x "
             f"{train['micro_batch_size'] * train['gradient_accumulation_steps']} | {quality(rep, ours)} | "
-            f"{quality(rep, trl)} | {_f(mo.get('step_s'), '.2f')} / {_f(mt.get('step_s'), '.2f')} | "
+            f"{quality(rep, trl)} | {not_worse(rep)} | {_f(mo.get('step_s'), '.2f')} / {_f(mt.get('step_s'), '.2f')} | "
             f"{_f((rep.get('ratios') or {}).get('tokens_per_s_ratio'), '.2f')}x | "
             f"{_f(mo.get('peak_rss_bytes'), '.2f', GB)} / {_f(mt.get('peak_rss_bytes'), '.2f', GB)} | "
-            f"`{rep['command']}` ({rep['date'][:10]}, {rep.get('git_revision')}) |")
+            f"{f'[{link}]({link}): ' if link else ''}`{rep['command']}` ({rep['date'][:10]}, "
+            f"{(rep.get('git_revision') or '')[:10]}) |")
     return "\n".join(lines) + "\n"
+
+
+START, END = "<!-- stages-results -->", "<!-- /stages-results -->"
+
+
+def update_readme(readme, table: str, command: str) -> None:
+    """Put `table` between the stages-results markers of `readme` (the end marker is added after the start one
+    the first time)."""
+    from profiling.files import write_atomic
+
+    text = readme.read_text()
+    if START not in text:
+        raise ValueError(f"{readme}: no {START} marker to write the table under")
+    head, rest = text.split(START, 1)
+    tail = rest.split(END, 1)[1] if END in rest else rest
+    body = f"\n\n_Generated by `{command}`; do not edit by hand._\n\n{table}\n"
+    write_atomic(readme, head + START + body + END + tail)

@@ -280,11 +280,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stdout, force=True)
-    if "--table" in argv:
-        from benchmarks.stages_report import render_table
+    if "--table" in argv:  # --table FILE... [--readme README]: the summary table, printed or put into README
+        from benchmarks.stages_report import render_table, update_readme
 
-        files = [a for a in argv if not a.startswith("--")]
-        print(render_table([json.loads(Path(f).read_text()) for f in files]))
+        readme = _flag(argv, "readme", "")
+        files = [a for a in argv if not a.startswith("--") and a != readme]
+        base = Path(readme).resolve().parent if readme else Path.cwd()
+        links = [os.path.relpath(Path(f).resolve().with_suffix(".md"), base) for f in files]
+        table = render_table([json.loads(Path(f).read_text()) for f in files], links)
+        if readme:
+            update_readme(Path(readme), table, "python -m benchmarks.stages_vs_trl " + " ".join(
+                os.path.relpath(a, ROOT) if Path(a).exists() else a for a in argv))
+        print(table)
         return {}
     w = StageWorkload.parse(argv)
     w.check()

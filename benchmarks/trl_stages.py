@@ -93,8 +93,7 @@ def load_model(w, vocab_size: int, device: torch.device):
     model, _ = load_score_model(SimpleNamespace(model=w.model), vocab_size, device, head=torch.zeros(1))
     with torch.no_grad():
         model.score.weight.copy_(head_weights(model.config.hidden_size, w.train.seed)["reward"])
-    model.requires_grad_(True)  # load_score_model freezes it; PEFT decides what trains
-    return model
+    return model  # frozen: PEFT trains the LoRA weights and a copy of `score` (modules_to_save)
 
 
 def run_trl(w, rows: Sequence, tokenizer, device: torch.device, out_dir: Path, result: dict) -> None:
@@ -143,6 +142,8 @@ def run_trl(w, rows: Sequence, tokenizer, device: torch.device, out_dir: Path, r
             now, cpu_now = time.perf_counter(), time.process_time()
             steps.append({"step": len(steps) + 1, "wall_s": now - marks["wall"], "cpu_s": cpu_now - marks["cpu"]})
             marks.update(wall=now, cpu=cpu_now)
+            if len(steps) % 10 == 0 or len(steps) == train.max_steps:
+                logger.info("trl step %d/%d: %.2f s", len(steps), train.max_steps, steps[-1]["wall_s"])
 
     trainer = trainer_cls(model=model, args=config, train_dataset=data, processing_class=tokenizer,
                           peft_config=peft_config, callbacks=[StepTimes()])

@@ -188,7 +188,7 @@ def test_two_gloo_processes_train_the_reward_model_like_one_process_with_twice_t
     launch(script, one, *CURVE, "--gradient_accumulation_steps", "4", trace=one / "rows")
     launch(script, two, *CURVE, "--gradient_accumulation_steps", "2", config="cpu_2proc.yaml", processes=2,
            trace=two / "rows")
-    assert_two_processes_match_one(one, two, rows_per_step=4 * 4 * 2)  # pair batches: chosen rows over rejected
+    assert_two_processes_match_one(one, two, rows_per_step=4 * 4)  # one row per pair (the prompt once)
 
 
 @pytest.mark.slow

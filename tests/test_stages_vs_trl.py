@@ -93,12 +93,28 @@ def test_both_sides_train_on_the_planned_rows_and_are_scored_by_the_same_evaluat
         summary = side["summary"]
         assert summary["measured_steps"] == 2 and summary["step_s"] > 0 and summary["tokens_per_s"] > 0
         assert summary["peak_rss_bytes"] > 0
+    if stage == "reward":  # TRL trained its score head (a PEFT modules_to_save copy), converted into ours
+        from safetensors.torch import load_file
+
+        from benchmarks.workload import head_weights
+
+        head = load_file(str(out / "trl" / "adapter" / "head.safetensors"))["linear.weight"]
+        assert not torch.allclose(head, head_weights(64, 0)["reward"])
     key = {"sft": "rows", "reward": "pairs", "dpo": "pairs"}[stage]
     assert ours["evaluation"][key] == trl["evaluation"][key] > 0  # the same held-out rows for both
     assert report["rows"]["train_rows"] == 3 * 4 and len(report["rows"]["tokens_per_step"]) == 3
     assert report["ratios"]["step_time_speedup"] > 0
     assert "`python -m benchmarks.stages_vs_trl " in (out / "stages_vs_trl.md").read_text()
     assert json.loads((out / "stages_vs_trl.json").read_text())["stage"] == stage
+    from benchmarks.stages_report import render_table, update_readme
+
+    table = render_table([report])
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- stages-results -->\n## next section\n")
+    for _ in range(2):  # the second write replaces the first table
+        update_readme(readme, table, "python -m benchmarks.stages_vs_trl --table ...")
+    text = readme.read_text()
+    assert text.count(f"| {stage} | ") == 1 and text.index("<!-- /stages-results -->") < text.index("## next")
 
 
 def test_the_rows_are_our_harness_order_and_too_few_rows_fail_before_any_side_runs(tmp_path):

@@ -28,7 +28,7 @@ from profiling.cli import Checked, InputError, UsageError, above, at_least, one_
 from profiling.files import write_atomic
 from profiling.stages import POLICY, REFERENCE, REWARD
 from trainer.config import BAD_ROW_POLICIES, DataArguments
-from trainer.data.collators import PairCollator, SFTCollator
+from trainer.data.collators import SFTCollator, pair_collator
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import load_pairs, load_splits
 from trainer.data.tokenization import tokenize_pairs, tokenize_sft
@@ -139,11 +139,12 @@ def evaluate(task: str, args: EvalArguments) -> dict:
                                            accelerator, progress=args.progress_bar)
             result["rows"] = len(examples)
         elif task == "reward":
-            result = reward_accuracy(model, examples, PairCollator(tokenizer.pad_token_id), args.batch_size,
-                                     accelerator, progress=args.progress_bar)
+            pairs_collate = pair_collator(tokenizer.pad_token_id, True, model)  # the stages' layout
+            result = reward_accuracy(model, examples, pairs_collate, args.batch_size, accelerator,
+                                     progress=args.progress_bar)
         else:
             beta = args.beta if args.beta is not None else run.get("stage", {}).get("beta", 0.1)
-            result = implicit_reward_accuracy(model, examples, PairCollator(tokenizer.pad_token_id),
+            result = implicit_reward_accuracy(model, examples, pair_collator(tokenizer.pad_token_id, True, model),
                                               DPOArguments(beta=beta), args.batch_size, accelerator,
                                               progress=args.progress_bar)
             result["reference"] = specs[1].init_from
