@@ -12,13 +12,13 @@ sides) and everything goes into SIDE_DIR/side.json.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import replace
 import importlib
 import json
 import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 

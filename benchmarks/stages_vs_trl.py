@@ -34,6 +34,7 @@ import torch
 
 from profiling.cli import Checked, UsageError, at_least, one_of, parse, run
 from trainer.config import DataArguments, ModelArguments, TrainArguments
+from trainer.engine.launch import row_hash  # what our harness's row trace writes
 
 logger = logging.getLogger("benchmarks.stages_vs_trl")
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,15 +175,6 @@ def row_texts(example) -> list[list[int]]:
     return [example.prompt_ids + example.chosen_ids, example.prompt_ids + example.rejected_ids]
 
 
-def row_hash(ids: Sequence[int]) -> str:
-    """The short hash `trainer.engine.launch.RowTrace` writes for a row (its unpadded token ids)."""
-    import hashlib
-
-    import numpy as np
-
-    return hashlib.sha1(np.asarray(list(ids), dtype=np.int64).tobytes()).hexdigest()[:16]
-
-
 def step_rows(w: StageWorkload, trace: Sequence[Sequence[str]]) -> list[list[str]]:
     """Row hashes per optimizer step, sorted: what a step trains on, whatever micro-batches it forms."""
     accum = w.train.gradient_accumulation_steps
@@ -213,13 +205,14 @@ def step_tokens(w: StageWorkload, rows: Sequence) -> list[int]:
 # ---- one side, in a process of its own -------------------------------------------------------------------
 def run_side(name: str, w: StageWorkload, out_dir: Path) -> dict:
     """`python -m benchmarks.stage_side NAME` in a fresh process; its side.json (or the error it died with)."""
-    side_dir = out_dir / name
+    side_dir = (out_dir / name).resolve()
     shutil.rmtree(side_dir, ignore_errors=True)
     side_dir.mkdir(parents=True)
-    settings = side_dir / "settings.json"
-    settings.write_text(json.dumps(w.to_dict(), indent=2))
+    (side_dir / "settings.json").write_text(json.dumps(w.to_dict(), indent=2))
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
-    command = [sys.executable, "-m", "benchmarks.stage_side", name, str(settings), str(side_dir)]
+    # Inside the project the side is named relative to its root (its cwd), so the paths it records are too.
+    where = side_dir.relative_to(ROOT) if side_dir.is_relative_to(ROOT) else side_dir
+    command = [sys.executable, "-m", "benchmarks.stage_side", name, str(where / "settings.json"), str(where)]
     logger.info("%s side: %s", name, " ".join(shlex.quote(c) for c in command))
     proc = subprocess.run(command, cwd=ROOT, env=env)
     path = side_dir / "side.json"
@@ -233,7 +226,7 @@ def evaluate_side(w: StageWorkload, side: dict) -> dict:
     """The side's saved adapter scored by trainer.evaluate on the held-out split: the same code for both."""
     from trainer.evaluate import EvalArguments, evaluate
 
-    args = EvalArguments(adapter=side["adapter"], split="eval", batch_size=w.train.eval_batch_size,
+    args = EvalArguments(adapter=str(ROOT / side["adapter"]), split="eval", batch_size=w.train.eval_batch_size,
                          progress_bar=sys.stderr.isatty())
     result = evaluate(w.stage, args)
     return {k: v for k, v in result.items() if k not in ("adapter", "data")}

@@ -24,18 +24,18 @@ import torch
 
 from benchmarks.measure import Lap, MemoryProbe, PhaseClock, StepCounter, step_record
 from benchmarks.workload import Workload, trl_batch_settings
+from trainer.config import ModelArguments
 
 logger = logging.getLogger(__name__)
 
 
-def load_score_model(args: Workload, vocab_size: int, device: torch.device, head: torch.Tensor):
+def load_score_model(model_args: ModelArguments, vocab_size: int, device: torch.device, head: torch.Tensor):
     """A frozen AutoModelForSequenceClassification(num_labels=1) of the same base, `score` = `head`."""
     from transformers import AutoModelForSequenceClassification
 
     from profiling.shapes import PRESETS, preset_config
     from trainer.model.loading import bnb_config, pick_attention, quantize_linears_, resolve_model_path, resolve_precision
 
-    model_args = args.model
     four_bit, dtype = resolve_precision(model_args, device)  # the rule trainer.model.loading.load_base_model uses
     attn = pick_attention(model_args.attn_implementation, device)
     name = model_args.model_name_or_path
@@ -141,9 +141,9 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     clock = PhaseClock(probe)
     clock.start()
     policy = load_base_model(args.model, vocab_size=vocab, device=device, checkpointing=False)
-    value, four_bit = load_score_model(args, vocab, device, heads["value"])
+    value, four_bit = load_score_model(args.model, vocab, device, heads["value"])
     add_value_lora(value, args)
-    reward, _ = load_score_model(args, vocab, device, heads["reward"])
+    reward, _ = load_score_model(args.model, vocab, device, heads["reward"])
     if args.gradient_checkpointing:
         enable_checkpointing(policy)
         enable_checkpointing(value)

@@ -31,6 +31,8 @@ from typing import Sequence
 
 import torch
 
+from benchmarks.workload import lora_targets
+
 logger = logging.getLogger(__name__)
 REWARD_PAD = "<|endoftext|>"  # a token hh-rlhf text does not contain; SmolLM2's pad is its EOS
 
@@ -55,7 +57,7 @@ def feature_rows(stage: str, features: Sequence[dict]) -> list[list[int]]:
 
 
 def describe(w) -> dict:
-    targets = ",".join(lora_targets(w))
+    targets = ",".join(lora_targets(w.model.lora_target_modules))
     common = {"optimizer": "our AdamW object (betas 0.9/0.999, eps 1e-8) and warmup-cosine schedule, set on the "
                            f"Trainer; max_grad_norm {w.train.max_grad_norm}",
               "lora": f"PEFT LoRA via peft_config: r={w.model.lora_r}, alpha={w.model.lora_alpha}, "
@@ -71,26 +73,16 @@ def describe(w) -> dict:
                     "loss": f"sigmoid, beta {w.bench.beta}; chosen and rejected in one concatenated forward"}}[w.stage]
 
 
-def lora_targets(w) -> list[str]:
-    from benchmarks.workload import LLAMA_LINEARS
-
-    if w.model.lora_target_modules == "all-linear":
-        return list(LLAMA_LINEARS)
-    return [t.strip() for t in w.model.lora_target_modules.split(",") if t.strip()]
-
-
 def load_model(w, vocab_size: int, device: torch.device):
     """The base as TRL wants it: a causal LM (SFT, DPO) or a sequence classifier with one label (reward),
     whose `score` starts as our scalar head does (normal, std 1/sqrt(hidden + 1))."""
-    from types import SimpleNamespace
-
     from benchmarks.trl_ppo import load_score_model
     from benchmarks.workload import head_weights
     from trainer.model.loading import load_base_model
 
     if w.stage != "reward":
         return load_base_model(w.model, vocab_size=vocab_size, device=device, checkpointing=False)
-    model, _ = load_score_model(SimpleNamespace(model=w.model), vocab_size, device, head=torch.zeros(1))
+    model, _ = load_score_model(w.model, vocab_size, device, head=torch.zeros(1))
     with torch.no_grad():
         model.score.weight.copy_(head_weights(model.config.hidden_size, w.train.seed)["reward"])
     return model  # frozen: PEFT trains the LoRA weights and a copy of `score` (modules_to_save)
@@ -111,7 +103,7 @@ def run_trl(w, rows: Sequence, tokenizer, device: torch.device, out_dir: Path, r
     if w.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     peft_config = LoraConfig(r=w.model.lora_r, lora_alpha=w.model.lora_alpha, lora_dropout=w.model.lora_dropout,
-                             target_modules=lora_targets(w), bias="none",
+                             target_modules=lora_targets(w.model.lora_target_modules), bias="none",
                              task_type="SEQ_CLS" if w.stage == "reward" else "CAUSAL_LM")
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     common = dict(output_dir=str(out_dir / "trl-run"), report_to="none", save_strategy="no", eval_strategy="no",
@@ -157,7 +149,7 @@ def run_trl(w, rows: Sequence, tokenizer, device: torch.device, out_dir: Path, r
     collate = trainer.data_collator
 
     def traced(features):
-        from benchmarks.stages_vs_trl import row_hash
+        from trainer.engine.launch import row_hash
 
         trace.append([row_hash(r) for r in feature_rows(w.stage, features)])
         return collate(features)

@@ -27,6 +27,13 @@ logger = logging.getLogger(__name__)
 # classification model would also put LoRA on the `score` head.
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+def lora_targets(spec: str) -> list[str]:
+    """`lora_target_modules` as TRL's LoraConfig gets it: all-linear spelled out, or the listed modules."""
+    if spec == "all-linear":
+        return list(LLAMA_LINEARS)
+    return [t.strip() for t in spec.split(",") if t.strip()]
+
+
 # Where a benchmark's defaults differ from training's: a short fixed-length workload, a constant
 # learning rate (TRL's PPO loop has no warmup or decay), no LoRA dropout (TRL turns it off), no logs.
 BENCH_DEFAULTS = {"max_new_tokens": 16, "learning_rate": 5e-5, "warmup_steps": 0, "min_lr_ratio": 1.0,
@@ -115,9 +122,7 @@ class Workload:
         self.side_list  # noqa: B018  (raises on an unknown side, before anything is loaded)
 
     def lora_targets(self) -> list[str]:
-        if self.model.lora_target_modules == "all-linear":
-            return list(LLAMA_LINEARS)
-        return [t.strip() for t in self.model.lora_target_modules.split(",") if t.strip()]
+        return lora_targets(self.model.lora_target_modules)
 
     def tokens(self) -> dict[str, int]:
         """Token counts of one step, the same for both sides."""

@@ -57,8 +57,8 @@ def test_trl_reward_and_value_models_compute_our_reward_and_initial_value_functi
     device = torch.device("cpu")
     heads = head_weights(64, args.model_seed)
     ours = build_model(args, len(tokenizer), device, write_heads(heads, tmp_path))  # the benchmark's own loading
-    reward, _ = load_score_model(args, len(tokenizer), device, heads["reward"])
-    value, _ = load_score_model(args, len(tokenizer), device, heads["value"])
+    reward, _ = load_score_model(args.model, len(tokenizer), device, heads["reward"])
+    value, _ = load_score_model(args.model, len(tokenizer), device, heads["value"])
     add_value_lora(value, args)
     ids = torch.randint(3, 1000, (3, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)

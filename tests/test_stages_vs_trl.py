@@ -36,7 +36,8 @@ def test_trl_adapters_converted_to_ours_score_exactly_as_trl_computes_them(stage
     after `to_our_adapter`; SFT / DPO: TRL's causal-LM adapter gives our model the same log-probs."""
     from peft import LoraConfig, get_peft_model
 
-    from benchmarks.trl_stages import REWARD_PAD, load_model, lora_targets, to_our_adapter
+    from benchmarks.trl_stages import REWARD_PAD, load_model, to_our_adapter
+    from benchmarks.workload import lora_targets
     from profiling.stages import POLICY, REWARD
     from trainer.engine.setup import base_model_args
     from trainer.losses import last_token_values
@@ -47,7 +48,7 @@ def test_trl_adapters_converted_to_ours_score_exactly_as_trl_computes_them(stage
     tokenizer = load_tokenizer("tiny-llama")
     device = torch.device("cpu")
     model = load_model(w, len(tokenizer), device)
-    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(w),
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(w.model.lora_target_modules),
                                             task_type="SEQ_CLS" if stage == "reward" else "CAUSAL_LM"))
     _randomize_lora_(peft)
     peft.save_pretrained(str(tmp_path / "trl-adapter"))

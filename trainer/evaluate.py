@@ -139,10 +139,9 @@ def evaluate(task: str, args: EvalArguments) -> dict:
                                            accelerator, progress=args.progress_bar)
             result["rows"] = len(examples)
         elif task == "reward":
-            pairs_collate = pair_collator(tokenizer.pad_token_id, True, model)  # the stages' layout
-            result = reward_accuracy(model, examples, pairs_collate, args.batch_size, accelerator,
-                                     progress=args.progress_bar)
-        else:
+            result = reward_accuracy(model, examples, pair_collator(tokenizer.pad_token_id, True, model),
+                                     args.batch_size, accelerator, progress=args.progress_bar)
+        else:  # pairs in the stages' layout (one row per pair where the attention takes the pair mask)
             beta = args.beta if args.beta is not None else run.get("stage", {}).get("beta", 0.1)
             result = implicit_reward_accuracy(model, examples, pair_collator(tokenizer.pad_token_id, True, model),
                                               DPOArguments(beta=beta), args.batch_size, accelerator,

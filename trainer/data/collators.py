@@ -92,11 +92,11 @@ class SharedPromptPairCollator:
 def pair_collator(pad_token_id: int, share_prompt: bool, model) -> "PairCollator | SharedPromptPairCollator":
     """The reward / DPO batch layout: one row per pair (`share_prompt`, where `model` takes the pair mask), else
     chosen rows over rejected rows, with one line saying why."""
-    if share_prompt and not model.shares_pair_prompts:
+    if share_prompt:
+        if model.shares_pair_prompts:
+            return SharedPromptPairCollator(pad_token_id)
         logger.info("share_pair_prompts: this attention implementation takes no custom mask (use sdpa or eager); "
                     "chosen and rejected run as rows of their own")
-    if share_prompt and model.shares_pair_prompts:
-        return SharedPromptPairCollator(pad_token_id)
     return PairCollator(pad_token_id)
 
 

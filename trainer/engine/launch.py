@@ -243,6 +243,11 @@ def quant_storage_for(compute_dtype: torch.dtype, accelerator=None) -> torch.dty
     return compute_dtype if shards_parameters(accelerator) else torch.uint8
 
 
+def row_hash(ids) -> str:
+    """The short hash RowTrace writes for one row: its unpadded token ids as int64 (a tensor or a list)."""
+    return hashlib.sha1(torch.as_tensor(ids, dtype=torch.long).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
 class RowTrace:
     """Debug hook: with $RLHF_TRACE_ROWS set to a folder, each rank appends, per micro-batch, a short
     hash of every row it trains on to `rows-rank{R}.jsonl`, so a test can prove the ranks saw
@@ -258,6 +263,6 @@ class RowTrace:
         if self.path is None:
             return
         ids, mask = batch["input_ids"], batch["attention_mask"].bool()
-        rows = [hashlib.sha1(ids[i][mask[i]].cpu().numpy().tobytes()).hexdigest()[:16] for i in range(ids.shape[0])]
+        rows = [row_hash(ids[i][mask[i]]) for i in range(ids.shape[0])]
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, "rows": rows}) + "\n")
