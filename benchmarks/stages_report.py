@@ -15,7 +15,7 @@ def _f(value: Optional[float], fmt: str = ".3f", scale: float = 1.0) -> str:
 
 
 def quality(report: dict, side: dict) -> str:
-    """The held-out figure, with its 95% interval where it is an accuracy."""
+    """The held-out figure with its 95% interval (Wilson for an accuracy, bootstrap over rows for perplexity)."""
     ev = side.get("evaluation") or {}
     key = METRIC[report["stage"]][0]
     if key not in ev:
@@ -23,7 +23,9 @@ def quality(report: dict, side: dict) -> str:
     if "accuracy_ci95" in ev:
         lo, hi = ev["accuracy_ci95"]
         return f"{ev[key]:.3f} [{lo:.3f}, {hi:.3f}] on {int(ev['pairs'])} pairs"
-    return f"{ev[key]:.3f} ({int(ev.get('tokens', 0))} tokens, {ev.get('rows', '-')} rows)"
+    lo, hi = ev.get("perplexity_ci95") or (None, None)
+    span = f" [{lo:.3f}, {hi:.3f}]" if lo is not None else ""
+    return f"{ev[key]:.3f}{span} on {ev.get('rows', '-')} rows ({int(ev.get('tokens', 0))} tokens)"
 
 
 def render_markdown(report: dict) -> str:
@@ -44,7 +46,9 @@ def render_markdown(report: dict) -> str:
              f"- real tokens per step: {report['rows']['tokens_per_step_mean']:.0f} on average (the same rows on both "
              f"sides); timings over the steps after the first {s['bench']['warmup_runs']}",
              f"- quality: {METRIC[stage][1]} on the held-out split (eval_size {data['eval_size']}, split_seed "
-             f"{data['split_seed']}), both adapters scored by the same code (trainer.evaluate)", "",
+             f"{data['split_seed']}), both adapters scored by the same code (trainer.evaluate)"
+             + (f"; re-scored on {report['rescored']['date']} at revision {report['rescored']['git_revision']} by "
+                f"`{report['rescored']['command']}`" if report.get("rescored") else ""), "",
              "| side | status | rows as planned | held-out | step s (mean) | CPU s / step | tokens/s | peak RSS GB "
              "| peak RSS above start GB | peak allocated GB |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -70,8 +74,8 @@ def render_markdown(report: dict) -> str:
 
 
 def not_worse(report: dict) -> str:
-    """Whether ours learned as well: its held-out accuracy at or above the low end of TRL's 95% interval
-    (perplexity: at or below TRL's; no interval is computed for it)."""
+    """Whether ours learned as well: its held-out accuracy at or above the low end of TRL's 95% interval, its
+    perplexity at or below the high end of TRL's (or, for a result scored without that interval, TRL's value)."""
     ours = (report["sides"].get("ours") or {}).get("evaluation") or {}
     trl = (report["sides"].get("trl") or {}).get("evaluation") or {}
     key = METRIC[report["stage"]][0]
@@ -79,7 +83,8 @@ def not_worse(report: dict) -> str:
         return "-"
     if "accuracy_ci95" in trl:
         return "yes" if ours[key] >= trl["accuracy_ci95"][0] else "no"
-    return "yes" if ours[key] <= trl[key] else "no (higher perplexity)"
+    bound = (trl.get("perplexity_ci95") or (None, trl[key]))[1]
+    return "yes" if ours[key] <= bound else "no (higher perplexity)"
 
 
 def render_table(reports: list[dict], links: Optional[list[str]] = None) -> str:

@@ -3,6 +3,7 @@
     python -m benchmarks.stages_vs_trl --stage reward                 # SmolLM2-135M, CPU or GPU
     python -m benchmarks.stages_vs_trl --stage dpo --max_steps 4 --eval_size 64      # a quick look
     python -m benchmarks.stages_vs_trl --table benchmarks/results/stages_vs_trl-*/stages_vs_trl.json
+    python -m benchmarks.stages_vs_trl --rescore benchmarks/results/stages_vs_trl-sft-smollm2-135m-cpu  # score again
 
 One stage per run. Both sides get the same base weights, LoRA shape, rows in the same order (the
 first epoch of our trainer's shuffle, tokenized once by `trainer.data`, handed to TRL pre-tokenized
@@ -282,13 +283,37 @@ def main(argv: Optional[list[str]] = None) -> dict:
         links = [os.path.relpath(Path(f).resolve().with_suffix(".md"), base) for f in files]
         table = render_table([json.loads(Path(f).read_text()) for f in files], links)
         if readme:
-            update_readme(Path(readme), table, "python -m benchmarks.stages_vs_trl " + " ".join(
-                os.path.relpath(a, ROOT) if Path(a).exists() else a for a in argv))
+            update_readme(Path(readme), table, _command(argv))
         print(table)
         return {}
+    if "--rescore" in argv:  # --rescore DIR: a result's saved adapters scored again by today's trainer.evaluate
+        return rescore(Path(_flag(argv, "rescore", "")), argv)
     w = StageWorkload.parse(argv)
     w.check()
     return run_benchmark(w, argv)
+
+
+def rescore(out_dir: Path, argv: list[str]) -> dict:
+    """Score every finished side's adapter of the result in `out_dir` again with the current evaluation code (a
+    metric added since the run, e.g. an interval), recording when, at which revision and with which command;
+    the training figures are left as they were measured."""
+    from profiling.provenance import provenance
+
+    path = out_dir / "stages_vs_trl.json"
+    if not path.is_file():
+        raise UsageError(f"--rescore {out_dir}: no stages_vs_trl.json there")
+    report = json.loads(path.read_text())
+    w = StageWorkload.from_dict(report["settings"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for name, side in report["sides"].items():
+        if side.get("status") == "ok" and side.get("adapter"):
+            logger.info("re-scoring %s (%s)", name, side["adapter"])
+            side["evaluation"] = evaluate_side(w, side)
+    run = provenance(device, _command(argv))
+    report["rescored"] = {k: run[k] for k in ("date", "git_revision", "command", "device")}
+    write_report(report, out_dir)
+    logger.info("re-scored %s", out_dir / "stages_vs_trl.md")
+    return report
 
 
 def run_benchmark(w: StageWorkload, argv: list[str]) -> dict:
@@ -301,7 +326,7 @@ def run_benchmark(w: StageWorkload, argv: list[str]) -> dict:
     tokenizer = load_tokenizer(w.model.model_name_or_path, w.model.preset_overrides, w.model.tokenizer_name_or_path)
     rows = training_rows(w, tokenizer)  # fails here, before any side runs, when the data is too short
     tokens = step_tokens(w, rows)
-    command = "python -m benchmarks.stages_vs_trl " + " ".join(shlex.quote(a) for a in argv)
+    command = _command(argv)
     report = {"kind": "stages_vs_trl", "stage": w.stage, "device_kind": device.type, **provenance(device, command),
               "trl_version": _version("trl"), "settings": w.to_dict(),
               "rows": {"train_rows": len(rows), "rows_per_step": w.rows_per_step,
@@ -330,6 +355,15 @@ def write_report(report: dict, out_dir: Path) -> None:
 
     (out_dir / "stages_vs_trl.json").write_text(json.dumps(report, indent=2, default=str))
     (out_dir / "stages_vs_trl.md").write_text(render_markdown(report))
+
+
+def _command(argv: Sequence[str]) -> str:
+    """This command as run from the repo root: paths inside the project relative to it."""
+    def named(arg: str) -> str:
+        path = Path(arg).resolve()
+        return os.path.relpath(path, ROOT) if Path(arg).exists() and path.is_relative_to(ROOT) else arg
+
+    return "python -m benchmarks.stages_vs_trl " + " ".join(shlex.quote(named(a)) for a in argv)
 
 
 def _version(package: str) -> Optional[str]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from trainer.run_report import stage_table, wilson_interval
+from trainer.run_report import bootstrap_perplexity_interval, stage_table, wilson_interval
 
 
 def test_wilson_interval_matches_the_textbook_values():
@@ -12,6 +14,21 @@ def test_wilson_interval_matches_the_textbook_values():
     assert (round(low, 4), round(high, 4)) == (0.4038, 0.5962)
     low, high = wilson_interval(1.0, 10)  # the normal approximation would give 1.0-1.0 here
     assert round(low, 4) == 0.7225 and high == pytest.approx(1.0)
+
+
+def test_perplexity_bootstrap_interval_over_rows():
+    # every row alike: each resample has the same mean NLL, so the interval is the point exp(1.5)
+    low, high = bootstrap_perplexity_interval([3.0, 6.0, 1.5], [2, 4, 1])
+    assert low == pytest.approx(math.exp(1.5)) and high == pytest.approx(math.exp(1.5))
+    # two kinds of rows: the interval holds the pooled perplexity, lies within the extremes, narrows with more rows
+    nll, tokens = [1.0, 3.0] * 20, [1, 1] * 20
+    low, high = bootstrap_perplexity_interval(nll, tokens)
+    assert math.exp(1.0) < low < math.exp(2.0) < high < math.exp(3.0)
+    low4, high4 = bootstrap_perplexity_interval(nll * 4, tokens * 4)
+    assert low < low4 < math.exp(2.0) < high4 < high
+    assert bootstrap_perplexity_interval(nll, tokens) == (low, high)  # a fixed seed: the same rows, the same interval
+    with pytest.raises(ValueError, match="one token count per row"):
+        bootstrap_perplexity_interval([1.0], [1, 2])
 
 
 def test_accuracy_rows_show_the_interval_and_the_pair_count():

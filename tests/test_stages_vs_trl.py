@@ -103,6 +103,18 @@ def test_both_sides_train_on_the_planned_rows_and_are_scored_by_the_same_evaluat
         assert not torch.allclose(head, head_weights(64, 0)["reward"])
     key = {"sft": "rows", "reward": "pairs", "dpo": "pairs"}[stage]
     assert ours["evaluation"][key] == trl["evaluation"][key] > 0  # the same held-out rows for both
+    interval = "perplexity_ci95" if stage == "sft" else "accuracy_ci95"
+    for side in (ours, trl):
+        metric = side["evaluation"]["perplexity" if stage == "sft" else "accuracy" if stage == "reward"
+                                    else "rewards/accuracies"]
+        low, high = side["evaluation"][interval]
+        assert low <= metric <= high and low < high
+    if stage == "sft":  # scored again by today's evaluation: the same figures, and the re-scoring recorded
+        again = main(["--rescore", str(out)])
+        assert again["sides"]["ours"]["evaluation"] == ours["evaluation"]
+        assert again["rescored"]["command"] == f"python -m benchmarks.stages_vs_trl --rescore {out}"
+        assert "re-scored on" in (out / "stages_vs_trl.md").read_text()
+        assert again["sides"]["trl"]["steps"] == trl["steps"]  # the training figures are left as measured
     assert report["rows"]["train_rows"] == 3 * 4 and len(report["rows"]["tokens_per_step"]) == 3
     assert report["ratios"]["step_time_speedup"] > 0
     assert "`python -m benchmarks.stages_vs_trl " in (out / "stages_vs_trl.md").read_text()

@@ -136,7 +136,7 @@ def evaluate(task: str, args: EvalArguments) -> dict:
     with torch.no_grad(), accelerator.autocast():
         if task == "sft":
             result = completion_perplexity(model, examples, SFTCollator(tokenizer.pad_token_id), args.batch_size,
-                                           accelerator, progress=args.progress_bar)
+                                           accelerator, progress=args.progress_bar, interval=True)
             result["rows"] = len(examples)
         elif task == "reward":
             result = reward_accuracy(model, examples, pair_collator(tokenizer.pad_token_id, True, model),

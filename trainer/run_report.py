@@ -12,7 +12,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from profiling.files import write_atomic
 from trainer.engine.metrics import read_metrics
@@ -106,6 +106,24 @@ def wilson_interval(accuracy: float, n: int, z: float = 1.96) -> tuple[float, fl
     center = (accuracy + z * z / (2 * n)) / denom
     half = z * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n)) / denom
     return center - half, center + half
+
+
+def bootstrap_perplexity_interval(nll: Sequence[float], tokens: Sequence[int], resamples: int = 2000,
+                                  seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile-bootstrap interval of a perplexity exp(sum nll / sum tokens) measured on rows: the rows are
+    drawn with replacement `resamples` times (a fixed seed, so the same rows give the same interval)."""
+    import numpy as np
+
+    nll, tokens = np.asarray(nll, dtype=np.float64), np.asarray(tokens, dtype=np.float64)
+    if nll.shape != tokens.shape or nll.size == 0:
+        raise ValueError(f"need one token count per row's NLL and at least one row (got {nll.size}, {tokens.size})")
+    rng = np.random.default_rng(seed)
+    means = []
+    for start in range(0, resamples, 256):  # in chunks: a (resamples, rows) index array can be large
+        pick = rng.integers(0, nll.size, size=(min(256, resamples - start), nll.size))
+        means.append(nll[pick].sum(axis=1) / np.maximum(tokens[pick].sum(axis=1), 1))
+    low, high = np.quantile(np.concatenate(means), [(1 - level) / 2, (1 + level) / 2])
+    return math.exp(low), math.exp(high)
 
 
 def _interval(accuracy: Any, evaluation: Optional[dict]) -> str:

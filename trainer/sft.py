@@ -20,6 +20,7 @@ from trainer.engine.batches import eval_batches
 from trainer.engine.harness import Harness, StepOutput, supervised_step
 from trainer.engine.setup import finish_stage, require_rows, start_run
 from trainer.model.shared_base import build_shared_model, stage_specs
+from trainer.run_report import bootstrap_perplexity_interval
 
 
 @dataclass
@@ -30,24 +31,40 @@ class SFTArguments(Checked):
 
 def completion_nll(model, batch: dict[str, torch.Tensor], adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed next-token NLL of the completion tokens, their count); the LM head runs on those tokens only."""
+    nll, count = completion_nll_rows(model, batch, adapter)
+    return nll.sum(), count.sum()
+
+
+def completion_nll_rows(model, batch: dict[str, torch.Tensor], adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (B,): the summed next-token NLL of its completion tokens, and their count."""
     logp = model(batch["input_ids"], batch["attention_mask"], adapter=adapter, output="logprobs",
                  labels=batch["labels"])
-    return -logp.sum(), (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    return -logp.sum(dim=1), (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1)
 
 
 @torch.no_grad()
 def completion_perplexity(model, examples: Sequence[SFTExample], collate: SFTCollator, batch_size: int,
                           accelerator, adapter: str = POLICY, max_batches: int = 0,
-                          progress: bool = True) -> dict[str, float]:
-    """Held-out perplexity over completion tokens only, summed over every rank's share."""
+                          progress: bool = True, interval: bool = False) -> dict:
+    """Held-out perplexity over completion tokens only, summed over every rank's share; with `interval`, also
+    its 95% bootstrap interval over the rows ("perplexity_ci95")."""
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    rows: list[tuple[float, int]] = []
     for batch, real in eval_batches(examples, collate, batch_size, accelerator, max_batches, "perplexity", progress):
-        loss_sum, count = completion_nll(model, batch, adapter)
+        nll, count = completion_nll_rows(model, batch, adapter)
         if real:
-            total += torch.stack([loss_sum.double(), count.double()])
+            total += torch.stack([nll.double().sum(), count.double().sum()])
+            if interval:
+                rows += zip(nll.double().tolist(), count.tolist())
     total = accelerator.reduce(total, reduction="sum")
     mean = (total[0] / total[1].clamp(min=1)).item()
-    return {"loss": mean, "perplexity": math.exp(mean), "tokens": total[1].item()}
+    out = {"loss": mean, "perplexity": math.exp(mean), "tokens": total[1].item()}
+    if interval:
+        from accelerate.utils import gather_object
+
+        nll_rows, count_rows = zip(*gather_object(rows))  # every rank's rows, on every rank
+        out["perplexity_ci95"] = list(bootstrap_perplexity_interval(nll_rows, count_rows))
+    return out
 
 
 ARGUMENTS = SFTArguments  # the `stage:` section of this stage's config
