@@ -58,6 +58,9 @@ class EstimateArguments(Checked):
     optimizer: str = field(default="paged_adamw_8bit", metadata={"help": ", ".join(("auto",) + OPTIMIZERS)})
     gradient_checkpointing: bool = True
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, flash_attention_2 or eager."})
+    share_pair_prompts: bool = field(default=True, metadata={
+        "help": "Reward and DPO: one row per pair, prompt once (as the stages' --share_pair_prompts): rows twice "
+                "max_length long, with a (rows, 1, T, T) pair mask; flash-attention keeps two rows per pair."})
     micro_batch_size: int = _alias("micro_batch", "micro-batch", default=4, metadata={
         "help": "Sequences (sft) or pairs (reward, dpo) per micro-batch; PPO's update micro-batch."})
     max_length: int = field(default=512, metadata={"help": "Sequence length for sft, reward and dpo."})
@@ -188,15 +191,22 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         tokens = mb * seq
         return [("forward_backward", {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, seq),
                                       C.LOGITS: A.logits_training(shape, spec, tokens)}), step]
-    if args.stage == "reward":  # chosen and rejected of each pair; scores read hidden states, no logits
-        tokens = 2 * mb * seq
-        return [("forward_backward", {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, seq)}), step]
-    if args.stage == "dpo":
-        tokens = 2 * mb * seq
-        return [("reference", {C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, seq),
+    if args.stage in ("reward", "dpo"):
+        # Chosen and rejected of each pair, each with its prompt, at most max_length: 2 x mb x seq tokens is the
+        # bound in either layout (one row per pair holds the prompt once). One row per pair is up to twice as long
+        # (what eager attention's probabilities scale with) and carries a pair mask, bool plus attention's
+        # additive copy of it. Reward scores read hidden states (no logits); DPO also runs the reference.
+        tokens, row = 2 * mb * seq, seq
+        mask = 0
+        if args.share_pair_prompts and args.attn_implementation != "flash_attention_2":
+            row = 2 * seq
+            mask = mb * row * row * (1 + spec.dtype_bytes)
+        train = {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, row) + mask}
+        if args.stage == "reward":
+            return [("forward_backward", train), step]
+        return [("reference", {C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, row) + mask,
                                C.LOGITS: A.logits_nograd(shape, spec, tokens)}),
-                ("forward_backward", {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, seq),
-                                      C.LOGITS: A.logits_training(shape, spec, tokens)}), step]
+                ("forward_backward", {**train, C.LOGITS: A.logits_training(shape, spec, tokens)}), step]
     if args.stage == "grpo":  # critic-free: the rollout rows are prompts x generations, one forward in the update
         rows_all = replace(args, rollout_batch_size=args.rollout_batch_size * args.num_generations)
         context = args.max_prompt_length + args.max_new_tokens

@@ -193,3 +193,23 @@ def test_fused_passes_hold_every_adapter_s_rows_at_once_and_separate_ones_are_ph
     # the update's two forwards: the same layer inputs kept, one layer recomputed for both
     assert fused["update"][act] > separate["update"][act]
     assert fused["generate"] == separate["generate"] and fused["optimizer_step"] == separate["optimizer_step"]
+
+
+@pytest.mark.parametrize("stage", ["reward", "dpo"])
+def test_one_row_pairs_add_their_mask_and_eager_attention_s_longer_rows(stage):
+    shape = load_shape("llama-2-7b")  # micro-batch 4 pairs, max_length 512, bf16, checkpointing: the defaults
+
+    def phases(share, attention):
+        args = EstimateArguments(stage=stage, share_pair_prompts=share, attn_implementation=attention)
+        return {p["phase"]: p["components"][C.ACTIVATIONS] for p in estimate(shape, args)["phases"]
+                if p["phase"] in ("forward_backward", "reference")}
+
+    mask = 4 * 1024 * 1024 * (1 + 2)  # (4, 1, 1024, 1024) bool, and its bf16 additive copy
+    one, two = phases(True, "sdpa"), phases(False, "sdpa")
+    assert set(one) == ({"forward_backward", "reference"} if stage == "dpo" else {"forward_backward"})
+    assert all(one[p] - two[p] == mask for p in one)  # the same tokens; SDPA keeps no T x T probabilities
+    assert phases(True, "flash_attention_2") == phases(False, "flash_attention_2")  # falls back to two rows
+    # eager: each token's probabilities span a row twice as long (one layer of them recomputed under checkpointing)
+    eager_one, eager_two = phases(True, "eager"), phases(False, "eager")
+    tokens = 2 * 4 * 512
+    assert eager_one["forward_backward"] - eager_two["forward_backward"] == mask + tokens * 6 * shape.num_heads * 512
