@@ -211,6 +211,13 @@ class TrainArguments(Checked):
         return self.micro_batch_size * self.gradient_accumulation_steps if self.group_by_length else 0
 
 
+# A pipeline stage, in a run's order: its folder -> (entry module, config file of the recipe, settings it always
+# gets). RLOO is the GRPO stage with the leave-one-out advantage, in a folder of its own.
+PIPELINE_STAGES = {"sft": ("sft", "sft.yaml", {}), "reward": ("reward", "reward.yaml", {}),
+                   "ppo": ("ppo", "ppo.yaml", {}), "grpo": ("grpo", "grpo.yaml", {}),
+                   "rloo": ("grpo", "grpo.yaml", {"advantage": "rloo"}), "dpo": ("dpo", "dpo.yaml", {})}
+
+
 @dataclass
 class PipelineArguments(Checked):
     """`trainer.pipeline` (every stage, then the comparison and the report) and `trainer.compare`."""

@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 
 from profiling.cli import UsageError, parse, parse_assignments, run
 from profiling.files import write_atomic
-from trainer.config import PROJECT_ROOT, DataArguments, PipelineArguments, load_yaml, parse_config
+from trainer.config import (PIPELINE_STAGES, PROJECT_ROOT, DataArguments, PipelineArguments, load_yaml,
+                            parse_config)
 from trainer.engine.launch import reset_accelerate
 from trainer.engine.setup import COSMETIC_FIELDS, config_changes, run_config
 
@@ -32,11 +33,6 @@ logger = logging.getLogger(__name__)
 
 CONFIG_ROOT = PROJECT_ROOT / "trainer" / "configs"
 RECIPES = {"demo": CONFIG_ROOT, "llama2_7b": CONFIG_ROOT / "llama2_7b"}
-# A pipeline stage: its folder -> (entry module, config file of the recipe, settings it always gets).
-# RLOO is the GRPO stage with the leave-one-out advantage, in a folder of its own.
-STAGES = {"sft": ("sft", "sft.yaml", {}), "reward": ("reward", "reward.yaml", {}), "ppo": ("ppo", "ppo.yaml", {}),
-          "grpo": ("grpo", "grpo.yaml", {}), "rloo": ("grpo", "grpo.yaml", {"advantage": "rloo"}),
-          "dpo": ("dpo", "dpo.yaml", {})}
 SPLIT_KEYS = ("dataset", "dataset_split", "dataset_subset", "eval_size", "sft_size", "reward_size", "ppo_size",
               "split_seed")
 
@@ -116,7 +112,8 @@ def train_stages_into(folder: Path, targets: dict[str, Optional[str]], extra: Se
 def check_recipe(args: PipelineArguments) -> Path:
     folder = RECIPES.get(args.recipe, Path(args.recipe))
     needed = stages_of(args)
-    missing = list(dict.fromkeys(STAGES[s][1] for s in needed if not (folder / STAGES[s][1]).is_file()))
+    configs = dict.fromkeys(PIPELINE_STAGES[s][1] for s in needed)
+    missing = [c for c in configs if not (folder / c).is_file()]
     if missing:
         raise UsageError(f"recipe '{args.recipe}': no {', '.join(missing)} in {folder}")
     # A broken YAML fails here, before hours of training; so do stages that would split the data
@@ -124,7 +121,7 @@ def check_recipe(args: PipelineArguments) -> Path:
     defaults = DataArguments()
     splits = {}
     for stage in needed:
-        module, config, _ = STAGES[stage]
+        module, config, _ = PIPELINE_STAGES[stage]
         values = load_yaml(folder / config, stage_sections(module))
         splits[stage] = tuple(values.get(k, getattr(defaults, k)) for k in SPLIT_KEYS)
     if len(set(splits.values())) > 1:
@@ -147,7 +144,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
              **{name: online for name in args.algorithms}}
     results = {}
     for name in stages_of(args):
-        module, config, fixed = STAGES[name]
+        module, config, fixed = PIPELINE_STAGES[name]
         argv_stage = stage_argv(folder / config, run_dir / name, {**links[name], **overrides, **fixed})
         results[name] = run_stage(name, argv_stage, run_dir / name, module)
     from trainer.compare import compare_policies

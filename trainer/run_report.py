@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from profiling.files import write_atomic
+from trainer.config import PIPELINE_STAGES
 from trainer.engine.metrics import read_metrics
 
 REPORT = "report.md"
-STAGE_FOLDERS = ("sft", "reward", "ppo", "grpo", "rloo", "dpo")  # a pipeline run's stage folders, in its order
 CURVES = "curves.png"
 
 
@@ -178,7 +178,7 @@ def _cell(text: str) -> str:
 def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: Optional[dict] = None) -> Path:
     run_dir = Path(run_dir)
     if results is None:
-        order = {name: i for i, name in enumerate(STAGE_FOLDERS)}  # pipeline order
+        order = {name: i for i, name in enumerate(PIPELINE_STAGES)}  # pipeline order
         found = sorted(run_dir.glob("*/results.json"), key=lambda p: (order.get(p.parent.name, 99), p.parent.name))
         results = {p.parent.name: json.loads(p.read_text()) for p in found}
     if comparison is None and (run_dir / "comparison.json").is_file():
@@ -210,7 +210,7 @@ def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: 
         lines += [f"## Policies on {comparison['prompts']} held-out prompts, scored by the reward model", "",
                   *comparison_table(comparison), "", "### Samples (reward-model score in brackets)", "",
                   *sample_table(comparison), ""]
-    memory = [d for d in STAGE_FOLDERS if (run_dir / d / "memory.png").is_file()]
+    memory = [d for d in PIPELINE_STAGES if (run_dir / d / "memory.png").is_file()]
     if memory:
         lines += ["## Memory", ""] + [f"![{d} memory]({d}/memory.png) ([table]({d}/memory.md))" for d in memory] + [""]
     return write_atomic(run_dir / REPORT, "\n".join(lines))
