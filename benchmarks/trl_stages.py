@@ -78,13 +78,13 @@ def load_model(w, vocab_size: int, device: torch.device):
     whose `score` starts as our scalar head does (normal, std 1/sqrt(hidden + 1))."""
     from benchmarks.trl_ppo import load_score_model
     from benchmarks.workload import head_weights
+    from profiling.shapes import load_shape
     from trainer.model.loading import load_base_model
 
     if w.stage != "reward":
         return load_base_model(w.model, vocab_size=vocab_size, device=device, checkpointing=False)
-    model, _ = load_score_model(w.model, vocab_size, device, head=torch.zeros(1))
-    with torch.no_grad():
-        model.score.weight.copy_(head_weights(model.config.hidden_size, w.train.seed)["reward"])
+    hidden = load_shape(w.model.model_name_or_path, vocab_size, w.model.preset_overrides).hidden_size
+    model, _ = load_score_model(w.model, vocab_size, device, head=head_weights(hidden, w.train.seed)["reward"])
     return model  # frozen: PEFT trains the LoRA weights and a copy of `score` (modules_to_save)
 
 
