@@ -28,6 +28,12 @@ def quality(report: dict, side: dict) -> str:
     return f"{ev[key]:.3f}{span} on {ev.get('rows', '-')} rows ({int(ev.get('tokens', 0))} tokens)"
 
 
+def _computed(m: dict) -> str:
+    if m.get("computed_tokens_per_step") is None:
+        return "-"
+    return f"{m['computed_tokens_per_step']:.0f} ({m['computed_over_real_tokens']:.2f}x)"
+
+
 def render_markdown(report: dict) -> str:
     stage, s = report["stage"], report["settings"]
     unit = "rows" if stage == "sft" else "pairs"
@@ -49,19 +55,20 @@ def render_markdown(report: dict) -> str:
              f"{data['split_seed']}), both adapters scored by the same code (trainer.evaluate)"
              + (f"; re-scored on {report['rescored']['date']} at revision {report['rescored']['git_revision']} by "
                 f"`{report['rescored']['command']}`" if report.get("rescored") else ""), "",
-             "| side | status | rows as planned | held-out | step s (mean) | CPU s / step | tokens/s | peak RSS GB "
-             "| peak RSS above start GB | peak allocated GB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| side | status | rows as planned | held-out | step s (mean) | CPU s / step | tokens/s | computed tokens "
+             "/ step (x real) | peak RSS GB | peak RSS above start GB | peak allocated GB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for side in report["sides"].values():
         m = side.get("summary") or {}
         lines.append(f"| {side.get('label', side['side'])} | {side['status']} | {side.get('rows_as_planned')} | "
                      f"{quality(report, side)} | {_f(m.get('step_s'), '.2f')} | {_f(m.get('step_cpu_s'), '.2f')} | "
-                     f"{_f(m.get('tokens_per_s'), '.0f')} | {_f(m.get('peak_rss_bytes'), '.2f', GB)} | "
+                     f"{_f(m.get('tokens_per_s'), '.0f')} | {_computed(m)} | {_f(m.get('peak_rss_bytes'), '.2f', GB)} | "
                      f"{_f(m.get('peak_rss_above_start_bytes'), '.2f', GB)} | {_f(m.get('peak_allocated_bytes'), '.2f', GB)} |")
     r = report.get("ratios")
     if r:
         lines += ["", f"Ours vs TRL: step time {_f(r['step_time_speedup'], '.2f')}x faster, CPU time "
-                      f"{_f(r['step_cpu_time_speedup'], '.2f')}x, tokens/s {_f(r['tokens_per_s_ratio'], '.2f')}x; TRL's "
+                      f"{_f(r['step_cpu_time_speedup'], '.2f')}x, tokens/s {_f(r['tokens_per_s_ratio'], '.2f')}x; TRL "
+                      f"computes {_f(r.get('computed_tokens_trl_over_ours'), '.2f')}x the tokens ours does; TRL's "
                       f"peak RSS over ours {_f(r['peak_rss_trl_over_ours'], '.2f')}x (above start "
                       f"{_f(r['peak_rss_above_start_trl_over_ours'], '.2f')}x)."]
     for side in report["sides"].values():

@@ -203,6 +203,21 @@ def step_tokens(w: StageWorkload, rows: Sequence) -> list[int]:
     return [sum(len(t) for e in rows[i : i + per] for t in row_texts(e)) for i in range(0, len(rows), per)]
 
 
+def computed_tokens(w: StageWorkload, rows: Sequence, trace: Sequence[Sequence[str]]) -> list[int]:
+    """Tokens each optimizer step of a side computed: every micro-batch's rows times its longest row (padding
+    included), from the rows its trace recorded, in either pair layout."""
+    length = {}
+    for e in rows:
+        for t in row_texts(e):
+            length[row_hash(t)] = len(t)
+        if w.stage != "sft":
+            length[row_hash(e.prompt_ids + e.chosen_ids + e.rejected_ids)] = (
+                len(e.prompt_ids) + len(e.chosen_ids) + len(e.rejected_ids))
+    batches = [len(batch) * max(length[h] for h in batch) for batch in trace]
+    accum = w.train.gradient_accumulation_steps
+    return [sum(batches[i : i + accum]) for i in range(0, len(batches), accum)]
+
+
 # ---- one side, in a process of its own -------------------------------------------------------------------
 def run_side(name: str, w: StageWorkload, out_dir: Path) -> dict:
     """`python -m benchmarks.stage_side NAME` in a fresh process; its side.json (or the error it died with)."""
@@ -235,17 +250,21 @@ def evaluate_side(w: StageWorkload, side: dict) -> dict:
 
 # ---- figures -----------------------------------------------------------------------------------------
 def summarize(side: dict, tokens: list[int], warmup: int) -> dict[str, Any]:
-    """Means over the measured steps (the first `warmup` left out); tokens/s over the same steps."""
+    """Means over the measured steps (the first `warmup` left out); tokens/s over the same steps; the tokens
+    computed per step (padding included) over every step, where the side's trace gave them."""
     steps = [s for s in side.get("steps", []) if s["step"] > warmup]
     if not steps:
         return {}
     wall = [s["wall_s"] for s in steps]
     cpu = [s["cpu_s"] for s in steps if s.get("cpu_s") is not None]
     measured_tokens = sum(tokens[s["step"] - 1] for s in steps)
+    computed = side.get("computed_tokens_per_step")
     out = {"measured_steps": len(steps), "step_s": statistics.fmean(wall), "step_s_median": statistics.median(wall),
            "step_cpu_s": statistics.fmean(cpu) if cpu else None,
            "tokens_per_s": measured_tokens / sum(wall),
-           "tokens_per_cpu_s": measured_tokens / sum(cpu) if cpu else None}
+           "tokens_per_cpu_s": measured_tokens / sum(cpu) if cpu else None,
+           "computed_tokens_per_step": statistics.fmean(computed) if computed else None,
+           "computed_over_real_tokens": sum(computed) / sum(tokens[: len(computed)]) if computed else None}
     for key in ("peak_rss_bytes", "peak_rss_above_start_bytes", "peak_allocated_bytes", "peak_reserved_bytes"):
         out[key] = side.get(key)
     return out
@@ -257,6 +276,8 @@ def ratios(ours: dict, trl: dict) -> dict[str, Optional[float]]:
         return a / b if a and b else None
 
     return {"step_time_speedup": over(trl.get("step_s"), ours.get("step_s")),
+            "computed_tokens_trl_over_ours": over(trl.get("computed_tokens_per_step"),
+                                                  ours.get("computed_tokens_per_step")),
             "step_cpu_time_speedup": over(trl.get("step_cpu_s"), ours.get("step_cpu_s")),
             "tokens_per_s_ratio": over(ours.get("tokens_per_s"), trl.get("tokens_per_s")),
             "peak_rss_trl_over_ours": over(trl.get("peak_rss_bytes"), ours.get("peak_rss_bytes")),
@@ -295,8 +316,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 def rescore(out_dir: Path, argv: list[str]) -> dict:
     """Score every finished side's adapter of the result in `out_dir` again with the current evaluation code (a
-    metric added since the run, e.g. an interval), recording when, at which revision and with which command;
-    the training figures are left as they were measured."""
+    metric added since the run, e.g. an interval), and count the tokens each side computed from its saved row
+    trace where the result lacks them; record when, at which revision and with which command. The measured
+    figures (times, memory) are left as they were."""
     from profiling.provenance import provenance
 
     path = out_dir / "stages_vs_trl.json"
@@ -305,10 +327,22 @@ def rescore(out_dir: Path, argv: list[str]) -> dict:
     report = json.loads(path.read_text())
     w = StageWorkload.from_dict(report["settings"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = None
     for name, side in report["sides"].items():
         if side.get("status") == "ok" and side.get("adapter"):
             logger.info("re-scoring %s (%s)", name, side["adapter"])
             side["evaluation"] = evaluate_side(w, side)
+        saved = out_dir / name / "side.json"  # the side's own record keeps its row trace
+        if side.get("computed_tokens_per_step") is None and saved.is_file():
+            from trainer.model.loading import load_tokenizer
+
+            if rows is None:
+                rows = training_rows(w, load_tokenizer(w.model.model_name_or_path, w.model.preset_overrides,
+                                                       w.model.tokenizer_name_or_path))
+            side["computed_tokens_per_step"] = computed_tokens(w, rows, json.loads(saved.read_text())["trace"])
+            side["summary"] = summarize(side, report["rows"]["tokens_per_step"], w.bench.warmup_runs)
+    if {"ours", "trl"} <= set(report["sides"]):
+        report["ratios"] = ratios(report["sides"]["ours"]["summary"], report["sides"]["trl"]["summary"])
     run = provenance(device, _command(argv))
     report["rescored"] = {k: run[k] for k in ("date", "git_revision", "command", "device")}
     write_report(report, out_dir)
@@ -337,8 +371,9 @@ def run_benchmark(w: StageWorkload, argv: list[str]) -> dict:
         side = run_side(name, w, out_dir)
         side["label"] = SIDE_NAMES[w.stage].get(name) or ABLATION_NAMES[name]
         # every optimizer step trained on exactly the planned rows (micro-batch grouping and pair layout aside)
-        side["rows_as_planned"] = step_rows(w, side["trace"]) in layouts if side.get("trace") is not None else None
-        side.pop("trace", None)
+        trace = side.pop("trace", None)
+        side["rows_as_planned"] = step_rows(w, trace) in layouts if trace is not None else None
+        side["computed_tokens_per_step"] = computed_tokens(w, rows, trace) if trace is not None else None
         if side.get("status") == "ok" and w.bench.evaluate:
             side["evaluation"] = evaluate_side(w, side)
         side["summary"] = summarize(side, tokens, w.bench.warmup_runs)

@@ -109,8 +109,18 @@ def test_both_sides_train_on_the_planned_rows_and_are_scored_by_the_same_evaluat
                                     else "rewards/accuracies"]
         low, high = side["evaluation"][interval]
         assert low <= metric <= high and low < high
+    tokens = report["rows"]["tokens_per_step"]
+    assert len(ours["computed_tokens_per_step"]) == len(trl["computed_tokens_per_step"]) == 3
+    for side in (ours, trl) if stage == "sft" else (trl,):  # rows x the longest row: at least the real tokens
+        assert all(c >= t for c, t in zip(side["computed_tokens_per_step"], tokens))
+    if stage != "sft":  # one row per pair: the prompt computed once
+        assert sum(ours["computed_tokens_per_step"]) < sum(trl["computed_tokens_per_step"])
     if stage == "sft":  # scored again by today's evaluation: the same figures, and the re-scoring recorded
+        saved = json.loads((out / "stages_vs_trl.json").read_text())
+        saved["sides"]["trl"]["computed_tokens_per_step"] = None  # as in a result written before they were counted
+        (out / "stages_vs_trl.json").write_text(json.dumps(saved))
         again = main(["--rescore", str(out)])
+        assert again["sides"]["trl"]["computed_tokens_per_step"] == trl["computed_tokens_per_step"]
         assert again["sides"]["ours"]["evaluation"] == ours["evaluation"]
         assert again["rescored"]["command"] == f"python -m benchmarks.stages_vs_trl --rescore {out}"
         assert "re-scored on" in (out / "stages_vs_trl.md").read_text()
