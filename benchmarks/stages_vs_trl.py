@@ -168,11 +168,14 @@ def training_rows(w: StageWorkload, tokenizer) -> list:
     return [examples[i] for i in order[:needed]]
 
 
-def row_texts(example) -> list[list[int]]:
+def row_texts(example, shared_prompt: bool = False) -> list[list[int]]:
     """The token rows one example puts into a training batch: prompt + completion (SFT), or prompt +
-    chosen and prompt + rejected (pairs)."""
+    chosen and prompt + rejected (pairs), or with `shared_prompt` the pair's one row prompt + chosen +
+    rejected (SharedPromptPairCollator)."""
     if hasattr(example, "completion_ids"):
         return [example.prompt_ids + example.completion_ids]
+    if shared_prompt:
+        return [example.prompt_ids + example.chosen_ids + example.rejected_ids]
     return [example.prompt_ids + example.chosen_ids, example.prompt_ids + example.rejected_ids]
 
 
@@ -187,14 +190,8 @@ def expected_trace(w: StageWorkload, rows: Sequence, shared_prompt: bool = False
     across steps), as a batch lays them out: prompt + completion rows, or for pairs with `shared_prompt`
     one row of prompt + chosen + rejected (SharedPromptPairCollator)."""
     micro = w.train.micro_batch_size
-    out = []
-    for start in range(0, len(rows), micro):
-        batch = rows[start : start + micro]
-        if shared_prompt and w.stage != "sft":
-            out.append([row_hash(e.prompt_ids + e.chosen_ids + e.rejected_ids) for e in batch])
-        else:
-            out.append([row_hash(t) for e in batch for t in row_texts(e)])
-    return out
+    return [[row_hash(t) for e in rows[start : start + micro] for t in row_texts(e, shared_prompt)]
+            for start in range(0, len(rows), micro)]
 
 
 def step_tokens(w: StageWorkload, rows: Sequence) -> list[int]:
@@ -206,13 +203,7 @@ def step_tokens(w: StageWorkload, rows: Sequence) -> list[int]:
 def computed_tokens(w: StageWorkload, rows: Sequence, trace: Sequence[Sequence[str]]) -> list[int]:
     """Tokens each optimizer step of a side computed: every micro-batch's rows times its longest row (padding
     included), from the rows its trace recorded, in either pair layout."""
-    length = {}
-    for e in rows:
-        for t in row_texts(e):
-            length[row_hash(t)] = len(t)
-        if w.stage != "sft":
-            length[row_hash(e.prompt_ids + e.chosen_ids + e.rejected_ids)] = (
-                len(e.prompt_ids) + len(e.chosen_ids) + len(e.rejected_ids))
+    length = {row_hash(t): len(t) for e in rows for shared in (False, True) for t in row_texts(e, shared)}
     batches = [len(batch) * max(length[h] for h in batch) for batch in trace]
     accum = w.train.gradient_accumulation_steps
     return [sum(batches[i : i + accum]) for i in range(0, len(batches), accum)]
@@ -393,12 +384,10 @@ def write_report(report: dict, out_dir: Path) -> None:
 
 
 def _command(argv: Sequence[str]) -> str:
-    """This command as run from the repo root: paths inside the project relative to it."""
-    def named(arg: str) -> str:
-        path = Path(arg).resolve()
-        return os.path.relpath(path, ROOT) if Path(arg).exists() and path.is_relative_to(ROOT) else arg
+    """This command as run from the repo root, absolute paths made relative to it (profiling.provenance's rule)."""
+    from profiling.provenance import relative_command
 
-    return "python -m benchmarks.stages_vs_trl " + " ".join(shlex.quote(named(a)) for a in argv)
+    return "python -m benchmarks.stages_vs_trl " + relative_command(list(argv))
 
 
 def _version(package: str) -> Optional[str]:
