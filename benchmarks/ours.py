@@ -40,8 +40,8 @@ def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
                     "its own adapter), and one for policy + value in the update"
                     if args.ppo.fused_passes else "one pass per adapter")
                    + "; only the response positions' outputs are computed",
-        "generation": "from a merged working copy of the policy weights" if args.ppo.merged_generation
-                      else "through the LoRA layers (unmerged)",
+        "generation": ("from a merged working copy of the policy weights" if args.ppo.merged_generation
+                       else "through the LoRA layers (unmerged)") + f", decode {args.ppo.decode}",
         "step": "trainer.rl.ppo_step.ppo_step (the function trainer/ppo.py trains with)",
     }
 

@@ -6,11 +6,13 @@
 Both sides get the same base weights, the same hh-rlhf prompts (all exactly `prompt_length`
 tokens), responses of exactly `max_new_tokens` tokens, the same rollout / mini / micro batch sizes,
 PPO epochs, LoRA shape, learning rate, optimizer, dtype and reward function (an untrained scalar
-head with identical weights on the same base). The sides run one after the other (ours first,
-then TRL); everything of the first is freed before the second starts, and each side's peak
-memory is reset after its models are loaded. `warmup_runs` steps are run first and left out of the
-timings. Writes ppo_vs_trl.json and ppo_vs_trl.md to `out_dir` (rewritten after each side).
-Figures on CPU and on a GPU are never put in one table: each file holds one device.
+head with identical weights on the same base). The sides run one after the other in the order of
+`--sides`; with `--rounds N` every side runs N times, the order reversed every other round (ours,
+TRL, TRL, ours, ...), so a drift in the machine's speed falls on both sides alike. Everything of one
+side is freed before the next starts, and each side's peak memory is reset after its models are
+loaded. `warmup_runs` steps are run first and left out of the timings. Writes ppo_vs_trl.json and
+ppo_vs_trl.md to `out_dir` (rewritten after each side). Figures on CPU and on a GPU are never put
+in one table: each file holds one device.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ logger = logging.getLogger("benchmarks.ppo_vs_trl")
 ROOT = Path(__file__).resolve().parent.parent
 SIDE_NAMES = {"ours": "ours (one base, 4 adapters)", "trl": "TRL 1.12 PPOTrainer",
               "ours_separate": "ours, ablation: one pass per adapter (--fused_passes false)",
-              "ours_merged": "ours, ablation: generation from merged weights (--merged_generation true)"}
+              "ours_merged": "ours, ablation: generation from merged weights (--merged_generation true)",
+              "ours_compiled": "ours, ablation: static KV cache and compiled decode step (--decode compiled)"}
 
 
 def make_bench_accelerator(args: Workload, out_dir: str):
@@ -72,9 +75,12 @@ def summarize(side: dict, tokens: dict[str, int]) -> dict:
         values = [s["peak"][key] for s in side["steps"] if s["peak"].get(key) is not None]
         out[key] = max(values) if values else None
     out["nvml_used_max_bytes"] = side.get("nvml_used_max_bytes")
-    start_rss = (side.get("at_start") or {}).get("rss_bytes")
-    out["peak_rss_above_start_bytes"] = (out["peak_rss_bytes"] - start_rss
-                                         if out["peak_rss_bytes"] is not None and start_rss is not None else None)
+    # above the resident set at the start of the same round (a side's later rounds start where others left it)
+    starts = {r["round"]: (r.get("at_start") or {}).get("rss_bytes") for r in side.get("rounds", [])}
+    starts = starts or {None: (side.get("at_start") or {}).get("rss_bytes")}
+    above = [s["peak"]["peak_rss_bytes"] - starts[s.get("round")] for s in side["steps"]
+             if s["peak"].get("peak_rss_bytes") is not None and starts.get(s.get("round")) is not None]
+    out["peak_rss_above_start_bytes"] = max(above) if above else None
     return out
 
 
@@ -122,6 +128,30 @@ def run_side(name: str, args: Workload, prompts, tokenizer, accelerator, probe: 
     result["at_end"] = probe.now()
     result["load_average_at_end"] = os.getloadavg()
     return result
+
+
+def round_orders(sides: list[str], rounds: int) -> list[list[str]]:
+    """The order of the sides in each round: as given, then reversed, alternately (ABBA for two sides), so a
+    machine whose speed drifts during the command slows the first and the last side of the run alike."""
+    return [list(sides) if r % 2 == 0 else list(reversed(sides)) for r in range(rounds)]
+
+
+def merge_round(side: Optional[dict], run: dict, round_: int) -> dict:
+    """One side's record over its rounds: every round's steps (each marked with its round), the worst status,
+    the highest peaks, each round's load averages; setup and start figures from its first round."""
+    for step in run["steps"]:
+        step["round"] = round_
+    loads = {k: run.get(k) for k in ("at_start", "load_average_at_start", "load_average_at_end")}
+    if side is None:
+        return {**run, "rounds": [{"round": round_, **loads}]}
+    side["steps"] += run["steps"]
+    side["rounds"].append({"round": round_, **loads})
+    if side["status"] == "ok" and run["status"] != "ok":
+        side.update(status=run["status"], error=f"round {round_}: {run['error']}")
+    nvml = [v for v in (side.get("nvml_used_max_bytes"), run.get("nvml_used_max_bytes")) if v is not None]
+    side["nvml_used_max_bytes"] = max(nvml) if nvml else None
+    side["load_average_at_end"], side["at_end"] = run.get("load_average_at_end"), run.get("at_end")
+    return side
 
 
 def resolved(args: Workload, device: torch.device) -> dict[str, str]:
@@ -190,14 +220,18 @@ def run_benchmark(args: Workload, argv: list[str], accelerator) -> dict:
               "sides": {}}
     probe = MemoryProbe(device)
     report["rss_peak_resettable"] = probe.rss_resettable
-    for name in sides:
-        set_seed(args.seed)
-        side = run_side(name, args, prompts, tokenizer, accelerator, probe, heads)
-        side["summary"] = summarize(side, args.tokens())
-        report["sides"][name] = side
-        if "ours" in report["sides"] and "trl" in report["sides"]:
-            report["ratios"] = ratios(report["sides"]["ours"]["summary"], report["sides"]["trl"]["summary"])
-        write_report(report, out_dir)
+    report["rounds"] = []
+    for round_, order in enumerate(round_orders(sides, args.bench.rounds), start=1):
+        report["rounds"].append({"round": round_, "order": order, "step_s": {}})
+        for name in order:
+            set_seed(args.seed)
+            run = run_side(name, args, prompts, tokenizer, accelerator, probe, heads)
+            report["rounds"][-1]["step_s"][name] = summarize(run, args.tokens()).get("step_s")
+            side = report["sides"][name] = merge_round(report["sides"].get(name), run, round_)
+            side["summary"] = summarize(side, args.tokens())
+            if "ours" in report["sides"] and "trl" in report["sides"]:
+                report["ratios"] = ratios(report["sides"]["ours"]["summary"], report["sides"]["trl"]["summary"])
+            write_report(report, out_dir)
     logger.info("wrote %s", out_dir / "ppo_vs_trl.md")
     return report
 

@@ -97,7 +97,8 @@ def render_markdown(report: dict) -> str:
               f"minibatches of {s['mini_batch_size']}, micro-batches of {s['micro_batch_size']}; lr {s['learning_rate']}, "
               f"optimizer {s['optimizer']}; gradient checkpointing {'on' if s['gradient_checkpointing'] else 'off'}; "
               f"{s.get('warmup_runs', s.get('warmup_steps'))} warm-up step(s) then {s['steps']} measured step(s) per "
-              "side.", ""]
+              "side" + (f", in each of {s['rounds']} rounds (the order of the sides reversed every other round)"
+                        if s.get("rounds", 1) > 1 else "") + ".", ""]
     lines += ["## Results", "", "| | ours | TRL | TRL / ours |", "|---|---:|---:|---:|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in result_rows(report)]
     lines += ["", "TRL / ours above 1 means ours is faster (times) or lighter (memory). Times are means over the "
@@ -109,6 +110,7 @@ def render_markdown(report: dict) -> str:
                   "time (all of this process's threads) is the steadier comparison. 1-minute load average "
                   "at the start / end of each side: "
                   + "; ".join(f"{n} {_load(a)} / {_load(b)}" for n, (a, b) in loads.items()) + "."]
+    lines += round_lines(report)
     lines += ablation_lines(report)
     for name, side in report["sides"].items():
         lines += ["", f"## {side['label']}: status {side['status']}", ""]
@@ -130,6 +132,24 @@ def render_markdown(report: dict) -> str:
               "- Every boundary synchronizes the device. TRL's policy log-probs come from the logits it keeps "
               "while generating; ours re-scores the sampled tokens in one forward pass."]
     return "\n".join(lines) + "\n"
+
+
+def round_lines(report: dict) -> list[str]:
+    """With several rounds: each round's order and mean step time per side, and its TRL / ours ratio (how much
+    the ratio moves between rounds is how far one ordering of the sides can be trusted on this machine)."""
+    rounds = report.get("rounds") or []
+    if len(rounds) < 2:
+        return []
+    names = list(report["sides"])
+    lines = ["", "## Rounds (the figures above are over all of them)", "",
+             "| round | order | " + " | ".join(f"{n} step (s)" for n in names) + " | TRL / ours |",
+             "|---:|---|" + "---:|" * len(names) + "---:|"]
+    for r in rounds:
+        times = r["step_s"]
+        ratio = times["trl"] / times["ours"] if times.get("trl") and times.get("ours") else None
+        lines.append(f"| {r['round']} | {', '.join(r['order'])} | " + " | ".join(_num(times.get(n)) for n in names)
+                     + f" | {_ratio(ratio)} |")
+    return lines
 
 
 def ablation_lines(report: dict) -> list[str]:

@@ -54,6 +54,19 @@ def run_ours(w: StageWorkload, side_dir: Path, result: dict) -> None:
                        for r in metrics if "perf/step_s" in r]
     result["trace"] = [json.loads(line)["rows"] for line in (trace_dir / "rows-rank0.jsonl").read_text().splitlines()]
     result["adapter"] = str(run_dir / "adapter")
+    if (run_dir / "memory.json").is_file():  # --profile_memory true: the recorder's tensor walk
+        result["memory"] = tensor_profile(json.loads((run_dir / "memory.json").read_text()))
+
+
+def tensor_profile(memory: dict) -> Optional[dict]:
+    """From our recorder's memory.json: the tensor-counted components of the largest forward_backward phase (what
+    is alive with gradients, optimizer states included after the first step) and the bytes saved for backward over
+    the first step's micro-batches; the figures TRL's side takes the same way (`trl_stages.profile_tensors`)."""
+    phase = next((p for p in memory["phases"] if p["phase"] == "forward_backward"), None)
+    if phase is None:
+        return None
+    resident = {k: v for k, v in phase["components"].items() if v is not None}
+    return {"resident": resident, "saved_for_backward": phase.get("saved_for_backward")}
 
 
 def run_trl_side(w: StageWorkload, side_dir: Path, result: dict, device: torch.device) -> None:

@@ -71,6 +71,7 @@ def render_markdown(report: dict) -> str:
                       f"computes {_f(r.get('computed_tokens_trl_over_ours'), '.2f')}x the tokens ours does; TRL's "
                       f"peak RSS over ours {_f(r['peak_rss_trl_over_ours'], '.2f')}x (above start "
                       f"{_f(r['peak_rss_above_start_trl_over_ours'], '.2f')}x)."]
+    lines += memory_lines(report)
     for side in report["sides"].values():
         if side.get("error"):
             lines += ["", f"{side['side']} failed: {side['error']}"]
@@ -78,6 +79,34 @@ def render_markdown(report: dict) -> str:
             lines += ["", f"**{side.get('label', side['side'])}**: " + "; ".join(
                 f"{k}: {v}" for k, v in side["setup"].items() if k != "argv")]
     return "\n".join(lines) + "\n"
+
+
+def memory_lines(report: dict) -> list[str]:
+    """With `--profile_memory true`: each side's tensors by component (the same walk on both sides), the bytes saved
+    for backward over one optimizer step's micro-batches, and what of the peak RSS neither accounts for (the
+    backward's temporaries, the runtime, the heap's slack)."""
+    sides = {n: s for n, s in report["sides"].items() if s.get("memory")}
+    if not sides:
+        return []
+    components = sorted({c for s in sides.values() for c in s["memory"]["resident"]})
+    mib = 2**20
+
+    def cell(value: Optional[float]) -> str:
+        return "-" if value is None else f"{value / mib:.0f}"
+
+    lines = ["", "## Tensor-counted memory (MiB; `--profile_memory true`)", "",
+             "| | " + " | ".join(s.get("label", n) for n, s in sides.items()) + " |", "|---|" + "---:|" * len(sides)]
+    for c in components:
+        lines.append(f"| {c} | " + " | ".join(cell(s["memory"]["resident"].get(c, 0)) for s in sides.values()) + " |")
+    resident = {n: sum(s["memory"]["resident"].values()) for n, s in sides.items()}
+    saved = {n: s["memory"].get("saved_for_backward") for n, s in sides.items()}
+    lines.append("| **tensors alive** | " + " | ".join(cell(resident[n]) for n in sides) + " |")
+    lines.append("| saved for backward, first step's micro-batches | " + " | ".join(cell(saved[n]) for n in sides) + " |")
+    peaks = {n: (s.get("summary") or {}).get("peak_rss_bytes") for n, s in sides.items()}
+    lines.append("| peak RSS | " + " | ".join(cell(peaks[n]) for n in sides) + " |")
+    rest = {n: peaks[n] - resident[n] - (saved[n] or 0) if peaks[n] is not None else None for n in sides}
+    lines.append("| peak RSS less both (temporaries, runtime, heap) | " + " | ".join(cell(rest[n]) for n in sides) + " |")
+    return lines
 
 
 def not_worse(report: dict) -> str:

@@ -155,6 +155,8 @@ def run_trl(w, rows: Sequence, tokenizer, device: torch.device, out_dir: Path, r
         return collate(features)
 
     trainer.data_collator = traced
+    if train.profile_memory:
+        profile_tensors(trainer, train.gradient_accumulation_steps, device, result)
     result["setup"] = {**describe(w), "trainable_parameters": sum(p.numel() for p in params)}
     trainer.train()
     result["trl_logs"] = [h for h in trainer.state.log_history if "loss" in h][-3:]
@@ -162,6 +164,37 @@ def run_trl(w, rows: Sequence, tokenizer, device: torch.device, out_dir: Path, r
     trainer.save_model(str(out_dir / "trl-adapter"))
     to_our_adapter(w, out_dir / "trl-adapter", adapter)
     result["adapter"] = str(adapter)
+
+
+def profile_tensors(trainer, accumulation: int, device: torch.device, result: dict) -> None:
+    """What ours' `--profile_memory true` records, taken the same way inside TRL's loop: the bytes autograd saves
+    for backward over the first optimizer step's micro-batches (`SavedTensorMeter`, the weights excluded), and the
+    tensors alive by component (base, adapter, gradients, optimizer states) after the second step's backward, when
+    gradients and AdamW states both exist, as in the largest of ours' forward_backward phases. Filled into
+    `result["memory"]` as `profiling.recorder` writes ours (bytes)."""
+    from profiling.saved import SavedTensorMeter
+    from profiling.tensors import count_tensors
+
+    inner, calls, meter = trainer.training_step, [0], []
+
+    def training_step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > 2 * accumulation:
+            return inner(*args, **kwargs)
+        if calls[0] == 1:
+            meter.append(SavedTensorMeter(exclude=count_tensors(trainer.model, trainer.optimizer).storage_keys()))
+        if calls[0] <= accumulation:
+            with meter[0].watch():
+                loss = inner(*args, **kwargs)
+        else:
+            loss = inner(*args, **kwargs)
+        if calls[0] in (accumulation, 2 * accumulation):  # gradients alive: before the optimizer step
+            resident = count_tensors(trainer.model, trainer.optimizer).components(str(device))
+            result["memory"] = {"resident": resident, "saved_for_backward": meter[0].bytes,
+                                "after_step": calls[0] // accumulation}
+        return loss
+
+    trainer.training_step = training_step
 
 
 def _dpo_on_token_ids():

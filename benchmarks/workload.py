@@ -50,17 +50,23 @@ class PPOBenchArguments(Checked):
     warmup_runs: int = field(default=1, metadata={"help": "Steps run first and left out of the figures."})
     sides: str = field(default="ours,trl", metadata={
         "help": "Which sides to run, in this order: ours, trl, and the ablations of ours: ours_separate (one pass "
-                "per adapter, --fused_passes false), ours_merged (--merged_generation true)."})
+                "per adapter, --fused_passes false), ours_merged (--merged_generation true), ours_compiled (--decode "
+                "compiled)."})
+    rounds: int = field(default=1, metadata={
+        "help": "Run every side this many times, the order of --sides reversed every other round (ours,trl then "
+                "trl,ours, ...), so a shared machine's drift in speed falls on both sides alike. Figures are over "
+                "every round's measured steps; the report lists each round's step times and ratio."})
     out_dir: Optional[str] = field(default=None, metadata={"help": "Default benchmarks/results/ppo_vs_trl-MODEL-DEVICE."})
     export_tokenizer: Optional[str] = field(default=None, metadata={
         "help": "Only write the tokenizer of --model_name_or_path into this folder (for --tokenizer_name_or_path) "
                 "and exit."})
 
-    RULES = {"prompt_length": at_least(2), "steps": at_least(1), "warmup_runs": at_least(0)}
+    RULES = {"prompt_length": at_least(2), "steps": at_least(1), "warmup_runs": at_least(0), "rounds": at_least(1)}
 
 
 # Our side's ablations: the PPO settings each changes.
-ABLATIONS = {"ours_separate": {"fused_passes": False}, "ours_merged": {"merged_generation": True}}
+ABLATIONS = {"ours_separate": {"fused_passes": False}, "ours_merged": {"merged_generation": True},
+             "ours_compiled": {"decode": "compiled"}}
 SIDES = ("ours", "trl", *ABLATIONS)
 
 
@@ -107,7 +113,7 @@ class Workload:
     @property
     def side_list(self) -> list[str]:
         sides = [s.strip() for s in self.bench.sides.split(",") if s.strip()]
-        if set(sides) - set(SIDES) or not sides:
+        if set(sides) - set(SIDES) or not sides or len(set(sides)) < len(sides):
             raise UsageError(f"--sides {self.bench.sides!r}: use some of {', '.join(SIDES)}")
         return sides
 

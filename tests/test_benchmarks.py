@@ -124,3 +124,53 @@ def test_collect_run_copies_reports_and_results_but_no_weights(tmp_path):
     info = json.loads((out / "provenance.json").read_text())
     assert info["note"] == "unit test" and info["git_revision"] and "sft/results.json" in info["files"]
     assert (out / "sft" / "evaluation-eval.json").read_text() == '{"task": "sft"}'  # evaluate --output_file
+
+
+def _run(step_s: list[float], rss_start: int, rss_peaks: list[int], status: str = "ok") -> dict:
+    steps = [{"step": i, "warmup": i == 0, "step_s": t, "rollout_s": t / 2, "update_s": t / 2, "generate_s": t / 4,
+              "peak": {"peak_rss_bytes": peak}} for i, (t, peak) in enumerate(zip(step_s, rss_peaks))]
+    return {"side": "x", "status": status, "error": None if status == "ok" else "boom", "steps": steps, "setup": {},
+            "at_start": {"rss_bytes": rss_start}, "load_average_at_start": (1.0,), "load_average_at_end": (2.0,)}
+
+
+def test_rounds_alternate_the_order_and_pool_every_rounds_measured_steps():
+    from benchmarks.ppo_vs_trl import merge_round, round_orders, summarize
+
+    assert round_orders(["ours", "trl"], 3) == [["ours", "trl"], ["trl", "ours"], ["ours", "trl"]]
+    assert round_orders(["ours", "trl", "ours_separate"], 2)[1] == ["ours_separate", "trl", "ours"]
+    tokens = {"generated": 10, "update": 100}
+    # round 1: warm-up 9 s, then 2 s and 4 s; round 2 (started 1 GiB higher): warm-up, then 6 s
+    side = merge_round(None, _run([9.0, 2.0, 4.0], 1 << 30, [3 << 30, 3 << 30, 3 << 30]), 1)
+    side = merge_round(side, _run([9.0, 6.0], 2 << 30, [3 << 30, 5 << 30], status="failed"), 2)
+    summary = summarize(side, tokens)
+    assert summary["measured_steps"] == 3 and summary["step_s"] == 4.0  # (2 + 4 + 6) / 3, warm-ups left out
+    assert summary["peak_rss_bytes"] == 5 << 30
+    assert summary["peak_rss_above_start_bytes"] == 3 << 30  # 5 GiB over round 2's start of 2 GiB
+    assert [s["round"] for s in side["steps"]] == [1, 1, 1, 2, 2]
+    assert side["status"] == "failed" and side["error"] == "round 2: boom"
+    assert [r["load_average_at_start"] for r in side["rounds"]] == [(1.0,), (1.0,)]
+
+
+def test_markdown_lists_each_rounds_ratio_when_there_are_several():
+    report = _report("cpu")
+    report["settings"]["rounds"] = 2
+    report["rounds"] = [{"round": 1, "order": ["ours", "trl"], "step_s": {"ours": 2.0, "trl": 3.0}},
+                        {"round": 2, "order": ["trl", "ours"], "step_s": {"ours": 2.5, "trl": 2.5}}]
+    text = render_markdown(report)
+    assert "| 1 | ours, trl | 2.00 | 3.00 | 1.50x |" in text and "| 2 | trl, ours | 2.50 | 2.50 | 1.00x |" in text
+    assert "in each of 2 rounds" in text
+    report["rounds"] = report["rounds"][:1]
+    assert "## Rounds" not in render_markdown(report)
+
+
+def test_decode_times_each_generation_path_on_the_same_rows(tmp_path):
+    """benchmarks.gpu.decode --paths: one row per (path, batch); the static cache samples through transformers'
+    own StaticCache (the compiled path adds only torch.compile, too slow for a unit test on CPU)."""
+    from benchmarks.gpu.decode import main as decode
+
+    result = decode(["--model_name_or_path", "tiny-llama", "--batches", "2", "--prompt_tokens", "4", "--new_tokens",
+                     "3", "--repeats", "1", "--copy_gib", "0.01", "--paths", "unmerged,merged,static",
+                     "--out_dir", str(tmp_path)])
+    assert [(r["path"], r["batch"]) for r in result["rows"]] == [("unmerged", 2), ("merged", 2), ("static", 2)]
+    assert all(r["tokens_per_s"] > 0 and r["first_call_s"] > 0 for r in result["rows"])
+    assert "| static | 2 |" in (tmp_path / "decode.md").read_text()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import saved_head
 
+from profiling.cli import UsageError
 from trainer.config import ModelArguments
 from trainer.model.shared_base import HEAD_FILE, AdapterSpec, build_shared_model, position_ids_from_mask
 
@@ -403,3 +404,25 @@ def test_merged_weights_decode_like_the_adapter_and_leave_base_and_adapter_untou
     greedy = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
     if args.quantization == "none":
         assert torch.equal(model.generate(ids, mask, merged=True, **greedy), model.generate(ids, mask, **greedy))
+
+
+def test_static_kv_cache_decodes_the_same_greedy_tokens_as_the_dynamic_one(sft_adapter):
+    """--decode static: transformers' preallocated cache through the LoRA layers, the same tokens as the default
+    (left-padded prompts included); a decode path outside the three is refused by name."""
+    from trainer.rl.rollout import Sampling, decode_kwargs, sample_responses
+
+    args, sft_dir, _ = sft_adapter
+    if args.quantization != "none":
+        pytest.skip("greedy tokens are compared exactly in fp32 only")
+    model = perturbed_ppo_model(args, sft_dir)
+    ids, mask = batch(b=3)
+    outs = [sample_responses(model, ids, mask, Sampling(max_new_tokens=5, temperature=0.0, decode=decode), eos_id=1,
+                             pad_id=0) for decode in ("eager", "static")]
+    for eager, static in zip(*outs):
+        assert torch.equal(eager, static)
+    assert outs[0][0].shape[1] > ids.shape[1]
+    assert decode_kwargs("static", torch.device("cpu"))["cache_implementation"] == "static"
+    compiled = decode_kwargs("compiled", torch.device("cpu"))["compile_config"]
+    assert compiled._compile_all_devices and compiled.mode == "default"
+    with pytest.raises(UsageError, match="--decode 'fast'"):
+        decode_kwargs("fast", torch.device("cpu"))

@@ -86,8 +86,17 @@ def test_trl_adapters_converted_to_ours_score_exactly_as_trl_computes_them(stage
 @pytest.mark.parametrize("stage", ["sft", "reward", "dpo"])
 def test_both_sides_train_on_the_planned_rows_and_are_scored_by_the_same_evaluation(stage, tmp_path):
     out = tmp_path / "out"
-    report = main(TINY + ["--stage", stage, "--out_dir", str(out)])
+    profile = ["--profile_memory", "true"] if stage == "dpo" else []  # the tensor walk, on one stage
+    report = main(TINY + ["--stage", stage, "--out_dir", str(out)] + profile)
     ours, trl = report["sides"]["ours"], report["sides"]["trl"]
+    if profile:  # the same walk on both sides: the same LoRA shape and AdamW give the same gradients and states
+        mine, theirs = ours["memory"]["resident"], trl["memory"]["resident"]
+        assert mine["gradients"] == theirs["gradients"] > 0
+        assert mine["optimizer_states"] == theirs["optimizer_states"] > 0
+        assert ours["memory"]["saved_for_backward"] > 0 and trl["memory"]["saved_for_backward"] > 0
+        assert "## Tensor-counted memory" in (out / "stages_vs_trl.md").read_text()
+    else:
+        assert "memory" not in ours and "memory" not in trl
     for side in (ours, trl):
         assert side["status"] == "ok", side.get("error")
         assert side["rows_as_planned"] is True  # every micro-batch held the planned rows, in order

@@ -28,7 +28,7 @@ from trainer.losses import KL_ESTIMATORS
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.policy_eval import policy_vs_reference
 from trainer.rl.ppo_step import PPOState, ppo_step
-from trainer.rl.rollout import RewardModelScorer, Sampling, ScriptedScorer, parse_scripted_reward
+from trainer.rl.rollout import DECODE_PATHS, RewardModelScorer, Sampling, ScriptedScorer, parse_scripted_reward
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,10 @@ class PPOArguments(Checked):
         "help": "Sample from a working copy of the base with the policy merged in (one matmul per layer; the copy, "
                 "dequantized on a 4-bit base, lives during generation only). Old log-probs stay exact: they come "
                 "from the unmerged scoring pass."})
+    decode: str = field(default="eager", metadata={
+        "help": "How generation runs its decode steps: eager (transformers' dynamic KV cache), static (a KV cache "
+                "allocated once at full length) or compiled (the static cache and a torch.compile'd decode step; "
+                "the first rollout pays the compilation). Old log-probs come from the scoring pass either way."})
     ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
     max_new_tokens: int = field(default=32, metadata={"help": "Response length limit."})
     min_new_tokens: int = field(default=0, metadata={"help": "Fix the response length (= max_new_tokens) for benchmarks."})
@@ -90,7 +94,8 @@ class PPOArguments(Checked):
     RULES = {"scripted_reward": _scripted_reward_rule, "rollout_batch_size": at_least(1),
              "rollout_micro_batch_size": at_least(1), "mini_batch_size": at_least(1), "ppo_epochs": at_least(1),
              "max_new_tokens": at_least(1), "min_new_tokens": at_least(0), "temperature": at_least(0),
-             "top_k": at_least(0), "top_p": between(0, 1), "kl_estimator": one_of(*KL_ESTIMATORS),
+             "top_k": at_least(0), "top_p": between(0, 1), "decode": one_of(*DECODE_PATHS),
+             "kl_estimator": one_of(*KL_ESTIMATORS),
              "init_kl_coef": at_least(0), "target_kl": above(0), "kl_horizon": at_least(1), "gamma": between(0, 1),
              "lam": between(0, 1), "cliprange": above(0), "cliprange_value": above(0), "vf_coef": at_least(0),
              "entropy_coef": at_least(0), "eval_prompts": at_least(0)}

@@ -1,6 +1,7 @@
 """Rollout decode throughput of the shared base, against the bandwidth bound.
 
     python -m benchmarks.gpu.decode --model_name_or_path llama-2-7b --quantization nf4 --batches 1,16,64
+    python -m benchmarks.gpu.decode --paths unmerged,merged,static,compiled --batches 8   # which path decodes fastest
 
 Each decoded token reads every weight of the base once (packed 4-bit weights, their quantization
 constants, norms and the LM head; an embedding row per sequence) plus the active LoRA adapter, whatever
@@ -9,6 +10,12 @@ decode step). The bandwidth is measured in the same run by a device-to-device co
 bytes written, over the time). Decode time is generation of N new tokens less generation of one (the
 prefill), so tokens/s counts decoded tokens only. KV-cache reads are left out of the bound (they grow
 with the context; at these lengths they are a few percent of the weights).
+
+`--paths` times the generation paths a rollout can take, on the same rows: `unmerged` (the LoRA layers
+as they train, transformers' dynamic KV cache: what PPO runs by default), `merged` (a working copy of
+the weights with the policy merged in: `--merged_generation true`), `static` (a preallocated KV cache of
+fixed shape, no compilation: `--decode static`) and `compiled` (the static cache and a torch.compile'd
+decode step, on any device: `--decode compiled`). Every path's first call (compilation included) is timed apart from the best of the repeats.
 """
 
 from __future__ import annotations
@@ -37,9 +44,26 @@ class DecodeArguments(Checked):
     new_tokens: int = field(default=64, metadata={"help": "Tokens decoded per row (fixed: min == max)."})
     repeats: int = field(default=2, metadata={"help": "Timed generations per batch size (best kept)."})
     copy_gib: float = field(default=1.0, metadata={"help": "Size of the bandwidth-measuring copy, GiB."})
+    paths: str = field(default="unmerged", metadata={
+        "help": "Generation paths to time, comma-separated: unmerged, merged, static, compiled."})
     out_dir: str = field(default="decode", metadata={"help": "Folder for decode.json and decode.md."})
 
-    RULES = {"prompt_tokens": at_least(1), "new_tokens": at_least(2), "repeats": at_least(1), "copy_gib": above(0)}
+    RULES = {"prompt_tokens": at_least(1), "new_tokens": at_least(2), "repeats": at_least(1), "copy_gib": above(0),
+             "paths": lambda name, value: (None if value and set(value.split(",")) <= set(PATHS)
+                                           else f"use some of {', '.join(PATHS)}")}
+
+
+PATHS = ("unmerged", "merged", "static", "compiled")
+
+
+def path_kwargs(path: str, device: torch.device) -> dict:
+    """`SharedBaseModel.generate`'s extra arguments for a generation path: what `--merged_generation true` and
+    `--decode static|compiled` make PPO's rollout pass."""
+    from trainer.rl.rollout import decode_kwargs
+
+    if path == "merged":
+        return {"merged": True}
+    return decode_kwargs(path, device) if path in ("static", "compiled") else {}
 
 
 def batch_sizes(text: str) -> list[int]:
@@ -52,18 +76,19 @@ def batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int) -> float:
-    """Best wall time of generating exactly `new_tokens` tokens for the rows of `ids`."""
+def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, **kwargs) -> tuple[float, float]:
+    """(first call's, best later call's) wall time of generating exactly `new_tokens` tokens for the rows of `ids`:
+    the first warms kernels and caches up (and compiles, on the compiled path)."""
     mask = torch.ones_like(ids)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first run warms kernels and caches up
+    times = []
+    for _ in range(repeats + 1):
         sync(ids.device)
         started = time.perf_counter()
         model.generate(ids, mask, adapter="policy", max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=True, temperature=1.0, pad_token_id=0)
+                       do_sample=True, temperature=1.0, pad_token_id=0, **kwargs)
         sync(ids.device)
-        best = min(best, time.perf_counter() - started)
-    return best
+        times.append(time.perf_counter() - started)
+    return times[0], min(times[1:])
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -83,15 +108,19 @@ def main(argv: Optional[list[str]] = None) -> dict:
     generator = torch.Generator().manual_seed(0)
     for batch in batch_sizes(args.batches):
         ids = torch.randint(3, vocab, (batch, args.prompt_tokens), generator=generator).to(device)
-        full = time_generation(model, ids, args.new_tokens, args.repeats)
-        prefill = time_generation(model, ids, 1, args.repeats)
-        decode_s = max(full - prefill, 1e-9)
-        tokens_per_s = batch * (args.new_tokens - 1) / decode_s
-        bound = batch * bandwidth / step_bytes
-        rows.append({"batch": batch, "decode_s": decode_s, "tokens_per_s": tokens_per_s, "bound_tokens_per_s": bound,
-                     "bandwidth_fraction": tokens_per_s / bound, "ms_per_step": 1e3 * decode_s / (args.new_tokens - 1)})
-        print(f"batch {batch}: {tokens_per_s:.1f} tokens/s, {rows[-1]['ms_per_step']:.1f} ms per step, "
-              f"{rows[-1]['bandwidth_fraction']:.1%} of the bandwidth bound ({bound:.0f} tokens/s)", flush=True)
+        for path in args.paths.split(","):
+            kwargs = path_kwargs(path, device)
+            first, full = time_generation(model, ids, args.new_tokens, args.repeats, **kwargs)
+            _, prefill = time_generation(model, ids, 1, args.repeats, **kwargs)
+            decode_s = max(full - prefill, 1e-9)
+            tokens_per_s = batch * (args.new_tokens - 1) / decode_s
+            bound = batch * bandwidth / step_bytes
+            rows.append({"path": path, "batch": batch, "decode_s": decode_s, "generate_s": full, "first_call_s": first,
+                         "prefill_s": prefill, "tokens_per_s": tokens_per_s, "bound_tokens_per_s": bound,
+                         "bandwidth_fraction": tokens_per_s / bound, "ms_per_step": 1e3 * decode_s / (args.new_tokens - 1)})
+            print(f"{path}, batch {batch}: {tokens_per_s:.1f} tokens/s, {rows[-1]['ms_per_step']:.1f} ms per step, "
+                  f"{rows[-1]['bandwidth_fraction']:.1%} of the bandwidth bound ({bound:.0f} tokens/s); first call "
+                  f"{first:.2f} s", flush=True)
     result = {**provenance(device, "python -m benchmarks.gpu.decode " + " ".join(shlex.quote(a) for a in argv)),
               "kind": "decode", "model": asdict(model_args), "settings": asdict(args),
               "copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_decode_step": read,
@@ -109,10 +138,15 @@ def markdown(result: dict) -> str:
              f"- device copy bandwidth: {result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write); "
              f"bytes read per decode step: {result['bytes_per_decode_step'] / 2**30:.3f} GiB "
              f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in result['bytes_read_per_decode_step'].items())})", "",
-             "| batch | decoded tokens/s | ms per step | bound tokens/s | fraction of bound |", "|---:|---:|---:|---:|---:|"]
+             "| path | batch | decoded tokens/s | ms per step | whole generation s (best) | first call s | bound tokens/s "
+             "| fraction of bound |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        lines.append(f"| {r['batch']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | {r['bound_tokens_per_s']:.0f} "
+        lines.append(f"| {r.get('path', 'unmerged')} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
+                     f"{r.get('generate_s', 0):.3f} | {r.get('first_call_s', 0):.2f} | {r['bound_tokens_per_s']:.0f} "
                      f"| {r['bandwidth_fraction']:.1%} |")
+    lines += ["", "Paths: unmerged (the LoRA layers as trained, dynamic KV cache: the default), merged (policy merged into "
+              "a working copy: --merged_generation true), static (preallocated KV cache, eager), compiled (static cache "
+              "+ torch.compile'd decode step). First call: compilation and warm-up, left out of the other columns."]
     return "\n".join(lines) + "\n"
 
 

@@ -6,8 +6,9 @@
 - memory: the seed recipe's SFT, reward model and PPO stages (trainer/configs/llama2_7b/) on the
           Llama-2-7B architecture (random weights, NF4) under a simulated 24 GB card with
           `--profile_memory true`, 3 steps each, then each stage measured against the estimator.
-- speed:  `benchmarks.ppo_vs_trl` at 7B NF4 under the same cap, and decode throughput at batch 1,
-          16 and 64 against the bandwidth bound (`benchmarks.gpu.decode`).
+- speed:  `benchmarks.ppo_vs_trl` at 7B NF4 under the same cap, decode throughput at batch 1,
+          16 and 64 against the bandwidth bound (`benchmarks.gpu.decode`), and at batch 16 each
+          generation path (unmerged, merged, static KV cache, compiled decode step).
 - ladder: the SFT flag ladder (`profiling.bench`) at 7B under the cap.
 - stages: `benchmarks.stages_vs_trl` for SFT, reward and DPO at 7B NF4 under the cap, 3 steps each:
           our stage scripts against TRL's SFTTrainer, RewardTrainer and DPOTrainer (speed and memory).
@@ -155,10 +156,16 @@ def steps_for(args: PartArguments, out: Path) -> list[Step]:
                     "--warmup_runs", "1", "--lora_r", "16", "--lora_alpha", "32",
                     "--sides", "ours,ours_separate,trl"]  # the fused-vs-separate ablation where it should pay
             decode = ["--batches", "1,16,64", "--prompt_tokens", "128", "--new_tokens", "64"]
-        return [Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args), *data_flags(args),
-                                    *cap_flags(args), *work, "--out_dir", str(out / "ppo_vs_trl")]),
-                Step("decode", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), *decode,
-                                "--out_dir", str(out / "decode")])]
+        steps = [Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args), *data_flags(args),
+                                     *cap_flags(args), *work, "--out_dir", str(out / "ppo_vs_trl")]),
+                 Step("decode", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), *decode,
+                                 "--out_dir", str(out / "decode")])]
+        if not args.smoke:  # which generation path decodes fastest at the rollout's batch (issue: keep what wins)
+            steps.append(Step("decode-paths", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args),
+                                               "--batches", "16", "--prompt_tokens", "128", "--new_tokens", "64",
+                                               "--paths", "unmerged,merged,static,compiled",
+                                               "--out_dir", str(out / "decode-paths")]))
+        return steps
     if args.part == "stages":
         return [Step(f"stages_vs_trl-{stage}", stages_vs_trl(args, stage, out)) for stage in ("sft", "reward", "dpo")]
     # The ladder varies quantization, dtype, attention, checkpointing and optimizer itself.

@@ -34,6 +34,7 @@ class Sampling:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    decode: str = "eager"  # DECODE_PATHS
 
     @classmethod
     def of(cls, args) -> "Sampling":
@@ -95,6 +96,27 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -
     return mask, ended
 
 
+DECODE_PATHS = ("eager", "static", "compiled")
+
+
+def decode_kwargs(decode: str, device: torch.device) -> dict:
+    """transformers' `generate` arguments for a decode path. eager: its dynamic KV cache, grown token by token;
+    static: a KV cache allocated once at its full length, run eagerly; compiled: the static cache and a
+    torch.compile'd decode step (what transformers does by itself on CUDA with a static cache; here on any device,
+    CUDA graphs on CUDA). The sampled tokens' log-probs come from the scoring pass either way."""
+    if decode not in DECODE_PATHS:
+        raise UsageError(f"--decode {decode!r}: must be one of {', '.join(DECODE_PATHS)}")
+    if decode == "eager":
+        return {}
+    if decode == "static":
+        return {"cache_implementation": "static", "disable_compile": True}
+    from transformers import CompileConfig
+
+    config = CompileConfig(mode="reduce-overhead" if device.type == "cuda" else "default")
+    config._compile_all_devices = True  # transformers' own switch: without it, it compiles on accelerators only
+    return {"cache_implementation": "static", "compile_config": config}
+
+
 @torch.no_grad()
 def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
                      eos_id: int, pad_id: int, adapter: str = POLICY, merged: bool = False) -> tuple[torch.Tensor, ...]:
@@ -104,6 +126,7 @@ def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                   do_sample=sampling.temperature > 0, eos_token_id=eos_id, pad_token_id=pad_id)
     if sampling.temperature > 0:
         kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    kwargs.update(decode_kwargs(sampling.decode, prompt_ids.device))
     if merged:
         kwargs["merged"] = True
     sequences = model.generate(prompt_ids, prompt_mask, adapter=adapter, **kwargs)
