@@ -172,26 +172,24 @@ def profile_tensors(trainer, accumulation: int, device: torch.device, result: di
     tensors alive by component (base, adapter, gradients, optimizer states) after the second step's backward, when
     gradients and AdamW states both exist, as in the largest of ours' forward_backward phases. Filled into
     `result["memory"]` as `profiling.recorder` writes ours (bytes)."""
+    from contextlib import nullcontext
+
     from profiling.saved import SavedTensorMeter
     from profiling.tensors import count_tensors
 
-    inner, calls, meter = trainer.training_step, [0], []
+    inner, calls, meter = trainer.training_step, 0, None
 
     def training_step(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] > 2 * accumulation:
-            return inner(*args, **kwargs)
-        if calls[0] == 1:
-            meter.append(SavedTensorMeter(exclude=count_tensors(trainer.model, trainer.optimizer).storage_keys()))
-        if calls[0] <= accumulation:
-            with meter[0].watch():
-                loss = inner(*args, **kwargs)
-        else:
+        nonlocal calls, meter
+        calls += 1
+        if meter is None:  # the weights exist now: what autograd saves of them is not activation memory
+            meter = SavedTensorMeter(exclude=count_tensors(trainer.model, trainer.optimizer).storage_keys())
+        with meter.watch() if calls <= accumulation else nullcontext():
             loss = inner(*args, **kwargs)
-        if calls[0] in (accumulation, 2 * accumulation):  # gradients alive: before the optimizer step
+        if calls in (accumulation, 2 * accumulation):  # gradients alive: before the optimizer step
             resident = count_tensors(trainer.model, trainer.optimizer).components(str(device))
-            result["memory"] = {"resident": resident, "saved_for_backward": meter[0].bytes,
-                                "after_step": calls[0] // accumulation}
+            result["memory"] = {"resident": resident, "saved_for_backward": meter.bytes,
+                                "after_step": calls // accumulation}
         return loss
 
     trainer.training_step = training_step

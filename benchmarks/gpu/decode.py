@@ -15,7 +15,8 @@ with the context; at these lengths they are a few percent of the weights).
 as they train, transformers' dynamic KV cache: what PPO runs by default), `merged` (a working copy of
 the weights with the policy merged in: `--merged_generation true`), `static` (a preallocated KV cache of
 fixed shape, no compilation: `--decode static`) and `compiled` (the static cache and a torch.compile'd
-decode step, on any device: `--decode compiled`). Every path's first call (compilation included) is timed apart from the best of the repeats.
+decode step, on any device: `--decode compiled`). Every path's first call (compilation included) is
+timed apart from the best of the repeats.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from profiling.decode import bytes_per_decode_step, copy_bandwidth, sync
 from profiling.files import write_atomic
 from profiling.provenance import provenance
 from trainer.config import ModelArguments
+from trainer.rl.rollout import DECODE_PATHS, decode_kwargs
 
 
 @dataclass
@@ -49,21 +51,19 @@ class DecodeArguments(Checked):
     out_dir: str = field(default="decode", metadata={"help": "Folder for decode.json and decode.md."})
 
     RULES = {"prompt_tokens": at_least(1), "new_tokens": at_least(2), "repeats": at_least(1), "copy_gib": above(0),
-             "paths": lambda name, value: (None if value and set(value.split(",")) <= set(PATHS)
+             "paths": lambda name, value: (None if set(value.split(",")) <= set(PATHS)
                                            else f"use some of {', '.join(PATHS)}")}
 
 
-PATHS = ("unmerged", "merged", "static", "compiled")
+# unmerged is PPO's default (--decode eager), merged is --merged_generation true, the rest are --decode paths.
+PATHS = ("unmerged", "merged", *DECODE_PATHS[1:])
 
 
 def path_kwargs(path: str, device: torch.device) -> dict:
-    """`SharedBaseModel.generate`'s extra arguments for a generation path: what `--merged_generation true` and
-    `--decode static|compiled` make PPO's rollout pass."""
-    from trainer.rl.rollout import decode_kwargs
-
+    """`SharedBaseModel.generate`'s extra arguments for a generation path: what PPO's rollout passes for it."""
     if path == "merged":
         return {"merged": True}
-    return decode_kwargs(path, device) if path in ("static", "compiled") else {}
+    return decode_kwargs("eager" if path == "unmerged" else path, device)
 
 
 def batch_sizes(text: str) -> list[int]:
@@ -108,13 +108,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     generator = torch.Generator().manual_seed(0)
     for batch in batch_sizes(args.batches):
         ids = torch.randint(3, vocab, (batch, args.prompt_tokens), generator=generator).to(device)
+        bound = batch * bandwidth / step_bytes
         for path in args.paths.split(","):
             kwargs = path_kwargs(path, device)
             first, full = time_generation(model, ids, args.new_tokens, args.repeats, **kwargs)
             _, prefill = time_generation(model, ids, 1, args.repeats, **kwargs)
             decode_s = max(full - prefill, 1e-9)
             tokens_per_s = batch * (args.new_tokens - 1) / decode_s
-            bound = batch * bandwidth / step_bytes
             rows.append({"path": path, "batch": batch, "decode_s": decode_s, "generate_s": full, "first_call_s": first,
                          "prefill_s": prefill, "tokens_per_s": tokens_per_s, "bound_tokens_per_s": bound,
                          "bandwidth_fraction": tokens_per_s / bound, "ms_per_step": 1e3 * decode_s / (args.new_tokens - 1)})
@@ -141,8 +141,8 @@ def markdown(result: dict) -> str:
              "| path | batch | decoded tokens/s | ms per step | whole generation s (best) | first call s | bound tokens/s "
              "| fraction of bound |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        lines.append(f"| {r.get('path', 'unmerged')} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
-                     f"{r.get('generate_s', 0):.3f} | {r.get('first_call_s', 0):.2f} | {r['bound_tokens_per_s']:.0f} "
+        lines.append(f"| {r['path']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
+                     f"{r['generate_s']:.3f} | {r['first_call_s']:.2f} | {r['bound_tokens_per_s']:.0f} "
                      f"| {r['bandwidth_fraction']:.1%} |")
     lines += ["", "Paths: unmerged (the LoRA layers as trained, dynamic KV cache: the default), merged (policy merged into "
               "a working copy: --merged_generation true), static (preallocated KV cache, eager), compiled (static cache "
