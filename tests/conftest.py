@@ -85,7 +85,8 @@ def saved_head(folder: Path, hidden_size: int, seed: int = 0) -> str:
 # The slowest files first: `make test` hands whole files to two workers in collection order, so a long
 # file that starts last would run on alone while the other worker idles.
 SLOW_FIRST = ("test_ppo_learning.py", "test_distributed.py", "test_gpu_kit.py", "test_resume.py",
-              "test_pipeline.py", "test_checkpoints.py", "test_stages.py", "test_training.py")
+              "test_stages_vs_trl.py", "test_grpo_learning.py", "test_stages.py", "test_pipeline.py",
+              "test_checkpoints.py", "test_training.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -115,7 +115,12 @@ def traced_rows(trace: Path, rank: int) -> dict[int, list[str]]:
     return rows
 
 
-def assert_same_curve(a: dict, b: dict, rel: float = 1e-5, skip: tuple = ()) -> None:
+def assert_same_curve(a: dict, b: dict, rel: float = 1e-4, skip: tuple = ()) -> None:
+    """Equal to float rounding. The all-reduce sums gradients in another order than one process's
+    accumulation; Adam's division by sqrt(v) grows those ~1e-7 differences in small gradients (see
+    assert_close_adapters), so metrics after a few updates agree to ~1e-5 relative, not to 1e-7 (CI once
+    saw 1.2e-5 on the reward model's eval margin). A wrong split of rows or a wrong gradient scale moves
+    them by far more: the loss moves > 1e-3 in these four steps, and grad_norm is in the curve."""
     keys = [k for k in a if k not in skip]
     assert sorted(keys) == sorted(k for k in b if k not in skip)
     for key in keys:

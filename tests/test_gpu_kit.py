@@ -110,17 +110,18 @@ def test_speed_compares_with_trl_on_the_same_work_and_measures_decode(smoke):
     assert decode["bytes_per_decode_step"] > decode["bytes_read_per_decode_step"]["base_weights"] > 0
 
 
-def test_stages_compare_sft_reward_and_dpo_with_trl_on_the_planned_rows(smoke):
+def test_stages_compare_dpo_with_trl_on_the_planned_rows(smoke):
+    """The smoke run's stages part is DPO only; SFT and reward with the same flags: tests/test_stages_vs_trl.py."""
     _, unpacked = smoke
-    for stage in ("sft", "reward", "dpo"):
-        report = json.loads((unpacked / "stages" / f"stages_vs_trl-{stage}" / "stages_vs_trl.json").read_text())
-        assert report["stage"] == stage and report["rows"]["train_rows"] == 2 * 2
-        for name in ("ours", "trl"):
-            side = report["sides"][name]
-            assert side["status"] == "ok", side["error"]
-            assert side["rows_as_planned"] is True and "evaluation" not in side  # speed and memory only
-            assert side["summary"]["measured_steps"] == 1 and side["summary"]["tokens_per_s"] > 0
-        assert not report["command"].startswith("/") and "--stage " + stage in report["command"]
+    assert sorted(p.name for p in (unpacked / "stages").glob("stages_vs_trl-*")) == ["stages_vs_trl-dpo"]
+    report = json.loads((unpacked / "stages" / "stages_vs_trl-dpo" / "stages_vs_trl.json").read_text())
+    assert report["stage"] == "dpo" and report["rows"]["train_rows"] == 2 * 2
+    for name in ("ours", "trl"):
+        side = report["sides"][name]
+        assert side["status"] == "ok", side["error"]
+        assert side["rows_as_planned"] is True and "evaluation" not in side  # speed and memory only
+        assert side["summary"]["measured_steps"] == 1 and side["summary"]["tokens_per_s"] > 0
+    assert not report["command"].startswith("/") and "--stage dpo" in report["command"]
 
 
 def test_the_flag_ladder_ran_each_rung_with_its_flag(smoke):

@@ -14,7 +14,9 @@
           our stage scripts against TRL's SFTTrainer, RewardTrainer and DPOTrainer (speed and memory).
 
 `--smoke` runs the same code paths on the CPU with the tiny preset and small settings (about a minute
-a part): CI runs every part that way, so the kit cannot rot between GPU sessions. Each step runs in its
+a part): CI runs every part that way, so the kit cannot rot between GPU sessions. The smoke `stages`
+part runs DPO only: SFT and reward run the same benchmark with the same NF4 and 8-bit AdamW flags in
+tests/test_stages_vs_trl.py, which CI runs too. Each step runs in its
 own process with what is left of the part's time; a step that fails is recorded (its exit code and the
 end of its log) and the part goes on. `manifest.json` in DIR says what ran, how long, and where: the
 GPU, its driver, the date, the command and the git revision.
@@ -167,7 +169,8 @@ def steps_for(args: PartArguments, out: Path) -> list[Step]:
                                                "--out_dir", str(out / "decode-paths")]))
         return steps
     if args.part == "stages":
-        return [Step(f"stages_vs_trl-{stage}", stages_vs_trl(args, stage, out)) for stage in ("sft", "reward", "dpo")]
+        stages = ("dpo",) if args.smoke else ("sft", "reward", "dpo")  # smoke: see the module's docstring
+        return [Step(f"stages_vs_trl-{stage}", stages_vs_trl(args, stage, out)) for stage in stages]
     # The ladder varies quantization, dtype, attention, checkpointing and optimizer itself.
     extra = {"dataset": data_path(args), "eval_size": 16, "sft_size": 64, "reward_size": 64, "ppo_size": 64}
     if args.smoke:
