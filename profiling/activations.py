@@ -45,6 +45,7 @@ class ForwardSpec:
     attention: str = "sdpa"  # sdpa / flash_attention_2 keep no seq x seq tensor; eager does
     checkpointing: bool = True
     logprob_chunk: int = 1024  # positions upcast to fp32 at once (trainer.losses.DEFAULT_CHUNK_SIZE)
+    head_chunk_elements: int = 2 ** 24  # logits per chunk of the LM head (trainer.losses.HEAD_CHUNK_ELEMENTS)
     nf4: bool = True
 
 
@@ -121,6 +122,22 @@ def logits_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
     V = shape.vocab_size
     chunk = min(spec.logprob_chunk, tokens)
     return tokens * V * spec.dtype_bytes + 2 * chunk * V * 4
+
+
+def head_logprobs_training(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
+    """Log-probs straight from the hidden states (trainer.losses.head_logprobs, SFT and DPO): no (tokens x V)
+    tensor, but in backward one chunk's logits in the compute dtype and three fp32 temporaries of them
+    (upcast, softmax, its gradient)."""
+    V = shape.vocab_size
+    chunk = min(max(1, spec.head_chunk_elements // V), tokens)
+    return chunk * V * (spec.dtype_bytes + 3 * 4)
+
+
+def head_logprobs_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
+    """The same without gradient (DPO's reference): one chunk's logits and two fp32 temporaries."""
+    V = shape.vocab_size
+    chunk = min(max(1, spec.head_chunk_elements // V), tokens)
+    return chunk * V * (spec.dtype_bytes + 2 * 4)
 
 
 def training_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int, forwards: int = 1) -> int:

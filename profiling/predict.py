@@ -185,12 +185,12 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     grads = {C.GRADIENTS: gradient_bytes(trainable)}
     step = ("optimizer_step", {**grads, C.OPTIMIZER_TEMPORARIES: step_temporaries(trainable, args.optimizer)})
     mb, seq = args.micro_batch_size, args.max_length
-    # SFT and DPO build logits at completion positions only (`output="logprobs"`); how many there are
-    # depends on the data, so the logits are sized for the worst case, every position a completion.
+    # SFT and DPO take log-probs at completion positions only, a chunk of the LM head at a time
+    # (`output="logprobs"`, trainer.losses.head_logprobs): a chunk's logits, never the (tokens x V) whole.
     if args.stage == "sft":
         tokens = mb * seq
         return [("forward_backward", {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, seq),
-                                      C.LOGITS: A.logits_training(shape, spec, tokens)}), step]
+                                      C.LOGITS: A.head_logprobs_training(shape, spec, tokens)}), step]
     if args.stage in ("reward", "dpo"):
         # Chosen and rejected of each pair, each with its prompt, at most max_length: 2 x mb x seq tokens is the
         # bound in either layout (one row per pair holds the prompt once). One row per pair is up to twice as long
@@ -205,8 +205,8 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         if args.stage == "reward":
             return [("forward_backward", train), step]
         return [("reference", {C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, row) + mask,
-                               C.LOGITS: A.logits_nograd(shape, spec, tokens)}),
-                ("forward_backward", {**train, C.LOGITS: A.logits_training(shape, spec, tokens)}), step]
+                               C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens)}),
+                ("forward_backward", {**train, C.LOGITS: A.head_logprobs_training(shape, spec, tokens)}), step]
     if args.stage == "grpo":  # critic-free: the rollout rows are prompts x generations, one forward in the update
         rows_all = replace(args, rollout_batch_size=args.rollout_batch_size * args.num_generations)
         context = args.max_prompt_length + args.max_new_tokens
@@ -303,8 +303,10 @@ def assumptions(args: EstimateArguments) -> list[str]:
         "activations: formulas in profiling/activations.py (saved tensors per layer read off autograd); "
         + ("checkpointing keeps each layer's input and recomputes one layer in backward"
            if args.gradient_checkpointing else "no checkpointing: every layer's saved tensors live until backward"),
-        "logits: (tokens x vocab) in the compute dtype plus fp32 chunks of "
-        f"{args.logprob_chunk} positions (trainer.losses.token_logprobs); in training also their gradient",
+        "logits: SFT and DPO hold one chunk of the LM head's output (2^24 logits) and its fp32 temporaries "
+        "(trainer.losses.head_logprobs); PPO and GRPO hold their response positions' (tokens x vocab) logits in "
+        f"the compute dtype plus fp32 chunks of {args.logprob_chunk} positions (trainer.losses.token_logprobs), "
+        "in training also their gradient",
         f"allocator_overhead and cuda_context are assumptions ({args.allocator_overhead:.0%} of allocated, "
         f"{args.cuda_context_gib} GiB) until a GPU run measures them",
         "optimizer_states are the steady state after the first step; gradients are fp32 LoRA/head gradients",

@@ -12,6 +12,8 @@ from trainer.losses import (
     dpo_loss,
     entropy_from_logits,
     gae,
+    head_chunk_positions,
+    head_logprobs,
     kl_penalty,
     masked_mean,
     masked_var,
@@ -98,6 +100,71 @@ def test_token_logprobs_gradient_keeps_bf16_dtype():
     logits.requires_grad_(True)
     token_logprobs(logits, labels, chunk_size=4).sum().backward()
     assert logits.grad.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------- head_logprobs: the output layer, chunked
+
+
+def head_case(dtype=torch.float64, n=7, hidden=4, vocab=9, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=gen, dtype=torch.float64).to(dtype)
+    w = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64).to(dtype)
+    b = torch.randn(vocab, generator=gen, dtype=torch.float64).to(dtype)
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    labels[2] = -100
+    return h, w, b, labels
+
+
+def test_head_logprobs_matches_hand_computed_values_and_zero_on_ignored_labels():
+    # hidden (1, 0) through rows (0, ln2, 0) of the weight: the logits QUARTER_HALF_QUARTER of the tests above.
+    hidden = t([[1.0, 0.0], [1.0, 0.0]])
+    weight = t([[0.0, 5.0], [LN2, 5.0], [0.0, 5.0]])
+    assert_close(head_logprobs(hidden, weight, None, torch.tensor([1, -100])), t([-LN2, 0.0]))
+    # a bias of (0, -ln2, 0) evens the logits out: 1/3 each
+    assert_close(head_logprobs(hidden, weight, t([0.0, -LN2, 0.0]), torch.tensor([2, 0])), t([-math.log(3)] * 2))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 100])
+def test_head_logprobs_equals_token_logprobs_of_the_full_logits_in_value_and_in_every_gradient(chunk):
+    h, w, b, labels = head_case()
+    weights = torch.randn(labels.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mine = [x.clone().requires_grad_(True) for x in (h, w, b)]
+    ref = [x.clone().requires_grad_(True) for x in (h, w, b)]
+    out = head_logprobs(*mine, labels, chunk=chunk)
+    expected = reference_logprobs(torch.nn.functional.linear(*ref).unsqueeze(0), labels.unsqueeze(0)).squeeze(0)
+    assert_close(out, expected.double())
+    (out * weights).sum().backward()
+    (expected.double() * weights).sum().backward()
+    for got, want in zip(mine, ref):
+        assert_close(got.grad, want.grad)
+
+
+def test_head_logprobs_passes_gradcheck_in_float64_and_leaves_a_frozen_weight_without_gradient():
+    h, w, b, labels = head_case(n=5, hidden=3, vocab=4)
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x, y: head_logprobs(x, y, b, labels, chunk=2), (h, w))
+    frozen = w.detach()
+    head_logprobs(h, frozen, None, labels, chunk=2).sum().backward()
+    assert frozen.grad is None and h.grad is not None
+
+
+def test_head_logprobs_in_bf16_returns_fp32_log_probs_and_a_bf16_gradient():
+    h, w, b, labels = head_case(torch.bfloat16)
+    h.requires_grad_(True)
+    out = head_logprobs(h, w, None, labels, chunk=3)
+    assert out.dtype == torch.float32
+    assert_close(out, reference_logprobs(torch.nn.functional.linear(h.float(), w.float()).unsqueeze(0),
+                                         labels.unsqueeze(0)).squeeze(0), atol=0.1, rtol=0.05)
+    out.sum().backward()
+    assert h.grad.dtype == torch.bfloat16
+
+
+def test_head_chunks_are_2_to_the_24_logits_whatever_the_vocabulary():
+    assert head_chunk_positions(49152) == 341 and head_chunk_positions(32000) == 524
+    assert head_chunk_positions(2 ** 25) == 1
+    with pytest.raises(ValueError, match="head_logprobs takes"):
+        head_logprobs(torch.zeros(2, 3), torch.zeros(4, 3), None, torch.zeros(3))
 
 
 def test_shift_for_next_token_pairs_position_t_with_label_t_plus_one_without_copy():

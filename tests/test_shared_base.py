@@ -283,17 +283,22 @@ def test_label_logprobs_equal_full_logits_log_probs_in_value_and_gradient(checkp
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
-def test_label_logprobs_run_the_lm_head_on_labelled_positions_only():
+def test_label_logprobs_run_the_lm_head_on_labelled_positions_only_in_chunks(monkeypatch):
+    import trainer.losses
+
     model = build_shared_model(tiny_args(), [AdapterSpec("policy", trainable=False)], vocab_size=VOCAB).eval()
     ids, mask, labels = labelled_batch()
-    rows = []
-    hook = model.causal_lm.get_output_embeddings().register_forward_hook(lambda m, inp, out: rows.append(inp[0].shape))
+    rows, whole = [], []
+    chunked = trainer.losses.head_logprobs
+    monkeypatch.setattr(trainer.losses, "head_logprobs", lambda h, *a, **k: rows.append(h.shape) or chunked(h, *a, **k))
+    hook = model.causal_lm.get_output_embeddings().register_forward_hook(lambda m, inp, out: whole.append(out.shape))
     try:
         with torch.no_grad():
             model(ids, mask, adapter="policy", output="logprobs", labels=labels)
     finally:
         hook.remove()
     assert rows == [torch.Size([int((labels[:, 1:] != -100).sum()), model.causal_lm.config.hidden_size])]
+    assert whole == []  # the head module never built a (tokens x vocab) tensor
     with pytest.raises(ValueError, match="needs labels"):
         model(ids, mask, adapter="policy", output="logprobs")
 

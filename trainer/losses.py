@@ -6,7 +6,8 @@ first, padding after). Per-token figures come back in fp32 (fp64 stays fp64).
 
 `token_logprobs` and `entropy_from_logits` take ALIGNED tensors (position t of `labels` is the token
 that position t of `logits` predicts); `shift_for_next_token` makes that alignment from a causal LM's
-logits and its input ids without copying.
+logits and its input ids without copying. `head_logprobs` takes the hidden states and the output layer
+instead of logits, so that the (tokens x vocab) logits are never held whole.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ IGNORE_INDEX = -100
 # Positions upcast to fp32 at once: 1024 x 32k vocab x 4 bytes = 128 MiB, against ~4 GiB for the
 # whole (8 x 1024 x 32k) fp32 log-softmax the chunking avoids.
 DEFAULT_CHUNK_SIZE = 1024
+# `head_logprobs` runs the output layer over as many positions at once as make 2**24 logits: a 64 MiB fp32
+# temporary whatever the vocabulary (341 positions of SmolLM2's 49k vocabulary, 524 of Llama-2's 32k).
+HEAD_CHUNK_ELEMENTS = 2 ** 24
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -137,6 +141,74 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SI
     """(B, T, V) -> (B, T) entropy of the predicted distribution, in chunks of `chunk_size` positions."""
     _check_logits(logits)
     return _Entropy.apply(logits, chunk_size)
+
+
+def head_chunk_positions(vocab_size: int) -> int:
+    """Positions per chunk of `head_logprobs`: (positions x vocab) fp32 temporaries of HEAD_CHUNK_ELEMENTS."""
+    return max(1, HEAD_CHUNK_ELEMENTS // vocab_size)
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """log softmax(hidden W^T + b)[label], `chunk` positions at a time. Saved for backward: the hidden
+    states and one log-sum-exp per position; backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk):
+        # Autocast is not active in backward: the product's dtype is fixed here and used in both.
+        device = hidden.device.type
+        mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        w, b = weight.to(mm), None if bias is None else bias.to(mm)
+        dtype = _compute_dtype(mm)
+        out = torch.zeros(labels.shape, dtype=dtype, device=hidden.device)
+        lse = torch.zeros_like(out)
+        for s in range(0, labels.shape[0], chunk):
+            z = F.linear(hidden[s:s + chunk].to(mm), w, b).to(dtype)
+            label = labels[s:s + chunk]
+            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
+            picked = z.gather(-1, label.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            out[s:s + chunk] = torch.where(label != IGNORE_INDEX, picked - lse[s:s + chunk], 0.0)
+        ctx.chunk, ctx.mm = chunk, mm
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        mm, chunk = ctx.mm, ctx.chunk
+        w, b = weight.to(mm), None if bias is None else bias.to(mm)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if need_bias else None
+        for s in range(0, labels.shape[0], chunk):
+            h = hidden[s:s + chunk].to(mm)
+            label = labels[s:s + chunk]
+            g = torch.where(label != IGNORE_INDEX, grad_out[s:s + chunk], 0.0).to(lse.dtype).unsqueeze(-1)
+            # d log p_y / dz = onehot(y) - softmax(z)
+            dz = torch.exp(F.linear(h, w, b).to(lse.dtype) - lse[s:s + chunk].unsqueeze(-1)) * -g
+            dz.scatter_add_(-1, label.clamp(min=0).unsqueeze(-1), g)
+            if need_hidden:
+                grad_hidden[s:s + chunk] = (dz.to(mm) @ w).to(hidden.dtype)
+            if need_weight:
+                grad_weight += dz.T @ h.to(lse.dtype)
+            if need_bias:
+                grad_bias += dz.sum(0)
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None)
+
+
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+                  chunk: Optional[int] = None) -> torch.Tensor:
+    """(N, H) hidden states, a (V, H) output layer and (N,) labels -> (N,) log p(label); 0 where the label
+    is IGNORE_INDEX. Equal to `token_logprobs` of `F.linear(hidden, weight, bias)`, but neither the (N, V)
+    logits nor their gradient is ever held: `chunk` positions (default: `head_chunk_positions`) at a time,
+    in forward and again in backward, at the cost of the output layer's product run once more in backward.
+    """
+    if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"head_logprobs takes (N, H) hidden, (V, H) weight, (N,) labels; got "
+                         f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}")
+    return _HeadLogprobs.apply(hidden, weight, bias, labels.long(), chunk or head_chunk_positions(weight.shape[0]))
 
 
 # ---------------------------------------------------------------- masked statistics

@@ -357,7 +357,7 @@ class SharedBaseModel(nn.Module):
 
         "pair_scores": the head's score at each completion's last token (EOS). "pair_logprobs": the summed
         log-probs of each completion's `labels`, the LM head run only at completion positions."""
-        from trainer.losses import IGNORE_INDEX, token_logprobs
+        from trainer.losses import IGNORE_INDEX
         from trainer.model.pairs import (
             CHOSEN, REJECTED, last_of, pair_attention_mask, pair_positions, predicting_positions,
         )
@@ -383,8 +383,7 @@ class SharedBaseModel(nn.Module):
         keep = labels != IGNORE_INDEX
         source = predicting_positions(segments)
         picked_hidden = hidden[rows[:, None].expand_as(source)[keep], source[keep]]  # (N, H) at N completion tokens
-        logits = self.causal_lm.get_output_embeddings()(picked_hidden)
-        picked = token_logprobs(logits.unsqueeze(0), labels[keep].unsqueeze(0)).squeeze(0)
+        picked = self.head_logprobs(picked_hidden, labels[keep])
         per_token = torch.zeros(labels.shape, dtype=picked.dtype, device=picked.device).masked_scatter(keep, picked)
         return (per_token * (segments == CHOSEN)).sum(dim=1), (per_token * (segments == REJECTED)).sum(dim=1)
 
@@ -399,6 +398,17 @@ class SharedBaseModel(nn.Module):
         flat = hidden.reshape(-1, hidden.shape[-1])  # a copy of the few kept positions when strided
         return self.causal_lm.get_output_embeddings()(flat).view(*hidden.shape[:-1], -1)
 
+    def head_logprobs(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """(N,) log p(labels) of (N, H) hidden states through the LM head. A plain linear head (Llama's, not
+        a PEFT, 4-bit or ZeRO-3-partitioned one) runs in chunks (trainer.losses.head_logprobs): neither the
+        (N x V) logits nor their gradient is held whole; any other head builds its logits."""
+        from trainer.losses import head_logprobs, token_logprobs
+
+        head = self.causal_lm.get_output_embeddings()
+        if type(head) is nn.Linear and not hasattr(head.weight, "ds_id"):
+            return head_logprobs(hidden, head.weight, head.bias, labels)
+        return token_logprobs(head(hidden).unsqueeze(0), labels.unsqueeze(0)).squeeze(0)
+
     @property
     def _plain_lm_head(self) -> bool:
         """Logits are lm_head(last hidden state), as in Llama; some families scale or soft-cap them after."""
@@ -410,8 +420,8 @@ class SharedBaseModel(nn.Module):
         """(B, T-1) log p(labels[:, t+1] | tokens <= t) under `adapter`; 0 where the label is IGNORE_INDEX.
 
         Equal to `token_logprobs(*shift_for_next_token(logits, labels))` over the full logits, but the
-        LM head and the fp32 log-softmax run only at labelled positions: on hh-rlhf most tokens are
-        prompt, so this skips most of the largest matmul and most of the (tokens x vocab) tensors.
+        LM head and the fp32 log-softmax run only at labelled positions (on hh-rlhf most tokens are
+        prompt: this skips most of the largest matmul), a chunk of them at a time (`head_logprobs`).
         """
         from trainer.losses import IGNORE_INDEX, shift_for_next_token, token_logprobs
 
@@ -422,8 +432,7 @@ class SharedBaseModel(nn.Module):
         targets = labels[:, 1:]
         keep = targets != IGNORE_INDEX
         hidden = self.hidden_states(input_ids, attention_mask, adapter)[:, :-1]
-        logits = self.causal_lm.get_output_embeddings()(hidden[keep])  # (N, V) for the N labelled positions
-        picked = token_logprobs(logits.unsqueeze(0), targets[keep].unsqueeze(0)).squeeze(0)
+        picked = self.head_logprobs(hidden[keep], targets[keep])  # the N labelled positions only
         return torch.zeros(targets.shape, dtype=picked.dtype, device=picked.device).masked_scatter(keep, picked)
 
     def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str,
