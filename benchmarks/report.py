@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from profiling.provenance import shown_command
+
 GIB = 2**30
 
 
@@ -85,7 +87,7 @@ def render_markdown(report: dict) -> str:
               + (f", capped at {report['simulated_gpu_gib']:g} GiB (simulated card)"
                  if cuda and report.get("simulated_gpu_gib") else ""),
               f"- date: {report['date']}", f"- git revision: `{report['git_revision']}`",
-              f"- command: `{report['command']}`",
+              f"- command: `{shown_command(report)}`",
               f"- versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items() if v)}, trl {report.get('trl_version')}",
               "",
               "## The work (identical on both sides)", "",

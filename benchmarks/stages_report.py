@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from profiling.provenance import shown_command
+
 GB = 1e9
 METRIC = {"sft": ("perplexity", "held-out completion perplexity (lower is better)"),
           "reward": ("accuracy", "held-out pairwise accuracy"),
@@ -41,7 +43,7 @@ def render_markdown(report: dict) -> str:
     lines = [f"# {stage}: ours vs TRL {report.get('trl_version')} on the same work", "",
              f"- device: {report['device']} ({report.get('device_name')}); {report['date']}; revision "
              f"{report.get('git_revision')}",
-             f"- command: `{report['command']}`",
+             f"- command: `{shown_command(report)}`",
              f"- model {model['model_name_or_path']} (quantization {model['quantization']}), LoRA r={model['lora_r']} "
              f"alpha={model['lora_alpha']} dropout={model['lora_dropout']} {model['lora_target_modules']}",
              f"- {train['max_steps']} optimizer steps of {train['micro_batch_size']} x "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.metadata
+import os
 import platform
 import shlex
 import subprocess
@@ -17,6 +18,10 @@ from profiling.device import device_name
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 _LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "deepspeed")
+# Settings that change a run's speed or memory without showing in its command line: threads, the CUDA
+# allocator, visible devices, glibc malloc's tunables (MALLOC_MMAP_THRESHOLD_ halves a CPU run's resident set).
+_RECORDED_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")
+_RECORDED_ENV_PREFIXES = ("MALLOC_",)
 
 
 def git_revision(cwd: Path = PROJECT_ROOT) -> str:
@@ -60,6 +65,18 @@ def relative_command(argv: Optional[list[str]] = None) -> str:
     return " ".join(words)
 
 
+def run_environment() -> dict[str, str]:
+    """The environment variables of `_RECORDED_ENV` (and `MALLOC_*`) that are set, by name."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k in _RECORDED_ENV or k.startswith(_RECORDED_ENV_PREFIXES)}
+
+
+def shown_command(data: dict) -> str:
+    """A report's command as it can be run again: its recorded environment settings first."""
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in (data.get("environment") or {}).items())
+    return f"{env} {data['command']}" if env else data["command"]
+
+
 def provenance(device: Optional[torch.device] = None, command: Optional[str] = None) -> dict:
     device = device or torch.device("cpu")
     return {
@@ -67,6 +84,7 @@ def provenance(device: Optional[torch.device] = None, command: Optional[str] = N
         "device_name": device_name(device),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command if command is not None else relative_command(),
+        "environment": run_environment(),
         "git_revision": git_revision(),
         "host": platform.node(),
         "python": platform.python_version(),

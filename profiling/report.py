@@ -16,6 +16,7 @@ from profiling import components as C
 from profiling.chart import write_chart
 from profiling.cli import InputError, UsageError, argument_parser, run
 from profiling.files import write_atomic
+from profiling.provenance import shown_command
 
 JSON_NAME, MD_NAME, PNG_NAME = "memory.json", "memory.md", "memory.png"
 REQUIRED_KEYS = ("device", "device_name", "date", "command", "git_revision", "config", "budget_bytes", "phases")
@@ -46,7 +47,7 @@ def markdown_table(data: dict) -> str:
 def markdown(data: dict) -> str:
     lines = [f"# Memory: {data.get('title') or 'recorded run'}", ""]
     lines += [f"- device: {data['device_name']} (`{data['device']}`)", f"- date: {data['date']}",
-              f"- git revision: `{data['git_revision']}`", f"- command: `{data['command']}`",
+              f"- git revision: `{data['git_revision']}`", f"- command: `{shown_command(data)}`",
               f"- units: GiB = 2^30 bytes, MiB = 2^20 bytes; budget {C.gib(data['budget_bytes'])} GiB", ""]
     lines += [markdown_table(data), ""]
     if data.get("needs_gpu"):

@@ -55,6 +55,22 @@ def test_json_report_has_provenance_config_and_phases(run_dir):
     assert update["total"] > update["components"][C.BASE_WEIGHTS] + update["components"][C.OPTIMIZER_STATES]
 
 
+def test_provenance_records_the_environment_settings_that_change_speed_and_memory(monkeypatch):
+    from profiling.provenance import provenance, shown_command
+
+    for name in list(__import__("os").environ):
+        if name.startswith("MALLOC_") or name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("HOME_OF_SOMETHING_ELSE", "x")
+    data = provenance(command="python -m benchmarks.stages_vs_trl --stage sft")
+    assert data["environment"] == {"MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2"}
+    assert data["command"] == "python -m benchmarks.stages_vs_trl --stage sft"  # the command itself is untouched
+    assert shown_command(data) == "MALLOC_MMAP_THRESHOLD_=65536 OMP_NUM_THREADS=2 python -m benchmarks.stages_vs_trl --stage sft"
+    assert shown_command({"command": "c"}) == "c"  # reports written before the field existed
+
+
 def test_markdown_report_is_a_table_of_components_by_phase(run_dir):
     text = (run_dir / "memory.md").read_text()
     assert "| component (MiB) | ppo/value | ppo/update |" in text

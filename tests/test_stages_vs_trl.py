@@ -140,7 +140,11 @@ def test_both_sides_train_on_the_planned_rows_and_are_scored_by_the_same_evaluat
         assert again["sides"]["trl"]["steps"] == trl["steps"]  # the training figures are left as measured
     assert report["rows"]["train_rows"] == 3 * 4 and len(report["rows"]["tokens_per_step"]) == 3
     assert report["ratios"]["step_time_speedup"] > 0
-    assert "`python -m benchmarks.stages_vs_trl " in (out / "stages_vs_trl.md").read_text()
+    from profiling.provenance import shown_command
+
+    assert f"- command: `{shown_command(report)}`" in (out / "stages_vs_trl.md").read_text()  # settings first
+    assert shown_command(report).endswith(report["command"]) and report["command"].startswith(
+        "python -m benchmarks.stages_vs_trl ")
     assert json.loads((out / "stages_vs_trl.json").read_text())["stage"] == stage
     from benchmarks.stages_report import render_table, update_readme
 
