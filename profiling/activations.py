@@ -124,20 +124,21 @@ def logits_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
     return tokens * V * spec.dtype_bytes + 2 * chunk * V * 4
 
 
+def _head_chunk_logits(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
+    """Logits in one chunk of trainer.losses.head_logprobs (its head_chunk_positions, at most `tokens`)."""
+    return min(max(1, spec.head_chunk_elements // shape.vocab_size), tokens) * shape.vocab_size
+
+
 def head_logprobs_training(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
     """Log-probs straight from the hidden states (trainer.losses.head_logprobs, SFT and DPO): no (tokens x V)
     tensor, but in backward one chunk's logits in the compute dtype and three fp32 temporaries of them
     (upcast, softmax, its gradient)."""
-    V = shape.vocab_size
-    chunk = min(max(1, spec.head_chunk_elements // V), tokens)
-    return chunk * V * (spec.dtype_bytes + 3 * 4)
+    return _head_chunk_logits(shape, spec, tokens) * (spec.dtype_bytes + 3 * 4)
 
 
 def head_logprobs_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
     """The same without gradient (DPO's reference): one chunk's logits and two fp32 temporaries."""
-    V = shape.vocab_size
-    chunk = min(max(1, spec.head_chunk_elements // V), tokens)
-    return chunk * V * (spec.dtype_bytes + 2 * 4)
+    return _head_chunk_logits(shape, spec, tokens) * (spec.dtype_bytes + 2 * 4)
 
 
 def training_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int, forwards: int = 1) -> int:

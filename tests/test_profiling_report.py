@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +59,7 @@ def test_json_report_has_provenance_config_and_phases(run_dir):
 def test_provenance_records_the_environment_settings_that_change_speed_and_memory(monkeypatch):
     from profiling.provenance import provenance, shown_command
 
-    for name in list(__import__("os").environ):
+    for name in list(os.environ):
         if name.startswith("MALLOC_") or name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
