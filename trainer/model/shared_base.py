@@ -203,6 +203,8 @@ class SharedBaseModel(nn.Module):
         sizes = [rows for _, rows in route]
         if x.shape[0] != sum(sizes):
             raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(sizes)}")
+        if _fusable(layer, route, x, output):
+            return _routed_lora_products(layer, route, x, output)
         # Rounded as peft's own layer rounds (its bitsandbytes layers cast the LoRA output to the
         # result's dtype before adding; the plain one adds in the wider dtype, then casts), so a
         # routed pass gives each group what a pass under its adapter gives.
@@ -548,6 +550,66 @@ class SharedBaseModel(nn.Module):
             if name in self.heads:
                 self.heads[name].save(tmp / HEAD_FILE)
         return out
+
+
+def _fusable(layer, route: Route, x: torch.Tensor, output: torch.Tensor) -> bool:
+    """Whether `_routed_lora_products` can add this layer's LoRA outputs: a plain (not 4-bit) layer whose
+    every routed adapter is there, with no dropout active and no bias, all in the dtype of the input and output
+    (peft's own layer adds in the wider dtype; with one dtype there is nothing to round differently)."""
+    if type(layer).__module__.endswith(".bnb") or not output.is_contiguous():
+        return False
+    for name, _ in route:
+        if name not in layer.lora_A:
+            return False
+        a, b, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
+        if not (isinstance(dropout, nn.Identity) or not dropout.training or getattr(dropout, "p", None) == 0):
+            return False
+        if a.bias is not None or b.bias is not None:
+            return False
+        if not a.weight.dtype == b.weight.dtype == x.dtype == output.dtype:
+            return False
+    return True
+
+
+def _routed_lora_products(layer, route: Route, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """Each group's `scaling * B (A x)` added to its rows of `output` with the scaling applied to the
+    rank-r product and the addition inside the second matrix product (addmm / baddbmm): no
+    output-sized products, sums or concatenations besides the result itself, where peft's layer makes
+    three (scale, add, cast) and a per-group split a fourth (the concatenation).
+
+    Without autograd the products are added into `output` in place. With it, groups of equal size
+    and adapter shapes run as one batched product over stacked weights; otherwise one group at a time
+    into a copy of `output`."""
+    width = output.shape[-1]
+    flat_x, flat_out = x.reshape(-1, x.shape[-1]), output.view(-1, width)
+    per_row = flat_x.shape[0] // x.shape[0]  # positions per row
+    names = [name for name, _ in route]
+    weights_a = [layer.lora_A[n].weight for n in names]
+    weights_b = [layer.lora_B[n].weight for n in names]
+    scalings = [layer.scaling[n] for n in names]
+    if not torch.is_grad_enabled():
+        start = 0
+        for (_, rows), wa, wb, scale in zip(route, weights_a, weights_b, scalings):
+            stop = start + rows * per_row
+            flat_out[start:stop].addmm_(flat_x[start:stop] @ wa.t(), wb.t(), alpha=scale)
+            start = stop
+        return output
+    groups = len(route)
+    if (len({rows for _, rows in route}) == 1 and len({w.shape for w in weights_a}) == 1
+            and len({w.shape for w in weights_b}) == 1):
+        low = torch.bmm(flat_x.reshape(groups, -1, flat_x.shape[-1]), torch.stack(weights_a).transpose(1, 2))
+        if len(set(scalings)) == 1:
+            alpha = scalings[0]
+        else:
+            low, alpha = low * torch.tensor(scalings, dtype=low.dtype, device=low.device).view(-1, 1, 1), 1.0
+        summed = torch.baddbmm(flat_out.view(groups, -1, width), low, torch.stack(weights_b).transpose(1, 2), alpha=alpha)
+        return summed.view(output.shape)
+    result, start = flat_out.clone(), 0
+    for (_, rows), wa, wb, scale in zip(route, weights_a, weights_b, scalings):
+        stop = start + rows * per_row
+        result[start:stop] = torch.addmm(flat_out[start:stop], flat_x[start:stop] @ wa.t(), wb.t(), alpha=scale)
+        start = stop
+    return result.view(output.shape)
 
 
 class _FixedLinear:
