@@ -148,6 +148,8 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
         enable_checkpointing(policy)
         enable_checkpointing(value)
     optimizer_name = resolve_optimizer_name(args.optimizer, device)
+    if optimizer_name == "adamw_torch":  # ours runs torch's fused AdamW kernel (trainer.engine.optim.fused_adamw)
+        optimizer_name = "adamw_torch_fused"
     hooks = _Hooks(clock, result, args)
 
     class StepEvents(TrainerCallback):

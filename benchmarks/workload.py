@@ -51,7 +51,7 @@ class PPOBenchArguments(Checked):
     sides: str = field(default="ours,trl", metadata={
         "help": "Which sides to run, in this order: ours, trl, and the ablations of ours: ours_separate (one pass "
                 "per adapter, --fused_passes false), ours_merged (--merged_generation true), ours_compiled (--decode "
-                "compiled)."})
+                "compiled), ours_rescore (--old_logprobs rescore)."})
     rounds: int = field(default=1, metadata={
         "help": "Run every side this many times, the order of --sides reversed every other round (ours,trl then "
                 "trl,ours, ...), so a shared machine's drift in speed falls on both sides alike. Figures are over "
@@ -66,7 +66,7 @@ class PPOBenchArguments(Checked):
 
 # Our side's ablations: the PPO settings each changes.
 ABLATIONS = {"ours_separate": {"fused_passes": False}, "ours_merged": {"merged_generation": True},
-             "ours_compiled": {"decode": "compiled"}}
+             "ours_compiled": {"decode": "compiled"}, "ours_rescore": {"old_logprobs": "rescore"}}
 SIDES = ("ours", "trl", *ABLATIONS)
 
 

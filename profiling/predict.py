@@ -74,6 +74,12 @@ class EstimateArguments(Checked):
     fused_passes: bool = field(default=True, metadata={
         "help": "PPO: the rollout's four scoring passes as one routed pass over 4x the rows, and the update's "
                 "policy and value passes as one over 2x (as trainer/ppo.py --fused_passes)."})
+    old_logprobs: str = field(default="sampling", metadata={
+        "help": "PPO: sampling (the policy's old log-probs from the logits it sampled from: no policy group in "
+                "the scoring pass, one (rows x vocab) logits row kept per decode step) or rescore (as trainer/ppo.py "
+                "--old_logprobs; merged, static or compiled decoding re-scores)."})
+    decode: str = field(default="eager", metadata={"help": "PPO: the decode path (trainer/ppo.py --decode)."})
+    merged_generation: bool = field(default=False, metadata={"help": "PPO: as trainer/ppo.py --merged_generation."})
     logprob_chunk: int = field(default=1024, metadata={"help": "Positions per fp32 log-prob chunk."})
     device: str = field(default="cuda", metadata={"help": "cuda, or cpu (fp32 dropout masks, step counters on device)."})
     memory_budget_gib: float = _alias("budget_gib", "budget-gib", default=24.0, metadata={
@@ -94,7 +100,8 @@ class EstimateArguments(Checked):
              "attn_implementation": one_of("sdpa", "flash_attention_2", "eager", "auto"),
              "micro_batch_size": at_least(1), "max_length": at_least(2), "max_prompt_length": at_least(1),
              "max_new_tokens": at_least(1), "rollout_batch_size": at_least(1), "rollout_micro_batch_size": at_least(1),
-             "num_generations": at_least(1), "logprob_chunk": at_least(1), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
+             "num_generations": at_least(1), "old_logprobs": one_of("sampling", "rescore"),
+             "decode": one_of("eager", "static", "compiled"), "logprob_chunk": at_least(1), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
              "allocator_overhead": at_least(0), "vocab_size": at_least(1), "hidden_size": at_least(1),
              "intermediate_size": at_least(1), "num_layers": at_least(1), "num_heads": at_least(1),
              "num_kv_heads": at_least(1), "head_dim": at_least(1)}
@@ -233,27 +240,34 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     scored = rows * (args.max_new_tokens + 1)
     mb_tokens = mb * context
     update = {**buffers, **grads, C.LOGITS: A.logits_training(shape, spec, mb * (args.max_new_tokens + 1))}
+    # trainer.rl.rollout.logprobs_while_sampling's rule (profiling imports nothing from trainer)
+    sampled = args.old_logprobs == "sampling" and args.decode == "eager" and not args.merged_generation
+    # sampling: each step's last logits kept until its token arrives, and their fp32 log-softmax / softmax
+    step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 8) if sampled else 0
     generate = ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
                              + A.kv_cache_growth(shape, spec, rows, context),
                              C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
-                                                                 args.max_prompt_length)})
+                                                                 args.max_prompt_length),
+                             C.LOGITS: step_logits})
     if args.fused_passes:
-        # One routed pass over the rows stacked once per adapter; the policy's and the reference's
-        # response logits are both alive when their log-probs are taken. In the update, policy and
-        # value rows are one batch: their layer inputs are kept, and a layer is recomputed for both.
-        groups = len(stage_adapters(args.stage))
+        # One routed pass over the rows stacked once per adapter (the policy's only when it re-scores); the
+        # policy's and the reference's response logits are both alive when their log-probs are taken. In the
+        # update, policy and value rows are one batch: their layer inputs are kept, and a layer is
+        # recomputed for both.
+        groups = len(stage_adapters(args.stage)) - sampled
+        policy_logits = 0 if sampled else scored * shape.vocab_size * spec.dtype_bytes
         return [
             generate,
             ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
-                       C.LOGITS: A.logits_nograd(shape, spec, scored) + scored * shape.vocab_size * spec.dtype_bytes}),
+                       C.LOGITS: A.logits_nograd(shape, spec, scored) + policy_logits}),
             ("update", {**update, C.ACTIVATIONS: A.training_activations(shape, spec, 2 * mb_tokens, context)}),
             step,
         ]
     return [
         generate,
-        # policy log-probs and entropy, and the reward model's scores
+        # policy log-probs and entropy (unless sampling gave them), and the reward model's scores
         ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
-                   C.LOGITS: A.logits_nograd(shape, spec, scored)}),
+                   C.LOGITS: 0 if sampled else A.logits_nograd(shape, spec, scored)}),
         ("reference", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
                        C.LOGITS: A.logits_nograd(shape, spec, scored)}),
         ("value", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context)}),

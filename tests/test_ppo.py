@@ -280,5 +280,59 @@ def test_fused_passes_give_the_rollout_and_the_steps_that_separate_passes_give(t
                                    msg=name)
     for adapter, state in fused_weights.items():
         for key, value in state.items():
-            torch.testing.assert_close(value, separate_weights[adapter][key], rtol=1e-4, atol=1e-6,
-                                       msg=f"{adapter} {key}")
+            # Adam divides by the root of tiny second moments: fp32 rounding of the two batch layouts shows
+            # up as ~1e-4 relative in an element or two after two steps (gradients: test_shared_base, 1e-4)
+            torch.testing.assert_close(value, separate_weights[adapter][key], rtol=1e-3, atol=1e-5,
+                                       msg=lambda m, a=adapter, k=key: f"{a} {k}: {m}")
+
+
+def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, stage_adapters, monkeypatch,
+                                                                      fresh_accelerate_state):
+    """--old_logprobs sampling (the logits each token was sampled from) and rescore (a policy pass): the
+    same samples, log-probs and entropy to fp32 tolerance, at a temperature, with top-k truncated
+    sampling, left-padded prompts and rows that stop early; the sampling path's scoring pass has no
+    policy group."""
+    from trainer.data.collators import PromptCollator
+    from trainer.model.shared_base import SharedBaseModel
+    from trainer.rl.rollout import make_rollout
+
+    trainer, model = build_trainer(tmp_path, stage_adapters, "--temperature", "0.7", "--top_k", "20",
+                                   "--max_new_tokens", "12")
+    _perturb_policy(model)
+    batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:6])
+    assert (batch["attention_mask"] == 0).any()  # some prompts are left-padded
+    routed = []
+    fused = SharedBaseModel.fused
+    monkeypatch.setattr(SharedBaseModel, "fused", lambda self, i, m, adapters, *a, **k: routed.append(tuple(adapters))
+                        or fused(self, i, m, adapters, *a, **k))
+
+    def rollout(source: str, eos_id: int):
+        torch.manual_seed(0)
+        return make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
+                            eos_id, trainer.pad_id, micro_batch_size=4, old_logprobs=source)
+
+    # The untrained policy seldom samples EOS: the token row 0 samples fourth stands in for it, so that
+    # rows stop early (the samples up to there are the same: same seed, same model)
+    eos_id = int(rollout("rescore", trainer.eos_id).input_ids[0, batch["input_ids"].shape[1] + 3])
+    routed.clear()
+    sampled, rescored = rollout("sampling", eos_id), rollout("rescore", eos_id)
+    assert routed == [("reference", "value", "reward")] * 2 + [("policy", "reference", "value", "reward")] * 2
+    assert torch.equal(sampled.input_ids, rescored.input_ids)
+    ends = sampled.response_mask.sum(1)
+    assert ends.min() < sampled.response_length  # a row stopped at EOS before the others
+    assert (sampled.logprobs != 0).sum() == sampled.response_mask.sum()  # masked after EOS, set before
+    for name in ("logprobs", "entropy", "ref_logprobs", "values", "scores"):
+        torch.testing.assert_close(getattr(sampled, name), getattr(rescored, name), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_old_logprobs_are_rescored_where_the_decode_is_not_the_policys_own_forward():
+    from profiling.cli import UsageError
+    from trainer.rl.rollout import Sampling, logprobs_while_sampling
+
+    assert logprobs_while_sampling("sampling", Sampling(decode="eager"), merged=False)
+    assert not logprobs_while_sampling("sampling", Sampling(decode="eager"), merged=True)
+    assert not logprobs_while_sampling("sampling", Sampling(decode="static"), merged=False)
+    assert not logprobs_while_sampling("sampling", Sampling(decode="compiled"), merged=False)
+    assert not logprobs_while_sampling("rescore", Sampling(decode="eager"), merged=False)
+    with pytest.raises(UsageError, match="--old_logprobs 'generation'"):
+        logprobs_while_sampling("generation", Sampling(), merged=False)

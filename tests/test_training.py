@@ -67,8 +67,9 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one_readable(uninter
     out = tmp_path / "killed-in-save"
     script = tmp_path / "kill_in_save.py"
     script.write_text(KILL_IN_SAVE)
+    # one thread, as run_sft: a matrix product's summation order may change with the thread count
     proc = subprocess.run([sys.executable, str(script), "sft", "--config", str(TINY_SFT), "--output_dir", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert (out / "checkpoint-0000004.tmp").is_dir()  # the half-published save is there...
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-0000002"]  # ...and ignored
@@ -245,3 +246,30 @@ def test_length_grouping_orders_each_steps_rows_longest_first_and_keeps_every_st
     again = EpochShuffleSampler(50, 3, lengths, window=8)
     again.set_epoch(1)
     assert list(again) != grouped and sorted(again) == list(range(50))  # a fresh order each epoch, every row once
+
+
+def test_adamw_runs_torchs_fused_kernel_where_it_can_and_steps_as_the_default_adamw():
+    from trainer.engine.optim import build_optimizer, fused_adamw
+
+    def params(seed: int) -> list[torch.nn.Parameter]:
+        g = torch.Generator().manual_seed(seed)
+        return [torch.nn.Parameter(torch.randn(16, 8, generator=g)), torch.nn.Parameter(torch.randn(8, generator=g))]
+
+    ours, plain = params(0), params(0)
+    opt = build_optimizer(ours, "adamw_torch", 1e-2, 0.1, torch.device("cpu"))
+    assert opt.defaults["fused"] and opt.resolved_name == "adamw_torch (fused kernel)"
+    reference = torch.optim.AdamW([{"params": [plain[0]], "weight_decay": 0.1}, {"params": [plain[1]], "weight_decay": 0.0}],
+                                  lr=1e-2, betas=(0.9, 0.999), eps=1e-8, foreach=False)
+    for step in range(5):
+        g = torch.Generator().manual_seed(100 + step)
+        for a, b in zip(ours, plain):
+            a.grad = torch.randn(a.shape, generator=g)
+            b.grad = a.grad.clone()
+        opt.step()
+        reference.step()
+    for a, b in zip(ours, plain):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert not fused_adamw([torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))])
+    partitioned = torch.nn.Parameter(torch.zeros(2))
+    partitioned.ds_id = 0  # a DeepSpeed ZeRO-3 parameter
+    assert not fused_adamw([partitioned])

@@ -28,7 +28,9 @@ from trainer.losses import KL_ESTIMATORS
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.policy_eval import policy_vs_reference
 from trainer.rl.ppo_step import PPOState, ppo_step
-from trainer.rl.rollout import DECODE_PATHS, RewardModelScorer, Sampling, ScriptedScorer, parse_scripted_reward
+from trainer.rl.rollout import (
+    DECODE_PATHS, OLD_LOGPROBS, RewardModelScorer, Sampling, ScriptedScorer, parse_scripted_reward,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,12 @@ class PPOArguments(Checked):
     decode: str = field(default="eager", metadata={
         "help": "How generation runs its decode steps: eager (transformers' dynamic KV cache), static (a KV cache "
                 "allocated once at full length) or compiled (the static cache and a torch.compile'd decode step; "
-                "the first rollout pays the compilation). Old log-probs come from the scoring pass either way."})
+                "the first rollout pays the compilation). static and compiled re-score the old log-probs."})
+    old_logprobs: str = field(default="sampling", metadata={
+        "help": "Where the policy's old log-probs and entropy come from: sampling (the logits each token was "
+                "sampled from, in the eager decode through the LoRA layers: the policy's own forward, as TRL "
+                "takes them; the scoring pass then runs without the policy) or rescore (a policy pass in the "
+                "scoring pass). Merged, static or compiled decoding always re-scores."})
     ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
     max_new_tokens: int = field(default=32, metadata={"help": "Response length limit."})
     min_new_tokens: int = field(default=0, metadata={"help": "Fix the response length (= max_new_tokens) for benchmarks."})
@@ -95,6 +102,7 @@ class PPOArguments(Checked):
              "rollout_micro_batch_size": at_least(1), "mini_batch_size": at_least(1), "ppo_epochs": at_least(1),
              "max_new_tokens": at_least(1), "min_new_tokens": at_least(0), "temperature": at_least(0),
              "top_k": at_least(0), "top_p": between(0, 1), "decode": one_of(*DECODE_PATHS),
+             "old_logprobs": one_of(*OLD_LOGPROBS),
              "kl_estimator": one_of(*KL_ESTIMATORS),
              "init_kl_coef": at_least(0), "target_kl": above(0), "kl_horizon": at_least(1), "gamma": between(0, 1),
              "lam": between(0, 1), "cliprange": above(0), "cliprange_value": above(0), "vf_coef": at_least(0),

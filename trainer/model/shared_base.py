@@ -112,6 +112,7 @@ class SharedBaseModel(nn.Module):
         self._lora_params = self._collect_lora_params()
         self._tuner_layers = self._collect_tuner_layers()
         self._route: Optional[Route] = None
+        self._single: Optional[str] = None  # on a routable model: the one adapter whose LoRA outputs the hook adds
         self.routable = self._install_routing()
         self._apply_trainability()
 
@@ -182,24 +183,30 @@ class SharedBaseModel(nn.Module):
             head.requires_grad_(self.specs[name].trainable)
 
     def _install_routing(self) -> bool:
-        """Give every LoRA linear layer the hook that adds each group's own LoRA output in a routed
-        batch; False (routing unavailable, passes run one adapter at a time) for other layer kinds."""
+        """Give every LoRA linear layer the hook that adds the LoRA outputs - of the active adapter, or of
+        each group's adapter in a routed batch - and leave peft's own forward none to add (its layers'
+        active adapters stay empty). False for other layer kinds: there peft's layers add the active
+        adapter's outputs and passes run one adapter at a time."""
         from peft.tuners.lora import LoraLayer
 
         plain = all(isinstance(m, LoraLayer) and isinstance(m.base_layer, nn.Linear)  # bnb Linear4bit is one
                     and not getattr(m, "lora_variant", {}) for m in self._tuner_layers)
         if plain:
             for layer in self._tuner_layers:
+                layer._active_adapter = []  # what peft's set_adapter assigns (peft 0.21); the switching tests pin it
                 layer.register_forward_hook(self._add_routed_lora)
         return plain
 
     def _add_routed_lora(self, layer, inputs, output):
-        """Forward hook: in a routed batch (no adapter active in peft's own forward, so `output` is the
-        base layer's), add to each group's rows the LoRA output of that group's adapter."""
+        """Forward hook: `output` is the base layer's (peft's forward has no active adapter); add to
+        each group's rows the LoRA output of that group's adapter - one group of all rows for a single
+        active adapter. Nothing while peft's adapters are disabled or merged, or `merged_weights` runs."""
+        x = inputs[0]
         route = self._route
         if route is None:
-            return None
-        x = inputs[0]
+            if self._single is None or layer.disable_adapters or layer.merged:
+                return None
+            route = ((self._single, x.shape[0]),)
         sizes = [rows for _, rows in route]
         if x.shape[0] != sum(sizes):
             raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(sizes)}")
@@ -219,7 +226,7 @@ class SharedBaseModel(nn.Module):
                     delta = delta.to(out.dtype)
                 out = out.add_(delta) if in_place else (out + delta).to(out.dtype)
             pieces.append(out)
-        return output if in_place else torch.cat(pieces)
+        return output if in_place else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     # ---- switching ----------------------------------------------------------------------------
     @property
@@ -242,18 +249,18 @@ class SharedBaseModel(nn.Module):
         name = target
         if name not in self.specs:
             raise KeyError(f"no adapter '{name}' on this model (have {self.adapter_names})")
-        if self._route is not None:
-            self._route = None
-            for layer in self._tuner_layers:
-                layer._active_adapter = [name]
+        self._route = None
+        if self.routable:
+            self._single = name  # the hook adds its LoRA outputs
         if name != self.peft.active_adapter:
-            # Only the active-adapter pointer of each cached LoRA layer changes. PeftModel.set_adapter
-            # walks every module and rewrites requires_grad on every adapter (30 ms per switch on
-            # SmolLM2, ~7 ms even per layer), and a checkpointed backward switches twice per
-            # recomputed layer; trainability is ours anyway (`_apply_trainability`). `_active_adapter`
-            # is what peft's own set_adapter assigns (peft 0.21); the switching tests pin it.
-            for layer in self._tuner_layers:
-                layer._active_adapter = [name]
+            # Only pointers change. PeftModel.set_adapter walks every module and rewrites requires_grad
+            # on every adapter (30 ms per switch on SmolLM2, ~7 ms even per layer), and a checkpointed
+            # backward switches twice per recomputed layer; trainability is ours anyway
+            # (`_apply_trainability`). Without routing, peft's layers add the active adapter's outputs:
+            # `_active_adapter` is what peft's own set_adapter assigns (peft 0.21).
+            if not self.routable:
+                for layer in self._tuner_layers:
+                    layer._active_adapter = [name]
             self.peft.base_model.active_adapter = name  # the LoraModel's record ...
             self.peft.active_adapter = name  # ... and the PeftModel's (peft_config lookups, saving)
 
@@ -264,8 +271,6 @@ class SharedBaseModel(nn.Module):
         for name, rows in route:
             if name not in self.specs:
                 raise KeyError(f"no adapter '{name}' on this model (have {self.adapter_names})")
-        for layer in self._tuner_layers:
-            layer._active_adapter = []  # peft's forward returns the base output; the hook adds each group's LoRA
         self._route = route
 
     def checkpoint_contexts(self):
@@ -501,7 +506,8 @@ class SharedBaseModel(nn.Module):
         """
         from peft.utils.integrations import dequantize_module_weight
 
-        replaced, size = [], 0
+        replaced, size, hooked = [], 0, (self._route, self._single)
+        self._route = self._single = None  # the working copy has the adapter in it: the hook adds nothing
         try:
             with torch.no_grad():
                 for layer in self._tuner_layers:
@@ -519,6 +525,7 @@ class SharedBaseModel(nn.Module):
         finally:
             for layer in replaced:
                 del layer.forward  # the class's forward again
+            self._route, self._single = hooked
 
     # ---- parameters, saving -------------------------------------------------------------------
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -564,7 +571,7 @@ def _fusable(layer, route: Route, x: torch.Tensor, output: torch.Tensor) -> bool
         a, b, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
         if not (isinstance(dropout, nn.Identity) or not dropout.training or getattr(dropout, "p", None) == 0):
             return False
-        if a.bias is not None or b.bias is not None:
+        if a.bias is not None or b.bias is not None or hasattr(a.weight, "ds_id"):  # ZeRO-3 gathers in module calls
             return False
         if not a.weight.dtype == b.weight.dtype == x.dtype == output.dtype:
             return False

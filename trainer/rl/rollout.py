@@ -1,10 +1,12 @@
 """PPO experience: generate with `policy`, then score the same tokens with every other adapter.
 
 All passes run on the ONE shared base: `policy` samples (KV cache on, left-padded prompts), then
-under `torch.no_grad` the policy and `reference` log-probs of the response tokens, the `value`
-adapter's per-token values and the scorer's score of each response (the `reward` adapter, or a
-scripted reward), every pass through `trainer.rl.scoring`. By default those four passes are ONE
-routed pass of the base (`SharedBaseModel.fused`): each base layer runs once for all four adapters.
+under `torch.no_grad` the `reference` log-probs of the response tokens, the `value` adapter's
+per-token values and the scorer's score of each response (the `reward` adapter, or a scripted
+reward), every pass through `trainer.rl.scoring`. By default those passes are ONE routed pass of the
+base (`SharedBaseModel.fused`): each base layer runs once for all adapters. The policy's own ("old")
+log-probs come from the logits it sampled from (`SampledLogprobs`), or from a policy pass in the
+scoring pass when the decode path's logits are not the policy's own forward (`--old_logprobs`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 from profiling.cli import UsageError
 from profiling.decode import sync
 from profiling.stages import POLICY, REFERENCE, REWARD
-from trainer.rl.scoring import response_logprobs, response_values, rollout_scores, sequence_scores
+from trainer.rl.scoring import (
+    next_token_logprobs, response_logprobs, response_values, rollout_scores, sequence_scores,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +101,69 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -
 
 
 DECODE_PATHS = ("eager", "static", "compiled")
+OLD_LOGPROBS = ("sampling", "rescore")
+
+
+def logprobs_while_sampling(old_logprobs: str, sampling: Sampling, merged: bool) -> bool:
+    """Whether the old log-probs are read from the sampling logits: asked for, and the decode ran the
+    policy's own eager forward through its LoRA layers (merged weights, a static cache or a compiled step
+    change the logits by rounding: those are re-scored)."""
+    if old_logprobs not in OLD_LOGPROBS:
+        raise UsageError(f"--old_logprobs {old_logprobs!r}: must be one of {', '.join(OLD_LOGPROBS)}")
+    return old_logprobs == "sampling" and sampling.decode == "eager" and not merged
+
+
+class SampledLogprobs:
+    """The log-prob and entropy of each sampled token under the distribution it was sampled from (the
+    raw logits at the sampling temperature, before top-k / top-p / min-length masks: what a scoring
+    pass gives), read from the generating model's own forward.
+
+    A forward hook on the causal LM keeps the last position's logits of each step until the next step's
+    input - the token sampled from them - arrives; `finish` reads the last step's token from the
+    output. One (rows x vocab) tensor is held at a time, where keeping every step's logits would hold
+    (rows x new tokens x vocab).
+    """
+
+    def __init__(self, causal_lm, temperature: float):
+        self.causal_lm, self.temperature = causal_lm, temperature
+        self.logprobs: list[torch.Tensor] = []
+        self.entropy: list[torch.Tensor] = []
+        self._pending: Optional[torch.Tensor] = None
+        self._handle = None
+
+    def __enter__(self) -> "SampledLogprobs":
+        self._handle = self.causal_lm.register_forward_hook(self._hook, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+
+    def _hook(self, module, args, kwargs, output) -> None:
+        if self._pending is not None:
+            ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            self._take(ids[:, -1])
+        self._pending = output.logits[:, -1:].clone()
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        logprobs, entropy = next_token_logprobs(self._pending, tokens[:, None], self.temperature, with_entropy=True)
+        self.logprobs.append(logprobs)
+        self.entropy.append(entropy)
+        self._pending = None
+
+    def finish(self, responses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, R) log-probs and entropy of the (B, R) sampled `responses`."""
+        if self._pending is not None:
+            self._take(responses[:, len(self.logprobs)])
+        if len(self.logprobs) != responses.shape[1]:
+            raise RuntimeError(f"{len(self.logprobs)} decode steps seen for {responses.shape[1]} sampled tokens")
+        return torch.cat(self.logprobs, dim=1), torch.cat(self.entropy, dim=1)
 
 
 def decode_kwargs(decode: str, device: torch.device) -> dict:
     """transformers' `generate` arguments for a decode path. eager: its dynamic KV cache, grown token by token;
     static: a KV cache allocated once at its full length, run eagerly; compiled: the static cache and a
     torch.compile'd decode step (what transformers does by itself on CUDA with a static cache; here on any device,
-    CUDA graphs on CUDA). The sampled tokens' log-probs come from the scoring pass either way."""
+    CUDA graphs on CUDA). The sampled tokens' log-probs come from the scoring pass for static and compiled."""
     if decode not in DECODE_PATHS:
         raise UsageError(f"--decode {decode!r}: must be one of {', '.join(DECODE_PATHS)}")
     if decode == "eager":
@@ -119,9 +179,11 @@ def decode_kwargs(decode: str, device: torch.device) -> dict:
 
 @torch.no_grad()
 def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
-                     eos_id: int, pad_id: int, adapter: str = POLICY, merged: bool = False) -> tuple[torch.Tensor, ...]:
+                     eos_id: int, pad_id: int, adapter: str = POLICY, merged: bool = False,
+                     with_logprobs: bool = False) -> tuple[torch.Tensor, ...]:
     """Sample under `adapter` (from merged weights if `merged`: `SharedBaseModel.merged_weights`).
-    Returns (input_ids, attention_mask, response_mask, ended)."""
+    Returns (input_ids, attention_mask, response_mask, ended), and with `with_logprobs` the (B, R)
+    log-probs and entropy of the sampled tokens under the logits sampled from (`SampledLogprobs`)."""
     kwargs = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens,
                   do_sample=sampling.temperature > 0, eos_token_id=eos_id, pad_token_id=pad_id)
     if sampling.temperature > 0:
@@ -129,13 +191,16 @@ def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     kwargs.update(decode_kwargs(sampling.decode, prompt_ids.device))
     if merged:
         kwargs["merged"] = True
-    sequences = model.generate(prompt_ids, prompt_mask, adapter=adapter, **kwargs)
+    recorder = SampledLogprobs(model.causal_lm, sampling.scoring_temperature) if with_logprobs else nullcontext()
+    with recorder:
+        sequences = model.generate(prompt_ids, prompt_mask, adapter=adapter, **kwargs)
     responses = sequences[:, prompt_ids.shape[1]:]
+    sampled = recorder.finish(responses) if with_logprobs else ()
     response_mask, ended = response_mask_after_eos(responses, eos_id, pad_id)
     responses = responses.masked_fill(response_mask == 0, pad_id)
     input_ids = torch.cat([prompt_ids, responses], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    return input_ids, attention_mask, response_mask, ended
+    return (input_ids, attention_mask, response_mask, ended, *sampled)
 
 
 class RewardModelScorer:
@@ -196,12 +261,15 @@ def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
 @torch.no_grad()
 def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, scorer: Scorer,
                  eos_id: int, pad_id: int, micro_batch_size: int, missing_eos_penalty: Optional[float] = None,
-                 phase=None, fused: bool = True, merged_generation: bool = False) -> Rollout:
-    """Generate, then score with policy / reference / value / reward, `micro_batch_size` rows at a time.
+                 phase=None, fused: bool = True, merged_generation: bool = False,
+                 old_logprobs: str = "sampling") -> Rollout:
+    """Generate, then score with (policy) / reference / value / reward, `micro_batch_size` rows at a time.
 
-    `fused`: the four scoring passes run as ONE routed pass of the base per micro-batch (phase
-    "score"); otherwise one pass per adapter (phases "score" for policy and reward, "reference",
-    "value"). `merged_generation` samples from a merged working copy of the policy's weights.
+    `old_logprobs` "sampling": the policy's log-probs and entropy are read from the logits it sampled
+    from (`logprobs_while_sampling` says when), and the scoring passes skip the policy; "rescore": a
+    policy pass gives them. `fused`: the scoring passes run as ONE routed pass of the base per
+    micro-batch (phase "score"); otherwise one pass per adapter (phases "score" for policy and reward,
+    "reference", "value"). `merged_generation` samples from a merged working copy of the policy's weights.
     `phase` is an optional context-manager factory (`phase("generate")`): the memory
     recorder's, or a benchmark's clock.
     """
@@ -210,19 +278,20 @@ def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sam
     model.eval()  # no dropout: these log-probs and values are the fixed "old" ones of the update
     try:
         return _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                             missing_eos_penalty, phase, fused and getattr(model, "routable", False), merged_generation)
+                             missing_eos_penalty, phase, fused and getattr(model, "routable", False), merged_generation,
+                             logprobs_while_sampling(old_logprobs, sampling, merged_generation))
     finally:
         model.train(was_training)
 
 
 def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                  missing_eos_penalty, phase, fused, merged_generation) -> Rollout:
+                  missing_eos_penalty, phase, fused, merged_generation, sampled) -> Rollout:
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
     with phase("generate"):
         sync(prompt_ids.device)
         started = time.perf_counter()
         parts = [sample_responses(model, prompt_ids[i : i + micro_batch_size], prompt_mask[i : i + micro_batch_size],
-                                  sampling, eos_id, pad_id, merged=merged_generation)
+                                  sampling, eos_id, pad_id, merged=merged_generation, with_logprobs=sampled)
                  for i in range(0, batch, micro_batch_size)]
         sync(prompt_ids.device)
         generate_s = time.perf_counter() - started
@@ -234,21 +303,28 @@ def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_
     ended = torch.cat([p[3] for p in parts])
     width = response_mask.shape[1]
     temperature = sampling.scoring_temperature
+    logprobs = entropy = None
+    if sampled:  # steps after a row's EOS are masked out in _finish
+        logprobs = torch.cat([_pad_right(p[4], width, 0) for p in parts])
+        entropy = torch.cat([_pad_right(p[5], width, 0) for p in parts])
 
     if fused:
         reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
         with phase("score"):
-            logprobs, entropy, ref_logprobs, values, scores = chunked(
-                lambda i, m, r: rollout_scores(model, i, m, r, temperature, reward_adapter),
+            rescored, rescored_entropy, ref_logprobs, values, scores = chunked(
+                lambda i, m, r: rollout_scores(model, i, m, r, temperature, reward_adapter, policy=not sampled),
                 micro_batch_size, batch, input_ids, attention_mask, response_mask)
             if scores is None:
                 scores = scorer(model, input_ids, attention_mask, prompt_length, response_mask)
+        if not sampled:
+            logprobs, entropy = rescored, rescored_entropy
         return _finish(input_ids, attention_mask, response_mask, prompt_length, logprobs, ref_logprobs, values, scores,
                        ended, entropy, missing_eos_penalty, generate_s)
     with phase("score"):
-        logprobs, entropy = chunked(
-            lambda i, m: response_logprobs(model, i, m, width, POLICY, temperature, with_entropy=True),
-            micro_batch_size, batch, input_ids, attention_mask)
+        if not sampled:
+            logprobs, entropy = chunked(
+                lambda i, m: response_logprobs(model, i, m, width, POLICY, temperature, with_entropy=True),
+                micro_batch_size, batch, input_ids, attention_mask)
         scores = chunked(lambda i, m, r: scorer(model, i, m, prompt_length, r), micro_batch_size, batch,
                          input_ids, attention_mask, response_mask)
     with phase("reference"):

@@ -30,10 +30,16 @@ def logprobs_of(logits: torch.Tensor, input_ids: torch.Tensor, temperature: floa
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """`response_logprobs` from the logits of the last width + 1 positions (a fused pass's)."""
     logits = logits[:, :-1]
+    return next_token_logprobs(logits, input_ids[:, -logits.shape[1]:], temperature, with_entropy)
+
+
+def next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                        with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(B, T) log-probs of `tokens` under the (B, T, V) `logits` that predict them, at `temperature`, and
+    the entropy of each position's distribution if asked: every scoring pass's, and sampling's."""
     if temperature not in (0.0, 1.0):
         logits = logits / temperature
-    logprobs = token_logprobs(logits, input_ids[:, -logits.shape[1]:])
-    return logprobs, entropy_from_logits(logits) if with_entropy else None
+    return token_logprobs(logits, tokens), entropy_from_logits(logits) if with_entropy else None
 
 
 def response_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int,
@@ -56,19 +62,20 @@ def policy_and_values(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 def rollout_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                   temperature: float, reward_adapter: Optional[str]) -> tuple[torch.Tensor, ...]:
-    """(policy log-probs, entropy, reference log-probs, values, reward scores or None) of a rollout's
-    rows from ONE routed pass of the base over policy, reference, value (and reward) together."""
+                   temperature: float, reward_adapter: Optional[str], policy: bool = True) -> tuple[torch.Tensor, ...]:
+    """(policy log-probs, entropy, reference log-probs, values, reward scores) of a rollout's rows from ONE
+    routed pass of the base over policy, reference, value and reward together. Without `policy` (its
+    log-probs were taken while sampling) the first two are None; without a reward adapter, the scores."""
     width = response_mask.shape[1]
-    adapters, outputs = [POLICY, REFERENCE, VALUE], ["logits", "logits", "scores"]
-    if reward_adapter is not None:
-        adapters.append(reward_adapter)
-        outputs.append("scores")
-    out = model.fused(input_ids, attention_mask, adapters, outputs, keep_last=width + 1)
-    logprobs, entropy = logprobs_of(out[0], input_ids, temperature, with_entropy=True)
-    ref_logprobs, _ = logprobs_of(out[1], input_ids, temperature)
-    scores = last_token_values(out[3][:, 1:], response_mask).float() if reward_adapter is not None else None
-    return logprobs, entropy, ref_logprobs, out[2][:, :-1], scores
+    adapters = [POLICY, REFERENCE, VALUE, reward_adapter] if policy else [REFERENCE, VALUE, reward_adapter]
+    outputs = ["logits", "logits", "scores", "scores"] if policy else ["logits", "scores", "scores"]
+    if reward_adapter is None:
+        adapters, outputs = adapters[:-1], outputs[:-1]
+    out = list(model.fused(input_ids, attention_mask, adapters, outputs, keep_last=width + 1))
+    logprobs, entropy = logprobs_of(out.pop(0), input_ids, temperature, with_entropy=True) if policy else (None, None)
+    ref_logprobs, _ = logprobs_of(out[0], input_ids, temperature)
+    scores = last_token_values(out[2][:, 1:], response_mask).float() if reward_adapter is not None else None
+    return logprobs, entropy, ref_logprobs, out[1][:, :-1], scores
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
