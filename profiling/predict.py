@@ -214,20 +214,27 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         return [("reference", {C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, row) + mask,
                                C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens)}),
                 ("forward_backward", {**train, C.LOGITS: A.head_logprobs_training(shape, spec, tokens)}), step]
+    # trainer.rl.rollout.logprobs_while_sampling's rule (profiling imports nothing from trainer)
+    sampled = args.old_logprobs == "sampling" and args.decode == "eager" and not args.merged_generation
+    rows = args.rollout_micro_batch_size
+    # sampling: each step's last logits kept until its token arrives, and their fp32 log-softmax / softmax
+    step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 8) if sampled else 0
+    # the policy's response logits beside the reference's in a scoring pass that re-scores
+    policy_logits = 0 if sampled else rows * (args.max_new_tokens + 1) * shape.vocab_size * spec.dtype_bytes
     if args.stage == "grpo":  # critic-free: the rollout rows are prompts x generations, one forward in the update
         rows_all = replace(args, rollout_batch_size=args.rollout_batch_size * args.num_generations)
         context = args.max_prompt_length + args.max_new_tokens
-        rows = args.rollout_micro_batch_size
         buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(rows_all)}
         scored = rows * (args.max_new_tokens + 1)
-        groups = len(stage_adapters(args.stage))
+        groups = len(stage_adapters(args.stage)) - sampled
         return [
             ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
                           + A.kv_cache_growth(shape, spec, rows, context),
                           C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
-                                                              args.max_prompt_length)}),
+                                                              args.max_prompt_length),
+                          C.LOGITS: step_logits}),
             ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
-                       C.LOGITS: A.logits_nograd(shape, spec, scored) + scored * shape.vocab_size * spec.dtype_bytes}),
+                       C.LOGITS: A.logits_nograd(shape, spec, scored) + policy_logits}),
             ("update", {**buffers, **grads, C.ACTIVATIONS: A.training_activations(shape, spec, mb * context, context),
                         C.LOGITS: A.logits_training(shape, spec, mb * (args.max_new_tokens + 1))}),
             step,
@@ -235,15 +242,10 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     # PPO as trainer.rl.rollout / trainer.rl.ppo_step run it: generation and scoring in chunks of
     # `rollout_micro_batch_size` rows; logits only for the response positions (keep_last = generation + 1).
     context = args.max_prompt_length + args.max_new_tokens
-    rows = args.rollout_micro_batch_size
     buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(args)}
     scored = rows * (args.max_new_tokens + 1)
     mb_tokens = mb * context
     update = {**buffers, **grads, C.LOGITS: A.logits_training(shape, spec, mb * (args.max_new_tokens + 1))}
-    # trainer.rl.rollout.logprobs_while_sampling's rule (profiling imports nothing from trainer)
-    sampled = args.old_logprobs == "sampling" and args.decode == "eager" and not args.merged_generation
-    # sampling: each step's last logits kept until its token arrives, and their fp32 log-softmax / softmax
-    step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 8) if sampled else 0
     generate = ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
                              + A.kv_cache_growth(shape, spec, rows, context),
                              C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
@@ -255,7 +257,6 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         # update, policy and value rows are one batch: their layer inputs are kept, and a layer is
         # recomputed for both.
         groups = len(stage_adapters(args.stage)) - sampled
-        policy_logits = 0 if sampled else scored * shape.vocab_size * spec.dtype_bytes
         return [
             generate,
             ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),

@@ -91,3 +91,41 @@ def test_out_of_memory_in_the_grpo_update_retries_with_half_the_micro_batch(tmp_
     assert "out of memory in the GRPO update: retrying the minibatch with micro-batch 2" in capsys.readouterr().out
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["perf/update_micro_batch"] for r in rows if "perf/update_micro_batch" in r] == [2.0]
+
+
+def test_grpo_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, fresh_accelerate_state):
+    """The critic-free rollout shares PPO's rule: --old_logprobs sampling gives what a policy pass gives
+    (the same samples, to fp32 tolerance), and the reference's log-probs are unchanged by it."""
+    from contextlib import nullcontext
+    from dataclasses import replace
+
+    from trainer.data.collators import PromptCollator
+    from trainer.data.tokenization import tokenize_prompts
+    from trainer.engine.setup import start_run
+    from trainer.grpo import GRPOArguments, build_model
+    from trainer.ppo import make_scorer
+    from trainer.rl.grpo_step import group_rollout
+
+    ctx = start_run(GRPOArguments, ["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"),
+                                    "--temperature", "0.8"])
+    model = build_model(ctx)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p, adapter in model._lora_params:
+            if adapter == "policy":  # the policy off the reference: the two log-probs differ
+                p.add_(torch.randn_like(p) * 0.3)
+    tok = ctx.tokenizer
+    prompts, _ = tokenize_prompts(ctx.splits.ppo[:2], tok, ctx.data_args)
+    batch = PromptCollator(tok.pad_token_id)(prompts)
+    scorer = make_scorer(ctx.stage_args, tok)
+    out = {}
+    for source in ("sampling", "rescore"):
+        torch.manual_seed(0)
+        out[source] = group_rollout(model, batch["input_ids"], batch["attention_mask"],
+                                    replace(ctx.stage_args, old_logprobs=source), scorer, tok.eos_token_id,
+                                    tok.pad_token_id, lambda name: nullcontext())
+    sampled, rescored = out["sampling"], out["rescore"]
+    assert torch.equal(sampled.input_ids, rescored.input_ids)
+    torch.testing.assert_close(sampled.logprobs, rescored.logprobs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sampled.ref_logprobs, rescored.ref_logprobs)
+    assert not torch.allclose(sampled.logprobs, sampled.ref_logprobs)

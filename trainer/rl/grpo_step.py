@@ -1,8 +1,9 @@
 """One critic-free step (GRPO or RLOO) on the shared base: the same plumbing as `ppo_step`, less the
 value model.
 
-    prompts x num_generations -> generate (one batched call per chunk) -> ONE routed pass for the
-    policy's old log-probs, the reference's (beta > 0) and the reward adapter's score
+    prompts x num_generations -> generate (one batched call per chunk; the policy's old log-probs read
+    from the logits sampled from, or re-scored: --old_logprobs) -> ONE routed pass for the reference's
+    log-probs (beta > 0) and the reward adapter's score
     -> advantages per prompt group (`trainer.losses.group_advantages`)
     -> clipped ratio loss (+ beta * k3 to the reference for GRPO) over shuffled minibatches
 
@@ -23,7 +24,7 @@ from profiling.stages import POLICY, REFERENCE
 from trainer.engine.harness import Engine, StepResult
 from trainer.losses import group_advantages, grpo_policy_loss, kl_penalty, last_token_values
 from trainer.rl.ppo_step import halving_on_oom
-from trainer.rl.rollout import Sampling, _pad_right, chunked, sample_responses
+from trainer.rl.rollout import Sampling, _pad_right, chunked, logprobs_while_sampling, sample_responses
 from trainer.rl.scoring import logprobs_of, response_logprobs
 
 
@@ -60,6 +61,7 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
                   pad_id: int, phase: Callable) -> GroupRollout:
     """Generate `num_generations` responses per prompt and score them in one routed pass per chunk."""
     sampling, rows = Sampling.of(args), args.rollout_micro_batch_size
+    sampled = logprobs_while_sampling(args.old_logprobs, sampling, args.merged_generation)
     ids = prompt_ids.repeat_interleave(args.num_generations, dim=0)
     mask = prompt_mask.repeat_interleave(args.num_generations, dim=0)
     was_training = model.training
@@ -68,7 +70,8 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
         with phase("generate"):
             started = time.perf_counter()
             parts = [sample_responses(model, ids[i : i + rows], mask[i : i + rows], sampling, eos_id, pad_id,
-                                      merged=args.merged_generation) for i in range(0, ids.shape[0], rows)]
+                                      merged=args.merged_generation, with_logprobs=sampled)
+                     for i in range(0, ids.shape[0], rows)]
             generate_s = time.perf_counter() - started
         width = max(p[0].shape[1] for p in parts)
         input_ids = torch.cat([_pad_right(p[0], width, pad_id) for p in parts])
@@ -76,7 +79,7 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
         response_mask = torch.cat([_pad_right(p[2], width - ids.shape[1], 0) for p in parts])
         ended = torch.cat([p[3] for p in parts])
         reward_adapter = getattr(scorer, "adapter", None)
-        adapters, outputs = [POLICY], ["logits"]
+        adapters, outputs = ([], []) if sampled else ([POLICY], ["logits"])
         if args.beta > 0:
             adapters, outputs = adapters + [REFERENCE], outputs + ["logits"]
         if reward_adapter is not None:
@@ -84,14 +87,18 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
         temperature, r = sampling.scoring_temperature, response_mask.shape[1]
 
         def score(i, m, rm):
-            out = model.fused(i, m, adapters, outputs, keep_last=r + 1, separate=not args.fused_passes)
-            old = logprobs_of(out[0], i, temperature)[0]
-            ref = logprobs_of(out[1], i, temperature)[0] if args.beta > 0 else None
+            out = list(model.fused(i, m, adapters, outputs, keep_last=r + 1, separate=not args.fused_passes))
+            old = None if sampled else logprobs_of(out.pop(0), i, temperature)[0]
+            ref = logprobs_of(out[0], i, temperature)[0] if args.beta > 0 else None
             reward = last_token_values(out[-1][:, 1:], rm).float() if reward_adapter is not None else None
             return old, ref, reward
 
         with phase("score"):
-            old, ref, scores = chunked(score, rows, input_ids.shape[0], input_ids, attention_mask, response_mask)
+            old = ref = scores = None
+            if adapters:  # nothing to score when sampling gave the log-probs, beta is 0 and the reward is scripted
+                old, ref, scores = chunked(score, rows, input_ids.shape[0], input_ids, attention_mask, response_mask)
+            if sampled:  # steps after a row's EOS are masked out below
+                old = torch.cat([_pad_right(p[4], response_mask.shape[1], 0) for p in parts])
             if scores is None:
                 scores = scorer(model, input_ids, attention_mask, ids.shape[1], response_mask).float()
     finally:
