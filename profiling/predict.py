@@ -72,8 +72,9 @@ class EstimateArguments(Checked):
         "help": "PPO rows per generate / scoring pass (default: the micro-batch)."})
     num_generations: int = field(default=1, metadata={"help": "GRPO: responses per prompt."})
     fused_passes: bool = field(default=True, metadata={
-        "help": "PPO: the rollout's four scoring passes as one routed pass over 4x the rows, and the update's "
-                "policy and value passes as one over 2x (as trainer/ppo.py --fused_passes)."})
+        "help": "PPO: the rollout's scoring passes as one routed pass over 3x the rows (4x when the policy "
+                "re-scores), and the update's policy and value passes as one over 2x (as trainer/ppo.py "
+                "--fused_passes)."})
     old_logprobs: str = field(default="sampling", metadata={
         "help": "PPO: sampling (the policy's old log-probs from the logits it sampled from: no policy group in "
                 "the scoring pass, one (rows x vocab) logits row kept per decode step) or rescore (as trainer/ppo.py "

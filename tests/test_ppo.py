@@ -336,3 +336,26 @@ def test_old_logprobs_are_rescored_where_the_decode_is_not_the_policys_own_forwa
     assert not logprobs_while_sampling("rescore", Sampling(decode="eager"), merged=False)
     with pytest.raises(UsageError, match="--old_logprobs 'generation'"):
         logprobs_while_sampling("generation", Sampling(), merged=False)
+
+
+def test_sampled_logprobs_refuse_a_sampling_loop_with_more_forwards_than_tokens():
+    """One forward per sampled token is what the recorder relies on; anything else is a clear error."""
+    from types import SimpleNamespace
+
+    from trainer.rl.rollout import SampledLogprobs
+
+    recorder = SampledLogprobs(torch.nn.Identity(), 1.0)
+    logits = torch.randn(2, 1, 5)
+    for step in range(3):  # prefill, then two decode steps
+        recorder._hook(None, (), {"input_ids": torch.full((2, 1), step)}, SimpleNamespace(logits=logits))
+    with pytest.raises(RuntimeError, match="generate ran 3 forwards for 2 sampled tokens"):
+        recorder.finish(torch.zeros(2, 2, dtype=torch.long))
+    # the right count: the prefill, then one decode step fed the first sampled token
+    responses = torch.tensor([[1, 3], [1, 4]])
+    recorder = SampledLogprobs(torch.nn.Identity(), 1.0)
+    recorder._hook(None, (), {"input_ids": torch.zeros(2, 7, dtype=torch.long)}, SimpleNamespace(logits=logits))
+    recorder._hook(None, (), {"input_ids": responses[:, :1]}, SimpleNamespace(logits=logits))
+    got, entropy = recorder.finish(responses)
+    expected = logits[:, 0].log_softmax(-1)
+    torch.testing.assert_close(got, torch.stack([expected[:, 1], expected.gather(1, torch.tensor([[3], [4]]))[:, 0]], 1))
+    torch.testing.assert_close(entropy, -(expected.exp() * expected).sum(-1, keepdim=True).expand(2, 2))

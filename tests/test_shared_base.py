@@ -447,6 +447,22 @@ def test_lora_products_run_where_they_give_the_same_sums_and_nowhere_else(sft_ad
     assert not _fusable(layer, (("reference", 2), ("reward", 2)), x, out)
 
 
+def test_base_only_runs_the_frozen_base_and_leaves_switching_and_trainability_alone(sft_adapter):
+    args, sft_dir, _ = sft_adapter
+    model = build_shared_model(args, [AdapterSpec("policy", trainable=True, init_from=str(sft_dir)),
+                                      AdapterSpec("fresh", trainable=False)], vocab_size=VOCAB)  # fresh LoRA: B = 0
+    model.eval()
+    ids, mask = batch()
+    flags = [p.requires_grad for p, _ in model._lora_params]
+    with torch.no_grad():
+        policy, base = model.logits(ids, mask, "policy"), model.logits(ids, mask, "fresh")
+        with model.base_only():
+            assert torch.equal(model.logits(ids, mask, "policy"), base)  # no adapter adds anything
+        assert torch.equal(model.logits(ids, mask, "policy"), policy)
+    assert not torch.equal(policy, base) and model.active == "policy"
+    assert [p.requires_grad for p, _ in model._lora_params] == flags
+
+
 def test_routing_refuses_unknown_adapters_and_mismatched_rows(sft_adapter):
     args, sft_dir, _ = sft_adapter
     model = ppo_model(args, sft_dir)

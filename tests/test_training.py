@@ -269,6 +269,12 @@ def test_adamw_runs_torchs_fused_kernel_where_it_can_and_steps_as_the_default_ad
         reference.step()
     for a, b in zip(ours, plain):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    saved = opt.state_dict()
+    for group in saved["param_groups"]:
+        group["fused"] = None  # a checkpoint written before the fused kernel
+    opt.load_state_dict(saved)
+    assert all(group["fused"] for group in opt.param_groups)  # this run's kernel stays
+    assert not build_optimizer(params(1), "adamw_torch", 1e-2, 0.1, torch.device("cpu"), fused=False).defaults["fused"]
     assert not fused_adamw([torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))])
     partitioned = torch.nn.Parameter(torch.zeros(2))
     partitioned.ds_id = 0  # a DeepSpeed ZeRO-3 parameter

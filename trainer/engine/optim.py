@@ -28,13 +28,18 @@ def resolve_optimizer_name(name: str, device: torch.device, quiet: bool = False)
 
 
 def build_optimizer(params: list[torch.nn.Parameter], name: str, lr: float, weight_decay: float,
-                    device: torch.device) -> torch.optim.Optimizer:
+                    device: torch.device, fused: bool = True) -> torch.optim.Optimizer:
+    """`name` resolved on `device` over `params` (weight decay on matrices only). `fused`: torch's AdamW
+    runs its fused kernel where it can (`fused_adamw`); DeepSpeed's engine, which re-groups the
+    parameters into its own partitions, gets the default one."""
     if not params:
         raise UsageError("no trainable parameters: every adapter is frozen")
     name = resolve_optimizer_name(name, device)
     groups = param_groups(params, weight_decay)
     if name == "adamw_torch":
-        opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=fused_adamw(params))
+        opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=fused and fused_adamw(params))
+        # A checkpoint's param groups carry the kernel choice they were saved with: keep this run's.
+        opt.register_load_state_dict_post_hook(_keep_kernel_choice)
     else:
         import bitsandbytes as bnb
 
@@ -48,14 +53,21 @@ def build_optimizer(params: list[torch.nn.Parameter], name: str, lr: float, weig
 
 
 def fused_adamw(params: list[torch.nn.Parameter]) -> bool:
-    """Whether torch's AdamW runs its fused kernel (one kernel over all tensors, where the default
+    """Whether torch's AdamW can run its fused kernel (one kernel over all tensors, where the default
     foreach path makes several passes: 14 ms against 175-290 ms per step over SmolLM2's 5M LoRA
     parameters on 2 CPU threads): parameters of one floating dtype family on one CPU or CUDA device,
-    not partitioned by DeepSpeed. The same update (HF Trainer's "adamw_torch_fused")."""
+    none of them a DeepSpeed ZeRO-3 partition. The same update (HF Trainer's "adamw_torch_fused")."""
     devices = {p.device for p in params}
     return (len(devices) == 1 and next(iter(devices)).type in ("cpu", "cuda")
             and all(p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)
             and not any(hasattr(p, "ds_id") for p in params))
+
+
+def _keep_kernel_choice(optimizer: torch.optim.Optimizer) -> None:
+    for group in optimizer.param_groups:
+        for key in ("fused", "foreach"):
+            if key in optimizer.defaults:
+                group[key] = optimizer.defaults[key]
 
 
 def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
@@ -81,7 +93,8 @@ def build_loop_optimizer(params: list[torch.nn.Parameter], args, accelerator):
     ds_config = deepspeed_config(accelerator)
     if ds_config is not None and (offloads_optimizer(ds_config) or "optimizer" in ds_config):
         return deepspeed_optimizer(params, args, ds_config, accelerator.is_main_process)
-    return build_optimizer(params, args.optimizer, args.learning_rate, args.weight_decay, accelerator.device)
+    return build_optimizer(params, args.optimizer, args.learning_rate, args.weight_decay, accelerator.device,
+                           fused=ds_config is None)
 
 
 def schedule_for(prepared_model, prepared_optimizer, args) -> torch.optim.lr_scheduler.LambdaLR:

@@ -113,6 +113,7 @@ class SharedBaseModel(nn.Module):
         self._tuner_layers = self._collect_tuner_layers()
         self._route: Optional[Route] = None
         self._single: Optional[str] = None  # on a routable model: the one adapter whose LoRA outputs the hook adds
+        self._base_only = False  # `base_only`: no adapter adds anything
         self.routable = self._install_routing()
         self._apply_trainability()
 
@@ -186,7 +187,11 @@ class SharedBaseModel(nn.Module):
         """Give every LoRA linear layer the hook that adds the LoRA outputs - of the active adapter, or of
         each group's adapter in a routed batch - and leave peft's own forward none to add (its layers'
         active adapters stay empty). False for other layer kinds: there peft's layers add the active
-        adapter's outputs and passes run one adapter at a time."""
+        adapter's outputs and passes run one adapter at a time.
+
+        So on a routable model, peft's own switches act on empty lists: `use_adapter` switches and
+        `base_only` turns the adapters off. (peft's `disable_adapter()` would set requires_grad on its
+        active adapters - none here - when it ends, freezing every adapter.)"""
         from peft.tuners.lora import LoraLayer
 
         plain = all(isinstance(m, LoraLayer) and isinstance(m.base_layer, nn.Linear)  # bnb Linear4bit is one
@@ -203,9 +208,9 @@ class SharedBaseModel(nn.Module):
         active adapter. Nothing while peft's adapters are disabled or merged, or `merged_weights` runs."""
         x = inputs[0]
         route = self._route
+        if self._base_only or layer.disable_adapters or layer.merged or (route is None and self._single is None):
+            return None
         if route is None:
-            if self._single is None or layer.disable_adapters or layer.merged:
-                return None
             route = ((self._single, x.shape[0]),)
         sizes = [rows for _, rows in route]
         if x.shape[0] != sum(sizes):
@@ -256,11 +261,8 @@ class SharedBaseModel(nn.Module):
             # Only pointers change. PeftModel.set_adapter walks every module and rewrites requires_grad
             # on every adapter (30 ms per switch on SmolLM2, ~7 ms even per layer), and a checkpointed
             # backward switches twice per recomputed layer; trainability is ours anyway
-            # (`_apply_trainability`). Without routing, peft's layers add the active adapter's outputs:
-            # `_active_adapter` is what peft's own set_adapter assigns (peft 0.21).
-            if not self.routable:
-                for layer in self._tuner_layers:
-                    layer._active_adapter = [name]
+            # (`_apply_trainability`). Without routing, peft's layers add the active adapter's outputs.
+            self._set_peft_layers(name)
             self.peft.base_model.active_adapter = name  # the LoraModel's record ...
             self.peft.active_adapter = name  # ... and the PeftModel's (peft_config lookups, saving)
 
@@ -280,6 +282,26 @@ class SharedBaseModel(nn.Module):
         adapter is active then (usually `policy`), giving wrong gradients or a metadata mismatch.
         """
         return nullcontext(), self.use_adapter(self.active)
+
+    @contextmanager
+    def base_only(self) -> Iterator["SharedBaseModel"]:
+        """Run the body on the frozen base alone: no adapter adds anything, whichever the body switches to;
+        trainability untouched."""
+        previous = self._base_only
+        self._base_only = True
+        self._set_peft_layers(self.active)
+        try:
+            yield self
+        finally:
+            self._base_only = previous
+            self._set_peft_layers(self.active)
+
+    def _set_peft_layers(self, name: Active) -> None:
+        """What peft's own layers add: nothing on a routable model (the hook adds) or in `base_only`,
+        else the active adapter's outputs. `_active_adapter` is what peft's set_adapter assigns (peft 0.21)."""
+        adapters = [] if self.routable or self._base_only or not isinstance(name, str) else [name]
+        for layer in self._tuner_layers:
+            layer._active_adapter = adapters
 
     @contextmanager
     def use_adapter(self, name: Active) -> Iterator["SharedBaseModel"]:
@@ -561,8 +583,11 @@ class SharedBaseModel(nn.Module):
 
 def _fusable(layer, route: Route, x: torch.Tensor, output: torch.Tensor) -> bool:
     """Whether `_routed_lora_products` can add this layer's LoRA outputs: a plain (not 4-bit) layer whose
-    every routed adapter is there, with no dropout active and no bias, all in the dtype of the input and output
-    (peft's own layer adds in the wider dtype; with one dtype there is nothing to round differently)."""
+    every routed adapter is there, with no dropout active, no bias and no ZeRO-3 partition, all in the
+    dtype of the input and output (peft's own layer adds in the wider dtype: with mixed dtypes the
+    per-group path rounds as it does). The sums equal peft's up to fp rounding (the scaling is applied to
+    the rank-r product and the sum inside the matrix product): bit for bit when the scaling is a power
+    of two, as alpha / r usually is."""
     if type(layer).__module__.endswith(".bnb") or not output.is_contiguous():
         return False
     for name, _ in route:

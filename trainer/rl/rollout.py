@@ -121,7 +121,9 @@ class SampledLogprobs:
     A forward hook on the causal LM keeps the last position's logits of each step until the next step's
     input - the token sampled from them - arrives; `finish` reads the last step's token from the
     output. One (rows x vocab) tensor is held at a time, where keeping every step's logits would hold
-    (rows x new tokens x vocab).
+    (rows x new tokens x vocab). It relies on transformers' sampling loop running one forward per
+    sampled token (true for one process on CPU or CUDA; not for `synced_gpus` under ZeRO-3 / FSDP
+    generation, which PPO and GRPO refuse, or a chunked prefill): `finish` says so if the counts differ.
     """
 
     def __init__(self, causal_lm, temperature: float):
@@ -152,10 +154,12 @@ class SampledLogprobs:
 
     def finish(self, responses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, R) log-probs and entropy of the (B, R) sampled `responses`."""
+        steps = len(self.logprobs) + (self._pending is not None)
+        if steps != responses.shape[1]:
+            raise RuntimeError(f"generate ran {steps} forwards for {responses.shape[1]} sampled tokens: read the old "
+                               "log-probs with a scoring pass instead (--old_logprobs rescore)")
         if self._pending is not None:
-            self._take(responses[:, len(self.logprobs)])
-        if len(self.logprobs) != responses.shape[1]:
-            raise RuntimeError(f"{len(self.logprobs)} decode steps seen for {responses.shape[1]} sampled tokens")
+            self._take(responses[:, -1])
         return torch.cat(self.logprobs, dim=1), torch.cat(self.entropy, dim=1)
 
 
