@@ -112,13 +112,23 @@ def test_frozen_adapters_and_heads_get_no_gradient_and_stay_out_of_the_optimizer
 def test_active_adapter_is_restored_after_an_exception_inside_the_context(sft_adapter):
     args, sft_dir, _ = sft_adapter
     model = ppo_model(args, sft_dir)
+    model.eval()
+    ids, mask = batch()
+
+    def raw_logits():  # whatever the model adds now, called past use_adapter
+        with torch.no_grad():
+            return model.causal_lm(input_ids=ids, attention_mask=mask).logits
+
     assert model.active_adapter == "policy"
+    policy = raw_logits()
     with pytest.raises(RuntimeError, match="boom"):
         with model.use_adapter("reward"):
             assert model.active_adapter == "reward"
             with model.use_adapter("value"):
+                assert not torch.equal(raw_logits(), policy)  # the value adapter (fresh: the base) runs
                 raise RuntimeError("boom")
     assert model.active_adapter == "policy"
+    assert torch.equal(raw_logits(), policy)  # the policy's LoRA outputs are added again
     with pytest.raises(KeyError, match="no adapter 'critic'"):
         with model.use_adapter("critic"):
             pass
