@@ -60,6 +60,22 @@ def _check_logits(logits: torch.Tensor) -> None:
         raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
 
 
+def _chunk_logprobs(z: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log softmax(z)[label], 0 where the label is IGNORE_INDEX; log-sum-exp) of one chunk of logits `z`."""
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(-1, label.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(label != IGNORE_INDEX, picked - lse, 0.0), lse
+
+
+def _chunk_logprob_grad(z: torch.Tensor, lse: torch.Tensor, label: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """The gradient at one chunk of logits `z` of `_chunk_logprobs` weighted by `grad_out`, in lse's dtype:
+    grad_out * (onehot(label) - softmax(z)), nothing from ignored labels."""
+    g = torch.where(label != IGNORE_INDEX, grad_out, 0.0).to(lse.dtype).unsqueeze(-1)
+    dz = torch.exp(z.to(lse.dtype) - lse.unsqueeze(-1)) * -g
+    dz.scatter_add_(-1, label.clamp(min=0).unsqueeze(-1), g)
+    return dz
+
+
 class _TokenLogprobs(torch.autograd.Function):
     """log softmax(logits)[label] whose backward recomputes softmax per chunk instead of keeping it."""
 
@@ -69,12 +85,7 @@ class _TokenLogprobs(torch.autograd.Function):
         out = torch.zeros(labels.shape, dtype=dtype, device=logits.device)
         lse = torch.zeros_like(out)
         for rows, cols in _blocks(labels.shape[0], labels.shape[1], chunk_size):
-            z = logits[rows, cols].to(dtype)
-            label = labels[rows, cols]
-            block_lse = torch.logsumexp(z, dim=-1)
-            picked = z.gather(-1, label.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            out[rows, cols] = torch.where(label != IGNORE_INDEX, picked - block_lse, 0.0)
-            lse[rows, cols] = block_lse
+            out[rows, cols], lse[rows, cols] = _chunk_logprobs(logits[rows, cols].to(dtype), labels[rows, cols])
         ctx.chunk_size = chunk_size
         ctx.save_for_backward(logits, labels, lse)
         return out
@@ -85,11 +96,7 @@ class _TokenLogprobs(torch.autograd.Function):
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for rows, cols in _blocks(labels.shape[0], labels.shape[1], ctx.chunk_size):
-            label = labels[rows, cols]
-            g = torch.where(label != IGNORE_INDEX, grad_out[rows, cols], 0.0).to(lse.dtype).unsqueeze(-1)
-            # d log p_y / dz = onehot(y) - softmax(z)
-            block = torch.exp(logits[rows, cols].to(lse.dtype) - lse[rows, cols].unsqueeze(-1)) * -g
-            block.scatter_add_(-1, label.clamp(min=0).unsqueeze(-1), g)
+            block = _chunk_logprob_grad(logits[rows, cols], lse[rows, cols], labels[rows, cols], grad_out[rows, cols])
             grad[rows, cols] = block.to(grad.dtype)
         return grad, None, None
 
@@ -162,11 +169,8 @@ class _HeadLogprobs(torch.autograd.Function):
         out = torch.zeros(labels.shape, dtype=dtype, device=hidden.device)
         lse = torch.zeros_like(out)
         for s in range(0, labels.shape[0], chunk):
-            z = F.linear(hidden[s:s + chunk].to(mm), w, b).to(dtype)
-            label = labels[s:s + chunk]
-            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
-            picked = z.gather(-1, label.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            out[s:s + chunk] = torch.where(label != IGNORE_INDEX, picked - lse[s:s + chunk], 0.0)
+            out[s:s + chunk], lse[s:s + chunk] = _chunk_logprobs(F.linear(hidden[s:s + chunk].to(mm), w, b).to(dtype),
+                                                                 labels[s:s + chunk])
         ctx.chunk, ctx.mm = chunk, mm
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         return out
@@ -183,11 +187,7 @@ class _HeadLogprobs(torch.autograd.Function):
         grad_bias = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if need_bias else None
         for s in range(0, labels.shape[0], chunk):
             h = hidden[s:s + chunk].to(mm)
-            label = labels[s:s + chunk]
-            g = torch.where(label != IGNORE_INDEX, grad_out[s:s + chunk], 0.0).to(lse.dtype).unsqueeze(-1)
-            # d log p_y / dz = onehot(y) - softmax(z)
-            dz = torch.exp(F.linear(h, w, b).to(lse.dtype) - lse[s:s + chunk].unsqueeze(-1)) * -g
-            dz.scatter_add_(-1, label.clamp(min=0).unsqueeze(-1), g)
+            dz = _chunk_logprob_grad(F.linear(h, w, b), lse[s:s + chunk], labels[s:s + chunk], grad_out[s:s + chunk])
             if need_hidden:
                 grad_hidden[s:s + chunk] = (dz.to(mm) @ w).to(hidden.dtype)
             if need_weight:
