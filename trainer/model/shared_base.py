@@ -205,7 +205,7 @@ class SharedBaseModel(nn.Module):
     def _add_routed_lora(self, layer, inputs, output):
         """Forward hook: `output` is the base layer's (peft's forward has no active adapter); add to
         each group's rows the LoRA output of that group's adapter - one group of all rows for a single
-        active adapter. Nothing while peft's adapters are disabled or merged, or `merged_weights` runs."""
+        active adapter. Nothing in `base_only` (and `merged_weights`) or while peft's adapters are disabled or merged."""
         x = inputs[0]
         route = self._route
         if self._base_only or layer.disable_adapters or layer.merged or (route is None and self._single is None):
@@ -528,10 +528,10 @@ class SharedBaseModel(nn.Module):
         """
         from peft.utils.integrations import dequantize_module_weight
 
-        replaced, size, hooked = [], 0, (self._route, self._single)
-        self._route = self._single = None  # the working copy has the adapter in it: the hook adds nothing
+        replaced, size = [], 0
         try:
-            with torch.no_grad():
+            # the working copy has the adapter in it: no LoRA output is added on top (`base_only`)
+            with torch.no_grad(), self.base_only():
                 for layer in self._tuner_layers:
                     base = layer.base_layer
                     dense = dequantize_module_weight(base) if base.weight.dtype == torch.uint8 else base.weight
@@ -543,11 +543,10 @@ class SharedBaseModel(nn.Module):
                         size += dense.numel() * dense.element_size()
                     layer.forward = _FixedLinear(dense, base.bias)
                     replaced.append(layer)
-            yield size
+                yield size
         finally:
             for layer in replaced:
                 del layer.forward  # the class's forward again
-            self._route, self._single = hooked
 
     # ---- parameters, saving -------------------------------------------------------------------
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -619,16 +618,9 @@ def _routed_lora_products(layer, route: Route, x: torch.Tensor, output: torch.Te
     weights_a = [layer.lora_A[n].weight for n in names]
     weights_b = [layer.lora_B[n].weight for n in names]
     scalings = [layer.scaling[n] for n in names]
-    if not torch.is_grad_enabled():
-        start = 0
-        for (_, rows), wa, wb, scale in zip(route, weights_a, weights_b, scalings):
-            stop = start + rows * per_row
-            flat_out[start:stop].addmm_(flat_x[start:stop] @ wa.t(), wb.t(), alpha=scale)
-            start = stop
-        return output
-    groups = len(route)
-    if (len({rows for _, rows in route}) == 1 and len({w.shape for w in weights_a}) == 1
-            and len({w.shape for w in weights_b}) == 1):
+    grad, groups = torch.is_grad_enabled(), len(route)
+    if grad and (len({rows for _, rows in route}) == 1 and len({w.shape for w in weights_a}) == 1
+                 and len({w.shape for w in weights_b}) == 1):
         low = torch.bmm(flat_x.reshape(groups, -1, flat_x.shape[-1]), torch.stack(weights_a).transpose(1, 2))
         if len(set(scalings)) == 1:
             alpha = scalings[0]
@@ -636,10 +628,10 @@ def _routed_lora_products(layer, route: Route, x: torch.Tensor, output: torch.Te
             low, alpha = low * torch.tensor(scalings, dtype=low.dtype, device=low.device).view(-1, 1, 1), 1.0
         summed = torch.baddbmm(flat_out.view(groups, -1, width), low, torch.stack(weights_b).transpose(1, 2), alpha=alpha)
         return summed.view(output.shape)
-    result, start = flat_out.clone(), 0
+    result, start = (flat_out.clone() if grad else flat_out), 0
     for (_, rows), wa, wb, scale in zip(route, weights_a, weights_b, scalings):
         stop = start + rows * per_row
-        result[start:stop] = torch.addmm(flat_out[start:stop], flat_x[start:stop] @ wa.t(), wb.t(), alpha=scale)
+        result[start:stop].addmm_(flat_x[start:stop] @ wa.t(), wb.t(), alpha=scale)
         start = stop
     return result.view(output.shape)
 
