@@ -24,7 +24,7 @@ from profiling.stages import POLICY, REFERENCE
 from trainer.engine.harness import Engine, StepResult
 from trainer.losses import group_advantages, grpo_policy_loss, kl_penalty, last_token_values
 from trainer.rl.ppo_step import halving_on_oom
-from trainer.rl.rollout import Sampling, _pad_right, chunked, logprobs_while_sampling, sample_responses
+from trainer.rl.rollout import Sampling, chunked, logprobs_while_sampling, sample_in_chunks
 from trainer.rl.scoring import logprobs_of, response_logprobs
 
 
@@ -69,15 +69,11 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
     try:
         with phase("generate"):
             started = time.perf_counter()
-            parts = [sample_responses(model, ids[i : i + rows], mask[i : i + rows], sampling, eos_id, pad_id,
-                                      merged=args.merged_generation, with_logprobs=sampled)
-                     for i in range(0, ids.shape[0], rows)]
+            samples = sample_in_chunks(model, ids, mask, sampling, eos_id, pad_id, rows, merged=args.merged_generation,
+                                       with_logprobs=sampled)
             generate_s = time.perf_counter() - started
-        width = max(p[0].shape[1] for p in parts)
-        input_ids = torch.cat([_pad_right(p[0], width, pad_id) for p in parts])
-        attention_mask = torch.cat([_pad_right(p[1], width, 0) for p in parts])
-        response_mask = torch.cat([_pad_right(p[2], width - ids.shape[1], 0) for p in parts])
-        ended = torch.cat([p[3] for p in parts])
+        input_ids, attention_mask, response_mask, ended = (samples.input_ids, samples.attention_mask,
+                                                           samples.response_mask, samples.ended)
         reward_adapter = getattr(scorer, "adapter", None)
         adapters, outputs = ([], []) if sampled else ([POLICY], ["logits"])
         if args.beta > 0:
@@ -98,7 +94,7 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
             if adapters:  # nothing to score when sampling gave the log-probs, beta is 0 and the reward is scripted
                 old, ref, scores = chunked(score, rows, input_ids.shape[0], input_ids, attention_mask, response_mask)
             if sampled:  # steps after a row's EOS are masked out below
-                old = torch.cat([_pad_right(p[4], response_mask.shape[1], 0) for p in parts])
+                old = samples.logprobs
             if scores is None:
                 scores = scorer(model, input_ids, attention_mask, ids.shape[1], response_mask).float()
     finally:

@@ -207,6 +207,35 @@ def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     return (input_ids, attention_mask, response_mask, ended, *sampled)
 
 
+@dataclass
+class Samples:
+    """Sampled rows of a whole batch: prompt (left-padded) then response (right-padded to the longest)."""
+
+    input_ids: torch.Tensor  # (B, P + R)
+    attention_mask: torch.Tensor  # (B, P + R)
+    response_mask: torch.Tensor  # (B, R) 1 up to and including the first EOS
+    ended: torch.Tensor  # (B,) bool
+    logprobs: Optional[torch.Tensor] = None  # (B, R) with `with_logprobs`; 0 past each micro-batch's end
+    entropy: Optional[torch.Tensor] = None  # (B, R) likewise
+
+
+def sample_in_chunks(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, eos_id: int,
+                     pad_id: int, rows: int, merged: bool = False, with_logprobs: bool = False) -> Samples:
+    """`sample_responses` over chunks of `rows` prompts, joined: chunks can stop at different lengths, so
+    every response (and its sampled log-probs and entropy) is right-padded to the longest."""
+    parts = [sample_responses(model, prompt_ids[i : i + rows], prompt_mask[i : i + rows], sampling, eos_id, pad_id,
+                              merged=merged, with_logprobs=with_logprobs) for i in range(0, prompt_ids.shape[0], rows)]
+    width = max(p[0].shape[1] for p in parts)
+    response_width = width - prompt_ids.shape[1]
+
+    def joined(k: int, pad_width: int, value: int) -> torch.Tensor:
+        return torch.cat([_pad_right(p[k], pad_width, value) for p in parts])
+
+    extra = (joined(4, response_width, 0), joined(5, response_width, 0)) if with_logprobs else ()
+    return Samples(joined(0, width, pad_id), joined(1, width, 0), joined(2, response_width, 0),
+                   torch.cat([p[3] for p in parts]), *extra)
+
+
 class RewardModelScorer:
     """Scores from the frozen `reward` adapter + head at each sequence's last real token."""
 
@@ -294,23 +323,15 @@ def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_
     with phase("generate"):
         sync(prompt_ids.device)
         started = time.perf_counter()
-        parts = [sample_responses(model, prompt_ids[i : i + micro_batch_size], prompt_mask[i : i + micro_batch_size],
-                                  sampling, eos_id, pad_id, merged=merged_generation, with_logprobs=sampled)
-                 for i in range(0, batch, micro_batch_size)]
+        samples = sample_in_chunks(model, prompt_ids, prompt_mask, sampling, eos_id, pad_id, micro_batch_size,
+                                   merged=merged_generation, with_logprobs=sampled)
         sync(prompt_ids.device)
         generate_s = time.perf_counter() - started
-    # Micro-batches can stop at different lengths: right-pad every response to the longest.
-    width = max(p[0].shape[1] for p in parts)
-    input_ids = torch.cat([_pad_right(p[0], width, pad_id) for p in parts])
-    attention_mask = torch.cat([_pad_right(p[1], width, 0) for p in parts])
-    response_mask = torch.cat([_pad_right(p[2], width - prompt_length, 0) for p in parts])
-    ended = torch.cat([p[3] for p in parts])
+    input_ids, attention_mask, response_mask, ended = (samples.input_ids, samples.attention_mask,
+                                                       samples.response_mask, samples.ended)
     width = response_mask.shape[1]
     temperature = sampling.scoring_temperature
-    logprobs = entropy = None
-    if sampled:  # steps after a row's EOS are masked out in _finish
-        logprobs = torch.cat([_pad_right(p[4], width, 0) for p in parts])
-        entropy = torch.cat([_pad_right(p[5], width, 0) for p in parts])
+    logprobs, entropy = samples.logprobs, samples.entropy  # sampled: steps after a row's EOS are masked in _finish
 
     if fused:
         reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
