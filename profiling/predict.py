@@ -23,7 +23,7 @@ from profiling import resolve
 from profiling.cli import Checked, UsageError, above, at_least, between, one_of
 from profiling.optimizers import OPTIMIZERS, gradient_bytes, optimizer_bytes, step_temporaries
 from profiling.shapes import DTYPE_BYTES, ModelShape, base_bytes, head_tensor_sizes, load_shape, lora_tensor_sizes
-from profiling.stages import STAGES, stage_adapters
+from profiling.stages import DECODE_PATHS, OLD_LOGPROBS, STAGES, sampled_logprobs, stage_adapters
 
 
 def _alias(*names: str, **kwargs) -> Any:
@@ -101,8 +101,8 @@ class EstimateArguments(Checked):
              "attn_implementation": one_of("sdpa", "flash_attention_2", "eager", "auto"),
              "micro_batch_size": at_least(1), "max_length": at_least(2), "max_prompt_length": at_least(1),
              "max_new_tokens": at_least(1), "rollout_batch_size": at_least(1), "rollout_micro_batch_size": at_least(1),
-             "num_generations": at_least(1), "old_logprobs": one_of("sampling", "rescore"),
-             "decode": one_of("eager", "static", "compiled"), "logprob_chunk": at_least(1), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
+             "num_generations": at_least(1), "old_logprobs": one_of(*OLD_LOGPROBS),
+             "decode": one_of(*DECODE_PATHS), "logprob_chunk": at_least(1), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
              "allocator_overhead": at_least(0), "vocab_size": at_least(1), "hidden_size": at_least(1),
              "intermediate_size": at_least(1), "num_layers": at_least(1), "num_heads": at_least(1),
              "num_kv_heads": at_least(1), "head_dim": at_least(1)}
@@ -215,8 +215,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         return [("reference", {C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, row) + mask,
                                C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens)}),
                 ("forward_backward", {**train, C.LOGITS: A.head_logprobs_training(shape, spec, tokens)}), step]
-    # trainer.rl.rollout.logprobs_while_sampling's rule (profiling imports nothing from trainer)
-    sampled = args.old_logprobs == "sampling" and args.decode == "eager" and not args.merged_generation
+    sampled = sampled_logprobs(args.old_logprobs, args.decode, args.merged_generation)
     rows = args.rollout_micro_batch_size
     # sampling: each step's last logits kept until its token arrives, and their fp32 log-softmax / softmax
     step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 8) if sampled else 0

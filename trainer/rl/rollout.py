@@ -21,7 +21,7 @@ import torch
 
 from profiling.cli import UsageError
 from profiling.decode import sync
-from profiling.stages import POLICY, REFERENCE, REWARD
+from profiling.stages import DECODE_PATHS, OLD_LOGPROBS, POLICY, REFERENCE, REWARD, sampled_logprobs
 from trainer.rl.scoring import (
     next_token_logprobs, response_logprobs, response_values, rollout_scores, sequence_scores,
 )
@@ -100,17 +100,11 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -
     return mask, ended
 
 
-DECODE_PATHS = ("eager", "static", "compiled")
-OLD_LOGPROBS = ("sampling", "rescore")
-
-
 def logprobs_while_sampling(old_logprobs: str, sampling: Sampling, merged: bool) -> bool:
-    """Whether the old log-probs are read from the sampling logits: asked for, and the decode ran the
-    policy's own eager forward through its LoRA layers (merged weights, a static cache or a compiled step
-    change the logits by rounding: those are re-scored)."""
+    """Whether the old log-probs are read from the sampling logits (`profiling.stages.sampled_logprobs`'s rule)."""
     if old_logprobs not in OLD_LOGPROBS:
         raise UsageError(f"--old_logprobs {old_logprobs!r}: must be one of {', '.join(OLD_LOGPROBS)}")
-    return old_logprobs == "sampling" and sampling.decode == "eager" and not merged
+    return sampled_logprobs(old_logprobs, sampling.decode, merged)
 
 
 class SampledLogprobs:
