@@ -45,7 +45,6 @@ class ForwardSpec:
     attention: str = "sdpa"  # sdpa / flash_attention_2 keep no seq x seq tensor; eager does
     checkpointing: bool = True
     logprob_chunk: int = 1024  # positions upcast to fp32 at once (trainer.losses.DEFAULT_CHUNK_SIZE)
-    head_chunk_elements: int = 2 ** 24  # logits per chunk of the LM head (trainer.losses.HEAD_CHUNK_ELEMENTS)
     nf4: bool = True
 
 
@@ -124,21 +123,31 @@ def logits_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
     return tokens * V * spec.dtype_bytes + 2 * chunk * V * 4
 
 
-def _head_chunk_logits(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
-    """Logits in one chunk of trainer.losses.head_logprobs (its head_chunk_positions, at most `tokens`)."""
-    return min(max(1, spec.head_chunk_elements // shape.vocab_size), tokens) * shape.vocab_size
+# trainer.losses.head_logprobs runs the output layer over as many positions at once as make 2**24 logits: a
+# 64 MiB fp32 temporary whatever the vocabulary (341 positions of SmolLM2's 49k vocabulary, 524 of Llama-2's 32k).
+HEAD_CHUNK_ELEMENTS = 2 ** 24
+
+
+def head_chunk_positions(vocab_size: int) -> int:
+    """Positions per chunk of `head_logprobs`: (positions x vocab) fp32 temporaries of HEAD_CHUNK_ELEMENTS."""
+    return max(1, HEAD_CHUNK_ELEMENTS // vocab_size)
+
+
+def _head_chunk_logits(shape: ModelShape, tokens: int) -> int:
+    """Logits in one chunk of trainer.losses.head_logprobs (head_chunk_positions of them, at most `tokens`)."""
+    return min(head_chunk_positions(shape.vocab_size), tokens) * shape.vocab_size
 
 
 def head_logprobs_training(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
     """Log-probs straight from the hidden states (trainer.losses.head_logprobs, SFT and DPO): no (tokens x V)
     tensor, but in backward one chunk's logits in the compute dtype and three fp32 temporaries of them
     (upcast, softmax, its gradient)."""
-    return _head_chunk_logits(shape, spec, tokens) * (spec.dtype_bytes + 3 * 4)
+    return _head_chunk_logits(shape, tokens) * (spec.dtype_bytes + 3 * 4)
 
 
 def head_logprobs_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
     """The same without gradient (DPO's reference): one chunk's logits and two fp32 temporaries."""
-    return _head_chunk_logits(shape, spec, tokens) * (spec.dtype_bytes + 2 * 4)
+    return _head_chunk_logits(shape, tokens) * (spec.dtype_bytes + 2 * 4)
 
 
 def training_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int, forwards: int = 1) -> int:

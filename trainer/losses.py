@@ -17,13 +17,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from profiling.activations import HEAD_CHUNK_ELEMENTS, head_chunk_positions  # noqa: F401  (the estimator sizes it too)
+
 IGNORE_INDEX = -100
 # Positions upcast to fp32 at once: 1024 x 32k vocab x 4 bytes = 128 MiB, against ~4 GiB for the
 # whole (8 x 1024 x 32k) fp32 log-softmax the chunking avoids.
 DEFAULT_CHUNK_SIZE = 1024
-# `head_logprobs` runs the output layer over as many positions at once as make 2**24 logits: a 64 MiB fp32
-# temporary whatever the vocabulary (341 positions of SmolLM2's 49k vocabulary, 524 of Llama-2's 32k).
-HEAD_CHUNK_ELEMENTS = 2 ** 24
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -148,11 +147,6 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SI
     """(B, T, V) -> (B, T) entropy of the predicted distribution, in chunks of `chunk_size` positions."""
     _check_logits(logits)
     return _Entropy.apply(logits, chunk_size)
-
-
-def head_chunk_positions(vocab_size: int) -> int:
-    """Positions per chunk of `head_logprobs`: (positions x vocab) fp32 temporaries of HEAD_CHUNK_ELEMENTS."""
-    return max(1, HEAD_CHUNK_ELEMENTS // vocab_size)
 
 
 class _HeadLogprobs(torch.autograd.Function):
