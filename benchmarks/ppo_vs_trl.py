@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.measure import MemoryProbe, release_memory
 from benchmarks.workload import (
-    Workload, export_tokenizer, fixed_length_prompts, head_weights, hidden_size, load_bench_tokenizer,
+    TRL_SIDES, Workload, export_tokenizer, fixed_length_prompts, head_weights, hidden_size, load_bench_tokenizer,
     trl_batch_settings, write_heads,
 )
 from profiling.cli import run
@@ -44,7 +44,9 @@ SIDE_NAMES = {"ours": "ours (one base, 4 adapters)", "trl": "TRL 1.12 PPOTrainer
               "ours_separate": "ours, ablation: one pass per adapter (--fused_passes false)",
               "ours_merged": "ours, ablation: generation from merged weights (--merged_generation true)",
               "ours_compiled": "ours, ablation: static KV cache and compiled decode step (--decode compiled)",
-              "ours_rescore": "ours, ablation: old log-probs from a policy scoring pass (--old_logprobs rescore)"}
+              "ours_rescore": "ours, ablation: old log-probs from a policy scoring pass (--old_logprobs rescore)",
+              "ours_eager": "ours, ablation: decoder layers not compiled (--compile_layers false)",
+              "trl_compiled": "TRL 1.12 PPOTrainer, its models' decoder layers compiled as --compile_layers compiles ours"}
 
 
 def make_bench_accelerator(args: Workload, out_dir: str):
@@ -106,8 +108,9 @@ def run_side(name: str, args: Workload, prompts, tokenizer, accelerator, probe: 
     release_memory()
     result["at_start"] = probe.now()
     result["load_average_at_start"] = os.getloadavg()  # other jobs on the machine stretch wall times
+    graphs = compiled_graphs()
     try:
-        if name != "trl":
+        if name not in TRL_SIDES:
             from benchmarks.ours import run_ours
 
             with tempfile.TemporaryDirectory(prefix="ppo-bench-heads-") as folder:
@@ -115,13 +118,14 @@ def run_side(name: str, args: Workload, prompts, tokenizer, accelerator, probe: 
         else:
             from benchmarks.trl_ppo import run_trl
 
-            run_trl(args, prompts, tokenizer, accelerator, probe, heads, result)
+            run_trl(args, prompts, tokenizer, accelerator, probe, heads, result, compiled=name == "trl_compiled")
     except torch.OutOfMemoryError as exc:
         result.update(status="out_of_memory", error=f"{type(exc).__name__}: {str(exc)[:500]}")
         logger.error("%s ran out of memory: %s", name, str(exc)[:300])
     except Exception as exc:  # a broken side still leaves the other side's figures
         result.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:500]}")
         logger.exception("%s failed", name)
+    result["compiled_graphs"] = compiled_graphs() - graphs  # what torch.compile compiled during this side
     # NVML's device-wide reading (CUDA context and paged optimizer states included) at phase ends.
     result["nvml_used_max_bytes"] = probe.nvml_max
     probe.nvml_max = None
@@ -129,6 +133,13 @@ def run_side(name: str, args: Workload, prompts, tokenizer, accelerator, probe: 
     result["at_end"] = probe.now()
     result["load_average_at_end"] = os.getloadavg()
     return result
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (dynamo's own count)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def round_orders(sides: list[str], rounds: int) -> list[list[str]]:
@@ -142,7 +153,7 @@ def merge_round(side: Optional[dict], run: dict, round_: int) -> dict:
     the highest peaks, each round's load averages; setup and start figures from its first round."""
     for step in run["steps"]:
         step["round"] = round_
-    loads = {k: run.get(k) for k in ("at_start", "load_average_at_start", "load_average_at_end")}
+    loads = {k: run.get(k) for k in ("at_start", "load_average_at_start", "load_average_at_end", "compiled_graphs")}
     if side is None:
         return {**run, "rounds": [{"round": round_, **loads}]}
     side["steps"] += run["steps"]

@@ -121,6 +121,12 @@ def render_markdown(report: dict) -> str:
         for key, value in side.get("setup", {}).items():
             if key != "ppo_config":
                 lines.append(f"- {key}: {value}")
+        graphs = [r.get("compiled_graphs") for r in side.get("rounds", [side])]
+        if any(graphs):
+            lines.append("- graphs torch.compile compiled during the side: " + ", ".join(
+                f"round {i} {g}" for i, g in enumerate(graphs, start=1) if g is not None))
+        elif graphs and all(g == 0 for g in graphs):
+            lines.append("- graphs torch.compile compiled during the side: none")
         if "ppo_config" in side.get("setup", {}):
             lines.append(f"- PPOConfig: {side['setup']['ppo_config']}")
     lines += ["", "## What is timed", "",
@@ -132,7 +138,7 @@ def render_markdown(report: dict) -> str:
               "whitening, and TRL's `empty_cache` / `gc.collect` calls), update = the PPO epochs plus TRL's "
               "metric gathering and logging. Generation = time inside TRL's `batch_generation`.",
               "- Every boundary synchronizes the device. TRL's policy log-probs come from the logits it keeps "
-              "while generating; ours re-scores the sampled tokens in one forward pass."]
+              "while generating; ours as each side's `old log-probs` line above says."]
     return "\n".join(lines) + "\n"
 
 
@@ -156,14 +162,18 @@ def round_lines(report: dict) -> list[str]:
 
 def ablation_lines(report: dict) -> list[str]:
     """A table of our side against each of its ablations run in the same command (ablation / ours:
-    above 1, the ablated feature saves that much)."""
+    above 1, the ablated feature saves that much), and one of TRL's side against its variants."""
+    return _variant_lines(report, "ours", "Ablations of ours") + _variant_lines(report, "trl", "Variants of TRL's side")
+
+
+def _variant_lines(report: dict, main: str, title: str) -> list[str]:
     sides = report["sides"]
-    ours = sides.get("ours", {}).get("summary", {})
-    ablations = [n for n in sides if n.startswith("ours_")]
+    ours = sides.get(main, {}).get("summary", {})
+    ablations = [n for n in sides if n.startswith(main + "_")]
     if not ours or not ablations:
         return []
-    lines = ["", "## Ablations of ours (same command, same work)", "",
-             "| | ours | " + " | ".join(ablations) + " |", "|---|---:|" + "---:|" * len(ablations)]
+    lines = ["", f"## {title} (same command, same work)", "",
+             f"| | {main} | " + " | ".join(ablations) + " |", "|---|---:|" + "---:|" * len(ablations)]
     figures = [("whole PPO step (s)", "step_s"), ("rollout (s)", "rollout_s"), ("  of which generation (s)", "generate_s"),
                ("update (s)", "update_s"), ("whole PPO step, process CPU time (s)", "step_cpu_s")]
     memory = "peak_allocated_bytes" if report["device_kind"] == "cuda" else "peak_rss_bytes"

@@ -15,6 +15,7 @@ call on the policy-and-value wrapper marks the end of the rollout and the start 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -126,8 +127,11 @@ class _Hooks:
 
 
 def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, probe: MemoryProbe,
-            heads: dict[str, torch.Tensor], result: dict) -> None:
-    """Fill `result` (setup, steps) in place, so a failure part-way keeps what was measured."""
+            heads: dict[str, torch.Tensor], result: dict, compiled: bool = False) -> None:
+    """Fill `result` (setup, steps) in place, so a failure part-way keeps what was measured.
+
+    `compiled`: the three models' decoder layers compiled as --compile_layers compiles ours
+    (`trainer.model.loading.compile_layers`), generation eager as ours: what TRL would gain from it."""
     import datasets
     import trl.experimental.ppo.ppo_trainer as ppo_module
     from peft import LoraConfig
@@ -135,7 +139,7 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     from transformers.trainer_callback import PrinterCallback
 
     from trainer.engine.optim import resolve_optimizer_name
-    from trainer.model.loading import enable_checkpointing, load_base_model
+    from trainer.model.loading import compile_layers, enable_checkpointing, load_base_model
 
     device, vocab = accelerator.device, len(tokenizer)
     clock = PhaseClock(probe)
@@ -147,6 +151,7 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     if args.gradient_checkpointing:
         enable_checkpointing(policy)
         enable_checkpointing(value)
+    compiled_parts = sum(compile_layers(m) for m in (policy, value, reward)) if compiled else 0
     optimizer_name = resolve_optimizer_name(args.optimizer, device)
     if optimizer_name == "adamw_torch":  # ours runs torch's fused AdamW kernel (trainer.engine.optim.fused_adamw)
         optimizer_name = "adamw_torch_fused"
@@ -168,6 +173,7 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
         output_dir=out, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, seed=args.seed,
         bf16=mixed == "bf16", fp16=mixed == "fp16", use_cpu=device.type == "cpu", optim=optimizer_name,
         learning_rate=args.learning_rate, lr_scheduler_type="constant", weight_decay=0.0,
+        torch_compile=args.compile_layers,  # TRL's own switch; its PPO loop compiles nothing (the report counts)
         gradient_checkpointing=args.gradient_checkpointing, total_episodes=args.total_steps * args.rollout_batch_size,
         response_length=args.max_new_tokens, stop_token=None, temperature=args.temperature,
         kl_coef=args.init_kl_coef, kl_estimator=args.kl_estimator, cliprange=args.cliprange,
@@ -187,6 +193,8 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     setup = clock.lap()
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result["setup"] = {**describe(args, four_bit, optimizer_name), "trainable_parameters": trainable,
+                       "compiled layer parts": (f"{compiled_parts} (trainer.model.loading.compile_layers on the three "
+                                                "models; generation eager)") if compiled else "none",
                        "ppo_config": {k: getattr(getattr(config, k), "value", getattr(config, k)) for k in (
                            *trl_batch_settings(args), "local_batch_size", "local_mini_batch_size", "total_episodes",
                            "num_total_batches", "response_length", "bf16", "optim", "gradient_checkpointing")}}
@@ -195,7 +203,8 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     original_generation, original_forward = ppo_module.batch_generation, ppo_module.forward
 
     def timed_generation(model, queries, *a, **k):
-        with clock.subphase("generate"):
+        eager = torch.compiler.set_stance("force_eager") if compiled_parts else contextlib.nullcontext()
+        with clock.subphase("generate"), eager:
             query_responses, logits = original_generation(model, queries, *a, **k)
         hooks.generated += query_responses.shape[0] * (query_responses.shape[1] - queries.shape[1])
         return query_responses, logits

@@ -51,7 +51,8 @@ class PPOBenchArguments(Checked):
     sides: str = field(default="ours,trl", metadata={
         "help": "Which sides to run, in this order: ours, trl, and the ablations of ours: ours_separate (one pass "
                 "per adapter, --fused_passes false), ours_merged (--merged_generation true), ours_compiled (--decode "
-                "compiled), ours_rescore (--old_logprobs rescore)."})
+                "compiled), ours_rescore (--old_logprobs rescore), ours_eager (--compile_layers false); and trl_compiled (TRL "
+                "with its models' decoder layers compiled as --compile_layers compiles ours)."})
     rounds: int = field(default=1, metadata={
         "help": "Run every side this many times, the order of --sides reversed every other round (ours,trl then "
                 "trl,ours, ...), so a shared machine's drift in speed falls on both sides alike. Figures are over "
@@ -64,10 +65,14 @@ class PPOBenchArguments(Checked):
     RULES = {"prompt_length": at_least(2), "steps": at_least(1), "warmup_runs": at_least(0), "rounds": at_least(1)}
 
 
-# Our side's ablations: the PPO settings each changes.
+# Our side's ablations: the model or PPO settings each changes.
 ABLATIONS = {"ours_separate": {"fused_passes": False}, "ours_merged": {"merged_generation": True},
-             "ours_compiled": {"decode": "compiled"}, "ours_rescore": {"old_logprobs": "rescore"}}
-SIDES = ("ours", "trl", *ABLATIONS)
+             "ours_compiled": {"decode": "compiled"}, "ours_rescore": {"old_logprobs": "rescore"},
+             "ours_eager": {"compile_layers": False}}
+# TRL's side with its three models' decoder layers compiled as --compile_layers compiles ours (TRL's PPO
+# loop itself compiles nothing, whatever PPOConfig.torch_compile says): what TRL would gain from it.
+TRL_SIDES = ("trl", "trl_compiled")
+SIDES = ("ours", *TRL_SIDES, *ABLATIONS)
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,11 @@ class Workload:
                    replace(ppo, min_new_tokens=ppo.max_new_tokens), bench)
 
     def ablation(self, side: str) -> "Workload":
-        """This workload with the PPO settings of ablation `side` (itself for ours and trl)."""
-        return replace(self, ppo=replace(self.ppo, **ABLATIONS[side])) if side in ABLATIONS else self
+        """This workload with the settings of ablation `side` (itself for ours and TRL's sides)."""
+        changes = ABLATIONS.get(side, {})
+        model = {k: v for k, v in changes.items() if hasattr(self.model, k)}
+        return replace(self, model=replace(self.model, **model),
+                       ppo=replace(self.ppo, **{k: v for k, v in changes.items() if k not in model}))
 
     def settings(self) -> dict[str, dict]:
         return {part: asdict(getattr(self, part)) for part in ("model", "data", "train", "ppo", "bench")}

@@ -174,3 +174,22 @@ def test_decode_times_each_generation_path_on_the_same_rows(tmp_path):
     assert [(r["path"], r["batch"]) for r in result["rows"]] == [("unmerged", 2), ("merged", 2), ("static", 2)]
     assert all(r["tokens_per_s"] > 0 and r["first_call_s"] > 0 for r in result["rows"])
     assert "| static | 2 |" in (tmp_path / "decode.md").read_text()
+
+
+def test_ablations_change_the_model_or_ppo_setting_they_name_and_the_report_shows_each_variant():
+    args = Workload.parse([*TINY, "--compile_layers", "true"])
+    eager, separate = args.ablation("ours_eager"), args.ablation("ours_separate")
+    assert eager.model.compile_layers is False and eager.ppo == args.ppo
+    assert separate.ppo.fused_passes is False and separate.model == args.model
+    assert args.ablation("trl_compiled") == args.ablation("trl") == args
+    report = _report("cpu")
+    slower = {**report["sides"]["ours"], "summary": {**report["sides"]["ours"]["summary"], "step_s": 3.0},
+              "rounds": [{"compiled_graphs": 12}, {"compiled_graphs": 0}]}
+    report["sides"].update(ours_eager=slower, trl_compiled=slower)
+    report["sides"]["trl"] = {**report["sides"]["trl"], "rounds": [{"compiled_graphs": 0}]}
+    text = render_markdown(report)
+    assert "## Ablations of ours (same command, same work)" in text and "| | ours | ours_eager |" in text
+    assert "## Variants of TRL's side (same command, same work)" in text and "| | trl | trl_compiled |" in text
+    assert "| whole PPO step (s) | 2.00 | 3.00 |" in text
+    assert "- graphs torch.compile compiled during the side: round 1 12, round 2 0" in text
+    assert "- graphs torch.compile compiled during the side: none" in text

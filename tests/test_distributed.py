@@ -473,3 +473,12 @@ def test_adaptive_kl_coefficient_moves_alike_on_every_rank(tmp_path):
     logged = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     kls = [r["objective/kl"] for r in logged if "objective/kl" in r]
     assert [t["kl"] for t in traces[0]] == pytest.approx(kls, rel=1e-9)  # the logged (rank-averaged) KL
+
+
+@pytest.mark.parametrize("kind, config", [("deepspeed", ZERO3), ("fsdp", None)])
+def test_compiled_layers_are_refused_where_the_base_is_sharded(kind, config):
+    from trainer.engine.launch import LaunchError, check_launch
+
+    with pytest.raises(LaunchError, match="^--compile_layers is not supported under .*drop --compile_layers$"):
+        check_launch(fake_accelerator(kind, config), "sft", compile_layers=True)
+    check_launch(fake_accelerator("deepspeed", ZERO2_OFFLOAD), "sft", compile_layers=True)  # ZeRO-2: allowed

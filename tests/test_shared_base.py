@@ -529,3 +529,42 @@ def test_static_kv_cache_decodes_the_same_greedy_tokens_as_the_dynamic_one(sft_a
     assert compiled._compile_all_devices and compiled.mode == "default"
     with pytest.raises(UsageError, match="--decode 'fast'"):
         decode_kwargs("fast", torch.device("cpu"))
+
+
+def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eagerly(sft_adapter):
+    """--compile_layers: a checkpointed routed update pass (policy + value) and a no-grad scoring pass give the
+    eager model's outputs and gradients to fp32 rounding; generation runs the layers eagerly (no graph compiled)."""
+    from torch._dynamo.utils import counters
+
+    args, sft_dir, _ = sft_adapter
+    if args.quantization != "none":
+        pytest.skip("compiled 4-bit layers are a CUDA path")
+    models = [perturbed_ppo_model(tiny_args(checkpointing=True, lora_dropout=0.0, compile_layers=c), sft_dir)
+              for c in (False, True)]
+    assert models[0].compiled_layers == 0 and models[1].compiled_layers == 4 * 2  # 2 layers x (attn, mlp, 2 norms)
+    ids, mask = batch(b=4, t=12)
+    results = []
+    for model in models:
+        model.train()
+        model.zero_grad(set_to_none=True)
+        logits, scores = model(ids, mask, adapter=("policy", "value"), output=("logits", "scores"),
+                               keep_last=5)
+        (logits.log_softmax(-1).mean() + scores.pow(2).mean()).backward()
+        grads = [p.grad.clone() for p in model.trainable_parameters() if p.grad is not None]
+        with torch.no_grad():
+            scored = model.fused(ids, mask, ["reference", "value", "reward"], ["logits", "scores", "scores"], keep_last=5)
+        results.append((logits.detach(), scores.detach(), grads, scored))
+    (eager_logits, eager_scores, eager_grads, eager_scored), (logits, scores, grads, scored) = results
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores, eager_scores, rtol=1e-5, atol=1e-5)
+    assert len(grads) == len(eager_grads) > 0
+    for g, w in zip(grads, eager_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    for got, want in zip(scored, eager_scored):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # the passes above compiled
+    sequences = [m.generate(ids, mask, adapter="policy", max_new_tokens=4, do_sample=False, pad_token_id=0)
+                 for m in models]
+    assert counters["stats"]["unique_graphs"] == graphs  # decoding compiled nothing
+    assert torch.equal(sequences[0], sequences[1])

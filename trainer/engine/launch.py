@@ -213,11 +213,17 @@ def describe_engine(model) -> Optional[str]:
             f"clipping at {model.gradient_clipping()}, {model.world_size} ranks")
 
 
-def check_launch(accelerator, stage: Optional[str]) -> None:
-    """Refuse, at start and in one line, the launch modes a stage cannot run under."""
-    if stage not in MULTI_ADAPTER_STAGES or not shards_parameters(accelerator):
+def check_launch(accelerator, stage: Optional[str], compile_layers: bool = False) -> None:
+    """Refuse, at start and in one line, the launch modes a stage (or --compile_layers) cannot run under."""
+    if not shards_parameters(accelerator):
         return
     mode = "FSDP" if is_fsdp(accelerator) else "DeepSpeed ZeRO-3"
+    if compile_layers:
+        raise LaunchError(f"--compile_layers is not supported under {mode}: its module hooks, which gather the "
+                          "partitioned weights, would run inside the compiled layer parts (untested); drop "
+                          "--compile_layers")
+    if stage not in MULTI_ADAPTER_STAGES:
+        return
     what = ("generates with and switches its adapters on" if stage in ("ppo", "grpo")
             else "switches policy/reference adapters on")
     raise LaunchError(

@@ -178,7 +178,7 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     model_args, data_args, train_args, stage_args = parse_config(stage_args_cls, sys.argv[1:] if argv is None else argv)
     accelerator = make_accelerator(train_args)
     setup_logging(accelerator)
-    check_launch(accelerator, stage)
+    check_launch(accelerator, stage, model_args.compile_layers)
     check_output_dir(Path(train_args.output_dir))
     set_seed(train_args.seed)
     simulate_gpu_memory(train_args.simulate_gpu_gib, accelerator.device)

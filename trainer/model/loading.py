@@ -291,6 +291,40 @@ def enable_checkpointing(model, context_fn=None) -> None:
     model.config.use_cache = False
 
 
+def compile_layers(model) -> int:
+    """Compile, in place and with dynamic shapes, every child of each decoder layer (attention, MLP, norms,
+    with their LoRA layers and the routing hook inside); returns how many. 0, with a one-line reason, where
+    no compiler backend is present (inductor needs a C++ compiler on CPU, Triton on CUDA).
+
+    The children, not the layer: transformers 5 checkpoints inside a decoder layer's `forward`, and dynamo
+    cannot trace `torch.utils.checkpoint` with the shared base's `context_fn`; compiled children run inside
+    the checkpoint, forward and recomputation alike. Module keys stay the same (`nn.Module.compile`)."""
+    import shutil
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        missing = None if has_triton() else "Triton is not installed"
+    elif device.type == "cpu":
+        missing = None if any(shutil.which(c) for c in ("g++", "c++", "clang++")) else "no C++ compiler (g++) found"
+    else:
+        missing = f"not tried on {device.type}"
+    if missing:
+        logger.warning("--compile_layers ignored: %s; the layers run eagerly", missing)
+        return 0
+    count = 0
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer):
+            for child in layer.children():
+                child.compile(dynamic=True)
+                count += 1
+    logger.info("compiled %d decoder-layer parts (torch.compile, dynamic shapes); the first passes compile them", count)
+    return count
+
+
 def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, device: Optional[torch.device] = None,
                     quant_storage: Optional[torch.dtype] = None, checkpointing: Optional[bool] = None):
     """Load the frozen base model (weights requires_grad=False) on `device`, per `args`.

@@ -114,6 +114,7 @@ class SharedBaseModel(nn.Module):
         self._route: Optional[Route] = None
         self._single: Optional[str] = None  # on a routable model: the one adapter whose LoRA outputs the hook adds
         self._base_only = False  # `base_only`: no adapter adds anything
+        self.compiled_layers = 0  # decoder-layer parts compiled (--compile_layers); generation runs them eagerly
         self.routable = self._install_routing()
         self._apply_trainability()
 
@@ -512,7 +513,11 @@ class SharedBaseModel(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            with self.use_adapter(adapter), (self.merged_weights(adapter) if merged else nullcontext()):
+            # Compiled layer parts would compile a variant per KV-cache state; a compiled decode step
+            # (`compile_config`) compiles the whole step itself.
+            eager = self.compiled_layers and "compile_config" not in kwargs
+            with self.use_adapter(adapter), (self.merged_weights(adapter) if merged else nullcontext()), \
+                    (torch.compiler.set_stance("force_eager") if eager else nullcontext()):
                 return self.peft.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
         finally:
             self.train(was_training)
@@ -739,7 +744,7 @@ def _set_dropout(peft_model, adapter: str, rate: float) -> None:
 def build_shared_model(args: ModelArguments, specs: list[AdapterSpec], vocab_size: Optional[int] = None,
                        device: Optional[torch.device] = None) -> SharedBaseModel:
     """Load the base per `args` and put the adapters of `specs` on it."""
-    from trainer.model.loading import enable_checkpointing, load_base_model
+    from trainer.model.loading import compile_layers, enable_checkpointing, load_base_model
 
     check_specs(specs)  # a wrong adapter folder stops here, before the base model loads
     base = load_base_model(args, vocab_size=vocab_size, device=device, checkpointing=False)
@@ -747,6 +752,8 @@ def build_shared_model(args: ModelArguments, specs: list[AdapterSpec], vocab_siz
     model = SharedBaseModel.from_specs(base, args, specs)
     if args.gradient_checkpointing:
         enable_checkpointing(base, context_fn=model.checkpoint_contexts)
+    if args.compile_layers:
+        model.compiled_layers = compile_layers(base)
     n_train = sum(p.numel() for p in model.trainable_parameters())
     logger.info("adapters %s on one base; %s trainable parameters",
                 ", ".join(f"{s.name}{'*' if s.trainable else ''}" for s in specs), f"{n_train:,}")
