@@ -15,7 +15,6 @@ call on the policy-and-value wrapper marks the end of the rollout and the start 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 import tempfile
@@ -131,7 +130,7 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     """Fill `result` (setup, steps) in place, so a failure part-way keeps what was measured.
 
     `compiled`: the three models' decoder layers compiled as --compile_layers compiles ours
-    (`trainer.model.loading.compile_layers`), generation eager as ours: what TRL would gain from it."""
+    (`trainer.model.loading.compile_layers`: for the passes that train): what TRL would gain from it."""
     import datasets
     import trl.experimental.ppo.ppo_trainer as ppo_module
     from peft import LoraConfig
@@ -194,7 +193,7 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result["setup"] = {**describe(args, four_bit, optimizer_name), "trainable_parameters": trainable,
                        "compiled layer parts": (f"{compiled_parts} (trainer.model.loading.compile_layers on the three "
-                                                "models; generation eager)") if compiled else "none",
+                                                "models, for the passes that train)") if compiled else "none",
                        "ppo_config": {k: getattr(getattr(config, k), "value", getattr(config, k)) for k in (
                            *trl_batch_settings(args), "local_batch_size", "local_mini_batch_size", "total_episodes",
                            "num_total_batches", "response_length", "bf16", "optim", "gradient_checkpointing")}}
@@ -203,8 +202,7 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     original_generation, original_forward = ppo_module.batch_generation, ppo_module.forward
 
     def timed_generation(model, queries, *a, **k):
-        eager = torch.compiler.set_stance("force_eager") if compiled_parts else contextlib.nullcontext()
-        with clock.subphase("generate"), eager:
+        with clock.subphase("generate"):
             query_responses, logits = original_generation(model, queries, *a, **k)
         hooks.generated += query_responses.shape[0] * (query_responses.shape[1] - queries.shape[1])
         return query_responses, logits

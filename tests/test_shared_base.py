@@ -532,8 +532,8 @@ def test_static_kv_cache_decodes_the_same_greedy_tokens_as_the_dynamic_one(sft_a
 
 
 def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eagerly(sft_adapter):
-    """--compile_layers: a checkpointed routed update pass (policy + value) and a no-grad scoring pass give the
-    eager model's outputs and gradients to fp32 rounding; generation runs the layers eagerly (no graph compiled)."""
+    """--compile_layers: a checkpointed routed update pass (policy + value) gives the eager model's outputs and
+    gradients to fp32 rounding; passes without autograd (scoring, generation) run eagerly and compile nothing."""
     from torch._dynamo.utils import counters
 
     args, sft_dir, _ = sft_adapter
@@ -563,8 +563,10 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
     for got, want in zip(scored, eager_scored):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs > 0  # the passes above compiled
+    assert graphs > 0  # the update passes above compiled
+    with torch.no_grad():
+        models[1].fused(ids, mask, ["reference", "value", "reward"], ["logits", "scores", "scores"], keep_last=5)
     sequences = [m.generate(ids, mask, adapter="policy", max_new_tokens=4, do_sample=False, pad_token_id=0)
                  for m in models]
-    assert counters["stats"]["unique_graphs"] == graphs  # decoding compiled nothing
+    assert counters["stats"]["unique_graphs"] == graphs  # scoring and decoding compiled nothing
     assert torch.equal(sequences[0], sequences[1])

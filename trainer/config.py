@@ -62,10 +62,10 @@ class ModelArguments(Checked):
     gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in backward."})
     compile_layers: bool = field(default=False, metadata={
         "help": "torch.compile (dynamic shapes) every part of each decoder layer - attention, MLP, norms, with the "
-                "LoRA layers inside - for the training, scoring and evaluation passes: elementwise work fuses and "
-                "per-op overhead goes. Generation stays eager (except --decode compiled). The first passes pay the "
-                "compilation (about 40 s for SmolLM2-135M on 2 CPU cores, less from inductor's cache). Needs a C++ "
-                "compiler on CPU, Triton on CUDA; not with ZeRO-3 / FSDP."})
+                "LoRA layers inside - for the passes that train (forward, recomputation, backward): elementwise work "
+                "fuses and per-op overhead goes. Passes without autograd (generation, scoring, evaluation) stay "
+                "eager. The first update pays the compilation (tens of seconds for SmolLM2-135M on 2 CPU cores, "
+                "less from inductor's cache). Needs a C++ compiler on CPU, Triton on CUDA; not with ZeRO-3 / FSDP."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the hub."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator."})

@@ -292,13 +292,16 @@ def enable_checkpointing(model, context_fn=None) -> None:
 
 
 def compile_layers(model) -> int:
-    """Compile, in place and with dynamic shapes, every child of each decoder layer (attention, MLP, norms,
-    with their LoRA layers and the routing hook inside); returns how many. 0, with a one-line reason, where
-    no compiler backend is present (inductor needs a C++ compiler on CPU, Triton on CUDA).
+    """Compile, with dynamic shapes, every child of each decoder layer (attention, MLP, norms, with their LoRA
+    layers and the routing hook inside) for the passes that train - forward, recomputation and backward under
+    autograd; returns how many. Passes without autograd (generation, scoring, evaluation) keep the eager
+    forward: on CPU a compiled no-grad pass measured no faster, and decoding would compile a variant per KV
+    cache length. 0, with a one-line reason, where no compiler backend is present (inductor needs a C++
+    compiler on CPU, Triton on CUDA).
 
     The children, not the layer: transformers 5 checkpoints inside a decoder layer's `forward`, and dynamo
     cannot trace `torch.utils.checkpoint` with the shared base's `context_fn`; compiled children run inside
-    the checkpoint, forward and recomputation alike. Module keys stay the same (`nn.Module.compile`)."""
+    the checkpoint, forward and recomputation alike. Parameters and state-dict keys stay as they are."""
     import shutil
 
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -319,10 +322,21 @@ def compile_layers(model) -> int:
     for layer in model.modules():
         if isinstance(layer, GradientCheckpointingLayer):
             for child in layer.children():
-                child.compile(dynamic=True)
+                child.forward = _CompiledWithGrad(child.forward)
                 count += 1
-    logger.info("compiled %d decoder-layer parts (torch.compile, dynamic shapes); the first passes compile them", count)
+    logger.info("compiled %d decoder-layer parts for the passes that train (torch.compile, dynamic shapes); "
+                "the first update compiles them", count)
     return count
+
+
+class _CompiledWithGrad:
+    """A module's forward: compiled while autograd records, eager otherwise."""
+
+    def __init__(self, forward):
+        self.eager, self.compiled = forward, torch.compile(forward, dynamic=True)
+
+    def __call__(self, *args, **kwargs):
+        return (self.compiled if torch.is_grad_enabled() else self.eager)(*args, **kwargs)
 
 
 def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, device: Optional[torch.device] = None,

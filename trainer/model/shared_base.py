@@ -114,7 +114,7 @@ class SharedBaseModel(nn.Module):
         self._route: Optional[Route] = None
         self._single: Optional[str] = None  # on a routable model: the one adapter whose LoRA outputs the hook adds
         self._base_only = False  # `base_only`: no adapter adds anything
-        self.compiled_layers = 0  # decoder-layer parts compiled (--compile_layers); generation runs them eagerly
+        self.compiled_layers = 0  # decoder-layer parts compiled for the passes that train (--compile_layers)
         self.routable = self._install_routing()
         self._apply_trainability()
 
@@ -513,11 +513,7 @@ class SharedBaseModel(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            # Compiled layer parts would compile a variant per KV-cache state; a compiled decode step
-            # (`compile_config`) compiles the whole step itself.
-            eager = self.compiled_layers and "compile_config" not in kwargs
-            with self.use_adapter(adapter), (self.merged_weights(adapter) if merged else nullcontext()), \
-                    (torch.compiler.set_stance("force_eager") if eager else nullcontext()):
+            with self.use_adapter(adapter), (self.merged_weights(adapter) if merged else nullcontext()):
                 return self.peft.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
         finally:
             self.train(was_training)
