@@ -167,6 +167,11 @@ def steps_for(args: PartArguments, out: Path) -> list[Step]:
                                                "--batches", "16", "--prompt_tokens", "128", "--new_tokens", "64",
                                                "--paths", "unmerged,merged,static,compiled",
                                                "--out_dir", str(out / "decode-paths")]))
+            # --compile_layers on 4-bit layers is untried: last, so a failure costs no other figure
+            compiled = [*work[:-1], "ours,ours_eager", "--compile_layers", "true"]
+            steps.append(Step("ppo_compiled_layers", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),
+                                                      *data_flags(args), *cap_flags(args), *compiled,
+                                                      "--out_dir", str(out / "ppo_compiled_layers")]))
         return steps
     if args.part == "stages":
         stages = ("dpo",) if args.smoke else ("sft", "reward", "dpo")  # smoke: see the module's docstring
