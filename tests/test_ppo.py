@@ -81,13 +81,17 @@ def build_trainer(tmp_path, stage_adapters, *extra) -> tuple[PPOSetup, object]:
     return PPOSetup(ctx, model, prompts, held_out), model
 
 
-def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_adapters, fresh_accelerate_state):
-    """Scoring and the first update forward agree: ratio 1, nothing clipped, approx KL 0."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled layers"])
+def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_adapters, fresh_accelerate_state,
+                                                                compiled):
+    """Scoring and the first update forward agree: ratio 1, nothing clipped, approx KL 0 - also where the
+    update runs through compiled decoder layers (--compile_layers) and the rollout eagerly."""
     from trainer.data.collators import PromptCollator
     from trainer.rl.ppo_step import compute_advantages, micro_loss
     from trainer.rl.rollout import make_rollout
 
-    trainer, model = build_trainer(tmp_path, stage_adapters)
+    trainer, model = build_trainer(tmp_path, stage_adapters, "--compile_layers", str(compiled).lower())
+    assert (model.compiled_layers > 0) == compiled
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
     torch.manual_seed(0)
     rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
