@@ -532,8 +532,10 @@ def test_static_kv_cache_decodes_the_same_greedy_tokens_as_the_dynamic_one(sft_a
 
 
 def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eagerly(sft_adapter):
-    """--compile_layers: a checkpointed routed update pass (policy + value) gives the eager model's outputs and
-    gradients to fp32 rounding; passes without autograd (scoring, generation) run eagerly and compile nothing."""
+    """--compile_layers: checkpointed passes that train - routed (policy + value, then value + policy) and under
+    one adapter - give the eager model's outputs and gradients to fp32 rounding, each under its own adapters (a
+    graph compiled under one route is not reused under another); passes without autograd (scoring,
+    generation) run eagerly and compile nothing."""
     from torch._dynamo.utils import counters
 
     args, sft_dir, _ = sft_adapter
@@ -543,27 +545,27 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
               for c in (False, True)]
     assert models[0].compiled_layers == 0 and models[1].compiled_layers == 4 * 2  # 2 layers x (attn, mlp, 2 norms)
     ids, mask = batch(b=4, t=12)
+    passes = [(("policy", "value"), ("logits", "scores")), ("value", "scores"), ("policy", "logits"),
+              (("value", "policy"), ("scores", "logits"))]
     results = []
     for model in models:
         model.train()
-        model.zero_grad(set_to_none=True)
-        logits, scores = model(ids, mask, adapter=("policy", "value"), output=("logits", "scores"),
-                               keep_last=5)
-        (logits.log_softmax(-1).mean() + scores.pow(2).mean()).backward()
-        grads = [p.grad.clone() for p in model.trainable_parameters() if p.grad is not None]
-        with torch.no_grad():
-            scored = model.fused(ids, mask, ["reference", "value", "reward"], ["logits", "scores", "scores"], keep_last=5)
-        results.append((logits.detach(), scores.detach(), grads, scored))
-    (eager_logits, eager_scores, eager_grads, eager_scored), (logits, scores, grads, scored) = results
-    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(scores, eager_scores, rtol=1e-5, atol=1e-5)
-    assert len(grads) == len(eager_grads) > 0
-    for g, w in zip(grads, eager_grads):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
-    for got, want in zip(scored, eager_scored):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        results.append([])
+        for adapter, output in passes:
+            model.zero_grad(set_to_none=True)
+            outs = model(ids, mask, adapter=adapter, output=output, keep_last=5)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            sum(o.log_softmax(-1).mean() if o.dim() == 3 else o.pow(2).mean() for o in outs).backward()
+            grads = [p.grad.clone() for p in model.trainable_parameters() if p.grad is not None]
+            results[-1].append(([o.detach() for o in outs], grads))
+    for (want_outs, want_grads), (outs, grads), (adapter, _) in zip(*results, passes):
+        for got, want in zip(outs, want_outs):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{adapter}: {m}")
+        assert len(grads) == len(want_grads) > 0
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=lambda m: f"{adapter}: {m}")
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs > 0  # the update passes above compiled
+    assert graphs > 0  # the passes above compiled
     with torch.no_grad():
         models[1].fused(ids, mask, ["reference", "value", "reward"], ["logits", "scores", "scores"], keep_last=5)
     sequences = [m.generate(ids, mask, adapter="policy", max_new_tokens=4, do_sample=False, pad_token_id=0)
