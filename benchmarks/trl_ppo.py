@@ -130,7 +130,10 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     """Fill `result` (setup, steps) in place, so a failure part-way keeps what was measured.
 
     `compiled`: the three models' decoder layers compiled as --compile_layers compiles ours
-    (`trainer.model.loading.compile_layers`: for the passes that train): what TRL would gain from it."""
+    (`trainer.model.loading.compile_layers`: for the passes that train): what TRL would gain from it. TRL's
+    PPO loop compiles nothing itself: its Accelerator gets no dynamo plugin, so `PPOConfig.torch_compile`
+    changes nothing there but, on CUDA, turns TF32 on for the whole process (`TrainingArguments`), which
+    would skew every side run after it; it is left unset."""
     import datasets
     import trl.experimental.ppo.ppo_trainer as ppo_module
     from peft import LoraConfig
@@ -172,7 +175,6 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
         output_dir=out, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, seed=args.seed,
         bf16=mixed == "bf16", fp16=mixed == "fp16", use_cpu=device.type == "cpu", optim=optimizer_name,
         learning_rate=args.learning_rate, lr_scheduler_type="constant", weight_decay=0.0,
-        torch_compile=args.compile_layers,  # TRL's own switch; its PPO loop compiles nothing (the report counts)
         gradient_checkpointing=args.gradient_checkpointing, total_episodes=args.total_steps * args.rollout_batch_size,
         response_length=args.max_new_tokens, stop_token=None, temperature=args.temperature,
         kl_coef=args.init_kl_coef, kl_estimator=args.kl_estimator, cliprange=args.cliprange,
@@ -193,7 +195,8 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result["setup"] = {**describe(args, four_bit, optimizer_name), "trainable_parameters": trainable,
                        "compiled layer parts": (f"{compiled_parts} (trainer.model.loading.compile_layers on the three "
-                                                "models, for the passes that train)") if compiled else "none",
+                                                "models, for the passes that train: the reward model's only pass "
+                                                "has none, so it runs eagerly)") if compiled else "none",
                        "ppo_config": {k: getattr(getattr(config, k), "value", getattr(config, k)) for k in (
                            *trl_batch_settings(args), "local_batch_size", "local_mini_batch_size", "total_episodes",
                            "num_total_batches", "response_length", "bf16", "optim", "gradient_checkpointing")}}

@@ -65,12 +65,12 @@ class PPOBenchArguments(Checked):
     RULES = {"prompt_length": at_least(2), "steps": at_least(1), "warmup_runs": at_least(0), "rounds": at_least(1)}
 
 
-# Our side's ablations: the model or PPO settings each changes.
-ABLATIONS = {"ours_separate": {"fused_passes": False}, "ours_merged": {"merged_generation": True},
-             "ours_compiled": {"decode": "compiled"}, "ours_rescore": {"old_logprobs": "rescore"},
-             "ours_eager": {"compile_layers": False}}
+# Our side's ablations: the settings each changes, by part (model: ModelArguments, ppo: PPOArguments).
+ABLATIONS = {"ours_separate": {"ppo": {"fused_passes": False}}, "ours_merged": {"ppo": {"merged_generation": True}},
+             "ours_compiled": {"ppo": {"decode": "compiled"}}, "ours_rescore": {"ppo": {"old_logprobs": "rescore"}},
+             "ours_eager": {"model": {"compile_layers": False}}}
 # TRL's side with its three models' decoder layers compiled as --compile_layers compiles ours (TRL's PPO
-# loop itself compiles nothing, whatever PPOConfig.torch_compile says): what TRL would gain from it.
+# loop itself compiles nothing): what TRL would gain from it.
 TRL_SIDES = ("trl", "trl_compiled")
 SIDES = ("ours", *TRL_SIDES, *ABLATIONS)
 
@@ -107,9 +107,7 @@ class Workload:
     def ablation(self, side: str) -> "Workload":
         """This workload with the settings of ablation `side` (itself for ours and TRL's sides)."""
         changes = ABLATIONS.get(side, {})
-        model = {k: v for k, v in changes.items() if hasattr(self.model, k)}
-        return replace(self, model=replace(self.model, **model),
-                       ppo=replace(self.ppo, **{k: v for k, v in changes.items() if k not in model}))
+        return replace(self, **{part: replace(getattr(self, part), **fields) for part, fields in changes.items()})
 
     def settings(self) -> dict[str, dict]:
         return {part: asdict(getattr(self, part)) for part in ("model", "data", "train", "ppo", "bench")}
@@ -133,7 +131,10 @@ class Workload:
         if self.train.warmup_steps or self.train.min_lr_ratio != 1.0:
             raise UsageError("our side must run a constant learning rate, as TRL's PPO loop does: --warmup_steps 0 "
                              "--min_lr_ratio 1 (--warmup_runs sets the steps left out of the figures)")
-        self.side_list  # noqa: B018  (raises on an unknown side, before anything is loaded)
+        compiled_sides = {"ours_eager", "trl_compiled"} & set(self.side_list)  # raises on an unknown side
+        if compiled_sides and not self.model.compile_layers:
+            raise UsageError(f"--sides {','.join(sorted(compiled_sides))} compare against --compile_layers true: "
+                             "pass it (without it ours_eager is ours, and ours is not compiled like trl_compiled)")
 
     def lora_targets(self) -> list[str]:
         return lora_targets(self.model.lora_target_modules)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer.config import DATA_ENV, SHARED_DATA
 
@@ -92,3 +94,21 @@ SLOW_FIRST = ("test_ppo_learning.py", "test_distributed.py", "test_gpu_kit.py", 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
+
+
+@contextmanager
+def compiled_calls(monkeypatch):
+    """Yields a list that gets one entry per call into a --compile_layers part's compiled forward (what
+    `trainer.model.loading._CompiledWithGrad` dispatches while autograd records)."""
+    from trainer.model.loading import _CompiledWithGrad
+
+    calls, original = [], _CompiledWithGrad.__call__
+
+    def counted(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            calls.append(1)
+        return original(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_CompiledWithGrad, "__call__", counted)
+        yield calls

@@ -193,3 +193,14 @@ def test_ablations_change_the_model_or_ppo_setting_they_name_and_the_report_show
     assert "| whole PPO step (s) | 2.00 | 3.00 |" in text
     assert "- graphs torch.compile compiled during the side: round 1 12, round 2 0" in text
     assert "- graphs torch.compile compiled during the side: none" in text
+
+
+def test_the_compiled_variants_need_compile_layers_on():
+    import pytest
+
+    from profiling.cli import UsageError
+
+    for side in ("ours_eager", "trl_compiled"):
+        with pytest.raises(UsageError, match="compare against --compile_layers true"):
+            Workload.parse([*TINY, "--sides", f"ours,{side}"]).check()
+        Workload.parse([*TINY, "--sides", f"ours,{side}", "--compile_layers", "true"]).check()

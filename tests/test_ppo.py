@@ -83,15 +83,17 @@ def build_trainer(tmp_path, stage_adapters, *extra) -> tuple[PPOSetup, object]:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled layers"])
 def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_adapters, fresh_accelerate_state,
-                                                                compiled):
+                                                                monkeypatch, compiled):
     """Scoring and the first update forward agree: ratio 1, nothing clipped, approx KL 0 - also where the
     update runs through compiled decoder layers (--compile_layers) and the rollout eagerly."""
+    from conftest import compiled_calls
+
     from trainer.data.collators import PromptCollator
     from trainer.rl.ppo_step import compute_advantages, micro_loss
     from trainer.rl.rollout import make_rollout
 
     trainer, model = build_trainer(tmp_path, stage_adapters, "--compile_layers", str(compiled).lower())
-    assert (model.compiled_layers > 0) == compiled
+    assert (model.compiled_parts > 0) == compiled
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
     torch.manual_seed(0)
     rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
@@ -101,7 +103,9 @@ def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_
     torch.testing.assert_close(rollout.logprobs, rollout.ref_logprobs)
     adv = compute_advantages(rollout, 0.05, trainer.args)
     model.train()
-    _, stats = micro_loss(model, rollout, adv.advantages, adv.returns, trainer.args, 1.0)
+    with compiled_calls(monkeypatch) as calls:
+        _, stats = micro_loss(model, rollout, adv.advantages, adv.returns, trainer.args, 1.0)
+    assert (len(calls) > 0) == compiled  # the update's parts ran compiled (the rollout's, eagerly, are not counted)
     assert float(stats["val/ratio"]) == pytest.approx(1.0, abs=1e-5)
     assert float(stats["policy/clipfrac_avg"]) == 0.0
     assert float(stats["policy/approxkl_avg"]) < 1e-10

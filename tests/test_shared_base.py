@@ -531,11 +531,12 @@ def test_static_kv_cache_decodes_the_same_greedy_tokens_as_the_dynamic_one(sft_a
         decode_kwargs("fast", torch.device("cpu"))
 
 
-def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eagerly(sft_adapter):
+def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eagerly(sft_adapter, monkeypatch):
     """--compile_layers: checkpointed passes that train - routed (policy + value, then value + policy) and under
     one adapter - give the eager model's outputs and gradients to fp32 rounding, each under its own adapters (a
     graph compiled under one route is not reused under another); passes without autograd (scoring,
     generation) run eagerly and compile nothing."""
+    from conftest import compiled_calls
     from torch._dynamo.utils import counters
 
     args, sft_dir, _ = sft_adapter
@@ -543,19 +544,21 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
         pytest.skip("compiled 4-bit layers are a CUDA path")
     models = [perturbed_ppo_model(tiny_args(checkpointing=True, lora_dropout=0.0, compile_layers=c), sft_dir)
               for c in (False, True)]
-    assert models[0].compiled_layers == 0 and models[1].compiled_layers == 4 * 2  # 2 layers x (attn, mlp, 2 norms)
+    assert models[0].compiled_parts == 0 and models[1].compiled_parts == 4 * 2  # 2 layers x (attn, mlp, 2 norms)
     ids, mask = batch(b=4, t=12)
     passes = [(("policy", "value"), ("logits", "scores")), ("value", "scores"), ("policy", "logits"),
               (("value", "policy"), ("scores", "logits"))]
     results = []
-    for model in models:
+    for model, compiled in zip(models, (False, True)):
         model.train()
         results.append([])
         for adapter, output in passes:
             model.zero_grad(set_to_none=True)
-            outs = model(ids, mask, adapter=adapter, output=output, keep_last=5)
-            outs = outs if isinstance(outs, tuple) else (outs,)
-            sum(o.log_softmax(-1).mean() if o.dim() == 3 else o.pow(2).mean() for o in outs).backward()
+            with compiled_calls(monkeypatch) as calls:
+                outs = model(ids, mask, adapter=adapter, output=output, keep_last=5)
+                outs = outs if isinstance(outs, tuple) else (outs,)
+                sum(o.log_softmax(-1).mean() if o.dim() == 3 else o.pow(2).mean() for o in outs).backward()
+            assert (len(calls) > 0) == compiled  # forward and recomputation went through the compiled parts
             grads = [p.grad.clone() for p in model.trainable_parameters() if p.grad is not None]
             results[-1].append(([o.detach() for o in outs], grads))
     for (want_outs, want_grads), (outs, grads), (adapter, _) in zip(*results, passes):
@@ -565,10 +568,9 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
         for g, w in zip(grads, want_grads):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=lambda m: f"{adapter}: {m}")
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs > 0  # the passes above compiled
-    with torch.no_grad():
+    with compiled_calls(monkeypatch) as calls, torch.no_grad():
         models[1].fused(ids, mask, ["reference", "value", "reward"], ["logits", "scores", "scores"], keep_last=5)
-    sequences = [m.generate(ids, mask, adapter="policy", max_new_tokens=4, do_sample=False, pad_token_id=0)
-                 for m in models]
-    assert counters["stats"]["unique_graphs"] == graphs  # scoring and decoding compiled nothing
+        sequences = [m.generate(ids, mask, adapter="policy", max_new_tokens=4, do_sample=False, pad_token_id=0)
+                     for m in models]
+    assert not calls and counters["stats"]["unique_graphs"] == graphs  # scoring and decoding: eager, nothing compiled
     assert torch.equal(sequences[0], sequences[1])

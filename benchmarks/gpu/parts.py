@@ -151,15 +151,16 @@ def steps_for(args: PartArguments, out: Path) -> list[Step]:
                     "--steps", "1", "--warmup_runs", "1"]
             decode = ["--batches", "1,4", "--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1",
                       "--copy_gib", "0.05"]
+            sides = []
         else:
             work = ["--attn_implementation", "sdpa", "--optimizer", "paged_adamw_8bit", "--prompt_length", "256",
                     "--max_new_tokens", "128", "--rollout_batch_size", "16", "--rollout_micro_batch_size", "16",
                     "--mini_batch_size", "8", "--micro_batch_size", "4", "--ppo_epochs", "2", "--steps", "1",
-                    "--warmup_runs", "1", "--lora_r", "16", "--lora_alpha", "32",
-                    "--sides", "ours,ours_separate,trl"]  # the fused-vs-separate ablation where it should pay
+                    "--warmup_runs", "1", "--lora_r", "16", "--lora_alpha", "32"]
+            sides = ["--sides", "ours,ours_separate,trl"]  # the fused-vs-separate ablation where it should pay
             decode = ["--batches", "1,16,64", "--prompt_tokens", "128", "--new_tokens", "64"]
         steps = [Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args), *data_flags(args),
-                                     *cap_flags(args), *work, "--out_dir", str(out / "ppo_vs_trl")]),
+                                     *cap_flags(args), *work, *sides, "--out_dir", str(out / "ppo_vs_trl")]),
                  Step("decode", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), *decode,
                                  "--out_dir", str(out / "decode")])]
         if not args.smoke:  # which generation path decodes fastest at the rollout's batch (issue: keep what wins)
@@ -168,9 +169,9 @@ def steps_for(args: PartArguments, out: Path) -> list[Step]:
                                                "--paths", "unmerged,merged,static,compiled",
                                                "--out_dir", str(out / "decode-paths")]))
             # --compile_layers on 4-bit layers is untried: last, so a failure costs no other figure
-            compiled = [*work[:-1], "ours,ours_eager", "--compile_layers", "true"]
             steps.append(Step("ppo_compiled_layers", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),
-                                                      *data_flags(args), *cap_flags(args), *compiled,
+                                                      *data_flags(args), *cap_flags(args), *work, "--sides",
+                                                      "ours,ours_eager", "--compile_layers", "true",
                                                       "--out_dir", str(out / "ppo_compiled_layers")]))
         return steps
     if args.part == "stages":

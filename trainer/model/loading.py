@@ -301,7 +301,11 @@ def compile_layers(model) -> int:
 
     The children, not the layer: transformers 5 checkpoints inside a decoder layer's `forward`, and dynamo
     cannot trace `torch.utils.checkpoint` with the shared base's `context_fn`; compiled children run inside
-    the checkpoint, forward and recomputation alike. Parameters and state-dict keys stay as they are."""
+    the checkpoint, forward and recomputation alike. Parameters and state-dict keys stay as they are.
+
+    Dynamo guards what the routing hook reads (route, active adapter, train mode), so each adapter route -
+    and, since a route fixes its row groups, each micro-batch size - compiles its own variant; past
+    torch's limit (8 per code object, shared by all layers) a part runs eagerly, still correct."""
     import shutil
 
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -330,7 +334,8 @@ def compile_layers(model) -> int:
 
 
 class _CompiledWithGrad:
-    """A module's forward: compiled while autograd records, eager otherwise."""
+    """A module's forward: compiled while autograd records, eager otherwise. It holds the bound forward of
+    its module: a deep copy of the model would run the original's parts, so compile the copy anew."""
 
     def __init__(self, forward):
         self.eager, self.compiled = forward, torch.compile(forward, dynamic=True)

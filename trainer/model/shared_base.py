@@ -114,7 +114,7 @@ class SharedBaseModel(nn.Module):
         self._route: Optional[Route] = None
         self._single: Optional[str] = None  # on a routable model: the one adapter whose LoRA outputs the hook adds
         self._base_only = False  # `base_only`: no adapter adds anything
-        self.compiled_layers = 0  # decoder-layer parts compiled for the passes that train (--compile_layers)
+        self.compiled_parts = 0  # decoder-layer parts compiled for the passes that train (--compile_layers)
         self.routable = self._install_routing()
         self._apply_trainability()
 
@@ -749,7 +749,7 @@ def build_shared_model(args: ModelArguments, specs: list[AdapterSpec], vocab_siz
     if args.gradient_checkpointing:
         enable_checkpointing(base, context_fn=model.checkpoint_contexts)
     if args.compile_layers:
-        model.compiled_layers = compile_layers(base)
+        model.compiled_parts = compile_layers(base)
     n_train = sum(p.numel() for p in model.trainable_parameters())
     logger.info("adapters %s on one base; %s trainable parameters",
                 ", ".join(f"{s.name}{'*' if s.trainable else ''}" for s in specs), f"{n_train:,}")
