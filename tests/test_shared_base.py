@@ -407,11 +407,11 @@ def test_lora_products_add_what_the_per_group_lora_layers_add(sft_adapter, monke
     steps, sizes = ROUTES[route]
     ids, mask = batch(b=sum(sizes))
     calls = []
-    fused_products, fusable = shared_base._routed_lora_products, shared_base._fusable
+    fused_products, fusable = shared_base._routed_lora_products, shared_base._fusable_weights
     monkeypatch.setattr(shared_base, "_routed_lora_products", lambda *a: calls.append(1) or fused_products(*a))
 
     def run(fused: bool):
-        monkeypatch.setattr(shared_base, "_fusable", fusable if fused else (lambda *a: False))
+        monkeypatch.setattr(shared_base, "_fusable_weights", fusable if fused else (lambda *a: None))
         model.zero_grad(set_to_none=True)
         with torch.set_grad_enabled(grad):
             hidden = model.hidden_states(ids, mask, steps)
@@ -437,7 +437,10 @@ def test_lora_products_add_what_the_per_group_lora_layers_add(sft_adapter, monke
 def test_lora_products_run_where_they_give_the_same_sums_and_nowhere_else(sft_adapter):
     """Plain layers without active dropout in one dtype take the fused products; 4-bit layers, dropout in
     train mode and a routed adapter missing from a layer keep the per-group path."""
-    from trainer.model.shared_base import _fusable
+    from trainer.model.shared_base import _fusable_weights
+
+    def _fusable(*args) -> bool:
+        return _fusable_weights(*args) is not None
 
     args, sft_dir, _ = sft_adapter
     model = perturbed_ppo_model(args, sft_dir)  # trainable adapters keep lora_dropout 0.05
@@ -448,6 +451,10 @@ def test_lora_products_run_where_they_give_the_same_sums_and_nowhere_else(sft_ad
     plain = not type(layer).__module__.endswith(".bnb")  # peft's bitsandbytes layers round the LoRA sum first
     model.eval()
     assert _fusable(layer, policy_and_value, x, out) == plain  # dropout inactive in eval
+    if plain:  # the weights it hands the products are the routed adapters' own, in route order
+        weights_a, weights_b = _fusable_weights(layer, policy_and_value, x, out)
+        assert [w is layer.lora_A[n].weight for w, n in zip(weights_a, ("policy", "value"))] == [True, True]
+        assert [w is layer.lora_B[n].weight for w, n in zip(weights_b, ("policy", "value"))] == [True, True]
     model.train()
     assert not _fusable(layer, policy_and_value, x, out)  # dropout draws a mask per group
     assert _fusable(layer, (("reference", 2), ("reward", 2)), x, out) == plain  # frozen adapters: no dropout

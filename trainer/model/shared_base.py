@@ -216,8 +216,9 @@ class SharedBaseModel(nn.Module):
         sizes = [rows for _, rows in route]
         if x.shape[0] != sum(sizes):
             raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(sizes)}")
-        if _fusable(layer, route, x, output):
-            return _routed_lora_products(layer, route, x, output)
+        weights = _fusable_weights(layer, route, x, output)
+        if weights is not None:
+            return _routed_lora_products(layer, route, x, output, *weights)
         # Rounded as peft's own layer rounds (its bitsandbytes layers cast the LoRA output to the
         # result's dtype before adding; the plain one adds in the wider dtype, then casts), so a
         # routed pass gives each group what a pass under its adapter gives.
@@ -581,29 +582,37 @@ class SharedBaseModel(nn.Module):
         return out
 
 
-def _fusable(layer, route: Route, x: torch.Tensor, output: torch.Tensor) -> bool:
-    """Whether `_routed_lora_products` can add this layer's LoRA outputs: a plain (not 4-bit) layer whose
-    every routed adapter is there, with no dropout active, no bias and no ZeRO-3 partition, all in the
-    dtype of the input and output (peft's own layer adds in the wider dtype: with mixed dtypes the
-    per-group path rounds as it does). The sums equal peft's up to fp rounding (the scaling is applied to
-    the rank-r product and the sum inside the matrix product): bit for bit when the scaling is a power
-    of two, as alpha / r usually is."""
+def _fusable_weights(layer, route: Route, x: torch.Tensor, output: torch.Tensor
+                     ) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """The routed adapters' (A, B) weights where `_routed_lora_products` can add this layer's LoRA outputs,
+    else None: a plain (not 4-bit) layer whose every routed adapter is there, with no dropout active, no
+    bias and no ZeRO-3 partition, all in the dtype of the input and output (peft's own layer adds in the
+    wider dtype: with mixed dtypes the per-group path rounds as it does). The sums equal peft's up to fp
+    rounding (the scaling is applied to the rank-r product and the sum inside the matrix product): bit for
+    bit when the scaling is a power of two, as alpha / r usually is. Each module and weight is looked up
+    once: this runs for every LoRA layer at every decoded token."""
     if type(layer).__module__.endswith(".bnb") or not output.is_contiguous():
-        return False
+        return None
+    lora_a, lora_b, dropouts = layer.lora_A, layer.lora_B, layer.lora_dropout
+    weights_a, weights_b = [], []
     for name, _ in route:
-        if name not in layer.lora_A:
-            return False
-        a, b, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
+        if name not in lora_a:
+            return None
+        a, b, dropout = lora_a[name], lora_b[name], dropouts[name]
         if not (isinstance(dropout, nn.Identity) or not dropout.training or getattr(dropout, "p", None) == 0):
-            return False
-        if a.bias is not None or b.bias is not None or hasattr(a.weight, "ds_id"):  # ZeRO-3 gathers in module calls
-            return False
-        if not a.weight.dtype == b.weight.dtype == x.dtype == output.dtype:
-            return False
-    return True
+            return None
+        wa, wb = a.weight, b.weight
+        if a.bias is not None or b.bias is not None or hasattr(wa, "ds_id"):  # ZeRO-3 gathers in module calls
+            return None
+        if not wa.dtype == wb.dtype == x.dtype == output.dtype:
+            return None
+        weights_a.append(wa)
+        weights_b.append(wb)
+    return weights_a, weights_b
 
 
-def _routed_lora_products(layer, route: Route, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+def _routed_lora_products(layer, route: Route, x: torch.Tensor, output: torch.Tensor,
+                          weights_a: list[torch.Tensor], weights_b: list[torch.Tensor]) -> torch.Tensor:
     """Each group's `scaling * B (A x)` added to its rows of `output` with the scaling applied to the
     rank-r product and the addition inside the second matrix product (addmm / baddbmm): no
     output-sized products, sums or concatenations besides the result itself, where peft's layer makes
@@ -615,10 +624,7 @@ def _routed_lora_products(layer, route: Route, x: torch.Tensor, output: torch.Te
     width = output.shape[-1]
     flat_x, flat_out = x.reshape(-1, x.shape[-1]), output.view(-1, width)
     per_row = flat_x.shape[0] // x.shape[0]  # positions per row
-    names = [name for name, _ in route]
-    weights_a = [layer.lora_A[n].weight for n in names]
-    weights_b = [layer.lora_B[n].weight for n in names]
-    scalings = [layer.scaling[n] for n in names]
+    scalings = [layer.scaling[name] for name, _ in route]
     grad, groups = torch.is_grad_enabled(), len(route)
     if grad and (len({rows for _, rows in route}) == 1 and len({w.shape for w in weights_a}) == 1
                  and len({w.shape for w in weights_b}) == 1):
