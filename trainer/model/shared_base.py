@@ -212,10 +212,9 @@ class SharedBaseModel(nn.Module):
         if self._base_only or layer.disable_adapters or layer.merged or (route is None and self._single is None):
             return None
         if route is None:
-            route = ((self._single, x.shape[0]),)
-        sizes = [rows for _, rows in route]
-        if x.shape[0] != sum(sizes):
-            raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(sizes)}")
+            route = ((self._single, x.shape[0]),)  # all rows: nothing to check
+        elif x.shape[0] != sum(rows for _, rows in route):
+            raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(r for _, r in route)}")
         weights = _fusable_weights(layer, route, x, output)
         if weights is not None:
             return _routed_lora_products(layer, route, x, output, *weights)
@@ -224,7 +223,7 @@ class SharedBaseModel(nn.Module):
         # routed pass gives each group what a pass under its adapter gives.
         round_first = type(layer).__module__.endswith(".bnb")
         in_place = not torch.is_grad_enabled()  # scoring: add into the base output's rows, no copies
-        pieces = []
+        sizes, pieces = [rows for _, rows in route], []
         for (name, _), xs, out in zip(route, x.split(sizes), output.split(sizes)):
             if name in layer.lora_A:
                 lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
