@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
     base = "4-bit NF4 (double quant)" if four_bit else "full precision"
-    sampled = logprobs_while_sampling(args.ppo.old_logprobs, Sampling.of(args.ppo), args.ppo.merged_generation)
+    sampled = logprobs_while_sampling(args.ppo.old_logprobs, args.ppo.merged_generation)
     scored = "reference / value / reward" if sampled else "policy / reference / value / reward"
     return {
         "models": f"ONE {args.model_name_or_path} base ({base}), frozen, loaded once",

@@ -78,7 +78,7 @@ class EstimateArguments(Checked):
     old_logprobs: str = field(default="sampling", metadata={
         "help": "PPO: sampling (the policy's old log-probs from the logits it sampled from: no policy group in "
                 "the scoring pass, one (rows x vocab) logits row kept per decode step) or rescore (as trainer/ppo.py "
-                "--old_logprobs; merged, static or compiled decoding re-scores)."})
+                "--old_logprobs; merged generation re-scores)."})
     decode: str = field(default="eager", metadata={"help": "PPO: the decode path (trainer/ppo.py --decode)."})
     merged_generation: bool = field(default=False, metadata={"help": "PPO: as trainer/ppo.py --merged_generation."})
     logprob_chunk: int = field(default=1024, metadata={"help": "Positions per fp32 log-prob chunk."})
@@ -215,7 +215,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         return [("reference", {C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, row) + mask,
                                C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens)}),
                 ("forward_backward", {**train, C.LOGITS: A.head_logprobs_training(shape, spec, tokens)}), step]
-    sampled = sampled_logprobs(args.old_logprobs, args.decode, args.merged_generation)
+    sampled = sampled_logprobs(args.old_logprobs, args.merged_generation)
     rows = args.rollout_micro_batch_size
     # sampling: each step's last logits kept until its token arrives, and their fp32 log-softmax / softmax
     step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 8) if sampled else 0

@@ -35,17 +35,18 @@ class Slot:
 
 
 # How an online-RL rollout decodes, and where the policy's old log-probs come from (trainer/ppo.py
-# --decode, --old_logprobs); the trainer and the memory estimator read both through `sampled_logprobs`.
+# --decode, --old_logprobs); the trainer and the memory estimator read the latter through `sampled_logprobs`.
 DECODE_PATHS = ("eager", "static", "compiled")
 OLD_LOGPROBS = ("sampling", "rescore")
 
 
-def sampled_logprobs(old_logprobs: str, decode: str, merged: bool) -> bool:
+def sampled_logprobs(old_logprobs: str, merged: bool) -> bool:
     """Whether the old log-probs are read from the logits the policy sampled from, so that the rollout's
-    scoring pass has no policy group: asked for, and the decode ran the policy's own eager forward
-    through its LoRA layers (merged weights, a static cache or a compiled step change the logits by
-    rounding: those are re-scored)."""
-    return old_logprobs == "sampling" and decode == "eager" and not merged
+    scoring pass has no policy group: asked for, and the decode ran the policy's own forward through
+    its LoRA layers. Every decode path does (eager, static cache, compiled step: their logits differ
+    from a scoring pass's by the rounding of another summation order, tested to fp32 tolerance);
+    merged weights do not (the weights themselves are rounded once more): those are re-scored."""
+    return old_logprobs == "sampling" and not merged
 
 
 def stage_adapters(stage: str) -> list[Slot]:

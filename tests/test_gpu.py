@@ -110,6 +110,37 @@ def test_a_ppo_step_on_cuda_moves_only_policy_value_and_value_head(tmp_path):
             assert torch.equal(p, base[n]), n
 
 
+@pytest.mark.parametrize("decode", ["eager", "compiled"])
+def test_old_logprobs_read_while_sampling_on_cuda_equal_a_policy_scoring_pass(tmp_path, decode):
+    """The sampled tokens' log-probs read from the decode's own logits match a policy scoring pass on CUDA
+    with NF4, also from a compiled decode step run as CUDA graphs (transformers' reduce-overhead mode),
+    whose outputs the next replay overwrites: the recorder copies each step's logits out first."""
+    from conftest import saved_head
+
+    from trainer.model.shared_base import build_shared_model, stage_specs
+    from trainer.rl.rollout import RewardModelScorer, Sampling, make_rollout
+
+    specs = stage_specs("ppo", {})
+    specs[-1].head_from = saved_head(tmp_path / "reward-head", 256)
+    model = build_shared_model(tiny_args(), specs, vocab_size=VOCAB, device=cuda())
+    model.eval()
+    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
+    sampling = Sampling(max_new_tokens=8, min_new_tokens=8, temperature=0.7, decode=decode)
+
+    def rollout(source: str):
+        torch.manual_seed(0)
+        return make_rollout(model, ids, torch.ones_like(ids), sampling, RewardModelScorer(), eos_id=2, pad_id=0,
+                            micro_batch_size=4, old_logprobs=source)
+
+    rollout("sampling")  # the compiled path compiles and records its graphs on its first call
+    sampled, rescored = rollout("sampling"), rollout("rescore")
+    assert hasattr(model.causal_lm, "_compiled_call") == (decode == "compiled")
+    assert torch.equal(sampled.input_ids, rescored.input_ids)
+    # bf16 compute: a decode step and a whole-sequence pass differ by bf16 rounding, not more
+    torch.testing.assert_close(sampled.logprobs, rescored.logprobs, rtol=0, atol=5e-2)
+    torch.testing.assert_close(sampled.entropy, rescored.entropy, rtol=0, atol=5e-2)
+
+
 def test_the_recorder_fills_its_cuda_allocator_and_nvml_fields():
     from profiling import components as C
     from profiling.recorder import MemoryRecorder

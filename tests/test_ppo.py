@@ -294,18 +294,19 @@ def test_fused_passes_give_the_rollout_and_the_steps_that_separate_passes_give(t
                                        msg=lambda m, a=adapter, k=key: f"{a} {k}: {m}")
 
 
+@pytest.mark.parametrize("decode", ["eager", "static", "compiled"])
 def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, stage_adapters, monkeypatch,
-                                                                      fresh_accelerate_state):
+                                                                      fresh_accelerate_state, decode):
     """--old_logprobs sampling (the logits each token was sampled from) and rescore (a policy pass): the
     same samples, log-probs and entropy to fp32 tolerance, at a temperature, with top-k truncated
     sampling, left-padded prompts and rows that stop early; the sampling path's scoring pass has no
-    policy group."""
+    policy group. On every decode path: eager (dynamic KV cache), static cache, compiled decode step."""
     from trainer.data.collators import PromptCollator
     from trainer.model.shared_base import SharedBaseModel
     from trainer.rl.rollout import make_rollout
 
     trainer, model = build_trainer(tmp_path, stage_adapters, "--temperature", "0.7", "--top_k", "20",
-                                   "--max_new_tokens", "12")
+                                   "--max_new_tokens", "12", "--decode", decode)
     _perturb_policy(model)
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:6])
     assert (batch["attention_mask"] == 0).any()  # some prompts are left-padded
@@ -324,6 +325,8 @@ def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, 
     eos_id = int(rollout("rescore", trainer.eos_id).input_ids[0, batch["input_ids"].shape[1] + 3])
     routed.clear()
     sampled, rescored = rollout("sampling", eos_id), rollout("rescore", eos_id)
+    # the compiled path really ran compiled: transformers keeps the compiled decode step on the model
+    assert hasattr(model.causal_lm, "_compiled_call") == (decode == "compiled")
     assert routed == [("reference", "value", "reward")] * 2 + [("policy", "reference", "value", "reward")] * 2
     assert torch.equal(sampled.input_ids, rescored.input_ids)
     ends = sampled.response_mask.sum(1)
@@ -333,17 +336,15 @@ def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, 
         torch.testing.assert_close(getattr(sampled, name), getattr(rescored, name), rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_old_logprobs_are_rescored_where_the_decode_is_not_the_policys_own_forward():
+def test_old_logprobs_are_rescored_only_after_merged_generation():
     from profiling.cli import UsageError
-    from trainer.rl.rollout import Sampling, logprobs_while_sampling
+    from trainer.rl.rollout import logprobs_while_sampling
 
-    assert logprobs_while_sampling("sampling", Sampling(decode="eager"), merged=False)
-    assert not logprobs_while_sampling("sampling", Sampling(decode="eager"), merged=True)
-    assert not logprobs_while_sampling("sampling", Sampling(decode="static"), merged=False)
-    assert not logprobs_while_sampling("sampling", Sampling(decode="compiled"), merged=False)
-    assert not logprobs_while_sampling("rescore", Sampling(decode="eager"), merged=False)
+    assert logprobs_while_sampling("sampling", merged=False)
+    assert not logprobs_while_sampling("sampling", merged=True)
+    assert not logprobs_while_sampling("rescore", merged=False)
     with pytest.raises(UsageError, match="--old_logprobs 'generation'"):
-        logprobs_while_sampling("generation", Sampling(), merged=False)
+        logprobs_while_sampling("generation", merged=False)
 
 
 def test_sampled_logprobs_refuse_a_sampling_loop_with_more_forwards_than_tokens():

@@ -66,12 +66,12 @@ class PPOArguments(Checked):
     decode: str = field(default="eager", metadata={
         "help": "How generation runs its decode steps: eager (transformers' dynamic KV cache), static (a KV cache "
                 "allocated once at full length) or compiled (the static cache and a torch.compile'd decode step; "
-                "the first rollout pays the compilation). static and compiled re-score the old log-probs."})
+                "the first rollout pays the compilation). Each keeps the sampled log-probs (--old_logprobs)."})
     old_logprobs: str = field(default="sampling", metadata={
         "help": "Where the policy's old log-probs and entropy come from: sampling (the logits each token was "
-                "sampled from, in the eager decode through the LoRA layers: the policy's own forward, as TRL "
-                "takes them; the scoring pass then runs without the policy) or rescore (a policy pass in the "
-                "scoring pass). Merged, static or compiled decoding always re-scores."})
+                "sampled from, read while decoding through the LoRA layers - eager, static or compiled: the "
+                "policy's own forward, as TRL takes them; the scoring pass then runs without the policy) or "
+                "rescore (a policy pass in the scoring pass). Merged generation always re-scores."})
     ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
     max_new_tokens: int = field(default=32, metadata={"help": "Response length limit."})
     min_new_tokens: int = field(default=0, metadata={"help": "Fix the response length (= max_new_tokens) for benchmarks."})

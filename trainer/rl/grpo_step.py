@@ -61,7 +61,7 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
                   pad_id: int, phase: Callable) -> GroupRollout:
     """Generate `num_generations` responses per prompt and score them in one routed pass per chunk."""
     sampling, rows = Sampling.of(args), args.rollout_micro_batch_size
-    sampled = logprobs_while_sampling(args.old_logprobs, sampling, args.merged_generation)
+    sampled = logprobs_while_sampling(args.old_logprobs, args.merged_generation)
     ids = prompt_ids.repeat_interleave(args.num_generations, dim=0)
     mask = prompt_mask.repeat_interleave(args.num_generations, dim=0)
     was_training = model.training

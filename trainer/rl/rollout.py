@@ -100,11 +100,11 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -
     return mask, ended
 
 
-def logprobs_while_sampling(old_logprobs: str, sampling: Sampling, merged: bool) -> bool:
+def logprobs_while_sampling(old_logprobs: str, merged: bool) -> bool:
     """Whether the old log-probs are read from the sampling logits (`profiling.stages.sampled_logprobs`'s rule)."""
     if old_logprobs not in OLD_LOGPROBS:
         raise UsageError(f"--old_logprobs {old_logprobs!r}: must be one of {', '.join(OLD_LOGPROBS)}")
-    return sampled_logprobs(old_logprobs, sampling.decode, merged)
+    return sampled_logprobs(old_logprobs, merged)
 
 
 class SampledLogprobs:
@@ -118,6 +118,10 @@ class SampledLogprobs:
     (rows x new tokens x vocab). It relies on transformers' sampling loop running one forward per
     sampled token (true for one process on CPU or CUDA; not for `synced_gpus` under ZeRO-3 / FSDP
     generation, which PPO and GRPO refuse, or a chunked prefill): `finish` says so if the counts differ.
+
+    The hook runs eagerly also under `--decode compiled` (`torch.compiler.disable`: the compiled decode
+    step ends before it): it copies the step's logits out as soon as the step returns, before a CUDA
+    graph's next replay reuses their memory, and its lists never become a graph's side effects.
     """
 
     def __init__(self, causal_lm, temperature: float):
@@ -134,6 +138,7 @@ class SampledLogprobs:
     def __exit__(self, *exc) -> None:
         self._handle.remove()
 
+    @torch.compiler.disable
     def _hook(self, module, args, kwargs, output) -> None:
         if self._pending is not None:
             ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
@@ -161,7 +166,7 @@ def decode_kwargs(decode: str, device: torch.device) -> dict:
     """transformers' `generate` arguments for a decode path. eager: its dynamic KV cache, grown token by token;
     static: a KV cache allocated once at its full length, run eagerly; compiled: the static cache and a
     torch.compile'd decode step (what transformers does by itself on CUDA with a static cache; here on any device,
-    CUDA graphs on CUDA). The sampled tokens' log-probs come from the scoring pass for static and compiled."""
+    CUDA graphs on CUDA). Every path leaves `SampledLogprobs` the logits each token was sampled from."""
     if decode not in DECODE_PATHS:
         raise UsageError(f"--decode {decode!r}: must be one of {', '.join(DECODE_PATHS)}")
     if decode == "eager":
@@ -306,7 +311,7 @@ def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sam
     try:
         return _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
                              missing_eos_penalty, phase, fused and getattr(model, "routable", False), merged_generation,
-                             logprobs_while_sampling(old_logprobs, sampling, merged_generation))
+                             logprobs_while_sampling(old_logprobs, merged_generation))
     finally:
         model.train(was_training)
 
