@@ -182,15 +182,17 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
     assert f"{update['predicted_total'] / 2**30:.2f}" in text.split("| memory-llama-2-7b-nvidia-h100 | ppo | update |")[-1]
 
 
-def test_the_full_speed_part_ends_with_the_compiled_layers_ablation_on_the_same_work(tmp_path):
+def test_the_full_speed_part_ends_with_the_compiled_ablations_on_the_same_work(tmp_path):
     """On the GPU (not smoke) the speed part runs the PPO comparison, then, last, ours with --compile_layers
-    against ours eager on the same work (compiled 4-bit layers are untried: a failure there costs nothing else)."""
+    against ours eager and ours with a compiled decode step too, on the same work (compiled 4-bit layers and
+    CUDA-graph decoding in PPO are untried: a failure there costs nothing else)."""
     from benchmarks.gpu.parts import PartArguments, steps_for
 
     steps = steps_for(PartArguments(part="speed", out=str(tmp_path)), tmp_path)
-    assert [s.name for s in steps] == ["ppo_vs_trl", "decode", "decode-paths", "ppo_compiled_layers"]
+    assert [s.name for s in steps] == ["ppo_vs_trl", "decode", "decode-paths", "ppo_compiled"]
     main, compiled = steps[0].argv, steps[-1].argv
-    assert compiled[compiled.index("--sides") + 1] == "ours,ours_eager" and "--compile_layers" not in main
+    assert compiled[compiled.index("--sides") + 1] == "ours,ours_eager,ours_compiled"
+    assert "--compile_layers" not in main
     at = compiled.index("--compile_layers")
     assert compiled[at + 1] == "true"
 

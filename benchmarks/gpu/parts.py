@@ -168,11 +168,13 @@ def steps_for(args: PartArguments, out: Path) -> list[Step]:
                                                "--batches", "16", "--prompt_tokens", "128", "--new_tokens", "64",
                                                "--paths", "unmerged,merged,static,compiled",
                                                "--out_dir", str(out / "decode-paths")]))
-            # --compile_layers on 4-bit layers is untried: last, so a failure costs no other figure
-            steps.append(Step("ppo_compiled_layers", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),
-                                                      *data_flags(args), *cap_flags(args), *work, "--sides",
-                                                      "ours,ours_eager", "--compile_layers", "true",
-                                                      "--out_dir", str(out / "ppo_compiled_layers")]))
+            # compiled 4-bit layers and a compiled decode step (CUDA graphs) keeping the sampled log-probs
+            # are untried on a GPU: last, so a failure costs no other figure. With --compile_layers true,
+            # ours_eager drops the compiled layers and ours_compiled adds the compiled decode step.
+            steps.append(Step("ppo_compiled", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),
+                                               *data_flags(args), *cap_flags(args), *work, "--sides",
+                                               "ours,ours_eager,ours_compiled", "--compile_layers", "true",
+                                               "--out_dir", str(out / "ppo_compiled")]))
         return steps
     if args.part == "stages":
         stages = ("dpo",) if args.smoke else ("sft", "reward", "dpo")  # smoke: see the module's docstring

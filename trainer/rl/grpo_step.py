@@ -3,7 +3,7 @@ value model.
 
     prompts x num_generations -> generate (one batched call per chunk; the policy's old log-probs read
     from the logits sampled from, or re-scored: --old_logprobs) -> ONE routed pass for the reference's
-    log-probs (beta > 0) and the reward adapter's score
+    log-probs (beta > 0) and the reward adapter's score (`trainer.rl.scoring.rollout_scores`, PPO's too)
     -> advantages per prompt group (`trainer.losses.group_advantages`)
     -> clipped ratio loss (+ beta * k3 to the reference for GRPO) over shuffled minibatches
 
@@ -20,12 +20,12 @@ from typing import Callable, Optional
 
 import torch
 
-from profiling.stages import POLICY, REFERENCE
+from profiling.stages import POLICY
 from trainer.engine.harness import Engine, StepResult
-from trainer.losses import group_advantages, grpo_policy_loss, kl_penalty, last_token_values
+from trainer.losses import group_advantages, grpo_policy_loss, kl_penalty
 from trainer.rl.ppo_step import halving_on_oom
 from trainer.rl.rollout import Sampling, chunked, logprobs_while_sampling, sample_in_chunks
-from trainer.rl.scoring import logprobs_of, response_logprobs
+from trainer.rl.scoring import response_logprobs, rollout_scores
 
 
 @dataclass
@@ -74,25 +74,15 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
             generate_s = time.perf_counter() - started
         input_ids, attention_mask, response_mask, ended = (samples.input_ids, samples.attention_mask,
                                                            samples.response_mask, samples.ended)
-        reward_adapter = getattr(scorer, "adapter", None)
-        adapters, outputs = ([], []) if sampled else ([POLICY], ["logits"])
-        if args.beta > 0:
-            adapters, outputs = adapters + [REFERENCE], outputs + ["logits"]
-        if reward_adapter is not None:
-            adapters, outputs = adapters + [reward_adapter], outputs + ["scores"]
-        temperature, r = sampling.scoring_temperature, response_mask.shape[1]
-
-        def score(i, m, rm):
-            out = list(model.fused(i, m, adapters, outputs, keep_last=r + 1, separate=not args.fused_passes))
-            old = None if sampled else logprobs_of(out.pop(0), i, temperature)[0]
-            ref = logprobs_of(out[0], i, temperature)[0] if args.beta > 0 else None
-            reward = last_token_values(out[-1][:, 1:], rm).float() if reward_adapter is not None else None
-            return old, ref, reward
-
+        reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
+        temperature = sampling.scoring_temperature
         with phase("score"):
-            old = ref = scores = None
-            if adapters:  # nothing to score when sampling gave the log-probs, beta is 0 and the reward is scripted
-                old, ref, scores = chunked(score, rows, input_ids.shape[0], input_ids, attention_mask, response_mask)
+            # nothing to score when sampling gave the log-probs, beta is 0 and the reward is scripted: all None
+            old, _, ref, _, scores = chunked(
+                lambda i, m, r: rollout_scores(model, i, m, r, temperature, policy=not sampled, reference=args.beta > 0,
+                                               value=False, reward_adapter=reward_adapter,
+                                               separate=not args.fused_passes),
+                rows, input_ids.shape[0], input_ids, attention_mask, response_mask)
             if sampled:  # steps after a row's EOS are masked out below
                 old = samples.logprobs
             if scores is None:

@@ -336,7 +336,8 @@ def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_
         reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
         with phase("score"):
             rescored, rescored_entropy, ref_logprobs, values, scores = chunked(
-                lambda i, m, r: rollout_scores(model, i, m, r, temperature, reward_adapter, policy=not sampled),
+                lambda i, m, r: rollout_scores(model, i, m, r, temperature, policy=not sampled, reference=True,
+                                               value=True, reward_adapter=reward_adapter),
                 micro_batch_size, batch, input_ids, attention_mask, response_mask)
             if scores is None:
                 scores = scorer(model, input_ids, attention_mask, prompt_length, response_mask)

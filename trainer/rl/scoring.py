@@ -62,20 +62,26 @@ def policy_and_values(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 def rollout_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                   temperature: float, reward_adapter: Optional[str], policy: bool = True) -> tuple[torch.Tensor, ...]:
+                   temperature: float, *, policy: bool, reference: bool, value: bool, reward_adapter: Optional[str],
+                   separate: bool = False) -> tuple[Optional[torch.Tensor], ...]:
     """(policy log-probs, entropy, reference log-probs, values, reward scores) of a rollout's rows from ONE
-    routed pass of the base over policy, reference, value and reward together. Without `policy` (its
-    log-probs were taken while sampling) the first two are None; without a reward adapter, the scores."""
+    routed pass of the base over the adapters asked for (one pass each if `separate`): PPO's and GRPO's
+    scoring pass. What is not asked for is None: the policy when its log-probs were read while sampling,
+    the reference when there is no KL term, the value without a critic, the reward when it is scripted."""
     width = response_mask.shape[1]
-    adapters = [POLICY, REFERENCE, VALUE, reward_adapter] if policy else [REFERENCE, VALUE, reward_adapter]
-    outputs = ["logits", "logits", "scores", "scores"] if policy else ["logits", "scores", "scores"]
-    if reward_adapter is None:
-        adapters, outputs = adapters[:-1], outputs[:-1]
-    out = list(model.fused(input_ids, attention_mask, adapters, outputs, keep_last=width + 1))
-    logprobs, entropy = logprobs_of(out.pop(0), input_ids, temperature, with_entropy=True) if policy else (None, None)
-    ref_logprobs, _ = logprobs_of(out[0], input_ids, temperature)
-    scores = last_token_values(out[2][:, 1:], response_mask).float() if reward_adapter is not None else None
-    return logprobs, entropy, ref_logprobs, out[1][:, :-1], scores
+    groups = [(POLICY, "logits")] * policy + [(REFERENCE, "logits")] * reference + [(VALUE, "scores")] * value
+    groups += [(reward_adapter, "scores")] * (reward_adapter is not None)
+    if not groups:
+        return None, None, None, None, None
+    adapters, outputs = zip(*groups)
+    out = dict(zip(adapters, model.fused(input_ids, attention_mask, adapters, outputs, keep_last=width + 1,
+                                         separate=separate)))
+    logprobs, entropy = (logprobs_of(out[POLICY], input_ids, temperature, with_entropy=True) if policy
+                         else (None, None))
+    ref_logprobs = logprobs_of(out[REFERENCE], input_ids, temperature)[0] if reference else None
+    values = out[VALUE][:, :-1] if value else None
+    scores = last_token_values(out[reward_adapter][:, 1:], response_mask).float() if reward_adapter is not None else None
+    return logprobs, entropy, ref_logprobs, values, scores
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
