@@ -104,6 +104,21 @@ def normalize(device: torch.device) -> torch.device:
 
 
 def device_name(device: torch.device) -> str:
+    """The GPU's name; for a CPU its model too, where the system tells it (ratios move with the CPU)."""
     if device.type == "cuda" and cuda_unavailable_reason(device) is None:
         return torch.cuda.get_device_name(device)
-    return f"{device.type} ({platform.processor() or platform.machine()})"
+    arch = platform.processor() or platform.machine()
+    model = cpu_model() if device.type == "cpu" else None
+    return f"{device.type} ({model}, {arch})" if model else f"{device.type} ({arch})"
+
+
+def cpu_model() -> Optional[str]:
+    """The CPU's model name from /proc/cpuinfo (Linux), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() or None
+    except OSError:
+        return None
+    return None

@@ -72,6 +72,21 @@ def test_provenance_records_the_environment_settings_that_change_speed_and_memor
     assert shown_command({"command": "c"}) == "c"  # reports written before the field existed
 
 
+def test_a_cpu_device_is_named_with_its_model_where_the_system_tells_it(monkeypatch, tmp_path):
+    """CPU ratios move with the CPU (two VMs of the same size gave different PPO ratios), so results name it."""
+    import profiling.device as device
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9B14\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path,
+                                                                          *a, **k))
+    assert device.cpu_model() == "AMD EPYC 9B14"
+    assert device.device_name(torch.device("cpu")).startswith("cpu (AMD EPYC 9B14, ")
+    monkeypatch.setattr(device, "cpu_model", lambda: None)  # no /proc/cpuinfo (macOS, Windows): the architecture
+    assert device.device_name(torch.device("cpu")) == f"cpu ({device.platform.processor() or device.platform.machine()})"
+
+
 def test_markdown_report_is_a_table_of_components_by_phase(run_dir):
     text = (run_dir / "memory.md").read_text()
     assert "| component (MiB) | ppo/value | ppo/update |" in text
