@@ -69,8 +69,9 @@ def rollout_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     scoring pass. What is not asked for is None: the policy when its log-probs were read while sampling,
     the reference when there is no KL term, the value without a critic, the reward when it is scripted."""
     width = response_mask.shape[1]
-    groups = [(POLICY, "logits")] * policy + [(REFERENCE, "logits")] * reference + [(VALUE, "scores")] * value
-    groups += [(reward_adapter, "scores")] * (reward_adapter is not None)
+    asked = ((POLICY, "logits", policy), (REFERENCE, "logits", reference), (VALUE, "scores", value),
+             (reward_adapter, "scores", reward_adapter is not None))
+    groups = [(adapter, output) for adapter, output, wanted in asked if wanted]
     if not groups:
         return None, None, None, None, None
     adapters, outputs = zip(*groups)
