@@ -14,7 +14,6 @@ RLOOTrainer does. beta 0 skips the reference pass altogether.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -23,7 +22,7 @@ import torch
 from profiling.stages import POLICY
 from trainer.engine.harness import Engine, StepResult
 from trainer.losses import group_advantages, grpo_policy_loss, kl_penalty
-from trainer.rl.ppo_step import halving_on_oom
+from trainer.rl.ppo_step import minibatch_update
 from trainer.rl.rollout import Sampling, chunked, logprobs_while_sampling, sample_in_chunks
 from trainer.rl.scoring import response_logprobs, rollout_scores
 
@@ -118,27 +117,14 @@ def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: Group
     rollout_s = time.perf_counter() - started
     engine.model.train()
     temperature = Sampling.of(args).scoring_temperature
-    sums: dict[str, float] = defaultdict(float)
-    count, all_finite, any_stepped = 0, True, False
     started = time.perf_counter()
     size = rollout.input_ids.shape[0]
     with phase("update"):
-        for _ in range(args.epochs):
-            order = torch.randperm(size, generator=state.generator)
-            for start in range(0, size, args.mini_batch_size):
-                rows = order[start : start + args.mini_batch_size]
-                stats, finite = halving_on_oom(engine, state, "GRPO", lambda micro: _minibatch(
-                    engine, rollout, advantages, rows, args, micro, temperature))
-                engine.recorder.sample()  # the memory recorder counts gradients while they exist
-                stepped, sound, grad_norm = engine.optimizer_step(finite)
-                all_finite, any_stepped = all_finite and sound, any_stepped or stepped
-                stats["grad_norm"] = grad_norm
-                for key, value in stats.items():
-                    sums[key] += float(value)
-                count += 1
+        metrics, all_finite, any_stepped = minibatch_update(
+            engine, state, "GRPO", size, args.epochs, args.mini_batch_size,
+            lambda idx: _micro_loss(engine.model, rollout, advantages, idx, args, temperature), "grad_norm")
     update_s = time.perf_counter() - started
     groups = rollout.scores.view(-1, args.num_generations)
-    metrics = {k: v / count for k, v in sums.items()}
     metrics.update({
         "reward": rewards.mean().item(), "reward_std": groups.std(dim=1).mean().item() if args.num_generations > 1 else 0.0,
         "objective/scores": rollout.scores.mean().item(),
@@ -153,28 +139,18 @@ def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: Group
     return StepResult(metrics, finite=all_finite, stepped=any_stepped)
 
 
-def _minibatch(engine: Engine, rollout: GroupRollout, advantages: torch.Tensor, rows: torch.Tensor, args,
-               micro: int, temperature: float) -> tuple[dict[str, float], bool]:
-    acc = engine.accelerator
-    steps = -(-len(rows) // micro)
-    acc.gradient_accumulation_steps = steps
-    acc.step = 0  # realign the accumulation counter (after an OOM retry, too)
-    sums: dict[str, float] = defaultdict(float)
-    finite = True
-    for i in range(0, len(rows), micro):
-        idx = rows[i : i + micro]
-        mask = rollout.response_mask[idx]
-        width = int(mask.sum(1).max().item())
-        keep = rollout.input_ids.shape[1] - mask.shape[1] + width
-        ids, att = rollout.input_ids[idx, :keep], rollout.attention_mask[idx, :keep]
-        with acc.accumulate(engine.model), acc.autocast():
-            logprobs, _ = response_logprobs(engine.model, ids, att, width, POLICY, temperature)
-            ref = rollout.ref_logprobs[idx, :width] if args.advantage == "grpo" and args.beta > 0 else None
-            loss, stats = grpo_policy_loss(logprobs, rollout.logprobs[idx, :width], advantages[idx], mask[:, :width],
-                                           args.cliprange, ref, args.beta if ref is not None else 0.0,
-                                           args.loss_normalisation, args.max_new_tokens)
-            finite = engine.backward(loss) and finite
-        for key, value in {"loss": loss.detach(), "clip_ratio": stats["clipfrac"], "kl_term": stats["kl"],
-                           "ratio": stats["ratio"]}.items():
-            sums[key] += float(value) / steps
-    return dict(sums), finite
+def _micro_loss(model, rollout: GroupRollout, advantages: torch.Tensor, idx: torch.Tensor, args,
+                temperature: float) -> tuple[torch.Tensor, dict]:
+    """The clipped-ratio loss (+ beta * k3 to the reference for GRPO) of rollout rows `idx`, trimmed to
+    their longest response."""
+    mask = rollout.response_mask[idx]
+    width = int(mask.sum(1).max().item())
+    keep = rollout.input_ids.shape[1] - mask.shape[1] + width
+    ids, att = rollout.input_ids[idx, :keep], rollout.attention_mask[idx, :keep]
+    logprobs, _ = response_logprobs(model, ids, att, width, POLICY, temperature)
+    ref = rollout.ref_logprobs[idx, :width] if args.advantage == "grpo" and args.beta > 0 else None
+    loss, stats = grpo_policy_loss(logprobs, rollout.logprobs[idx, :width], advantages[idx], mask[:, :width],
+                                   args.cliprange, ref, args.beta if ref is not None else 0.0,
+                                   args.loss_normalisation, args.max_new_tokens)
+    return loss, {"loss": loss.detach(), "clip_ratio": stats["clipfrac"], "kl_term": stats["kl"],
+                  "ratio": stats["ratio"]}

@@ -134,7 +134,7 @@ def free_memory() -> None:
 def halving_on_oom(engine: Engine, state, stage: str, minibatch: Callable[[int], Any]) -> Any:
     """`minibatch(state.micro_batch_size)`; on a CUDA out-of-memory error, its partial gradients are
     dropped and it runs again with half the micro-batch (logged; kept in `state` for the rest of the run).
-    Shared by the PPO and GRPO updates."""
+    The PPO and GRPO updates run every minibatch through it (`minibatch_update`)."""
     while True:
         try:
             return minibatch(state.micro_batch_size)
@@ -156,34 +156,45 @@ def halving_on_oom(engine: Engine, state, stage: str, minibatch: Callable[[int],
 
 def ppo_update(engine: Engine, rollout: Rollout, adv: Advantages, args, state: PPOState,
                temperature: float) -> tuple[dict[str, float], bool, bool]:
-    """`ppo_epochs` passes of shuffled minibatches, one optimizer step each: (mean statistics, every
-    minibatch finite, any minibatch stepped).
+    """`ppo_epochs` passes of shuffled minibatches (`minibatch_update`), each micro-batch's loss the clipped
+    policy + value loss of one routed pass (`micro_loss`)."""
+    return minibatch_update(engine, state, "PPO", rollout.input_ids.shape[0], args.ppo_epochs, args.mini_batch_size,
+                            lambda idx: micro_loss(engine.model, rollout.select(idx), adv.advantages[idx],
+                                                   adv.returns[idx], args, temperature), "policy/grad_norm")
+
+
+def minibatch_update(engine: Engine, state, stage: str, size: int, epochs: int, mini_batch_size: int,
+                     loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]], grad_norm_key: str
+                     ) -> tuple[dict[str, float], bool, bool]:
+    """`epochs` passes over the `size` rollout rows in shuffled minibatches (`state.generator`), one
+    optimizer step each, the minibatch accumulated over micro-batches of `state.micro_batch_size` rows:
+    (mean statistics, with the gradient norm as `grad_norm_key`; every minibatch finite; any stepped).
+    `loss_of(rows)` is one micro-batch's (loss, statistics). Shared by the PPO and GRPO updates.
 
     A minibatch whose loss or gradient is not finite is skipped. A CUDA out-of-memory error inside a
-    minibatch drops its partial gradients and retries it with half the micro-batch (logged; kept in
-    `state` for the rest of the run).
+    minibatch drops its partial gradients and retries it with half the micro-batch (`halving_on_oom`).
     """
-    size = rollout.input_ids.shape[0]
     sums: dict[str, float] = defaultdict(float)
     count, all_finite, any_stepped = 0, True, False
-    for _ in range(args.ppo_epochs):
+    for _ in range(epochs):
         order = torch.randperm(size, generator=state.generator)
-        for start in range(0, size, args.mini_batch_size):
-            rows = order[start : start + args.mini_batch_size]
-            stats, finite = halving_on_oom(engine, state, "PPO", lambda micro: _minibatch(
-                engine, rollout, adv, rows, args, micro, temperature))
+        for start in range(0, size, mini_batch_size):
+            rows = order[start : start + mini_batch_size]
+            stats, finite = halving_on_oom(engine, state, stage,
+                                           lambda micro: _accumulate(engine, rows, micro, loss_of))
             engine.recorder.sample()  # the memory recorder counts gradients while they exist
             stepped, sound, grad_norm = engine.optimizer_step(finite)
             all_finite, any_stepped = all_finite and sound, any_stepped or stepped
-            stats["policy/grad_norm"] = grad_norm
+            stats[grad_norm_key] = grad_norm
             for key, value in stats.items():
                 sums[key] += float(value)
             count += 1
     return {k: v / count for k, v in sums.items()}, all_finite, any_stepped
 
 
-def _minibatch(engine: Engine, rollout: Rollout, adv: Advantages, rows: torch.Tensor, args, micro: int,
-               temperature: float) -> tuple[dict[str, float], bool]:
+def _accumulate(engine: Engine, rows: torch.Tensor, micro: int,
+                loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]]) -> tuple[dict[str, float], bool]:
+    """One minibatch's backward over micro-batches of `micro` rows: (mean statistics, every loss finite)."""
     acc = engine.accelerator
     steps = -(-len(rows) // micro)
     acc.gradient_accumulation_steps = steps
@@ -191,10 +202,8 @@ def _minibatch(engine: Engine, rollout: Rollout, adv: Advantages, rows: torch.Te
     sums: dict[str, float] = defaultdict(float)
     finite = True
     for i in range(0, len(rows), micro):
-        idx = rows[i : i + micro]
         with acc.accumulate(engine.model), acc.autocast():
-            loss, stats = micro_loss(engine.model, rollout.select(idx), adv.advantages[idx], adv.returns[idx], args,
-                                     temperature)
+            loss, stats = loss_of(rows[i : i + micro])
             finite = engine.backward(loss) and finite
         for key, value in stats.items():
             sums[key] += float(value) / steps
