@@ -1,4 +1,4 @@
-"""Our PPO step against TRL's PPOTrainer on the same work, in ONE process: a JSON + Markdown comparison.
+"""Our PPO step against TRL's PPOTrainer on the same work: a JSON + Markdown comparison.
 
     python -m benchmarks.ppo_vs_trl                                   # SmolLM2-135M, CPU or GPU
     python -m benchmarks.ppo_vs_trl --model_name_or_path llama-2-7b --quantization nf4 --simulate_gpu_gib 24 ...
@@ -8,9 +8,10 @@ tokens), responses of exactly `max_new_tokens` tokens, the same rollout / mini /
 PPO epochs, LoRA shape, learning rate, optimizer, dtype and reward function (an untrained scalar
 head with identical weights on the same base). The sides run one after the other in the order of
 `--sides`; with `--rounds N` every side runs N times, the order reversed every other round (ours,
-TRL, TRL, ours, ...), so a drift in the machine's speed falls on both sides alike. Everything of one
-side is freed before the next starts, and each side's peak memory is reset after its models are
-loaded. `warmup_runs` steps are run first and left out of the timings. Writes ppo_vs_trl.json and
+TRL, TRL, ours, ...), so a drift in the machine's speed falls on both sides alike. Every side runs,
+each round, in a fresh Python process of its own (`--isolate`, the default): in one process a side
+ran slower after the other had run, TRL's by up to a quarter on a 2-core CPU, though each freed its
+models. Each side's peak memory is reset after its models are loaded. `warmup_runs` steps are run first and left out of the timings. Writes ppo_vs_trl.json and
 ppo_vs_trl.md to `out_dir` (rewritten after each side). Figures on CPU and on a GPU are never put
 in one table: each file holds one device.
 """
@@ -24,10 +25,11 @@ import os
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -135,6 +137,38 @@ def run_side(name: str, args: Workload, prompts, tokenizer, accelerator, probe: 
     return result
 
 
+ISOLATE_OWN = ("--sides", "--rounds", "--out_dir", "--isolate", "--side_run_out")
+
+
+def run_side_isolated(name: str, argv: list[str]) -> dict:
+    """`run_side` in a fresh Python process: this command again for side `name` alone, once, its record
+    read back from a file. Nothing one side leaves in a process (compiled kernels, allocator state, thread
+    pools) can then slow the next."""
+    with tempfile.TemporaryDirectory(prefix="ppo-bench-side-") as folder:
+        record = Path(folder) / "side.json"
+        command = [sys.executable, "-m", "benchmarks.ppo_vs_trl", *without_options(argv, ISOLATE_OWN),
+                   "--sides", name, "--rounds", "1", "--isolate", "false", "--side_run_out", str(record)]
+        logger.info("%s: in a process of its own", name)
+        proc = subprocess.run(command, cwd=ROOT)
+        if proc.returncode == 0 and record.exists():
+            return json.loads(record.read_text())
+    return {"side": name, "label": SIDE_NAMES[name], "status": "failed", "steps": [], "setup": {},
+            "error": f"its process exited with status {proc.returncode} before writing its record"}
+
+
+def without_options(argv: list[str], names: Sequence[str]) -> list[str]:
+    """`argv` less the options `names` and their values (`--name value` or `--name=value`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif arg.split("=", 1)[0] not in names:
+            out.append(arg)
+    return out
+
+
 def compiled_graphs() -> int:
     """Graphs torch.compile has compiled in this process so far (dynamo's own count)."""
     from torch._dynamo.utils import counters
@@ -233,11 +267,17 @@ def run_benchmark(args: Workload, argv: list[str], accelerator) -> dict:
     probe = MemoryProbe(device)
     report["rss_peak_resettable"] = probe.rss_resettable
     report["rounds"] = []
+    if args.bench.side_run_out:  # a child of --isolate: one side, once, its record to the parent
+        set_seed(args.seed)
+        run = run_side(sides[0], args, prompts, tokenizer, accelerator, probe, heads)
+        Path(args.bench.side_run_out).write_text(json.dumps(run, default=str))
+        return run
     for round_, order in enumerate(round_orders(sides, args.bench.rounds), start=1):
         report["rounds"].append({"round": round_, "order": order, "step_s": {}})
         for name in order:
             set_seed(args.seed)
-            run = run_side(name, args, prompts, tokenizer, accelerator, probe, heads)
+            run = (run_side_isolated(name, argv) if args.bench.isolate
+                   else run_side(name, args, prompts, tokenizer, accelerator, probe, heads))
             report["rounds"][-1]["step_s"][name] = summarize(run, args.tokens()).get("step_s")
             side = report["sides"][name] = merge_round(report["sides"].get(name), run, round_)
             side["summary"] = summarize(side, args.tokens())

@@ -58,6 +58,13 @@ class PPOBenchArguments(Checked):
                 "trl,ours, ...), so a shared machine's drift in speed falls on both sides alike. Figures are over "
                 "every round's measured steps; the report lists each round's step times and ratio."})
     out_dir: Optional[str] = field(default=None, metadata={"help": "Default benchmarks/results/ppo_vs_trl-MODEL-DEVICE."})
+    isolate: bool = field(default=True, metadata={
+        "help": "Run every side, each round, in a fresh Python process of its own (as benchmarks.stages_vs_trl "
+                "does). In one process a side ran slower after the other had run - TRL's by up to a quarter on "
+                "a 2-core CPU - so false is only for debugging."})
+    side_run_out: Optional[str] = field(default=None, metadata={
+        "help": "Internal (what --isolate runs): run the one side of --sides once, write its record to this JSON "
+                "file and exit."})
     export_tokenizer: Optional[str] = field(default=None, metadata={
         "help": "Only write the tokenizer of --model_name_or_path into this folder (for --tokenizer_name_or_path) "
                 "and exit."})

@@ -204,3 +204,24 @@ def test_the_compiled_variants_need_compile_layers_on():
         with pytest.raises(UsageError, match="compare against --compile_layers true"):
             Workload.parse([*TINY, "--sides", f"ours,{side}"]).check()
         Workload.parse([*TINY, "--sides", f"ours,{side}", "--compile_layers", "true"]).check()
+
+
+def test_isolated_sides_rerun_this_command_for_one_side_once_and_a_failed_child_is_recorded(monkeypatch):
+    """--isolate (the default) runs each side, each round, in a process of its own: the same command less
+    the options the parent owns, plus --sides NAME --rounds 1; a child that dies leaves a failed record."""
+    import subprocess
+
+    import benchmarks.ppo_vs_trl as bench
+
+    argv = ["--model_name_or_path", "smollm2-135m", "--sides=ours,trl", "--rounds", "2", "--out_dir", "x",
+            "--steps", "1"]
+    assert bench.without_options(argv, bench.ISOLATE_OWN) == ["--model_name_or_path", "smollm2-135m", "--steps", "1"]
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda command, cwd: seen.append(command) or subprocess.CompletedProcess(
+        command, 3))
+    record = bench.run_side_isolated("trl", argv)
+    command = seen[0]
+    assert command[1:3] == ["-m", "benchmarks.ppo_vs_trl"]
+    assert command[3:7] == ["--model_name_or_path", "smollm2-135m", "--steps", "1"]
+    assert command[7:13] == ["--sides", "trl", "--rounds", "1", "--isolate", "false"] and command[13] == "--side_run_out"
+    assert record["status"] == "failed" and "status 3" in record["error"] and record["steps"] == []
