@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -234,25 +234,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 def run_benchmark(args: Workload, argv: list[str], accelerator) -> dict:
-    from accelerate.utils import set_seed
-
     from profiling.provenance import provenance
-    from trainer.engine.setup import simulate_gpu_memory
 
     sides = args.side_list
     device = accelerator.device
-    simulate_gpu_memory(args.simulate_gpu_gib, device)
-    if "trl" in sides:
-        try:  # before either side, so both start from the same libraries in memory
-            import trl.experimental.ppo.ppo_trainer  # noqa: F401
-        except ImportError as exc:  # the TRL side then records the error; ours still runs
-            logger.warning("TRL cannot be imported (%s); pip install -e '.[bench]'", exc)
-    set_seed(args.seed)
-    tokenizer = load_bench_tokenizer(args)
-    # One batch more than the steps: TRL's last step then does not end its DataLoader's epoch, where
-    # accelerate would sync (and step the optimizer) after every micro-batch. Ours reads the first ones.
-    prompts = fixed_length_prompts(args, tokenizer, (args.total_steps + 1) * args.rollout_batch_size)
-    heads = head_weights(hidden_size(args, len(tokenizer)), args.model_seed)
+    probe = MemoryProbe(device)
+    run = side_runner(args, argv, accelerator, probe)
+    if args.bench.side_run_out:  # a child of --isolate: one side, once, its record to the parent
+        record = run(sides[0])
+        Path(args.bench.side_run_out).write_text(json.dumps(record, default=str))
+        return record
     out_dir = Path(args.bench.out_dir) if args.bench.out_dir else default_out_dir(args, device)
     command = "python -m benchmarks.ppo_vs_trl " + " ".join(shlex.quote(a) for a in argv)
     report = {"kind": "ppo_vs_trl", "device_kind": "cuda" if device.type == "cuda" else "cpu",
@@ -264,28 +255,50 @@ def run_benchmark(args: Workload, argv: list[str], accelerator) -> dict:
               "simulated_gpu_gib": args.simulate_gpu_gib if device.type == "cuda" else None,
               "device_total_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
               "sides": {}}
-    probe = MemoryProbe(device)
     report["rss_peak_resettable"] = probe.rss_resettable
     report["rounds"] = []
-    if args.bench.side_run_out:  # a child of --isolate: one side, once, its record to the parent
-        set_seed(args.seed)
-        run = run_side(sides[0], args, prompts, tokenizer, accelerator, probe, heads)
-        Path(args.bench.side_run_out).write_text(json.dumps(run, default=str))
-        return run
     for round_, order in enumerate(round_orders(sides, args.bench.rounds), start=1):
         report["rounds"].append({"round": round_, "order": order, "step_s": {}})
         for name in order:
-            set_seed(args.seed)
-            run = (run_side_isolated(name, argv) if args.bench.isolate
-                   else run_side(name, args, prompts, tokenizer, accelerator, probe, heads))
-            report["rounds"][-1]["step_s"][name] = summarize(run, args.tokens()).get("step_s")
-            side = report["sides"][name] = merge_round(report["sides"].get(name), run, round_)
+            record = run(name)
+            report["rounds"][-1]["step_s"][name] = summarize(record, args.tokens()).get("step_s")
+            side = report["sides"][name] = merge_round(report["sides"].get(name), record, round_)
             side["summary"] = summarize(side, args.tokens())
             if "ours" in report["sides"] and "trl" in report["sides"]:
                 report["ratios"] = ratios(report["sides"]["ours"]["summary"], report["sides"]["trl"]["summary"])
             write_report(report, out_dir)
     logger.info("wrote %s", out_dir / "ppo_vs_trl.md")
     return report
+
+
+def side_runner(args: Workload, argv: list[str], accelerator, probe: MemoryProbe) -> Callable[[str], dict]:
+    """How one side is run: in a process of its own (`--isolate`: the parent loads nothing of the work),
+    or in this one - a child of --isolate, or --isolate false - with the memory cap, TRL's import, the
+    tokenizer, the prompts and the head weights set up once for every side."""
+    if args.bench.isolate and not args.bench.side_run_out:
+        return lambda name: run_side_isolated(name, argv)
+    from accelerate.utils import set_seed
+
+    from trainer.engine.setup import simulate_gpu_memory
+
+    simulate_gpu_memory(args.simulate_gpu_gib, accelerator.device)
+    if "trl" in args.side_list:
+        try:  # before either side, so both start from the same libraries in memory
+            import trl.experimental.ppo.ppo_trainer  # noqa: F401
+        except ImportError as exc:  # the TRL side then records the error; ours still runs
+            logger.warning("TRL cannot be imported (%s); pip install -e '.[bench]'", exc)
+    set_seed(args.seed)
+    tokenizer = load_bench_tokenizer(args)
+    # One batch more than the steps: TRL's last step then does not end its DataLoader's epoch, where
+    # accelerate would sync (and step the optimizer) after every micro-batch. Ours reads the first ones.
+    prompts = fixed_length_prompts(args, tokenizer, (args.total_steps + 1) * args.rollout_batch_size)
+    heads = head_weights(hidden_size(args, len(tokenizer)), args.model_seed)
+
+    def run(name: str) -> dict:
+        set_seed(args.seed)
+        return run_side(name, args, prompts, tokenizer, accelerator, probe, heads)
+
+    return run
 
 
 def quiet_libraries() -> None:
