@@ -23,7 +23,7 @@ from profiling import resolve
 from profiling.cli import Checked, UsageError, above, at_least, between, one_of
 from profiling.optimizers import OPTIMIZERS, gradient_bytes, optimizer_bytes, step_temporaries
 from profiling.shapes import DTYPE_BYTES, ModelShape, base_bytes, head_tensor_sizes, load_shape, lora_tensor_sizes
-from profiling.stages import DECODE_PATHS, OLD_LOGPROBS, STAGES, sampled_logprobs, stage_adapters
+from profiling.stages import OLD_LOGPROBS, STAGES, sampled_logprobs, stage_adapters
 
 
 def _alias(*names: str, **kwargs) -> Any:
@@ -79,7 +79,6 @@ class EstimateArguments(Checked):
         "help": "PPO: sampling (the policy's old log-probs from the logits it sampled from: no policy group in "
                 "the scoring pass, one (rows x vocab) logits row kept per decode step) or rescore (as trainer/ppo.py "
                 "--old_logprobs; merged generation re-scores)."})
-    decode: str = field(default="eager", metadata={"help": "PPO: the decode path (trainer/ppo.py --decode)."})
     merged_generation: bool = field(default=False, metadata={"help": "PPO: as trainer/ppo.py --merged_generation."})
     logprob_chunk: int = field(default=1024, metadata={"help": "Positions per fp32 log-prob chunk."})
     device: str = field(default="cuda", metadata={"help": "cuda, or cpu (fp32 dropout masks, step counters on device)."})
@@ -102,7 +101,7 @@ class EstimateArguments(Checked):
              "micro_batch_size": at_least(1), "max_length": at_least(2), "max_prompt_length": at_least(1),
              "max_new_tokens": at_least(1), "rollout_batch_size": at_least(1), "rollout_micro_batch_size": at_least(1),
              "num_generations": at_least(1), "old_logprobs": one_of(*OLD_LOGPROBS),
-             "decode": one_of(*DECODE_PATHS), "logprob_chunk": at_least(1), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
+             "logprob_chunk": at_least(1), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
              "allocator_overhead": at_least(0), "vocab_size": at_least(1), "hidden_size": at_least(1),
              "intermediate_size": at_least(1), "num_layers": at_least(1), "num_heads": at_least(1),
              "num_kv_heads": at_least(1), "head_dim": at_least(1)}
