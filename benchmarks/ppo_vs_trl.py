@@ -11,8 +11,9 @@ head with identical weights on the same base). The sides run one after the other
 TRL, TRL, ours, ...), so a drift in the machine's speed falls on both sides alike. Every side runs,
 each round, in a fresh Python process of its own (`--isolate`, the default): in one process a side
 ran slower after the other had run, TRL's by up to a quarter on a 2-core CPU, though each freed its
-models. Each side's peak memory is reset after its models are loaded. `warmup_runs` steps are run first and left out of the timings. Writes ppo_vs_trl.json and
-ppo_vs_trl.md to `out_dir` (rewritten after each side). Figures on CPU and on a GPU are never put
+models. Each side's peak memory is reset after its models are loaded. `warmup_runs` steps are run
+first and left out of the timings. Writes ppo_vs_trl.json and ppo_vs_trl.md to `out_dir` (rewritten
+after each side). Figures on CPU and on a GPU are never put
 in one table: each file holds one device.
 """
 
