@@ -591,7 +591,7 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
         pytest.skip("compiled 4-bit layers are a CUDA path")
     models = [perturbed_ppo_model(tiny_args(checkpointing=True, lora_dropout=0.0, compile_layers=c), sft_dir)
               for c in (False, True)]
-    assert models[0].compiled_parts == 0 and models[1].compiled_parts == 4 * 2  # 2 layers x (attn, mlp, 2 norms)
+    assert models[0].compiled_parts == 0 and models[1].compiled_parts == 2  # one graph per decoder layer
     ids, mask = batch(b=4, t=12)
     passes = [(("policy", "value"), ("logits", "scores")), ("value", "scores"), ("policy", "logits"),
               (("value", "policy"), ("scores", "logits"))]
@@ -621,3 +621,62 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
                      for m in models]
     assert not calls and counters["stats"]["unique_graphs"] == graphs  # scoring and decoding: eager, nothing compiled
     assert torch.equal(sequences[0], sequences[1])
+
+
+def test_few_row_products_equal_the_linear_layer_and_leave_every_other_product_to_it():
+    """`few_row_products`: a CPU fp32 linear layer's product of 1..FEW_ROWS rows without autograd, computed as
+    (W x^T)^T, equals `F.linear` to fp32 rounding, bias or not, in any leading shape, contiguous as F.linear's;
+    more rows, autograd or another dtype go to `F.linear` itself (bit for bit); every forward is the class's
+    again after the block, also after an exception."""
+    from trainer.model.shared_base import FEW_ROWS, few_row_products
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8, bias=False))
+    with torch.no_grad():
+        for shape in [(1, 24), (3, 5, 24), (FEW_ROWS, 24), (2, 1, 24)]:
+            x = torch.randn(*shape)
+            want = layers(x)
+            with few_row_products(layers) as covered:
+                got = layers(x)
+            assert covered == 2 and got.shape == want.shape and got.is_contiguous()
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        x = torch.randn(FEW_ROWS + 1, 24)
+        with few_row_products(layers):
+            assert torch.equal(layers(x), torch.nn.functional.linear(layers[0](x), layers[1].weight))
+    x = torch.randn(2, 24)
+    with few_row_products(layers):
+        out = layers(x)  # autograd records: F.linear, and gradients flow
+        out.sum().backward()
+    assert layers[0].weight.grad is not None
+    with pytest.raises(RuntimeError, match="inside"), few_row_products(layers):
+        raise RuntimeError("inside")
+    assert all("forward" not in vars(layer) for layer in layers)
+    with few_row_products(torch.nn.Linear(4, 4).double()) as covered:
+        assert covered == 0
+
+
+def test_generation_through_few_row_products_samples_the_tokens_of_plain_products(sft_adapter, monkeypatch):
+    """`generate` decodes through `few_row_products` on CPU: the same greedy tokens as with every product left
+    to `F.linear` (FEW_ROWS 0), and the layers' own forwards after it."""
+    import trainer.model.shared_base as shared_base
+
+    args, sft_dir, _ = sft_adapter
+    if args.quantization != "none":
+        pytest.skip("fp32 linear layers only")
+    model = perturbed_ppo_model(args, sft_dir)
+    ids, mask = batch(b=3)
+    greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    covered = []
+    real = shared_base.few_row_products
+
+    def counting(causal_lm):
+        with real(causal_lm) as n:
+            covered.append(n)
+            yield n
+
+    monkeypatch.setattr(shared_base, "few_row_products", shared_base.contextmanager(counting))
+    fast = model.generate(ids, mask, **greedy)
+    monkeypatch.setattr(shared_base, "FEW_ROWS", 0)
+    plain = model.generate(ids, mask, **greedy)
+    assert covered[0] > 0 and torch.equal(fast, plain)
+    assert not any("forward" in vars(m) for m in model.causal_lm.modules() if type(m) is torch.nn.Linear)

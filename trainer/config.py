@@ -61,8 +61,8 @@ class ModelArguments(Checked):
     )
     gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in backward."})
     compile_layers: bool = field(default=False, metadata={
-        "help": "torch.compile (dynamic shapes) every part of each decoder layer - attention, MLP, norms, with the "
-                "LoRA layers inside - for the passes that train (forward, recomputation, backward): elementwise work "
+        "help": "torch.compile (dynamic shapes) each decoder layer as one graph - attention, MLP, norms, residual "
+                "adds, with the LoRA layers inside - for the passes that train (forward, recomputation, backward): elementwise work "
                 "fuses and per-op overhead goes. Passes without autograd (generation, scoring, evaluation) stay "
                 "eager. The first update pays the compilation (about 6 s for SmolLM2-135M on 2 CPU cores with inductor's "
                 "cache warm, more with it cold), and each new adapter route or micro-batch size compiles once more. "

@@ -220,7 +220,7 @@ def check_launch(accelerator, stage: Optional[str], compile_layers: bool = False
     mode = "FSDP" if is_fsdp(accelerator) else "DeepSpeed ZeRO-3"
     if compile_layers:
         raise LaunchError(f"--compile_layers is not supported under {mode}: its module hooks, which gather the "
-                          "partitioned weights, would run inside the compiled layer parts (untested); drop "
+                          "partitioned weights, would run inside the compiled decoder layers (untested); drop "
                           "--compile_layers")
     if stage not in MULTI_ADAPTER_STAGES:
         return

@@ -8,7 +8,9 @@ The shared-base multi-adapter model is in `trainer/model/shared_base.py`.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -292,20 +294,23 @@ def enable_checkpointing(model, context_fn=None) -> None:
 
 
 def compile_layers(model) -> int:
-    """Compile, with dynamic shapes, every child of each decoder layer (attention, MLP, norms, with their LoRA
-    layers and the routing hook inside) for the passes that train - forward, recomputation and backward under
-    autograd; returns how many. Passes without autograd (generation, scoring, evaluation) keep the eager
-    forward: on CPU a compiled no-grad pass measured no faster, and decoding would compile a variant per KV
-    cache length. 0, with a one-line reason, where no compiler backend is present (inductor needs a C++
-    compiler on CPU, Triton on CUDA).
+    """Compile, with dynamic shapes, every decoder layer's own forward (attention, MLP, norms and residual
+    adds, with their LoRA layers and the routing hook inside) for the passes that train - forward,
+    recomputation and backward under autograd; returns how many. Passes without autograd (generation,
+    scoring, evaluation) keep the eager forward: on CPU a compiled no-grad pass measured no faster, and
+    decoding would compile a variant per KV cache length. 0, with a one-line reason, where no compiler
+    backend is present (inductor needs a C++ compiler on CPU, Triton on CUDA).
 
-    The children, not the layer: transformers 5 checkpoints inside a decoder layer's `forward`, and dynamo
-    cannot trace `torch.utils.checkpoint` with the shared base's `context_fn`; compiled children run inside
-    the checkpoint, forward and recomputation alike. Parameters and state-dict keys stay as they are.
+    transformers 5 checkpoints inside a decoder layer's `forward` (`GradientCheckpointingLayer` wraps the
+    class's forward), and dynamo cannot trace `torch.utils.checkpoint` with the shared base's `context_fn`:
+    what is compiled is the layer's own forward under that wrapper, run inside the checkpoint, forward and
+    recomputation alike (`_CompiledWithGrad`). One graph per layer: a layer's parts compiled one by one
+    paid dynamo's per-call cost four times and could not fuse the residual adds into the norms.
+    Parameters and state-dict keys stay as they are.
 
     Dynamo guards what the routing hook reads (route, active adapter, train mode), so each adapter route -
     and, since a route fixes its row groups, each micro-batch size - compiles its own variant; past
-    torch's limit (8 per code object, shared by all layers) a part runs eagerly, still correct."""
+    torch's limit (8 per code object, shared by all layers) a layer runs eagerly, still correct."""
     import shutil
 
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -325,23 +330,38 @@ def compile_layers(model) -> int:
     count = 0
     for layer in model.modules():
         if isinstance(layer, GradientCheckpointingLayer):
-            for child in layer.children():
-                child.forward = _CompiledWithGrad(child.forward)
-                count += 1
-    logger.info("compiled %d decoder-layer parts for the passes that train (torch.compile, dynamic shapes); "
+            layer.forward = _CompiledWithGrad(layer)
+            count += 1
+    logger.info("compiled %d decoder layers for the passes that train (torch.compile, dynamic shapes); "
                 "the first update compiles them", count)
     return count
 
 
-class _CompiledWithGrad:
-    """A module's forward: compiled while autograd records, eager otherwise. It holds the bound forward of
-    its module: a deep copy of the model would run the original's parts, so compile the copy anew."""
+# What transformers' checkpointing wrapper turns off before checkpointing a layer: the cache is not
+# written in a recomputation (a layer that only reads it, `_can_checkpoint_with_cache`, keeps it).
+_CACHE_KWARGS = ("past_key_values", "layer_past", "use_cache")
 
-    def __init__(self, forward):
-        self.eager, self.compiled = forward, torch.compile(forward, dynamic=True)
+
+class _CompiledWithGrad:
+    """A decoder layer's forward: its own forward compiled while autograd records - inside the checkpoint
+    where the layer checkpoints, as transformers' wrapper would run it - and transformers' eager forward
+    otherwise. It holds its layer: a deep copy of the model would run the original's layers, so compile
+    the copy anew."""
+
+    def __init__(self, layer: torch.nn.Module):
+        self.layer = layer
+        self.eager = type(layer).forward  # transformers' checkpointing wrapper around the layer's own forward
+        self.compiled = torch.compile(inspect.unwrap(self.eager), dynamic=True)
 
     def __call__(self, *args, **kwargs):
-        return (self.compiled if torch.is_grad_enabled() else self.eager)(*args, **kwargs)
+        layer = self.layer
+        if not torch.is_grad_enabled():
+            return self.eager(layer, *args, **kwargs)
+        if layer.gradient_checkpointing and layer.training:
+            dropped = ("use_cache",) if getattr(layer, "_can_checkpoint_with_cache", False) else _CACHE_KWARGS
+            kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
+            return layer._gradient_checkpointing_func(partial(self.compiled, layer, **kwargs), *args)
+        return self.compiled(layer, *args, **kwargs)
 
 
 def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, device: Optional[torch.device] = None,
