@@ -368,3 +368,17 @@ def test_sampled_logprobs_refuse_a_sampling_loop_with_more_forwards_than_tokens(
     expected = logits[:, 0].log_softmax(-1)
     torch.testing.assert_close(got, torch.stack([expected[:, 1], expected.gather(1, torch.tensor([[3], [4]]))[:, 0]], 1))
     torch.testing.assert_close(entropy, -(expected.exp() * expected).sum(-1, keepdim=True).expand(2, 2))
+
+
+def test_update_rows_are_trimmed_to_the_longest_response_and_no_further():
+    """The update's micro-batch keeps the prompt and the response columns up to the longest response: the
+    trailing columns no row uses go, every row's tokens stay."""
+    from trainer.rl.scoring import trimmed_to_longest_response
+
+    ids = torch.arange(2 * 7).view(2, 7)  # 3 prompt columns, 4 response columns
+    att = torch.ones(2, 7, dtype=torch.long)
+    response_mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0]])
+    trimmed_ids, trimmed_att, width = trimmed_to_longest_response(ids, att, response_mask)
+    assert width == 2 and torch.equal(trimmed_ids, ids[:, :5]) and torch.equal(trimmed_att, att[:, :5])
+    full = torch.ones(2, 4, dtype=torch.long)
+    assert trimmed_to_longest_response(ids, att, full)[2] == 4 and trimmed_to_longest_response(ids, att, full)[0].equal(ids)

@@ -24,7 +24,7 @@ from trainer.engine.harness import Engine, StepResult
 from trainer.losses import group_advantages, grpo_policy_loss, kl_penalty
 from trainer.rl.ppo_step import minibatch_update
 from trainer.rl.rollout import Sampling, chunked, logprobs_while_sampling, sample_in_chunks
-from trainer.rl.scoring import response_logprobs, rollout_scores
+from trainer.rl.scoring import response_logprobs, rollout_scores, trimmed_to_longest_response
 
 
 @dataclass
@@ -144,9 +144,7 @@ def _micro_loss(model, rollout: GroupRollout, advantages: torch.Tensor, idx: tor
     """The clipped-ratio loss (+ beta * k3 to the reference for GRPO) of rollout rows `idx`, trimmed to
     their longest response."""
     mask = rollout.response_mask[idx]
-    width = int(mask.sum(1).max().item())
-    keep = rollout.input_ids.shape[1] - mask.shape[1] + width
-    ids, att = rollout.input_ids[idx, :keep], rollout.attention_mask[idx, :keep]
+    ids, att, width = trimmed_to_longest_response(rollout.input_ids[idx], rollout.attention_mask[idx], mask)
     logprobs, _ = response_logprobs(model, ids, att, width, POLICY, temperature)
     ref = rollout.ref_logprobs[idx, :width] if args.advantage == "grpo" and args.beta > 0 else None
     loss, stats = grpo_policy_loss(logprobs, rollout.logprobs[idx, :width], advantages[idx], mask[:, :width],

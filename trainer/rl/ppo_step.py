@@ -30,7 +30,7 @@ from trainer.losses import (
 )
 from trainer.rl.kl_control import KLController, make_kl_controller
 from trainer.rl.rollout import Rollout, Sampling, Scorer, make_rollout
-from trainer.rl.scoring import policy_and_values
+from trainer.rl.scoring import policy_and_values, trimmed_to_longest_response
 
 logger = logging.getLogger(__name__)
 
@@ -104,11 +104,8 @@ def rollout_metrics(rollout: Rollout, adv: Advantages) -> dict[str, float]:
 
 def micro_loss(model, sub: Rollout, advantages: torch.Tensor, returns: torch.Tensor, args, temperature: float):
     """Policy + value loss of one micro-batch, and its detached statistics."""
-    mask = sub.response_mask
-    width = int(mask.sum(1).max().item())  # trailing columns no row uses cost compute and nothing else
-    keep = sub.input_ids.shape[1] - sub.response_length + width
-    ids, att = sub.input_ids[:, :keep], sub.attention_mask[:, :keep]
-    mask, adv, ret = mask[:, :width], advantages[:, :width], returns[:, :width]
+    ids, att, width = trimmed_to_longest_response(sub.input_ids, sub.attention_mask, sub.response_mask)
+    mask, adv, ret = sub.response_mask[:, :width], advantages[:, :width], returns[:, :width]
     logprobs, entropy, values = policy_and_values(model, ids, att, width, temperature, separate=not args.fused_passes)
     pg_loss, pg_stats = ppo_policy_loss(logprobs, sub.logprobs[:, :width], adv, mask, args.cliprange)
     vf_loss, vf_clipfrac = ppo_value_loss(values, sub.values[:, :width], ret, mask, args.cliprange_value)

@@ -17,6 +17,15 @@ from profiling.stages import POLICY, REFERENCE, REWARD, VALUE
 from trainer.losses import entropy_from_logits, last_token_values, token_logprobs
 
 
+def trimmed_to_longest_response(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(input_ids, attention_mask, width) without the trailing response columns no row uses - they cost
+    compute and nothing else: `width` is the longest response's length (the update's micro-batches)."""
+    width = int(response_mask.sum(1).max().item())
+    keep = input_ids.shape[1] - response_mask.shape[1] + width
+    return input_ids[:, :keep], attention_mask[:, :keep], width
+
+
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int, adapter: str,
                       temperature: float = 1.0, with_entropy: bool = False
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
