@@ -85,8 +85,9 @@ def run_ours(args: Workload, prompts: list[list[int]], tokenizer, accelerator, p
     optimizer_name = getattr(engine.optimizer.optimizer, "resolved_name", type(engine.optimizer.optimizer).__name__)
     result["setup"] = describe(args, resolve_precision(args.model, device)[0], optimizer_name)
     result["setup"]["trainable_parameters"] = sum(p.numel() for p in model.trainable_parameters())
-    result["setup"]["compiled decoder layers"] = (f"{model.compiled_parts} (--compile_layers: for the passes that train)"
-                                               if model.compiled_parts else "none")
+    result["setup"]["compiled decoder layers"] = (
+        f"{model.compiled_parts} (--compile_layers: for the passes that train, each with its checkpoint)"
+        if model.compiled_parts else "none")
     result.update(setup_s=setup.seconds, setup_peak=setup.peaks, resident_after_setup=probe.now())
 
     collate = PromptCollator(tokenizer.pad_token_id)
