@@ -386,14 +386,15 @@ class _CompiledWithGrad:
             dropped = ("use_cache",) if getattr(layer, "_can_checkpoint_with_cache", False) else _CACHE_KWARGS
             kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
             if self.whole:
-                from torch._dynamo.exc import FailOnRecompileLimitHit, UncapturedHigherOrderOpError, Unsupported
+                from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
 
                 try:  # fullgraph: a failure is raised while tracing, before anything runs
                     return self.compiled_checkpointed(self.own, layer, *args, **kwargs)
                 except FailOnRecompileLimitHit:  # this variant only
                     _warn_once(f"--compile_layers: more checkpointed {type(layer).__name__} variants than torch "
                                "compiles; the others compile their forward inside the eager checkpoint")
-                except (Unsupported, UncapturedHigherOrderOpError) as err:
+                except TorchDynamoException as err:  # a graph break, an op it cannot trace: the other path
+                    # traces the same code, so whatever it cannot do either surfaces there
                     self.whole = False
                     reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
                     _warn_once(f"--compile_layers: {type(layer).__name__} does not compile with its checkpoint "
