@@ -226,14 +226,19 @@ def summary_tables(reports: list[tuple[str, dict]]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """python -m benchmarks.report benchmarks/results/*/ppo_vs_trl.json  -> Markdown on stdout."""
+    import argparse
     import json
-    import sys
     from pathlib import Path
 
-    paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
-    if not paths:
-        raise SystemExit("usage: python -m benchmarks.report RESULT_DIR/ppo_vs_trl.json ...")
-    reports = [(p.parent.name, json.loads(p.read_text())) for p in sorted(paths)]
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report",
+                                     description="The summary tables of benchmarks/README.md, in Markdown on stdout.")
+    parser.add_argument("results", nargs="+", type=Path, metavar="RESULT_DIR/ppo_vs_trl.json")
+    reports = []
+    for path in sorted(parser.parse_args(argv).results):
+        try:
+            reports.append((path.parent.name, json.loads(path.read_text())))
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"{path}: not a readable result file ({err})") from None
     print(summary_tables(reports))
 
 

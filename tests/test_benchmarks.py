@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,6 +106,29 @@ def test_summary_keeps_one_table_per_device_kind():
     assert "b-cpu" in cpu_part and "a-cuda" not in cpu_part and "3.00 / 3.00" in cpu_part  # RSS
 
 
+def test_report_command_prints_the_tables_of_the_files_named_and_names_a_bad_one(tmp_path, capsys):
+    """`python -m benchmarks.report FILES`: the summary tables of those files on stdout; a file that is
+    missing or not JSON stops it with one line naming the file; --help answers."""
+    import re
+
+    from benchmarks.report import main
+
+    good = tmp_path / "b-cpu" / "ppo_vs_trl.json"
+    good.parent.mkdir()
+    good.write_text(json.dumps(_report("cpu")))
+    main([str(good)])
+    assert "b-cpu" in capsys.readouterr().out
+    bad = tmp_path / "c-cpu" / "ppo_vs_trl.json"
+    bad.parent.mkdir()
+    bad.write_text("{ cut short")
+    for path in (bad, tmp_path / "missing.json"):
+        with pytest.raises(SystemExit, match=re.escape(f"{path}: not a readable result file")):
+            main([str(good), str(path)])
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0 and "RESULT_DIR/ppo_vs_trl.json" in capsys.readouterr().out
+
+
 def test_collect_run_copies_reports_and_results_but_no_weights(tmp_path):
     from benchmarks.collect_run import collect
 
@@ -196,8 +220,6 @@ def test_ablations_change_the_model_or_ppo_setting_they_name_and_the_report_show
 
 
 def test_the_compiled_variants_need_compile_layers_on():
-    import pytest
-
     from profiling.cli import UsageError
 
     for side in ("ours_eager", "trl_compiled"):
