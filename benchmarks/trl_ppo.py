@@ -194,9 +194,9 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     setup = clock.lap()
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result["setup"] = {**describe(args, four_bit, optimizer_name), "trainable_parameters": trainable,
-                       "compiled decoder layers": (f"{compiled_parts} (trainer.model.loading.compile_layers on the three "
-                                                "models, for the passes that train: the reward model's only pass "
-                                                "has none, so it runs eagerly)") if compiled else "none",
+                       "compiled decoder layers": (f"{compiled_parts} (trainer.model.loading.compile_layers on the "
+                                                   "three models, for the passes that train: the reward model's only "
+                                                   "pass has none, so it runs eagerly)") if compiled else "none",
                        "ppo_config": {k: getattr(getattr(config, k), "value", getattr(config, k)) for k in (
                            *trl_batch_settings(args), "local_batch_size", "local_mini_batch_size", "total_episodes",
                            "num_total_batches", "response_length", "bf16", "optim", "gradient_checkpointing")}}

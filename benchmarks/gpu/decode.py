@@ -83,13 +83,13 @@ def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, **k
     from trainer.rl.rollout import Sampling, sampling_processors
 
     mask = torch.ones_like(ids)
+    processors = sampling_processors(Sampling(temperature=1.0))
     times = []
     for _ in range(repeats + 1):
         sync(ids.device)
         started = time.perf_counter()
         model.generate(ids, mask, adapter="policy", max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, logits_processor=sampling_processors(Sampling(temperature=1.0)),
-                       pad_token_id=0, **kwargs)
+                       do_sample=False, logits_processor=processors, pad_token_id=0, **kwargs)
         sync(ids.device)
         times.append(time.perf_counter() - started)
     return times[0], min(times[1:])

@@ -314,8 +314,8 @@ def compile_layers(model) -> int:
 
     Dynamo guards what the routing hook reads (route, active adapter, train mode), so each adapter route -
     and, since a route fixes its row groups, each micro-batch size - compiles its own variant. Where the
-    checkpointed layer cannot compile whole (a graph break, or torch's limit of 8 variants per code object,
-    shared by all layers), the layer's own forward compiles inside transformers' eager checkpoint with the
+    checkpointed layer cannot compile whole (a graph break or another trace failure, or torch's limit of 8
+    variants per code object, shared by all layers), the layer's own forward compiles inside transformers' eager checkpoint with the
     shared base's `context_fn` (which dynamo cannot trace), and past the limit there too it runs eagerly:
     slower, still correct."""
     import shutil
