@@ -411,3 +411,37 @@ def test_grpo_loss_by_hand_for_each_normalisation_and_the_k3_term():
     assert grpo_policy_loss(logprobs, old, adv, mask, 0.2, beta=0.0)[1]["kl"] == 0
     with pytest.raises(ValueError, match="reference"):
         grpo_policy_loss(logprobs, old, adv, mask, 0.2, beta=0.1)
+
+
+def test_groups_of_equal_rewards_get_advantages_of_exactly_zero_despite_the_fp32_mean():
+    from trainer.losses import group_advantages
+
+    # fp32 means of these groups miss the value by an ulp; grpo's division by (std + 1e-4) made that
+    # residue up to ~0.019 of one sign. Each method must give exactly 0.0, and leave other groups alone.
+    assert group_advantages(torch.tensor([[1.0, 1.0, 1.0]]), "grpo").tolist() == [[0.0, 0.0, 0.0]]
+    for value, size in ((0.7, 8), (20.3, 6), (0.35, 16)):
+        rewards = torch.tensor([[value] * size, [1.0, 2.0, 3.0] + [2.0] * (size - 3)])
+        for method, scale_std in (("grpo", True), ("grpo", False), ("rloo", True)):
+            adv = group_advantages(rewards, method, scale_std)
+            assert adv[0].tolist() == [0.0] * size, (value, size, method, scale_std)
+            assert adv[1, 0] < 0 < adv[1, 2]
+
+
+def test_grpo_k3_term_gives_a_finite_gradient_when_a_padded_log_prob_is_minus_1000():
+    from trainer.losses import grpo_policy_loss
+
+    # padding's log-prob of -1000 against a reference of 0 was exp(1000) = inf before the mask: NaN gradient
+    mask = torch.tensor([[1, 1, 0]])
+    ref = torch.tensor([[-math.log(2.0), 0.0, 0.0]])
+    grads = []
+    for padded in (0.0, -1000.0):
+        logprobs = torch.tensor([[0.0, 0.0, padded]], requires_grad=True)
+        loss, stats = grpo_policy_loss(logprobs, logprobs.detach(), torch.tensor([0.0]), mask, 0.2,
+                                       ref_logprobs=ref, beta=0.1, normalisation="token")
+        loss.backward()
+        # k3 on token 0 (logp - ref = log 2): exp(-log 2) - 1 + log 2 = log 2 - 0.5; 0 on token 1; mean of 2
+        assert_close(loss, torch.tensor(0.1 * (math.log(2.0) - 0.5) / 2))
+        grads.append(logprobs.grad)
+    # d k3 / d logp = 1 - exp(ref - logp): 1 - 1/2 on token 0, 0 on token 1, nothing from padding
+    assert_close(grads[1], torch.tensor([[0.1 * 0.5 / 2, 0.0, 0.0]]))
+    assert_close(grads[0], grads[1])

@@ -414,21 +414,23 @@ def group_advantages(rewards: torch.Tensor, method: str = "grpo", scale_std: boo
     grpo: (r - group mean) / (group std + eps), the std unbiased over the group (as TRL); with
     `scale_std` False (Dr. GRPO) only the mean is taken off. A group of one response has std 0 and
     advantage 0. rloo: r_i - mean of the group's other rewards (leave-one-out), which needs G >= 2.
-    Groups whose rewards are all equal get advantage 0 either way.
+    Groups whose rewards are all equal get advantage exactly 0 either way (the fp32 mean of equal values
+    can miss them by an ulp, which the division by std + eps would magnify to a push of one sign).
     """
     if method not in GROUP_ADVANTAGES:
         raise ValueError(f"method must be one of {GROUP_ADVANTAGES}, got {method!r}")
     rewards = rewards.float()
     size = rewards.shape[1]
+    if method == "rloo" and size < 2:
+        raise ValueError("rloo needs at least 2 responses per prompt (num_generations >= 2)")
+    equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
     if method == "rloo":
-        if size < 2:
-            raise ValueError("rloo needs at least 2 responses per prompt (num_generations >= 2)")
-        others = (rewards.sum(dim=1, keepdim=True) - rewards) / (size - 1)
-        return rewards - others
-    centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if not scale_std or size < 2:
-        return centred if size > 1 else torch.zeros_like(rewards)
-    return centred / (rewards.std(dim=1, keepdim=True) + eps)
+        advantages = rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (size - 1)
+    else:
+        advantages = rewards - rewards.mean(dim=1, keepdim=True)
+        if scale_std and size > 1:
+            advantages = advantages / (rewards.std(dim=1, keepdim=True) + eps)
+    return torch.where(equal, 0.0, advantages)
 
 
 def grpo_policy_loss(
@@ -463,7 +465,9 @@ def grpo_policy_loss(
     if beta > 0:
         if ref_logprobs is None:
             raise ValueError("beta > 0 needs the reference log-probs")
-        kl = torch.where(keep, kl_penalty(logprobs, ref_logprobs, "k3"), 0.0)
+        # Padding zeroed before the exponential: a padded log-prob far below the reference's overflows exp,
+        # and inf times the mask's 0 is a NaN gradient.
+        kl = kl_penalty(torch.where(keep, logprobs, 0.0), torch.where(keep, ref_logprobs, 0.0), "k3")
         per_token = per_token + beta * kl
     maskf = mask.to(per_token.dtype)
     if normalisation == "sequence":
