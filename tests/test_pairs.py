@@ -24,6 +24,15 @@ def test_segments_give_the_pair_mask_positions_and_predicting_positions_by_hand(
     assert additive[6, 3] == torch.finfo(torch.float32).min and additive[6, 2] == 0
 
 
+def test_an_empty_completion_is_read_at_the_last_prompt_token_not_at_column_minus_one():
+    from trainer.model.pairs import last_of
+
+    #                    prompt   chosen  pad       prompt  rejected pad
+    seg = torch.tensor([[0, 0, 0, 1, 1, -1, -1], [0, 0, 2, 2, 2, -1, -1]])
+    assert last_of(seg, 1).tolist() == [4, 1]  # row 1 has no chosen token: its last prompt token
+    assert last_of(seg, 2).tolist() == [2, 4]
+
+
 @pytest.fixture(scope="module")
 def examples(shared_data, smol_tokenizer):
     from trainer.config import DataArguments
@@ -77,6 +86,26 @@ def test_one_row_per_pair_scores_and_log_probs_equal_two_rows_per_pair_with_the_
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     for a, b in zip(shared_grads, row_grads):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_an_empty_completion_scores_in_one_row_per_pair_as_in_a_row_of_the_prompt_alone(examples, smol_tokenizer):
+    from dataclasses import replace
+
+    from trainer.data.collators import PairCollator, SharedPromptPairCollator
+    from trainer.dpo import sequence_logprobs
+    from trainer.reward import pair_rewards
+
+    model = tiny_model(len(smol_tokenizer), "sdpa")
+    pad = smol_tokenizer.pad_token_id
+    pairs = [replace(examples[0], chosen_ids=[]), replace(examples[1], rejected_ids=[]), *examples[2:]]
+    with torch.no_grad():
+        shared = SharedPromptPairCollator(pad)(pairs)
+        rows = PairCollator(pad)(pairs)
+        shared_out = (*pair_rewards(model, shared, "policy"), *sequence_logprobs(model, shared, "policy"))
+        row_out = (*pair_rewards(model, rows, "policy"), *sequence_logprobs(model, rows, "policy"))
+    for a, b in zip(shared_out, row_out):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert shared_out[2][0] == 0 and shared_out[3][1] == 0  # an empty completion has log-prob 0
 
 
 def test_flash_attention_falls_back_to_two_rows_per_pair(smol_tokenizer, monkeypatch, caplog):

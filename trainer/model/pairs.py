@@ -61,6 +61,7 @@ def predicting_positions(segments: torch.Tensor) -> torch.Tensor:
 
 
 def last_of(segments: torch.Tensor, which: int) -> torch.Tensor:
-    """(B,) the index of each row's last token of segment `which` (EOS of that completion)."""
+    """(B,) the index of each row's last token of segment `which` (EOS of that completion); for an empty
+    completion, the last prompt token's, as a row of the prompt alone would be read (never column -1)."""
     positions = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)
-    return torch.where(segments == which, positions, -1).max(dim=1).values
+    return torch.where((segments == which) | (segments == PROMPT), positions, -1).max(dim=1).values
