@@ -68,7 +68,10 @@ def test_the_estimator_knows_the_critic_free_stage():
     g, p = ({x["phase"]: x["components"] for x in e["phases"]} for e in (grpo, ppo))
     assert "adapter/value" not in g["update"] and "adapter/value" in p["update"]
     assert g["update"]["activations"] < p["update"]["activations"]  # one forward, not policy + value
-    assert g["score"]["rollout_buffers"] > p["score"]["rollout_buffers"]  # 64 responses, not 16
+    # token ids and attention mask (int64) over 256 + 128 positions, six fp32 series over the 128 generated
+    buffers = {rows: rows * (256 + 128) * 8 * 2 + 6 * rows * 128 * 4 for rows in (64, 16)}
+    assert g["score"]["rollout_buffers"] == buffers[64]  # 64 responses
+    assert p["score"]["rollout_buffers"] == buffers[16]
 
 
 def test_out_of_memory_in_the_grpo_update_retries_with_half_the_micro_batch(tmp_path, monkeypatch, capsys,
