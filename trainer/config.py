@@ -207,6 +207,7 @@ class TrainArguments(Checked):
     RULES = {"max_steps": at_least(1), "micro_batch_size": at_least(1), "gradient_accumulation_steps": at_least(1),
              "learning_rate": above(0), "weight_decay": at_least(0), "warmup_steps": at_least(0),
              "min_lr_ratio": between(0, 1), "max_grad_norm": at_least(0), "optimizer": one_of(*OPTIMIZER_NAMES),
+             "seed": between(0, 2**32 - 1),  # what numpy's seeding (accelerate's set_seed) takes
              "mixed_precision": one_of("auto", "no", "bf16", "fp16"), "eval_every": at_least(0),
              "eval_batches": at_least(0), "eval_batch_size": at_least(1), "save_every": at_least(0),
              "keep_checkpoints": at_least(0), "max_bad_steps": at_least(1), "log_every": at_least(1),
@@ -243,7 +244,8 @@ class PipelineArguments(Checked):
     samples_in_report: int = field(default=4, metadata={"help": "Side-by-side generations shown in the report."})
 
     RULES = {"eval_prompts": at_least(1), "eval_max_new_tokens": at_least(1), "samples_in_report": at_least(0),
-             "algorithm": lambda name, value: _online_algorithms_rule(value)}
+             "algorithm": lambda name, value: _online_algorithms_rule(value),
+             "run_dir": lambda name, value: _folder_rule(value)}
 
     @property
     def algorithms(self) -> list[str]:
@@ -264,6 +266,15 @@ def _trackers_rule(value: str) -> Optional[str]:
     if names in (["all"], ["none"]) or (names and all(n in TRACKERS for n in names)):
         return None
     return f"must be 'all', 'none', or trackers out of {', '.join(TRACKERS)}, comma-separated"
+
+
+def _folder_rule(value: str) -> Optional[str]:
+    """A folder a command reads and writes: neither it nor a folder above it may be an existing file."""
+    path = Path(value).expanduser()
+    blocker = next((p for p in (path, *path.parents) if p.is_file()), None)
+    if blocker is None:
+        return None
+    return "is a file; name a folder" if blocker == path else f"lies under {blocker}, which is a file; name a folder"
 
 
 ONLINE_ALGORITHMS = ("ppo", "grpo", "rloo")

@@ -67,7 +67,17 @@ class EvalArguments(Checked):
     progress_bar: bool = field(default=True, metadata={"help": "Show a progress bar over the batches (stderr)."})
 
     RULES = {"split": one_of(*SPLITS), "beta": above(0), "max_length": at_least(2), "batch_size": at_least(1),
-             "limit": at_least(0), "on_bad_row": one_of(*BAD_ROW_POLICIES)}
+             "limit": at_least(0), "on_bad_row": one_of(*BAD_ROW_POLICIES),
+             "output_file": lambda name, value: _output_file_rule(value)}
+
+
+def _output_file_rule(value: str) -> Optional[str]:
+    """Checked before the evaluation runs, so its result is not lost to a path that cannot be written."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return f"is a folder; name a JSON file (e.g. {path / 'evaluation.json'})"
+    blocker = next((p for p in path.parents if p.is_file()), None)
+    return f"lies under {blocker}, which is a file" if blocker else None
 
 
 def run_config(adapter: str) -> dict:

@@ -19,15 +19,23 @@ Conversational rows are rendered to text by a `ChatRenderer`: the tokenizer's ch
 plain `\\n\\nHuman: / \\n\\nAssistant:` turns (`none`). The prompt is the rendering of the prompt messages
 with the generation prompt; the completion is what the full conversation adds to it, less the
 end-of-sequence text that tokenization appends anyway, so the completion-only loss covers exactly the
-assistant's turn.
+assistant's turn. A template file that is not UTF-8 or not Jinja, or that fails on a row (`raise_exception`,
+an undefined name, the sandbox), stops the run with one line naming it: the file is at fault, not the row.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import jinja2
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from profiling.cli import InputError
 from trainer.data.hh_rlhf import (
     EMPTY_COMPLETION, IDENTICAL, MISSING_FIELD, PROMPT_MISMATCH, DataError, PreferencePair, RawRow, decode_record,
     parse_row, require_strings,
@@ -42,26 +50,84 @@ ROLES = ("system", "user", "assistant")
 PLAIN_ROLES = {"system": "System", "user": "Human", "assistant": "Assistant"}
 
 
+class ChatTemplateError(InputError):
+    """A `--chat_template` file that cannot render rows: the file is at fault, so no row is skipped for it."""
+
+
+def load_template_file(path: str):
+    """The Jinja template in `path`, compiled in a sandbox as transformers' chat templates are (the same
+    `raise_exception`, `tojson` and `strftime_now`, trimmed blocks) but with undefined names raising instead
+    of rendering as empty text, so a misspelt variable stops the run rather than silently changing every row."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ChatTemplateError(f"{path}: the chat template is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ChatTemplateError(f"{path}: the chat template cannot be read ({exc.strerror or exc})") from None
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined,
+                                        extensions=[GenerationTag, "jinja2.ext.loopcontrols"])
+    env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    env.filters["tojson"] = _tojson
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"{path}: the chat template is not valid Jinja at line {exc.lineno} "
+                                f"({one_line(exc.message)})") from None
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def one_line(text: Any) -> str:
+    return " ".join(str(text).split())
+
+
+class GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markers of some templates) renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 class ChatRenderer:
     """Messages -> (prompt text, completion text), by a chat template or hh-rlhf's plain turns."""
 
     def __init__(self, tokenizer=None, chat_template: str = "auto"):
-        self.tokenizer, self.template = tokenizer, None
+        self.tokenizer, self.path, self.template = tokenizer, None, None
         if chat_template not in ("auto", "none"):
-            self.template = Path(chat_template).read_text()  # checked to exist with the arguments
-        self.plain = chat_template == "none" or tokenizer is None or (
-            self.template is None and not getattr(tokenizer, "chat_template", None))
+            self.path, self.template = chat_template, load_template_file(chat_template)
+        self.plain = chat_template == "none" or (self.template is None and (
+            tokenizer is None or not getattr(tokenizer, "chat_template", None)))
         if chat_template == "auto" and self.plain and tokenizer is not None:
             logger.info("the tokenizer has no chat template: conversational rows are rendered as hh-rlhf turns")
+
+    def render(self, messages: list[dict], add_generation_prompt: bool, source: str) -> str:
+        if self.template is None:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        tokens = getattr(self.tokenizer, "special_tokens_map", None) or {}
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                        documents=None, **tokens)
+        except Exception as exc:  # the template's own code failed: raise_exception, undefined, sandbox, any other
+            raise ChatTemplateError(f"{self.path}: the chat template failed on {source}: {type(exc).__name__}: "
+                                    f"{one_line(exc)}") from None
 
     def __call__(self, prompt: list[dict], completion: list[dict], source: str) -> tuple[str, str]:
         if self.plain:
             text = "".join(f"\n\n{PLAIN_ROLES[m['role']]}: {m['content']}" for m in prompt) + "\n\nAssistant:"
             return text, "".join(f" {m['content']}" if i == 0 else f"\n\n{PLAIN_ROLES[m['role']]}: {m['content']}"
                                  for i, m in enumerate(completion))
-        kwargs = {"tokenize": False, "chat_template": self.template}
-        head = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **kwargs)
-        full = self.tokenizer.apply_chat_template(prompt + completion, **kwargs)
+        head = self.render(prompt, True, source)
+        full = self.render(prompt + completion, False, source)
         if not full.startswith(head):
             raise DataError(source, TEMPLATE_MISMATCH, "the chat template renders the prompt differently inside the "
                             "full conversation, so the assistant's turn cannot be cut out exactly")

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import random
+import re
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -236,13 +237,43 @@ def decode_record(row: RawRow) -> dict:
     if isinstance(record, bytes):
         raise DataError(row.source, NOT_UTF8, "line is not UTF-8 text")
     if isinstance(record, str):
+        line = record
         try:
-            record = json.loads(record)
+            record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(row.source, NOT_JSON, f"line is not JSON ({exc.msg} at column {exc.colno})") from None
+        except RecursionError:
+            raise DataError(row.source, NOT_JSON, "line nests arrays or objects too deeply to read") from None
+        except ValueError as exc:  # an integer longer than Python converts (sys.get_int_max_str_digits)
+            raise DataError(row.source, NOT_JSON, f"line cannot be read ({str(exc).split(';')[0]})") from None
+        if SURROGATE_ESCAPE.search(line):
+            check_text(record, row.source)
     if not isinstance(record, dict):
         raise DataError(row.source, NOT_OBJECT, f"expected a JSON object, got {type(record).__name__}")
     return record
+
+
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \uD800-\uDFFF: JSON's only way to spell a surrogate
+
+
+def check_text(value: Any, source: str) -> None:
+    """Every string in a decoded JSON value is Unicode text: a `\\ud800` escape with no partner decodes to a
+    lone surrogate, which no tokenizer or UTF-8 writer takes. Walked without recursion: values nest deeply."""
+    stack = [("line", value)]
+    if isinstance(value, dict):
+        stack = [(key, item) for key, v in reversed(value.items()) for item in (v, key)]
+    while stack:  # (top-level field, a value inside it), first field first
+        key, item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((key, v) for pair in reversed(item.items()) for v in reversed(pair))
+        elif isinstance(item, list):
+            stack.extend((key, v) for v in reversed(item))
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise DataError(source, NOT_UTF8, f"{key!r} holds an unpaired surrogate ({item[exc.start]!r}), "
+                                "which is not UTF-8 text") from None
 
 
 def require_strings(record: dict, source: str, keys: Iterable[str]) -> None:
@@ -319,7 +350,7 @@ class Splits:
     """Prompt-disjoint subsets. `sft` uses prompt + chosen; `ppo` holds one pair per prompt.
 
     `scale` is 1.0 when the data covered every requested size, else the factor the sft / reward /
-    ppo sizes were scaled down by.
+    ppo sizes were scaled down by. `prompts` counts the distinct prompts, `eval_prompts` those eval took.
     """
 
     eval: list[PreferencePair]
@@ -327,6 +358,8 @@ class Splits:
     reward: list[PreferencePair]
     ppo: list[PreferencePair]
     scale: float = 1.0
+    prompts: int = 0
+    eval_prompts: int = 0
 
     def sizes(self) -> dict[str, int]:
         return {"eval": len(self.eval), "sft": len(self.sft), "reward": len(self.reward), "ppo": len(self.ppo)}
@@ -359,6 +392,7 @@ def split_pairs(pairs: list[PreferencePair], args: DataArguments) -> Splits:
     scaled down together (proportionally) when the rest of the data cannot cover them."""
     groups = group_by_prompt(pairs, args.split_seed)
     eval_pairs, next_group = take_pairs(groups, 0, args.eval_size)
+    eval_groups = next_group
     if len(eval_pairs) < args.eval_size:
         logger.warning("eval_size=%d but only %d pairs exist: eval takes them all", args.eval_size, len(eval_pairs))
     rest = sum(len(g) for g in groups[next_group:])
@@ -374,7 +408,8 @@ def split_pairs(pairs: list[PreferencePair], args: DataArguments) -> Splits:
     sft, next_group = take_pairs(groups, next_group, sft_size)
     reward, next_group = take_pairs(groups, next_group, reward_size)
     ppo = [g[0] for g in groups[next_group : next_group + ppo_size]]
-    splits = Splits(eval=eval_pairs, sft=sft, reward=reward, ppo=ppo, scale=scale)
+    splits = Splits(eval=eval_pairs, sft=sft, reward=reward, ppo=ppo, scale=scale, prompts=len(groups),
+                    eval_prompts=eval_groups)
     logger.info("split %d prompts (seed %d) into %s", len(groups), args.split_seed, splits.sizes())
     return splits
 

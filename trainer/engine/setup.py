@@ -20,7 +20,7 @@ from profiling.cli import InputError, UsageError
 from profiling.files import write_atomic
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
 from trainer.data.formats import parser_for
-from trainer.data.hh_rlhf import Splits, load_splits
+from trainer.data.hh_rlhf import LoadReport, Splits, load_splits
 from trainer.engine.budget import check_budget, fit_to_budget
 from trainer.engine.checkpoint import (
     gathered_trainable, saved_config, select_checkpoint, set_aside_newer, set_aside_previous_run,
@@ -191,10 +191,33 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     if stage is not None and train_args.check_budget:
         check_budget(stage, model_args, data_args, train_args, stage_args, accelerator)
     splits, report = load_splits(data_args, parser_for(data_args, tokenizer))
+    check_split(stage, splits, report, data_args, train_args, stage_args)
     ctx = RunContext(model_args, data_args, train_args, stage_args, accelerator, tokenizer, splits,
                      resolved={"dataset_fingerprint": report.fingerprint})
     prepare_output_dir(ctx)
     return ctx
+
+
+STAGE_SUBSETS = {"sft": "sft", "reward": "reward", "dpo": "reward", "ppo": "ppo", "grpo": "ppo"}  # what each trains on
+
+
+def check_split(stage: Optional[str], splits: Splits, report: LoadReport, data_args: DataArguments,
+                train_args: TrainArguments, stage_args) -> None:
+    """Stop at start when the data held enough usable pairs but the prompt-disjoint split left the stage's
+    subset short of one batch (few distinct prompts: eval takes whole prompts, ppo one pair a prompt), so the
+    message names the prompts rather than skipped rows (`require_rows` says those)."""
+    subset = STAGE_SUBSETS.get(stage or "")
+    if subset is None:
+        return
+    needed = stage_args.rollout_batch_size if subset == "ppo" else train_args.micro_batch_size
+    rows = getattr(splits, subset)
+    requested = getattr(data_args, f"{subset}_size")
+    if len(rows) >= needed or requested < needed or report.kept < len(splits.eval) + needed:
+        return
+    raise InputError(f"{report.dataset}: the prompt-disjoint split left too few prompts for {stage}: "
+                     f"{splits.prompts} distinct prompt(s) in {report.kept} usable pairs, eval took "
+                     f"{splits.eval_prompts}, leaving {len(rows)} {subset} rows where one batch needs {needed}; "
+                     "use data with more distinct prompts or a smaller --eval_size")
 
 
 def require_rows(rows: Sequence, what: str, needed: int, data_args: DataArguments) -> None:
