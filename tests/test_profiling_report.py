@@ -22,11 +22,15 @@ ROOT = Path(__file__).resolve().parent.parent
 PNG_SIZE = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
 
 
+def policy_and_value_model():
+    args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", gradient_checkpointing=False, lora_r=4)
+    return build_shared_model(args, [AdapterSpec("policy", trainable=True), AdapterSpec("value", trainable=True,
+                                                                                         head=True)], vocab_size=512)
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", gradient_checkpointing=False, lora_r=4)
-    model = build_shared_model(args, [AdapterSpec("policy", trainable=True), AdapterSpec("value", trainable=True,
-                                                                                           head=True)], vocab_size=512)
+    model = policy_and_value_model()
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-3)
     recorder = MemoryRecorder("ppo", model=model, optimizer=optimizer, budget_bytes=8 * C.GIB)
     ids = torch.randint(0, 512, (2, 8))
@@ -51,7 +55,11 @@ def test_json_report_has_provenance_config_and_phases(run_dir):
     assert data["budget_bytes"] == 8 * 2**30
     assert [p["phase"] for p in data["phases"]] == ["value", "update"]
     update = data["phases"][1]
-    assert update["components"][C.OPTIMIZER_STATES] > 0 and update["components"][C.ACTIVATIONS] is None
+    # only the value adapter and head had gradients: AdamW's two fp32 moments of each weight, a step count per tensor
+    model = policy_and_value_model()
+    value = [p for p, adapter in model._lora_params if adapter == "value"] + list(model.heads["value"].parameters())
+    assert update["components"][C.OPTIMIZER_STATES] == 8 * sum(p.numel() for p in value) + 4 * len(value)
+    assert update["components"][C.ACTIVATIONS] is None
     assert update["total"] == sum(v for v in update["components"].values() if v is not None)
     assert update["total"] > update["components"][C.BASE_WEIGHTS] + update["components"][C.OPTIMIZER_STATES]
 
