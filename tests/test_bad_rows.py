@@ -130,6 +130,14 @@ def test_a_template_file_renders_rows_exactly_as_the_tokenizer_renders_the_same_
     assert from_file.prompt.endswith("<|im_start|>assistant\n") and from_file.chosen == CHAT_ROW["chosen"][0]["content"]
 
 
+def test_an_optional_setting_a_template_tests_for_may_be_left_undefined(smol_tokenizer, tmp_path):
+    template = tmp_path / "optional.jinja"
+    template.write_text("{% for m in messages %}{% if enable_thinking %}<think>{% endif %}{{ m.content }}\n"
+                        "{% endfor %}{% if add_generation_prompt %}A: {% endif %}")
+    rendered = ChatRenderer(smol_tokenizer, str(template)).render(CHAT_ROW["prompt"], True, "chat.jsonl:1")
+    assert rendered == CHAT_ROW["prompt"][0]["content"] + "\nA: "
+
+
 # --- a split with too few prompts, and flags ----------------------------------------------------
 
 def test_rows_sharing_one_prompt_stop_with_the_split_named_not_skipped_rows(tmp_path, capsys, no_model_loading,

@@ -57,14 +57,15 @@ class ChatTemplateError(InputError):
 def load_template_file(path: str):
     """The Jinja template in `path`, compiled in a sandbox as transformers' chat templates are (the same
     `raise_exception`, `tojson` and `strftime_now`, trimmed blocks) but with undefined names raising instead
-    of rendering as empty text, so a misspelt variable stops the run rather than silently changing every row."""
+    of rendering as empty text, so a misspelt variable stops the run rather than silently changing every row.
+    An undefined name still tests false (`{% if enable_thinking %}`), as templates use optional settings."""
     try:
         text = Path(path).read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ChatTemplateError(f"{path}: the chat template is not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise ChatTemplateError(f"{path}: the chat template cannot be read ({exc.strerror or exc})") from None
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined,
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=_PrintedUndefined,
                                         extensions=[GenerationTag, "jinja2.ext.loopcontrols"])
     env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     env.filters["tojson"] = _tojson
@@ -73,6 +74,13 @@ def load_template_file(path: str):
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"{path}: the chat template is not valid Jinja at line {exc.lineno} "
                                 f"({one_line(exc.message)})") from None
+
+
+class _PrintedUndefined(jinja2.StrictUndefined):
+    """Raises when printed, iterated or compared, but is false in a test."""
+
+    def __bool__(self) -> bool:
+        return False
 
 
 def _raise_exception(message: str):
