@@ -57,6 +57,28 @@ def poisoned(model, batch, adapter):
 sft.completion_nll = poisoned
 sft.main(sys.argv[1:])
 """
+# SFT that saves its first optimizer step's gradient (rank 0's, after DDP's all-reduce) to OUTPUT_DIR/gradient.pt.
+GRADIENT = """
+import os, sys
+sys.path.insert(0, {root!r})
+from pathlib import Path
+
+import torch
+
+from trainer import sft
+from trainer.engine.harness import Engine
+
+real, out = Engine.optimizer_step, Path(sys.argv[sys.argv.index("--output_dir") + 1])
+
+def saving(self, finite=True):
+    if int(os.environ.get("RANK", "0")) == 0 and not (out / "gradient.pt").exists():
+        torch.save({{n.removeprefix("module."): p.grad.detach().clone() for n, p in self.model.named_parameters()
+                    if p.grad is not None}}, out / "gradient.pt")
+    return real(self, finite)
+
+Engine.optimizer_step = saving
+sft.main(sys.argv[1:])
+"""
 # Step 2 of a 2-process run with accumulation 2 is batches 4-7 of the shuffled order: rank 1 reads
 # batches 5 and 7, so its 3rd call is batch 5, the 6th call of one process with accumulation 4.
 POISON_ONE_PROCESS, POISON_TWO_PROCESSES = "0:6", "1:3"
@@ -194,6 +216,28 @@ def test_two_gloo_processes_train_the_reward_model_like_one_process_with_twice_t
     launch(script, two, *CURVE, "--gradient_accumulation_steps", "2", config="cpu_2proc.yaml", processes=2,
            trace=two / "rows")
     assert_two_processes_match_one(one, two, rows_per_step=4 * 4)  # one row per pair (the prompt once)
+
+
+@pytest.mark.slow
+def test_an_sft_step_has_the_same_gradient_on_two_processes_grouped_as_on_one_ungrouped(tmp_path):
+    """Every completion token of a step weighs the same, whichever rank and micro-batch holds it: one process
+    accumulating 4 micro-batches in shuffled order, and two accumulating 2 each grouped by length, take the
+    same 16 real hh-rlhf rows to the same gradient, to float rounding."""
+    script = tmp_path / "gradient_sft.py"
+    script.write_text(GRADIENT.format(root=str(ROOT)))
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ("--max_steps", "1", "--save_every", "0", "--eval_every", "0", "--eval_batches", "1", "--lora_dropout", "0")
+    launch(script, one, *args, "--gradient_accumulation_steps", "4", "--group_by_length", "false", trace=one / "rows")
+    launch(script, two, *args, "--gradient_accumulation_steps", "2", "--group_by_length", "true",
+           config="cpu_2proc.yaml", processes=2, trace=two / "rows")
+    single, rank0, rank1 = traced_rows(one / "rows", 0), traced_rows(two / "rows", 0), traced_rows(two / "rows", 1)
+    assert sorted(rank0[1] + rank1[1]) == sorted(single[1]) and len(single[1]) == 16  # the same rows
+    reference, distributed = torch.load(one / "gradient.pt"), torch.load(two / "gradient.pt")
+    assert reference.keys() == distributed.keys() and len(reference) > 0
+    difference = torch.cat([(distributed[k] - reference[k]).flatten() for k in reference]).norm()
+    size = torch.cat([reference[k].flatten() for k in reference]).norm()
+    print(f"relative gradient difference, 2 processes grouped vs 1 process not: {float(difference / size):.2e}")
+    assert size > 0 and difference / size < 1e-6, float(difference / size)
 
 
 @pytest.mark.slow

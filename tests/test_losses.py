@@ -19,11 +19,13 @@ from trainer.losses import (
     masked_var,
     masked_whiten,
     pairwise_ranking_loss,
+    pairwise_ranking_losses,
     per_token_rewards,
     ppo_policy_loss,
     ppo_value_loss,
     ranking_stats,
     shift_for_next_token,
+    step_mean_share,
     token_logprobs,
 )
 
@@ -223,14 +225,36 @@ def test_masked_whiten_gives_unit_variance_and_optionally_keeps_the_mean():
     assert_close(masked_whiten(x, mask, shift_mean=False), t([2.0, 3.0, 4.0, 0.0]))
 
 
+# ---------------------------------------------------------------- a supervised step's mean loss
+
+
+def test_step_mean_shares_add_up_to_the_steps_token_mean_however_the_micro_batches_split_it():
+    # One step of 5 completion tokens with NLL 1, 2, 3, 4, 10 (row padding holds 0), in micro-batches of
+    # 3 + 2 tokens or 4 + 1: each share is its sum over 5, the step's mean is 20 / 5 = 4 either way.
+    first, second = t([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]), t([[4.0, 10.0]])
+    assert_close(step_mean_share(first, 5), t(6 / 5))
+    assert_close(step_mean_share(second, 5), t(14 / 5))
+    assert_close(step_mean_share(first, 5) + step_mean_share(second, 5), t(4.0))
+    assert_close(step_mean_share(t([1.0, 2.0, 3.0, 4.0]), 5) + step_mean_share(t([10.0]), 5), t(4.0))
+    # A mean per micro-batch would weigh the lone token of the second split 4 times as much: (10/4 + 10) / 2.
+    assert (t([1.0, 2.0, 3.0, 4.0]).mean() + t([10.0]).mean()) / 2 == 6.25
+    # Gradient: d share / d unit = 1 / normaliser for every unit.
+    units = t([2.0, 7.0]).requires_grad_()
+    step_mean_share(units, 4).backward()
+    assert_close(units.grad, t([0.25, 0.25]))
+    with pytest.raises(ValueError, match="normaliser must be positive"):
+        step_mean_share(first, 0)
+
+
 # ---------------------------------------------------------------- reward model and DPO
 
 
 def test_pairwise_ranking_loss_and_stats_match_bradley_terry_by_hand():
     chosen, rejected = t([1.0, 0.0, 2.0]), t([0.0, 0.0, 3.0])
     # margins 1, 0, -1: -log sigmoid(m) = log(1 + e^-m)
-    expected = (math.log(1 + math.exp(-1)) + math.log(2) + math.log(1 + math.exp(1))) / 3
-    assert_close(pairwise_ranking_loss(chosen, rejected), t(expected))
+    per_pair = [math.log(1 + math.exp(-1)), math.log(2), math.log(1 + math.exp(1))]
+    assert_close(pairwise_ranking_losses(chosen, rejected), t(per_pair))
+    assert_close(pairwise_ranking_loss(chosen, rejected), t(sum(per_pair) / 3))
     stats = ranking_stats(chosen, rejected)
     assert_close(stats["accuracy"], t(1 / 3))  # the tie counts as wrong
     assert_close(stats["margin"], t(0.0))

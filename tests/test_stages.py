@@ -67,6 +67,16 @@ def test_reward_stage_scores_chosen_and_rejected_in_one_forward_pass(pair_batch,
     assert float(accuracy) == pytest.approx(float(expected_acc))
 
 
+def test_pair_batches_count_one_unit_per_pair_in_either_layout(pair_batch):
+    """The reward and DPO losses are means over pairs: a batch of 3 pairs is 3 units, as 6 rows or as 3."""
+    from trainer.data.collators import SharedPromptPairCollator, pairs_in
+
+    examples, collate = pair_batch
+    stacked, shared = collate(examples), SharedPromptPairCollator(collate.pad_token_id)(examples)
+    assert stacked["input_ids"].shape[0] == 6 and shared["input_ids"].shape[0] == 3
+    assert pairs_in(stacked) == pairs_in(shared) == 3
+
+
 def run(cmd, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, **kw)

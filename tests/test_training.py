@@ -248,6 +248,48 @@ def test_length_grouping_orders_each_steps_rows_longest_first_and_keeps_every_st
     assert list(again) != grouped and sorted(again) == list(range(50))  # a fresh order each epoch, every row once
 
 
+def first_step_gradient(monkeypatch, tmp_path, *extra) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """(the gradient of SFT's first optimizer step, before clipping; the completion tokens of each of its
+    micro-batches) on tiny_sft's real hh-rlhf rows, with no dropout."""
+    import trainer.sft as sft
+    from trainer.engine.harness import Engine
+
+    gradients, counts = [], []
+    real_step, real_nll = Engine.optimizer_step, sft.completion_nll
+
+    def recording_step(self, finite=True):
+        gradients.append({n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None})
+        return real_step(self, finite)
+
+    def counting_nll(model, batch, adapter):
+        loss_sum, count = real_nll(model, batch, adapter)
+        if torch.is_grad_enabled():
+            counts.append(int(count))
+        return loss_sum, count
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Engine, "optimizer_step", recording_step)
+        patch.setattr(sft, "completion_nll", counting_nll)
+        sft.main(sft_argv(tmp_path, "--max_steps", "1", "--eval_batches", "1", *extra))
+    return gradients[0], counts
+
+
+def test_one_sft_step_has_the_same_gradient_with_and_without_length_grouping(tmp_path, monkeypatch,
+                                                                             fresh_accelerate_state):
+    """Every completion token of a step weighs the same: grouping the step's rows into other micro-batches
+    changes the gradient by float rounding only."""
+    plain, plain_counts = first_step_gradient(monkeypatch, tmp_path / "plain", "--group_by_length", "false")
+    grouped, grouped_counts = first_step_gradient(monkeypatch, tmp_path / "grouped", "--group_by_length", "true")
+    # The same step's tokens, split otherwise: 2 micro-batches of 4 rows each (tiny_sft).
+    assert len(plain_counts) == len(grouped_counts) == 2 and sum(plain_counts) == sum(grouped_counts)
+    assert sorted(plain_counts) != sorted(grouped_counts)
+    assert plain.keys() == grouped.keys() and len(plain) > 0
+    difference = torch.cat([(grouped[k] - plain[k]).flatten() for k in plain]).norm()
+    size = torch.cat([plain[k].flatten() for k in plain]).norm()
+    print(f"relative gradient difference, grouped vs not: {float(difference / size):.2e}")
+    assert size > 0 and difference / size < 1e-6, float(difference / size)
+
+
 def test_adamw_runs_torchs_fused_kernel_where_it_can_and_steps_as_the_default_adamw():
     from trainer.engine.optim import build_optimizer, fused_adamw
 

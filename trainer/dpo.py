@@ -16,12 +16,12 @@ from accelerate.utils import gather_object
 
 from profiling.cli import Checked, UsageError, above, between, one_of, run
 from profiling.stages import POLICY, REFERENCE
-from trainer.data.collators import PairCollator, pair_collator
+from trainer.data.collators import PairCollator, pair_collator, pairs_in
 from trainer.data.tokenization import PairExample, tokenize_pairs
 from trainer.engine.batches import eval_batches
 from trainer.engine.harness import Harness, StepOutput, supervised_step
 from trainer.engine.setup import finish_stage, require_rows, start_run
-from trainer.losses import DPO_LOSS_TYPES, dpo_loss
+from trainer.losses import DPO_LOSS_TYPES, dpo_loss, step_mean_share
 from trainer.model.shared_base import build_shared_model, stage_specs
 
 
@@ -90,10 +90,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     model = build_shared_model(ctx.model_args, specs, vocab_size=len(tok), device=ctx.accelerator.device)
     collate = pair_collator(tok.pad_token_id, targs.share_pair_prompts, model)
 
-    def compute_loss(batch: dict[str, torch.Tensor]) -> StepOutput:
+    def compute_loss(batch: dict[str, torch.Tensor], normaliser: float) -> StepOutput:
         losses, rc, rr, pc, pr = dpo_terms(harness.engine.model, batch, args)
-        loss = losses.mean()
-        metrics = {"loss": loss.detach(), "rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(),
+        loss = step_mean_share(losses, normaliser)
+        metrics = {"rewards/chosen": rc.mean(), "rewards/rejected": rr.mean(),
                    "rewards/accuracies": (rc > rr).float().mean(), "rewards/margins": (rc - rr).mean(),
                    "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}
         return StepOutput(loss, metrics, tokens=int(batch["attention_mask"].sum()))
@@ -106,7 +106,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                       length_window=targs.length_window,
                       log_keys=["train/loss", "train/rewards/accuracies", "train/lr", "train/grad_norm",
                                 "perf/tokens_per_s", "perf/peak_gb"])
-    harness.train(supervised_step(harness.engine, compute_loss, targs.gradient_accumulation_steps))
+    harness.train(supervised_step(harness.engine, compute_loss, targs.gradient_accumulation_steps, pairs_in))
     return finish_stage(ctx, "dpo", model, POLICY, train_pairs=len(train), eval_pairs=len(held_out))
 
 

@@ -241,12 +241,30 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
 
 
+# ---------------------------------------------------------------- a supervised step's mean loss
+
+
+def step_mean_share(unit_losses: torch.Tensor, normaliser: float) -> torch.Tensor:
+    """One micro-batch's share of its optimizer step's mean loss: its units' losses (the NLL of each completion
+    token, the loss of each pair) summed, over `normaliser`, the units of the whole step. The shares of a step
+    add up to its mean with every unit weighing the same however the units are grouped into micro-batches and
+    ranks (a mean per micro-batch weighs a unit by the inverse of its own micro-batch's count)."""
+    if not normaliser > 0:
+        raise ValueError(f"normaliser must be positive, got {normaliser}")
+    return unit_losses.sum() / normaliser
+
+
 # ---------------------------------------------------------------- reward model and DPO
 
 
+def pairwise_ranking_losses(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
+    """(N,), (N,) rewards -> (N,) Bradley-Terry losses -logsigmoid(r_chosen - r_rejected), one per pair."""
+    return -F.logsigmoid(r_chosen - r_rejected)
+
+
 def pairwise_ranking_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
-    """(N,), (N,) rewards -> scalar Bradley-Terry loss -logsigmoid(r_chosen - r_rejected).mean()."""
-    return -F.logsigmoid(r_chosen - r_rejected).mean()
+    """(N,), (N,) rewards -> scalar Bradley-Terry loss, the mean of `pairwise_ranking_losses`."""
+    return pairwise_ranking_losses(r_chosen, r_rejected).mean()
 
 
 def ranking_stats(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -16,12 +16,12 @@ from accelerate.utils import gather_object
 
 from profiling.cli import Checked, run
 from profiling.stages import REWARD
-from trainer.data.collators import PairCollator, pair_collator
+from trainer.data.collators import PairCollator, pair_collator, pairs_in
 from trainer.data.tokenization import PairExample, tokenize_pairs
 from trainer.engine.batches import eval_batches
 from trainer.engine.harness import Harness, StepOutput, supervised_step
 from trainer.engine.setup import finish_stage, require_rows, start_run
-from trainer.losses import last_token_values, pairwise_ranking_loss, ranking_stats
+from trainer.losses import last_token_values, pairwise_ranking_losses, ranking_stats, step_mean_share
 from trainer.model.shared_base import build_shared_model, stage_specs
 
 
@@ -73,11 +73,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                vocab_size=len(tok), device=ctx.accelerator.device)
     collate = pair_collator(tok.pad_token_id, targs.share_pair_prompts, model)
 
-    def compute_loss(batch: dict[str, torch.Tensor]) -> StepOutput:
+    def compute_loss(batch: dict[str, torch.Tensor], normaliser: float) -> StepOutput:
         rc, rr = pair_rewards(harness.engine.model, batch)
-        loss = pairwise_ranking_loss(rc, rr)
+        loss = step_mean_share(pairwise_ranking_losses(rc, rr), normaliser)
         stats = ranking_stats(rc.detach(), rr.detach())
-        return StepOutput(loss, {"loss": loss.detach(), "accuracy": stats["accuracy"], "margin": stats["margin"]},
+        return StepOutput(loss, {"accuracy": stats["accuracy"], "margin": stats["margin"]},
                           tokens=int(batch["attention_mask"].sum()))
 
     def evaluate() -> dict[str, float]:
@@ -88,7 +88,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                       length_window=targs.length_window,
                       log_keys=["train/loss", "train/accuracy", "train/lr", "train/grad_norm", "perf/tokens_per_s",
                                 "perf/peak_gb"])
-    harness.train(supervised_step(harness.engine, compute_loss, targs.gradient_accumulation_steps))
+    harness.train(supervised_step(harness.engine, compute_loss, targs.gradient_accumulation_steps, pairs_in))
     return finish_stage(ctx, "reward", model, REWARD, train_pairs=len(train), eval_pairs=len(held_out))
 
 

@@ -19,6 +19,7 @@ from trainer.data.tokenization import IGNORE_INDEX, SFTExample, pack_sft, tokeni
 from trainer.engine.batches import eval_batches
 from trainer.engine.harness import Harness, StepOutput, supervised_step
 from trainer.engine.setup import finish_stage, require_rows, start_run
+from trainer.losses import step_mean_share
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.run_report import bootstrap_perplexity_interval
 
@@ -33,6 +34,11 @@ def completion_nll(model, batch: dict[str, torch.Tensor], adapter: str) -> tuple
     """(summed next-token NLL of the completion tokens, their count); the LM head runs on those tokens only."""
     nll, count = completion_nll_rows(model, batch, adapter)
     return nll.sum(), count.sum()
+
+
+def completion_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Completion tokens of a batch: the tokens SFT's loss is a mean over."""
+    return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
 def completion_nll_rows(model, batch: dict[str, torch.Tensor], adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,10 +88,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                vocab_size=len(tok), device=ctx.accelerator.device)
     collate = SFTCollator(tok.pad_token_id)
 
-    def compute_loss(batch: dict[str, torch.Tensor]) -> StepOutput:
-        loss_sum, count = completion_nll(harness.engine.model, batch, POLICY)
-        loss = loss_sum / count.clamp(min=1)
-        return StepOutput(loss, {"loss": loss.detach()}, tokens=int(batch["attention_mask"].sum()))
+    def compute_loss(batch: dict[str, torch.Tensor], normaliser: float) -> StepOutput:
+        loss_sum, _ = completion_nll(harness.engine.model, batch, POLICY)
+        return StepOutput(step_mean_share(loss_sum, normaliser), tokens=int(batch["attention_mask"].sum()))
 
     def evaluate() -> dict[str, float]:
         return completion_perplexity(harness.engine.model, held_out, collate, targs.eval_batch_size, ctx.accelerator,
@@ -94,7 +99,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     harness = Harness(ctx, model, "sft", [POLICY], train, collate, targs.micro_batch_size, evaluate,
                       length_window=targs.length_window,
                       log_keys=["train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/peak_gb"])
-    harness.train(supervised_step(harness.engine, compute_loss, targs.gradient_accumulation_steps))
+    harness.train(supervised_step(harness.engine, compute_loss, targs.gradient_accumulation_steps, completion_tokens))
     return finish_stage(ctx, "sft", model, POLICY, train_examples=len(train), eval_examples=len(held_out))
 
 

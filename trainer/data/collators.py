@@ -89,6 +89,12 @@ class SharedPromptPairCollator:
         return batch
 
 
+def pairs_in(batch: dict[str, torch.Tensor]) -> int:
+    """Pairs in a batch of either layout: one row each (`segments`), or a chosen and a rejected row each."""
+    rows = batch["input_ids"].shape[0]
+    return rows if "segments" in batch else rows // 2
+
+
 def pair_collator(pad_token_id: int, share_prompt: bool, model) -> "PairCollator | SharedPromptPairCollator":
     """The reward / DPO batch layout: one row per pair (`share_prompt`, where `model` takes the pair mask), else
     chosen rows over rejected rows, with one line saying why."""

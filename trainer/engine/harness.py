@@ -46,7 +46,7 @@ class TrainingDiverged(InputError):
 class StepOutput:
     """What a stage's `compute_loss` returns for one micro-batch."""
 
-    loss: torch.Tensor  # scalar to backpropagate (a mean over this micro-batch)
+    loss: torch.Tensor  # scalar to backpropagate: this micro-batch's share of the step's mean (step_mean_share)
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # detached scalars, averaged per step
     tokens: int = 0  # tokens processed, for tokens/s
 
@@ -293,29 +293,44 @@ class Harness:
             tracker.finish()
 
 
-def supervised_step(engine: Engine, compute_loss: Callable[[dict], StepOutput], accumulation_steps: int) -> StepBody:
+def supervised_step(engine: Engine, compute_loss: Callable[[dict, float], StepOutput], accumulation_steps: int,
+                    units: Callable[[dict], int]) -> StepBody:
     """The step of SFT, reward and DPO: `accumulation_steps` micro-batches through `compute_loss` (the
-    stage's own step body), their gradients summed, then one optimizer step."""
+    stage's own step body), their gradients summed, then one optimizer step.
+
+    Every unit of a step weighs the same, however its rows are grouped into micro-batches and ranks:
+    `units(batch)` counts what the stage's loss is a mean over (completion tokens, pairs), the step's count
+    is summed over its micro-batches and ranks before any backward pass, and `compute_loss(batch, normaliser)`
+    divides its summed loss by `normaliser` (`step_mean_share`). Logged, "train/loss" is the step's mean."""
     acc = engine.accelerator
+    # Accelerate (or DeepSpeed) divides each backward's loss by its accumulation steps, and the ranks'
+    # gradients are averaged: the normaliser undoes both.
+    divided = engine.model.gradient_accumulation_steps() if engine.deepspeed else acc.gradient_accumulation_steps
 
     first = [True]  # the first step of this process meters what autograd saves for backward
 
     def step(step_number: int, batches: Iterator[dict]) -> StepResult:
         sums: dict[str, float] = defaultdict(float)
-        tokens, finite = 0, True
+        tokens, finite, shares = 0, True, 0.0
         lr = engine.scheduler.get_last_lr()[0]
+        micro_batches = [next(batches) for _ in range(accumulation_steps)]
+        local = torch.tensor(sum(units(batch) for batch in micro_batches), dtype=torch.long, device=acc.device)
+        step_units = max(int(acc.reduce(local, "sum").item()), 1)
+        normaliser = step_units / (acc.num_processes * divided)
         with engine.recorder.phase("forward_backward", count_saved=first[0]):
-            for _ in range(accumulation_steps):
-                batch = next(batches)
+            for batch in micro_batches:
                 with acc.accumulate(engine.model), acc.autocast():
-                    out = compute_loss(batch)
+                    out = compute_loss(batch, normaliser)
                     finite = engine.backward(out.loss) and finite
                 tokens += out.tokens
+                shares += float(out.loss.detach())
                 for key, value in out.metrics.items():
                     sums[f"train/{key}"] += float(value) / accumulation_steps
             engine.recorder.sample()  # gradients are alive here
         first[0] = False
         stepped, sound, grad_norm = engine.optimizer_step(finite)
+        # This rank's shares / `divided` is ranks x its part of the step's mean: the mean over ranks is the step's.
+        sums["train/loss"] = shares / divided
         return StepResult({**sums, "train/lr": lr, "train/grad_norm": grad_norm}, finite=sound, stepped=stepped,
                           tokens=tokens)
 
