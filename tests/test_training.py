@@ -248,6 +248,51 @@ def test_length_grouping_orders_each_steps_rows_longest_first_and_keeps_every_st
     assert list(again) != grouped and sorted(again) == list(range(50))  # a fresh order each epoch, every row once
 
 
+def step_rows(length_window: int, ranks: int, micro_batch: int = 4, accumulation: int = 5, epochs: int = 4,
+              size: int = 50) -> tuple[list[list[int]], list[set[int]]]:
+    """(rows of each optimizer step in the order the ranks' micro-batches hold them, rows read in each epoch)
+    from `make_loader` dealt to `ranks` ranks by Accelerate's batch sharding, over `epochs` epochs."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import BatchSamplerShard
+
+    from trainer.engine.batches import make_loader
+
+    dataset = [SimpleNamespace(index=i, length=(i * 37) % 101) for i in range(size)]
+    loader, sampler = make_loader(dataset, lambda rows: [r.index for r in rows], micro_batch, 3, length_window,
+                                  **({"ranks": ranks} if ranks > 1 else {}))
+    local: list[list[list[int]]] = [[] for _ in range(ranks)]  # rank -> its micro-batches, epoch after epoch
+    read = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        shards = [list(BatchSamplerShard(loader.batch_sampler, ranks, rank)) for rank in range(ranks)]
+        read.append({i for shard in shards for batch in shard for i in batch})
+        for rank, shard in enumerate(shards):
+            local[rank] += shard
+    steps = len(local[0]) // accumulation
+    rows = [[i for k in range(s * accumulation, (s + 1) * accumulation) for rank in range(ranks)
+             for i in local[rank][k]] for s in range(steps)]
+    return rows, read
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_length_grouped_steps_train_on_the_plain_shuffles_rows_in_every_epoch(ranks):
+    # 50 rows in micro-batches of 4 x 5 accumulated: an epoch reads 48 rows (12 batches), a step 20 x ranks,
+    # so steps straddle epochs and the epoch's last 2 rows are dropped.
+    window = 4 * 5 * ranks
+    plain, plain_read = step_rows(0, ranks)
+    grouped, grouped_read = step_rows(window, ranks)
+    lengths = [(i * 37) % 101 for i in range(50)]
+    assert len(plain) == len(grouped) == 4 * 48 // window
+    for step, (a, b) in enumerate(zip(plain, grouped)):
+        assert sorted(b) == sorted(a), f"step {step + 1}"  # the same rows in the same step
+    assert grouped_read == plain_read  # the epochs drop the same rows
+    assert grouped != plain
+    # A step within one epoch holds its rows longest first (ranks take micro-batches in turn).
+    first = [lengths[i] for i in grouped[0]]
+    assert first == sorted(first, reverse=True)
+
+
 def first_step_gradient(monkeypatch, tmp_path, *extra) -> tuple[dict[str, torch.Tensor], list[int]]:
     """(the gradient of SFT's first optimizer step, before clipping; the completion tokens of each of its
     micro-batches) on tiny_sft's real hh-rlhf rows, with no dropout."""

@@ -1,9 +1,9 @@
 """Training batches in a resumable order: a fresh permutation per epoch from (seed, epoch) alone, and a
 stream that starts anywhere (epoch, batches done) and crosses epoch boundaries without ending.
 
-With a length window (the rows of one optimizer step: micro-batch x accumulation), each window of the
-permutation is ordered longest first, so the micro-batches of a step hold rows of like lengths and pad
-less; a step still trains on exactly the rows the plain shuffle gives it."""
+With a length window (the rows of one optimizer step: micro-batch x accumulation x ranks), the rows of
+each step are ordered longest first, so its micro-batches hold rows of like lengths and pad less; a step
+still trains on exactly the rows the plain shuffle gives it, in every epoch."""
 
 from __future__ import annotations
 
@@ -16,14 +16,20 @@ from profiling.cli import InputError
 
 
 class EpochShuffleSampler(Sampler[int]):
-    """A fresh permutation each epoch from (seed, epoch) alone, so a resumed run sees the same order;
-    with `lengths` and `window` > 1, each window of `window` indices ordered longest first."""
+    """A fresh permutation each epoch from (seed, epoch) alone, so a resumed run sees the same order.
 
-    def __init__(self, size: int, seed: int, lengths: Optional[Sequence[int]] = None, window: int = 0):
+    With `lengths` and `window` > 1, the rows of each optimizer step are ordered longest first. Steps are
+    `window` rows of the stream of epochs, each epoch `kept` rows long (the rest the loader drops): a step's
+    rows lie where the plain permutation has them, ordered in two parts where a step spans two epochs, and
+    the dropped rows are the plain permutation's."""
+
+    def __init__(self, size: int, seed: int, lengths: Optional[Sequence[int]] = None, window: int = 0,
+                 kept: Optional[int] = None):
         if lengths is not None and len(lengths) != size:
             raise ValueError(f"{len(lengths)} lengths for {size} rows")
         self.size, self.seed, self.epoch = size, seed, 0
         self.lengths, self.window = lengths, window if lengths is not None else 0
+        self.kept = size if kept is None else kept
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -32,24 +38,27 @@ class EpochShuffleSampler(Sampler[int]):
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
         order = torch.randperm(self.size, generator=g).tolist()
         if self.window > 1:
-            lengths = self.lengths
-            order = [i for start in range(0, self.size, self.window)
-                     for i in sorted(order[start : start + self.window], key=lambda i: -lengths[i])]
+            lengths, first = self.lengths, -self.epoch * self.kept % self.window  # the epoch's first step boundary
+            bounds = [0, *range(first, self.kept, self.window), self.kept]
+            order = [i for start, end in zip(bounds, bounds[1:])
+                     for i in sorted(order[start:end], key=lambda i: -lengths[i])] + order[self.kept :]
         return iter(order)
 
     def __len__(self) -> int:
         return self.size
 
 
-def make_loader(dataset: Dataset, collate_fn: Callable, batch_size: int, seed: int,
-                length_window: int = 0) -> tuple[DataLoader, EpochShuffleSampler]:
-    """Shuffled, drop-last batches of `batch_size`; `length_window` > 1 groups like lengths within each window
-    of that many rows (its examples' `length`)."""
+def make_loader(dataset: Dataset, collate_fn: Callable, batch_size: int, seed: int, length_window: int = 0,
+                ranks: int = 1) -> tuple[DataLoader, EpochShuffleSampler]:
+    """Shuffled, drop-last batches of `batch_size`, dealt in turn to `ranks` ranks (Accelerate's sharding, which
+    reads whole rounds only); `length_window` > 1, the rows of one optimizer step over all ranks, groups like
+    lengths within each step (its examples' `length`)."""
     if len(dataset) < batch_size:
         raise InputError(f"the training set has {len(dataset)} rows, fewer than one batch ({batch_size}); lower the "
                          "batch size or use more data")
     lengths = [example.length for example in dataset] if length_window > 1 else None
-    sampler = EpochShuffleSampler(len(dataset), seed, lengths, length_window)
+    kept = len(dataset) // batch_size // ranks * ranks * batch_size  # the rows an epoch reads
+    sampler = EpochShuffleSampler(len(dataset), seed, lengths, length_window, kept)
     # Its own generator: creating a DataLoader iterator draws a seed, and drawing it from the global
     # RNG would shift every later dropout mask whenever a resumed run creates one more iterator.
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=True,

@@ -174,8 +174,8 @@ class Harness:
         self.stage, self.adapters, self.evaluate_fn, self.log_keys = stage, adapters, evaluate, log_keys
         self.extra_state = extra_state
         # The window spans every rank's share of a step: N processes with accumulation A group as one with N x A.
-        loader, self.sampler = make_loader(dataset, collate, batch_size, self.args.seed,
-                                           length_window * self.accelerator.num_processes)
+        ranks = self.accelerator.num_processes
+        loader, self.sampler = make_loader(dataset, collate, batch_size, self.args.seed, length_window * ranks, ranks)
         self.engine = Engine(model, self.args, self.accelerator, stage, loader, accumulation_steps)
         self.output_dir = Path(self.args.output_dir)
         self.metrics_log = MetricsLog(self.accelerator, self.output_dir)
