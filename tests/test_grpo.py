@@ -132,3 +132,103 @@ def test_grpo_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_p
     torch.testing.assert_close(sampled.logprobs, rescored.logprobs, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sampled.ref_logprobs, rescored.ref_logprobs)
     assert not torch.allclose(sampled.logprobs, sampled.ref_logprobs)
+
+
+
+class FixedRolloutUpdate:
+    """GRPO updates (`grpo_step`, optimizer steps taken out) of one model over one fixed rollout of 2 prompts
+    x 5 responses of unequal lengths: the gradient of each minibatch, for any batch settings."""
+
+    LENGTHS = [1, 6, 2, 5, 3, 6, 1, 4, 2, 6]
+
+    def __init__(self, tmp_path, monkeypatch):
+        import trainer.rl.grpo_step as grpo_step
+        from trainer.engine.harness import Engine
+        from trainer.engine.setup import start_run
+        from trainer.grpo import GRPOArguments, build_model
+        from trainer.rl.scoring import response_logprobs
+
+        ctx = start_run(GRPOArguments, ["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"),
+                                        "--num_generations", "5"])
+        torch.manual_seed(0)
+        model = build_model(ctx)
+        with torch.no_grad():
+            for p, adapter in model._lora_params:
+                if adapter == "policy":  # the policy off the reference: the k3 term has a gradient
+                    p.add_(torch.randn_like(p) * 0.3)
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, len(ctx.tokenizer), (10, 12), generator=gen)
+        att = torch.ones_like(ids)
+        mask = (torch.arange(6) < torch.tensor(self.LENGTHS)[:, None]).float()
+        with torch.no_grad():
+            old, _ = response_logprobs(model, ids, att, 6, "policy")
+            ref, _ = response_logprobs(model, ids, att, 6, "reference")
+        scores = torch.tensor([0.0, 1.0, 3.0, -1.0, 0.5, 2.0, 2.0, -2.0, 1.0, 0.0])
+        self.rollout = grpo_step.GroupRollout(ids, att, mask, old * mask, ref * mask, scores,
+                                              torch.ones(10, dtype=torch.bool), 1.0)
+        monkeypatch.setattr(grpo_step, "group_rollout", lambda *a, **k: self.rollout)
+        self.oom_at, self.failed = 0, []
+        real = grpo_step.response_logprobs
+
+        def flaky(model, ids, *a, **k):
+            if ids.shape[0] == self.oom_at and not self.failed:
+                self.failed.append(ids.shape[0])
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            return real(model, ids, *a, **k)
+
+        monkeypatch.setattr(grpo_step, "response_logprobs", flaky)
+        self.engine, self.grads = Engine(model, ctx.train_args, ctx.accelerator, "grpo"), []
+
+        def no_step(finite=True):
+            self.grads.append([p.grad.clone() for p in self.engine.params])
+            self.engine.optimizer.zero_grad(set_to_none=True)
+            return False, True, 0.0
+
+        monkeypatch.setattr(self.engine, "optimizer_step", no_step)
+        self.ctx = ctx
+
+    def gradients(self, normalisation: str, mini_batch: int, micro_batch: int, oom_at: int = 0
+                  ) -> list[list[torch.Tensor]]:
+        """One update's gradient per minibatch; a forward of `oom_at` rows runs out of memory once."""
+        from contextlib import nullcontext
+        from dataclasses import replace
+
+        import trainer.rl.grpo_step as grpo_step
+
+        args = replace(self.ctx.stage_args, mini_batch_size=mini_batch, loss_normalisation=normalisation)
+        self.oom_at, self.failed, self.grads = oom_at, [], []
+        state = grpo_step.GroupState(torch.Generator().manual_seed(3), micro_batch)
+        batch = {"input_ids": self.rollout.input_ids[::5, :6], "attention_mask": self.rollout.attention_mask[::5, :6]}
+        grpo_step.grpo_step(self.engine, batch, args, state, None, 0, 0, lambda name, **k: nullcontext())
+        assert bool(self.failed) == bool(oom_at)
+        assert state.micro_batch_size == (micro_batch // 2 if oom_at else micro_batch)
+        return self.grads
+
+
+def assert_same_gradients(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> None:
+    assert len(a) == len(b) and a
+    for step_a, step_b in zip(a, b):
+        assert any(g.abs().max() > 0 for g in step_a)
+        for x, y in zip(step_a, step_b):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-3 * float(x.abs().max()))  # fp32 reordering: ~1e-4
+
+
+def test_token_normalisation_is_one_mean_over_the_minibatch_tokens_in_one_micro_batch_or_five(
+        tmp_path, monkeypatch, fresh_accelerate_state):
+    """DAPO: micro-batches of unequal token counts weigh by their tokens, not 1/5 each (TRL's bnpo per
+    micro-batch); sequence and fixed stay means over rows."""
+    update = FixedRolloutUpdate(tmp_path, monkeypatch)
+    for normalisation in ("token", "sequence", "fixed"):
+        whole = update.gradients(normalisation, mini_batch=10, micro_batch=10)
+        assert len(whole) == 1
+        assert_same_gradients(whole, update.gradients(normalisation, mini_batch=10, micro_batch=2))
+
+
+def test_out_of_memory_halving_of_an_odd_micro_batch_leaves_every_row_its_weight(tmp_path, monkeypatch,
+                                                                                 fresh_accelerate_state):
+    """Micro-batch 5 halved to 2 runs each minibatch of 5 as 2 + 2 + 1: its gradient is the one of 5 at once."""
+    update = FixedRolloutUpdate(tmp_path, monkeypatch)
+    for normalisation in ("token", "sequence", "fixed"):
+        whole = update.gradients(normalisation, mini_batch=5, micro_batch=5)
+        assert len(whole) == 2
+        assert_same_gradients(whole, update.gradients(normalisation, mini_batch=5, micro_batch=5, oom_at=5))

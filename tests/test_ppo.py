@@ -162,6 +162,58 @@ def test_out_of_memory_in_the_update_retries_with_half_the_micro_batch(tmp_path,
     assert [r["perf/update_micro_batch"] for r in rows if "perf/update_micro_batch" in r] == [1.0]
 
 
+def test_out_of_memory_halving_of_an_odd_micro_batch_leaves_every_token_its_weight(tmp_path, stage_adapters,
+                                                                                   monkeypatch, fresh_accelerate_state):
+    """PPO's losses are token means: a minibatch of 5 responses of unequal lengths, run as 2 + 2 + 1 after its
+    micro-batch of 5 ran out of memory, gets the gradient it gets in one micro-batch."""
+    from dataclasses import replace
+
+    import trainer.rl.ppo_step as ppo_step
+    from trainer.data.collators import PromptCollator
+    from trainer.engine.harness import Engine
+    from trainer.rl.ppo_step import PPOState, compute_advantages, ppo_update
+    from trainer.rl.rollout import make_rollout
+
+    trainer, model = build_trainer(tmp_path, stage_adapters)
+    batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:5])
+    torch.manual_seed(0)
+    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
+                           trainer.eos_id, trainer.pad_id, micro_batch_size=5)
+    mask = (torch.arange(rollout.response_length) < torch.tensor([1, 6, 2, 5, 3])[:, None]).float()
+    rollout = replace(rollout, response_mask=mask, logprobs=rollout.logprobs * mask,
+                      ref_logprobs=rollout.ref_logprobs * mask, values=rollout.values * mask,
+                      scores=torch.tensor([1.0, -1.0, 0.5, 2.0, -0.5]))
+    args = replace(trainer.args, mini_batch_size=5, ppo_epochs=1)
+    adv = compute_advantages(rollout, 0.05, args)
+    engine = Engine(model, trainer.ctx.train_args, trainer.ctx.accelerator, "ppo")
+    grads = []
+
+    def no_step(finite=True):
+        grads.append([p.grad.clone() for p in engine.params])
+        engine.optimizer.zero_grad(set_to_none=True)
+        return False, True, 0.0
+
+    monkeypatch.setattr(engine, "optimizer_step", no_step)
+    real, failed, oom = ppo_step.micro_loss, [], [False]
+
+    def flaky(model, sub, *a, **k):
+        if sub.input_ids.shape[0] == 5 and oom[0] and not failed:
+            failed.append(5)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(model, sub, *a, **k)
+
+    monkeypatch.setattr(ppo_step, "micro_loss", flaky)
+    ppo_update(engine, rollout, adv, args, PPOState.start(args, 5, seed=3), 1.0)
+    oom[0] = True
+    state = PPOState.start(args, 5, seed=3)
+    ppo_update(engine, rollout, adv, args, state, 1.0)
+    assert failed and state.micro_batch_size == 2
+    whole, halved = grads
+    assert any(g.abs().max() > 0 for g in whole)
+    for x, y in zip(whole, halved):  # micro-batches of other shapes sum in another order: ~1e-4 of the largest
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-3 * float(x.abs().max()))
+
+
 def test_scripted_rewards_score_the_decoded_response(smol_tokenizer):
     from trainer.rl.rollout import ScriptedScorer
 

@@ -122,7 +122,8 @@ def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: Group
     with phase("update"):
         metrics, all_finite, any_stepped = minibatch_update(
             engine, state, "GRPO", size, args.epochs, args.mini_batch_size,
-            lambda idx: _micro_loss(engine.model, rollout, advantages, idx, args, temperature), "grad_norm")
+            lambda idx: _micro_loss(engine.model, rollout, advantages, idx, args, temperature), "grad_norm",
+            lambda idx: _loss_units(rollout, idx, args.loss_normalisation))
     update_s = time.perf_counter() - started
     groups = rollout.scores.view(-1, args.num_generations)
     metrics.update({
@@ -137,6 +138,12 @@ def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: Group
     if rollout.ref_logprobs is not None:
         metrics["kl"] = (kl_penalty(rollout.logprobs, rollout.ref_logprobs, "k1") * rollout.response_mask).sum(1).mean().item()
     return StepResult(metrics, finite=all_finite, stepped=any_stepped)
+
+
+def _loss_units(rollout: GroupRollout, idx: torch.Tensor, normalisation: str):
+    """What the loss of rows `idx` is a mean over: their response tokens (token: DAPO's one mean over the
+    minibatch's tokens) or their rows (sequence, fixed)."""
+    return rollout.response_mask[idx].sum() if normalisation == "token" else len(idx)
 
 
 def _micro_loss(model, rollout: GroupRollout, advantages: torch.Tensor, idx: torch.Tensor, args,

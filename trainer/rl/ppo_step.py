@@ -154,19 +154,21 @@ def halving_on_oom(engine: Engine, state, stage: str, minibatch: Callable[[int],
 def ppo_update(engine: Engine, rollout: Rollout, adv: Advantages, args, state: PPOState,
                temperature: float) -> tuple[dict[str, float], bool, bool]:
     """`ppo_epochs` passes of shuffled minibatches (`minibatch_update`), each micro-batch's loss the clipped
-    policy + value loss of one routed pass (`micro_loss`)."""
+    policy + value loss of one routed pass (`micro_loss`): token means, so micro-batches weigh by tokens."""
     return minibatch_update(engine, state, "PPO", rollout.input_ids.shape[0], args.ppo_epochs, args.mini_batch_size,
                             lambda idx: micro_loss(engine.model, rollout.select(idx), adv.advantages[idx],
-                                                   adv.returns[idx], args, temperature), "policy/grad_norm")
+                                                   adv.returns[idx], args, temperature), "policy/grad_norm",
+                            lambda idx: rollout.response_mask[idx].sum())
 
 
 def minibatch_update(engine: Engine, state, stage: str, size: int, epochs: int, mini_batch_size: int,
-                     loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]], grad_norm_key: str
-                     ) -> tuple[dict[str, float], bool, bool]:
+                     loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]], grad_norm_key: str,
+                     count_of: Callable[[torch.Tensor], Any]) -> tuple[dict[str, float], bool, bool]:
     """`epochs` passes over the `size` rollout rows in shuffled minibatches (`state.generator`), one
     optimizer step each, the minibatch accumulated over micro-batches of `state.micro_batch_size` rows:
     (mean statistics, with the gradient norm as `grad_norm_key`; every minibatch finite; any stepped).
-    `loss_of(rows)` is one micro-batch's (loss, statistics). Shared by the PPO and GRPO updates.
+    `loss_of(rows)` is one micro-batch's (loss, statistics), its loss a mean over what `count_of(rows)`
+    counts (rows or tokens). Shared by the PPO and GRPO updates.
 
     A minibatch whose loss or gradient is not finite is skipped. A CUDA out-of-memory error inside a
     minibatch drops its partial gradients and retries it with half the micro-batch (`halving_on_oom`).
@@ -178,7 +180,7 @@ def minibatch_update(engine: Engine, state, stage: str, size: int, epochs: int, 
         for start in range(0, size, mini_batch_size):
             rows = order[start : start + mini_batch_size]
             stats, finite = halving_on_oom(engine, state, stage,
-                                           lambda micro: _accumulate(engine, rows, micro, loss_of))
+                                           lambda micro: _accumulate(engine, rows, micro, loss_of, count_of))
             engine.recorder.sample()  # the memory recorder counts gradients while they exist
             stepped, sound, grad_norm = engine.optimizer_step(finite)
             all_finite, any_stepped = all_finite and sound, any_stepped or stepped
@@ -190,20 +192,34 @@ def minibatch_update(engine: Engine, state, stage: str, size: int, epochs: int, 
 
 
 def _accumulate(engine: Engine, rows: torch.Tensor, micro: int,
-                loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]]) -> tuple[dict[str, float], bool]:
-    """One minibatch's backward over micro-batches of `micro` rows: (mean statistics, every loss finite)."""
+                loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
+                count_of: Callable[[torch.Tensor], Any]) -> tuple[dict[str, float], bool]:
+    """One minibatch's backward over micro-batches of `micro` rows: (mean statistics, every loss finite).
+
+    Each micro-batch's loss, a mean over its rows or tokens, is weighed by its share of the minibatch's
+    count (`count_of`, summed over ranks), so every row or token weighs the same whatever the micro-batching:
+    responses of unequal length, an odd micro-batch halved into unequal parts, several ranks."""
     acc = engine.accelerator
-    steps = -(-len(rows) // micro)
-    acc.gradient_accumulation_steps = steps
+    chunks = [rows[i : i + micro] for i in range(0, len(rows), micro)]
+    acc.gradient_accumulation_steps = len(chunks)
     acc.step = 0  # realign the accumulation counter (after an OOM retry, too)
+    # Accelerate (or DeepSpeed, its steps fixed at prepare) divides each backward's loss by its accumulation
+    # steps, and the ranks' gradients are averaged: `scale` undoes both.
+    divided = engine.model.gradient_accumulation_steps() if engine.deepspeed else len(chunks)
+    counts = [float(count_of(chunk)) for chunk in chunks]
+    local = sum(counts)
+    total = local
+    if acc.num_processes > 1:
+        total = float(acc.reduce(torch.tensor(local, dtype=torch.float64, device=acc.device), reduction="sum"))
+    scale = divided * acc.num_processes / max(total, 1.0)
     sums: dict[str, float] = defaultdict(float)
     finite = True
-    for i in range(0, len(rows), micro):
+    for chunk, count in zip(chunks, counts):
         with acc.accumulate(engine.model), acc.autocast():
-            loss, stats = loss_of(rows[i : i + micro])
-            finite = engine.backward(loss) and finite
+            loss, stats = loss_of(chunk)
+            finite = engine.backward(loss * (count * scale)) and finite
         for key, value in stats.items():
-            sums[key] += float(value) / steps
+            sums[key] += float(value) * count / max(local, 1.0)
     return dict(sums), finite
 
 
