@@ -6,6 +6,7 @@ flushed to disk, and renamed into place (checkpoints, saved adapters, the conver
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -50,14 +51,32 @@ def publish_folder(tmp: Path, target: Path, replace: bool = True) -> Path:
     return target
 
 
+def publish_into_empty(tmp: Path, target: Path) -> Path:
+    """Make the finished folder `tmp` (flushed first) the `target` only where `target` is absent or an empty
+    folder: one rename, which the kernel refuses over a non-empty folder or a file, so nothing that appeared
+    at `target` meanwhile is deleted. Raises FileExistsError then."""
+    fsync_tree(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise FileExistsError(errno.EEXIST, "exists and is not an empty folder", str(target)) from None
+        raise
+    return target
+
+
 @contextmanager
-def atomic_folder(target: Union[str, os.PathLike], replace: bool = True) -> Iterator[Path]:
-    """Yield an empty temporary folder beside `target`; on success it becomes `target`, on error it is removed."""
+def atomic_folder(target: Union[str, os.PathLike], replace: bool = True, into_empty: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary folder beside `target`; on success it becomes `target` (`publish_folder`, or
+    with `into_empty` `publish_into_empty`), on error it is removed."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         yield tmp
-        publish_folder(tmp, target, replace)
+        if into_empty:
+            publish_into_empty(tmp, target)
+        else:
+            publish_folder(tmp, target, replace)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -156,3 +156,47 @@ def test_a_reward_adapter_or_a_used_folder_is_refused_in_one_line(tmp_path, caps
         err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
         assert exit_info.value.code == code and len(err) == 1 and text in err[0], (argv, err)
     assert not (tmp_path / "o").exists()
+
+
+def test_an_out_folder_filled_while_exporting_is_left_as_it_is_and_refused_in_one_line(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """--out was empty at the start; another program writes there while the base loads: the export is not
+    published over it, the file stays, and no temporary folder is left behind."""
+    import trainer.export
+    from profiling.cli import run
+    from trainer.config import ModelArguments
+
+    args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", lora_r=4, lora_alpha=8,
+                          lora_dropout=0.0)
+    adapter, _ = saved_policy(tmp_path / "adapter", args)
+    out = tmp_path / "out"
+    out.mkdir()
+    load = trainer.export.load_base_model
+
+    def load_while_someone_writes(*a, **kw):
+        (out / "theirs.txt").write_text("keep me")
+        return load(*a, **kw)
+
+    monkeypatch.setattr(trainer.export, "load_base_model", load_while_someone_writes)
+    with pytest.raises(SystemExit) as exit_info:
+        run(trainer.export.main, ["--adapter", str(adapter), "--out", str(out)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert exit_info.value.code == 2
+    assert err == [f"error: --out {out}: exists and is not an empty folder (it was filled while exporting; left as "
+                   "it is); pick a new one"]
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"] and (out / "theirs.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "out"]
+
+
+def test_an_empty_out_folder_becomes_the_export(tmp_path):
+    from trainer.config import ModelArguments
+    from trainer.export import main
+
+    args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", lora_r=4, lora_alpha=8,
+                          lora_dropout=0.0)
+    adapter, _ = saved_policy(tmp_path / "adapter", args)
+    (tmp_path / "out").mkdir()
+    out = main(["--adapter", str(adapter), "--out", str(tmp_path / "out")])
+    assert (out / "model.safetensors").is_file()
+    assert json.loads((out / "export.json").read_text())["base"] == "tiny-llama"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "out"]

@@ -18,10 +18,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from profiling.cli import InputError, parse, run
+from profiling.cli import InputError, UsageError, parse, parse_assignments, run
 from profiling.files import write_atomic
 from profiling.stages import REWARD
-from trainer.config import DataArguments, PipelineArguments
+from trainer.config import DataArguments, PipelineArguments, load_yaml
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import load_splits
 from trainer.data.tokenization import tokenize_prompts
@@ -45,6 +45,20 @@ def policy_adapters(run_dir: Path, args: PipelineArguments) -> dict[str, Path]:
     return found
 
 
+def trusts_remote_code(args: PipelineArguments) -> bool:
+    """trust_remote_code as the user's own settings give it (--overrides, else the recipe's sft.yaml), never
+    as an adapter's base_model.json does."""
+    given = parse_assignments(args.overrides, "overrides").get("trust_remote_code")
+    if given is not None:
+        if given.lower() not in ("true", "yes", "1", "false", "no", "0"):
+            raise UsageError(f"--overrides: trust_remote_code={given} must be true or false")
+        return given.lower() in ("true", "yes", "1")
+    from trainer.pipeline import RECIPES, stage_sections
+
+    config = RECIPES.get(args.recipe, Path(args.recipe)) / "sft.yaml"
+    return config.is_file() and load_yaml(config, stage_sections("sft")).get("trust_remote_code") is True
+
+
 def held_out_prompts(run_dir: Path, tokenizer, count: int):
     """The SFT run's evaluation split: prompts no stage trained on."""
     saved = json.loads((run_dir / "sft" / "config.json").read_text())["data"]
@@ -58,7 +72,8 @@ def compare_policies(run_dir: Path, args: PipelineArguments) -> dict[str, Any]:
     started = time.time()
     run_dir = Path(run_dir)
     adapters = policy_adapters(run_dir, args)
-    model_args = base_model_args(adapters["sft"], gradient_checkpointing=False)
+    model_args = base_model_args(adapters["sft"], trust_remote_code=trusts_remote_code(args),
+                                 allow_with="--overrides trust_remote_code=true", gradient_checkpointing=False)
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
                                model_args.tokenizer_name_or_path)
     specs = [AdapterSpec(name, init_from=str(path)) for name, path in adapters.items()]

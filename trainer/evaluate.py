@@ -64,6 +64,8 @@ class EvalArguments(Checked):
         "help": "Also write the result, with provenance (device, date, command, git revision), to this JSON file."})
     model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Override the adapter's base model."})
     quantization: Optional[str] = field(default=None, metadata={"help": "Override the base quantization."})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "Allow the base model's own code from the hub (never taken from the adapter's files)."})
     progress_bar: bool = field(default=True, metadata={"help": "Show a progress bar over the batches (stderr)."})
 
     RULES = {"split": one_of(*SPLITS), "beta": above(0), "max_length": at_least(2), "batch_size": at_least(1),
@@ -127,7 +129,8 @@ def evaluate(task: str, args: EvalArguments) -> dict:
     run = run_config(args.adapter)
     data_args = data_arguments(args, run)
     specs = adapter_specs(task, args, run)
-    model_args = base_model_args(args.adapter, model_name_or_path=args.model_name_or_path,
+    model_args = base_model_args(args.adapter, trust_remote_code=args.trust_remote_code,
+                                 model_name_or_path=args.model_name_or_path,
                                  quantization=args.quantization, gradient_checkpointing=False)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,

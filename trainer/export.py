@@ -4,12 +4,15 @@ a standalone Hugging Face model folder (safetensors, config, generation config, 
 
     python -m trainer.export --adapter runs/demo/ppo/adapter --out exported/ppo [--dtype bfloat16]
 
-The base is rebuilt from the adapter's `base_model.json`. When the adapter was trained on a 4-bit NF4
-base (the GPU recipe), the adapter learned its correction against the NF4-rounded weights: by default
-(`--nf4_rounding true`) the exported base weights are those rounded values, dequantized, so the export
-computes what the trained model computed; `--nf4_rounding false` merges into the original full-precision
-weights instead (the rounding error, about 1e-2 relative per weight, then stays out of the export).
-A reward adapter (a scalar head, not a language model) is refused.
+The base is rebuilt from the adapter's `base_model.json` (for a checkpoint's `adapters/NAME`: from the
+checkpoint's `config.json`), and the adapter is checked against it first (`trainer.model.adapter_fit`).
+When the adapter was trained on a 4-bit NF4 base (the GPU recipe), the adapter learned its correction
+against the NF4-rounded weights: by default (`--nf4_rounding true`) the exported base weights are those
+rounded values, dequantized, so the export computes what the trained model computed; `--nf4_rounding
+false` merges into the original full-precision weights instead (the rounding error, about 1e-2 relative
+per weight, then stays out of the export).
+A reward adapter (a scalar head, not a language model) is refused, and so is an `--out` that is not an
+empty folder, at the start and again when the export is published (nothing found there is replaced).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 
 from profiling.cli import Checked, InputError, UsageError, one_of, parse, run
 from profiling.files import atomic_folder
-from trainer.engine.setup import BASE_MODEL_FILE, base_model_args
+from trainer.engine.setup import base_model_args
+from trainer.model.adapter_fit import check_adapter_fits, saved_base
 from trainer.model.loading import load_base_model, load_tokenizer
 from trainer.model.shared_base import HEAD_FILE, check_adapter_folder
 
@@ -35,13 +39,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True)
 class ExportArguments(Checked):
-    adapter: str = field(default="", metadata={"help": "A saved policy adapter (STAGE_DIR/adapter of sft, ppo, grpo, dpo)."})
+    adapter: str = field(default="", metadata={
+        "help": "A saved policy adapter (STAGE_DIR/adapter of sft, ppo, grpo, dpo, or a checkpoint's adapters/policy)."})
     out: str = field(default="", metadata={"help": "The model folder to write (must not exist, or be empty)."})
     dtype: str = field(default="auto", metadata={
         "help": "Weights of the export: float32, bfloat16, float16, or auto (the dtype the base computed in)."})
     nf4_rounding: bool = field(default=True, metadata={
         "help": "For an adapter trained on an NF4 base: export the NF4-rounded base weights it was trained against "
                 "(false: the original full-precision weights)."})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "Allow the base model's own code from the hub (never taken from the adapter's files)."})
 
     RULES = {"dtype": one_of("auto", *DTYPES)}
 
@@ -51,9 +58,18 @@ class ExportArguments(Checked):
 
 
 def trained_on(adapter: Path) -> dict:
-    """How the base computed during training ({quantization, dtype}), as the stage saved it."""
-    saved = json.loads((adapter / BASE_MODEL_FILE).read_text()) if (adapter / BASE_MODEL_FILE).is_file() else {}
-    return saved.get("trained_on") or {"quantization": "none", "dtype": "float32"}
+    """How the base computed during training ({quantization, dtype}): as the stage saved it, else (a
+    checkpoint's adapter) as the run's settings name it, 'auto' read as full precision in float32."""
+    record, source = saved_base(adapter)
+    if isinstance(record.get("trained_on"), dict):
+        return record["trained_on"]
+    quantization, dtype = record.get("quantization", "none"), record.get("dtype", "auto")
+    if quantization == "auto":
+        logger.warning("%s says quantization auto: exported as trained in full precision (pass the final adapter, "
+                       "whose base_model.json says what auto became, to export an NF4-trained one)", source)
+    nf4 = quantization == "nf4"
+    return {"quantization": "nf4" if nf4 else "none",
+            "dtype": dtype if dtype in DTYPES else "bfloat16" if nf4 else "float32"}
 
 
 def check_inputs(args: ExportArguments) -> tuple[Path, Path]:
@@ -86,11 +102,13 @@ def export(args: ExportArguments) -> Path:
     from peft import PeftModel
 
     adapter, out = check_inputs(args)
-    model_args = base_model_args(adapter, quantization="none", dtype="float32", gradient_checkpointing=False)
+    model_args = base_model_args(adapter, trust_remote_code=args.trust_remote_code, quantization="none",
+                                 dtype="float32", gradient_checkpointing=False)
     trained = trained_on(adapter)
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
                                model_args.tokenizer_name_or_path)
     base = load_base_model(model_args, vocab_size=len(tokenizer), device=torch.device("cpu"))
+    check_adapter_fits(adapter, base, model_args.model_name_or_path, "--adapter")
     if trained["quantization"] == "nf4" and args.nf4_rounding:
         layers = round_like_nf4_(base, DTYPES.get(trained["dtype"], torch.bfloat16))
         logger.info("base weights of %d layers rounded as NF4 rounded them in training (--nf4_rounding)", layers)
@@ -102,12 +120,16 @@ def export(args: ExportArguments) -> Path:
         value = getattr(tokenizer, key, None)
         if value is not None:
             setattr(merged.generation_config, key, value)
-    with atomic_folder(out) as tmp:
-        merged.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "export.json").write_text(json.dumps({
-            "adapter": str(adapter), "base": model_args.model_name_or_path, "trained_on": trained,
-            "dtype": str(dtype).removeprefix("torch."), "nf4_rounding": args.nf4_rounding}, indent=2))
+    try:
+        with atomic_folder(out, into_empty=True) as tmp:
+            merged.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "export.json").write_text(json.dumps({
+                "adapter": str(adapter), "base": model_args.model_name_or_path, "trained_on": trained,
+                "dtype": str(dtype).removeprefix("torch."), "nf4_rounding": args.nf4_rounding}, indent=2))
+    except FileExistsError:  # something was written to --out while the export ran: it stays as it is
+        raise UsageError(f"--out {out}: exists and is not an empty folder (it was filled while exporting; "
+                         "left as it is); pick a new one") from None
     logger.info("exported %s merged into %s (%s) to %s", adapter, model_args.model_name_or_path,
                 str(dtype).removeprefix("torch."), out)
     return out

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 from accelerate.utils import set_seed
 
-from profiling.cli import InputError, UsageError
+from profiling.cli import FieldError, InputError, UsageError
 from profiling.files import write_atomic
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
 from trainer.data.formats import parser_for
@@ -27,12 +27,12 @@ from trainer.engine.checkpoint import (
 )
 from trainer.engine.launch import check_launch, is_deepspeed, make_accelerator, setup_logging
 from trainer.engine.metrics import eval_history
+from trainer.model.adapter_fit import BASE_MODEL_FILE, base_identity, saved_base
 from trainer.model.loading import load_tokenizer, precision_record
 from trainer.model.shared_base import check_adapter_folder
 
 logger = logging.getLogger(__name__)
 
-BASE_MODEL_FILE = "base_model.json"  # beside a saved adapter: how to rebuild the base it sits on
 CONFIG_FILE = "config.json"
 
 
@@ -237,21 +237,32 @@ def save_final_adapter(ctx: RunContext, model, adapter: str, folder: str = "adap
             return None
         out = unwrapped.save_adapter(adapter, ctx.output_dir / folder)
     trained_on = precision_record(ctx.model_args, ctx.accelerator.device)  # what trainer.export rebuilds
-    write_atomic(out / BASE_MODEL_FILE, json.dumps({**asdict(ctx.model_args), "trained_on": trained_on}, indent=2))
+    record = {**asdict(ctx.model_args), "trained_on": trained_on, **base_identity(unwrapped.causal_lm)}
+    write_atomic(out / BASE_MODEL_FILE, json.dumps(record, indent=2))
     logger.info("saved the %s adapter to %s", adapter, out)
     return out
 
 
-def base_model_args(adapter_dir: str | Path, **overrides) -> ModelArguments:
-    """The ModelArguments an adapter was trained with (from its base_model.json), with overrides."""
-    path = Path(adapter_dir) / BASE_MODEL_FILE
-    try:
-        values = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON ({exc})") from None
-    values.update({k: v for k, v in overrides.items() if v is not None})
+def base_model_args(adapter_dir: str | Path, trust_remote_code: bool = False,
+                    allow_with: str = "--trust_remote_code true", **overrides) -> ModelArguments:
+    """The ModelArguments an adapter was trained with (its base_model.json, or a checkpoint's config.json),
+    with overrides. `trust_remote_code` is the command line's alone (`allow_with` says how to give it): a
+    saved file that asks for it is refused, since an adapter from elsewhere could otherwise run its own Python."""
+    values, path = saved_base(adapter_dir)
+    if path is None:
+        logger.warning("%s has no %s (nor a run config.json above it): assuming the default base %s",
+                       adapter_dir, BASE_MODEL_FILE, ModelArguments().model_name_or_path)
+    if values.get("trust_remote_code") not in (None, False) and not trust_remote_code:
+        raise InputError(f"{path}: asks for trust_remote_code (the base model's own Python code would run); "
+                         f"only the command line can allow it: pass {allow_with} if you trust that model")
+    values.update({k: v for k, v in overrides.items() if v is not None}, trust_remote_code=trust_remote_code)
     known = {f.name for f in fields(ModelArguments)}
-    return ModelArguments(**{k: v for k, v in values.items() if k in known})
+    try:
+        return ModelArguments(**{k: v for k, v in values.items() if k in known})
+    except FieldError as exc:  # a saved value of the wrong kind: name the file, not a flag
+        if path is None or overrides.get(exc.name) is not None:
+            raise
+        raise InputError(f"{path}: {exc.name}: {exc.value!r} {exc.problem}") from None
 
 
 def finish_stage(ctx: RunContext, stage: str, model, adapter: str, **facts: Any) -> dict[str, Any]:

@@ -127,6 +127,11 @@ class SharedBaseModel(nn.Module):
         if not specs:
             raise ValueError("at least one adapter is needed")
         check_specs(specs)
+        from trainer.model.adapter_fit import check_adapter_fits
+
+        for spec in specs:  # every adapter before the first loads: one of another base stops in one line
+            if spec.init_from is not None:
+                check_adapter_fits(spec.init_from, base, args.model_name_or_path, f"adapter '{spec.name}'")
         peft_model = None
         for spec in specs:
             dropout = None if spec.trainable else 0.0
@@ -744,6 +749,9 @@ def check_adapter_folder(folder: str | os.PathLike, what: str) -> None:
         raise InputError(f"{what}: {config} is not valid JSON ({exc})") from None
     if not isinstance(values, dict) or not isinstance(values.get("r"), int):
         raise InputError(f"{what}: {config} is not a LoRA adapter config (no integer 'r')")
+    if values.get("peft_type", "LORA") != "LORA":  # the adapter switching and the export are LoRA's
+        raise InputError(f"{what}: {config} is a {values['peft_type']} adapter; only LoRA adapters can be "
+                         "used")
     if not (folder / WEIGHTS_FILE).is_file() and not (folder / "adapter_model.bin").is_file():
         raise InputError(f"{what}: {folder} has adapter_config.json but no weights ({WEIGHTS_FILE})")
 
