@@ -104,9 +104,10 @@ def check_recorded_base(folder: Path, record: dict[str, Any], source: Optional[P
     if isinstance(saved_print, list) and mine is not None and len(saved_print) == len(mine):
         saved_t, mine_t = torch.tensor(saved_print, dtype=torch.float32), torch.tensor(mine)
         if not torch.allclose(mine_t, saved_t, rtol=FINGERPRINT_RTOL, atol=1e-6):
+            other = f" (trained on {trained_on})" if trained_on != name else ""
             raise InputError(f"{what}: {folder} was trained on other base weights than this base's ({name}): the "
-                             f"embedding fingerprint in {source} differs (trained on {trained_on}); load it onto "
-                             "the base it was trained on")
+                             f"embedding fingerprint in {source} differs{other}; load it onto the base it was "
+                             "trained on")
     elif saved_shape is None and trained_on not in ("?", name):
         logger.warning("%s: %s was saved for base %s, loading it onto %s (its record has no shape to check)",
                        what, folder, trained_on, name)
