@@ -467,8 +467,9 @@ def grpo_policy_loss(
     Per token: max(-A * ratio, -A * clip(ratio, 1-eps, 1+eps)) + beta * k3(policy || reference), the
     k3 term only when beta > 0 (then `ref_logprobs` is needed). Reduced by `normalisation`:
     sequence = mean over each response's tokens, then over responses (GRPO's paper); token = sum over
-    every token / number of tokens (long responses weigh more, DAPO); fixed = sum / (B x max_length)
-    (Dr. GRPO: no length bias from the divisor).
+    every token / number of tokens (long responses weigh more, DAPO; the update weighs each micro-batch by
+    its tokens, so a minibatch is one such mean); fixed = sum / (B x max_length) (Dr. GRPO: no length
+    bias from the divisor).
     """
     if normalisation not in LOSS_NORMALISATIONS:
         raise ValueError(f"normalisation must be one of {LOSS_NORMALISATIONS}, got {normalisation!r}")
