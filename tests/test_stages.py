@@ -130,12 +130,22 @@ def test_evaluate_on_the_runs_eval_split_reproduces_the_stages_final_evaluation(
     assert line["pairs" if stage == "reward" else "rows"] > 0
 
 
-def test_a_stage_with_profile_memory_writes_the_memory_report(launched_runs):
+def test_a_stage_with_profile_memory_writes_the_memory_report(launched_runs, smol_tokenizer):
+    from trainer.config import ModelArguments
+    from trainer.model.shared_base import AdapterSpec, build_shared_model
+
     data = json.loads((launched_runs / "sft" / "memory.json").read_text())
     phases = {p["phase"]: p for p in data["phases"]}
     assert set(phases) == {"evaluate", "forward_backward", "optimizer_step"}
     fb = phases["forward_backward"]["components"]
-    assert fb["adapter/policy"] > 0 and fb["gradients"] > 0 and fb["optimizer_states"] > 0
+    # the run's one adapter (tiny_sft.yaml: LoRA r 4), fp32: its weights, their gradients, AdamW's two
+    # moments of each and a step count per tensor
+    sft = build_shared_model(ModelArguments(model_name_or_path="tiny-llama", lora_r=4, lora_alpha=8),
+                             [AdapterSpec("policy", trainable=True)], vocab_size=len(smol_tokenizer))
+    tensors = sft.trainable_parameters()
+    weights = sum(p.numel() for p in tensors)
+    assert fb["adapter/policy"] == fb["gradients"] == 4 * weights
+    assert fb["optimizer_states"] == 8 * weights + 4 * len(tensors)
     assert phases["forward_backward"]["saved_for_backward"] > 0  # metered on the first step
     assert data["git_revision"] and data["command"].startswith(("trainer/sft.py", str(ROOT)))
     assert "activations" in data["needs_gpu"]  # said, not faked, on a CPU machine
