@@ -426,7 +426,7 @@ def dpo_model(tokenizer):
     return model
 
 
-@pytest.mark.parametrize("share_prompt", [False, True], ids=["chosen rows over rejected rows", "one row per pair"])
+@pytest.mark.parametrize("share_prompt", [False, True], ids=["two-rows-per-pair", "one-row-per-pair"])
 def test_dpo_step_margin_loss_and_gradient_match_an_independent_chosen_minus_rejected(smol_tokenizer, share_prompt,
                                                                                      fresh_accelerate_state):
     """`dpo_terms` (the DPO step's and the held-out check's scoring) against each completion scored in a
