@@ -9,6 +9,7 @@ estimator comparison were written.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -202,3 +203,120 @@ def test_the_full_speed_part_ends_with_the_compiled_ablations_on_the_same_work(t
         return head[:head.index("--sides")] + head[head.index("--sides") + 2:]
 
     assert work(compiled[:at] + compiled[at + 2:]) == work(main)  # the same model, data, cap and work flags
+
+
+# ---- collect: archives and manifests it refuses ---------------------------------------------------
+
+GOOD_MANIFEST = {"part": "memory", "model": "llama-2-7b", "smoke": False, "device": "cuda", "device_slug": "nvidia-h100",
+                 "steps": [{"name": "ppo", "status": "ok", "seconds": 12.34}]}
+
+
+def add_member(tar: tarfile.TarFile, name: str, data: bytes = b"", **attrs) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data) if not attrs else 0
+    for key, value in attrs.items():
+        setattr(info, key, value)
+    tar.addfile(info, io.BytesIO(data) if not attrs else None)
+
+
+def part_archive(path: Path, manifest: object, extra=()) -> Path:
+    """A part's archive as run.sh packs it: PART/manifest.json (`manifest` as JSON, or bytes as they are), one
+    result file, and `extra` (name, data, attrs) members."""
+    data = manifest if isinstance(manifest, bytes) else json.dumps(manifest).encode()
+    with tarfile.open(path, "w:gz") as tar:
+        add_member(tar, "memory/manifest.json", data)
+        add_member(tar, "memory/ppo/memory.json", b'{"phases": []}')
+        for name, payload, attrs in extra:
+            add_member(tar, name, payload, **attrs)
+    return path
+
+
+@pytest.fixture
+def lab(tmp_path) -> tuple[Path, Path, Path]:
+    """(results folder, README, a folder beside the results that a `../` or absolute name would hit)."""
+    results, readme = tmp_path / "lab" / "results", tmp_path / "lab" / "README.md"
+    victim = tmp_path / "lab" / "victim-llama-2-7b-nvidia-h100"
+    victim.mkdir(parents=True)
+    (victim / "keep.txt").write_text("mine")
+    readme.write_text("<!-- gpu-results:start -->\nold\n<!-- gpu-results:end -->\n")
+    return results, readme, victim
+
+
+def collect_exit(capsys, *argv: str) -> tuple[int, list[str]]:
+    from benchmarks.gpu.collect import main
+    from profiling.cli import run
+
+    with pytest.raises(SystemExit) as stop:
+        run(main, list(argv))
+    return stop.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def assert_nothing_touched(lab) -> None:
+    results, readme, victim = lab
+    assert not results.exists()
+    assert (victim / "keep.txt").read_text() == "mine" and [p.name for p in victim.iterdir()] == ["keep.txt"]
+    assert readme.read_text() == "<!-- gpu-results:start -->\nold\n<!-- gpu-results:end -->\n"
+
+
+BAD_MANIFESTS = {
+    "part-climbs-out": ({**GOOD_MANIFEST, "part": "../victim"}, "manifest.json's 'part' must be a plain name"),
+    "part-absolute": ({**GOOD_MANIFEST, "part": "ABSOLUTE"}, "manifest.json's 'part' must be a plain name"),
+    "model-missing": ({k: v for k, v in GOOD_MANIFEST.items() if k != "model"},
+                      "manifest.json's 'model' must be a plain name"),
+    "part-not-text": ({**GOOD_MANIFEST, "part": 7}, "manifest.json's 'part' must be a plain name"),
+    "slug-with-slash": ({**GOOD_MANIFEST, "device_slug": "nvidia/../../x"},
+                        "manifest.json's 'device_slug' must be a plain name"),
+    "smoke-not-bool": ({**GOOD_MANIFEST, "smoke": "no"}, "manifest.json's 'smoke' must be true or false"),
+    "steps-missing": ({k: v for k, v in GOOD_MANIFEST.items() if k != "steps"}, "manifest.json's 'steps' must be"),
+    "not-an-object": ([GOOD_MANIFEST], "its manifest.json is not a JSON object but list"),
+    "not-json": (b"{part: memory", "its manifest.json is not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MANIFESTS))
+def test_collect_refuses_a_manifest_it_cannot_name_a_folder_from_in_one_line_touching_nothing(
+        case, lab, tmp_path, capsys):
+    manifest, message = BAD_MANIFESTS[case]
+    if isinstance(manifest, dict) and manifest.get("part") == "ABSOLUTE":
+        manifest = {**manifest, "part": str(lab[2].parent / "victim")}  # results/<absolute> is that path
+    archive = part_archive(tmp_path / "part.tar.gz", manifest)
+    code, err = collect_exit(capsys, str(archive), "--results_dir", str(lab[0]), "--readme", str(lab[1]))
+    assert code == 1 and len(err) == 1 and err[0].startswith(f"error: {archive}: {message}"), err
+    assert_nothing_touched(lab)
+
+
+ESCAPES = {
+    "dot-dot-name": ("memory/../../victim-llama-2-7b-nvidia-h100/evil.txt", b"x", {}, "would land outside its folder"),
+    "absolute-name": ("/ABSOLUTE/evil.txt", b"x", {}, "would land outside its folder"),
+    "symlink": ("memory/link", b"", {"type": tarfile.SYMTYPE, "linkname": "../../victim-llama-2-7b-nvidia-h100"},
+                "is a link or a special file"),
+    "hardlink": ("memory/hard", b"", {"type": tarfile.LNKTYPE, "linkname": "memory/manifest.json"},
+                 "is a link or a special file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ESCAPES))
+def test_collect_refuses_archive_members_that_are_links_or_could_land_outside(case, lab, tmp_path, capsys):
+    name, payload, attrs, message = ESCAPES[case]
+    name = name.replace("/ABSOLUTE", str(lab[2]))
+    archive = part_archive(tmp_path / "part.tar.gz", GOOD_MANIFEST, [(name, payload, attrs)])
+    code, err = collect_exit(capsys, str(archive), "--results_dir", str(lab[0]), "--readme", str(lab[1]))
+    assert code == 1 and len(err) == 1 and err[0] == f"error: {archive}: refused: member {name!r} {message}", err
+    assert_nothing_touched(lab)
+
+
+def test_collect_files_a_well_formed_archive_and_replaces_an_earlier_copy(lab, tmp_path, capsys):
+    from benchmarks.gpu.collect import main
+
+    results, readme, _ = lab
+    archive = part_archive(tmp_path / "memory-llama-2-7b-nvidia-h100.tar.gz", GOOD_MANIFEST)
+    stale = results / "memory-llama-2-7b-nvidia-h100" / "stale.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")
+    folders = main([str(archive), "--results_dir", str(results), "--readme", str(readme)])
+    assert folders == [results / "memory-llama-2-7b-nvidia-h100"]
+    assert sorted(str(p.relative_to(folders[0])) for p in folders[0].rglob("*")) == [
+        "manifest.json", "ppo", "ppo/memory.json", "provenance.json"]
+    info = json.loads((folders[0] / "provenance.json").read_text())
+    assert info["steps"] == {"ppo": {"status": "ok", "seconds": 12.3}} and info["archive"] == archive.name
+    assert info["device_slug"] == "nvidia-h100" and info["smoke"] is False

@@ -12,15 +12,16 @@ GPU result folder: the memory table (peak per phase, per stage) and the estimato
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import tarfile
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Optional
 
 from profiling.cli import InputError, argument_parser, run
-from profiling.files import write_atomic
+from profiling.files import atomic_folder, write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -29,36 +30,87 @@ START, END = "<!-- gpu-results:start -->", "<!-- gpu-results:end -->"
 GIB = 2**30
 
 
-def folder_name(manifest: dict) -> str:
-    return f"{manifest['part']}-{manifest['model']}-" + ("smoke" if manifest["smoke"] else manifest["device_slug"])
+# A result folder's name is made of manifest fields and replaces what is there: plain names only, so an
+# absolute or `../` field can never reach outside the results folder.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def _found(manifest: dict, key: str) -> str:
+    return f"not {repr(manifest[key])[:80]}" if key in manifest else "and it is missing"
+
+
+def _name_field(manifest: dict, key: str, archive: Path) -> str:
+    value = manifest.get(key)
+    if not isinstance(value, str) or not NAME.fullmatch(value) or ".." in value:
+        raise InputError(f"{archive}: manifest.json's {key!r} must be a plain name (letters, digits, '.', '_', '-'; "
+                         f"no '..'), {_found(manifest, key)}")
+    return value
+
+
+def folder_name(manifest: dict, archive: Path) -> str:
+    """PART-MODEL-GPU (a smoke run's: PART-MODEL-smoke), or an InputError naming the field that cannot be used."""
+    if not isinstance(manifest.get("smoke"), bool):
+        raise InputError(f"{archive}: manifest.json's 'smoke' must be true or false, {_found(manifest, 'smoke')}")
+    device = "smoke" if manifest["smoke"] else _name_field(manifest, "device_slug", archive)
+    return f"{_name_field(manifest, 'part', archive)}-{_name_field(manifest, 'model', archive)}-{device}"
+
+
+def step_summary(manifest: dict, archive: Path) -> dict:
+    steps = manifest.get("steps")
+    if not isinstance(steps, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("status"), str)
+            and isinstance(s.get("seconds"), (int, float)) and not isinstance(s.get("seconds"), bool)
+            for s in steps):
+        raise InputError(f"{archive}: manifest.json's 'steps' must be a list of objects with a name, a status "
+                         "and seconds")
+    return {s["name"]: {"status": s["status"], "seconds": round(s["seconds"], 1)} for s in steps}
+
+
+def check_members(tar: tarfile.TarFile, archive: Path) -> None:
+    """Refuse an archive with a member that is not a plain file or folder (links, devices) or whose name is
+    absolute or holds `..`: the kit packs none, and each could write outside the extraction folder."""
+    for member in tar.getmembers():
+        if not (member.isfile() or member.isdir()):
+            raise InputError(f"{archive}: refused: member {member.name!r} is a link or a special file")
+        if member.name.startswith("/") or ".." in PurePosixPath(member.name).parts:
+            raise InputError(f"{archive}: refused: member {member.name!r} would land outside its folder")
+
+
+def read_manifest(archive: Path, folder: Path) -> tuple[Path, dict]:
+    """(the part's folder, its manifest as an object) from an extracted archive, or an InputError."""
+    manifests = list(folder.glob("*/manifest.json"))
+    if len(manifests) != 1:
+        raise InputError(f"{archive}: expected one PART/manifest.json inside, found {len(manifests)}")
+    try:
+        manifest = json.loads(manifests[0].read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{archive}: its manifest.json is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise InputError(f"{archive}: its manifest.json is not a JSON object but {type(manifest).__name__}")
+    return manifests[0].parent, manifest
 
 
 def unpack(archive: Path, results: Path) -> Path:
-    """One part's archive into results/NAME/ (replacing an earlier copy), with its provenance."""
+    """One part's archive into results/NAME/ (replacing an earlier copy), with its provenance. An archive or
+    manifest that cannot be used is one InputError, and then nothing is written or removed."""
     if not archive.is_file():
         raise InputError(f"{archive}: no such archive")
     with tempfile.TemporaryDirectory() as tmp:
         try:
             with tarfile.open(archive) as tar:
-                tar.extractall(tmp, filter="data")
+                check_members(tar, archive)
+                # tarfile's "data" filter (Python 3.11.4+, 3.10.12+) checks each member again as it extracts
+                tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         except (tarfile.TarError, OSError, EOFError) as exc:
             raise InputError(f"{archive}: not a readable archive ({exc})") from None
-        manifests = list(Path(tmp).glob("*/manifest.json"))
-        if len(manifests) != 1:
-            raise InputError(f"{archive}: expected one PART/manifest.json inside, found {len(manifests)}")
-        try:
-            manifest = json.loads(manifests[0].read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InputError(f"{archive}: its manifest.json is not valid JSON ({exc})") from None
-        target = results / folder_name(manifest)
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.copytree(manifests[0].parent, target)
-    provenance = {k: manifest.get(k) for k in ("part", "model", "smoke", "device", "device_name", "device_slug",
-                                                "driver", "date", "command", "git_revision", "host", "versions")}
-    provenance.update(archive=archive.name, steps={s["name"]: {"status": s["status"], "seconds": round(s["seconds"], 1)}
-                                                   for s in manifest["steps"]})
-    write_atomic(target / "provenance.json", json.dumps(provenance, indent=2))
+        source, manifest = read_manifest(archive, Path(tmp))
+        target = results / folder_name(manifest, archive)
+        provenance = {k: manifest.get(k) for k in ("part", "model", "smoke", "device", "device_name", "device_slug",
+                                                    "driver", "date", "command", "git_revision", "host", "versions")}
+        provenance.update(archive=archive.name, steps=step_summary(manifest, archive))
+        with atomic_folder(target) as folder:
+            shutil.copytree(source, folder, dirs_exist_ok=True)
+            (folder / "provenance.json").write_text(json.dumps(provenance, indent=2))
     return target
 
 
