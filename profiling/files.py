@@ -2,6 +2,9 @@
 
 A file is written beside its target and renamed over it; a folder is built under a temporary name,
 flushed to disk, and renamed into place (checkpoints, saved adapters, the converted embedded model).
+What is published gets the user's normal modes (0666 / 0777 less the umask), as a plain `open` or `mkdir`
+would give, so another user (an inference server) can read it: temporary files and folders start private,
+and safetensors writes 0600 files.
 """
 
 from __future__ import annotations
@@ -15,12 +18,50 @@ from pathlib import Path
 from typing import Iterator, Union
 
 
+def current_umask() -> int:
+    """The process's umask, read from /proc/self/status (Linux), else through os.umask."""
+    # /proc reads it at each call without changing it; os.umask reads only by setting, racing other threads.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def file_mode(umask: int, executable: bool = False) -> int:
+    return (0o777 if executable else 0o666) & ~umask
+
+
+def folder_mode(umask: int) -> int:
+    return 0o777 & ~umask
+
+
+def set_published_modes(root: Path) -> None:
+    """Give `root` and everything below it the modes a plain `mkdir` / `open` would have (files keep
+    whether their owner may execute them)."""
+    umask = current_umask()
+    os.chmod(root, folder_mode(umask))
+    for path in Path(root).rglob("*"):
+        if path.is_symlink():
+            continue
+        if path.is_dir():
+            os.chmod(path, folder_mode(umask))
+        elif path.is_file():
+            os.chmod(path, file_mode(umask, bool(path.stat().st_mode & 0o100)))
+
+
 def write_atomic(path: Union[str, os.PathLike], data: Union[str, bytes]) -> Path:
     """Write `data` to `path` through a temporary file in the same folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     try:
+        os.fchmod(fd, file_mode(current_umask()))  # mkstemp makes it 0600
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -39,8 +80,9 @@ def fsync_tree(root: Path) -> None:
 
 
 def publish_folder(tmp: Path, target: Path, replace: bool = True) -> Path:
-    """Make the finished folder `tmp` (flushed first) the `target`. With replace=False an existing
-    `target` wins (another process published the same thing first) and `tmp` is dropped."""
+    """Make the finished folder `tmp` (flushed first, with the user's modes) the `target`. With replace=False
+    an existing `target` wins (another process published the same thing first) and `tmp` is dropped."""
+    set_published_modes(tmp)
     fsync_tree(tmp)
     if target.exists():
         if not replace:
@@ -52,9 +94,10 @@ def publish_folder(tmp: Path, target: Path, replace: bool = True) -> Path:
 
 
 def publish_into_empty(tmp: Path, target: Path) -> Path:
-    """Make the finished folder `tmp` (flushed first) the `target` only where `target` is absent or an empty
-    folder: one rename, which the kernel refuses over a non-empty folder or a file, so nothing that appeared
-    at `target` meanwhile is deleted. Raises FileExistsError then."""
+    """Make the finished folder `tmp` (flushed first, with the user's modes) the `target` only where `target` is
+    absent or an empty folder: one rename, which the kernel refuses over a non-empty folder or a file, so
+    nothing that appeared at `target` meanwhile is deleted. Raises FileExistsError then."""
+    set_published_modes(tmp)
     fsync_tree(tmp)
     try:
         os.rename(tmp, target)
