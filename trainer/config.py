@@ -9,14 +9,16 @@ type, or one outside its range stops the run at start with one line naming it (`
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Hashable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import yaml
 
-from profiling.cli import Checked, UsageError, above, at_least, between, one_of, parse
+from profiling.cli import Checked, Rule, UsageError, above, at_least, between, one_of, parse
 from profiling.resolve import DTYPES, OPTIMIZER_NAMES, QUANTIZATIONS
 
 # Where the shared hh-rlhf rows live on the development machines, relative to the project root.
@@ -26,6 +28,11 @@ HUB_DATASET = "Anthropic/hh-rlhf"
 DATA_ENV = "RLHF_DATA"
 CACHE_ENV = "RLHF_CACHE"
 BAD_ROW_POLICIES = ("skip", "error")
+
+
+def finite(rule: Rule) -> Rule:
+    """`rule`, after refusing inf and NaN (an optimizer step with them makes every weight NaN)."""
+    return lambda name, value: rule(name, value) if math.isfinite(value) else "must be a finite number"
 
 
 def cache_dir() -> Path:
@@ -205,7 +212,7 @@ class TrainArguments(Checked):
     progress_bar: bool = field(default=True, metadata={"help": "Show a tqdm progress bar."})
 
     RULES = {"max_steps": at_least(1), "micro_batch_size": at_least(1), "gradient_accumulation_steps": at_least(1),
-             "learning_rate": above(0), "weight_decay": at_least(0), "warmup_steps": at_least(0),
+             "learning_rate": finite(above(0)), "weight_decay": finite(at_least(0)), "warmup_steps": at_least(0),
              "min_lr_ratio": between(0, 1), "max_grad_norm": at_least(0), "optimizer": one_of(*OPTIMIZER_NAMES),
              "seed": between(0, 2**32 - 1),  # what numpy's seeding (accelerate's set_seed) takes
              "mixed_precision": one_of("auto", "no", "bf16", "fp16"), "eval_every": at_least(0),
@@ -291,6 +298,42 @@ def _online_algorithms_rule(value: str) -> Optional[str]:
 SECTIONS = ("model", "data", "train", "stage")
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping that names one key twice (PyYAML would silently keep the last value)."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping: a section, or a key in a section."""
+
+    def construct_document(self, node):
+        self.root, self.sections = node, {}
+        return super().construct_document(node)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            top = node is getattr(self, "root", None)
+            seen: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *defaults` and then an override is what YAML merges are for
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, Hashable):
+                    continue  # SafeLoader refuses it itself
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    if top:
+                        raise DuplicateKey(f"section '{key}' appears twice (lines {seen[key]} and {line}): merge "
+                                           "them into one")
+                    section = self.sections.get(id(node))
+                    where = f"section '{section}'" if section is not None else "one mapping"
+                    raise DuplicateKey(f"key '{key}' appears twice in {where} (lines {seen[key]} and {line}): "
+                                       "keep one")
+                seen[key] = line
+                if top:
+                    self.sections[id(value_node)] = key
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(path: str | os.PathLike, section_types: dict[str, type]) -> dict[str, Any]:
     """The values of a sectioned YAML config, flattened, after checking every section and key.
 
@@ -300,7 +343,9 @@ def load_yaml(path: str | os.PathLike, section_types: dict[str, type]) -> dict[s
     if not path.is_file():
         raise UsageError(f"config file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}
+    except DuplicateKey as exc:
+        raise UsageError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
