@@ -46,9 +46,9 @@ class GRPOArguments(PPOArguments):
                                                 "0 skips the reference pass."})
     epochs: int = field(default=1, metadata={"help": "Passes over each rollout (TRL's num_iterations)."})
     loss_normalisation: str = field(default="token", metadata={
-        "help": "token (sum over tokens / tokens, TRL's and DAPO's default: every token weighs the same), sequence "
-                "(each response's mean, then the mean: short responses weigh more per token), fixed (sum / "
-                "(rows x max_new_tokens), Dr. GRPO)."})
+        "help": "token (sum over the minibatch's tokens / their count on all ranks, DAPO, TRL's default: every "
+                "token weighs the same), sequence (each response's mean, then the mean: short responses weigh "
+                "more per token), fixed (sum / (rows x max_new_tokens), Dr. GRPO)."})
 
     RULES = {**PPOArguments.RULES, "advantage": one_of(*GROUP_ADVANTAGES), "num_generations": at_least(1),
              "beta": at_least(0), "epochs": at_least(1), "loss_normalisation": one_of(*LOSS_NORMALISATIONS),
