@@ -26,7 +26,7 @@ from trainer.engine.harness import Harness, StepResult
 from trainer.engine.setup import RunContext, finish_stage, require_rows, start_run
 from trainer.losses import GROUP_ADVANTAGES, LOSS_NORMALISATIONS
 from trainer.model.shared_base import build_shared_model, stage_specs
-from trainer.ppo import PPOArguments, make_scorer, train_missing_stages
+from trainer.ppo import PPOArguments, make_scorer, train_missing_stages, warn_if_learning_unlikely
 from trainer.rl.grpo_step import GroupState, grpo_step
 from trainer.rl.policy_eval import policy_vs_reference
 from trainer.rl.rollout import Sampling
@@ -55,9 +55,21 @@ class GRPOArguments(PPOArguments):
              "cliprange": above(0), "top_p": between(0, 1)}
 
     def check(self) -> None:
+        """Refuse what can never produce a gradient: an advantage is a reward against its prompt group's others,
+        so a group of one, or of responses all alike (deterministic sampling), scores 0 everywhere."""
         super().check()
         if self.advantage == "rloo" and self.num_generations < 2:
             raise UsageError("--advantage rloo needs --num_generations of at least 2 (a leave-one-out baseline)")
+        if self.num_generations < 2:
+            raise UsageError(f"--num_generations {self.num_generations}: GRPO compares each response with the others "
+                             "sampled for its prompt, so one alone has advantage 0 and nothing is learned; use at "
+                             "least 2")
+        deterministic = ("--temperature 0 (greedy)" if self.temperature == 0 else
+                         "--top_k 1" if self.top_k == 1 else None)
+        if deterministic:
+            raise UsageError(f"{deterministic} samples the {self.num_generations} responses of a prompt alike: their "
+                             "rewards tie, every advantage is 0 and nothing is learned; sample with a temperature "
+                             "above 0 (1.0 is usual) and top_k 0 or above 1")
 
 
 def check_settings(args: GRPOArguments, micro: int) -> None:
@@ -68,6 +80,7 @@ def check_settings(args: GRPOArguments, micro: int) -> None:
     if rows % args.mini_batch_size or args.mini_batch_size % micro:
         raise UsageError(f"rollout_batch_size x num_generations ({rows}) must be a multiple of --mini_batch_size "
                          f"({args.mini_batch_size}), and that a multiple of --micro_batch_size ({micro})")
+    warn_if_learning_unlikely(args)
 
 
 def build_model(ctx: RunContext):

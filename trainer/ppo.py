@@ -12,6 +12,7 @@ side by side (`trainer.rl.policy_eval`).
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -112,6 +113,20 @@ class PPOArguments(Checked):
             raise UsageError(f"--min_new_tokens {self.min_new_tokens} exceeds --max_new_tokens {self.max_new_tokens}")
         if self.top_p == 0:
             raise UsageError("--top_p 0 keeps no token: use a value in (0, 1]")
+        if math.isinf(self.temperature):
+            raise UsageError("--temperature inf samples every token alike and scores them alike: the policy gets no "
+                             "gradient and can never learn; use a finite temperature (1.0 is usual)")
+
+
+HOT_TEMPERATURE = 2.0  # above it, samples are close to random tokens and the policy's gradient is 1/T of its own
+
+
+def warn_if_learning_unlikely(args: PPOArguments) -> None:
+    """One warning at start for sampling under which the policy can learn, but hardly."""
+    if args.temperature > HOT_TEMPERATURE:
+        logger.warning("--temperature %s: responses are close to random tokens and the policy's log-probs at that "
+                       "temperature move %.3gx as fast as at 1.0, so learning is unlikely (1.0 is usual)",
+                       args.temperature, 1 / args.temperature)
 
 
 def check_settings(args: PPOArguments, micro: int) -> None:
@@ -128,6 +143,10 @@ def check_settings(args: PPOArguments, micro: int) -> None:
         logger.warning("PPO scores the untruncated policy at temperature %s (as TRL does), while %s reshape the "
                        "distribution responses are sampled from: ratios and KL are then approximate",
                        args.temperature, ", ".join(truncating))
+    if args.temperature == 0:
+        logger.warning("--temperature 0 (greedy): one fixed response per prompt and no exploration; PPO can only "
+                       "push that response up or down, so learning is unlikely (1.0 is usual)")
+    warn_if_learning_unlikely(args)
 
 
 def build_model(ctx: RunContext):
