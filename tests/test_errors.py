@@ -21,6 +21,7 @@ from profiling.cli import run
 ROOT = Path(__file__).resolve().parent.parent
 TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
 TINY_PPO = ROOT / "tests" / "configs" / "tiny_ppo.yaml"
+TINY_GRPO = ROOT / "tests" / "configs" / "tiny_grpo.yaml"
 GOOD_ROW = {"chosen": "\n\nHuman: How do I bake bread?\n\nAssistant: Mix flour, water and yeast, then bake it.",
             "rejected": "\n\nHuman: How do I bake bread?\n\nAssistant: No."}
 
@@ -52,6 +53,10 @@ def ppo(tmp, *extra):
     return ("trainer.ppo", ["--config", str(TINY_PPO), "--output_dir", str(tmp / "run"), *extra])
 
 
+def grpo(tmp, *extra):
+    return ("trainer.grpo", ["--config", str(TINY_GRPO), "--output_dir", str(tmp / "run"), *extra])
+
+
 def evaluate(*args):
     return ("trainer.evaluate", list(args))
 
@@ -72,6 +77,10 @@ def cases(tmp: Path, shared: Path) -> dict[str, tuple]:
     wrong_section.write_text("model:\n  learning_rate: 0.1\n")
     unknown_section = tmp / "unknown.yaml"
     unknown_section.write_text("optimizer:\n  lr: 0.1\n")
+    duplicate_key = tmp / "duplicate_key.yaml"
+    duplicate_key.write_text("train:\n  max_steps: 3\n  learning_rate: 0.1\n  max_steps: 5\n")
+    duplicate_section = tmp / "duplicate_section.yaml"
+    duplicate_section.write_text("train:\n  max_steps: 3\nmodel:\n  lora_r: 4\ntrain:\n  learning_rate: 0.1\n")
     no_weights = adapter_folder(tmp / "no-weights")
     bad_config = adapter_folder(tmp / "bad-config", config="{not json", weights=True)
     bad_memory = tmp / "bad-memory"
@@ -108,6 +117,22 @@ def cases(tmp: Path, shared: Path) -> dict[str, tuple]:
                                      "--rollout_batch_size 0: must be at least 1"),
         "ppo without a scorer": (ppo(tmp, "--scripted_reward", "null"), 2, "PPO needs a scorer"),
         "ppo batch sizes": (ppo(tmp, "--mini_batch_size", "3"), 2, "must be a multiple of --mini_batch_size (3)"),
+        "learning_rate inf": (sft(tmp, "--learning_rate", "inf"), 2, "--learning_rate inf: must be a finite number"),
+        "weight_decay inf": (sft(tmp, "--weight_decay", "inf"), 2, "--weight_decay inf: must be a finite number"),
+        # runs that can never learn
+        "grpo one generation per prompt": (grpo(tmp, "--num_generations", "1", "--mini_batch_size", "4"), 2,
+                                           "--num_generations 1: GRPO compares each response with the others"),
+        "grpo greedy sampling": (grpo(tmp, "--temperature", "0"), 2,
+                                 "--temperature 0 (greedy) samples the 4 responses of a prompt alike"),
+        "grpo top_k 1": (grpo(tmp, "--top_k", "1"), 2, "--top_k 1 samples the 4 responses of a prompt alike"),
+        "ppo temperature inf": (ppo(tmp, "--temperature", "inf"), 2,
+                                "--temperature inf samples every token alike and scores them alike"),
+        # lengths beyond the model's positions (tiny-llama: 1024)
+        "max_length beyond the positions": (sft(tmp, "--max_length", "2048"), 2,
+                                            "--max_length 2048 exceeds the 1024 positions of tiny-llama"),
+        "prompt + max_new_tokens beyond the positions": (
+            ppo(tmp, "--max_new_tokens", "1010"), 2,
+            "--max_prompt_length 24 + --max_new_tokens 1010 = 1034 tokens exceed the 1024 positions of tiny-llama"),
         # config files
         "YAML syntax error": (("trainer.sft", ["--config", str(bad_yaml)]), 2, f"{bad_yaml}: not valid YAML at line"),
         "float in an int field": (("trainer.sft", ["--config", str(float_steps)]), 2,
@@ -115,6 +140,10 @@ def cases(tmp: Path, shared: Path) -> dict[str, tuple]:
         "key in the wrong section": (("trainer.sft", ["--config", str(wrong_section)]), 2,
                                      "unknown key 'learning_rate' in section 'model' (it belongs in section 'train')"),
         "unknown section": (("trainer.sft", ["--config", str(unknown_section)]), 2, "unknown section 'optimizer'"),
+        "duplicate key": (("trainer.sft", ["--config", str(duplicate_key)]), 2,
+                          f"{duplicate_key}: key 'max_steps' appears twice in section 'train' (lines 2 and 4)"),
+        "duplicate section": (("trainer.sft", ["--config", str(duplicate_section)]), 2,
+                              f"{duplicate_section}: section 'train' appears twice (lines 1 and 5)"),
         "config file missing": (("trainer.sft", ["--config", str(tmp / "none.yaml")]), 2, "config file not found"),
         # folders, models, adapters, checkpoints
         "output dir under a file": (sft(tmp, "--output_dir", str(tmp / "a-file" / "run")), 2, "cannot write there"),

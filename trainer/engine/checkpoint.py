@@ -5,7 +5,8 @@ heads), the optimizer state, the LR schedule, every rank's RNG states, `state.js
 position, counters, stage extras), `config.json` (the settings the run had when it saved) and
 `manifest.json` (size and SHA-256 of every other file). It is written under a temporary name and
 renamed into place, so a kill during the write leaves only a `.tmp` folder that resume ignores and
-the next save removes.
+the next run removes. A write that fails (a full disk) stops the run in one line, with the `.tmp`
+folder removed and the previous checkpoint untouched.
 
 Loading never unpickles code: tensors and plain data only (`torch.load(weights_only=True)`, JSON,
 safetensors). Under DeepSpeed the engine's own files are loaded by DeepSpeed, which unpickles them: there
@@ -30,9 +31,9 @@ import random
 import re
 import shutil
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -56,6 +57,50 @@ HASH_CHUNK = 1 << 20
 
 class CheckpointError(InputError):
     """A checkpoint that cannot be resumed from; the message names the file and what is wrong."""
+
+
+class SaveError(InputError):
+    """A checkpoint or adapter that could not be written (a full disk); the message says where."""
+
+
+# torch.save reports a failed write (ENOSPC included) as a RuntimeError from its zip writer.
+_TORCH_WRITE_FAILURE = ("inline_container", "PytorchStreamWriter")
+
+
+def write_failure(exc: BaseException) -> Optional[str]:
+    """Why a save failed, when `exc` is a failed file write (OSError, torch's zip writer, safetensors' I/O
+    error); None for any other error, which is left to propagate."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    text = str(exc)
+    if "No space left" in text:
+        return "No space left on device"
+    if isinstance(exc, RuntimeError) and any(marker in text for marker in _TORCH_WRITE_FAILURE):
+        return "a file write failed"
+    if type(exc).__name__ == "SafetensorError" and "os error" in text.lower():
+        return text.strip().splitlines()[0][:160]
+    return None
+
+
+def free_space(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**30:.2f} GiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+@contextmanager
+def reported_write_failure(what: str, folder: Path) -> Iterator[None]:
+    """A failed file write inside the block becomes one SaveError line naming `what`, the reason and the free
+    space of `folder`."""
+    try:
+        yield
+    except Exception as exc:
+        reason = write_failure(exc)
+        if reason is None:
+            raise
+        raise SaveError(f"{what}: could not be written ({reason}; {free_space(folder)}); free space and rerun") \
+            from None
 
 
 def checkpoint_dir(output_dir: str | os.PathLike, step: int) -> Path:
@@ -103,40 +148,86 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(accelerator, output_dir: str | os.PathLike, step: int, model, adapters: list[str],
                     optimizer, scheduler, state: dict[str, Any], keep: int,
                     config: Optional[dict[str, Any]] = None) -> Path:
-    """Write checkpoint `step` atomically (RNG states and, under DeepSpeed, engine shards from every rank)."""
+    """Write checkpoint `step` atomically (RNG states and, under DeepSpeed, engine shards from every rank).
+
+    A failed write on any rank (a full disk) removes the `.tmp` folder and stops every rank with one SaveError
+    line; the ranks agree after each part of the write, so none waits for a rank that stopped.
+    """
     from trainer.engine.launch import is_deepspeed
 
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(final.name + TMP_SUFFIX)
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    torch.save(rng_state(), tmp / f"rng-rank{accelerator.process_index}.pt")
     deepspeed = is_deepspeed(accelerator)
-    if deepspeed:
-        model.save_checkpoint(str(tmp), tag=ENGINE_TAG, client_state={}, save_latest=False,
-                              exclude_frozen_parameters=True)
+    main = accelerator.is_main_process
     unwrapped = accelerator.unwrap_model(model)
-    with gathered_trainable(accelerator, unwrapped):
-        if accelerator.is_main_process:
-            for name in adapters:
-                unwrapped.save_adapter(name, tmp / "adapters" / name)
+
+    def make_folder() -> None:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
+            tmp.mkdir(parents=True)
+
+    def write_rng() -> None:
+        torch.save(rng_state(), tmp / f"rng-rank{accelerator.process_index}.pt")
+
+    def write_engine() -> None:
+        if deepspeed:
+            model.save_checkpoint(str(tmp), tag=ENGINE_TAG, client_state={}, save_latest=False,
+                                  exclude_frozen_parameters=True)
+
+    def write_adapters() -> None:
+        with gathered_trainable(accelerator, unwrapped):
+            if main:
+                for name in adapters:
+                    unwrapped.save_adapter(name, tmp / "adapters" / name)
+
+    def write_state() -> None:
+        if main:
+            if not deepspeed:
+                torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+            (tmp / SCHEDULER_FILE).write_text(json.dumps(scheduler.state_dict()))
+            (tmp / CONFIG_FILE).write_text(json.dumps(config or {}, indent=2))
+            (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
+
+    def publish() -> None:
+        if main:
+            write_manifest(tmp)
+            publish_folder(tmp, final)
+
+    # Each part is collective or must precede the next on every rank: the ranks agree after each one.
+    for part in (make_folder, write_rng, write_engine, write_adapters, write_state, publish):
+        failure = _agree(accelerator, _attempt(part))
+        if failure is not None:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            previous = [p.name for p in complete_checkpoints(output_dir) if p != final]
+            kept = f"; {previous[-1]} is intact" if previous else ""
+            raise SaveError(f"{final}: could not be written ({failure}; {free_space(Path(output_dir))}){kept}; "
+                            "free space and rerun to resume")
     if accelerator.is_main_process:
-        if not deepspeed:
-            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        (tmp / SCHEDULER_FILE).write_text(json.dumps(scheduler.state_dict()))
-        (tmp / CONFIG_FILE).write_text(json.dumps(config or {}, indent=2))
-        (tmp / STATE_FILE).write_text(json.dumps({**state, "step": step}, indent=2))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        write_manifest(tmp)
-        publish_folder(tmp, final)
         for old in complete_checkpoints(output_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("saved %s", final)
-    accelerator.wait_for_everyone()
     return final
+
+
+def _attempt(write) -> Optional[str]:
+    """Run `write`; the reason it failed when a file write failed, None when it succeeded (other errors raise)."""
+    try:
+        write()
+    except Exception as exc:
+        reason = write_failure(exc)
+        if reason is None:
+            raise
+        return reason
+    return None
+
+
+def _agree(accelerator, failure: Optional[str]) -> Optional[str]:
+    """Every rank learns whether any rank's write failed (and waits for the others, as a barrier would)."""
+    if accelerator.num_processes == 1:
+        return failure
+    flag = accelerator.reduce(torch.tensor(float(failure is not None), device=accelerator.device), reduction="sum")
+    return failure or ("another rank's write failed" if flag.item() > 0 else None)
 
 
 def gathered_trainable(accelerator, unwrapped):
@@ -263,6 +354,26 @@ def select_checkpoint(output_dir: str | os.PathLike, resume: str, deepspeed: boo
         raise CheckpointError(f"{output_dir}: none of its {len(candidates)} checkpoints can be resumed (see the warnings "
                               "above); start over with --resume no, or pass --resume CHECKPOINT_DIR")
     return None
+
+
+def remove_save_debris(output_dir: str | os.PathLike) -> list[str]:
+    """Remove what killed saves left in `output_dir`: `checkpoint-*.tmp` folders and the hidden temporaries of
+    atomic writes (`.adapter-XXXX`, `.results.json-XXXX`, ...). Only a run holding the folder's lock may call
+    this: another run's save in progress would look the same."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    debris = [p for p in root.iterdir()
+              if (p.name.startswith(PREFIX) and p.name.endswith(TMP_SUFFIX))
+              or any(p.name.startswith(f".{name}-") for name in RUN_ARTIFACTS)]
+    for path in debris:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if debris:
+        logger.info("removed %s, left by a save that was killed", ", ".join(sorted(p.name for p in debris)))
+    return [p.name for p in debris]
 
 
 def saved_config(path: Path) -> Optional[dict[str, Any]]:

@@ -1,11 +1,13 @@
 """The one harness every stage runs in, and the pieces of a training step the stages share.
 
 `Engine` is a model made ready to train in the launch mode at hand: optimizer, LR schedule,
-Accelerate / DeepSpeed wrappers, the memory recorder, and `optimizer_step()` (clip, NaN check, step).
+Accelerate / DeepSpeed wrappers, the memory recorder, and `optimizer_step()` (clip, NaN check, step,
+parameter check).
 
 `Harness` runs an engine for `max_steps` optimizer steps around a stage's step body: setup and
 resume, the batch stream, the progress bar, the metrics log, the NaN/inf policy (a step whose loss or
-gradient is not finite is skipped and counted; `max_bad_steps` in a row stop the run), evaluation
+gradient is not finite is skipped and counted; `max_bad_steps` in a row stop the run; a step that leaves a
+trainable weight NaN, inf or overflowing stops it at once, before anything saves it), evaluation
 and checkpoint cadence, and memory phases. A step body takes the step number and the batch stream
 and returns a `StepResult`:
 
@@ -31,7 +33,8 @@ from trainer.engine.batches import batch_stream, make_loader
 from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
 from trainer.engine.launch import RowTrace, describe_engine, fill_deepspeed_autos, is_deepspeed
 from trainer.engine.metrics import (
-    MetricsLog, all_finite, flat_config, format_line, mean_over_ranks, peak_memory_gb,
+    MetricsLog, all_finite, flat_config, format_line, largest_weight, mean_over_ranks, peak_memory_gb,
+    unusable_weights,
 )
 from trainer.engine.optim import build_loop_optimizer, schedule_for
 
@@ -39,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 class TrainingDiverged(InputError):
-    """Too many optimizer steps in a row had a NaN or inf loss or gradient."""
+    """Too many optimizer steps in a row had a NaN or inf loss or gradient, or a step made a parameter NaN/inf."""
 
 
 @dataclass
@@ -122,6 +125,8 @@ class Engine:
             stepped, norm = self.model.was_step_applied(), self.model.get_global_grad_norm()
             sound = finite and (stepped or self.model.fp16_enabled())
             self.optimizer.zero_grad(set_to_none=True)
+            if stepped:
+                self.check_parameters()
             return stepped, sound, float("nan") if norm is None else float(norm)
         norm = torch.tensor(float("nan"))
         if not finite:
@@ -136,7 +141,19 @@ class Engine:
                 self.optimizer.step()
         stepped = norm_finite and not (scaled and self.optimizer.step_was_skipped)
         self.optimizer.zero_grad(set_to_none=True)
+        if stepped:
+            self.check_parameters()
         return stepped, norm_finite or scaled, float(norm)
+
+    def check_parameters(self) -> None:
+        """Stop when the step just taken left a trainable weight NaN, inf or so large that every forward overflows
+        (an absurd learning rate or weight decay with finite gradients): unlike a bad gradient it cannot be
+        skipped, the weights are lost. One host sync."""
+        problem = unusable_weights(largest_weight(self.accelerator, self.params))
+        if problem:
+            raise TrainingDiverged(f"the optimizer step left {problem}, with --learning_rate "
+                                   f"{self.args.learning_rate:g} and --weight_decay {self.args.weight_decay:g}; lower "
+                                   "them (these weights are not saved)")
 
 
 class LongLived:
@@ -200,7 +217,11 @@ class Harness:
         with LongLived() as long_lived:
             for step in range(start + 1, args.max_steps + 1):
                 started, cpu_started = time.perf_counter(), time.process_time()
-                result = step_body(step, self._batches(step, stream))
+                try:
+                    result = step_body(step, self._batches(step, stream))
+                except TrainingDiverged as exc:
+                    self._finish_trackers()
+                    raise TrainingDiverged(f"step {step}: {exc}") from None
                 elapsed, cpu_elapsed = time.perf_counter() - started, time.process_time() - cpu_started
                 self._count_bad_step(step, result.finite)
                 if result.stepped:

@@ -4,10 +4,11 @@ trackers (TensorBoard), and printed as one short line."""
 from __future__ import annotations
 
 import json
+import math
 import resource
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -75,6 +76,30 @@ def all_finite(accelerator, value: torch.Tensor) -> bool:
     """True when `value` is finite on every rank (ranks must agree, or DDP would hang)."""
     flag = torch.tensor(1.0 if bool(torch.isfinite(value.detach()).all()) else 0.0, device=accelerator.device)
     return bool(accelerator.reduce(flag, reduction="sum").item() == accelerator.num_processes)
+
+
+# A weight beyond this makes a forward overflow even in float32 / bfloat16 range: norms square what it produces.
+WEIGHT_LIMIT = math.sqrt(torch.finfo(torch.float32).max)
+
+
+@torch.no_grad()
+def largest_weight(accelerator, params) -> float:
+    """max |w| over every tensor of `params` on every rank, NaN if any is NaN: one fused pass, one host sync."""
+    local = [p for p in params if p.numel()]  # under ZeRO-3 a rank holds no whole parameter here
+    peak = torch.zeros(1, device=accelerator.device)
+    if local:
+        peaks = torch._foreach_norm(local, float("inf"))  # max |x| of each tensor; a NaN stays NaN
+        peak = torch.stack([p.to(accelerator.device, torch.float32) for p in peaks]).max().reshape(1)
+    return float(accelerator.gather(peak).max())
+
+
+def unusable_weights(peak: float) -> Optional[str]:
+    """What is wrong with weights whose largest magnitude is `peak` (`largest_weight`), or None if nothing."""
+    if peak <= WEIGHT_LIMIT:
+        return None
+    if not math.isfinite(peak):
+        return "NaN/inf trainable weights"
+    return f"a trainable weight of {peak:.3g} (past {WEIGHT_LIMIT:.2g}, a forward through it overflows)"
 
 
 def peak_memory_gb(device: torch.device) -> tuple[float, str]:

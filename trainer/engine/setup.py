@@ -23,12 +23,15 @@ from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import LoadReport, Splits, load_splits
 from trainer.engine.budget import check_budget, fit_to_budget
 from trainer.engine.checkpoint import (
-    gathered_trainable, saved_config, select_checkpoint, set_aside_newer, set_aside_previous_run,
+    gathered_trainable, remove_save_debris, reported_write_failure, saved_config, select_checkpoint, set_aside_newer,
+    set_aside_previous_run,
 )
+from trainer.engine.harness import TrainingDiverged
 from trainer.engine.launch import check_launch, is_deepspeed, make_accelerator, setup_logging
-from trainer.engine.metrics import eval_history
+from trainer.engine.metrics import eval_history, largest_weight, unusable_weights
+from trainer.engine.run_lock import RunLock, RunLocked
 from trainer.model.adapter_fit import BASE_MODEL_FILE, base_identity, saved_base
-from trainer.model.loading import load_tokenizer, precision_record
+from trainer.model.loading import load_tokenizer, max_positions, precision_record
 from trainer.model.shared_base import check_adapter_folder
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ class RunContext:
     splits: Splits
     resolved: dict[str, Any] = field(default_factory=dict)  # what "auto" settings became (the data source)
     resume_from: Optional[Path] = None  # the verified checkpoint this run continues, if any
+    lock: Optional[RunLock] = None  # rank 0's lock on output_dir, released by finish_stage
 
     @property
     def output_dir(self) -> Path:
@@ -82,6 +86,42 @@ def check_output_dir(path: Path) -> None:
     except OSError as exc:
         raise UsageError(f"--output_dir {path}: cannot write there ({exc.strerror or exc}); pick a writable folder") \
             from None
+
+
+def lock_output_dir(accelerator, path: Path) -> Optional[RunLock]:
+    """Rank 0 locks the run folder (`RunLock`); every rank stops alike when another run holds it."""
+    lock, problem = None, None
+    if accelerator.is_main_process:
+        try:
+            lock = RunLock.acquire(path)
+        except RunLocked as exc:
+            problem = str(exc)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        problem = broadcast_object_list([problem])[0]
+    if problem:
+        raise RunLocked(problem)
+    return lock
+
+
+def check_positions(stage: Optional[str], model_args, data_args, stage_args, vocab_size: int) -> None:
+    """The longest sequence a stage builds must fit the base model's positions: max_length for SFT, reward and
+    DPO (a shared-prompt pair's completions both start after the prompt), prompt plus response for PPO / GRPO."""
+    if stage is None:
+        return
+    positions = max_positions(model_args, vocab_size)
+    if positions is None:
+        return
+    where = f"the {positions} positions of {model_args.model_name_or_path} (max_position_embeddings)"
+    if stage in ("ppo", "grpo"):
+        longest = data_args.max_prompt_length + stage_args.max_new_tokens
+        if longest > positions:
+            raise UsageError(f"--max_prompt_length {data_args.max_prompt_length} + --max_new_tokens "
+                             f"{stage_args.max_new_tokens} = {longest} tokens exceed {where}: lower them to "
+                             f"{positions} in all")
+    elif data_args.max_length > positions:
+        raise UsageError(f"--max_length {data_args.max_length} exceeds {where}: use at most {positions}")
 
 
 def simulate_gpu_memory(gib: float, device) -> None:
@@ -158,6 +198,8 @@ def prepare_output_dir(ctx: RunContext) -> None:
     """Decide what this run continues: set an earlier run aside (`--resume no`) or pick and verify the
     checkpoint to resume, check its settings, then record this run's settings in config.json."""
     accelerator = ctx.accelerator
+    if accelerator.is_main_process:
+        remove_save_debris(ctx.output_dir)  # safe: this run holds the folder's lock
     if ctx.train_args.resume == "no" and accelerator.is_main_process:
         set_aside_previous_run(ctx.output_dir)
     accelerator.wait_for_everyone()
@@ -180,11 +222,13 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     setup_logging(accelerator)
     check_launch(accelerator, stage, model_args.compile_layers)
     check_output_dir(Path(train_args.output_dir))
+    lock = lock_output_dir(accelerator, Path(train_args.output_dir))
     set_seed(train_args.seed)
     simulate_gpu_memory(train_args.simulate_gpu_gib, accelerator.device)
     check_adapter_paths(stage_args)
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
                                model_args.tokenizer_name_or_path)
+    check_positions(stage, model_args, data_args, stage_args, len(tokenizer))
     if stage in ("ppo", "grpo"):
         model_args, train_args, stage_args = fit_to_budget(stage, model_args, data_args, train_args, stage_args,
                                                            accelerator)
@@ -193,7 +237,7 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     splits, report = load_splits(data_args, parser_for(data_args, tokenizer))
     check_split(stage, splits, report, data_args, train_args, stage_args)
     ctx = RunContext(model_args, data_args, train_args, stage_args, accelerator, tokenizer, splits,
-                     resolved={"dataset_fingerprint": report.fingerprint})
+                     resolved={"dataset_fingerprint": report.fingerprint}, lock=lock)
     prepare_output_dir(ctx)
     return ctx
 
@@ -266,12 +310,22 @@ def base_model_args(adapter_dir: str | Path, trust_remote_code: bool = False,
 
 
 def finish_stage(ctx: RunContext, stage: str, model, adapter: str, **facts: Any) -> dict[str, Any]:
-    """Save the stage's adapter and write results.json: facts plus the first and last evaluation."""
-    path = save_final_adapter(ctx, model, adapter)
+    """Save the stage's adapter and write results.json: facts plus the first and last evaluation; then free
+    the run folder's lock. NaN, inf or overflowing weights are never saved (the harness stops at the step
+    that made them; this is the last guard)."""
+    weights = ctx.accelerator.unwrap_model(model).trainable_parameters()
+    problem = unusable_weights(largest_weight(ctx.accelerator, weights))
+    if problem:
+        raise TrainingDiverged(f"the trained adapters hold {problem}: not saved to {ctx.output_dir / 'adapter'}")
+    with reported_write_failure(f"the final adapter in {ctx.output_dir}", ctx.output_dir):
+        path = save_final_adapter(ctx, model, adapter)
     evals = eval_history(ctx.output_dir)
     results = {"stage": stage, "adapter": str(path), **facts,
                "eval_before": evals[0] if evals else None, "eval_after": evals[-1] if evals else None}
     if ctx.accelerator.is_main_process:
-        write_atomic(ctx.output_dir / "results.json", json.dumps(results, indent=2))
+        with reported_write_failure(str(ctx.output_dir / "results.json"), ctx.output_dir):
+            write_atomic(ctx.output_dir / "results.json", json.dumps(results, indent=2))
         logger.info("results: %s", json.dumps(results))
+    if ctx.lock is not None:
+        ctx.lock.release()
     return results

@@ -165,6 +165,21 @@ def load_tokenizer(name: str, preset_overrides: Optional[str] = None, tokenizer_
     return tokenizer
 
 
+def max_positions(args: ModelArguments, vocab_size: int) -> Optional[int]:
+    """The token positions the base model was built for (its config's max_position_embeddings), read
+    without loading weights; None where the config does not say."""
+    name = args.model_name_or_path
+    if name in PRESETS:
+        config = preset_config(name, vocab_size, args.preset_overrides)
+    else:
+        from transformers import AutoConfig
+
+        path = resolve_model_path(name)
+        config = hub_call(AutoConfig.from_pretrained, str(path) if path else name, what="model config",
+                          trust_remote_code=args.trust_remote_code)
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
 def hub_call(load, source: str, what: str, **kwargs):
     """`load(source, **kwargs)` (a from_pretrained), with an unreachable hub or a broken folder as one line."""
     try:

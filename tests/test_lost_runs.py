@@ -1,0 +1,299 @@
+"""No lost runs: one run per output folder, a full disk or a kill during a save costs nothing saved before,
+weights that can no longer train are never saved, and sampling that cannot teach is refused or warned about."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from profiling.cli import run
+from trainer.engine.checkpoint import complete_checkpoints, verify_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+LOCK_FILE = "run.lock"  # trainer.engine.run_lock.LOCK_FILE
+
+# The lock's protocol, spelled out: flock on the open run.lock, which names the holder's host and pid.
+HOLD_LOCK = """
+import fcntl, json, os, socket, sys
+lock = open(sys.argv[1], "w")
+fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+lock.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+lock.flush()
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def hold_lock(folder: Path) -> subprocess.Popen:
+    """Another process holding `folder`'s run lock until its stdin closes (or it is killed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder / LOCK_FILE)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def sft_argv(out: Path, *extra: str) -> list[str]:
+    return ["--config", str(TINY_SFT), "--output_dir", str(out), "--eval_every", "0", *extra]
+
+
+def run_sft(out: Path, *extra: str, script: str | None = None) -> subprocess.CompletedProcess:
+    entry = ["-c", script] if script else [str(ROOT / "trainer" / "sft.py")]
+    return subprocess.run([sys.executable, *entry, *sft_argv(out, *extra)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=ENV)
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("error: ")]
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+# ---- one run per output folder --------------------------------------------------------------------
+
+def test_a_second_run_on_a_busy_output_dir_stops_in_one_line_naming_host_and_pid(tmp_path):
+    out = tmp_path / "run"
+    holder = hold_lock(out)
+    try:
+        proc = run_sft(out, "--max_steps", "1")
+    finally:
+        holder.communicate("")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    host = socket.gethostname()
+    assert lines[0].startswith(f"error: --output_dir {out} is in use by pid {holder.pid} on host {host}")
+    assert [p.name for p in out.iterdir()] == [LOCK_FILE]  # nothing of the second run's written
+
+
+def test_a_lock_left_by_a_killed_run_on_this_host_is_taken_over_with_one_warning(tmp_path, caplog):
+    from trainer.engine.run_lock import RunLock, RunLocked
+
+    holder = hold_lock(tmp_path)
+    with pytest.raises(RunLocked, match=f"in use by pid {holder.pid} on host {socket.gethostname()}"):
+        RunLock.acquire(tmp_path)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == holder.pid  # stale: nobody holds its flock
+    with caplog.at_level(logging.WARNING, logger="trainer.engine.run_lock"):
+        lock = RunLock.acquire(tmp_path)
+    warnings = warnings_of(caplog)
+    assert len(warnings) == 1 and f"taking over the lock of pid {holder.pid} on host" in warnings[0], warnings
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_lock_naming_another_host_is_refused_and_never_taken_over(tmp_path):
+    from trainer.engine.run_lock import RunLock, RunLocked
+
+    stale = json.dumps({"host": "other-host.example", "pid": 4242, "started": "2030-01-01 00:00:00"})
+    (tmp_path / LOCK_FILE).write_text(stale)
+    with pytest.raises(RunLocked, match="locked by pid 4242 on host other-host.example, started 2030-01-01 "
+                                        ".*a lock of another host is never taken over"):
+        RunLock.acquire(tmp_path)
+    assert (tmp_path / LOCK_FILE).read_text() == stale
+
+
+def test_without_flock_a_live_holder_is_refused_and_a_dead_one_taken_over(tmp_path, monkeypatch, caplog):
+    import trainer.engine.run_lock as run_lock
+    from trainer.engine.run_lock import RunLock, RunLocked
+
+    def no_flock(file, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(run_lock.fcntl, "flock", no_flock)
+    alive = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": alive.pid}))
+        with pytest.raises(RunLocked, match=f"in use by pid {alive.pid}"):
+            RunLock.acquire(tmp_path)
+    finally:
+        alive.communicate(b"")
+    with caplog.at_level(logging.WARNING, logger="trainer.engine.run_lock"):
+        lock = RunLock.acquire(tmp_path)  # the same pid, now dead
+    warnings = warnings_of(caplog)
+    assert len(warnings) == 2 and "advisory only" in warnings[0] and f"pid {alive.pid}" in warnings[1], warnings
+    lock.release()
+
+
+def test_the_lock_is_released_when_a_run_ends_and_when_it_fails(tmp_path, fresh_accelerate_state):
+    import trainer.sft as sft
+
+    out = tmp_path / "run"
+    sft.main(sft_argv(out, "--max_steps", "1", "--save_every", "0"))
+    assert (out / "adapter").is_dir() and not (out / LOCK_FILE).exists()
+    # A failure after the lock was taken (no such checkpoint): the process's exit frees the folder.
+    failed = run_sft(tmp_path / "failed", "--resume", str(tmp_path))
+    assert failed.returncode == 1 and "not a complete checkpoint folder" in failed.stderr
+    assert not (tmp_path / "failed" / LOCK_FILE).exists()
+
+
+# ---- a full disk or a kill while saving ------------------------------------------------------------
+
+@pytest.mark.parametrize("failure, reason", [
+    (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), "a file write failed"),
+], ids=["oserror", "torch-zip-writer"])
+def test_a_full_disk_while_checkpointing_stops_in_one_line_and_keeps_the_previous_checkpoint(
+        failure, reason, tmp_path, monkeypatch, capsys, fresh_accelerate_state):
+    import trainer.sft as sft
+
+    real_save = torch.save
+
+    def full_disk_save(obj, f, *args, **kwargs):
+        if "checkpoint-0000004" in str(f) and str(f).endswith("optimizer.pt"):
+            raise failure
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk_save)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run(sft.main, sft_argv(out, "--max_steps", "4", "--save_every", "2"))
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert exit_info.value.code == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert lines[0].startswith(f"error: {out / 'checkpoint-0000004'}: could not be written ({reason}; ")
+    assert "GiB free there); checkpoint-0000002 is intact; free space and rerun to resume" in lines[0]
+    assert not (out / "checkpoint-0000004.tmp").exists() and not (out / "adapter").exists()
+    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-0000002"]
+    verify_checkpoint(out / "checkpoint-0000002")
+
+
+def test_a_full_disk_while_saving_the_final_adapter_stops_in_one_line_and_leaves_no_half_adapter(
+        tmp_path, monkeypatch, capsys, fresh_accelerate_state):
+    import profiling.files as files
+    import trainer.sft as sft
+
+    real_fsync = files.fsync_tree
+
+    def full_disk_fsync(root):
+        if Path(root).name.startswith(".adapter-"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(root)
+
+    monkeypatch.setattr(files, "fsync_tree", full_disk_fsync)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run(sft.main, sft_argv(out, "--max_steps", "1", "--save_every", "0"))
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert exit_info.value.code == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert lines[0].startswith(f"error: the final adapter in {out}: could not be written (No space left on device; ")
+    assert not [p for p in out.iterdir() if p.name.startswith((".adapter", "adapter"))]
+
+
+KILL_IN_FINAL_SAVE = """
+import os, signal, sys
+import profiling.files as files
+real = files.fsync_tree
+def dying_fsync(root):
+    if root.name.startswith(".adapter-"):
+        os.kill(os.getpid(), signal.SIGKILL)  # the adapter written under its temporary name, not renamed
+    real(root)
+files.fsync_tree = dying_fsync
+from trainer.sft import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_kill_during_the_final_save_leaves_debris_the_next_run_removes(tmp_path, fresh_accelerate_state, capsys):
+    from trainer.engine.setup import start_run
+    from trainer.sft import SFTArguments
+
+    out = tmp_path / "run"
+    proc = run_sft(out, "--max_steps", "2", "--save_every", "2", script=KILL_IN_FINAL_SAVE)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert len([p for p in out.iterdir() if p.name.startswith(".adapter-")]) == 1
+    ctx = start_run(SFTArguments, sft_argv(out, "--max_steps", "2"), stage="sft")
+    assert not [p for p in out.iterdir() if p.name.startswith(".adapter-")]
+    assert ctx.resume_from == out / "checkpoint-0000002"
+    log = capsys.readouterr().out  # the run's own log handler (setup_logging) writes to stdout
+    assert len([line for line in log.splitlines() if "WARNING" in line and "taking over the lock" in line]) == 1
+    ctx.lock.release()
+
+
+# ---- weights that can no longer train ------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, problem", [
+    (["--learning_rate", "1e30"], "a trainable weight of 3.33e+29 (past 1.8e+19, a forward through it overflows)"),
+    (["--learning_rate", "1e30", "--weight_decay", "1e10"], "NaN/inf trainable weights"),
+], ids=["overflowing", "nan"])
+def test_an_optimizer_step_that_breaks_the_weights_stops_the_run_before_anything_saves_them(
+        extra, problem, tmp_path, capsys, fresh_accelerate_state):
+    import trainer.sft as sft
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run(sft.main, sft_argv(out, "--max_steps", "3", "--save_every", "1", *extra))
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert exit_info.value.code == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert lines[0].startswith(f"error: step 1: the optimizer step left {problem}, with --learning_rate 1e+30")
+    assert not (out / "adapter").exists() and complete_checkpoints(out) == []
+
+
+def test_the_final_save_refuses_weights_that_are_not_finite_even_if_a_step_let_them_through(
+        tmp_path, monkeypatch, capsys, fresh_accelerate_state):
+    import trainer.sft as sft
+    from trainer.engine.harness import Engine
+
+    monkeypatch.setattr(Engine, "check_parameters", lambda self: None)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run(sft.main, sft_argv(out, "--max_steps", "1", "--save_every", "0", "--learning_rate", "1e30",
+                               "--weight_decay", "1e10"))
+    lines = error_lines(capsys.readouterr().err)
+    assert exit_info.value.code == 1 and len(lines) == 1
+    assert lines[0] == f"error: the trained adapters hold NaN/inf trainable weights: not saved to {out / 'adapter'}"
+    assert not (out / "adapter").exists()
+
+
+def test_largest_weight_is_the_largest_magnitude_over_all_tensors_and_nan_wins():
+    from trainer.engine.metrics import WEIGHT_LIMIT, largest_weight, unusable_weights
+
+    acc = SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t)
+    weights = [torch.tensor([0.5, -3.0]), torch.tensor([[2.0]], dtype=torch.float64), torch.zeros(0)]
+    assert largest_weight(acc, weights) == 3.0 and unusable_weights(3.0) is None
+    assert torch.isnan(torch.tensor(largest_weight(acc, [*weights, torch.tensor([1.0, float("nan")])])))
+    assert largest_weight(acc, [*weights, torch.tensor([-float("inf")])]) == float("inf")
+    assert unusable_weights(float("nan")) == unusable_weights(float("inf")) == "NaN/inf trainable weights"
+    assert unusable_weights(WEIGHT_LIMIT) is None and unusable_weights(WEIGHT_LIMIT * 2) is not None
+    assert largest_weight(acc, [torch.zeros(0)]) == 0.0  # a ZeRO-3 rank without whole parameters
+
+
+# ---- sampling under which the policy can hardly learn ---------------------------------------------
+
+def test_sampling_that_can_learn_but_hardly_is_warned_about_once(caplog):
+    from trainer.grpo import GRPOArguments, check_settings as grpo_settings
+    from trainer.ppo import PPOArguments, check_settings as ppo_settings
+
+    cases = [(ppo_settings, PPOArguments(scripted_reward="length:5", temperature=5.0), "--temperature 5.0: "),
+             (ppo_settings, PPOArguments(scripted_reward="length:5", temperature=0.0), "--temperature 0 (greedy)"),
+             (grpo_settings, GRPOArguments(scripted_reward="length:5", temperature=5.0, mini_batch_size=8),
+              "--temperature 5.0: ")]
+    for check, args, text in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            check(args, 2)
+        warnings = warnings_of(caplog)
+        assert len(warnings) == 1 and text in warnings[0], warnings
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ppo_settings(PPOArguments(scripted_reward="length:5"), 2)
+    assert warnings_of(caplog) == []
