@@ -21,7 +21,7 @@ from typing import Any, Optional
 from profiling.cli import InputError, UsageError, parse, parse_assignments, run
 from profiling.files import write_atomic
 from profiling.stages import REWARD
-from trainer.config import DataArguments, PipelineArguments, load_yaml
+from trainer.config import RECIPES, DataArguments, PipelineArguments, read_yaml
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import load_splits
 from trainer.data.tokenization import tokenize_prompts
@@ -53,10 +53,9 @@ def trusts_remote_code(args: PipelineArguments) -> bool:
         if given.lower() not in ("true", "yes", "1", "false", "no", "0"):
             raise UsageError(f"--overrides: trust_remote_code={given} must be true or false")
         return given.lower() in ("true", "yes", "1")
-    from trainer.pipeline import RECIPES, stage_sections
-
     config = RECIPES.get(args.recipe, Path(args.recipe)) / "sft.yaml"
-    return config.is_file() and load_yaml(config, stage_sections("sft")).get("trust_remote_code") is True
+    model = read_yaml(config).get("model") if config.is_file() else None
+    return isinstance(model, dict) and model.get("trust_remote_code") is True
 
 
 def held_out_prompts(run_dir: Path, tokenizer, count: int):

@@ -23,6 +23,8 @@ from profiling.resolve import DTYPES, OPTIMIZER_NAMES, QUANTIZATIONS
 
 # Where the shared hh-rlhf rows live on the development machines, relative to the project root.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_ROOT = PROJECT_ROOT / "trainer" / "configs"
+RECIPES = {"demo": CONFIG_ROOT, "llama2_7b": CONFIG_ROOT / "llama2_7b"}  # --recipe NAME: its config folder
 SHARED_DATA = PROJECT_ROOT.parent / "shared" / "data" / "hh-rlhf"
 HUB_DATASET = "Anthropic/hh-rlhf"
 DATA_ENV = "RLHF_DATA"
@@ -334,11 +336,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_yaml(path: str | os.PathLike, section_types: dict[str, type]) -> dict[str, Any]:
-    """The values of a sectioned YAML config, flattened, after checking every section and key.
-
-    `section_types` maps each allowed section to its dataclass; a key must belong to its section's class.
-    """
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """A config file's sections as written (a key or section written twice is refused), unchecked."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"config file not found: {path}")
@@ -354,6 +353,16 @@ def load_yaml(path: str | os.PathLike, section_types: dict[str, type]) -> dict[s
         raise UsageError(f"{path}: cannot be read ({exc})") from None
     if not isinstance(raw, dict):
         raise UsageError(f"{path}: expected sections {', '.join(SECTIONS)}, got a {type(raw).__name__}")
+    return raw
+
+
+def load_yaml(path: str | os.PathLike, section_types: dict[str, type]) -> dict[str, Any]:
+    """The values of a sectioned YAML config, flattened, after checking every section and key.
+
+    `section_types` maps each allowed section to its dataclass; a key must belong to its section's class.
+    """
+    path = Path(path)
+    raw = read_yaml(path)
     flat: dict[str, Any] = {}
     for section, values in raw.items():
         if section not in section_types:

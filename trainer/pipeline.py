@@ -24,15 +24,13 @@ from typing import Optional, Sequence
 
 from profiling.cli import UsageError, parse, parse_assignments, run
 from profiling.files import write_atomic
-from trainer.config import (PIPELINE_STAGES, PROJECT_ROOT, DataArguments, PipelineArguments, load_yaml,
+from trainer.config import (CONFIG_ROOT, PIPELINE_STAGES, RECIPES, DataArguments, PipelineArguments, load_yaml,
                             parse_config)
 from trainer.engine.launch import reset_accelerate
 from trainer.engine.setup import COSMETIC_FIELDS, config_changes, run_config
 
 logger = logging.getLogger(__name__)
 
-CONFIG_ROOT = PROJECT_ROOT / "trainer" / "configs"
-RECIPES = {"demo": CONFIG_ROOT, "llama2_7b": CONFIG_ROOT / "llama2_7b"}
 SPLIT_KEYS = ("dataset", "dataset_split", "dataset_subset", "eval_size", "sft_size", "reward_size", "ppo_size",
               "split_seed")
 

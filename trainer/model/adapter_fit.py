@@ -22,6 +22,8 @@ from profiling.cli import InputError
 
 logger = logging.getLogger(__name__)
 
+HEAD_FILE = "head.safetensors"  # a scalar head (value, reward) beside its adapter
+WEIGHTS_FILE = "adapter_model.safetensors"
 BASE_MODEL_FILE = "base_model.json"  # beside a saved adapter: how to rebuild the base it sits on
 RUN_CONFIG_FILE = "config.json"  # a run's (and a checkpoint's) settings, with the model's in section "model"
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -118,7 +120,6 @@ def check_lora_shapes(folder: Path, causal_lm: torch.nn.Module, name: str, what:
     (read from the file's header: no tensor is loaded)."""
     from safetensors import SafetensorError, safe_open
 
-    from trainer.model.shared_base import HEAD_FILE, WEIGHTS_FILE
 
     weights = folder / WEIGHTS_FILE
     if not weights.is_file():  # a pickled adapter_model.bin: peft's own loading is the check

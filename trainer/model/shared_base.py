@@ -23,11 +23,10 @@ from profiling.cli import InputError
 from profiling.files import atomic_folder
 from profiling.stages import POLICY, stage_adapters
 from trainer.config import ModelArguments
+from trainer.model.adapter_fit import HEAD_FILE, WEIGHTS_FILE, check_adapter_fits
 
 logger = logging.getLogger(__name__)
 
-HEAD_FILE = "head.safetensors"
-WEIGHTS_FILE = "adapter_model.safetensors"
 
 # A routed batch: (adapter, rows) per group, in batch order. The groups' rows go through the base as
 # ONE batch, each group through its own LoRA weights (`SharedBaseModel.fused`).
@@ -127,8 +126,6 @@ class SharedBaseModel(nn.Module):
         if not specs:
             raise ValueError("at least one adapter is needed")
         check_specs(specs)
-        from trainer.model.adapter_fit import check_adapter_fits
-
         for spec in specs:  # every adapter before the first loads: one of another base stops in one line
             if spec.init_from is not None:
                 check_adapter_fits(spec.init_from, base, args.model_name_or_path, f"adapter '{spec.name}'")
