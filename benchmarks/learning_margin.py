@@ -5,7 +5,7 @@ Each run is the test's own command (`trainer/STAGE.py --config tests/configs/smo
 process of its own. A flipped run negates the advantages inside that process only (a patch of the
 stage's advantage function applied before `main`), so the trainer has no switch for it.
 
-    python -m benchmarks.learning_margin --stages ppo grpo --seeds 0 1 2 --threads 1 2 --flipped_seeds 0
+    python -m benchmarks.learning_margin --stages ppo grpo --seeds 0 1 2 --threads 1 2 --flipped_seeds 0 --jobs 2
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from profiling.files import write_atomic
@@ -70,15 +71,16 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--flipped_seeds", nargs="*", type=int, default=[0], help="Seeds also run with the sign flipped (one thread).")
+    parser.add_argument("--jobs", type=int, default=1, help="Runs at a time (each in its own process).")
     parser.add_argument("--out_dir", default="benchmarks/results/learning_margin-smollm2-135m-cpu")
     args = parser.parse_args(argv)
     runs = [(stage, seed, threads, False) for stage in args.stages for seed in args.seeds for threads in args.threads]
     runs += [(stage, seed, 1, True) for stage in args.stages for seed in args.flipped_seeds]
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (stage, seed, threads, flipped) in enumerate(runs):
-            rows.append(run_one(stage, seed, threads, flipped, Path(tmp) / str(i)))
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(run_one, *run, Path(tmp) / str(i)) for i, run in enumerate(runs)]
+        for future in as_completed(futures):
+            print(table([future.result()]).splitlines()[-1], flush=True)
+        rows = [future.result() for future in futures]
     out = Path(args.out_dir)
     write_atomic(out / "result.json", json.dumps({"provenance": provenance(), "runs": rows}, indent=2))
     write_atomic(out / "README.md", f"# Learning checks: margin over seeds and threads\n\n`{provenance()['command']}`\n\n"
