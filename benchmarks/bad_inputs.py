@@ -1,0 +1,281 @@
+"""Every bad input of the trust-and-correctness probe, run as a user would run it: the exit code and the one
+line each command prints. Writes benchmarks/results/bad_inputs/ (README.md table, result.json).
+
+    python -m benchmarks.bad_inputs
+
+Each case is a real command in a process of its own, on the tiny random Llama or the embedded SmolLM2,
+against files made in a scratch folder. Two cases need a fault in the middle of a command (a disk that
+fills while checkpointing, a folder filled while exporting): the first runs on a small tmpfs where the
+machine allows mounting one; the second and a kill during the final save are pinned by tests only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+from typing import Callable
+
+from profiling.files import write_atomic
+from profiling.provenance import PROJECT_ROOT, provenance
+
+TINY_SFT = "tests/configs/tiny_sft.yaml"
+TINY_PPO = "tests/configs/tiny_ppo.yaml"
+TINY_GRPO = "tests/configs/tiny_grpo.yaml"
+QUICK = ["--max_steps", "1", "--save_every", "0", "--eval_every", "0"]
+PINNED_BY_TESTS = [
+    ("2", "`--out` filled by another program while `trainer.export` runs",
+     "tests/test_export.py::test_an_out_folder_filled_while_exporting_is_left_as_it_is_and_refused_in_one_line"),
+    ("2", "a kill during the final save leaves a `.adapter-XXXX` folder",
+     "tests/test_lost_runs.py::test_a_kill_during_the_final_save_leaves_debris_the_next_run_removes"),
+]
+
+
+def hh_row(i: int) -> dict:
+    return {"chosen": f"\n\nHuman: Question {i} about bread?\n\nAssistant: Mix flour and yeast, {i} times.",
+            "rejected": f"\n\nHuman: Question {i} about bread?\n\nAssistant: No."}
+
+
+def rows_file(path: Path, lines: list) -> str:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in lines))
+    return str(path)
+
+
+class Scratch:
+    """The scratch folder, and the few things several cases share (made once, on first use)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._adapter = None
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+    def adapter(self) -> Path:
+        """A tiny SFT adapter (one step), with its base_model.json."""
+        if self._adapter is None:
+            out = self.root / "tiny-sft"
+            subprocess.run([sys.executable, "-m", "trainer.sft", "--config", TINY_SFT, "--output_dir", str(out),
+                            *QUICK], cwd=PROJECT_ROOT, check=True, capture_output=True)
+            self._adapter = out / "adapter"
+        return self._adapter
+
+    def adapter_copy(self, name: str, edit: Callable[[dict], None]) -> str:
+        """A copy of the tiny adapter whose base_model.json `edit` changed."""
+        folder = self.root / name
+        shutil.copytree(self.adapter(), folder)
+        record = json.loads((folder / "base_model.json").read_text())
+        edit(record)
+        (folder / "base_model.json").write_text(json.dumps(record))
+        return str(folder)
+
+    def archive(self, name: str, manifest) -> str:
+        """A GPU-kit archive whose memory/manifest.json is `manifest` (JSON, or bytes as they are)."""
+        data = manifest if isinstance(manifest, bytes) else json.dumps(manifest).encode()
+        path = self.root / f"{name}.tar.gz"
+        with tarfile.open(path, "w:gz") as tar:
+            info = tarfile.TarInfo("memory/manifest.json")
+            info.size = len(data)
+            tar.addfile(info, BytesIO(data))
+        return str(path)
+
+    def template(self, name: str, content: bytes) -> str:
+        path = self.root / name
+        path.write_bytes(content)
+        return str(path)
+
+
+GOOD_MANIFEST = {"part": "memory", "model": "llama2-7b", "smoke": True, "device_slug": "cpu",
+                 "steps": [{"name": "check", "status": "ok", "seconds": 1.0}]}
+CHAT_ROW = {"prompt": [{"role": "user", "content": "How do I bake bread?"}],
+            "chosen": [{"role": "assistant", "content": "Mix flour, water and yeast, then bake it."}],
+            "rejected": [{"role": "assistant", "content": "No."}]}
+
+
+def sft(s: Scratch, *extra: str) -> list[str]:
+    return ["-m", "trainer.sft", "--config", TINY_SFT, "--output_dir", str(s.path("sft-run")), *QUICK, *extra]
+
+
+def sft_rows(s: Scratch, name: str, bad: str, policy: str) -> list[str]:
+    data = rows_file(s.path(f"{name}.jsonl"), [hh_row(i) for i in range(120)] + [bad])
+    return sft(s, "--dataset", data, "--on_bad_row", policy)
+
+
+def chat_template(s: Scratch, name: str, content: bytes) -> list[str]:
+    data = rows_file(s.path("chat.jsonl"), [CHAT_ROW] * 40)
+    return sft(s, "--dataset", data, "--chat_template", s.template(name, content))
+
+
+def collect(s: Scratch, name: str, manifest) -> list[str]:
+    return ["-m", "benchmarks.gpu.collect", s.archive(name, manifest), "--results_dir", str(s.path("results")),
+            "--readme", str(s.path("README.md"))]
+
+
+def busy_output_dir(s: Scratch) -> list[str]:
+    """A second run on the folder of a run that holds its lock: this case starts the first one itself."""
+    out = s.path("busy")
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; from trainer.engine.run_lock import RunLock; "
+                               "os.makedirs(sys.argv[1], exist_ok=True); "
+                               "lock = RunLock.acquire(sys.argv[1]); print('held', flush=True); "
+                               "time.sleep(120)", str(out)], cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True)
+    holder.stdout.readline()
+    s.holders = getattr(s, "holders", []) + [holder]
+    return ["-m", "trainer.sft", "--config", TINY_SFT, "--output_dir", str(out), *QUICK]
+
+
+def full_disk(s: Scratch) -> list[str]:
+    """A run whose output folder is a 256 KiB tmpfs: the first checkpoint does not fit."""
+    mount = s.path("small-disk")
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], check=True, capture_output=True)
+    s.mounts = getattr(s, "mounts", []) + [mount]
+    return ["-m", "trainer.sft", "--config", TINY_SFT, "--output_dir", str(mount / "run"), "--max_steps", "2",
+            "--save_every", "1", "--eval_every", "0"]
+
+
+def duplicate_yaml(s: Scratch, text: str) -> list[str]:
+    path = s.path("duplicate.yaml")
+    path.write_text(text)
+    return ["-m", "trainer.sft", "--config", str(path), "--output_dir", str(s.path("dup-run"))]
+
+
+def other_shape(record: dict) -> None:
+    record["base_shape"] = {**record.get("base_shape", {}), "num_hidden_layers": 3}
+
+
+# (issue item, what is wrong, how the command is built)
+CASES: list[tuple[str, str, Callable[[Scratch], list[str]]]] = [
+    ("1", "export: the adapter's base_model.json asks for trust_remote_code",
+     lambda s: ["-m", "trainer.export", "--adapter",
+                s.adapter_copy("trusting", lambda r: r.update(trust_remote_code=True)), "--out", str(s.path("x1"))]),
+    ("1", "evaluate: the same adapter",
+     lambda s: ["-m", "trainer.evaluate", "sft", "--adapter", str(s.path("trusting")), "--data",
+                rows_file(s.path("eval.jsonl"), [hh_row(i) for i in range(8)])]),
+    ("1", "collect: manifest part `../victim`", lambda s: collect(s, "climbs", {**GOOD_MANIFEST, "part": "../victim"})),
+    ("1", "collect: manifest part is an absolute path",
+     lambda s: collect(s, "absolute", {**GOOD_MANIFEST, "part": str(s.path("victim"))})),
+    ("1", "collect: manifest without `model`",
+     lambda s: collect(s, "no-model", {k: v for k, v in GOOD_MANIFEST.items() if k != "model"})),
+    ("1", "collect: manifest part is a number", lambda s: collect(s, "number", {**GOOD_MANIFEST, "part": 7})),
+    ("1", "collect: manifest is a list", lambda s: collect(s, "list", [GOOD_MANIFEST])),
+    ("1", "collect: manifest is not JSON", lambda s: collect(s, "not-json", b"{part: memory")),
+    ("2", "a second run on a busy --output_dir", busy_output_dir),
+    ("2", "the disk fills while checkpointing", full_disk),
+    ("2", "PPO: an SFT adapter recorded on another base shape",
+     lambda s: ["-m", "trainer.ppo", "--config", TINY_PPO, "--output_dir", str(s.path("ppo-run")), "--sft_adapter",
+                s.adapter_copy("other-shape", other_shape), *QUICK]),
+    ("2", "evaluate: a tiny adapter on SmolLM2",
+     lambda s: ["-m", "trainer.evaluate", "sft", "--adapter", str(s.adapter()), "--split", "eval",
+                "--model_name_or_path", "smollm2-135m"]),
+    ("2", "export: a LoHa adapter",
+     lambda s: ["-m", "trainer.export", "--adapter", loha(s), "--out", str(s.path("x2"))]),
+    ("2", "--learning_rate 1e30", lambda s: sft(s, "--learning_rate", "1e30")),
+    ("2", "--learning_rate inf", lambda s: sft(s, "--learning_rate", "inf")),
+    ("2", "--weight_decay inf", lambda s: sft(s, "--weight_decay", "inf")),
+    ("2", "YAML: a key twice in one section",
+     lambda s: duplicate_yaml(s, "train:\n  max_steps: 1\n  micro_batch_size: 4\n  max_steps: 2\n")),
+    ("2", "YAML: a section twice", lambda s: duplicate_yaml(s, "train:\n  max_steps: 1\nmodel:\n  lora_r: 4\n"
+                                                             "train:\n  micro_batch_size: 4\n")),
+    ("2", "GRPO: --num_generations 1",
+     lambda s: ["-m", "trainer.grpo", "--config", TINY_GRPO, "--output_dir", str(s.path("g")), "--num_generations", "1"]),
+    ("2", "GRPO: --temperature 0",
+     lambda s: ["-m", "trainer.grpo", "--config", TINY_GRPO, "--output_dir", str(s.path("g")), "--temperature", "0"]),
+    ("2", "PPO: --temperature inf",
+     lambda s: ["-m", "trainer.ppo", "--config", TINY_PPO, "--output_dir", str(s.path("p")), "--temperature", "inf"]),
+    ("2", "SFT: --max_length past the model's positions", lambda s: sft(s, "--max_length", "2048")),
+    ("2", "PPO: prompt + --max_new_tokens past the model's positions",
+     lambda s: ["-m", "trainer.ppo", "--config", TINY_PPO, "--output_dir", str(s.path("p")), "--max_new_tokens", "1010"]),
+    ("3", "a row with a lone surrogate, --on_bad_row skip",
+     lambda s: sft_rows(s, "surrogate", r'{"chosen": "\n\nHuman: Hi \ud800\n\nAssistant: Hello", '
+                                        r'"rejected": "\n\nHuman: Hi \ud800\n\nAssistant: No"}', "skip")),
+    ("3", "the same row, --on_bad_row error",
+     lambda s: sft_rows(s, "surrogate", r'{"chosen": "\n\nHuman: Hi \ud800\n\nAssistant: Hello", '
+                                        r'"rejected": "\n\nHuman: Hi \ud800\n\nAssistant: No"}', "error")),
+    ("3", "a row nested 200,000 deep, --on_bad_row skip",
+     lambda s: sft_rows(s, "deep", "[" * 200_000 + "]" * 200_000, "skip")),
+    ("3", "a row with a 5,000-digit integer, --on_bad_row skip",
+     lambda s: sft_rows(s, "huge-int", '{"chosen": ' + "7" * 5000 + ', "rejected": "No."}', "skip")),
+    ("3", "chat template that raises", lambda s: chat_template(s, "raises.jinja", b"{{ raise_exception('roles') }}")),
+    ("3", "chat template that does not parse", lambda s: chat_template(s, "syntax.jinja", b"{% for m in messages %}")),
+    ("3", "chat template printing an undefined name",
+     lambda s: chat_template(s, "undefined.jinja", b"{% for m in messages %}{{ m.content }}{{ end_of_turn }}{% endfor %}")),
+    ("3", "chat template that is not UTF-8", lambda s: chat_template(s, "latin1.jinja", b"{{ messages }} caf\xe9")),
+    ("3", "chat template blocked by the sandbox", lambda s: chat_template(s, "sandbox.jinja", b"{{ messages.append(1) }}")),
+    ("3", "200 rows sharing one prompt",
+     lambda s: sft(s, "--dataset", rows_file(s.path("one-prompt.jsonl"), [
+         {"chosen": hh_row(0)["chosen"] + f" Variant {i}.", "rejected": hh_row(0)["rejected"]} for i in range(200)]))),
+    ("3", "--seed -1", lambda s: sft(s, "--seed", "-1")),
+    ("3", "evaluate: --output_file is a folder",
+     lambda s: ["-m", "trainer.evaluate", "sft", "--adapter", str(s.adapter()), "--split", "eval", "--output_file",
+                str(s.root)]),
+    ("3", "pipeline: --run_dir is a file",
+     lambda s: ["-m", "trainer.pipeline", "--run_dir", rows_file(s.path("a-file.txt"), [])]),
+]
+
+
+def loha(s: Scratch) -> str:
+    """A copy of the tiny adapter whose adapter_config.json says LOHA."""
+    folder = s.path("loha")
+    if not folder.exists():
+        shutil.copytree(s.adapter(), folder)
+        config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "LOHA"}))
+    return str(folder)
+
+
+def run_case(s: Scratch, build: Callable[[Scratch], list[str]]) -> dict:
+    try:
+        argv = build(s)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return {"command": None, "exit_code": None, "line": f"not run here: {exc}"}
+    proc = subprocess.run([sys.executable, *argv], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    # A skipped row is logged (time, level, logger, message) where the data is read.
+    skipped = [line for line in (proc.stdout + proc.stderr).splitlines() if " skipped " in line]
+    line = errors[-1] if errors else (skipped[-1].split(" ", 3)[-1] if skipped else "")
+    command = " ".join(["python", *(a.replace(str(s.root), "$SCRATCH") if len(a) < 200 else a[:40] + "..." for a in argv)])
+    return {"command": command, "exit_code": proc.returncode, "line": line.replace(str(s.root), "$SCRATCH"),
+            "one_line": len(errors) <= 1 and "Traceback" not in proc.stderr}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out_dir", default="benchmarks/results/bad_inputs")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        s = Scratch(Path(tmp))
+        try:
+            for item, what, build in CASES:
+                rows.append({"item": item, "case": what, **run_case(s, build)})
+                print(f"{rows[-1]['exit_code']}  {what}: {rows[-1]['line'][:150]}", flush=True)
+        finally:
+            for holder in getattr(s, "holders", []):
+                holder.kill()
+            for mount in getattr(s, "mounts", []):
+                subprocess.run(["umount", str(mount)], capture_output=True)
+    lines = ["| item | bad input | exit | one line printed (or the counted bad row) |", "|---|---|---|---|"]
+    for r in rows:
+        text = r["line"].replace("|", "\\|")
+        lines.append(f"| {r['item']} | {r['case']} | {r['exit_code']} | `{text}` |")
+    lines += ["", "Pinned by tests only (a fault in the middle of a command):", ""]
+    lines += [f"- item {item}: {what}: `{test}`" for item, what, test in PINNED_BY_TESTS]
+    out = Path(args.out_dir)
+    meta = provenance()
+    write_atomic(out / "result.json", json.dumps({"provenance": meta, "cases": rows}, indent=2))
+    write_atomic(out / "README.md", f"# Bad inputs: exit code and one line each\n\n`{meta['command']}` at "
+                 f"{meta['git_revision']}, {meta['date']}. Commands shown with the scratch folder as $SCRATCH.\n\n"
+                 + "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
