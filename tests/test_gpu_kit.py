@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("check", "memory", "speed", "ladder", "stages")
+# `speed` runs in smoke mode the code of `first`'s last two steps (its GPU-only steps are pinned below).
+PARTS = ("first", "check", "memory", "ladder", "stages")
+FIRST_STEPS = ["versions", "gpu-tests", "sft", "reward", "ppo", "vs-estimate", "decode", "ppo_vs_trl"]
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +92,46 @@ def test_memory_records_each_stage_and_compares_it_with_the_estimator(smoke):
     assert config["stage"]["min_new_tokens"] == config["stage"]["max_new_tokens"]  # fixed-length generation
 
 
-def test_speed_compares_with_trl_on_the_same_work_and_measures_decode(smoke):
+def test_the_first_call_runs_its_steps_in_the_order_of_their_value(smoke):
+    """One device call returns the headline figures: the CUDA path's tests, the seed recipe's PPO memory per
+    component and phase against the estimator, decode at batch 16, then one PPO step against TRL's."""
     _, unpacked = smoke
-    report = json.loads((unpacked / "speed" / "ppo_vs_trl" / "ppo_vs_trl.json").read_text())
+    manifest = json.loads((unpacked / "first" / "manifest.json").read_text())
+    assert [s["name"] for s in manifest["steps"]] == FIRST_STEPS
+    tests = (unpacked / "first" / "gpu-tests.xml").read_text()
+    assert 0 < int(re.search(r'tests="(\d+)"', tests).group(1)) < len(re.findall(r"^def test_", (
+        ROOT / "tests" / "test_gpu.py").read_text(), re.M))  # the subset the later steps do not prove
+    memory = json.loads((unpacked / "first" / "ppo" / "memory.json").read_text())
+    assert {"adapter/policy", "adapter/reference", "adapter/value", "adapter/reward"} <= set(
+        memory["phases"][-1]["components"])  # the seed recipe's four adapters on one base
+    phases = {p["phase"] for p in json.loads((unpacked / "first" / "ppo" / "vs_estimate.json").read_text())["phases"]}
+    assert {"generate", "score", "update", "optimizer_step"} <= phases
+    metrics = [json.loads(line) for line in (unpacked / "first" / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("step", 0) for r in metrics) == 2
+
+
+def test_a_first_call_out_of_time_records_the_later_steps_as_cut_and_still_comes_back(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.run(["benchmarks/gpu/run.sh", "--smoke", "--budget_s", "20", "first"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (archive,) = out.glob("*.tar.gz")
+    from benchmarks.gpu.collect import END, START, main
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{START}\n{END}\n")
+    (folder,) = main([str(archive), "--results_dir", str(tmp_path / "results"), "--readme", str(readme)])
+    manifest = json.loads((folder / "manifest.json").read_text())
+    statuses = [s["status"] for s in manifest["steps"]]
+    assert [s["name"] for s in manifest["steps"]] == FIRST_STEPS and manifest["budget_s"] == 20
+    assert statuses[0] == "ok" and statuses[-1] == "cut"  # the versions ran; TRL's side was never reached
+    assert set(statuses) <= {"ok", "cut"} and statuses == sorted(statuses, key=lambda s: s == "cut")
+
+
+def test_first_compares_with_trl_on_the_same_work_and_measures_decode(smoke):
+    _, unpacked = smoke
+    report = json.loads((unpacked / "first" / "ppo_vs_trl" / "ppo_vs_trl.json").read_text())
     assert report["tokens_per_step"] == {"generated": 4 * 6, "update": 4 * (16 + 6) * 2}
     for name in ("ours", "trl"):
         side = report["sides"][name]
@@ -106,8 +145,8 @@ def test_speed_compares_with_trl_on_the_same_work_and_measures_decode(smoke):
     assert report["sides"]["ours"]["summary"]["optimizer_steps"] == 2 * 2
     assert report["sides"]["trl"]["summary"]["optimizer_steps"] == 2
     assert "ppo_step" in report["sides"]["ours"]["setup"]["step"]
-    decode = json.loads((unpacked / "speed" / "decode" / "decode.json").read_text())
-    assert [r["batch"] for r in decode["rows"]] == [1, 4]
+    decode = json.loads((unpacked / "first" / "decode" / "decode.json").read_text())
+    assert [r["batch"] for r in decode["rows"]] == [4]
     assert all(r["tokens_per_s"] > 0 and 0 < r["bandwidth_fraction"] < 1 for r in decode["rows"])
     assert decode["bytes_per_decode_step"] > decode["bytes_read_per_decode_step"]["base_weights"] > 0
 
@@ -190,6 +229,8 @@ def test_the_full_speed_part_ends_with_the_compiled_ablations_on_the_same_work(t
     CUDA-graph decoding in PPO are untried: a failure there costs nothing else)."""
     from benchmarks.gpu.parts import PartArguments, steps_for
 
+    smoke = steps_for(PartArguments(part="speed", out=str(tmp_path), smoke=True), tmp_path)
+    assert [s.name for s in smoke] == ["ppo_vs_trl", "decode"]  # in smoke mode, `first`'s code (run above)
     steps = steps_for(PartArguments(part="speed", out=str(tmp_path)), tmp_path)
     assert [s.name for s in steps] == ["ppo_vs_trl", "decode", "decode-paths", "ppo_compiled"]
     main, compiled = steps[0].argv, steps[-1].argv

@@ -2,6 +2,12 @@
 
     python -m benchmarks.gpu.parts PART --out DIR [--smoke]
 
+- first:  the headline figures in one device call, in the order of their value: the GPU tests that
+          prove the CUDA path (NF4 against bf16, adapter isolation after a PPO update, paged 8-bit
+          AdamW, the recorder's allocator and NVML fields, the simulated card), the seed recipe's PPO
+          on the Llama-2-7B architecture (NF4, 2 steps, after one step each of SFT and reward for its
+          adapters) with memory recorded per component and phase against the estimator, decode
+          tokens/s at batch 16 against the bandwidth bound, then one PPO step against TRL's.
 - check:  nvidia-smi, library versions, and the GPU tests (`pytest -m gpu tests/test_gpu.py`).
 - memory: the seed recipe's SFT, reward model and PPO stages (trainer/configs/llama2_7b/) on the
           Llama-2-7B architecture (random weights, NF4) under a simulated 24 GB card with
@@ -38,20 +44,22 @@ from profiling.cli import Checked, UsageError, at_least, one_of, parse, run
 from profiling.files import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-PARTS = ("check", "memory", "speed", "ladder", "stages")
-BUDGET_S = {"check": 90, "memory": 540, "speed": 540, "ladder": 540, "stages": 540}  # + wheel install and packing < 600
+PARTS = ("first", "check", "memory", "speed", "ladder", "stages")
+# Seconds of steps; the wheel install and packing come on top. `first` fits one 8-minute call.
+BUDGET_S = {"first": 420, "check": 90, "memory": 540, "speed": 540, "ladder": 540, "stages": 540}
+CUT = "cut"  # the part's budget ran out before (or while) the step ran: a step never measured, not a result
 
 
 @dataclass
 class PartArguments(Checked):
-    part: str = field(default="check", metadata={"help": "check, memory, speed, ladder or stages."})
+    part: str = field(default="first", metadata={"help": "first, check, memory, speed, ladder or stages."})
     out: str = field(default="gpu-out", metadata={"help": "Folder the part writes into (then packed by run.sh)."})
     smoke: bool = field(default=False, metadata={"help": "Same code paths on the CPU with the tiny preset."})
     data: str = field(default=".data/hh-rlhf", metadata={"help": "hh-rlhf rows carried to the GPU machine."})
     tokenizer: str = field(default=".data/tokenizer", metadata={"help": "Exported tokenizer (prepare.sh)."})
     budget_s: int = field(default=0, metadata={"help": "Seconds the whole part may take; 0: the part's own "
-                                               "(check 90, memory, speed and ladder 540: a device command "
-                                               "gets 600, and `check memory` share one)."})
+                                               "(first 420, check 90, the others 540: a device command "
+                                               "gets 600)."})
 
     RULES = {"part": one_of(*PARTS), "budget_s": at_least(0)}
 
@@ -122,41 +130,73 @@ def stages_vs_trl(args: PartArguments, stage: str, out: Path) -> list[str]:
             "--out_dir", str(out / f"stages_vs_trl-{stage}")]
 
 
+# The GPU tests the first call keeps: the correctness of the CUDA path, which its later steps only run.
+FIRST_GPU_TESTS = "nf4 or paged or moves_only or recorder or simulated"
+
+
+def ppo_work(args: PartArguments) -> list[str]:
+    """The PPO work of the speed comparison: 16 prompts of 256 tokens, 128 new tokens (a few on the CPU)."""
+    if args.smoke:
+        return ["--prompt_length", "16", "--max_new_tokens", "6", "--rollout_batch_size", "4",
+                "--rollout_micro_batch_size", "4", "--mini_batch_size", "2", "--micro_batch_size", "2",
+                "--steps", "1", "--warmup_runs", "1"]
+    return ["--attn_implementation", "sdpa", "--optimizer", "paged_adamw_8bit", "--prompt_length", "256",
+            "--max_new_tokens", "128", "--rollout_batch_size", "16", "--rollout_micro_batch_size", "16",
+            "--mini_batch_size", "8", "--micro_batch_size", "4", "--ppo_epochs", "2", "--steps", "1",
+            "--warmup_runs", "1", "--lora_r", "16", "--lora_alpha", "32"]
+
+
+def seed_ppo_steps(args: PartArguments, out: Path, ppo_steps: int) -> list[Step]:
+    """SFT and reward (their adapters), then the seed recipe's PPO, each with its memory recorded."""
+    ppo = ["--sft_adapter", str(out / "sft" / "adapter"), "--reward_adapter", str(out / "reward" / "adapter"),
+           "--eval_prompts", "0", "--min_new_tokens", "128" if not args.smoke else "8"]
+    if args.smoke:
+        ppo += ["--max_new_tokens", "8", "--rollout_batch_size", "4", "--rollout_micro_batch_size", "4",
+                "--mini_batch_size", "2"]
+    sft_reward_steps = [] if args.part == "memory" else ["--max_steps", "1"]
+    return [Step("sft", stage_run(args, "sft", out, *sft_reward_steps)),
+            Step("reward", stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"),
+                                     *sft_reward_steps)),
+            Step("ppo", stage_run(args, "ppo", out, *ppo, "--max_steps", str(ppo_steps)))]
+
+
 def steps_for(args: PartArguments, out: Path) -> list[Step]:
+    if args.part == "first":
+        decode = (["--batches", "4", "--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05"]
+                  if args.smoke else ["--batches", "16", "--prompt_tokens", "128", "--new_tokens", "64"])
+        return [Step("versions", [python(), "-m", "benchmarks.gpu.versions", str(out / "versions.json")]),
+                Step("gpu-tests", [python(), "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q",
+                                   "tests/test_gpu.py", "-k", FIRST_GPU_TESTS, f"--junitxml={out / 'gpu-tests.xml'}"]),
+                *seed_ppo_steps(args, out, ppo_steps=2),
+                Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "ppo")]),
+                Step("decode", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), *decode,
+                                "--out_dir", str(out / "decode")]),
+                Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args), *data_flags(args),
+                                    *cap_flags(args), *ppo_work(args), "--sides", "ours,trl",
+                                    "--out_dir", str(out / "ppo_vs_trl")])]
     if args.part == "check":
         return [Step("nvidia-smi", ["nvidia-smi"]),
                 Step("versions", [python(), "-m", "benchmarks.gpu.versions", str(out / "versions.json")]),
                 Step("gpu-tests", [python(), "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q",
                                    "tests/test_gpu.py", f"--junitxml={out / 'gpu-tests.xml'}"])]
     if args.part == "memory":
-        ppo = ["--sft_adapter", str(out / "sft" / "adapter"), "--reward_adapter", str(out / "reward" / "adapter"),
-               "--eval_prompts", "0", "--min_new_tokens", "128" if not args.smoke else "8"]
         # GRPO (trainer/configs/llama2_7b/grpo.yaml: 4 prompts x 4 responses, no value adapter) after PPO,
         # so that a part cut short by its budget still has the PPO figures.
-        grpo = ppo + (["--max_new_tokens", "8", "--rollout_batch_size", "2", "--num_generations", "2",
-                       "--rollout_micro_batch_size", "4", "--mini_batch_size", "2"] if args.smoke else [])
-        if args.smoke:
-            ppo += ["--max_new_tokens", "8", "--rollout_batch_size", "4", "--rollout_micro_batch_size", "4",
-                    "--mini_batch_size", "2"]
-        return [Step("sft", stage_run(args, "sft", out)),
-                Step("reward", stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"))),
-                Step("ppo", stage_run(args, "ppo", out, *ppo, "--max_steps", "3")),
+        grpo = ["--sft_adapter", str(out / "sft" / "adapter"), "--reward_adapter", str(out / "reward" / "adapter"),
+                "--eval_prompts", "0", "--min_new_tokens", "128" if not args.smoke else "8"]
+        grpo += (["--max_new_tokens", "8", "--rollout_batch_size", "2", "--num_generations", "2",
+                  "--rollout_micro_batch_size", "4", "--mini_batch_size", "2"] if args.smoke else [])
+        return [*seed_ppo_steps(args, out, ppo_steps=3),
                 Step("grpo", stage_run(args, "grpo", out, *grpo, "--max_steps", "2")),
                 Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate",
                                      *(str(out / s) for s in ("sft", "reward", "ppo", "grpo"))])]
     if args.part == "speed":
+        work = ppo_work(args)
         if args.smoke:
-            work = ["--prompt_length", "16", "--max_new_tokens", "6", "--rollout_batch_size", "4",
-                    "--rollout_micro_batch_size", "4", "--mini_batch_size", "2", "--micro_batch_size", "2",
-                    "--steps", "1", "--warmup_runs", "1"]
             decode = ["--batches", "1,4", "--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1",
                       "--copy_gib", "0.05"]
             sides = []
         else:
-            work = ["--attn_implementation", "sdpa", "--optimizer", "paged_adamw_8bit", "--prompt_length", "256",
-                    "--max_new_tokens", "128", "--rollout_batch_size", "16", "--rollout_micro_batch_size", "16",
-                    "--mini_batch_size", "8", "--micro_batch_size", "4", "--ppo_epochs", "2", "--steps", "1",
-                    "--warmup_runs", "1", "--lora_r", "16", "--lora_alpha", "32"]
             sides = ["--sides", "ours,ours_separate,trl"]  # the fused-vs-separate ablation where it should pay
             decode = ["--batches", "1,16,64", "--prompt_tokens", "128", "--new_tokens", "64"]
         steps = [Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args), *data_flags(args),
@@ -217,7 +257,7 @@ def run_steps(steps: list[Step], out: Path, deadline: float) -> None:
     for step in steps:
         left = deadline - time.time()
         if left < 10:
-            step.status = "skipped: no time left in the part"
+            step.status = CUT
             continue
         started = time.time()
         log = out / "logs" / f"{step.name}.log"
@@ -233,7 +273,7 @@ def run_steps(steps: list[Step], out: Path, deadline: float) -> None:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                    step.status = "timeout"
+                    step.status = CUT
         except OSError as exc:  # nvidia-smi on a machine without it
             step.status = f"not available ({exc.strerror or exc})"
         step.seconds = time.time() - started

@@ -39,12 +39,11 @@ if (( total_mib >= LIMIT_MIB )); then
 fi
 cat <<EOF
 
-Ready (revision $rev). On the GPU machine, three calls, each with carry [".whl", ".data"]:
+Ready (revision $rev). On the GPU machine, ONE call this session, carry [".whl", ".data"], timeout_s 540:
 
-  benchmarks/gpu/run.sh check memory
-  benchmarks/gpu/run.sh speed
-  benchmarks/gpu/run.sh ladder
+  benchmarks/gpu/run.sh first
 
+(later sessions, one call each: memory, speed, stages, ladder, check; benchmarks/gpu/README.md).
 Each writes \$OUT/PART-llama-2-7b-GPU.tar.gz; back here:
 
   .venv/bin/python -m benchmarks.gpu.collect /work/.device/.../*.tar.gz     # the folder files_at names

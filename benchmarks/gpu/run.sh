@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU kit, on the GPU machine: run one or more parts and pack each into ONE archive under $OUT.
 #
-#   benchmarks/gpu/run.sh [--smoke] PART [PART ...]     PART: check | memory | speed | ladder | stages
+#   benchmarks/gpu/run.sh [--smoke] [--budget_s N] PART [PART ...]
+#       PART: first | check | memory | speed | ladder | stages     (first: one call, the headline figures)
 #
 # On the GPU machine (no index, no hub): installs the carried wheels (.whl/, from prepare.sh) into
 # /tmp/site first. --smoke runs the same code paths on the CPU with the tiny preset (what CI runs).
@@ -9,9 +10,10 @@
 # it here with `python -m benchmarks.gpu.collect ARCHIVE...`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-smoke=()
+smoke=() budget=()
 if [[ ${1:-} == --smoke ]]; then smoke=(--smoke true); shift; fi
-[[ $# -ge 1 ]] || { echo "usage: benchmarks/gpu/run.sh [--smoke] check|memory|speed|ladder|stages ..." >&2; exit 2; }
+if [[ ${1:-} == --budget_s ]]; then budget=(--budget_s "${2:?--budget_s needs seconds}"); shift 2; fi
+[[ $# -ge 1 ]] || { echo "usage: benchmarks/gpu/run.sh [--smoke] [--budget_s N] first|check|memory|speed|ladder|stages ..." >&2; exit 2; }
 OUT=${OUT:-$PWD/.gpu-out}
 mkdir -p "$OUT"
 # The project's venv where there is one (development machines, CI); the GPU machine's own python3 there.
@@ -33,7 +35,7 @@ work=.gpu-work  # inside the project: the parts' commands and files name it rela
 rm -rf "$work" && mkdir -p "$work"
 status=0
 for part in "$@"; do
-  "$PY" -m benchmarks.gpu.parts "$part" --out "$work/$part" ${smoke[@]+"${smoke[@]}"} || status=$?
+  "$PY" -m benchmarks.gpu.parts "$part" --out "$work/$part" ${smoke[@]+"${smoke[@]}"} ${budget[@]+"${budget[@]}"} || status=$?
   [[ -d $work/$part ]] || continue  # the part never started (a typo in its name: parts.py said so)
   name=$("$PY" -c "import json,sys; m=json.load(open(sys.argv[1])); print('-'.join([m['part'], m['model'], 'smoke' if m['smoke'] else m['device_slug']]))" "$work/$part/manifest.json" 2>/dev/null || echo "$part-failed")
   # weights and checkpoints stay behind: the 7B adapters alone are 160 MB each
