@@ -102,6 +102,20 @@ class Engine:
                                        budget_bytes=int(train_args.memory_budget_gib * GIB),
                                        enabled=train_args.profile_memory and accelerator.is_main_process)
 
+    def loss_divisor(self, accumulation_steps: int) -> int:
+        """What a backward's gradient ends up divided by: Accelerate's (or DeepSpeed's, fixed at prepare) division
+        by the accumulation steps, times the ranks' gradient average."""
+        steps = self.model.gradient_accumulation_steps() if self.deepspeed else accumulation_steps
+        return steps * self.accelerator.num_processes
+
+    def step_units(self, local_units: float) -> float:
+        """The units (tokens, pairs, rows) an optimizer step's loss is a mean over, summed over the ranks (>= 1)."""
+        acc = self.accelerator
+        total = float(local_units)
+        if acc.num_processes > 1:
+            total = float(acc.reduce(torch.tensor(total, dtype=torch.float64, device=acc.device), reduction="sum"))
+        return max(total, 1.0)
+
     def backward(self, loss: torch.Tensor) -> bool:
         """Backpropagate `loss` if it is finite on every rank; returns whether it was.
 
@@ -324,9 +338,7 @@ def supervised_step(engine: Engine, compute_loss: Callable[[dict, float], StepOu
     is summed over its micro-batches and ranks before any backward pass, and `compute_loss(batch, normaliser)`
     divides its summed loss by `normaliser` (`step_mean_share`). Logged, "train/loss" is the step's mean."""
     acc = engine.accelerator
-    # Accelerate (or DeepSpeed) divides each backward's loss by its accumulation steps, and the ranks'
-    # gradients are averaged: the normaliser undoes both.
-    divided = engine.model.gradient_accumulation_steps() if engine.deepspeed else acc.gradient_accumulation_steps
+    divisor = engine.loss_divisor(acc.gradient_accumulation_steps)  # the normaliser undoes it
 
     first = [True]  # the first step of this process meters what autograd saves for backward
 
@@ -335,9 +347,7 @@ def supervised_step(engine: Engine, compute_loss: Callable[[dict, float], StepOu
         tokens, finite, shares = 0, True, 0.0
         lr = engine.scheduler.get_last_lr()[0]
         micro_batches = [next(batches) for _ in range(accumulation_steps)]
-        local = torch.tensor(sum(units(batch) for batch in micro_batches), dtype=torch.long, device=acc.device)
-        step_units = max(int(acc.reduce(local, "sum").item()), 1)
-        normaliser = step_units / (acc.num_processes * divided)
+        normaliser = engine.step_units(sum(units(batch) for batch in micro_batches)) / divisor
         with engine.recorder.phase("forward_backward", count_saved=first[0]):
             for batch in micro_batches:
                 with acc.accumulate(engine.model), acc.autocast():
@@ -350,8 +360,8 @@ def supervised_step(engine: Engine, compute_loss: Callable[[dict, float], StepOu
             engine.recorder.sample()  # gradients are alive here
         first[0] = False
         stepped, sound, grad_norm = engine.optimizer_step(finite)
-        # This rank's shares / `divided` is ranks x its part of the step's mean: the mean over ranks is the step's.
-        sums["train/loss"] = shares / divided
+        # This rank's shares x ranks / `divisor` is its part of the step's mean x ranks: their mean is the step's.
+        sums["train/loss"] = shares * acc.num_processes / divisor
         return StepResult({**sums, "train/lr": lr, "train/grad_norm": grad_norm}, finite=sound, stepped=stepped,
                           tokens=tokens)
 

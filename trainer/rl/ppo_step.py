@@ -203,15 +203,10 @@ def _accumulate(engine: Engine, rows: torch.Tensor, micro: int,
     chunks = [rows[i : i + micro] for i in range(0, len(rows), micro)]
     acc.gradient_accumulation_steps = len(chunks)
     acc.step = 0  # realign the accumulation counter (after an OOM retry, too)
-    # Accelerate (or DeepSpeed, its steps fixed at prepare) divides each backward's loss by its accumulation
-    # steps, and the ranks' gradients are averaged: `scale` undoes both.
-    divided = engine.model.gradient_accumulation_steps() if engine.deepspeed else len(chunks)
     counts = [float(count_of(chunk)) for chunk in chunks]
     local = sum(counts)
-    total = local
-    if acc.num_processes > 1:
-        total = float(acc.reduce(torch.tensor(local, dtype=torch.float64, device=acc.device), reduction="sum"))
-    scale = divided * acc.num_processes / max(total, 1.0)
+    # undoes Accelerate's division by the accumulation steps and the ranks' average
+    scale = engine.loss_divisor(len(chunks)) / engine.step_units(local)
     sums: dict[str, float] = defaultdict(float)
     finite = True
     for chunk, count in zip(chunks, counts):
