@@ -23,8 +23,8 @@ from io import BytesIO
 from pathlib import Path
 from typing import Callable
 
-from profiling.files import write_atomic
-from profiling.provenance import PROJECT_ROOT, provenance
+from foundation.files import write_atomic
+from foundation.provenance import PROJECT_ROOT, provenance
 
 TINY_SFT = "tests/configs/tiny_sft.yaml"
 TINY_PPO = "tests/configs/tiny_ppo.yaml"

@@ -15,9 +15,9 @@ import os
 import shutil
 from pathlib import Path
 
-from profiling.cli import InputError, argument_parser, run
-from profiling.files import write_atomic
-from profiling.provenance import PROJECT_ROOT, provenance
+from foundation.cli import InputError, argument_parser, run
+from foundation.files import write_atomic
+from foundation.provenance import PROJECT_ROOT, provenance
 
 STAGE_FILES = ("config.json", "results.json", "metrics.jsonl", "memory.json", "memory.md", "memory.png")
 RUN_FILES = ("report.md", "curves.png", "comparison.json")

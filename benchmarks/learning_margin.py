@@ -20,8 +20,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-from profiling.files import write_atomic
-from profiling.provenance import PROJECT_ROOT, provenance
+from foundation.files import write_atomic
+from foundation.provenance import PROJECT_ROOT, provenance
 
 CONFIGS = {"ppo": "tests/configs/smol_ppo_chars.yaml", "grpo": "tests/configs/smol_grpo_chars.yaml"}
 # The advantage function each stage's step calls, and how to negate its output.

@@ -52,7 +52,7 @@ def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
 
 
 def build_model(args: Workload, vocab_size: int, device: torch.device, head_dirs: dict[str, str]):
-    """ONE base with PPO's adapters (profiling.stages' table); the value and reward heads from files."""
+    """ONE base with PPO's adapters (foundation.stages' table); the value and reward heads from files."""
     specs = stage_specs("ppo", {})
     for spec in specs:
         spec.head_from = head_dirs.get(spec.name) if spec.head else None

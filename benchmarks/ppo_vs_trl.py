@@ -39,7 +39,7 @@ from benchmarks.workload import (
     TRL_SIDES, Workload, export_tokenizer, fixed_length_prompts, head_weights, hidden_size, load_bench_tokenizer,
     trl_batch_settings, write_heads,
 )
-from profiling.cli import run
+from foundation.cli import run
 
 logger = logging.getLogger("benchmarks.ppo_vs_trl")
 ROOT = Path(__file__).resolve().parent.parent
@@ -235,7 +235,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 def run_benchmark(args: Workload, argv: list[str], accelerator) -> dict:
-    from profiling.provenance import provenance
+    from foundation.provenance import provenance
 
     sides = args.side_list
     device = accelerator.device

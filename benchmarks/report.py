@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from profiling.provenance import shown_command
+from foundation.provenance import shown_command
 
 GIB = 2**30
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from profiling.provenance import shown_command
+from foundation.provenance import shown_command
 
 GB = 1e9
 METRIC = {"sft": ("perplexity", "held-out completion perplexity (lower is better)"),
@@ -153,7 +153,7 @@ START, END = "<!-- stages-results -->", "<!-- /stages-results -->"
 def update_readme(readme, table: str, command: str) -> None:
     """Put `table` between the stages-results markers of `readme` (the end marker is added after the start one
     the first time)."""
-    from profiling.files import write_atomic
+    from foundation.files import write_atomic
 
     text = readme.read_text()
     if START not in text:

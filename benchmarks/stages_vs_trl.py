@@ -33,7 +33,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from profiling.cli import Checked, UsageError, at_least, one_of, parse, run
+from foundation.cli import Checked, UsageError, at_least, one_of, parse, run
 from trainer.config import DataArguments, ModelArguments, TrainArguments
 from trainer.engine.launch import row_hash  # what our harness's row trace writes
 
@@ -310,7 +310,7 @@ def rescore(out_dir: Path, argv: list[str]) -> dict:
     metric added since the run, e.g. an interval), and count the tokens each side computed from its saved row
     trace where the result lacks them; record when, at which revision and with which command. The measured
     figures (times, memory) are left as they were."""
-    from profiling.provenance import provenance
+    from foundation.provenance import provenance
 
     path = out_dir / "stages_vs_trl.json"
     if not path.is_file():
@@ -342,7 +342,7 @@ def rescore(out_dir: Path, argv: list[str]) -> dict:
 
 
 def run_benchmark(w: StageWorkload, argv: list[str]) -> dict:
-    from profiling.provenance import provenance
+    from foundation.provenance import provenance
     from trainer.model.loading import load_tokenizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -384,8 +384,8 @@ def write_report(report: dict, out_dir: Path) -> None:
 
 
 def _command(argv: Sequence[str]) -> str:
-    """This command as run from the repo root, absolute paths made relative to it (profiling.provenance's rule)."""
-    from profiling.provenance import relative_command
+    """This command as run from the repo root, absolute paths made relative to it (foundation.provenance's rule)."""
+    from foundation.provenance import relative_command
 
     return "python -m benchmarks.stages_vs_trl " + relative_command(list(argv))
 

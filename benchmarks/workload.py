@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from profiling.cli import Checked, UsageError, at_least, parse
+from foundation.cli import Checked, UsageError, at_least, parse
 from trainer.config import DataArguments, ModelArguments, TrainArguments
 from trainer.ppo import PPOArguments
 

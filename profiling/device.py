@@ -6,7 +6,6 @@ on a machine without a GPU, and none of them invents a figure.
 
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass
 from typing import Optional
 
@@ -101,24 +100,4 @@ def normalize(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None and cuda_unavailable_reason(device) is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's name; for a CPU its model too, where the system tells it (ratios move with the CPU)."""
-    if device.type == "cuda" and cuda_unavailable_reason(device) is None:
-        return torch.cuda.get_device_name(device)
-    arch = platform.processor() or platform.machine()
-    model = cpu_model() if device.type == "cpu" else None
-    return f"{device.type} ({model}, {arch})" if model else f"{device.type} ({arch})"
-
-
-def cpu_model() -> Optional[str]:
-    """The CPU's model name from /proc/cpuinfo (Linux), or None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() or None
-    except OSError:
-        return None
     return None

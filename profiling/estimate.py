@@ -1,9 +1,9 @@
 """Predict device memory per component and phase for a stage, before running it (the command line).
 
-    python -m profiling.estimate --model llama-2-7b --stage ppo [--micro_batch_size 4 ...] [--compare-seed]
+    python -m profiling.estimate --model llama-2-7b --stage ppo [--micro_batch_size 4 ...]
 
 Prints the table (components down, phases across), the peak against the budget, what to change when it
-does not fit, and optionally seed 000's breakdown beside ours. The flags are the stage scripts' own
+does not fit (`python -m benchmarks.seed` sets seed 000's breakdown beside ours). The flags are the stage scripts' own
 (`--micro_batch_size`, `--max_new_tokens`, ...; the older `--micro_batch`, `--generation_length`, ...
 still work). `profiling.predict` holds the estimator itself.
 """
@@ -16,12 +16,12 @@ import sys
 from dataclasses import replace
 from typing import Optional
 
+from foundation.cli import parse, run
+from foundation.files import write_atomic
+from foundation.provenance import provenance
 from profiling import components as C
 from profiling.advice import advice_lines
-from profiling.cli import parse, run
-from profiling.files import write_atomic
 from profiling.predict import EstimateArguments, estimate, resolve_shape
-from profiling.provenance import provenance
 from profiling.report import markdown_table, write_reports
 
 
@@ -69,12 +69,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     lines, suggestions = advice_lines(shape, used, est)
     est["suggestions"] = suggestions
     print("\n".join(lines))
-    if args.compare_seed:
-        from profiling.seed import compare_seed
-
-        text, rows = compare_seed(shape, used, est)
-        est["seed_comparison"] = rows
-        print(text)
     if args.json:
         write_atomic(args.json, json.dumps(est, indent=2) + "\n")
     if args.out_dir:

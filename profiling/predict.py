@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional
 
+from foundation.cli import Checked, UsageError, above, at_least, between, one_of
+from foundation.stages import OLD_LOGPROBS, STAGES, sampled_logprobs, stage_adapters
 from profiling import activations as A
 from profiling import components as C
 from profiling import resolve
-from profiling.cli import Checked, UsageError, above, at_least, between, one_of
 from profiling.optimizers import OPTIMIZERS, gradient_bytes, optimizer_bytes, step_temporaries
 from profiling.shapes import DTYPE_BYTES, ModelShape, base_bytes, head_tensor_sizes, load_shape, lora_tensor_sizes
-from profiling.stages import OLD_LOGPROBS, STAGES, sampled_logprobs, stage_adapters
 
 
 def _alias(*names: str, **kwargs) -> Any:
@@ -90,7 +90,6 @@ class EstimateArguments(Checked):
     models: Optional[str] = field(default=None, metadata={
         "help": "Several models, comma-separated: one summary row each (parameters, base weights, peak per phase) "
                 "instead of one model's full table."})
-    compare_seed: bool = field(default=False, metadata={"help": "Compare with seed 000's 7B/4090 breakdown."})
     json: Optional[str] = field(default=None, metadata={"help": "Write the estimate as JSON to this file."})
     out_dir: Optional[str] = field(default=None, metadata={"help": "Write estimate.json/.md/.png here."})
 

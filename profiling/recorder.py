@@ -88,7 +88,7 @@ class MemoryRecorder:
         self.extra: dict[str, object] = {}
         self._open: list[dict] = []  # the phases entered and not yet left, outermost first
         self.peak_allocated = 0  # the largest CUDA peak any phase saw (each phase resets CUDA's counter)
-        from profiling.provenance import relative_command
+        from foundation.provenance import relative_command
 
         self.command = relative_command()
 
@@ -234,7 +234,7 @@ class MemoryRecorder:
         return C.ordered(missing)
 
     def to_dict(self, config: Optional[dict] = None) -> dict:
-        from profiling.provenance import provenance
+        from foundation.provenance import provenance
 
         return {
             **provenance(self.device, command=self.command),

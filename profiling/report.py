@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from foundation.cli import InputError, UsageError, argument_parser, run
+from foundation.files import write_atomic
+from foundation.provenance import shown_command
 from profiling import components as C
 from profiling.chart import write_chart
-from profiling.cli import InputError, UsageError, argument_parser, run
-from profiling.files import write_atomic
-from profiling.provenance import shown_command
 
 JSON_NAME, MD_NAME, PNG_NAME = "memory.json", "memory.md", "memory.png"
 REQUIRED_KEYS = ("device", "device_name", "date", "command", "git_revision", "config", "budget_bytes", "phases")

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from profiling.cli import UsageError
+from foundation.cli import UsageError
 
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -138,7 +138,7 @@ def preset_config(name: str, vocab_size: int, overrides: Optional[str] = None):
     `overrides` like 'num_hidden_layers=4,hidden_size=128'."""
     from transformers import AutoConfig
 
-    from profiling.cli import parse_assignments
+    from foundation.cli import parse_assignments
 
     values = dict(PRESETS[name])
     config_class = type(AutoConfig.for_model(values.pop("model_type", "llama")))

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from profiling.cli import InputError, run
+from foundation.cli import InputError, run
 
 TEXT = "\n\nHuman: How do I bake bread?\n\nAssistant: Mix flour, water and yeast, then bake it."
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("trainer", "profiling", "benchmarks")
+PACKAGES = ("foundation", "trainer", "profiling", "benchmarks")
 
 
 def module_name(path: Path) -> str:
@@ -75,6 +75,43 @@ def test_no_module_imports_itself_round_a_cycle():
     assert not cycle, " -> ".join(cycle)
 
 
+# Layers, lowest first: a module imports only from its own layer or the ones below it.
+LAYERS = (
+    ("foundation",),
+    ("profiling",),
+    ("trainer.config", "trainer.losses"),
+    ("trainer.data", "trainer.model"),
+    ("trainer.rl", "trainer.engine"),
+    ("trainer",),  # the stage scripts and the user tools
+    ("benchmarks",),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the longest prefix naming `module` (or a package above it)."""
+    best, rank = -1, -1
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, rank = len(prefix), i
+    return rank
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m))
+
+
+def test_every_import_points_down_the_layers():
+    graph = import_graph()
+    assert all(layer_of(m) >= 0 for m in graph), [m for m in graph if layer_of(m) < 0]
+    assert not upward_imports(graph)
+
+
+def test_the_foundation_imports_nothing_of_the_project():
+    offenders = {m: sorted(deps) for m, deps in import_graph().items() if m.startswith("foundation")}
+    assert not {m: d for m, d in offenders.items() if any(not i.startswith("foundation") for i in d)}
+
+
 def test_profiling_is_a_leaf_that_imports_nothing_from_trainer_or_benchmarks():
     offenders = {m: sorted(i for i in deps if i.startswith(("trainer", "benchmarks")))
                  for m, deps in import_graph().items() if m.startswith("profiling")}
@@ -93,14 +130,16 @@ def test_the_checks_see_a_cycle_and_a_backwards_import_when_there_is_one(tmp_pat
     assert graph["trainer.ppo"] >= {"trainer.rl.ppo_step", "trainer.engine.harness"}  # the graph is real
     planted = {**graph, "trainer.rl.ppo_step": graph["trainer.rl.ppo_step"] | {"trainer.ppo"}}
     assert find_cycle(planted)[0] == find_cycle(planted)[-1]
+    upward = {**graph, "trainer.model.loading": graph["trainer.model.loading"] | {"trainer.engine.launch"}}
+    assert upward_imports(upward) == ["trainer.model.loading -> trainer.engine.launch"]
     hidden = tmp_path / "hidden.py"
     hidden.write_text("def f():\n    from trainer.config import TrainArguments\n    return TrainArguments\n")
     assert imports_of(hidden, project_modules()) == {"trainer.config"}
 
 
 def test_one_table_says_which_adapters_each_stage_has():
-    """profiling.stages is the table; the stages, the estimator and the benchmark all read it."""
-    from profiling.stages import ADAPTERS, HEADED, TRAINED
+    """foundation.stages is the table; the stages, the estimator and the benchmark all read it."""
+    from foundation.stages import ADAPTERS, HEADED, TRAINED
     from trainer.model.shared_base import stage_specs
 
     for stage, roles in ADAPTERS.items():
@@ -110,4 +149,4 @@ def test_one_table_says_which_adapters_each_stage_has():
         assert {s.name for s in specs if s.head} == set(roles) & set(HEADED)
     graph = import_graph()
     for reader in ("trainer.model.shared_base", "profiling.predict"):
-        assert "profiling.stages" in graph[reader], reader
+        assert "foundation.stages" in graph[reader], reader

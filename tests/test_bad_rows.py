@@ -2,7 +2,7 @@
 `--on_bad_row skip` (and named under `error`), never the end of a run; a chat template file, a split that
 runs out of prompts, and a few path and seed flags each end the command with one line that names the cause.
 
-Stage commands run in this process through `profiling.cli.run`, the wrapper every entry point goes through.
+Stage commands run in this process through `foundation.cli.run`, the wrapper every entry point goes through.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from profiling.cli import run
+from foundation.cli import run
 from trainer.config import DataArguments
 from trainer.data.formats import ChatRenderer, row_parser
 from trainer.data.hh_rlhf import DataError, RawRow, load_pairs

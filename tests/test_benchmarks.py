@@ -220,7 +220,7 @@ def test_ablations_change_the_model_or_ppo_setting_they_name_and_the_report_show
 
 
 def test_the_compiled_variants_need_compile_layers_on():
-    from profiling.cli import UsageError
+    from foundation.cli import UsageError
 
     for side in ("ours_eager", "trl_compiled"):
         with pytest.raises(UsageError, match="compare against --compile_layers true"):

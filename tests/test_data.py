@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import trainer.data.hh_rlhf as data
-from profiling.cli import UsageError
-from trainer.data.collators import PairCollator, PromptCollator, SFTCollator
+from foundation.cli import UsageError
 from trainer.config import DATA_ENV, HUB_DATASET, DataArguments
+from trainer.data.collators import PairCollator, PromptCollator, SFTCollator
 from trainer.data.hh_rlhf import ASSISTANT, DataError, PreferencePair, load_pairs, load_splits, split_pairs
 from trainer.data.tokenization import (
     IGNORE_INDEX, PairExample, PromptExample, SFTExample, fit_prompt, tokenize_pairs, tokenize_prompts, tokenize_sft,

@@ -2,7 +2,7 @@
 exit code 2 for flags and config files, 1 for data, model, adapter and checkpoint files, and never a
 model loaded before the settings and the data have been checked.
 
-Each case runs the entry point in this process through `profiling.cli.run`, the wrapper every
+Each case runs the entry point in this process through `foundation.cli.run`, the wrapper every
 `python -m ...` / `accelerate launch ...` goes through; `tests/test_config_errors.py` runs a few of the
 same cases as real subprocesses.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from profiling.cli import run
+from foundation.cli import run
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"

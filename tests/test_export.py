@@ -134,7 +134,7 @@ def test_an_nf4_trained_adapter_exports_the_base_it_was_trained_against(tmp_path
 
 
 def test_a_reward_adapter_or_a_used_folder_is_refused_in_one_line(tmp_path, capsys):
-    from profiling.cli import run
+    from foundation.cli import run
     from trainer.export import main
 
     reward = tmp_path / "reward"
@@ -163,7 +163,7 @@ def test_an_out_folder_filled_while_exporting_is_left_as_it_is_and_refused_in_on
     """--out was empty at the start; another program writes there while the base loads: the export is not
     published over it, the file stays, and no temporary folder is left behind."""
     import trainer.export
-    from profiling.cli import run
+    from foundation.cli import run
     from trainer.config import ModelArguments
 
     args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", lora_r=4, lora_alpha=8,

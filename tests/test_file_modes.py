@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from profiling.files import atomic_folder, write_atomic
+from foundation.files import atomic_folder, write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"

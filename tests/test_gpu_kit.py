@@ -285,7 +285,7 @@ def lab(tmp_path) -> tuple[Path, Path, Path]:
 
 def collect_exit(capsys, *argv: str) -> tuple[int, list[str]]:
     from benchmarks.gpu.collect import main
-    from profiling.cli import run
+    from foundation.cli import run
 
     with pytest.raises(SystemExit) as stop:
         run(main, list(argv))

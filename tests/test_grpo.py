@@ -46,7 +46,7 @@ def test_a_grpo_run_trains_only_the_policy_and_logs_trl_named_figures(tmp_path, 
 
 def test_rloo_with_one_response_per_prompt_is_refused_in_one_line(tmp_path, capsys):
     import trainer.grpo as grpo
-    from profiling.cli import run
+    from foundation.cli import run
 
     with pytest.raises(SystemExit) as exit_info:
         run(grpo.main, ["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"), "--advantage", "rloo",

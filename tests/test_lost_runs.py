@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from profiling.cli import run
+from foundation.cli import run
 from trainer.engine.checkpoint import complete_checkpoints, verify_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,7 +177,7 @@ def test_a_full_disk_while_checkpointing_stops_in_one_line_and_keeps_the_previou
 
 def test_a_full_disk_while_saving_the_final_adapter_stops_in_one_line_and_leaves_no_half_adapter(
         tmp_path, monkeypatch, capsys, fresh_accelerate_state):
-    import profiling.files as files
+    import foundation.files as files
     import trainer.sft as sft
 
     real_fsync = files.fsync_tree
@@ -200,7 +200,7 @@ def test_a_full_disk_while_saving_the_final_adapter_stops_in_one_line_and_leaves
 
 KILL_IN_FINAL_SAVE = """
 import os, signal, sys
-import profiling.files as files
+import foundation.files as files
 real = files.fsync_tree
 def dying_fsync(root):
     if root.name.startswith(".adapter-"):

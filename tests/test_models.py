@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from trainer.config import ModelArguments
-from trainer.data.hh_rlhf import load_pairs
-from profiling.cli import UsageError
+from foundation.cli import UsageError
 from profiling.shapes import KNOWN_MODELS, load_shape, preset_config
+from trainer.config import ModelArguments
 from trainer.config import DataArguments
+from trainer.data.hh_rlhf import load_pairs
 from trainer.model.loading import (
     ModelLoadError, embedded_model_dir, load_base_model, load_tokenizer, pick_attention, resolve_precision,
 )

@@ -232,7 +232,7 @@ def test_scripted_rewards_score_the_decoded_response(smol_tokenizer):
     assert ScriptedScorer("length:3", tok)(None, ids, att, p, rmask).tolist() == pytest.approx(expected)
     assert ScriptedScorer("chars:10", tok)(None, ids, att, p, rmask).tolist() == pytest.approx(
         [-abs(len(t) - 10) / 10 for t in texts])
-    from profiling.cli import UsageError
+    from foundation.cli import UsageError
 
     for bad in ("sentiment", "length:", "length:abc", "chars:0", "keyword"):
         with pytest.raises(UsageError, match="--scripted_reward"):
@@ -389,7 +389,7 @@ def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, 
 
 
 def test_old_logprobs_are_rescored_only_after_merged_generation():
-    from profiling.cli import UsageError
+    from foundation.cli import UsageError
     from trainer.rl.rollout import logprobs_while_sampling
 
     assert logprobs_while_sampling("sampling", merged=False)

@@ -65,7 +65,7 @@ def test_json_report_has_provenance_config_and_phases(run_dir):
 
 
 def test_provenance_records_the_environment_settings_that_change_speed_and_memory(monkeypatch):
-    from profiling.provenance import provenance, shown_command
+    from foundation.provenance import provenance, shown_command
 
     for name in list(os.environ):
         if name.startswith("MALLOC_") or name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -82,7 +82,7 @@ def test_provenance_records_the_environment_settings_that_change_speed_and_memor
 
 def test_a_cpu_device_is_named_with_its_model_where_the_system_tells_it(monkeypatch, tmp_path):
     """CPU ratios move with the CPU (two VMs of the same size gave different PPO ratios), so results name it."""
-    import profiling.device as device
+    import foundation.provenance as device
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9B14\n")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import saved_head
 
-from profiling.cli import UsageError
+from foundation.cli import UsageError
 from trainer.config import ModelArguments
 from trainer.model.shared_base import HEAD_FILE, AdapterSpec, build_shared_model, position_ids_from_mask
 
@@ -214,7 +214,7 @@ def test_saved_adapter_loads_with_plain_peft_and_head_round_trips(tmp_path):
 
 
 def test_missing_adapter_folder_is_a_clear_error(tmp_path):
-    from profiling.cli import InputError
+    from foundation.cli import InputError
 
     with pytest.raises(InputError, match="nope is not a saved adapter .no adapter_config.json."):
         build_shared_model(tiny_args(), [AdapterSpec("policy", init_from=str(tmp_path / "nope"))], vocab_size=VOCAB)

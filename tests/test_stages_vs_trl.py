@@ -39,7 +39,7 @@ def test_trl_adapters_converted_to_ours_score_exactly_as_trl_computes_them(stage
 
     from benchmarks.trl_stages import REWARD_PAD, load_model, to_our_adapter
     from benchmarks.workload import lora_targets
-    from profiling.stages import POLICY, REWARD
+    from foundation.stages import POLICY, REWARD
     from trainer.engine.setup import base_model_args
     from trainer.losses import last_token_values
     from trainer.model.loading import load_tokenizer
@@ -140,7 +140,7 @@ def test_both_sides_train_on_the_planned_rows_and_are_scored_by_the_same_evaluat
         assert again["sides"]["trl"]["steps"] == trl["steps"]  # the training figures are left as measured
     assert report["rows"]["train_rows"] == 3 * 4 and len(report["rows"]["tokens_per_step"]) == 3
     assert report["ratios"]["step_time_speedup"] > 0
-    from profiling.provenance import shown_command
+    from foundation.provenance import shown_command
 
     assert f"- command: `{shown_command(report)}`" in (out / "stages_vs_trl.md").read_text()  # settings first
     assert shown_command(report).endswith(report["command"]) and report["command"].startswith(
@@ -159,7 +159,7 @@ def test_both_sides_train_on_the_planned_rows_and_are_scored_by_the_same_evaluat
 
 def test_the_rows_are_our_harness_order_and_too_few_rows_fail_before_any_side_runs(tmp_path):
     from benchmarks.stages_vs_trl import expected_trace, step_tokens, training_rows
-    from profiling.cli import UsageError
+    from foundation.cli import UsageError
     from trainer.model.loading import load_tokenizer
 
     w = StageWorkload.parse(TINY + ["--stage", "dpo"])

@@ -50,7 +50,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 KILL_IN_SAVE = """
 import os, signal, sys
-import profiling.files as files
+import foundation.files as files
 real = files.fsync_tree
 def dying_fsync(root):
     if root.name.startswith("checkpoint-0000004"):

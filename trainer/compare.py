@@ -18,9 +18,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from profiling.cli import InputError, UsageError, parse, parse_assignments, run
-from profiling.files import write_atomic
-from profiling.stages import REWARD
+from foundation.cli import InputError, UsageError, parse, parse_assignments, run
+from foundation.files import write_atomic
+from foundation.stages import REWARD
 from trainer.config import RECIPES, DataArguments, PipelineArguments, read_yaml
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import load_splits

@@ -4,7 +4,7 @@
     accelerate launch trainer/sft.py --config trainer/configs/sft.yaml --max_steps 200
 
 Each section holds only its own dataclass's fields; an unknown section or key, a value of the wrong
-type, or one outside its range stops the run at start with one line naming it (`profiling.cli`).
+type, or one outside its range stops the run at start with one line naming it (`foundation.cli`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 import yaml
 
-from profiling.cli import Checked, Rule, UsageError, above, at_least, between, one_of, parse
+from foundation.cli import Checked, Rule, UsageError, above, at_least, between, one_of, parse
 from profiling.resolve import DTYPES, OPTIMIZER_NAMES, QUANTIZATIONS
 
 # Where the shared hh-rlhf rows live on the development machines, relative to the project root.

@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 import torch
 from accelerate.utils import gather_object
 
-from profiling.cli import Checked, UsageError, above, between, one_of, run
-from profiling.stages import POLICY, REFERENCE
+from foundation.cli import Checked, UsageError, above, between, one_of, run
+from foundation.stages import POLICY, REFERENCE
 from trainer.data.collators import PairCollator, pair_collator, pairs_in
 from trainer.data.tokenization import PairExample, tokenize_pairs
 from trainer.engine.batches import eval_batches
@@ -87,7 +87,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     held_out, _ = tokenize_pairs(ctx.splits.eval, tok, data_args)
     require_rows(train, "DPO training pairs", targs.micro_batch_size, data_args)
     specs = stage_specs("dpo", {POLICY: args.sft_adapter, REFERENCE: args.sft_adapter})
-    model = build_shared_model(ctx.model_args, specs, vocab_size=len(tok), device=ctx.accelerator.device)
+    model = build_shared_model(ctx.model_args, specs, vocab_size=len(tok), device=ctx.accelerator.device,
+                               quant_storage=ctx.quant_storage())
     collate = pair_collator(tok.pad_token_id, targs.share_pair_prompts, model)
 
     def compute_loss(batch: dict[str, torch.Tensor], normaliser: float) -> StepOutput:

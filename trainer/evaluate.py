@@ -24,9 +24,9 @@ from typing import Optional
 
 import torch
 
-from profiling.cli import Checked, InputError, UsageError, above, at_least, one_of, run
-from profiling.files import write_atomic
-from profiling.stages import POLICY, REFERENCE, REWARD
+from foundation.cli import Checked, InputError, UsageError, above, at_least, one_of, run
+from foundation.files import write_atomic
+from foundation.stages import POLICY, REFERENCE, REWARD
 from trainer.config import BAD_ROW_POLICIES, DataArguments
 from trainer.data.collators import SFTCollator, pair_collator
 from trainer.data.formats import parser_for
@@ -172,7 +172,7 @@ def evaluate(task: str, args: EvalArguments) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    from profiling.cli import parse
+    from foundation.cli import parse
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in TASKS:
@@ -185,7 +185,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     result = evaluate(task, args)
     print(json.dumps(result), flush=True)
     if args.output_file:
-        from profiling.provenance import provenance
+        from foundation.provenance import provenance
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         write_atomic(args.output_file, json.dumps({**result, "provenance": provenance(device)}, indent=2))

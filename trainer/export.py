@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from profiling.cli import Checked, InputError, UsageError, one_of, parse, run
-from profiling.files import atomic_folder
+from foundation.cli import Checked, InputError, UsageError, one_of, parse, run
+from foundation.files import atomic_folder
 from trainer.engine.setup import base_model_args
 from trainer.model.adapter_fit import check_adapter_fits, saved_base
 from trainer.model.loading import load_base_model, load_tokenizer

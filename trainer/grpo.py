@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from profiling.cli import UsageError, above, at_least, between, one_of, run
-from profiling.stages import POLICY, REFERENCE, REWARD
+from foundation.cli import UsageError, above, at_least, between, one_of, run
+from foundation.stages import POLICY, REFERENCE, REWARD
 from trainer.data.collators import PromptCollator
 from trainer.data.tokenization import tokenize_prompts
 from trainer.engine.harness import Harness, StepResult
@@ -93,7 +93,8 @@ def build_model(ctx: RunContext):
     sources = {POLICY: args.sft_adapter, REFERENCE: args.sft_adapter, REWARD: args.reward_adapter}
     without = ((REWARD,) if args.reward_adapter is None else ()) + ((REFERENCE,) if args.beta == 0 else ())
     specs = stage_specs("grpo", sources, without=without)
-    return build_shared_model(model_args, specs, vocab_size=len(ctx.tokenizer), device=ctx.accelerator.device)
+    return build_shared_model(model_args, specs, vocab_size=len(ctx.tokenizer), device=ctx.accelerator.device,
+                              quant_storage=ctx.quant_storage(model_args))
 
 
 def train(ctx: RunContext, model, prompts, held_out) -> GroupState:

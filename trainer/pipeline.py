@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from profiling.cli import UsageError, parse, parse_assignments, run
-from profiling.files import write_atomic
+from foundation.cli import UsageError, parse, parse_assignments, run
+from foundation.files import write_atomic
 from trainer.config import (CONFIG_ROOT, PIPELINE_STAGES, RECIPES, DataArguments, PipelineArguments, load_yaml,
                             parse_config)
 from trainer.engine.launch import reset_accelerate

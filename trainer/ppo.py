@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
-from profiling.cli import Checked, UsageError, above, at_least, between, one_of, run
-from profiling.stages import DECODE_PATHS, OLD_LOGPROBS, POLICY, REFERENCE, REWARD, VALUE
+from foundation.cli import Checked, UsageError, above, at_least, between, one_of, run
+from foundation.stages import DECODE_PATHS, OLD_LOGPROBS, POLICY, REFERENCE, REWARD, VALUE
 from trainer.config import PROJECT_ROOT
 from trainer.data.collators import PromptCollator
 from trainer.data.tokenization import tokenize_prompts
@@ -159,7 +159,8 @@ def build_model(ctx: RunContext):
     sources = {POLICY: args.sft_adapter, REFERENCE: args.sft_adapter, VALUE: args.reward_adapter,
                REWARD: args.reward_adapter}
     specs = stage_specs("ppo", sources, without=(REWARD,) if args.reward_adapter is None else ())
-    return build_shared_model(model_args, specs, vocab_size=len(ctx.tokenizer), device=ctx.accelerator.device)
+    return build_shared_model(model_args, specs, vocab_size=len(ctx.tokenizer), device=ctx.accelerator.device,
+                              quant_storage=ctx.quant_storage(model_args))
 
 
 def make_scorer(args: PPOArguments, tokenizer):

@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 import torch
 from accelerate.utils import gather_object
 
-from profiling.cli import Checked, run
-from profiling.stages import REWARD
+from foundation.cli import Checked, run
+from foundation.stages import REWARD
 from trainer.data.collators import PairCollator, pair_collator, pairs_in
 from trainer.data.tokenization import PairExample, tokenize_pairs
 from trainer.engine.batches import eval_batches
@@ -70,7 +70,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     held_out, _ = tokenize_pairs(ctx.splits.eval, tok, data_args)
     require_rows(train, "reward training pairs", targs.micro_batch_size, data_args)
     model = build_shared_model(ctx.model_args, stage_specs("reward", {REWARD: ctx.stage_args.sft_adapter}),
-                               vocab_size=len(tok), device=ctx.accelerator.device)
+                               vocab_size=len(tok), device=ctx.accelerator.device,
+                               quant_storage=ctx.quant_storage())
     collate = pair_collator(tok.pad_token_id, targs.share_pair_prompts, model)
 
     def compute_loss(batch: dict[str, torch.Tensor], normaliser: float) -> StepOutput:

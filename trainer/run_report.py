@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from profiling.files import write_atomic
+from foundation.files import write_atomic
 from trainer.config import PIPELINE_STAGES
 from trainer.engine.metrics import read_metrics
 
@@ -184,7 +184,7 @@ def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: 
     if comparison is None and (run_dir / "comparison.json").is_file():
         comparison = json.loads((run_dir / "comparison.json").read_text())
     curves = plot_curves(run_dir)
-    from profiling.provenance import provenance
+    from foundation.provenance import provenance
 
     prov = provenance(None)
     lines = [f"# Run report: {run_dir}", "",

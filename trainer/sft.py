@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from profiling.cli import Checked, run
-from profiling.stages import POLICY
+from foundation.cli import Checked, run
+from foundation.stages import POLICY
 from trainer.data.collators import SFTCollator
 from trainer.data.tokenization import IGNORE_INDEX, SFTExample, pack_sft, tokenize_sft
 from trainer.engine.batches import eval_batches
@@ -85,7 +85,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         train = pack_sft(train, data_args.max_length)
     require_rows(train, "SFT training set", targs.micro_batch_size, data_args)
     model = build_shared_model(ctx.model_args, stage_specs("sft", {POLICY: ctx.stage_args.init_adapter}),
-                               vocab_size=len(tok), device=ctx.accelerator.device)
+                               vocab_size=len(tok), device=ctx.accelerator.device,
+                               quant_storage=ctx.quant_storage())
     collate = SFTCollator(tok.pad_token_id)
 
     def compute_loss(batch: dict[str, torch.Tensor], normaliser: float) -> StepOutput:

@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
-from profiling.cli import InputError, argument_parser, run
-from profiling.files import atomic_folder, write_atomic
+from foundation.cli import InputError, argument_parser, run
+from foundation.files import atomic_folder, write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

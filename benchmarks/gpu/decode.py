@@ -31,10 +31,10 @@ from typing import Optional
 
 import torch
 
-from profiling.cli import Checked, UsageError, above, at_least, parse, run
+from foundation.cli import Checked, UsageError, above, at_least, parse, run
+from foundation.files import write_atomic
+from foundation.provenance import provenance
 from profiling.decode import bytes_per_decode_step, copy_bandwidth, sync
-from profiling.files import write_atomic
-from profiling.provenance import provenance
 from trainer.config import ModelArguments
 from trainer.rl.rollout import DECODE_PATHS, decode_kwargs
 

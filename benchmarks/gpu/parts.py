@@ -15,7 +15,7 @@
 - speed:  `benchmarks.ppo_vs_trl` at 7B NF4 under the same cap, decode throughput at batch 1,
           16 and 64 against the bandwidth bound (`benchmarks.gpu.decode`), and at batch 16 each
           generation path (unmerged, merged, static KV cache, compiled decode step).
-- ladder: the SFT flag ladder (`profiling.bench`) at 7B under the cap.
+- ladder: the SFT flag ladder (`benchmarks.flag_ladder`) at 7B under the cap.
 - stages: `benchmarks.stages_vs_trl` for SFT, reward and DPO at 7B NF4 under the cap, 3 steps each:
           our stage scripts against TRL's SFTTrainer, RewardTrainer and DPOTrainer (speed and memory).
 
@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from profiling.cli import Checked, UsageError, at_least, one_of, parse, run
-from profiling.files import write_atomic
+from foundation.cli import Checked, UsageError, at_least, one_of, parse, run
+from foundation.files import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 PARTS = ("first", "check", "memory", "speed", "ladder", "stages")
@@ -226,7 +226,7 @@ def steps_for(args: PartArguments, out: Path) -> list[Step]:
                      mixed_precision="no")
     else:
         extra["tokenizer_name_or_path"] = args.tokenizer
-    return [Step("ladder", [python(), "-m", "profiling.bench", "--stage", "sft", "--model_name_or_path",
+    return [Step("ladder", [python(), "-m", "benchmarks.flag_ladder", "--stage", "sft", "--model_name_or_path",
                             "tiny-llama" if args.smoke else "llama-2-7b", "--config", "trainer/configs/llama2_7b/sft.yaml",
                             "--steps", "2" if args.smoke else "3", "--extra",
                             ",".join(f"{k}={v}" for k, v in extra.items()), *cap_flags(args),
@@ -238,7 +238,7 @@ def device_facts() -> dict:
     """The GPU's name and driver (nvidia-smi), or the CPU's, for the manifest and the results folder."""
     import torch
 
-    from profiling.device import device_name
+    from foundation.provenance import device_name
 
     facts = {"device": "cuda" if torch.cuda.is_available() else "cpu"}
     facts["device_name"] = device_name(torch.device(facts["device"]))
@@ -282,7 +282,7 @@ def run_steps(steps: list[Step], out: Path, deadline: float) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    from profiling.provenance import provenance
+    from foundation.provenance import provenance
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not argv[0].startswith("-"):

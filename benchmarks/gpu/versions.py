@@ -17,7 +17,7 @@ def versions() -> dict:
     out = {"python": platform.python_version(), "cuda": torch.version.cuda,
            "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    from profiling.provenance import library_versions
+    from foundation.provenance import library_versions
 
     return {**out, **library_versions(LIBRARIES)}
 

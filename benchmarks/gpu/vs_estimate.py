@@ -18,9 +18,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
+from foundation.cli import InputError, argument_parser, run
+from foundation.files import write_atomic
 from profiling import components as C
-from profiling.cli import InputError, argument_parser, run
-from profiling.files import write_atomic
 from profiling.predict import EstimateArguments, estimate, resolve_shape
 
 TARGET = (0.85, 1.15)

@@ -35,7 +35,7 @@ import jinja2
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from profiling.cli import InputError
+from foundation.cli import InputError
 from trainer.data.hh_rlhf import (
     EMPTY_COMPLETION, IDENTICAL, MISSING_FIELD, PROMPT_MISMATCH, DataError, PreferencePair, RawRow, decode_record,
     parse_row, require_strings,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from profiling.cli import InputError
+from foundation.cli import InputError
 from trainer.config import DATA_ENV, HUB_DATASET, SHARED_DATA, DataArguments
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from profiling.cli import InputError
+from foundation.cli import InputError
 
 
 class EpochShuffleSampler(Sampler[int]):

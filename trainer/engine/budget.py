@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 
+from foundation.cli import UsageError
 from profiling import components as C
 from profiling.advice import advice_lines
-from profiling.cli import UsageError
 from profiling.plan import plan_rl
 from profiling.predict import EstimateArguments, estimate, resolve_shape
 from trainer.engine.launch import deepspeed_config, offloads_optimizer

@@ -38,8 +38,8 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from profiling.cli import InputError
-from profiling.files import publish_folder
+from foundation.cli import InputError
+from foundation.files import publish_folder
 
 logger = logging.getLogger(__name__)
 

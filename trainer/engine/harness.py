@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 
-from profiling.cli import InputError
+from foundation.cli import InputError
 from trainer.engine.batches import batch_stream, make_loader
 from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
 from trainer.engine.launch import RowTrace, describe_engine, fill_deepspeed_autos, is_deepspeed

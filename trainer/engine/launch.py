@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from profiling.cli import UsageError
+from foundation.cli import UsageError
 
 TRACE_ROWS_ENV = "RLHF_TRACE_ROWS"  # a folder: each rank appends the rows of every micro-batch it trains on
 # Stages that switch adapters on one base inside a step (DPO: policy/reference; PPO: all four) and,

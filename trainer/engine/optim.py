@@ -8,8 +8,8 @@ import math
 
 import torch
 
+from foundation.cli import UsageError
 from profiling import resolve
-from profiling.cli import UsageError
 from trainer.engine.launch import deepspeed_config, is_deepspeed_engine, offloads_optimizer
 
 logger = logging.getLogger(__name__)

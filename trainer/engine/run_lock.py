@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from profiling.cli import UsageError
+from foundation.cli import UsageError
 
 logger = logging.getLogger(__name__)
 

@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import torch
 from accelerate.utils import set_seed
 
-from profiling.cli import FieldError, InputError, UsageError
-from profiling.files import write_atomic
+from foundation.cli import FieldError, InputError, UsageError
+from foundation.files import write_atomic
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import LoadReport, Splits, load_splits
@@ -27,11 +28,11 @@ from trainer.engine.checkpoint import (
     set_aside_previous_run,
 )
 from trainer.engine.harness import TrainingDiverged
-from trainer.engine.launch import check_launch, is_deepspeed, make_accelerator, setup_logging
+from trainer.engine.launch import check_launch, is_deepspeed, make_accelerator, quant_storage_for, setup_logging
 from trainer.engine.metrics import eval_history, largest_weight, unusable_weights
 from trainer.engine.run_lock import RunLock, RunLocked
 from trainer.model.adapter_fit import BASE_MODEL_FILE, base_identity, saved_base
-from trainer.model.loading import load_tokenizer, max_positions, precision_record
+from trainer.model.loading import load_tokenizer, max_positions, precision_record, resolve_precision
 from trainer.model.shared_base import check_adapter_folder
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,11 @@ class RunContext:
     @property
     def output_dir(self) -> Path:
         return Path(self.train_args.output_dir)
+
+    def quant_storage(self, model_args: Optional[ModelArguments] = None) -> torch.dtype:
+        """The storage dtype of the 4-bit base's packed weights under this launch (see quant_storage_for)."""
+        model_args = model_args or self.model_args
+        return quant_storage_for(resolve_precision(model_args, self.accelerator.device)[1], self.accelerator)
 
     def config(self) -> dict[str, Any]:
         """The run's settings as plain JSON data: config.json, and every checkpoint's copy of it."""

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from profiling.cli import InputError
+from foundation.cli import InputError
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from typing import Optional
 
 import torch
 
+from foundation.cli import InputError
+from foundation.files import atomic_folder
 from profiling import resolve
-from profiling.cli import InputError
-from profiling.files import atomic_folder
 from profiling.shapes import PRESETS, preset_config
 from trainer.config import ModelArguments, cache_dir
 
@@ -419,9 +419,11 @@ class _CompiledWithGrad:
 
 
 def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, device: Optional[torch.device] = None,
-                    quant_storage: Optional[torch.dtype] = None, checkpointing: Optional[bool] = None):
+                    quant_storage: torch.dtype = torch.uint8, checkpointing: Optional[bool] = None):
     """Load the frozen base model (weights requires_grad=False) on `device`, per `args`.
 
+    `quant_storage` is the dtype packed 4-bit weights are stored in: the compute dtype where ZeRO-3 or
+    FSDP shard them (the engine says so: RunContext.quant_storage), else uint8.
     Returns the transformers causal LM. Logs the quantization, dtype and attention backend chosen.
     """
     from transformers import AutoModelForCausalLM
@@ -429,10 +431,6 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
     device = device or pick_device()
     four_bit, dtype = resolve_precision(args, device)
     attn = pick_attention(args.attn_implementation, device)
-    if quant_storage is None:
-        from trainer.engine.launch import quant_storage_for
-
-        quant_storage = quant_storage_for(dtype)  # the compute dtype where ZeRO-3 / FSDP shard the weights
     name = args.model_name_or_path
     path = resolve_model_path(name)
     if name in PRESETS:

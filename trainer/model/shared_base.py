@@ -3,7 +3,7 @@
 PPO holds `policy` (trainable), `reference` (frozen SFT copy), `value` (trainable, value head) and
 `reward` (frozen, reward head) on ONE base: switching changes which LoRA weights the injected layers
 use, never copies base weights. SFT, reward and DPO stages use the same class with fewer adapters;
-which ones, and which train, is `profiling.stages`' table (`stage_specs`).
+which ones, and which train, is `foundation.stages`' table (`stage_specs`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Iterator, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from profiling.cli import InputError
-from profiling.files import atomic_folder
-from profiling.stages import POLICY, stage_adapters
+from foundation.cli import InputError
+from foundation.files import atomic_folder
+from foundation.stages import POLICY, stage_adapters
 from trainer.config import ModelArguments
 from trainer.model.adapter_fit import HEAD_FILE, WEIGHTS_FILE, check_adapter_fits
 
@@ -82,7 +82,7 @@ class AdapterSpec:
 
 
 def stage_specs(stage: str, sources: Mapping[str, Optional[str]], without: Sequence[str] = ()) -> list[AdapterSpec]:
-    """The adapters of `stage` (profiling.stages' table), each starting from `sources[role]` (a saved
+    """The adapters of `stage` (foundation.stages' table), each starting from `sources[role]` (a saved
     adapter folder; None or absent: a fresh LoRA), less the roles in `without`."""
     return [AdapterSpec(slot.role, trainable=slot.trainable, init_from=sources.get(slot.role), head=slot.head)
             for slot in stage_adapters(stage) if slot.role not in without]
@@ -792,12 +792,14 @@ def _set_dropout(peft_model, adapter: str, rate: float) -> None:
 
 
 def build_shared_model(args: ModelArguments, specs: list[AdapterSpec], vocab_size: Optional[int] = None,
-                       device: Optional[torch.device] = None) -> SharedBaseModel:
-    """Load the base per `args` and put the adapters of `specs` on it."""
+                       device: Optional[torch.device] = None,
+                       quant_storage: torch.dtype = torch.uint8) -> SharedBaseModel:
+    """Load the base per `args` and put the adapters of `specs` on it (`quant_storage`: see load_base_model)."""
     from trainer.model.loading import compile_layers, enable_checkpointing, load_base_model
 
     check_specs(specs)  # a wrong adapter folder stops here, before the base model loads
-    base = load_base_model(args, vocab_size=vocab_size, device=device, checkpointing=False)
+    base = load_base_model(args, vocab_size=vocab_size, device=device, quant_storage=quant_storage,
+                           checkpointing=False)
     torch.manual_seed(args.model_seed)
     model = SharedBaseModel.from_specs(base, args, specs)
     if args.gradient_checkpointing:

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from profiling.stages import POLICY
+from foundation.stages import POLICY
 from trainer.engine.harness import Engine, StepResult
 from trainer.losses import group_advantages, grpo_policy_loss, kl_penalty
 from trainer.rl.ppo_step import minibatch_update

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from profiling.cli import InputError, UsageError
+from foundation.cli import InputError, UsageError
 from profiling.decode import bandwidth_fraction, bytes_per_decode_step, copy_bandwidth
 from trainer.engine.harness import Engine, StepResult
 from trainer.engine.metrics import mean_over_ranks

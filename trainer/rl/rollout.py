@@ -19,9 +19,9 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from profiling.cli import UsageError
+from foundation.cli import UsageError
+from foundation.stages import DECODE_PATHS, OLD_LOGPROBS, POLICY, REFERENCE, REWARD, sampled_logprobs
 from profiling.decode import sync
-from profiling.stages import DECODE_PATHS, OLD_LOGPROBS, POLICY, REFERENCE, REWARD, sampled_logprobs
 from trainer.rl.scoring import (
     next_token_logprobs, response_logprobs, response_values, rollout_scores, sequence_scores,
 )
@@ -101,7 +101,7 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -
 
 
 def logprobs_while_sampling(old_logprobs: str, merged: bool) -> bool:
-    """Whether the old log-probs are read from the sampling logits (`profiling.stages.sampled_logprobs`'s rule)."""
+    """Whether the old log-probs are read from the sampling logits (`foundation.stages.sampled_logprobs`'s rule)."""
     if old_logprobs not in OLD_LOGPROBS:
         raise UsageError(f"--old_logprobs {old_logprobs!r}: must be one of {', '.join(OLD_LOGPROBS)}")
     return sampled_logprobs(old_logprobs, merged)

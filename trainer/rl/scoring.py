@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from profiling.stages import POLICY, REFERENCE, REWARD, VALUE
+from foundation.stages import POLICY, REFERENCE, REWARD, VALUE
 from trainer.losses import entropy_from_logits, last_token_values, token_logprobs
 
 

@@ -1,7 +1,7 @@
 """Benchmark the optimization flags against each other: the torchtune-style memory ladder.
 
-    python -m profiling.bench --stage sft --model_name_or_path llama-2-7b --simulate_gpu_gib 24
-    python -m profiling.bench --stage ppo --grid "quantization=nf4,none;gradient_checkpointing=true,false"
+    python -m benchmarks.flag_ladder --stage sft --model_name_or_path llama-2-7b --simulate_gpu_gib 24
+    python -m benchmarks.flag_ladder --stage ppo --grid "quantization=nf4,none;gradient_checkpointing=true,false"
 
 Each variant runs the real stage script for a few steps in its own process (clean allocator
 statistics, and an out-of-memory ends only that variant) with `--profile_memory true`, and the
@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from profiling.cli import Checked, UsageError, above, at_least, one_of, parse, parse_assignments, run
+from foundation.cli import Checked, UsageError, above, at_least, one_of, parse, parse_assignments, run
+from foundation.files import write_atomic
+from foundation.stages import STAGES
 from profiling.components import GIB
-from profiling.files import write_atomic
-from profiling.stages import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -155,7 +155,7 @@ def run_variant(args: BenchArguments, variant: Variant, out_dir: Path, index: in
         return {**row, "status": "skipped", "reason": variant.skip_reason}
     run_dir = out_dir / "runs" / f"{index:02d}"
     cmd = command(args, variant, run_dir)
-    from profiling.provenance import relative_command
+    from foundation.provenance import relative_command
 
     row["command"] = relative_command(cmd)
     print(f"[bench] {variant.name}", flush=True)
@@ -221,7 +221,7 @@ def chart(data: dict, path: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    from profiling.provenance import provenance
+    from foundation.provenance import provenance
 
     argv = list(sys.argv[1:] if argv is None else argv)
     (args,) = parse([BenchArguments], argv)
@@ -234,7 +234,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     import torch
 
     device = torch.device("cuda") if cuda_available() else torch.device("cpu")
-    data = {**provenance(device, command="python -m profiling.bench " + " ".join(shlex.quote(a) for a in argv)),
+    data = {**provenance(device, command="python -m benchmarks.flag_ladder " + " ".join(shlex.quote(a) for a in argv)),
             "stage": args.stage, "model": args.model_name_or_path, "steps": args.steps,
             "simulate_gpu_gib": args.simulate_gpu_gib, "budget_gib": args.budget_gib, "arguments": asdict(args),
             "rows": []}

@@ -14,7 +14,6 @@ from typing import Optional
 
 import torch
 
-from profiling.device import device_name
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 _LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "deepspeed")
@@ -90,3 +89,23 @@ def provenance(device: Optional[torch.device] = None, command: Optional[str] = N
         "python": platform.python_version(),
         "versions": library_versions(),
     }
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name; for a CPU its model too, where the system tells it (ratios move with the CPU)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    arch = platform.processor() or platform.machine()
+    model = cpu_model() if device.type == "cpu" else None
+    return f"{device.type} ({model}, {arch})" if model else f"{device.type} ({arch})"
+
+
+def cpu_model() -> Optional[str]:
+    """The CPU's model name from /proc/cpuinfo (Linux), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() or None
+    except OSError:
+        return None

@@ -1,15 +1,20 @@
 """Our estimate against seed 000's breakdown for Llama-2-7B on a 24 GB card, and why they differ.
 
+    python -m benchmarks.seed --model llama-2-7b --stage ppo [the estimator's flags]
+
 The seed gives ranges in "GB" without saying which; they are compared as GiB here (the 7% between
 GB and GiB changes none of the conclusions).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
+from typing import Optional
 
+from foundation.cli import parse, run
 from profiling import components as C
-from profiling.predict import estimate
+from profiling.predict import EstimateArguments, estimate, resolve_shape
 from profiling.shapes import ModelShape, lora_tensor_sizes
 
 SEED_GB = {  # component: (low, high), from the seed's design card
@@ -106,3 +111,15 @@ def compare_seed(shape: ModelShape, args, est: dict) -> tuple[str, list[dict]]:
         lines.append(f"| {key} | {seed} | {C.gib(mine[key])} | {why[key]} |")
         rows.append({"component": key, "seed_low": low, "seed_high": high, "ours_bytes": mine[key], "why": why[key]})
     return "\n".join(lines), rows
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    (args,) = parse([EstimateArguments], list(sys.argv[1:] if argv is None else argv))
+    shape = resolve_shape(args)
+    text, rows = compare_seed(shape, args.resolved(), estimate(shape, args))
+    print(text)
+    return rows
+
+
+if __name__ == "__main__":
+    run(main)
