@@ -25,10 +25,12 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -138,23 +140,36 @@ def run_side(name: str, args: Workload, prompts, tokenizer, accelerator, probe: 
     return result
 
 
-ISOLATE_OWN = ("--sides", "--rounds", "--out_dir", "--isolate", "--side_run_out")
+ISOLATE_OWN = ("--sides", "--rounds", "--out_dir", "--isolate", "--side_run_out", "--stop_at")
+CUT = "cut"  # the side's time (--stop_at) ran out before or while it ran: no figure, not a failure
 
 
-def run_side_isolated(name: str, argv: list[str]) -> dict:
+def run_side_isolated(name: str, argv: list[str], stop_at: float = 0.0) -> dict:
     """`run_side` in a fresh Python process: this command again for side `name` alone, once, its record
     read back from a file. Nothing one side leaves in a process (compiled kernels, allocator state, thread
-    pools) can then slow the next."""
+    pools) can then slow the next. With `stop_at` (Unix time) a side still running then is stopped: cut."""
+    def record_of(status: str, error: str) -> dict:
+        return {"side": name, "label": SIDE_NAMES[name], "status": status, "steps": [], "setup": {}, "error": error}
+
+    left = stop_at - time.time() if stop_at else None
+    if left is not None and left <= 0:
+        return record_of(CUT, "the time given (--stop_at) was spent before this side started")
     with tempfile.TemporaryDirectory(prefix="ppo-bench-side-") as folder:
         record = Path(folder) / "side.json"
         command = [sys.executable, "-m", "benchmarks.ppo_vs_trl", *without_options(argv, ISOLATE_OWN),
                    "--sides", name, "--rounds", "1", "--isolate", "false", "--side_run_out", str(record)]
         logger.info("%s: in a process of its own", name)
-        proc = subprocess.run(command, cwd=ROOT)
+        # A session of its own, so that a stop takes the side's children (compile workers) with it.
+        proc = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
+        try:
+            proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return record_of(CUT, f"stopped after {left:.0f} s: the time given (--stop_at) ran out")
         if proc.returncode == 0 and record.exists():
             return json.loads(record.read_text())
-    return {"side": name, "label": SIDE_NAMES[name], "status": "failed", "steps": [], "setup": {},
-            "error": f"its process exited with status {proc.returncode} before writing its record"}
+    return record_of("failed", f"its process exited with status {proc.returncode} before writing its record")
 
 
 def without_options(argv: list[str], names: Sequence[str]) -> list[str]:
@@ -277,7 +292,7 @@ def side_runner(args: Workload, argv: list[str], accelerator, probe: MemoryProbe
     or in this one - a child of --isolate, or --isolate false - with the memory cap, TRL's import, the
     tokenizer, the prompts and the head weights set up once for every side."""
     if args.bench.isolate and not args.bench.side_run_out:
-        return lambda name: run_side_isolated(name, argv)
+        return lambda name: run_side_isolated(name, argv, args.bench.stop_at)
     from accelerate.utils import set_seed
 
     from trainer.engine.setup import simulate_gpu_memory

@@ -62,6 +62,9 @@ class PPOBenchArguments(Checked):
         "help": "Run every side, each round, in a fresh Python process of its own (as benchmarks.stages_vs_trl "
                 "does). In one process a side ran slower after the other had run - TRL's by up to a quarter on "
                 "a 2-core CPU - so false is only for debugging."})
+    stop_at: float = field(default=0.0, metadata={
+        "help": "Unix time by which every side must have ended (the GPU kit's budget): a side still running then is "
+                "stopped and recorded as cut, not as a result, and a side not started by then is cut too. 0: no limit."})
     side_run_out: Optional[str] = field(default=None, metadata={
         "help": "Internal (what --isolate runs): run the one side of --sides once, write its record to this JSON "
                 "file and exit."})
@@ -69,7 +72,8 @@ class PPOBenchArguments(Checked):
         "help": "Only write the tokenizer of --model_name_or_path into this folder (for --tokenizer_name_or_path) "
                 "and exit."})
 
-    RULES = {"prompt_length": at_least(2), "steps": at_least(1), "warmup_runs": at_least(0), "rounds": at_least(1)}
+    RULES = {"prompt_length": at_least(2), "steps": at_least(1), "warmup_runs": at_least(0), "rounds": at_least(1),
+             "stop_at": at_least(0)}
 
 
 # Our side's ablations: the settings each changes, by part (model: ModelArguments, ppo: PPOArguments).

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # `speed` runs in smoke mode the code of `first`'s last two steps (its GPU-only steps are pinned below).
 PARTS = ("first", "check", "memory", "ladder", "stages")
-FIRST_STEPS = ["versions", "gpu-tests", "sft", "reward", "ppo", "vs-estimate", "decode", "ppo_vs_trl"]
+FIRST_STEPS = ["gpu-tests", "sft+reward", "ppo", "vs-estimate", "ppo_vs_trl"]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_a_first_call_out_of_time_records_the_later_steps_as_cut_and_still_comes
     manifest = json.loads((folder / "manifest.json").read_text())
     statuses = [s["status"] for s in manifest["steps"]]
     assert [s["name"] for s in manifest["steps"]] == FIRST_STEPS and manifest["budget_s"] == 20
-    assert statuses[0] == "ok" and statuses[-1] == "cut"  # the versions ran; TRL's side was never reached
+    assert manifest["versions"]["torch"] and statuses[-1] == "cut"  # versions in the manifest; TRL never reached
     assert set(statuses) <= {"ok", "cut"} and statuses == sorted(statuses, key=lambda s: s == "cut")
 
 
@@ -145,10 +146,42 @@ def test_first_compares_with_trl_on_the_same_work_and_measures_decode(smoke):
     assert report["sides"]["ours"]["summary"]["optimizer_steps"] == 2 * 2
     assert report["sides"]["trl"]["summary"]["optimizer_steps"] == 2
     assert "ppo_step" in report["sides"]["ours"]["setup"]["step"]
-    decode = json.loads((unpacked / "first" / "decode" / "decode.json").read_text())
-    assert [r["batch"] for r in decode["rows"]] == [4]
-    assert all(r["tokens_per_s"] > 0 and 0 < r["bandwidth_fraction"] < 1 for r in decode["rows"])
-    assert decode["bytes_per_decode_step"] > decode["bytes_read_per_decode_step"]["base_weights"] > 0
+    # Decode at the rollout's batch is the seed PPO run's own (no model built for it alone): every step's.
+    metrics = [json.loads(line) for line in (unpacked / "first" / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    decoded = [r["perf/decode_tokens_per_s"] for r in metrics if "perf/decode_tokens_per_s" in r]
+    assert len(decoded) == 2 and all(v > 0 for v in decoded)
+    # SFT and reward ran in one process, one step each, and left the adapters PPO started from.
+    log = (unpacked / "first" / "logs" / "sft+reward.log").read_text()
+    assert log.index("[sft]") < log.index("[reward]")
+    for stage in ("sft", "reward"):
+        assert json.loads((unpacked / "first" / stage / "results.json").read_text())["seconds"] > 0
+
+
+def test_a_side_out_of_time_is_recorded_as_cut_not_as_a_result(tmp_path):
+    """--stop_at (the kit's deadline): a side the time does not reach is cut, and the report still comes back."""
+    import time
+
+    out = tmp_path / "cmp"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.ppo_vs_trl", "--model_name_or_path", "tiny-llama",
+                           "--sides", "ours,trl", "--stop_at", f"{time.time() - 1:.0f}", "--out_dir", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((out / "ppo_vs_trl.json").read_text())
+    assert {name: side["status"] for name, side in report["sides"].items()} == {"ours": "cut", "trl": "cut"}
+    assert not any(report["sides"][name]["steps"] for name in ("ours", "trl"))
+    assert "status cut" in (out / "ppo_vs_trl.md").read_text()
+
+
+def test_decode_measures_tokens_per_second_against_the_bandwidth_bound(tmp_path):
+    """The decode benchmark the speed part runs at batch 1, 16 and 64 (here: the tiny preset on the CPU)."""
+    from benchmarks.gpu.decode import main
+
+    result = main(["--model_name_or_path", "tiny-llama", "--quantization", "nf4", "--batches", "2", "--prompt_tokens",
+                   "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05", "--out_dir", str(tmp_path)])
+    assert [r["batch"] for r in result["rows"]] == [2]
+    assert all(r["tokens_per_s"] > 0 and 0 < r["bandwidth_fraction"] < 1 for r in result["rows"])
+    assert result["bytes_per_decode_step"] > result["bytes_read_per_decode_step"]["base_weights"] > 0
+    assert (tmp_path / "decode.md").is_file()
 
 
 def test_stages_compare_dpo_with_trl_on_the_planned_rows(smoke):
@@ -221,6 +254,16 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
     compared = json.loads((gpu / "ppo" / "vs_estimate.json").read_text())
     update = next(p for p in compared["phases"] if p["phase"] == "update")
     assert f"{update['predicted_total'] / 2**30:.2f}" in text.split("| memory-llama-2-7b-nvidia-h100 | ppo | update |")[-1]
+    # The first call's folder: its PPO memory, decode speed and the comparison with TRL are tabulated too.
+    first = results / "first-llama-2-7b-nvidia-h100"
+    shutil.copytree(results / "first-tiny-llama-smoke", first)
+    first_info = json.loads((first / "provenance.json").read_text())
+    (first / "provenance.json").write_text(json.dumps({**first_info, "smoke": False, "device": "cuda"}))
+    update_readme(readme, results)
+    text = readme.read_text()
+    assert "| first-llama-2-7b-nvidia-h100 | ppo | update |" in text
+    assert "| first-llama-2-7b-nvidia-h100 | ppo | 4 | 8 |" in text  # rows decoded together, new tokens
+    assert "| first-llama-2-7b-nvidia-h100 | ours | ok |" in text and "| first-llama-2-7b-nvidia-h100 | trl | ok |" in text
 
 
 def test_the_full_speed_part_ends_with_the_compiled_ablations_on_the_same_work(tmp_path):
@@ -361,3 +404,17 @@ def test_collect_files_a_well_formed_archive_and_replaces_an_earlier_copy(lab, t
     info = json.loads((folders[0] / "provenance.json").read_text())
     assert info["steps"] == {"ppo": {"status": "ok", "seconds": 12.3}} and info["archive"] == archive.name
     assert info["device_slug"] == "nvidia-h100" and info["smoke"] is False
+
+
+def test_the_plan_table_in_the_kit_readme_is_the_generated_one_and_the_first_call_fits_eight_minutes():
+    """The README's plan is `python -m benchmarks.gpu.plan`'s output (measured seconds from the manifests under
+    benchmarks/results/, predictions from the estimator's shapes), and the predicted first call fits 8 minutes."""
+    from benchmarks.gpu.parts import BUDGET_S
+    from benchmarks.gpu.plan import CALL_LIMIT_S, PACK_S, WHEELS_S, plan_table, predicted
+
+    assert plan_table() in (ROOT / "benchmarks" / "gpu" / "README.md").read_text()
+    first = predicted("first")
+    assert list(first) == FIRST_STEPS
+    assert BUDGET_S["first"] + WHEELS_S + PACK_S <= CALL_LIMIT_S
+    # the PPO memory figures come before the TRL comparison, and fit the budget by the plan
+    assert sum(first[s] for s in FIRST_STEPS[: FIRST_STEPS.index("vs-estimate") + 1]) < BUDGET_S["first"]

@@ -5,10 +5,11 @@
 - first:  the headline figures in one device call, in the order of their value: the GPU tests that
           prove the CUDA path (NF4 against bf16, adapter isolation after a PPO update, paged 8-bit
           AdamW, the recorder's allocator and NVML fields, the simulated card), the seed recipe's PPO
-          on the Llama-2-7B architecture (NF4, 2 steps, after one step each of SFT and reward for its
-          adapters) with memory recorded per component and phase against the estimator, decode
-          tokens/s at batch 16 against the bandwidth bound, then one PPO step against TRL's.
-- check:  nvidia-smi, library versions, and the GPU tests (`pytest -m gpu tests/test_gpu.py`).
+          on the Llama-2-7B architecture (NF4, 2 steps, after one step each of SFT and reward, in one
+          process, for its adapters) with memory recorded per component and phase against the
+          estimator and its rollouts' decode tokens/s at batch 16 against the bandwidth bound, then
+          one PPO step against TRL's (each side stopped at the part's deadline).
+- check:  nvidia-smi and the GPU tests (`pytest -m gpu tests/test_gpu.py`).
 - memory: the seed recipe's SFT, reward model and PPO stages (trainer/configs/llama2_7b/) on the
           Llama-2-7B architecture (random weights, NF4) under a simulated 24 GB card with
           `--profile_memory true`, 3 steps each, then each stage measured against the estimator.
@@ -25,7 +26,7 @@ part runs DPO only: SFT and reward run the same benchmark with the same NF4 and 
 tests/test_stages_vs_trl.py, which CI runs too. Each step runs in its
 own process with what is left of the part's time; a step that fails is recorded (its exit code and the
 end of its log) and the part goes on. `manifest.json` in DIR says what ran, how long, and where: the
-GPU, its driver, the date, the command and the git revision.
+GPU, its driver, the library versions, the date, the command and the git revision.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ from foundation.files import write_atomic
 ROOT = Path(__file__).resolve().parent.parent.parent
 PARTS = ("first", "check", "memory", "speed", "ladder", "stages")
 # Seconds of steps; the wheel install and packing come on top: each part fits one 8-minute call.
-BUDGET_S = {"first": 420, "check": 90, "memory": 420, "speed": 420, "ladder": 420, "stages": 420}
+BUDGET_S = {"first": 420, "check": 180, "memory": 420, "speed": 420, "ladder": 420, "stages": 420}
 CUT = "cut"  # the part's budget ran out before (or while) the step ran: a step never measured, not a result
+STOP_MARGIN_S = 15  # what a step given a stop time keeps for writing its files before the part's deadline
 
 
 @dataclass
@@ -58,7 +60,7 @@ class PartArguments(Checked):
     data: str = field(default=".data/hh-rlhf", metadata={"help": "hh-rlhf rows carried to the GPU machine."})
     tokenizer: str = field(default=".data/tokenizer", metadata={"help": "Exported tokenizer (prepare.sh)."})
     budget_s: int = field(default=0, metadata={"help": "Seconds the whole part may take; 0: the part's own "
-                                               "(check 90, the others 420: with the wheel install and "
+                                               "(check 180, the others 420: with the wheel install and "
                                                "packing, a call of at most 8 minutes)."})
 
     RULES = {"part": one_of(*PARTS), "budget_s": at_least(0)}
@@ -153,30 +155,34 @@ def seed_ppo_steps(args: PartArguments, out: Path, ppo_steps: int) -> list[Step]
     if args.smoke:
         ppo += ["--max_new_tokens", "8", "--rollout_batch_size", "4", "--rollout_micro_batch_size", "4",
                 "--mini_batch_size", "2"]
-    sft_reward_steps = [] if args.part == "memory" else ["--max_steps", "1"]
-    return [Step("sft", stage_run(args, "sft", out, *sft_reward_steps)),
-            Step("reward", stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"),
-                                     *sft_reward_steps)),
-            Step("ppo", stage_run(args, "ppo", out, *ppo, "--max_steps", str(ppo_steps)))]
+    ppo_step = Step("ppo", stage_run(args, "ppo", out, *ppo, "--max_steps", str(ppo_steps)))
+    if args.part == "memory":
+        return [Step("sft", stage_run(args, "sft", out)),
+                Step("reward", stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"))),
+                ppo_step]
+    # The first call reports no SFT or reward figure: their one step each only makes the adapters PPO starts
+    # from, so they share one process (one start, one CUDA context). PPO keeps its own, so that nothing an
+    # earlier stage left behind can show in its memory.
+    sft = stage_run(args, "sft", out, "--max_steps", "1")
+    reward = stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"), "--max_steps", "1")
+    return [Step("sft+reward", [python(), "-m", "benchmarks.gpu.in_one_process", "sft", *sft[2:], "::",
+                                "reward", *reward[2:]]), ppo_step]
 
 
-def steps_for(args: PartArguments, out: Path) -> list[Step]:
+def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Step]:
     if args.part == "first":
-        decode = (["--batches", "4", "--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05"]
-                  if args.smoke else ["--batches", "16", "--prompt_tokens", "128", "--new_tokens", "64"])
-        return [Step("versions", [python(), "-m", "benchmarks.gpu.versions", str(out / "versions.json")]),
-                Step("gpu-tests", [python(), "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q",
+        # Decode at batch 16 is the PPO run's own rollout (16 rows, 128 new tokens each, min == max), read from
+        # its metrics with its fraction of the bandwidth bound: no model is built for it alone.
+        return [Step("gpu-tests", [python(), "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q",
                                    "tests/test_gpu.py", "-k", FIRST_GPU_TESTS, f"--junitxml={out / 'gpu-tests.xml'}"]),
                 *seed_ppo_steps(args, out, ppo_steps=2),
                 Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "ppo")]),
-                Step("decode", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), *decode,
-                                "--out_dir", str(out / "decode")]),
                 Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args), *data_flags(args),
                                     *cap_flags(args), *ppo_work(args), "--sides", "ours,trl",
+                                    "--stop_at", f"{max(deadline - STOP_MARGIN_S, 0):.0f}",
                                     "--out_dir", str(out / "ppo_vs_trl")])]
     if args.part == "check":
         return [Step("nvidia-smi", ["nvidia-smi"]),
-                Step("versions", [python(), "-m", "benchmarks.gpu.versions", str(out / "versions.json")]),
                 Step("gpu-tests", [python(), "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q",
                                    "tests/test_gpu.py", f"--junitxml={out / 'gpu-tests.xml'}"])]
     if args.part == "memory":
@@ -232,6 +238,16 @@ def steps_for(args: PartArguments, out: Path) -> list[Step]:
                             ",".join(f"{k}={v}" for k, v in extra.items()), *cap_flags(args),
                             "--with_deepspeed", "false" if args.smoke else "true", "--out_dir", str(out / "ladder"),
                             "--timeout_s", "300" if args.smoke else "150"])]
+
+
+def library_versions() -> dict:
+    """Python, torch, CUDA and the libraries this machine runs the part with (or why they cannot be read)."""
+    from benchmarks.gpu.versions import versions
+
+    try:
+        return versions()
+    except Exception as exc:  # a broken CUDA install still lets the steps record how they fail
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
 def device_facts() -> dict:
@@ -293,12 +309,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
         raise UsageError(f"--out {out} is not empty: a part writes into a fresh folder")
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    steps = steps_for(args, out)
+    found = library_versions()  # in this process: a step of its own would pay a process start for it
+    write_atomic(out / "versions.json", json.dumps(found, indent=2))
     budget = args.budget_s or BUDGET_S[args.part]
+    steps = steps_for(args, out, started + budget)
     run_steps(steps, out, started + budget)
     model = "tiny-llama" if args.smoke else "llama-2-7b"
     manifest = {**provenance(command="benchmarks/gpu/run.sh " + ("--smoke " if args.smoke else "") + args.part),
-                **device_facts(), "part": args.part, "smoke": args.smoke, "model": model, "arguments": asdict(args),
+                **device_facts(), "versions": found, "part": args.part, "smoke": args.smoke, "model": model, "arguments": asdict(args),
                 "seconds": time.time() - started, "budget_s": budget, "steps": [asdict(s) for s in steps]}
     write_atomic(out / "manifest.json", json.dumps(manifest, indent=2))
     print(f"part {args.part}: " + ", ".join(f"{s.name} {s.status}" for s in steps), flush=True)

@@ -1,4 +1,4 @@
-"""The versions the GPU machine runs with (the kit's `check` part): Python, torch and CUDA, the libraries."""
+"""The versions the GPU machine runs with (every part's manifest and versions.json): Python, torch and CUDA, the libraries."""
 
 from __future__ import annotations
 

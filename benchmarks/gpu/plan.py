@@ -1,0 +1,175 @@
+"""How long each call of the GPU kit takes: measured where a manifest says so, predicted where none does.
+
+    python -m benchmarks.gpu.plan            # print the plan table
+    python -m benchmarks.gpu.plan --write    # and rewrite it in benchmarks/gpu/README.md
+
+No step has a GPU time until a call has run there. Until then a step's GPU seconds are predicted from
+the estimator's shapes: decoding at `DECODE_FRACTION` of the bandwidth bound (bytes one decode step
+reads over the card's bandwidth, `profiling.decode`), training and scoring FLOPs at `MFU` of the card's
+bf16 peak, and a process start and a 7B NF4 build per process. Those constants are guesses, named
+here once; each call's smoke seconds (CPU, tiny preset) and GPU seconds come from the manifests under
+benchmarks/results/, and the first GPU run's manifest replaces the prediction in the table.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from foundation.cli import argument_parser, run
+from foundation.files import write_atomic
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "benchmarks" / "gpu" / "README.md"
+START, END = "<!-- gpu-plan:start -->", "<!-- gpu-plan:end -->"
+CALL_LIMIT_S = 480  # one call of at most 8 minutes, wheels and packing included
+
+# The card the plan is for (H100 SXM: the slower memory of the two machines lent).
+BANDWIDTH = 3.35e12  # bytes/s
+BF16_FLOPS = 989e12  # dense
+# Guesses until a GPU manifest replaces them.
+START_S = 20  # a Python process: torch, transformers, peft, bitsandbytes imports and the CUDA context
+BUILD_S = 30  # the 7B architecture built with random weights and packed to NF4 one layer at a time
+DECODE_FRACTION = 0.05  # NF4 decoding at batch 16, of the bound: dequantised per matmul, a kernel per layer part
+MFU = 0.2  # training and scoring FLOPs, of the bf16 peak (NF4 dequantised per matmul, LoRA, checkpointing)
+WHEELS_S, PACK_S = 45, 10  # run.sh's wheel install before the part, its archive after
+GPU_TESTS_S = 40  # the first call's subset of tests/test_gpu.py: small models, a few seconds each
+
+
+@dataclass
+class Work:
+    """One model's share of a step: a PPO-style step's rows and lengths (rows=0: no rollout)."""
+
+    rows: int = 0
+    prompt: int = 0
+    new: int = 0
+    epochs: int = 0
+    scoring_adapters: int = 0  # adapters scored over the rollout (policy, reference, value, reward)
+    train_tokens: int = 0  # tokens of a supervised step (SFT, reward)
+
+
+def seven_b():
+    from profiling.shapes import load_shape
+
+    return load_shape("llama-2-7b")
+
+
+def decode_step_bytes(shape) -> int:
+    """Bytes one decode step reads: packed weights, constants, norms and LM head (not the embedding table)."""
+    from profiling.shapes import base_bytes, lora_tensor_sizes
+
+    base = base_bytes(shape, "nf4", 2)
+    embedding = shape.vocab_size * shape.hidden_size * 2
+    adapter = 4 * sum(lora_tensor_sizes(shape, 16, "all-linear"))
+    return base["base_weights"] + base["base_quant_constants"] + base["base_other"] - embedding + adapter
+
+
+def step_seconds(work: Work, shape) -> float:
+    """One step of `work` on the card: decode at the bound's fraction, every other pass at MFU."""
+    params = shape.total_params()
+    flops = 6 * params * work.train_tokens  # forward, backward, recomputation under checkpointing
+    seconds = 0.0
+    if work.rows:
+        seconds += work.new * decode_step_bytes(shape) / (BANDWIDTH * DECODE_FRACTION)
+        context = work.rows * (work.prompt + work.new)
+        flops += 2 * params * work.rows * work.prompt  # prefill
+        flops += 2 * params * context * work.scoring_adapters  # scoring
+        flops += 6 * params * context * work.epochs  # the update
+    return seconds + flops / (BF16_FLOPS * MFU)
+
+
+def predicted(part: str) -> dict[str, float]:
+    """Each step of `part` (the parts with a plan) in GPU seconds, before any call has timed it."""
+    shape = seven_b()
+    seed_ppo = Work(rows=16, prompt=256, new=128, epochs=4, scoring_adapters=4)
+    bench_ppo = Work(rows=16, prompt=256, new=128, epochs=2, scoring_adapters=4)
+    sft_step = Work(train_tokens=4 * 4 * 512)  # micro-batch 4 x 4 accumulation x 512 tokens
+    reward_step = Work(train_tokens=2 * 4 * 4 * 512)  # pairs: two sequences each
+    process = START_S + BUILD_S
+    if part == "first":
+        return {"gpu-tests": START_S + GPU_TESTS_S,
+                "sft+reward": START_S + 2 * BUILD_S + step_seconds(sft_step, shape) + step_seconds(reward_step, shape),
+                "ppo": process + 2 * step_seconds(seed_ppo, shape), "vs-estimate": START_S,
+                # TRL's side builds policy, value and reward models: three 7B builds; its step taken as ours
+                "ppo_vs_trl": 2 * START_S + 4 * BUILD_S + 4 * step_seconds(bench_ppo, shape)}
+    if part == "memory":
+        return {"sft": process + 3 * step_seconds(sft_step, shape), "reward": process + 3 * step_seconds(reward_step, shape),
+                "ppo": process + 3 * step_seconds(seed_ppo, shape),
+                "grpo": process + 2 * step_seconds(Work(rows=16, prompt=256, new=128, epochs=1, scoring_adapters=3), shape),
+                "vs-estimate": START_S}
+    if part == "stages":  # 3 steps and a warm-up of 4 x 2 rows at 512 tokens, each side its own build
+        tokens = 4 * 2 * 512
+        work = {"sft": Work(train_tokens=tokens), "reward": Work(train_tokens=2 * tokens),
+                "dpo": Work(train_tokens=2 * tokens + 2 * tokens // 3)}  # the reference's forward: a third more
+        return {f"stages_vs_trl-{name}": 2 * process + 2 * 4 * step_seconds(w, shape) for name, w in work.items()}
+    if part == "ladder":  # 7 rungs of 3 SFT steps, each its own process
+        return {"ladder": 7 * (process + 3 * step_seconds(sft_step, shape))}
+    if part == "check":
+        return {"nvidia-smi": 1, "gpu-tests": START_S + 2 * GPU_TESTS_S}
+    return {}
+
+
+def manifests(kind: str) -> dict[str, dict]:
+    """part -> the manifest summary (provenance.json) of its latest collected run, smoke or GPU."""
+    found = {}
+    for info in sorted(RESULTS.glob("*/provenance.json")):
+        data = json.loads(info.read_text())
+        if data.get("part") and bool(data.get("smoke")) == (kind == "smoke") and (kind == "smoke" or data.get("device") == "cuda"):
+            found[data["part"]] = data
+    return found
+
+
+def _seconds(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def plan_table() -> str:
+    from benchmarks.gpu.parts import BUDGET_S, PARTS
+
+    smoke, gpu = manifests("smoke"), manifests("gpu")
+    lines = [START, "", "_Generated by `python -m benchmarks.gpu.plan --write` from the manifests under "
+             "`benchmarks/results/` and the prediction in `benchmarks/gpu/plan.py`; do not edit by hand._", "",
+             f"Predicted for an H100 from the estimator's shapes: decoding at {DECODE_FRACTION:.0%} of the bandwidth "
+             f"bound, other passes at {MFU:.0%} of the bf16 peak, {START_S} s per process start and {BUILD_S} s per "
+             f"7B NF4 build (guesses until a GPU manifest replaces them). Each call adds ~{WHEELS_S} s of wheel "
+             f"install and ~{PACK_S} s of packing; the machine's start (1-3 minutes) comes before it.", "",
+             "| call | step | smoke s (CPU) | GPU s predicted | GPU s measured |", "|---|---|---:|---:|---:|"]
+    for part in ("first", "memory", "speed", "stages", "ladder", "check"):
+        guess = predicted(part)
+        smoke_steps = (smoke.get(part) or {}).get("steps") or {}
+        gpu_steps = (gpu.get(part) or {}).get("steps") or {}
+        names = list(guess) or list(smoke_steps) or list(gpu_steps)
+        for name in names:
+            lines.append(f"| `{part}` | {name} | {_seconds((smoke_steps.get(name) or {}).get('seconds'))} | "
+                         f"{_seconds(guess.get(name))} | {_seconds((gpu_steps.get(name) or {}).get('seconds'))} |")
+        total = sum(guess.values()) if guess else None
+        call = None if total is None else min(total, BUDGET_S[part]) + WHEELS_S + PACK_S
+        measured = (gpu.get(part) or {}).get("seconds")
+        lines.append(f"| `{part}` | **the call** (steps within {BUDGET_S[part]} s, wheels, packing) | "
+                     f"{_seconds((smoke.get(part) or {}).get('seconds'))} | {_seconds(call)} | {_seconds(measured)} |")
+    assert set(PARTS) == {"first", "memory", "speed", "stages", "ladder", "check"}
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> str:
+    parser = argument_parser("python -m benchmarks.gpu.plan", __doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="Rewrite the table in benchmarks/gpu/README.md.")
+    parser.add_argument("--readme", type=Path, default=README)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    table = plan_table()
+    print(table)
+    if args.write:
+        text = args.readme.read_text()
+        pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
+        write_atomic(args.readme, pattern.sub(lambda _: table, text) if pattern.search(text) else text + "\n" + table + "\n")
+    return table
+
+
+if __name__ == "__main__":
+    run(main)
