@@ -1,0 +1,271 @@
+"""The table of the latest result of every benchmark, read from the files under benchmarks/results/.
+
+    python -m benchmarks.results_table            # rewrite the table in README.md and benchmarks/README.md
+    python -m benchmarks.results_table --check    # exit 1 when either table differs from the files
+    python -m benchmarks.results_table --print    # the table on stdout (links from the repository root)
+
+One row per result folder: the benchmark, its setting, the headline figure, the device, the date and a link
+to the folder's report. Every cell comes from the folder's files and their provenance; none is typed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from foundation.cli import InputError, UsageError, argument_parser, run
+from foundation.files import write_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+READMES = {ROOT / "README.md": "benchmarks/results", ROOT / "benchmarks" / "README.md": "results"}
+START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
+COMMAND = "python -m benchmarks.results_table"
+STAGES = ("sft", "reward", "dpo", "ppo", "grpo", "rloo")
+TRAINERS = {"sft": ("SFT", "SFTTrainer"), "reward": ("Reward model", "RewardTrainer"), "dpo": ("DPO", "DPOTrainer")}
+
+
+@dataclass
+class Row:
+    rank: tuple  # where the row sorts: benchmark kind first, then its order within the kind
+    benchmark: str
+    setting: str
+    headline: str
+    device: str
+    date: str
+    report: str  # path of the folder's report, relative to benchmarks/results/
+
+
+def _load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: not a readable JSON file ({exc})") from exc
+
+
+def _when(record: dict) -> tuple[str, str]:
+    """(device, date) from a file's provenance."""
+    return record.get("device_name") or record.get("device") or "?", (record.get("date") or "?")[:10]
+
+
+def _report(folder: Path, preferred: str = "README.md") -> str:
+    """The page to link for a folder (relative to the results folder): `preferred`, else its first Markdown file,
+    else the folder itself."""
+    if (folder / preferred).is_file():
+        return f"{folder.name}/{preferred}"
+    pages = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.md"))
+    return f"{folder.name}/{pages[0]}" if pages else f"{folder.name}/"
+
+
+def _ci(interval: Optional[list]) -> str:
+    return f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else ""
+
+
+def ppo_vs_trl(folder: Path) -> Row:
+    rep = _load(folder / "ppo_vs_trl.json")
+    s, used, sides = rep["settings"], rep.get("resolved") or {}, rep["sides"]
+    setting = (f"{s['model_name_or_path']} (quantization {used.get('quantization', '?')}, {used.get('dtype', '?')}), "
+               f"{s['rollout_batch_size']} prompts x ({s['max_prompt_length']} + {s['max_new_tokens']}) tokens, "
+               f"{s['ppo_epochs']} epochs, compile_layers {'on' if s.get('compile_layers') else 'off'}; "
+               f"sides {s['sides'].replace(',', ', ')}")
+    step = {name: (side.get("summary") or {}).get("step_s") for name, side in sides.items()}
+    if step.get("ours") and step.get("trl"):
+        headline = f"step {step['ours']:.2f} s, TRL {step['trl']:.2f} s: {step['trl'] / step['ours']:.2f}x"
+        if step.get("ours_eager"):
+            headline += f"; ours uncompiled {step['ours_eager']:.2f} s: {step['trl'] / step['ours_eager']:.2f}x"
+        ratios = rep.get("ratios") or {}
+        memory = ratios.get("peak_allocated_trl_over_ours") or ratios.get("peak_rss_trl_over_ours")
+        kind = "peak allocated" if ratios.get("peak_allocated_trl_over_ours") else "peak RSS"
+        if memory:
+            headline += f"; {kind} TRL / ours {memory:.2f}x"
+    else:
+        headline = "; ".join(f"{name} {side.get('status')}" for name, side in sides.items())
+    return Row((0, 0), "PPO step, ours vs TRL PPOTrainer", setting, headline, *_when(rep),
+               f"{folder.name}/ppo_vs_trl.md")
+
+
+def stages_vs_trl(folder: Path) -> Row:
+    rep = _load(folder / "stages_vs_trl.json")
+    stage, train = rep["stage"], rep["settings"]["train"]
+    rows = train["micro_batch_size"] * train["gradient_accumulation_steps"]
+    setting = (f"{rep['settings']['model']['model_name_or_path']}, {train['max_steps']} steps x {rows} "
+               f"{'rows' if stage == 'sft' else 'pairs'}, max_length {rep['settings']['data']['max_length']}")
+    ours, trl = (rep["sides"][n].get("evaluation") or {} for n in ("ours", "trl"))
+    if stage == "sft":
+        quality = (f"held-out perplexity {ours['perplexity']:.3f}{_ci(ours.get('perplexity_ci95'))}, "
+                   f"TRL {trl['perplexity']:.3f}{_ci(trl.get('perplexity_ci95'))} ({ours['rows']} rows)")
+    else:
+        key = "accuracy" if stage == "reward" else "rewards/accuracies"
+        name = "accuracy" if stage == "reward" else "implicit-reward accuracy"
+        quality = (f"held-out {name} {ours[key]:.3f}{_ci(ours.get('accuracy_ci95'))}, "
+                   f"TRL {trl[key]:.3f}{_ci(trl.get('accuracy_ci95'))} ({ours['pairs']:.0f} pairs)")
+    ratios = rep["ratios"]
+    headline = (f"{quality}; tokens/s {ratios['tokens_per_s_ratio']:.2f}x TRL's; "
+                f"peak RSS TRL / ours {ratios['peak_rss_trl_over_ours']:.2f}x")
+    name, trainer = TRAINERS[stage]
+    return Row((1, STAGES.index(stage)), f"{name} stage, ours vs TRL {trainer}", setting,
+               headline, *_when(rep), f"{folder.name}/stages_vs_trl.md")
+
+
+def estimate(folder: Path) -> Row:
+    est = _load(folder / "estimate.json")
+    s = est["config"]["settings"]
+    setting = (f"{s['model_name_or_path']} {s['stage']}, {s['quantization']}, {s['optimizer']}, LoRA r={s['lora_r']}, "
+               f"checkpointing {'on' if s['gradient_checkpointing'] else 'off'}")
+    headline = (f"predicted peak {est['peak_bytes'] / 2**30:.3f} GiB ({est['peak_phase']}) against "
+                f"{est['budget_bytes'] / 2**30:.0f} GiB: {'fits' if est['fits'] else 'does not fit'}")
+    return Row((2, 0), "memory estimate (a prediction, not a measurement)", setting, headline, *_when(est),
+               f"{folder.name}/estimate.md")
+
+
+def _stage_figure(folder: Path, stage: str) -> Optional[str]:
+    """The held-out figure of one stage of a training run: before -> after, or the final evaluation."""
+    res = _load(folder / stage / "results.json")
+    before, after = res.get("eval_before") or {}, res.get("eval_after") or {}
+    for final in sorted(folder.glob(f"{stage}/evaluation*.json")):  # `trainer.evaluate --output_file`: all pairs
+        ev = _load(final)
+        if "rewards/accuracies" in ev:
+            return (f"{stage} implicit-reward accuracy {ev['rewards/accuracies']:.3f}{_ci(ev.get('accuracy_ci95'))} "
+                    f"({ev['pairs']:.0f} pairs)")
+    for key, name, fmt in (("eval/perplexity", "perplexity", ".2f"), ("eval/accuracy", "accuracy", ".2f"),
+                           ("eval/rewards/accuracies", "implicit-reward accuracy", ".2f")):
+        if key in after:
+            # DPO starts with policy == reference: every implicit reward is 0 and no pair is ranked yet
+            start = f"{before[key]:{fmt}} -> " if key in before and stage != "dpo" else ""
+            pairs = f" ({after['eval/pairs']:.0f} pairs)" if "eval/pairs" in after else ""
+            return f"{stage} {name} {start}{after[key]:{fmt}}{pairs}"
+    return None
+
+
+def training_run(folder: Path) -> Row:
+    prov = _load(folder / "provenance.json") if (folder / "provenance.json").is_file() else {}
+    stages = [s for s in STAGES if (folder / s / "results.json").is_file()]
+    configs = {s: _load(folder / s / "config.json") for s in stages if (folder / s / "config.json").is_file()}
+    model = next((c["model"]["model_name_or_path"] for c in configs.values()), "?")
+    setting = f"{model}; " + ", ".join(f"{s} {c['train']['max_steps']} steps" for s, c in configs.items())
+    comparison = _load(folder / "comparison.json") if (folder / "comparison.json").is_file() else {}
+    compared = [s for s in (comparison.get("policies") or {}) if s != "sft"]
+    figures = [f for s in stages if s not in compared for f in [_stage_figure(folder, s)] if f]
+    if compared:
+        figures.append(f"reward-model win rate vs SFT on {comparison['prompts']} held-out prompts: " + ", ".join(
+            f"{s} {comparison['policies'][s]['win_rate_vs_sft']:.2f}" for s in compared))
+    return Row((3, 0), "training run (`benchmarks.collect_run`)", setting, "; ".join(figures), *_when(prov),
+               _report(folder, "report.md"))
+
+
+def learning_margin(folder: Path, result: dict) -> Row:
+    figures = []
+    stages = list(dict.fromkeys(r["stage"] for r in result["runs"]))
+    for stage in stages:
+        gains = [r["gain"] for r in result["runs"] if r["stage"] == stage and not r["flipped"]]
+        flipped = [r["gain"] for r in result["runs"] if r["stage"] == stage and r["flipped"]]
+        figure = f"{stage} gain over SFT {min(gains):+.2f} to {max(gains):+.2f} in {len(gains)} runs"
+        figures.append(figure + (f", flipped update {max(flipped):+.2f}" if flipped else ""))
+    seeds = sorted({r["seed"] for r in result["runs"]})
+    threads = sorted({r["threads"] for r in result["runs"]})
+    setting = (f"{', '.join(stages)} learning checks, seeds {', '.join(map(str, seeds))}, "
+               f"threads {', '.join(map(str, threads))}"
+               + (", and the update's sign flipped" if any(r["flipped"] for r in result["runs"]) else ""))
+    return Row((4, 0), "learning margin (`benchmarks.learning_margin`)", setting, "; ".join(figures),
+               *_when(result["provenance"]), f"{folder.name}/README.md")
+
+
+def bad_inputs(folder: Path, result: dict) -> Row:
+    cases = result["cases"]
+    one_line = sum(1 for c in cases if c.get("one_line"))
+    codes = Counter(c["exit_code"] for c in cases)
+    counts = ", ".join(f"{codes[code]} exit {code}" + (" (the bad row counted and skipped)" if code == 0 else "")
+                       for code in sorted(codes, reverse=True))
+    return Row((5, 0), "bad inputs (`benchmarks.bad_inputs`)", f"{len(cases)} bad inputs, each a real command",
+               f"{one_line} of {len(cases)} print one line: {counts}", *_when(result["provenance"]),
+               f"{folder.name}/README.md")
+
+
+def probe(folder: Path) -> Row:
+    result = _load(folder / "result.json")
+    if "runs" in result:
+        return learning_margin(folder, result)
+    if "cases" in result:
+        return bad_inputs(folder, result)
+    return other(folder)
+
+
+def other(folder: Path) -> Row:
+    """A folder of a kind this table does not know (a GPU kit part, say): its provenance and first report."""
+    prov = _load(folder / "provenance.json") if (folder / "provenance.json").is_file() else {}
+    return Row((6, 0), folder.name, prov.get("command", "-"), "see the report", *_when(prov), _report(folder))
+
+
+KINDS: list[tuple[str, Callable[[Path], Row]]] = [  # the file that marks a folder's kind, in the order tried
+    ("ppo_vs_trl.json", ppo_vs_trl), ("stages_vs_trl.json", stages_vs_trl), ("estimate.json", estimate),
+    ("result.json", probe)]
+
+
+def row_for(folder: Path) -> Row:
+    for name, reader in KINDS:
+        if (folder / name).is_file():
+            return reader(folder)
+    if any((folder / s / "results.json").is_file() for s in STAGES):
+        return training_run(folder)
+    return other(folder)
+
+
+def rows(results: Path = RESULTS) -> list[Row]:
+    folders = sorted(p for p in results.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return sorted((row_for(f) for f in folders), key=lambda r: (r.rank, r.report))
+
+
+def table(results: Path = RESULTS, prefix: str = "benchmarks/results") -> str:
+    """The Markdown table, its links starting with `prefix` (the results folder seen from the file it goes in)."""
+    lines = ["| benchmark | setting | headline | device | date | result |", "|---|---|---|---|---|---|"]
+    for r in rows(results):
+        lines.append(f"| {r.benchmark} | {r.setting} | {r.headline} | {r.device} | {r.date} | "
+                     f"[{r.report.split('/')[0]}]({prefix}/{r.report}) |")
+    return "\n".join(lines) + "\n"
+
+
+def section(results: Path = RESULTS, prefix: str = "benchmarks/results") -> str:
+    return (f"{START}\n\n_Generated by `{COMMAND}` from the files under `benchmarks/results/`; do not edit by "
+            f"hand._\n\n{table(results, prefix)}\n{END}")
+
+
+def rewritten(readme: Path, results: Path, prefix: str) -> tuple[str, str]:
+    """(the file's text now, its text with the table regenerated)."""
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise InputError(f"{readme}: no {START} ... {END} section for the table")
+    head, rest = text.split(START, 1)
+    return text, head + section(results, prefix) + rest.split(END, 1)[1]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argument_parser(COMMAND, __doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="Exit 1 when a README's table is stale; write nothing.")
+    parser.add_argument("--print", action="store_true", help="Print the table; write nothing.")
+    parser.add_argument("--results_dir", type=Path, default=RESULTS)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.check and args.print:
+        raise UsageError("--check and --print: pick one")
+    if args.print:
+        print(table(args.results_dir), end="")
+        return 0
+    stale = []
+    for readme, prefix in READMES.items():
+        now, new = rewritten(readme, args.results_dir, prefix)
+        if now != new:
+            stale.append(readme.relative_to(ROOT).as_posix())
+            if not args.check:
+                write_atomic(readme, new)
+    if args.check and stale:
+        raise InputError(f"stale results table in {', '.join(stale)}: run {COMMAND}")
+    done = "stale: none" if args.check else f"rewrote: {', '.join(stale) or 'none (already current)'}"
+    print(f"results table, {len(rows(args.results_dir))} rows; {done}")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,75 @@
+"""The results table in the READMEs is generated from the committed result files, and every relative link
+in the user documentation points at a file of the repository."""
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks import results_table as rt
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")  # [text](target) and ![image](target)
+
+
+def test_the_table_has_one_row_per_result_folder_each_linking_its_report():
+    folders = sorted(p.name for p in rt.RESULTS.iterdir() if p.is_dir())
+    rows = rt.rows()
+    assert sorted(r.report.split("/")[0] for r in rows) == folders
+    for r in rows:
+        assert (rt.RESULTS / r.report).is_file(), r.report  # every committed folder has its report
+        assert r.headline and r.date[:2] == "20" and r.device != "?", r
+
+
+def test_the_ppo_row_reads_its_figures_from_the_result_file():
+    row = next(r for r in rt.rows() if r.report.startswith("ppo_vs_trl-"))
+    rep = rt._load(rt.RESULTS / row.report.replace(".md", ".json"))
+    ours, trl = (rep["sides"][s]["summary"]["step_s"] for s in ("ours", "trl"))
+    assert f"step {ours:.2f} s, TRL {trl:.2f} s: {trl / ours:.2f}x" in row.headline
+
+
+@pytest.mark.parametrize("readme", list(rt.READMES), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_the_readme_table_equals_the_generator_output(readme):
+    now, regenerated = rt.rewritten(readme, rt.RESULTS, rt.READMES[readme])
+    assert now == regenerated, f"stale results table in {readme}: run python -m benchmarks.results_table"
+
+
+def test_check_fails_on_a_stale_table_and_the_rewrite_fixes_it(tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    shutil.copytree(rt.RESULTS / "bad_inputs", results / "bad_inputs")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{rt.START}\nold\n{rt.END}\nafter\n")
+    monkeypatch.setattr(rt, "READMES", {readme: "results"})
+    monkeypatch.setattr(rt, "ROOT", tmp_path)
+    with pytest.raises(rt.InputError, match="stale results table in README.md"):
+        rt.main(["--check", "--results_dir", str(results)])
+    rt.main(["--results_dir", str(results)])
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{rt.END}\nafter\n")
+    assert "[bad_inputs](results/bad_inputs/README.md)" in text
+    rt.main(["--check", "--results_dir", str(results)])
+
+
+def anchors(markdown: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", markdown.read_text(), flags=re.S), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_resolves_to_a_file_in_the_repository(doc):
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)  # commands in code blocks are not links
+    targets = LINK.findall(text)
+    broken = []
+    for target in targets:
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (doc.parent / file).resolve() if file else doc
+        if not path.exists() or ROOT not in path.parents:
+            broken.append(target)
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            broken.append(target)
+    assert targets and not broken, f"{doc.relative_to(ROOT)}: links that resolve to no file or heading: {broken}"
