@@ -200,8 +200,20 @@ def other(folder: Path) -> Row:
     return Row((6, 0), folder.name, prov.get("command", "-"), "see the report", *_when(prov), _report(folder))
 
 
+def gpu_kit(folder: Path) -> Row:
+    """A part of the GPU kit (benchmarks/gpu/), collected from its archive: how many of its steps ran."""
+    prov = _load(folder / "provenance.json") if (folder / "provenance.json").is_file() else {}
+    steps = prov.get("steps") or {}
+    ok = sum(1 for s in steps.values() if s.get("status") == "ok")
+    seconds = prov.get("seconds")
+    headline = f"{ok} of {len(steps)} steps ok" + ("" if seconds is None else f" in {seconds:.0f} s")
+    mode = "smoke, tiny preset on the CPU" if prov.get("smoke") else prov.get("model", "?")
+    return Row((5, 0), f"GPU kit `{prov.get('part', folder.name)}` ({mode})", prov.get("command", "-"), headline,
+               *_when(prov), f"{folder.name}/manifest.json")
+
+
 KINDS: list[tuple[str, Callable[[Path], Row]]] = [  # the file that marks a folder's kind, in the order tried
-    ("ppo_vs_trl.json", ppo_vs_trl), ("stages_vs_trl.json", stages_vs_trl), ("estimate.json", estimate),
+    ("manifest.json", gpu_kit), ("ppo_vs_trl.json", ppo_vs_trl), ("stages_vs_trl.json", stages_vs_trl), ("estimate.json", estimate),
     ("result.json", probe)]
 
 
