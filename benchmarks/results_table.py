@@ -185,8 +185,33 @@ def bad_inputs(folder: Path, result: dict) -> Row:
                f"{folder.name}/README.md")
 
 
+def trl_grpo_recipe(folder: Path, result: dict) -> Row:
+    """The estimator on TRL's QLoRA GRPO recipe, each label (before / after a change) side by side."""
+    figures, prov = [], {}
+    for label, entry in result["runs"].items():
+        prov = entry.get("provenance") or prov
+        peak = entry["recipes"]["trl_grpo_prompt256"]["summary"]
+        figures.append(f"{label}: {peak['peak_gib']:.2f} GiB in {peak['peak_phase']}")
+    goal = result.get("targets_gib", {}).get("goal")
+    return Row((3, 1), "TRL's QLoRA GRPO recipe, estimated (`benchmarks.trl_grpo_recipe`)",
+               "Qwen2.5-7B NF4, r=32, 8 x 256-token completions, beta 0, reward functions",
+               "; ".join(figures) + (f" (goal <= {goal} GiB)" if goal else ""), *_when(prov), _report(folder))
+
+
+def code_size(folder: Path, result: dict) -> Row:
+    first, last = result["revisions"][0], result["revisions"][-1]
+    lines = {r["revision"]: sum(r["python_lines"].values()) for r in (first, last)}
+    return Row((7, 0), "code size (`benchmarks.code_size`)", f"`{first['revision']}` -> `{last['revision']}`",
+               f"Python lines {lines[first['revision']]} -> {lines[last['revision']]}; PPO settings "
+               f"{first['ppo_settings']} -> {last['ppo_settings']}", *_when(result), _report(folder))
+
+
 def probe(folder: Path) -> Row:
     result = _load(folder / "result.json")
+    if "revisions" in result:
+        return code_size(folder, result)
+    if isinstance(result.get("runs"), dict):
+        return trl_grpo_recipe(folder, result)
     if "runs" in result:
         return learning_margin(folder, result)
     if "cases" in result:

@@ -9,6 +9,7 @@ carry a scalar head. A role is trainable only in the stages listed for it in `TR
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 POLICY, REFERENCE, VALUE, REWARD = "policy", "reference", "value", "reward"
 ROLES = (POLICY, REFERENCE, VALUE, REWARD)
@@ -49,7 +50,9 @@ def sampled_logprobs(old_logprobs: str, merged: bool) -> bool:
     return old_logprobs == "sampling" and not merged
 
 
-def stage_adapters(stage: str) -> list[Slot]:
+def stage_adapters(stage: str, without: Sequence[str] = ()) -> list[Slot]:
+    """The adapters of `stage`, less the roles in `without` (a run scored by reward functions has no
+    reward adapter; GRPO with beta 0 no reference)."""
     if stage not in ADAPTERS:
         raise ValueError(f"unknown stage '{stage}': use one of {', '.join(STAGES)}")
-    return [Slot(role, role in TRAINED[stage], role in HEADED) for role in ADAPTERS[stage]]
+    return [Slot(role, role in TRAINED[stage], role in HEADED) for role in ADAPTERS[stage] if role not in without]

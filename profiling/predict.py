@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional
 
 from foundation.cli import Checked, UsageError, above, at_least, between, one_of
-from foundation.stages import OLD_LOGPROBS, STAGES, sampled_logprobs, stage_adapters
+from foundation.stages import OLD_LOGPROBS, REFERENCE, REWARD, STAGES, Slot, sampled_logprobs, stage_adapters
 from profiling import activations as A
 from profiling import components as C
 from profiling import resolve
@@ -41,6 +41,10 @@ class EstimateArguments(Checked):
                 "or an HF folder with config.json; "
                 "or give the shape flags."})
     stage: str = field(default="ppo", metadata={"help": "sft, reward, ppo, dpo or grpo."})
+    beta: float = field(default=0.04, metadata={"help": "GRPO's KL weight; 0: no reference adapter (trainer/grpo.py)."})
+    reward_model: bool = field(default=True, metadata={
+        "help": "PPO, GRPO: scored by the reward adapter and head; false: by reward functions (--scripted_reward), "
+                "no reward adapter, head or pass."})
     hidden_size: Optional[int] = field(default=None, metadata={"help": "Shape override (all shape flags too)."})
     intermediate_size: Optional[int] = None
     num_layers: Optional[int] = None
@@ -93,7 +97,7 @@ class EstimateArguments(Checked):
     json: Optional[str] = field(default=None, metadata={"help": "Write the estimate as JSON to this file."})
     out_dir: Optional[str] = field(default=None, metadata={"help": "Write estimate.json/.md/.png here."})
 
-    RULES = {"stage": one_of(*STAGES), "quantization": one_of(*resolve.QUANTIZATIONS),
+    RULES = {"stage": one_of(*STAGES), "beta": at_least(0), "quantization": one_of(*resolve.QUANTIZATIONS),
              "dtype": one_of("auto", *resolve.DTYPES), "optimizer": one_of("auto", *OPTIMIZERS),
              "device": one_of("cuda", "cpu"), "lora_r": at_least(1), "lora_dropout": between(0, 1, high_open=True),
              "attn_implementation": one_of("sdpa", "flash_attention_2", "eager", "auto"),
@@ -112,13 +116,18 @@ class EstimateArguments(Checked):
     @classmethod
     def of_run(cls, *settings: Any, **given: Any) -> "EstimateArguments":
         """The estimate of a run from its own argument objects: each field is read, by name, from the
-        first object that has it (ModelArguments, DataArguments, TrainArguments, the stage's)."""
+        first object that has it (ModelArguments, DataArguments, TrainArguments, the stage's). An online RL
+        run holds a reward model when it names a reward adapter (the stages load it even beside a scripted
+        reward, as the value adapter's start), so `reward_model` is read off `reward_adapter`."""
         values = {}
         for f in fields(cls):
             for obj in settings:
                 if hasattr(obj, f.name):
                     values[f.name] = getattr(obj, f.name)
                     break
+        scorer = next((obj for obj in settings if hasattr(obj, "reward_adapter")), None)
+        if scorer is not None and "reward_model" not in values:
+            values["reward_model"] = scorer.reward_adapter is not None
         return cls(**{**values, **given})
 
     def resolved(self) -> "EstimateArguments":
@@ -129,6 +138,19 @@ class EstimateArguments(Checked):
                        optimizer=self.optimizer if self.optimizer == "deepspeed_zero2_offload"
                        else resolve.optimizer(self.optimizer, self.device),
                        rollout_micro_batch_size=self.rollout_micro_batch_size or self.micro_batch_size)
+
+
+def adapters(args: EstimateArguments) -> list[Slot]:
+    """The adapters a run of the stage puts on the base, as trainer/ppo.py and trainer/grpo.py build them: no
+    reward adapter when reward functions score (PPO, GRPO), no reference when GRPO's beta is 0."""
+    online = args.stage in ("ppo", "grpo")
+    without = ((REWARD,) if online and not args.reward_model else ()) + (
+        (REFERENCE,) if args.stage == "grpo" and args.beta == 0 else ())
+    return stage_adapters(args.stage, without)
+
+
+def roles(args: EstimateArguments) -> list[str]:
+    return [slot.role for slot in adapters(args)]
 
 
 def resolve_shape(args: EstimateArguments) -> ModelShape:
@@ -158,7 +180,7 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
     parts = base_bytes(shape, args.quantization, a)
     lora = lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules)
     trainable: list[int] = []
-    for slot in stage_adapters(args.stage):
+    for slot in adapters(args):
         parts[C.adapter(slot.role)] = 4 * sum(lora)
         if slot.head:
             parts[C.head(slot.role)] = 4 * sum(head_tensor_sizes(shape))
@@ -184,6 +206,14 @@ def rollout_buffer_bytes(args: EstimateArguments) -> int:
 
 
 # ---------------------------------------------------------------- phases
+
+
+def _scoring_logits(shape: ModelShape, spec: A.ForwardSpec, scored: int, reference: bool, policy_logits: int) -> int:
+    """The response logits of a scoring pass: the reference's (with the fp32 chunk temporaries) beside the
+    re-scoring policy's; without a reference, the policy's own take the chunks."""
+    if reference:
+        return A.logits_nograd(shape, spec, scored) + policy_logits
+    return A.logits_nograd(shape, spec, scored) if policy_logits else 0
 
 
 def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.ForwardSpec, trainable: list[int]) -> list:
@@ -224,15 +254,17 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         context = args.max_prompt_length + args.max_new_tokens
         buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(rows_all)}
         scored = rows * (args.max_new_tokens + 1)
-        groups = len(stage_adapters(args.stage)) - sampled
+        groups = len(adapters(args)) - sampled
         return [
             ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
                           + A.kv_cache_growth(shape, spec, rows, context),
                           C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
                                                               args.max_prompt_length),
                           C.LOGITS: step_logits}),
-            ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
-                       C.LOGITS: A.logits_nograd(shape, spec, scored) + policy_logits}),
+            # beta 0, reward functions and sampled log-probs: the phase runs no pass at all
+            ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context)
+                       if groups else 0,
+                       C.LOGITS: _scoring_logits(shape, spec, scored, REFERENCE in roles(args), policy_logits)}),
             ("update", {**buffers, **grads, C.ACTIVATIONS: A.training_activations(shape, spec, mb * context, context),
                         C.LOGITS: A.logits_training(shape, spec, mb * (args.max_new_tokens + 1))}),
             step,
@@ -254,7 +286,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         # policy's and the reference's response logits are both alive when their log-probs are taken. In the
         # update, policy and value rows are one batch: their layer inputs are kept, and a layer is
         # recomputed for both.
-        groups = len(stage_adapters(args.stage)) - sampled
+        groups = len(adapters(args)) - sampled
         return [
             generate,
             ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
@@ -265,7 +297,8 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     return [
         generate,
         # policy log-probs and entropy (unless sampling gave them), and the reward model's scores
-        ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
+        ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context)
+                   if REWARD in roles(args) or not sampled else 0,
                    C.LOGITS: 0 if sampled else A.logits_nograd(shape, spec, scored)}),
         ("reference", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
                        C.LOGITS: A.logits_nograd(shape, spec, scored)}),
@@ -324,6 +357,10 @@ def assumptions(args: EstimateArguments) -> list[str]:
         f"{args.cuda_context_gib} GiB) until a GPU run measures them",
         "optimizer_states are the steady state after the first step; gradients are fp32 LoRA/head gradients",
     ]
+    if args.stage in ("ppo", "grpo"):
+        notes.append(f"adapters on the base: {', '.join(roles(args))}"
+                     + ("" if args.reward_model else "; scores from reward functions (no reward adapter or pass)")
+                     + ("; beta 0: no reference adapter or pass" if REFERENCE not in roles(args) else ""))
     if args.stage == "ppo":
         notes.append("ppo update: policy and value forwards alive together; the optimizer step of ppo is "
                      "listed as its own phase")

@@ -247,3 +247,25 @@ def test_isolated_sides_rerun_this_command_for_one_side_once_and_a_failed_child_
     assert command[3:7] == ["--model_name_or_path", "smollm2-135m", "--steps", "1"]
     assert command[7:13] == ["--sides", "trl", "--rounds", "1", "--isolate", "false"] and command[13] == "--side_run_out"
     assert record["status"] == "failed" and "status 3" in record["error"] and record["steps"] == []
+
+
+def test_trl_grpo_recipe_keeps_each_label_and_estimates_trl_s_recipe_with_the_policy_alone(tmp_path):
+    from benchmarks.trl_grpo_recipe import main
+
+    main(["--label", "before", "--out_dir", str(tmp_path)])
+    data = main(["--label", "after", "--out_dir", str(tmp_path)])
+    assert list(data["runs"]) == ["before", "after"]  # a later label is added beside, never over, the first
+    assert json.loads((tmp_path / "result.json").read_text())["runs"].keys() == {"before", "after"}
+    recipes = data["runs"]["before"]["recipes"]
+    assert set(recipes) == {"trl_grpo_prompt256", "trl_grpo_prompt128", "seed_ppo"}
+    trl = recipes["trl_grpo_prompt256"]["estimate"]
+    held = {c for p in trl["phases"] for c in p["components"] if c.startswith(("adapter/", "head/"))}
+    assert held == {"adapter/policy"}
+    assert trl["config"]["settings"]["lora_r"] == 32 and trl["config"]["shape"]["vocab_size"] == 152064
+    seed = recipes["seed_ppo"]["estimate"]["config"]["settings"]  # read off trainer/configs/llama2_7b/ppo.yaml
+    assert (seed["rollout_batch_size"], seed["micro_batch_size"], seed["max_new_tokens"], seed["reward_model"]) == (
+        16, 4, 128, True)
+    summary = recipes["trl_grpo_prompt256"]["summary"]
+    assert summary["peak_gib"] - summary["peak_without_context_gib"] == pytest.approx(0.5)
+    readme = (tmp_path / "README.md").read_text()
+    assert "## before" in readme and "## after" in readme and "goal <= 8.9 GiB" in readme

@@ -228,3 +228,76 @@ def test_one_row_pairs_add_their_mask_and_eager_attention_s_longer_rows(stage):
     eager_one, eager_two = phases(True, "eager"), phases(False, "eager")
     tokens = 2 * 4 * 512
     assert eager_one["forward_backward"] - eager_two["forward_backward"] == mask + tokens * 6 * shape.num_heads * 512
+
+
+# ---------------------------------------------------------------- runs without a reference or a reward model
+
+LLAMA7B_ADAPTER = 4 * 39_976_960  # one fp32 LoRA r=16 on all linears (test_llama2_7b_lora_and_kv_cache_by_hand)
+LLAMA7B_HEAD = 4 * (4096 + 1)  # a scalar head: Linear(4096, 1), fp32
+
+
+def _by_phase(args):
+    return {p["phase"]: p for p in estimate(load_shape("llama-2-7b"), args)["phases"]}
+
+
+def _held(components, prefix):
+    return {c for c in components if c.startswith(prefix)}
+
+
+def test_grpo_with_beta_0_and_reward_functions_holds_the_policy_adapter_alone():
+    full = _by_phase(EstimateArguments(stage="grpo"))
+    lean = _by_phase(EstimateArguments(stage="grpo", beta=0, reward_model=False))
+    assert list(lean) == list(full) == ["generate", "score", "update", "optimizer_step"]
+    for phase in lean.values():
+        assert _held(phase["components"], C.ADAPTER_PREFIX) == {C.adapter("policy")}
+        assert not _held(phase["components"], C.HEAD_PREFIX)
+    assert _held(full["update"]["components"], C.ADAPTER_PREFIX) == {
+        C.adapter(n) for n in ("policy", "reference", "reward")}
+    # the same transient tensors; the reference adapter and the reward adapter with its head are gone
+    for name in ("generate", "update", "optimizer_step"):
+        assert full[name]["peak_allocated"] - lean[name]["peak_allocated"] == 2 * LLAMA7B_ADAPTER + LLAMA7B_HEAD
+    # sampled log-probs, no reference, scripted scores: the score phase runs no pass
+    assert lean["score"]["components"][C.ACTIVATIONS] == lean["score"]["components"][C.LOGITS] == 0
+    assert full["score"]["components"][C.LOGITS] > 0
+    # either one alone leaves the other adapter in
+    assert _held(_by_phase(EstimateArguments(stage="grpo", beta=0))["update"]["components"], C.ADAPTER_PREFIX) == {
+        C.adapter("policy"), C.adapter("reward")}
+    assert _held(_by_phase(EstimateArguments(stage="grpo", reward_model=False))["update"]["components"],
+                 C.ADAPTER_PREFIX) == {C.adapter("policy"), C.adapter("reference")}
+
+
+def test_ppo_scored_by_reward_functions_keeps_policy_reference_and_value():
+    full = _by_phase(EstimateArguments(stage="ppo"))
+    lean = _by_phase(EstimateArguments(stage="ppo", reward_model=False, beta=0))  # beta is GRPO's: PPO keeps reference
+    for phase in lean.values():
+        assert _held(phase["components"], C.ADAPTER_PREFIX) == {C.adapter(n) for n in ("policy", "reference", "value")}
+        assert _held(phase["components"], C.HEAD_PREFIX) == {C.head("value")}
+    for name in ("generate", "update", "optimizer_step"):
+        assert full[name]["peak_allocated"] - lean[name]["peak_allocated"] == LLAMA7B_ADAPTER + LLAMA7B_HEAD
+    # the routed scoring pass: reference and value rows, no reward rows (3 groups -> 2), one dequantized weight
+    spec = predict.forward_spec(EstimateArguments().resolved(), 2)
+    dequantized = A.dequantized_weight_bytes(load_shape("llama-2-7b"), spec)
+    act = [p["score"]["components"][C.ACTIVATIONS] - dequantized for p in (full, lean)]
+    assert 2 * act[0] == 3 * act[1]
+
+
+def test_of_run_reads_beta_and_the_scorer_off_a_run_s_settings():
+    from types import SimpleNamespace
+
+    from trainer.grpo import GRPOArguments
+    from trainer.ppo import PPOArguments
+
+    model = ModelArguments(model_name_or_path="llama-2-7b")
+    grpo = GRPOArguments(beta=0.0, scripted_reward="length:50")
+    saved = SimpleNamespace(**json.loads(json.dumps(vars(grpo))))  # a config.json section, as vs_estimate reads it
+    for stage_args in (grpo, saved):
+        args = EstimateArguments.of_run(model, stage_args, stage="grpo")
+        assert (args.beta, args.reward_model, predict.roles(args)) == (0.0, False, ["policy"])
+    scripted = EstimateArguments.of_run(model, PPOArguments(scripted_reward="keyword:yes"), stage="ppo")
+    assert (scripted.reward_model, predict.roles(scripted)) == (False, ["policy", "reference", "value"])
+    # a reward adapter is loaded whenever it is named (it also starts the value adapter), beside a scripted reward too
+    both = PPOArguments(reward_adapter="runs/reward/adapter", scripted_reward="keyword:yes")
+    assert predict.roles(EstimateArguments.of_run(model, both, stage="ppo")) == [
+        "policy", "reference", "value", "reward"]
+    kept = EstimateArguments.of_run(model, GRPOArguments(reward_adapter="runs/reward/adapter"), stage="grpo")
+    assert (kept.beta, predict.roles(kept)) == (0.04, ["policy", "reference", "reward"])
