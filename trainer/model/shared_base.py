@@ -511,13 +511,11 @@ class SharedBaseModel(nn.Module):
 
         `merged`: decode with a working copy of every LoRA layer's weight with `adapter` merged in
         (`merged_weights`): one matmul per layer instead of three. The copy is freed on return.
-        On CPU the decode steps' products take the multi-threaded route (`few_row_products`).
         """
         was_training = self.training
         self.eval()
         try:
-            with (self.use_adapter(adapter), (self.merged_weights(adapter) if merged else nullcontext()),
-                  few_row_products(self.causal_lm)):
+            with self.use_adapter(adapter), (self.merged_weights(adapter) if merged else nullcontext()):
                 return self.peft.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
         finally:
             self.train(was_training)
@@ -644,48 +642,6 @@ def _routed_lora_products(layer, route: Route, x: torch.Tensor, output: torch.Te
         result[start:stop].addmm_(flat_x[start:stop] @ wa.t(), wb.t(), alpha=scale)
         start = stop
     return result.view(output.shape)
-
-
-FEW_ROWS = 16  # up to this many rows, `few_row_products` computes a CPU linear layer as (W x^T)^T
-
-
-@contextmanager
-def few_row_products(model: nn.Module) -> Iterator[int]:
-    """For the block (generation), every full-precision `nn.Linear` of `model` on CPU computes a product of
-    at most `FEW_ROWS` rows - a decode step's - as (W x^T)^T; yields how many layers it covers.
-
-    Same product, same fp32 operands, another order of the sums (so equal up to fp32 rounding). MKL runs
-    x W^T for a handful of rows on one thread, well below the memory bandwidth, and W x^T on every
-    thread: on the 2-core CPU CI runs on, the decode steps' products of SmolLM2 (8 rows, weights read
-    from memory) take about two thirds of the time, and it measured no faster from 32 rows on (the
-    prefill, scoring and update keep `F.linear`). The sampled log-probs are read from the same forward,
-    so PPO's old log-probs stay exact. Nothing changes on other devices, in other dtypes or with
-    autograd recording."""
-    layers = [m for m in model.modules()
-              if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
-    for layer in layers:
-        layer.forward = _FewRowLinear(layer)
-    try:
-        yield len(layers)
-    finally:
-        for layer in layers:
-            del layer.forward  # the class's forward again
-
-
-class _FewRowLinear:
-    """`nn.Linear.forward` of `layer`, as (W x^T)^T for at most `FEW_ROWS` rows without autograd."""
-
-    def __init__(self, layer: nn.Linear):
-        self.layer = layer
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.layer.weight, self.layer.bias
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not 0 < rows <= FEW_ROWS or torch.is_grad_enabled() or x.dtype != weight.dtype:
-            return nn.functional.linear(x, weight, bias)
-        out = torch.mm(weight, x.reshape(rows, -1).t()).t()
-        out = out + bias if bias is not None else out.contiguous()
-        return out.view(*x.shape[:-1], weight.shape[0])
 
 
 class _FixedLinear:
