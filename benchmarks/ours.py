@@ -16,7 +16,7 @@ from benchmarks.measure import MemoryProbe, PhaseClock, StepCounter, step_record
 from benchmarks.workload import Workload
 from trainer.data.collators import PromptCollator
 from trainer.data.tokenization import PromptExample
-from trainer.engine.harness import Engine, LongLived
+from trainer.engine.harness import Engine
 from trainer.model.loading import resolve_precision
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.ppo_step import PPOState, ppo_step
@@ -46,8 +46,6 @@ def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
         "generation": ("from a merged working copy of the policy weights" if args.ppo.merged_generation
                        else "through the LoRA layers (unmerged)") + f", decode {args.ppo.decode}",
         "step": "trainer.rl.ppo_step.ppo_step (the function trainer/ppo.py trains with)",
-        "garbage collector": "what lives for the run frozen out of Python's cyclic collector before the first step and "
-                             "after it (trainer.engine.harness.LongLived, as the training harness does)",
     }
 
 
@@ -96,22 +94,19 @@ def run_ours(args: Workload, prompts: list[list[int]], tokenizer, accelerator, p
     counter = StepCounter(engine.optimizer)
     b = args.rollout_batch_size
     try:
-        with LongLived() as long_lived:  # as the training harness runs its steps
-            for i in range(args.total_steps):
-                batch = collate([PromptExample(r, "bench") for r in prompts[i * b : (i + 1) * b]])
-                clock.start()
-                out = ppo_step(engine, batch, args.ppo, state, scorer, tokenizer.eos_token_id,
-                               tokenizer.pad_token_id, phase=phases)
-                update_lap = clock.lap()
-                result["steps"].append(step_record(
-                    i + 1, i < args.warmup_runs, phases.rollout, update_lap, clock.parts,
-                    optimizer_steps=counter.take(), response_tokens=args.tokens()["generated"],
-                    update_micro_batch=state.micro_batch_size))
-                result["metrics"] = {k: float(v) for k, v in out.metrics.items()}
-                logger.info("ours step %d: rollout %.2fs, update %.2fs", i + 1, phases.rollout.seconds,
-                            update_lap.seconds)
-                if i == 0:
-                    long_lived.settle()
+        for i in range(args.total_steps):
+            batch = collate([PromptExample(r, "bench") for r in prompts[i * b : (i + 1) * b]])
+            clock.start()
+            out = ppo_step(engine, batch, args.ppo, state, scorer, tokenizer.eos_token_id,
+                           tokenizer.pad_token_id, phase=phases)
+            update_lap = clock.lap()
+            result["steps"].append(step_record(
+                i + 1, i < args.warmup_runs, phases.rollout, update_lap, clock.parts,
+                optimizer_steps=counter.take(), response_tokens=args.tokens()["generated"],
+                update_micro_batch=state.micro_batch_size))
+            result["metrics"] = {k: float(v) for k, v in out.metrics.items()}
+            logger.info("ours step %d: rollout %.2fs, update %.2fs", i + 1, phases.rollout.seconds,
+                        update_lap.seconds)
     finally:
         counter.remove()
         accelerator.free_memory()  # drops accelerate's references to the model and optimizer
