@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
     base = "4-bit NF4 (double quant)" if four_bit else "full precision"
-    sampled = logprobs_while_sampling(args.ppo.old_logprobs, args.ppo.merged_generation)
+    sampled = logprobs_while_sampling(args.ppo.old_logprobs)
     scored = "reference / value / reward" if sampled else "policy / reference / value / reward"
     return {
         "models": f"ONE {args.model_name_or_path} base ({base}), frozen, loaded once",
@@ -43,8 +43,7 @@ def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
                    + "; only the response positions' outputs are computed",
         "old log-probs": ("from the logits each token was sampled from (no policy scoring pass)" if sampled
                           else "from a policy pass in the scoring pass"),
-        "generation": ("from a merged working copy of the policy weights" if args.ppo.merged_generation
-                       else "through the LoRA layers (unmerged)") + f", decode {args.ppo.decode}",
+        "generation": f"through the LoRA layers, decode {args.ppo.decode}",
         "step": "trainer.rl.ppo_step.ppo_step (the function trainer/ppo.py trains with)",
     }
 

@@ -50,7 +50,7 @@ class PPOBenchArguments(Checked):
     warmup_runs: int = field(default=1, metadata={"help": "Steps run first and left out of the figures."})
     sides: str = field(default="ours,trl", metadata={
         "help": "Which sides to run, in this order: ours, trl, and the ablations of ours: ours_separate (one pass "
-                "per adapter, --fused_passes false), ours_merged (--merged_generation true), ours_compiled (--decode "
+                "per adapter, --fused_passes false), ours_compiled (--decode "
                 "compiled), ours_rescore (--old_logprobs rescore), ours_eager (--compile_layers false); and trl_compiled (TRL "
                 "with its models' decoder layers compiled as --compile_layers compiles ours)."})
     rounds: int = field(default=1, metadata={
@@ -73,7 +73,7 @@ class PPOBenchArguments(Checked):
 
 
 # Our side's ablations: the settings each changes, by part (model: ModelArguments, ppo: PPOArguments).
-ABLATIONS = {"ours_separate": {"ppo": {"fused_passes": False}}, "ours_merged": {"ppo": {"merged_generation": True}},
+ABLATIONS = {"ours_separate": {"ppo": {"fused_passes": False}},
              "ours_compiled": {"ppo": {"decode": "compiled"}}, "ours_rescore": {"ppo": {"old_logprobs": "rescore"}},
              "ours_eager": {"model": {"compile_layers": False}}}
 # TRL's side with its three models' decoder layers compiled as --compile_layers compiles ours (TRL's PPO

@@ -40,13 +40,12 @@ DECODE_PATHS = ("eager", "static", "compiled")
 OLD_LOGPROBS = ("sampling", "rescore")
 
 
-def sampled_logprobs(old_logprobs: str, merged: bool) -> bool:
+def sampled_logprobs(old_logprobs: str) -> bool:
     """Whether the old log-probs are read from the logits the policy sampled from, so that the rollout's
-    scoring pass has no policy group: asked for, and the decode ran the policy's own forward through
-    its LoRA layers. Every decode path does (eager, static cache, compiled step: their logits differ
-    from a scoring pass's by the rounding of another summation order, tested to fp32 tolerance);
-    merged weights do not (the weights themselves are rounded once more): those are re-scored."""
-    return old_logprobs == "sampling" and not merged
+    scoring pass has no policy group. Every decode path runs the policy's own forward through its LoRA
+    layers (eager, static cache, compiled step: their logits differ from a scoring pass's by the rounding
+    of another summation order, tested to fp32 tolerance)."""
+    return old_logprobs == "sampling"
 
 
 def stage_adapters(stage: str) -> list[Slot]:

@@ -78,8 +78,7 @@ class EstimateArguments(Checked):
     old_logprobs: str = field(default="sampling", metadata={
         "help": "PPO: sampling (the policy's old log-probs from the logits it sampled from: no policy group in "
                 "the scoring pass, one (rows x vocab) logits row kept per decode step) or rescore (as trainer/ppo.py "
-                "--old_logprobs; merged generation re-scores)."})
-    merged_generation: bool = field(default=False, metadata={"help": "PPO: as trainer/ppo.py --merged_generation."})
+                "--old_logprobs)."})
     logprob_chunk: int = field(default=1024, metadata={"help": "Positions per fp32 log-prob chunk."})
     device: str = field(default="cuda", metadata={"help": "cuda, or cpu (fp32 dropout masks, step counters on device)."})
     memory_budget_gib: float = _alias("budget_gib", "budget-gib", default=24.0, metadata={
@@ -213,7 +212,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         return [("reference", {C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, row) + mask,
                                C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens)}),
                 ("forward_backward", {**train, C.LOGITS: A.head_logprobs_training(shape, spec, tokens)}), step]
-    sampled = sampled_logprobs(args.old_logprobs, args.merged_generation)
+    sampled = sampled_logprobs(args.old_logprobs)
     rows = args.rollout_micro_batch_size
     # sampling: each step's last logits kept until its token arrives, and their fp32 log-softmax / softmax
     step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 8) if sampled else 0

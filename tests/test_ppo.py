@@ -388,15 +388,14 @@ def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, 
         torch.testing.assert_close(getattr(sampled, name), getattr(rescored, name), rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_old_logprobs_are_rescored_only_after_merged_generation():
+def test_old_logprobs_are_read_while_sampling_unless_rescore_is_asked():
     from foundation.cli import UsageError
     from trainer.rl.rollout import logprobs_while_sampling
 
-    assert logprobs_while_sampling("sampling", merged=False)
-    assert not logprobs_while_sampling("sampling", merged=True)
-    assert not logprobs_while_sampling("rescore", merged=False)
+    assert logprobs_while_sampling("sampling")
+    assert not logprobs_while_sampling("rescore")
     with pytest.raises(UsageError, match="--old_logprobs 'generation'"):
-        logprobs_while_sampling("generation", merged=False)
+        logprobs_while_sampling("generation")
 
 
 def test_sampled_logprobs_refuse_a_sampling_loop_with_more_forwards_than_tokens():

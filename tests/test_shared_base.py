@@ -531,34 +531,6 @@ def test_routing_refuses_unknown_adapters_and_mismatched_rows(sft_adapter):
     assert model.active == "policy"
 
 
-def test_merged_weights_decode_like_the_adapter_and_leave_base_and_adapter_untouched(sft_adapter):
-    args, sft_dir, _ = sft_adapter
-    model = perturbed_ppo_model(args, sft_dir)
-    model.eval()
-    ids, mask = batch(b=3)
-    states = {n: model.adapter_state(n) for n in model.adapter_names}
-    base = {n: p.detach().clone() for n, p in model.peft.named_parameters() if "lora_" not in n}
-    with torch.no_grad():
-        before = model.logits(ids, mask, "policy")
-        with model.use_adapter("policy"), model.merged_weights("policy") as size:
-            merged = model.peft(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
-        after = model.logits(ids, mask, "policy")
-    # one dense copy of every LoRA layer's weight, in the dtype it computes in (4-bit: dequantized)
-    assert size == sum(m.base_layer.in_features * m.base_layer.out_features
-                       * torch.finfo(getattr(m.base_layer, "compute_dtype", None) or m.base_layer.weight.dtype).bits // 8
-                       for m in model._tuner_layers)
-    assert torch.equal(before, after)  # every layer's own forward is back
-    tolerance = 1e-4 if args.quantization == "none" else 3e-2  # bf16 compute rounds the merged sum once more
-    torch.testing.assert_close(merged, before, rtol=tolerance, atol=tolerance)
-    assert not torch.allclose(merged, model.logits(ids, mask, "reference"))  # the policy was merged, not another
-    for name, state in states.items():
-        assert all(torch.equal(v, model.adapter_state(name)[k]) for k, v in state.items()), name
-    assert all(torch.equal(p, base[n]) for n, p in model.peft.named_parameters() if "lora_" not in n)
-    greedy = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
-    if args.quantization == "none":
-        assert torch.equal(model.generate(ids, mask, merged=True, **greedy), model.generate(ids, mask, **greedy))
-
-
 def test_static_kv_cache_decodes_the_same_greedy_tokens_as_the_dynamic_one(sft_adapter):
     """--decode static: transformers' preallocated cache through the LoRA layers, the same tokens as the default
     (left-padded prompts included); a decode path outside the three is refused by name."""

@@ -60,10 +60,6 @@ class PPOArguments(Checked):
         "help": "Plan rollout_micro_batch_size, micro_batch_size and gradient_checkpointing from the memory estimate "
                 "to use memory_budget_gib with a 10%% margin (profiling/plan.py), logged as a table at start. "
                 "Default: on with CUDA, off on CPU."})
-    merged_generation: bool = field(default=False, metadata={
-        "help": "Sample from a working copy of the base with the policy merged in (one matmul per layer; the copy, "
-                "dequantized on a 4-bit base, lives during generation only). Old log-probs stay exact: they come "
-                "from the unmerged scoring pass."})
     decode: str = field(default="eager", metadata={
         "help": "How generation runs its decode steps: eager (transformers' dynamic KV cache), static (a KV cache "
                 "allocated once at full length) or compiled (the static cache and a torch.compile'd decode step; "
@@ -72,7 +68,7 @@ class PPOArguments(Checked):
         "help": "Where the policy's old log-probs and entropy come from: sampling (the logits each token was "
                 "sampled from, read while decoding through the LoRA layers - eager, static or compiled: the "
                 "policy's own forward, as TRL takes them; the scoring pass then runs without the policy) or "
-                "rescore (a policy pass in the scoring pass). Merged generation always re-scores."})
+                "rescore (a policy pass in the scoring pass)."})
     ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
     max_new_tokens: int = field(default=32, metadata={"help": "Response length limit."})
     min_new_tokens: int = field(default=0, metadata={"help": "Fix the response length (= max_new_tokens) for benchmarks."})

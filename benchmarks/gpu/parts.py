@@ -14,7 +14,7 @@
           `--profile_memory true`, 3 steps each, then each stage measured against the estimator.
 - speed:  `benchmarks.ppo_vs_trl` at 7B NF4 under the same cap, decode throughput at batch 1,
           16 and 64 against the bandwidth bound (`benchmarks.gpu.decode`), and at batch 16 each
-          generation path (unmerged, merged, static KV cache, compiled decode step).
+          decode path (eager, static KV cache, compiled decode step).
 - ladder: the SFT flag ladder (`benchmarks.flag_ladder`) at 7B under the cap.
 - stages: `benchmarks.stages_vs_trl` for SFT, reward and DPO at 7B NF4 under the cap, 3 steps each:
           our stage scripts against TRL's SFTTrainer, RewardTrainer and DPOTrainer (speed and memory).
@@ -206,7 +206,7 @@ def steps_for(args: PartArguments, out: Path) -> list[Step]:
         if not args.smoke:  # which generation path decodes fastest at the rollout's batch (issue: keep what wins)
             steps.append(Step("decode-paths", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args),
                                                "--batches", "16", "--prompt_tokens", "128", "--new_tokens", "64",
-                                               "--paths", "unmerged,merged,static,compiled",
+                                               "--paths", "eager,static,compiled",
                                                "--out_dir", str(out / "decode-paths")]))
             # compiled 4-bit layers and a compiled decode step (CUDA graphs) keeping the sampled log-probs
             # are untried on a GPU: last, so a failure costs no other figure. With --compile_layers true,

@@ -208,7 +208,7 @@ class SharedBaseModel(nn.Module):
     def _add_routed_lora(self, layer, inputs, output):
         """Forward hook: `output` is the base layer's (peft's forward has no active adapter); add to
         each group's rows the LoRA output of that group's adapter - one group of all rows for a single
-        active adapter. Nothing in `base_only` (and `merged_weights`) or while peft's adapters are disabled or merged."""
+        active adapter. Nothing in `base_only` or while peft's adapters are disabled or merged."""
         x = inputs[0]
         route = self._route
         if self._base_only or layer.disable_adapters or layer.merged or (route is None and self._single is None):
@@ -505,51 +505,15 @@ class SharedBaseModel(nn.Module):
         return tuple(results)
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = POLICY,
-                 merged: bool = False, **kwargs):
-        """Sample under `adapter` in eval mode (no dropout, KV cache on), restoring train mode after.
-
-        `merged`: decode with a working copy of every LoRA layer's weight with `adapter` merged in
-        (`merged_weights`): one matmul per layer instead of three. The copy is freed on return.
-        """
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = POLICY, **kwargs):
+        """Sample under `adapter` in eval mode (no dropout, KV cache on), restoring train mode after."""
         was_training = self.training
         self.eval()
         try:
-            with self.use_adapter(adapter), (self.merged_weights(adapter) if merged else nullcontext()):
+            with self.use_adapter(adapter):
                 return self.peft.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
         finally:
             self.train(was_training)
-
-    @contextmanager
-    def merged_weights(self, adapter: str) -> Iterator[int]:
-        """Every LoRA linear layer runs as one matmul with W + scaling * B A of `adapter`, from a working
-        copy (dequantized to the compute dtype when the base is 4-bit); yields the copy's size in bytes.
-
-        Nothing of the base or the adapter changes: the copy replaces each layer's forward for the
-        body only. Its outputs equal the unmerged layer's up to rounding, so it serves sampling; PPO's
-        old log-probs come from a scoring pass with the adapters unmerged.
-        """
-        from peft.utils.integrations import dequantize_module_weight
-
-        replaced, size = [], 0
-        try:
-            # the working copy has the adapter in it: no LoRA output is added on top (`base_only`)
-            with torch.no_grad(), self.base_only():
-                for layer in self._tuner_layers:
-                    base = layer.base_layer
-                    dense = dequantize_module_weight(base) if base.weight.dtype == torch.uint8 else base.weight
-                    if adapter in layer.lora_A:
-                        delta = layer.lora_B[adapter].weight @ layer.lora_A[adapter].weight * layer.scaling[adapter]
-                        dense = (dense + delta).to(dense.dtype)
-                    dense = dense.to(_compute_dtype(base, dense))
-                    if dense is not base.weight:
-                        size += dense.numel() * dense.element_size()
-                    layer.forward = _FixedLinear(dense, base.bias)
-                    replaced.append(layer)
-                yield size
-        finally:
-            for layer in replaced:
-                del layer.forward  # the class's forward again
 
     # ---- parameters, saving -------------------------------------------------------------------
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -642,21 +606,6 @@ def _routed_lora_products(layer, route: Route, x: torch.Tensor, output: torch.Te
         result[start:stop].addmm_(flat_x[start:stop] @ wa.t(), wb.t(), alpha=scale)
         start = stop
     return result.view(output.shape)
-
-
-class _FixedLinear:
-    """`x -> x W^T + b` with a fixed weight, standing in for a LoRA layer's forward."""
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-        self.weight, self.bias = weight, bias
-
-    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
-
-
-def _compute_dtype(base: nn.Module, dense: torch.Tensor) -> torch.dtype:
-    """The dtype a layer computes in: a 4-bit layer's compute dtype, else its weight's."""
-    return getattr(base, "compute_dtype", None) or dense.dtype
 
 
 def head_source(spec: AdapterSpec) -> Optional[Path]:

@@ -60,7 +60,7 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
                   pad_id: int, phase: Callable) -> GroupRollout:
     """Generate `num_generations` responses per prompt and score them in one routed pass per chunk."""
     sampling, rows = Sampling.of(args), args.rollout_micro_batch_size
-    sampled = logprobs_while_sampling(args.old_logprobs, args.merged_generation)
+    sampled = logprobs_while_sampling(args.old_logprobs)
     ids = prompt_ids.repeat_interleave(args.num_generations, dim=0)
     mask = prompt_mask.repeat_interleave(args.num_generations, dim=0)
     was_training = model.training
@@ -68,8 +68,7 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
     try:
         with phase("generate"):
             started = time.perf_counter()
-            samples = sample_in_chunks(model, ids, mask, sampling, eos_id, pad_id, rows, merged=args.merged_generation,
-                                       with_logprobs=sampled)
+            samples = sample_in_chunks(model, ids, mask, sampling, eos_id, pad_id, rows, with_logprobs=sampled)
             generate_s = time.perf_counter() - started
         input_ids, attention_mask, response_mask, ended = (samples.input_ids, samples.attention_mask,
                                                            samples.response_mask, samples.ended)

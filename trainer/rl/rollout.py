@@ -100,11 +100,11 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -
     return mask, ended
 
 
-def logprobs_while_sampling(old_logprobs: str, merged: bool) -> bool:
+def logprobs_while_sampling(old_logprobs: str) -> bool:
     """Whether the old log-probs are read from the sampling logits (`foundation.stages.sampled_logprobs`'s rule)."""
     if old_logprobs not in OLD_LOGPROBS:
         raise UsageError(f"--old_logprobs {old_logprobs!r}: must be one of {', '.join(OLD_LOGPROBS)}")
-    return sampled_logprobs(old_logprobs, merged)
+    return sampled_logprobs(old_logprobs)
 
 
 class SampledLogprobs:
@@ -219,18 +219,15 @@ def sampling_processors(sampling: Sampling):
 
 @torch.no_grad()
 def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
-                     eos_id: int, pad_id: int, adapter: str = POLICY, merged: bool = False,
+                     eos_id: int, pad_id: int, adapter: str = POLICY,
                      with_logprobs: bool = False) -> tuple[torch.Tensor, ...]:
-    """Sample under `adapter` (from merged weights if `merged`: `SharedBaseModel.merged_weights`).
-    Returns (input_ids, attention_mask, response_mask, ended), and with `with_logprobs` the (B, R)
+    """Sample under `adapter`. Returns (input_ids, attention_mask, response_mask, ended), and with `with_logprobs` the (B, R)
     log-probs and entropy of the sampled tokens under the logits sampled from (`SampledLogprobs`)."""
     kwargs = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens,
                   do_sample=False, eos_token_id=eos_id, pad_token_id=pad_id)
     if sampling.temperature > 0:  # sampled by our processors, picked by generate's greedy step
         kwargs["logits_processor"] = sampling_processors(sampling)
     kwargs.update(decode_kwargs(sampling.decode, prompt_ids.device))
-    if merged:
-        kwargs["merged"] = True
     recorder = SampledLogprobs(model.causal_lm, sampling.scoring_temperature) if with_logprobs else nullcontext()
     with recorder:
         sequences = model.generate(prompt_ids, prompt_mask, adapter=adapter, **kwargs)
@@ -256,11 +253,11 @@ class Samples:
 
 
 def sample_in_chunks(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, eos_id: int,
-                     pad_id: int, rows: int, merged: bool = False, with_logprobs: bool = False) -> Samples:
+                     pad_id: int, rows: int, with_logprobs: bool = False) -> Samples:
     """`sample_responses` over chunks of `rows` prompts, joined: chunks can stop at different lengths, so
     every response (and its sampled log-probs and entropy) is right-padded to the longest."""
     parts = [sample_responses(model, prompt_ids[i : i + rows], prompt_mask[i : i + rows], sampling, eos_id, pad_id,
-                              merged=merged, with_logprobs=with_logprobs) for i in range(0, prompt_ids.shape[0], rows)]
+                              with_logprobs=with_logprobs) for i in range(0, prompt_ids.shape[0], rows)]
     width = max(p[0].shape[1] for p in parts)
     response_width = width - prompt_ids.shape[1]
 
@@ -330,16 +327,14 @@ def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
 @torch.no_grad()
 def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, scorer: Scorer,
                  eos_id: int, pad_id: int, micro_batch_size: int, missing_eos_penalty: Optional[float] = None,
-                 phase=None, fused: bool = True, merged_generation: bool = False,
-                 old_logprobs: str = "sampling") -> Rollout:
+                 phase=None, fused: bool = True, old_logprobs: str = "sampling") -> Rollout:
     """Generate, then score with (policy) / reference / value / reward, `micro_batch_size` rows at a time.
 
     `old_logprobs` "sampling": the policy's log-probs and entropy are read from the logits it sampled
     from (`logprobs_while_sampling` says when), and the scoring passes skip the policy; "rescore": a
     policy pass gives them. `fused`: the scoring passes run as ONE routed pass of the base per
     micro-batch (phase "score"); otherwise one pass per adapter (phases "score" for policy and reward,
-    "reference", "value"). `merged_generation` samples from a merged working copy of the policy's weights.
-    `phase` is an optional context-manager factory (`phase("generate")`): the memory
+    "reference", "value"). `phase` is an optional context-manager factory (`phase("generate")`): the memory
     recorder's, or a benchmark's clock.
     """
     phase = phase or (lambda name: nullcontext())
@@ -347,20 +342,20 @@ def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sam
     model.eval()  # no dropout: these log-probs and values are the fixed "old" ones of the update
     try:
         return _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                             missing_eos_penalty, phase, fused and getattr(model, "routable", False), merged_generation,
-                             logprobs_while_sampling(old_logprobs, merged_generation))
+                             missing_eos_penalty, phase, fused and getattr(model, "routable", False),
+                             logprobs_while_sampling(old_logprobs))
     finally:
         model.train(was_training)
 
 
 def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                  missing_eos_penalty, phase, fused, merged_generation, sampled) -> Rollout:
+                  missing_eos_penalty, phase, fused, sampled) -> Rollout:
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
     with phase("generate"):
         sync(prompt_ids.device)
         started = time.perf_counter()
         samples = sample_in_chunks(model, prompt_ids, prompt_mask, sampling, eos_id, pad_id, micro_batch_size,
-                                   merged=merged_generation, with_logprobs=sampled)
+                                   with_logprobs=sampled)
         sync(prompt_ids.device)
         generate_s = time.perf_counter() - started
     input_ids, attention_mask, response_mask, ended = (samples.input_ids, samples.attention_mask,
