@@ -20,15 +20,13 @@ from trainer.engine.harness import Engine
 from trainer.model.loading import resolve_precision
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.ppo_step import PPOState, ppo_step
-from trainer.rl.rollout import RewardModelScorer, Sampling, logprobs_while_sampling
+from trainer.rl.rollout import RewardModelScorer
 
 logger = logging.getLogger(__name__)
 
 
 def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
     base = "4-bit NF4 (double quant)" if four_bit else "full precision"
-    sampled = logprobs_while_sampling(args.ppo.old_logprobs)
-    scored = "reference / value / reward" if sampled else "policy / reference / value / reward"
     return {
         "models": f"ONE {args.model_name_or_path} base ({base}), frozen, loaded once",
         "policy": f"LoRA adapter 'policy' (trainable; r={args.lora_r}, alpha={args.lora_alpha}, "
@@ -38,11 +36,11 @@ def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
         "reward": "LoRA adapter 'reward' + scalar head (frozen; fresh adapter, shared head weights) on the same base",
         "optimizer": optimizer_name,
         "gradient_checkpointing": args.gradient_checkpointing,
-        "scoring": (f"ONE routed pass of the base for {scored} (each row group through its own adapter), and one "
-                    "for policy + value in the update" if args.ppo.fused_passes else "one pass per adapter")
+        "scoring": ("ONE routed pass of the base for reference / value / reward (each row group through its own "
+                    "adapter), and one for policy + value in the update" if args.ppo.fused_passes
+                    else "one pass per adapter")
                    + "; only the response positions' outputs are computed",
-        "old log-probs": ("from the logits each token was sampled from (no policy scoring pass)" if sampled
-                          else "from a policy pass in the scoring pass"),
+        "old log-probs": "from the logits each token was sampled from (no policy scoring pass)",
         "generation": f"through the LoRA layers, decode {args.ppo.decode}",
         "step": "trainer.rl.ppo_step.ppo_step (the function trainer/ppo.py trains with)",
     }

@@ -51,7 +51,7 @@ class PPOBenchArguments(Checked):
     sides: str = field(default="ours,trl", metadata={
         "help": "Which sides to run, in this order: ours, trl, and the ablations of ours: ours_separate (one pass "
                 "per adapter, --fused_passes false), ours_compiled (--decode "
-                "compiled), ours_rescore (--old_logprobs rescore), ours_eager (--compile_layers false); and trl_compiled (TRL "
+                "compiled), ours_eager (--compile_layers false); and trl_compiled (TRL "
                 "with its models' decoder layers compiled as --compile_layers compiles ours)."})
     rounds: int = field(default=1, metadata={
         "help": "Run every side this many times, the order of --sides reversed every other round (ours,trl then "
@@ -74,7 +74,7 @@ class PPOBenchArguments(Checked):
 
 # Our side's ablations: the settings each changes, by part (model: ModelArguments, ppo: PPOArguments).
 ABLATIONS = {"ours_separate": {"ppo": {"fused_passes": False}},
-             "ours_compiled": {"ppo": {"decode": "compiled"}}, "ours_rescore": {"ppo": {"old_logprobs": "rescore"}},
+             "ours_compiled": {"ppo": {"decode": "compiled"}},
              "ours_eager": {"model": {"compile_layers": False}}}
 # TRL's side with its three models' decoder layers compiled as --compile_layers compiles ours (TRL's PPO
 # loop itself compiles nothing): what TRL would gain from it.

@@ -34,18 +34,8 @@ class Slot:
     head: bool
 
 
-# How an online-RL rollout decodes, and where the policy's old log-probs come from (trainer/ppo.py
-# --decode, --old_logprobs); the trainer and the memory estimator read the latter through `sampled_logprobs`.
+# How an online-RL rollout decodes (trainer/ppo.py --decode).
 DECODE_PATHS = ("eager", "static", "compiled")
-OLD_LOGPROBS = ("sampling", "rescore")
-
-
-def sampled_logprobs(old_logprobs: str) -> bool:
-    """Whether the old log-probs are read from the logits the policy sampled from, so that the rollout's
-    scoring pass has no policy group. Every decode path runs the policy's own forward through its LoRA
-    layers (eager, static cache, compiled step: their logits differ from a scoring pass's by the rounding
-    of another summation order, tested to fp32 tolerance)."""
-    return old_logprobs == "sampling"
 
 
 def stage_adapters(stage: str) -> list[Slot]:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional
 
 from foundation.cli import Checked, UsageError, above, at_least, between, one_of
-from foundation.stages import OLD_LOGPROBS, STAGES, sampled_logprobs, stage_adapters
+from foundation.stages import STAGES, stage_adapters
 from profiling import activations as A
 from profiling import components as C
 from profiling import resolve
@@ -75,10 +75,6 @@ class EstimateArguments(Checked):
         "help": "PPO: the rollout's scoring passes as one routed pass over 3x the rows (4x when the policy "
                 "re-scores), and the update's policy and value passes as one over 2x (as trainer/ppo.py "
                 "--fused_passes)."})
-    old_logprobs: str = field(default="sampling", metadata={
-        "help": "PPO: sampling (the policy's old log-probs from the logits it sampled from: no policy group in "
-                "the scoring pass, one (rows x vocab) logits row kept per decode step) or rescore (as trainer/ppo.py "
-                "--old_logprobs)."})
     logprob_chunk: int = field(default=1024, metadata={"help": "Positions per fp32 log-prob chunk."})
     device: str = field(default="cuda", metadata={"help": "cuda, or cpu (fp32 dropout masks, step counters on device)."})
     memory_budget_gib: float = _alias("budget_gib", "budget-gib", default=24.0, metadata={
@@ -98,7 +94,7 @@ class EstimateArguments(Checked):
              "attn_implementation": one_of("sdpa", "flash_attention_2", "eager", "auto"),
              "micro_batch_size": at_least(1), "max_length": at_least(2), "max_prompt_length": at_least(1),
              "max_new_tokens": at_least(1), "rollout_batch_size": at_least(1), "rollout_micro_batch_size": at_least(1),
-             "num_generations": at_least(1), "old_logprobs": one_of(*OLD_LOGPROBS),
+             "num_generations": at_least(1),
              "logprob_chunk": at_least(1), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
              "allocator_overhead": at_least(0), "vocab_size": at_least(1), "hidden_size": at_least(1),
              "intermediate_size": at_least(1), "num_layers": at_least(1), "num_heads": at_least(1),
@@ -212,18 +208,16 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         return [("reference", {C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, row) + mask,
                                C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens)}),
                 ("forward_backward", {**train, C.LOGITS: A.head_logprobs_training(shape, spec, tokens)}), step]
-    sampled = sampled_logprobs(args.old_logprobs)
     rows = args.rollout_micro_batch_size
-    # sampling: each step's last logits kept until its token arrives, and their fp32 log-softmax / softmax
-    step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 8) if sampled else 0
-    # the policy's response logits beside the reference's in a scoring pass that re-scores
-    policy_logits = 0 if sampled else rows * (args.max_new_tokens + 1) * shape.vocab_size * spec.dtype_bytes
+    # sampling: each step's last logits kept until its token arrives (the policy's old log-probs), and their
+    # fp32 log-softmax / softmax; the scoring pass then runs every adapter but the policy
+    step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 8)
+    groups = len(stage_adapters(args.stage)) - 1
     if args.stage == "grpo":  # critic-free: the rollout rows are prompts x generations, one forward in the update
         rows_all = replace(args, rollout_batch_size=args.rollout_batch_size * args.num_generations)
         context = args.max_prompt_length + args.max_new_tokens
         buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(rows_all)}
         scored = rows * (args.max_new_tokens + 1)
-        groups = len(stage_adapters(args.stage)) - sampled
         return [
             ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
                           + A.kv_cache_growth(shape, spec, rows, context),
@@ -231,7 +225,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
                                                               args.max_prompt_length),
                           C.LOGITS: step_logits}),
             ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
-                       C.LOGITS: A.logits_nograd(shape, spec, scored) + policy_logits}),
+                       C.LOGITS: A.logits_nograd(shape, spec, scored)}),
             ("update", {**buffers, **grads, C.ACTIVATIONS: A.training_activations(shape, spec, mb * context, context),
                         C.LOGITS: A.logits_training(shape, spec, mb * (args.max_new_tokens + 1))}),
             step,
@@ -249,23 +243,21 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
                                                                  args.max_prompt_length),
                              C.LOGITS: step_logits})
     if args.fused_passes:
-        # One routed pass over the rows stacked once per adapter (the policy's only when it re-scores); the
-        # policy's and the reference's response logits are both alive when their log-probs are taken. In the
-        # update, policy and value rows are one batch: their layer inputs are kept, and a layer is
+        # One routed pass over the rows stacked once per scoring adapter; only the reference gives logits. In
+        # the update, policy and value rows are one batch: their layer inputs are kept, and a layer is
         # recomputed for both.
-        groups = len(stage_adapters(args.stage)) - sampled
         return [
             generate,
             ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
-                       C.LOGITS: A.logits_nograd(shape, spec, scored) + policy_logits}),
+                       C.LOGITS: A.logits_nograd(shape, spec, scored)}),
             ("update", {**update, C.ACTIVATIONS: A.training_activations(shape, spec, 2 * mb_tokens, context)}),
             step,
         ]
     return [
         generate,
-        # policy log-probs and entropy (unless sampling gave them), and the reward model's scores
+        # the reward model's scores
         ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
-                   C.LOGITS: 0 if sampled else A.logits_nograd(shape, spec, scored)}),
+                   C.LOGITS: 0}),
         ("reference", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
                        C.LOGITS: A.logits_nograd(shape, spec, scored)}),
         ("value", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context)}),

@@ -349,13 +349,14 @@ def test_fused_passes_give_the_rollout_and_the_steps_that_separate_passes_give(t
 @pytest.mark.parametrize("decode", ["eager", "static", "compiled"])
 def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, stage_adapters, monkeypatch,
                                                                       fresh_accelerate_state, decode):
-    """--old_logprobs sampling (the logits each token was sampled from) and rescore (a policy pass): the
-    same samples, log-probs and entropy to fp32 tolerance, at a temperature, with top-k truncated
-    sampling, left-padded prompts and rows that stop early; the sampling path's scoring pass has no
-    policy group. On every decode path: eager (dynamic KV cache), static cache, compiled decode step."""
+    """The old log-probs and entropy, read from the logits each token was sampled from, equal a policy
+    scoring pass over the sampled rows to fp32 tolerance, at a temperature, with top-k truncated sampling,
+    left-padded prompts and rows that stop early; the rollout's scoring pass has no policy group. On every
+    decode path: eager (dynamic KV cache), static cache, compiled decode step."""
     from trainer.data.collators import PromptCollator
     from trainer.model.shared_base import SharedBaseModel
     from trainer.rl.rollout import make_rollout
+    from trainer.rl.scoring import response_logprobs
 
     trainer, model = build_trainer(tmp_path, stage_adapters, "--temperature", "0.7", "--top_k", "20",
                                    "--max_new_tokens", "12", "--decode", decode)
@@ -367,35 +368,29 @@ def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, 
     monkeypatch.setattr(SharedBaseModel, "fused", lambda self, i, m, adapters, *a, **k: routed.append(tuple(adapters))
                         or fused(self, i, m, adapters, *a, **k))
 
-    def rollout(source: str, eos_id: int):
+    def rollout(eos_id: int):
         torch.manual_seed(0)
         return make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
-                            eos_id, trainer.pad_id, micro_batch_size=4, old_logprobs=source)
+                            eos_id, trainer.pad_id, micro_batch_size=4)
 
     # The untrained policy seldom samples EOS: the token row 0 samples fourth stands in for it, so that
     # rows stop early (the samples up to there are the same: same seed, same model)
-    eos_id = int(rollout("rescore", trainer.eos_id).input_ids[0, batch["input_ids"].shape[1] + 3])
+    eos_id = int(rollout(trainer.eos_id).input_ids[0, batch["input_ids"].shape[1] + 3])
     routed.clear()
-    sampled, rescored = rollout("sampling", eos_id), rollout("rescore", eos_id)
+    sampled = rollout(eos_id)
     # the compiled path really ran compiled: transformers keeps the compiled decode step on the model
     assert hasattr(model.causal_lm, "_compiled_call") == (decode == "compiled")
-    assert routed == [("reference", "value", "reward")] * 2 + [("policy", "reference", "value", "reward")] * 2
-    assert torch.equal(sampled.input_ids, rescored.input_ids)
+    assert routed == [("reference", "value", "reward")] * 2  # two micro-batches, no policy group
     ends = sampled.response_mask.sum(1)
     assert ends.min() < sampled.response_length  # a row stopped at EOS before the others
     assert (sampled.logprobs != 0).sum() == sampled.response_mask.sum()  # masked after EOS, set before
-    for name in ("logprobs", "entropy", "ref_logprobs", "values", "scores"):
-        torch.testing.assert_close(getattr(sampled, name), getattr(rescored, name), rtol=1e-5, atol=1e-5, msg=name)
-
-
-def test_old_logprobs_are_read_while_sampling_unless_rescore_is_asked():
-    from foundation.cli import UsageError
-    from trainer.rl.rollout import logprobs_while_sampling
-
-    assert logprobs_while_sampling("sampling")
-    assert not logprobs_while_sampling("rescore")
-    with pytest.raises(UsageError, match="--old_logprobs 'generation'"):
-        logprobs_while_sampling("generation")
+    model.eval()
+    with torch.no_grad():
+        scored, entropy = response_logprobs(model, sampled.input_ids, sampled.attention_mask, sampled.response_length,
+                                            "policy", trainer.sampling.scoring_temperature, with_entropy=True)
+    mask = sampled.response_mask
+    torch.testing.assert_close(sampled.logprobs, scored * mask, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sampled.entropy, entropy * mask, rtol=1e-5, atol=1e-5)
 
 
 def test_sampled_logprobs_refuse_a_sampling_loop_with_more_forwards_than_tokens():

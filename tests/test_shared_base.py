@@ -361,11 +361,11 @@ def test_a_fused_pass_gives_each_adapter_what_its_own_pass_gives(sft_adapter, ke
 
 
 @pytest.mark.parametrize("asked", [
-    dict(policy=False, reference=True, value=True, reward_adapter="reward"),  # PPO, old log-probs sampled
-    dict(policy=True, reference=True, value=True, reward_adapter="reward"),  # PPO, --old_logprobs rescore
-    dict(policy=True, reference=False, value=False, reward_adapter=None),  # GRPO: beta 0, scripted reward
-    dict(policy=False, reference=False, value=False, reward_adapter=None),  # nothing to score
-], ids=["ppo", "ppo-rescore", "grpo-policy-only", "none"])
+    dict(reference=True, value=True, reward_adapter="reward"),  # PPO
+    dict(reference=True, value=False, reward_adapter="reward"),  # GRPO
+    dict(reference=False, value=False, reward_adapter="reward"),  # GRPO: beta 0
+    dict(reference=False, value=False, reward_adapter=None),  # GRPO: beta 0, scripted reward: nothing to score
+], ids=["ppo", "grpo", "grpo-reward-only", "none"])
 def test_rollout_scores_give_what_is_asked_from_one_pass_and_none_for_the_rest(sft_adapter, asked, monkeypatch):
     """PPO's and GRPO's scoring helper: the groups asked for, equal to one pass per adapter, others None."""
     from trainer.model.shared_base import SharedBaseModel
@@ -384,20 +384,19 @@ def test_rollout_scores_give_what_is_asked_from_one_pass_and_none_for_the_rest(s
     with torch.no_grad():
         one = rollout_scores(model, ids, mask, response_mask, 0.7, **asked)
         each = rollout_scores(model, ids, mask, response_mask, 0.7, **asked, separate=True)
-    names = ("logprobs", "entropy", "ref_logprobs", "values", "scores")
-    given = {"logprobs": asked["policy"], "entropy": asked["policy"], "ref_logprobs": asked["reference"],
-             "values": asked["value"], "scores": asked["reward_adapter"] is not None}
+    names = ("ref_logprobs", "values", "scores")
+    given = {"ref_logprobs": asked["reference"], "values": asked["value"], "scores": asked["reward_adapter"] is not None}
     for name, got, want in zip(names, one, each):
         assert (got is not None) == given[name], name
         if got is not None:
             assert got.shape == ((3,) if name == "scores" else (3, 4)), name
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
-    wanted = tuple(a for a, on in (("policy", asked["policy"]), ("reference", asked["reference"]),
-                                    ("value", asked["value"]), ("reward", asked["reward_adapter"] is not None)) if on)
+    wanted = tuple(a for a, on in (("reference", asked["reference"]), ("value", asked["value"]),
+                                    ("reward", asked["reward_adapter"] is not None)) if on)
     assert routes == ([wanted] * 2 if wanted else [])  # one call per rollout_scores; nothing run when nothing is asked
     if asked["reward_adapter"]:  # the score is the reward head's at each row's last response token
         scores = model(ids, mask, adapter="reward", output="scores", keep_last=4)
-        torch.testing.assert_close(one[4], torch.stack([scores[0, 1], scores[1, 3], scores[2, 3]]).float())
+        torch.testing.assert_close(one[2], torch.stack([scores[0, 1], scores[1, 3], scores[2, 3]]).float())
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from foundation.cli import Checked, UsageError, above, at_least, between, one_of, run
-from foundation.stages import DECODE_PATHS, OLD_LOGPROBS, POLICY, REFERENCE, REWARD, VALUE
+from foundation.stages import DECODE_PATHS, POLICY, REFERENCE, REWARD, VALUE
 from trainer.config import PROJECT_ROOT
 from trainer.data.collators import PromptCollator
 from trainer.data.tokenization import tokenize_prompts
@@ -63,12 +63,8 @@ class PPOArguments(Checked):
     decode: str = field(default="eager", metadata={
         "help": "How generation runs its decode steps: eager (transformers' dynamic KV cache), static (a KV cache "
                 "allocated once at full length) or compiled (the static cache and a torch.compile'd decode step; "
-                "the first rollout pays the compilation). Each keeps the sampled log-probs (--old_logprobs)."})
-    old_logprobs: str = field(default="sampling", metadata={
-        "help": "Where the policy's old log-probs and entropy come from: sampling (the logits each token was "
-                "sampled from, read while decoding through the LoRA layers - eager, static or compiled: the "
-                "policy's own forward, as TRL takes them; the scoring pass then runs without the policy) or "
-                "rescore (a policy pass in the scoring pass)."})
+                "the first rollout pays the compilation). Each reads the policy's old log-probs from the logits "
+                "it sampled from."})
     ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
     max_new_tokens: int = field(default=32, metadata={"help": "Response length limit."})
     min_new_tokens: int = field(default=0, metadata={"help": "Fix the response length (= max_new_tokens) for benchmarks."})
@@ -98,7 +94,6 @@ class PPOArguments(Checked):
              "rollout_micro_batch_size": at_least(1), "mini_batch_size": at_least(1), "ppo_epochs": at_least(1),
              "max_new_tokens": at_least(1), "min_new_tokens": at_least(0), "temperature": at_least(0),
              "top_k": at_least(0), "top_p": between(0, 1), "decode": one_of(*DECODE_PATHS),
-             "old_logprobs": one_of(*OLD_LOGPROBS),
              "kl_estimator": one_of(*KL_ESTIMATORS),
              "init_kl_coef": at_least(0), "target_kl": above(0), "kl_horizon": at_least(1), "gamma": between(0, 1),
              "lam": between(0, 1), "cliprange": above(0), "cliprange_value": above(0), "vf_coef": at_least(0),

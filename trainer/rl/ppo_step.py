@@ -250,8 +250,7 @@ def ppo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: PPOSta
     # Generation and the no-grad scoring passes go around the DDP / DeepSpeed wrapper (DDP has no
     # generate, and no gradient sync is wanted there); the update goes through it.
     rollout = make_rollout(raw, ids, mask, sampling, scorer, eos_id, pad_id, args.rollout_micro_batch_size,
-                           args.missing_eos_penalty, phase=phase, fused=args.fused_passes,
-                           old_logprobs=args.old_logprobs)
+                           args.missing_eos_penalty, phase=phase, fused=args.fused_passes)
     beta = state.kl.value
     adv = compute_advantages(rollout, beta, args)
     metrics = rollout_metrics(rollout, adv)

@@ -5,8 +5,7 @@ under `torch.no_grad` the `reference` log-probs of the response tokens, the `val
 per-token values and the scorer's score of each response (the `reward` adapter, or a scripted
 reward), every pass through `trainer.rl.scoring`. By default those passes are ONE routed pass of the
 base (`SharedBaseModel.fused`): each base layer runs once for all adapters. The policy's own ("old")
-log-probs come from the logits it sampled from (`SampledLogprobs`), or from a policy pass in the
-scoring pass when the decode path's logits are not the policy's own forward (`--old_logprobs`).
+log-probs come from the logits it sampled from (`SampledLogprobs`): no scoring pass needs the policy.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from foundation.cli import UsageError
-from foundation.stages import DECODE_PATHS, OLD_LOGPROBS, POLICY, REFERENCE, REWARD, sampled_logprobs
+from foundation.stages import DECODE_PATHS, POLICY, REFERENCE, REWARD
 from profiling.decode import sync
 from trainer.rl.scoring import (
     next_token_logprobs, response_logprobs, response_values, rollout_scores, sequence_scores,
@@ -100,13 +99,6 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -
     return mask, ended
 
 
-def logprobs_while_sampling(old_logprobs: str) -> bool:
-    """Whether the old log-probs are read from the sampling logits (`foundation.stages.sampled_logprobs`'s rule)."""
-    if old_logprobs not in OLD_LOGPROBS:
-        raise UsageError(f"--old_logprobs {old_logprobs!r}: must be one of {', '.join(OLD_LOGPROBS)}")
-    return sampled_logprobs(old_logprobs)
-
-
 class SampledLogprobs:
     """The log-prob and entropy of each sampled token under the distribution it was sampled from (the
     raw logits at the sampling temperature, before top-k / top-p / min-length masks: what a scoring
@@ -118,6 +110,8 @@ class SampledLogprobs:
     (rows x new tokens x vocab). It relies on transformers' sampling loop running one forward per
     sampled token (true for one process on CPU or CUDA; not for `synced_gpus` under ZeRO-3 / FSDP
     generation, which PPO and GRPO refuse, or a chunked prefill): `finish` says so if the counts differ.
+    Every decode path runs the policy's own forward through its LoRA layers, so these equal a scoring
+    pass's log-probs up to the rounding of another summation order.
 
     The hook runs eagerly also under `--decode compiled` (`torch.compiler.disable`: the compiled decode
     step ends before it): it copies the step's logits out as soon as the step returns, before a CUDA
@@ -155,8 +149,9 @@ class SampledLogprobs:
         """(B, R) log-probs and entropy of the (B, R) sampled `responses`."""
         steps = len(self.logprobs) + (self._pending is not None)
         if steps != responses.shape[1]:
-            raise RuntimeError(f"generate ran {steps} forwards for {responses.shape[1]} sampled tokens: read the old "
-                               "log-probs with a scoring pass instead (--old_logprobs rescore)")
+            raise RuntimeError(f"generate ran {steps} forwards for {responses.shape[1]} sampled tokens: the old "
+                               "log-probs are read from one forward per sampled token (no synced_gpus, no chunked "
+                               "prefill)")
         if self._pending is not None:
             self._take(responses[:, -1])
         return torch.cat(self.logprobs, dim=1), torch.cat(self.entropy, dim=1)
@@ -327,14 +322,12 @@ def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
 @torch.no_grad()
 def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, scorer: Scorer,
                  eos_id: int, pad_id: int, micro_batch_size: int, missing_eos_penalty: Optional[float] = None,
-                 phase=None, fused: bool = True, old_logprobs: str = "sampling") -> Rollout:
-    """Generate, then score with (policy) / reference / value / reward, `micro_batch_size` rows at a time.
+                 phase=None, fused: bool = True) -> Rollout:
+    """Generate, then score with reference / value / reward, `micro_batch_size` rows at a time.
 
-    `old_logprobs` "sampling": the policy's log-probs and entropy are read from the logits it sampled
-    from (`logprobs_while_sampling` says when), and the scoring passes skip the policy; "rescore": a
-    policy pass gives them. `fused`: the scoring passes run as ONE routed pass of the base per
-    micro-batch (phase "score"); otherwise one pass per adapter (phases "score" for policy and reward,
-    "reference", "value"). `phase` is an optional context-manager factory (`phase("generate")`): the memory
+    The policy's log-probs and entropy are read from the logits it sampled from. `fused`: the scoring
+    passes run as ONE routed pass of the base per micro-batch (phase "score"); otherwise one pass per
+    adapter (phases "score" for the reward, "reference", "value"). `phase` is an optional context-manager factory (`phase("generate")`): the memory
     recorder's, or a benchmark's clock.
     """
     phase = phase or (lambda name: nullcontext())
@@ -342,46 +335,39 @@ def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sam
     model.eval()  # no dropout: these log-probs and values are the fixed "old" ones of the update
     try:
         return _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                             missing_eos_penalty, phase, fused and getattr(model, "routable", False),
-                             logprobs_while_sampling(old_logprobs))
+                             missing_eos_penalty, phase, fused and getattr(model, "routable", False))
     finally:
         model.train(was_training)
 
 
 def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                  missing_eos_penalty, phase, fused, sampled) -> Rollout:
+                  missing_eos_penalty, phase, fused) -> Rollout:
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
     with phase("generate"):
         sync(prompt_ids.device)
         started = time.perf_counter()
         samples = sample_in_chunks(model, prompt_ids, prompt_mask, sampling, eos_id, pad_id, micro_batch_size,
-                                   with_logprobs=sampled)
+                                   with_logprobs=True)
         sync(prompt_ids.device)
         generate_s = time.perf_counter() - started
     input_ids, attention_mask, response_mask, ended = (samples.input_ids, samples.attention_mask,
                                                        samples.response_mask, samples.ended)
     width = response_mask.shape[1]
     temperature = sampling.scoring_temperature
-    logprobs, entropy = samples.logprobs, samples.entropy  # sampled: steps after a row's EOS are masked in _finish
+    logprobs, entropy = samples.logprobs, samples.entropy  # steps after a row's EOS are masked in _finish
 
     if fused:
         reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
         with phase("score"):
-            rescored, rescored_entropy, ref_logprobs, values, scores = chunked(
-                lambda i, m, r: rollout_scores(model, i, m, r, temperature, policy=not sampled, reference=True,
-                                               value=True, reward_adapter=reward_adapter),
+            ref_logprobs, values, scores = chunked(
+                lambda i, m, r: rollout_scores(model, i, m, r, temperature, reference=True, value=True,
+                                               reward_adapter=reward_adapter),
                 micro_batch_size, batch, input_ids, attention_mask, response_mask)
             if scores is None:
                 scores = scorer(model, input_ids, attention_mask, prompt_length, response_mask)
-        if not sampled:
-            logprobs, entropy = rescored, rescored_entropy
         return _finish(input_ids, attention_mask, response_mask, prompt_length, logprobs, ref_logprobs, values, scores,
                        ended, entropy, missing_eos_penalty, generate_s)
     with phase("score"):
-        if not sampled:
-            logprobs, entropy = chunked(
-                lambda i, m: response_logprobs(model, i, m, width, POLICY, temperature, with_entropy=True),
-                micro_batch_size, batch, input_ids, attention_mask)
         scores = chunked(lambda i, m, r: scorer(model, i, m, prompt_length, r), micro_batch_size, batch,
                          input_ids, attention_mask, response_mask)
     with phase("reference"):
