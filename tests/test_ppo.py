@@ -416,44 +416,12 @@ def test_sampled_logprobs_refuse_a_sampling_loop_with_more_forwards_than_tokens(
     torch.testing.assert_close(entropy, -(expected.exp() * expected).sum(-1, keepdim=True).expand(2, 2))
 
 
-def test_inverse_cdf_sampler_draws_the_softmax_distribution_and_never_a_zero_probability_token():
-    """`InverseCdfSampler`: over 40,000 draws of each row, every token comes at its softmax probability
-    (within 4.5 standard deviations), a token masked to -inf never; each output row leaves exactly the drawn
-    token finite (0), for generate's greedy step to pick."""
-    from trainer.rl.rollout import InverseCdfSampler
-
-    inf = float("inf")
-    scores = torch.tensor([[0.0, 1.0, -inf, 2.0, -1.0, -inf], [-inf, 3.0, 0.5, 0.5, -inf, 0.0]])
-    n = 40_000
-    torch.manual_seed(0)
-    out = InverseCdfSampler()(None, scores.repeat(n, 1))
-    assert ((out == 0).sum(-1) == 1).all() and (out[out != 0] == -inf).all()
-    tokens = out.argmax(-1).view(n, 2)
-    for row in range(2):
-        p = scores[row].softmax(-1).double()
-        freq = torch.bincount(tokens[:, row], minlength=6).double() / n
-        assert (freq[p == 0] == 0).all()
-        assert ((freq - p).abs() <= 4.5 * (p * (1 - p) / n).sqrt() + 1e-12).all(), (row, freq, p)
-
-
-def test_inverse_cdf_sampler_draws_at_the_ends_land_on_possible_tokens(monkeypatch):
-    """A draw of 0 takes the first token of non-zero probability; a draw that rounds up to the total (the
-    search runs past the end) takes the last one - never a masked token at either end."""
-    from trainer.rl.rollout import InverseCdfSampler
-
-    inf = float("inf")
-    scores = torch.tensor([[-inf, 0.0, 1.0, -inf], [-inf, -inf, 0.0, -inf]])
-    for draw, want in ((0.0, [1, 2]), (1.0, [2, 2])):
-        monkeypatch.setattr(torch, "rand", lambda *shape, draw=draw, **kw: torch.full(shape, draw, **kw))
-        assert InverseCdfSampler()(None, scores).argmax(-1).tolist() == want
-
-
 def test_sampling_runs_min_length_then_temperature_and_top_k_then_draws(tmp_path, stage_adapters,
                                                                          fresh_accelerate_state):
-    """`sample_responses` samples through transformers' own processors (the minimum length) first, then
-    temperature and top-k, then `InverseCdfSampler`, as generate's sampling orders them: with the EOS
-    logit raised far above the rest, no EOS comes before --min_new_tokens and it comes right after; every
-    earlier token is one of the top 2 of its step's logits once EOS is barred."""
+    """`sample_responses` samples through generate's own processors and warpers: the minimum length first,
+    then temperature and top-k, then the draw: with the EOS logit raised far above the rest, no EOS comes
+    before --min_new_tokens and it comes right after; every earlier token is one of the top 2 of its step's
+    logits once EOS is barred."""
     from trainer.data.collators import PromptCollator
     from trainer.rl.rollout import sample_responses
 

@@ -65,18 +65,18 @@ def batch_sizes(text: str) -> list[int]:
 
 def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, **kwargs) -> tuple[float, float]:
     """(first call's, best later call's) wall time of generating exactly `new_tokens` tokens for the rows of `ids`,
-    sampled as rollouts sample (temperature 1, `trainer.rl.rollout.sampling_processors`): the first call warms
-    kernels and caches up (and compiles, on the compiled path)."""
-    from trainer.rl.rollout import Sampling, sampling_processors
+    sampled as rollouts sample (temperature 1, `trainer.rl.rollout.Sampling`): the first call warms kernels and
+    caches up (and compiles, on the compiled path)."""
+    from trainer.rl.rollout import Sampling
 
     mask = torch.ones_like(ids)
-    processors = sampling_processors(Sampling(temperature=1.0))
+    sampling = Sampling(temperature=1.0).generate_kwargs()
     times = []
     for _ in range(repeats + 1):
         sync(ids.device)
         started = time.perf_counter()
         model.generate(ids, mask, adapter="policy", max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, logits_processor=processors, pad_token_id=0, **kwargs)
+                       pad_token_id=0, **sampling, **kwargs)
         sync(ids.device)
         times.append(time.perf_counter() - started)
     return times[0], min(times[1:])

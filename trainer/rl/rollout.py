@@ -49,6 +49,14 @@ class Sampling:
         """The temperature log-probs are taken at: the one sampled with (1 for greedy decoding)."""
         return self.temperature or 1.0
 
+    def generate_kwargs(self) -> dict:
+        """`generate`'s sampling arguments: its own draw after temperature, top-k and top-p, with the other
+        warpers off whatever the model's generation config says; greedy at temperature 0."""
+        if not self.temperature:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "min_p": None, "typical_p": 1.0}
+
 
 @dataclass
 class Rollout:
@@ -175,43 +183,6 @@ def decode_kwargs(decode: str, device: torch.device) -> dict:
     return {"cache_implementation": "static", "compile_config": config}
 
 
-class InverseCdfSampler:
-    """A logits processor that draws each row's next token from softmax(scores) - what the processors
-    before it left - by inverse transform sampling: one uniform number per row against the cumulative
-    probabilities. `generate`'s own sampling (`torch.multinomial`) draws an exponential variate per
-    vocabulary entry: 6 ms of a 2-core CPU's decode step for 8 rows of a 49k vocabulary, against well under
-    one here. Same distribution (exact up to the float32 cumulative sum; a token of probability 0 is never
-    drawn), another stream of draws from torch's generator. Returns scores that leave only the drawn token
-    finite, for `generate` with `do_sample=False` to pick (its processors run first, ours after, in the
-    order `do_sample=True` would run them)."""
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = scores.float().softmax(-1)
-        cdf = probs.cumsum(-1)
-        draw = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
-        tokens = torch.searchsorted(cdf, draw, right=True)  # first entry whose cdf passes the draw: p > 0
-        past_end = tokens >= cdf.shape[-1]  # the draw rounded up to the total: the last token with p > 0
-        if past_end.any():
-            last = cdf.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1, keepdim=True)
-            tokens = torch.where(past_end, last, tokens)
-        return torch.full_like(scores, float("-inf")).scatter_(1, tokens, 0.0)
-
-
-def sampling_processors(sampling: Sampling):
-    """The logits processors that sample as `sampling` says (temperature, top-k, top-p, in transformers'
-    order, then `InverseCdfSampler`), for `generate(do_sample=False)`."""
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    processors = []
-    if sampling.temperature != 1.0:
-        processors.append(TemperatureLogitsWarper(sampling.temperature))
-    if sampling.top_k:
-        processors.append(TopKLogitsWarper(top_k=sampling.top_k))
-    if sampling.top_p < 1.0:
-        processors.append(TopPLogitsWarper(top_p=sampling.top_p))
-    return LogitsProcessorList([*processors, InverseCdfSampler()])
-
-
 @torch.no_grad()
 def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
                      eos_id: int, pad_id: int, adapter: str = POLICY,
@@ -219,10 +190,8 @@ def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     """Sample under `adapter`. Returns (input_ids, attention_mask, response_mask, ended), and with `with_logprobs` the (B, R)
     log-probs and entropy of the sampled tokens under the logits sampled from (`SampledLogprobs`)."""
     kwargs = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens,
-                  do_sample=False, eos_token_id=eos_id, pad_token_id=pad_id)
-    if sampling.temperature > 0:  # sampled by our processors, picked by generate's greedy step
-        kwargs["logits_processor"] = sampling_processors(sampling)
-    kwargs.update(decode_kwargs(sampling.decode, prompt_ids.device))
+                  eos_token_id=eos_id, pad_token_id=pad_id, **sampling.generate_kwargs(),
+                  **decode_kwargs(sampling.decode, prompt_ids.device))
     recorder = SampledLogprobs(model.causal_lm, sampling.scoring_temperature) if with_logprobs else nullcontext()
     with recorder:
         sequences = model.generate(prompt_ids, prompt_mask, adapter=adapter, **kwargs)
