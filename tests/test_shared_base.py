@@ -430,77 +430,40 @@ ROUTES = {"equal groups": ((("policy", 3), ("value", 3), ("reward", 3)), (3, 3, 
 
 @pytest.mark.parametrize("route", ROUTES, ids=list(ROUTES))
 @pytest.mark.parametrize("grad", [False, True], ids=["no grad", "grad"])
-@pytest.mark.parametrize("scalings", ["same", "per adapter"])
-def test_lora_products_add_what_the_per_group_lora_layers_add(sft_adapter, monkeypatch, route, grad, scalings):
-    """A routed pass through the fused LoRA products (scaling on the rank-r product, the sum inside the
-    second matrix product, one batched product for equal groups) gives the outputs and gradients of
-    each group's own LoRA layers applied one group at a time."""
-    import trainer.model.shared_base as shared_base
-
+def test_a_routed_pass_gives_each_row_group_what_a_pass_under_its_adapter_gives(sft_adapter, route, grad):
+    """Each group of a routed batch - equal or unequal groups, with autograd (a copy of the base output per
+    group) or without (added in place) - gets the hidden states and gradients that a pass of its own rows
+    under its own adapter gives."""
     args, sft_dir, _ = sft_adapter
     model = perturbed_ppo_model(tiny_args(args.quantization, lora_dropout=0.0), sft_dir)
-    if scalings == "per adapter":
-        for layer in model._tuner_layers:
-            layer.scaling["value"] = 0.3  # not a power of two: the rank-r scaling rounds differently
     model.train()
     steps, sizes = ROUTES[route]
     ids, mask = batch(b=sum(sizes))
-    calls = []
-    fused_products, fusable = shared_base._routed_lora_products, shared_base._fusable_weights
-    monkeypatch.setattr(shared_base, "_routed_lora_products", lambda *a: calls.append(1) or fused_products(*a))
 
-    def run(fused: bool):
-        monkeypatch.setattr(shared_base, "_fusable_weights", fusable if fused else (lambda *a: None))
+    def run(routed: bool):
         model.zero_grad(set_to_none=True)
         with torch.set_grad_enabled(grad):
-            hidden = model.hidden_states(ids, mask, steps)
+            if routed:
+                hidden = model.hidden_states(ids, mask, steps)
+            else:
+                starts = [sum(sizes[:g]) for g in range(len(sizes))]
+                hidden = torch.cat([model.hidden_states(ids[s : s + rows], mask[s : s + rows], name)
+                                    for (name, rows), s in zip(steps, starts)])
         if not grad:
             return hidden, []
         (hidden.pow(2).mean() + hidden[:, -1].sum()).backward()
         return hidden.detach(), [p.grad.clone() for p in model.trainable_parameters() if p.grad is not None]
 
     got, got_grads = run(True)
-    # every LoRA layer took the fused products in full precision; the 4-bit base's compute dtype is not the
-    # adapters', so there each group's LoRA output is added as peft adds it
-    plain = args.quantization == "none"
-    assert len(calls) == (len(model._tuner_layers) if plain else 0)
     want, want_grads = run(False)
-    assert len(calls) == (len(model._tuner_layers) if plain else 0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     trainable_lora = [p for p, adapter in model._lora_params if model.specs[adapter].trainable]
     assert len(got_grads) == len(want_grads) == (len(trainable_lora) if grad else 0)  # the heads did not run
     for g, w in zip(got_grads, want_grads):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
-
-
-def test_lora_products_run_where_they_give_the_same_sums_and_nowhere_else(sft_adapter):
-    """Plain layers without active dropout in one dtype take the fused products; 4-bit layers, dropout in
-    train mode and a routed adapter missing from a layer keep the per-group path."""
-    from trainer.model.shared_base import _fusable_weights
-
-    def _fusable(*args) -> bool:
-        return _fusable_weights(*args) is not None
-
-    args, sft_dir, _ = sft_adapter
-    model = perturbed_ppo_model(args, sft_dir)  # trainable adapters keep lora_dropout 0.05
-    layer = model._tuner_layers[0]
-    x = torch.randn(4, 3, layer.in_features)
-    out = torch.randn(4, 3, layer.out_features)
-    policy_and_value = (("policy", 2), ("value", 2))
-    plain = not type(layer).__module__.endswith(".bnb")  # peft's bitsandbytes layers round the LoRA sum first
-    model.eval()
-    assert _fusable(layer, policy_and_value, x, out) == plain  # dropout inactive in eval
-    if plain:  # the weights it hands the products are the routed adapters' own, in route order
-        weights_a, weights_b = _fusable_weights(layer, policy_and_value, x, out)
-        assert [w is layer.lora_A[n].weight for w, n in zip(weights_a, ("policy", "value"))] == [True, True]
-        assert [w is layer.lora_B[n].weight for w, n in zip(weights_b, ("policy", "value"))] == [True, True]
-    model.train()
-    assert not _fusable(layer, policy_and_value, x, out)  # dropout draws a mask per group
-    assert _fusable(layer, (("reference", 2), ("reward", 2)), x, out) == plain  # frozen adapters: no dropout
-    assert not _fusable(layer, (("reference", 2), ("reward", 2)), x.double(), out)
-    assert not _fusable(layer, (("reference", 2), ("reward", 2)), x, out.transpose(1, 2).contiguous().transpose(1, 2))
-    del layer.lora_A["reward"]
-    assert not _fusable(layer, (("reference", 2), ("reward", 2)), x, out)
+        if args.quantization == "none":
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+        else:  # bf16 compute: the backward's sums over another batch layout round differently (~0.7% here)
+            assert (g - w).norm() <= 2e-2 * w.norm()
 
 
 def test_base_only_runs_the_frozen_base_and_leaves_switching_and_trainability_alone(sft_adapter):

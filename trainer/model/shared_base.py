@@ -217,9 +217,6 @@ class SharedBaseModel(nn.Module):
             route = ((self._single, x.shape[0]),)  # all rows: nothing to check
         elif x.shape[0] != sum(rows for _, rows in route):
             raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(r for _, r in route)}")
-        weights = _fusable_weights(layer, route, x, output)
-        if weights is not None:
-            return _routed_lora_products(layer, route, x, output, *weights)
         # Rounded as peft's own layer rounds (its bitsandbytes layers cast the LoRA output to the
         # result's dtype before adding; the plain one adds in the wider dtype, then casts), so a
         # routed pass gives each group what a pass under its adapter gives.
@@ -545,67 +542,6 @@ class SharedBaseModel(nn.Module):
             if name in self.heads:
                 self.heads[name].save(tmp / HEAD_FILE)
         return out
-
-
-def _fusable_weights(layer, route: Route, x: torch.Tensor, output: torch.Tensor
-                     ) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """The routed adapters' (A, B) weights where `_routed_lora_products` can add this layer's LoRA outputs,
-    else None: a plain (not 4-bit) layer whose every routed adapter is there, with no dropout active, no
-    bias and no ZeRO-3 partition, all in the dtype of the input and output (peft's own layer adds in the
-    wider dtype: with mixed dtypes the per-group path rounds as it does). The sums equal peft's up to fp
-    rounding (the scaling is applied to the rank-r product and the sum inside the matrix product): bit for
-    bit when the scaling is a power of two, as alpha / r usually is. Each module and weight is looked up
-    once: this runs for every LoRA layer at every decoded token."""
-    if type(layer).__module__.endswith(".bnb") or not output.is_contiguous():
-        return None
-    lora_a, lora_b, dropouts = layer.lora_A, layer.lora_B, layer.lora_dropout
-    weights_a, weights_b = [], []
-    for name, _ in route:
-        if name not in lora_a:
-            return None
-        a, b, dropout = lora_a[name], lora_b[name], dropouts[name]
-        if not (isinstance(dropout, nn.Identity) or not dropout.training or getattr(dropout, "p", None) == 0):
-            return None
-        wa, wb = a.weight, b.weight
-        if a.bias is not None or b.bias is not None or hasattr(wa, "ds_id"):  # ZeRO-3 gathers in module calls
-            return None
-        if not wa.dtype == wb.dtype == x.dtype == output.dtype:
-            return None
-        weights_a.append(wa)
-        weights_b.append(wb)
-    return weights_a, weights_b
-
-
-def _routed_lora_products(layer, route: Route, x: torch.Tensor, output: torch.Tensor,
-                          weights_a: list[torch.Tensor], weights_b: list[torch.Tensor]) -> torch.Tensor:
-    """Each group's `scaling * B (A x)` added to its rows of `output` with the scaling applied to the
-    rank-r product and the addition inside the second matrix product (addmm / baddbmm): no
-    output-sized products, sums or concatenations besides the result itself, where peft's layer makes
-    three (scale, add, cast) and a per-group split a fourth (the concatenation).
-
-    Without autograd the products are added into `output` in place. With it, groups of equal size
-    and adapter shapes run as one batched product over stacked weights; otherwise one group at a time
-    into a copy of `output`."""
-    width = output.shape[-1]
-    flat_x, flat_out = x.reshape(-1, x.shape[-1]), output.view(-1, width)
-    per_row = flat_x.shape[0] // x.shape[0]  # positions per row
-    scalings = [layer.scaling[name] for name, _ in route]
-    grad, groups = torch.is_grad_enabled(), len(route)
-    if grad and (len({rows for _, rows in route}) == 1 and len({w.shape for w in weights_a}) == 1
-                 and len({w.shape for w in weights_b}) == 1):
-        low = torch.bmm(flat_x.reshape(groups, -1, flat_x.shape[-1]), torch.stack(weights_a).transpose(1, 2))
-        if len(set(scalings)) == 1:
-            alpha = scalings[0]
-        else:
-            low, alpha = low * torch.tensor(scalings, dtype=low.dtype, device=low.device).view(-1, 1, 1), 1.0
-        summed = torch.baddbmm(flat_out.view(groups, -1, width), low, torch.stack(weights_b).transpose(1, 2), alpha=alpha)
-        return summed.view(output.shape)
-    result, start = (flat_out.clone() if grad else flat_out), 0
-    for (_, rows), wa, wb, scale in zip(route, weights_a, weights_b, scalings):
-        stop = start + rows * per_row
-        result[start:stop].addmm_(flat_x[start:stop] @ wa.t(), wb.t(), alpha=scale)
-        start = stop
-    return result.view(output.shape)
 
 
 def head_source(spec: AdapterSpec) -> Optional[Path]:
