@@ -36,10 +36,9 @@ def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
         "reward": "LoRA adapter 'reward' + scalar head (frozen; fresh adapter, shared head weights) on the same base",
         "optimizer": optimizer_name,
         "gradient_checkpointing": args.gradient_checkpointing,
-        "scoring": ("ONE routed pass of the base for reference / value / reward (each row group through its own "
-                    "adapter), and one for policy + value in the update" if args.ppo.fused_passes
-                    else "one pass per adapter")
-                   + "; only the response positions' outputs are computed",
+        "scoring": "ONE routed pass of the base for reference / value / reward (each row group through its own "
+                   "adapter), and one for policy + value in the update; only the response positions' outputs are "
+                   "computed",
         "old log-probs": "from the logits each token was sampled from (no policy scoring pass)",
         "generation": f"through the LoRA layers, decode {args.ppo.decode}",
         "step": "trainer.rl.ppo_step.ppo_step (the function trainer/ppo.py trains with)",

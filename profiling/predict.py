@@ -71,10 +71,6 @@ class EstimateArguments(Checked):
     rollout_micro_batch_size: Optional[int] = _alias("generation_batch", default=None, metadata={
         "help": "PPO rows per generate / scoring pass (default: the micro-batch)."})
     num_generations: int = field(default=1, metadata={"help": "GRPO: responses per prompt."})
-    fused_passes: bool = field(default=True, metadata={
-        "help": "PPO: the rollout's scoring passes as one routed pass over 3x the rows (4x when the policy "
-                "re-scores), and the update's policy and value passes as one over 2x (as trainer/ppo.py "
-                "--fused_passes)."})
     logprob_chunk: int = field(default=1024, metadata={"help": "Positions per fp32 log-prob chunk."})
     device: str = field(default="cuda", metadata={"help": "cuda, or cpu (fp32 dropout masks, step counters on device)."})
     memory_budget_gib: float = _alias("budget_gib", "budget-gib", default=24.0, metadata={
@@ -242,27 +238,13 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
                              C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
                                                                  args.max_prompt_length),
                              C.LOGITS: step_logits})
-    if args.fused_passes:
-        # One routed pass over the rows stacked once per scoring adapter; only the reference gives logits. In
-        # the update, policy and value rows are one batch: their layer inputs are kept, and a layer is
-        # recomputed for both.
-        return [
-            generate,
-            ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
-                       C.LOGITS: A.logits_nograd(shape, spec, scored)}),
-            ("update", {**update, C.ACTIVATIONS: A.training_activations(shape, spec, 2 * mb_tokens, context)}),
-            step,
-        ]
+    # One routed pass over the rows stacked once per scoring adapter; only the reference gives logits. In the
+    # update, policy and value rows are one batch: their layer inputs are kept, and a layer is recomputed for both.
     return [
         generate,
-        # the reward model's scores
-        ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
-                   C.LOGITS: 0}),
-        ("reference", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
-                       C.LOGITS: A.logits_nograd(shape, spec, scored)}),
-        ("value", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context)}),
-        # Policy and value forwards of a micro-batch are alive together (one backward of the summed loss).
-        ("update", {**update, C.ACTIVATIONS: A.training_activations(shape, spec, mb_tokens, context, forwards=2)}),
+        ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
+                   C.LOGITS: A.logits_nograd(shape, spec, scored)}),
+        ("update", {**update, C.ACTIVATIONS: A.training_activations(shape, spec, 2 * mb_tokens, context)}),
         step,
     ]
 
@@ -316,7 +298,7 @@ def assumptions(args: EstimateArguments) -> list[str]:
         "optimizer_states are the steady state after the first step; gradients are fp32 LoRA/head gradients",
     ]
     if args.stage == "ppo":
-        notes.append("ppo update: policy and value forwards alive together; the optimizer step of ppo is "
+        notes.append("ppo update: policy and value rows in one routed forward; the optimizer step of ppo is "
                      "listed as its own phase")
     if args.optimizer == "paged_adamw_8bit":
         notes.append("paged 8-bit states are CUDA managed memory: same bytes, but they can spill to host RAM "

@@ -316,21 +316,26 @@ def test_ppo_turns_lora_dropout_off_so_the_first_ratio_is_one(tmp_path, stage_ad
     assert float(stats["policy/approxkl_avg"]) < 1e-10 and float(stats["val/ratio"]) == pytest.approx(1.0, abs=1e-6)
 
 
-def test_fused_passes_give_the_rollout_and_the_steps_that_separate_passes_give(tmp_path, stage_adapters,
-                                                                               fresh_accelerate_state):
-    """--fused_passes true (one routed pass of the base) and false (one pass per adapter): the same
-    rollout to fp32 tolerance, and two PPO steps that end at the same weights."""
+def test_routed_passes_give_the_rollout_and_the_steps_that_one_pass_per_adapter_gives(tmp_path, stage_adapters,
+                                                                                       monkeypatch,
+                                                                                       fresh_accelerate_state):
+    """One routed pass of the base (the rollout's reference / value / reward, the update's policy + value) and
+    one pass per adapter (what a model that cannot route runs): the same rollout to fp32 tolerance, and two
+    PPO steps that end at the same weights."""
     from trainer.data.collators import PromptCollator
+    from trainer.model.shared_base import SharedBaseModel
     from trainer.rl.rollout import make_rollout
 
     ends = {}
     for fused in ("true", "false"):
+        if fused == "false":
+            monkeypatch.setattr(SharedBaseModel, "fused", SharedBaseModel._separate_passes)
         trainer, model = build_trainer(tmp_path / fused, stage_adapters, "--max_steps", "2", "--save_every", "0",
-                                       "--eval_every", "0", "--fused_passes", fused)
+                                       "--eval_every", "0")
         batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
         torch.manual_seed(0)
         rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
-                               trainer.eos_id, trainer.pad_id, micro_batch_size=2, fused=fused == "true")
+                               trainer.eos_id, trainer.pad_id, micro_batch_size=2)
         trainer.train()
         ends[fused] = rollout, {name: model.adapter_state(name) for name in ("policy", "value")}
     (fused_rollout, fused_weights), (separate_rollout, separate_weights) = ends["true"], ends["false"]

@@ -360,6 +360,38 @@ def test_a_fused_pass_gives_each_adapter_what_its_own_pass_gives(sft_adapter, ke
     assert not torch.allclose(fused[0], fused[1]) and not torch.allclose(fused[2], fused[3])
 
 
+def test_where_routing_cannot_run_the_adapters_run_one_pass_each_and_say_so_once(sft_adapter, monkeypatch, caplog):
+    """A model whose adapters cannot be routed (not plain LoRA on linear layers), or whose logits are not the LM
+    head of the last hidden state (soft-capped or scaled), runs a fused pass as one pass per adapter: the
+    routed pass's outputs, and one log line per reason however many passes."""
+    from trainer.model.shared_base import SharedBaseModel
+
+    args, sft_dir, _ = sft_adapter
+    adapters, outputs = zip(*FOUR)
+    ids, mask = batch(b=3)
+    routed = perturbed_ppo_model(args, sft_dir).eval()
+    with torch.no_grad():
+        want = routed.fused(ids, mask, adapters, outputs, keep_last=4)
+    capped = perturbed_ppo_model(args, sft_dir).eval()
+    capped.causal_lm.config.final_logit_softcapping = 30.0  # read as a flag only: Llama's forward ignores it
+    monkeypatch.setattr(SharedBaseModel, "_install_routing", lambda self: False)  # as for DoRA or LoRA on a conv
+    unroutable = perturbed_ppo_model(args, sft_dir).eval()
+    passes, use_adapter = [], SharedBaseModel.use_adapter
+    monkeypatch.setattr(SharedBaseModel, "use_adapter", lambda self, name: passes.append(name) or use_adapter(self, name))
+    with caplog.at_level("INFO", "trainer.model.shared_base"), torch.no_grad():
+        for model in (unroutable, capped, unroutable, capped):
+            passes.clear()
+            got = model.fused(ids, mask, adapters, outputs, keep_last=4)
+            assert passes == list(adapters)  # one pass per adapter
+            for adapter, g, w in zip(adapters, got, want):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=adapter)
+        passes.clear()
+        capped.fused(ids, mask, ("value", "reward"), ("scores", "scores"), keep_last=4)  # no logits: routed
+    assert not unroutable.routable and capped.routable and passes == [(("value", 3), ("reward", 3))]
+    said = [r.message for r in caplog.records if "one pass each" in r.message]
+    assert len(said) == 2 and "not plain LoRA" in said[0] and "soft-capped" in said[1]
+
+
 @pytest.mark.parametrize("asked", [
     dict(reference=True, value=True, reward_adapter="reward"),  # PPO
     dict(reference=True, value=False, reward_adapter="reward"),  # GRPO
@@ -383,7 +415,8 @@ def test_rollout_scores_give_what_is_asked_from_one_pass_and_none_for_the_rest(s
                         or fused(self, i, m, adapters, *a, **k))
     with torch.no_grad():
         one = rollout_scores(model, ids, mask, response_mask, 0.7, **asked)
-        each = rollout_scores(model, ids, mask, response_mask, 0.7, **asked, separate=True)
+        monkeypatch.setattr(SharedBaseModel, "fused", SharedBaseModel._separate_passes)
+        each = rollout_scores(model, ids, mask, response_mask, 0.7, **asked)  # one pass per adapter
     names = ("ref_logprobs", "values", "scores")
     given = {"ref_logprobs": asked["reference"], "values": asked["value"], "scores": asked["reward_adapter"] is not None}
     for name, got, want in zip(names, one, each):
@@ -393,7 +426,7 @@ def test_rollout_scores_give_what_is_asked_from_one_pass_and_none_for_the_rest(s
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
     wanted = tuple(a for a, on in (("reference", asked["reference"]), ("value", asked["value"]),
                                     ("reward", asked["reward_adapter"] is not None)) if on)
-    assert routes == ([wanted] * 2 if wanted else [])  # one call per rollout_scores; nothing run when nothing is asked
+    assert routes == ([wanted] if wanted else [])  # one routed pass; nothing run when nothing is asked
     if asked["reward_adapter"]:  # the score is the reward head's at each row's last response token
         scores = model(ids, mask, adapter="reward", output="scores", keep_last=4)
         torch.testing.assert_close(one[2], torch.stack([scores[0, 1], scores[1, 3], scores[2, 3]]).float())
@@ -414,8 +447,8 @@ def test_a_fused_policy_and_value_pass_backpropagates_as_two_passes_do(sft_adapt
     grads = []
     for fused in (True, False):
         model.zero_grad(set_to_none=True)
-        logits, values = model.fused(ids, mask, ("policy", "value"), ("logits", "scores"), keep_last=5,
-                                     separate=not fused)
+        passes = model.fused if fused else model._separate_passes
+        logits, values = passes(ids, mask, ("policy", "value"), ("logits", "scores"), keep_last=5)
         loss_of(logits, values).backward()
         grads.append([None if p.grad is None else p.grad.clone() for p in model.trainable_parameters()])
     assert all(g is not None for g in grads[0]) and any(g.abs().sum() > 0 for g in grads[0])

@@ -52,10 +52,6 @@ class PPOArguments(Checked):
     rollout_batch_size: int = field(default=8, metadata={"help": "Prompts per PPO step on each process."})
     rollout_micro_batch_size: int = field(default=8, metadata={"help": "Rows per generation / scoring pass."})
     mini_batch_size: int = field(default=4, metadata={"help": "Rows per optimizer step in the update."})
-    fused_passes: bool = field(default=True, metadata={
-        "help": "Run the rollout's reference / value / reward passes (and the policy's, when it re-scores) as ONE "
-                "routed pass of the base, and the update's policy and value passes as one (same numbers; false: "
-                "one pass per adapter)."})
     auto_fit: Optional[bool] = field(default=None, metadata={
         "help": "Plan rollout_micro_batch_size, micro_batch_size and gradient_checkpointing from the memory estimate "
                 "to use memory_budget_gib with a 10%% margin (profiling/plan.py), logged as a table at start. "

@@ -197,7 +197,7 @@ def steps_for(args: PartArguments, out: Path) -> list[Step]:
                       "--copy_gib", "0.05"]
             sides = []
         else:
-            sides = ["--sides", "ours,ours_separate,trl"]  # the fused-vs-separate ablation where it should pay
+            sides = ["--sides", "ours,trl"]
             decode = ["--batches", "1,16,64", "--prompt_tokens", "128", "--new_tokens", "64"]
         steps = [Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args), *data_flags(args),
                                      *cap_flags(args), *work, *sides, "--out_dir", str(out / "ppo_vs_trl")]),

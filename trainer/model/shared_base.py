@@ -113,6 +113,7 @@ class SharedBaseModel(nn.Module):
         self._route: Optional[Route] = None
         self._single: Optional[str] = None  # on a routable model: the one adapter whose LoRA outputs the hook adds
         self._base_only = False  # `base_only`: no adapter adds anything
+        self._fallbacks_logged: set[str] = set()  # why `fused` ran one pass per adapter, said once each
         self.compiled_parts = 0  # decoder layers compiled for the passes that train (--compile_layers)
         self.routable = self._install_routing()
         self._apply_trainability()
@@ -472,22 +473,27 @@ class SharedBaseModel(nn.Module):
         return self.heads[adapter](self.hidden_states(input_ids, attention_mask, adapter, keep_last))
 
     def fused(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapters: Sequence[str],
-              outputs: Sequence[str], keep_last: int = 0, separate: bool = False) -> tuple[torch.Tensor, ...]:
+              outputs: Sequence[str], keep_last: int = 0) -> tuple[torch.Tensor, ...]:
         """The same rows under several adapters in ONE pass of the base.
 
         The rows are stacked once per adapter and each copy is routed through its own LoRA weights, so
         every base layer (in 4-bit: every dequantization) runs once for all of them instead of once per
         adapter. `outputs[g]` ("logits" or "scores") is what `adapters[g]` gives; result g equals
-        `self(input_ids, attention_mask, adapters[g], outputs[g], keep_last)`. `separate=True`, or a
-        model that cannot route, runs those passes one after the other instead (same results).
+        `self(input_ids, attention_mask, adapters[g], outputs[g], keep_last)`. Where routing cannot run
+        (`_route_blocker`), the passes run one after the other instead, with the same results, said once.
         """
         if len(adapters) != len(outputs) or not adapters:
             raise ValueError(f"one output per adapter: got {list(adapters)} and {list(outputs)}")
         for output in outputs:
             if output not in ("logits", "scores"):
                 raise ValueError(f"a fused pass gives logits or scores, not '{output}'")
-        if separate or not self.routable or ("logits" in outputs and not self._plain_lm_head):
-            return tuple(self.forward(input_ids, attention_mask, a, o, keep_last) for a, o in zip(adapters, outputs))
+        blocker = self._route_blocker(outputs)
+        if blocker is not None:
+            if blocker not in self._fallbacks_logged:
+                self._fallbacks_logged.add(blocker)
+                logger.info("adapters %s run one pass each instead of one routed pass: %s", ", ".join(adapters),
+                            blocker)
+            return self._separate_passes(input_ids, attention_mask, adapters, outputs, keep_last)
         rows, groups = input_ids.shape[0], len(adapters)
         route = tuple((adapter, rows) for adapter in adapters)
         hidden = self.hidden_states(input_ids.repeat(groups, 1), attention_mask.repeat(groups, 1), route, keep_last)
@@ -500,6 +506,20 @@ class SharedBaseModel(nn.Module):
                     raise KeyError(f"adapter '{adapter}' has no scalar head")
                 results.append(self.heads[adapter](part))
         return tuple(results)
+
+    def _route_blocker(self, outputs: Sequence[str]) -> Optional[str]:
+        """Why a routed pass cannot give `outputs` on this model, or None. Launch modes never block it: the
+        ones that partition the base (ZeRO-3, FSDP) refuse the stages with several adapters at start."""
+        if not self.routable:
+            return "its adapters are not plain LoRA on linear layers"
+        if "logits" in outputs and not self._plain_lm_head:
+            return "its logits are not the LM head of the last hidden state (soft-capped or scaled)"
+        return None
+
+    def _separate_passes(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapters: Sequence[str],
+                         outputs: Sequence[str], keep_last: int = 0) -> tuple[torch.Tensor, ...]:
+        """What `fused` gives, from one pass per adapter: where routing cannot run, and what tests compare with."""
+        return tuple(self.forward(input_ids, attention_mask, a, o, keep_last) for a, o in zip(adapters, outputs))
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = POLICY, **kwargs):

@@ -77,7 +77,7 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
             # nothing to score when beta is 0 and the reward is scripted: both None
             ref, _, scores = chunked(
                 lambda i, m, r: rollout_scores(model, i, m, r, temperature, reference=args.beta > 0, value=False,
-                                               reward_adapter=reward_adapter, separate=not args.fused_passes),
+                                               reward_adapter=reward_adapter),
                 rows, input_ids.shape[0], input_ids, attention_mask, response_mask)
             if scores is None:
                 scores = scorer(model, input_ids, attention_mask, ids.shape[1], response_mask).float()

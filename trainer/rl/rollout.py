@@ -19,11 +19,9 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from foundation.cli import UsageError
-from foundation.stages import DECODE_PATHS, POLICY, REFERENCE, REWARD
+from foundation.stages import DECODE_PATHS, POLICY, REWARD
 from profiling.decode import sync
-from trainer.rl.scoring import (
-    next_token_logprobs, response_logprobs, response_values, rollout_scores, sequence_scores,
-)
+from trainer.rl.scoring import next_token_logprobs, rollout_scores, sequence_scores
 
 logger = logging.getLogger(__name__)
 
@@ -291,26 +289,26 @@ def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
 @torch.no_grad()
 def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, scorer: Scorer,
                  eos_id: int, pad_id: int, micro_batch_size: int, missing_eos_penalty: Optional[float] = None,
-                 phase=None, fused: bool = True) -> Rollout:
+                 phase=None) -> Rollout:
     """Generate, then score with reference / value / reward, `micro_batch_size` rows at a time.
 
-    The policy's log-probs and entropy are read from the logits it sampled from. `fused`: the scoring
-    passes run as ONE routed pass of the base per micro-batch (phase "score"); otherwise one pass per
-    adapter (phases "score" for the reward, "reference", "value"). `phase` is an optional context-manager factory (`phase("generate")`): the memory
-    recorder's, or a benchmark's clock.
+    The policy's log-probs and entropy are read from the logits it sampled from (phase "generate"); the
+    reference, value and reward passes run as ONE routed pass of the base per micro-batch (phase "score").
+    `phase` is an optional context-manager factory (`phase("generate")`): the memory recorder's, or a
+    benchmark's clock.
     """
     phase = phase or (lambda name: nullcontext())
     was_training = model.training
     model.eval()  # no dropout: these log-probs and values are the fixed "old" ones of the update
     try:
         return _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                             missing_eos_penalty, phase, fused and getattr(model, "routable", False))
+                             missing_eos_penalty, phase)
     finally:
         model.train(was_training)
 
 
 def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                  missing_eos_penalty, phase, fused) -> Rollout:
+                  missing_eos_penalty, phase) -> Rollout:
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
     with phase("generate"):
         sync(prompt_ids.device)
@@ -321,32 +319,17 @@ def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_
         generate_s = time.perf_counter() - started
     input_ids, attention_mask, response_mask, ended = (samples.input_ids, samples.attention_mask,
                                                        samples.response_mask, samples.ended)
-    width = response_mask.shape[1]
-    temperature = sampling.scoring_temperature
-    logprobs, entropy = samples.logprobs, samples.entropy  # steps after a row's EOS are masked in _finish
-
-    if fused:
-        reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
-        with phase("score"):
-            ref_logprobs, values, scores = chunked(
-                lambda i, m, r: rollout_scores(model, i, m, r, temperature, reference=True, value=True,
-                                               reward_adapter=reward_adapter),
-                micro_batch_size, batch, input_ids, attention_mask, response_mask)
-            if scores is None:
-                scores = scorer(model, input_ids, attention_mask, prompt_length, response_mask)
-        return _finish(input_ids, attention_mask, response_mask, prompt_length, logprobs, ref_logprobs, values, scores,
-                       ended, entropy, missing_eos_penalty, generate_s)
+    reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
     with phase("score"):
-        scores = chunked(lambda i, m, r: scorer(model, i, m, prompt_length, r), micro_batch_size, batch,
-                         input_ids, attention_mask, response_mask)
-    with phase("reference"):
-        ref_logprobs = chunked(lambda i, m: response_logprobs(model, i, m, width, REFERENCE, temperature)[0],
-                               micro_batch_size, batch, input_ids, attention_mask)
-    with phase("value"):
-        values = chunked(lambda i, m: response_values(model, i, m, width), micro_batch_size, batch,
-                         input_ids, attention_mask)
-    return _finish(input_ids, attention_mask, response_mask, prompt_length, logprobs, ref_logprobs, values, scores,
-                   ended, entropy, missing_eos_penalty, generate_s)
+        ref_logprobs, values, scores = chunked(
+            lambda i, m, r: rollout_scores(model, i, m, r, sampling.scoring_temperature, reference=True, value=True,
+                                           reward_adapter=reward_adapter),
+            micro_batch_size, batch, input_ids, attention_mask, response_mask)
+        if scores is None:
+            scores = scorer(model, input_ids, attention_mask, prompt_length, response_mask)
+    # the sampled log-probs and entropy: steps after a row's EOS are masked in _finish
+    return _finish(input_ids, attention_mask, response_mask, prompt_length, samples.logprobs, ref_logprobs, values,
+                   scores, ended, samples.entropy, missing_eos_penalty, generate_s)
 
 
 def _finish(input_ids, attention_mask, response_mask, prompt_length, logprobs, ref_logprobs, values, scores, ended,
