@@ -30,7 +30,7 @@ import torch
 from foundation.cli import InputError
 from trainer.engine.batches import batch_stream, make_loader
 from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
-from trainer.engine.launch import RowTrace, describe_engine, fill_deepspeed_autos, is_deepspeed
+from trainer.engine.launch import describe_engine, fill_deepspeed_autos, is_deepspeed
 from trainer.engine.metrics import (
     MetricsLog, all_finite, flat_config, format_line, largest_weight, mean_over_ranks, peak_memory_gb,
     unusable_weights,
@@ -187,7 +187,6 @@ class Harness:
         self.engine = Engine(model, self.args, self.accelerator, stage, loader, accumulation_steps)
         self.output_dir = Path(self.args.output_dir)
         self.metrics_log = MetricsLog(self.accelerator, self.output_dir)
-        self.trace = RowTrace(self.accelerator)
         self.state = {"epoch": 0, "batches_in_epoch": 0, "bad_steps_in_row": 0, "bad_steps_total": 0}
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -235,7 +234,6 @@ class Harness:
         """The batch stream as a step body sees it: the data position is kept for checkpoints."""
         while True:
             self.state["epoch"], self.state["batches_in_epoch"], batch = next(stream)
-            self.trace.record(step, batch)
             yield batch
 
     def _resume(self) -> int:
