@@ -34,10 +34,6 @@ class Slot:
     head: bool
 
 
-# How an online-RL rollout decodes (trainer/ppo.py --decode).
-DECODE_PATHS = ("eager", "static", "compiled")
-
-
 def stage_adapters(stage: str) -> list[Slot]:
     if stage not in ADAPTERS:
         raise ValueError(f"unknown stage '{stage}': use one of {', '.join(STAGES)}")

@@ -634,7 +634,7 @@ def test_compiled_layers_that_cannot_compile_with_their_checkpoint_stay_exact(sf
 
     torch._dynamo.reset()  # the variant count is per code object: start from none
     limited = perturbed_ppo_model(tiny_args(checkpointing=True, lora_dropout=0.0, compile_layers=True), sft_dir)
-    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level("WARNING", "trainer.model.loading"):
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level("WARNING", "trainer.model.compiled"):
         got, _, alone = train_passes(limited, ids, mask, monkeypatch)
     assert_same_passes(got, want)
     assert alone > 0 and sum("variants than torch compiles" in r.message for r in caplog.records) == 1
@@ -648,7 +648,7 @@ def test_compiled_layers_that_cannot_compile_with_their_checkpoint_stay_exact(sf
     wrappers = [m.forward for m in breaking.modules() if hasattr(m.forward, "whole")]
     for w in wrappers:
         w.compiled_checkpointed = torch.compile(broken, dynamic=True, fullgraph=True)
-    with caplog.at_level("WARNING", "trainer.model.loading"):
+    with caplog.at_level("WARNING", "trainer.model.compiled"):
         got, _, alone = train_passes(breaking, ids, mask, monkeypatch)
     assert_same_passes(got, want)
     assert alone > 0 and not any(w.whole for w in wrappers)

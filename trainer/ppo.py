@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from foundation.cli import Checked, UsageError, above, at_least, between, one_of, run
-from foundation.stages import DECODE_PATHS, POLICY, REFERENCE, REWARD, VALUE
+from foundation.stages import POLICY, REFERENCE, REWARD, VALUE
 from trainer.config import PROJECT_ROOT
 from trainer.data.collators import PromptCollator
 from trainer.data.tokenization import tokenize_prompts
@@ -29,7 +29,7 @@ from trainer.losses import KL_ESTIMATORS
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.policy_eval import policy_vs_reference
 from trainer.rl.ppo_step import PPOState, ppo_step
-from trainer.rl.rollout import RewardModelScorer, Sampling, ScriptedScorer, parse_scripted_reward
+from trainer.rl.rollout import DECODE_PATHS, RewardModelScorer, Sampling, ScriptedScorer, parse_scripted_reward
 
 logger = logging.getLogger(__name__)
 

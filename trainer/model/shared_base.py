@@ -656,7 +656,8 @@ def build_shared_model(args: ModelArguments, specs: list[AdapterSpec], vocab_siz
                        device: Optional[torch.device] = None,
                        quant_storage: torch.dtype = torch.uint8) -> SharedBaseModel:
     """Load the base per `args` and put the adapters of `specs` on it (`quant_storage`: see load_base_model)."""
-    from trainer.model.loading import compile_layers, enable_checkpointing, load_base_model
+    from trainer.model.compiled import compile_layers
+    from trainer.model.loading import enable_checkpointing, load_base_model
 
     check_specs(specs)  # a wrong adapter folder stops here, before the base model loads
     base = load_base_model(args, vocab_size=vocab_size, device=device, quant_storage=quant_storage,

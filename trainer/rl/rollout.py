@@ -19,11 +19,15 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from foundation.cli import UsageError
-from foundation.stages import DECODE_PATHS, POLICY, REWARD
+from foundation.stages import POLICY, REWARD
 from profiling.decode import sync
 from trainer.rl.scoring import next_token_logprobs, rollout_scores, sequence_scores
 
 logger = logging.getLogger(__name__)
+
+# How generation runs its decode steps (--decode, `decode_kwargs`): the default, and two GPU options that the
+# GPU kit's speed part measures (decode-paths, ppo_compiled).
+DECODE_PATHS = ("eager", "static", "compiled")
 
 
 @dataclass(frozen=True)
