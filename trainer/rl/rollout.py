@@ -3,8 +3,8 @@
 All passes run on the ONE shared base: `policy` samples (KV cache on, left-padded prompts), then
 under `torch.no_grad` the `reference` log-probs of the response tokens, the `value` adapter's
 per-token values and the scorer's score of each response (the `reward` adapter, or a scripted
-reward), every pass through `trainer.rl.scoring`. By default those passes are ONE routed pass of the
-base (`SharedBaseModel.fused`): each base layer runs once for all adapters. The policy's own ("old")
+reward), every pass through `trainer.rl.scoring`. Those passes are ONE routed pass of the base
+(`SharedBaseModel.fused`): each base layer runs once for all adapters. The policy's own ("old")
 log-probs come from the logits it sampled from (`SampledLogprobs`): no scoring pass needs the policy.
 """
 
