@@ -16,19 +16,17 @@ from benchmarks.measure import MemoryProbe, PhaseClock, StepCounter, step_record
 from benchmarks.workload import Workload
 from trainer.data.collators import PromptCollator
 from trainer.data.tokenization import PromptExample
-from trainer.engine.harness import Engine, LongLived
+from trainer.engine.harness import Engine
 from trainer.model.loading import resolve_precision
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.ppo_step import PPOState, ppo_step
-from trainer.rl.rollout import RewardModelScorer, Sampling, logprobs_while_sampling
+from trainer.rl.rollout import RewardModelScorer
 
 logger = logging.getLogger(__name__)
 
 
 def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
     base = "4-bit NF4 (double quant)" if four_bit else "full precision"
-    sampled = logprobs_while_sampling(args.ppo.old_logprobs, args.ppo.merged_generation)
-    scored = "reference / value / reward" if sampled else "policy / reference / value / reward"
     return {
         "models": f"ONE {args.model_name_or_path} base ({base}), frozen, loaded once",
         "policy": f"LoRA adapter 'policy' (trainable; r={args.lora_r}, alpha={args.lora_alpha}, "
@@ -38,16 +36,12 @@ def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
         "reward": "LoRA adapter 'reward' + scalar head (frozen; fresh adapter, shared head weights) on the same base",
         "optimizer": optimizer_name,
         "gradient_checkpointing": args.gradient_checkpointing,
-        "scoring": (f"ONE routed pass of the base for {scored} (each row group through its own adapter), and one "
-                    "for policy + value in the update" if args.ppo.fused_passes else "one pass per adapter")
-                   + "; only the response positions' outputs are computed",
-        "old log-probs": ("from the logits each token was sampled from (no policy scoring pass)" if sampled
-                          else "from a policy pass in the scoring pass"),
-        "generation": ("from a merged working copy of the policy weights" if args.ppo.merged_generation
-                       else "through the LoRA layers (unmerged)") + f", decode {args.ppo.decode}",
+        "scoring": "ONE routed pass of the base for reference / value / reward (each row group through its own "
+                   "adapter), and one for policy + value in the update; only the response positions' outputs are "
+                   "computed",
+        "old log-probs": "from the logits each token was sampled from (no policy scoring pass)",
+        "generation": f"through the LoRA layers, decode {args.ppo.decode}",
         "step": "trainer.rl.ppo_step.ppo_step (the function trainer/ppo.py trains with)",
-        "garbage collector": "what lives for the run frozen out of Python's cyclic collector before the first step and "
-                             "after it (trainer.engine.harness.LongLived, as the training harness does)",
     }
 
 
@@ -96,22 +90,19 @@ def run_ours(args: Workload, prompts: list[list[int]], tokenizer, accelerator, p
     counter = StepCounter(engine.optimizer)
     b = args.rollout_batch_size
     try:
-        with LongLived() as long_lived:  # as the training harness runs its steps
-            for i in range(args.total_steps):
-                batch = collate([PromptExample(r, "bench") for r in prompts[i * b : (i + 1) * b]])
-                clock.start()
-                out = ppo_step(engine, batch, args.ppo, state, scorer, tokenizer.eos_token_id,
-                               tokenizer.pad_token_id, phase=phases)
-                update_lap = clock.lap()
-                result["steps"].append(step_record(
-                    i + 1, i < args.warmup_runs, phases.rollout, update_lap, clock.parts,
-                    optimizer_steps=counter.take(), response_tokens=args.tokens()["generated"],
-                    update_micro_batch=state.micro_batch_size))
-                result["metrics"] = {k: float(v) for k, v in out.metrics.items()}
-                logger.info("ours step %d: rollout %.2fs, update %.2fs", i + 1, phases.rollout.seconds,
-                            update_lap.seconds)
-                if i == 0:
-                    long_lived.settle()
+        for i in range(args.total_steps):
+            batch = collate([PromptExample(r, "bench") for r in prompts[i * b : (i + 1) * b]])
+            clock.start()
+            out = ppo_step(engine, batch, args.ppo, state, scorer, tokenizer.eos_token_id,
+                           tokenizer.pad_token_id, phase=phases)
+            update_lap = clock.lap()
+            result["steps"].append(step_record(
+                i + 1, i < args.warmup_runs, phases.rollout, update_lap, clock.parts,
+                optimizer_steps=counter.take(), response_tokens=args.tokens()["generated"],
+                update_micro_batch=state.micro_batch_size))
+            result["metrics"] = {k: float(v) for k, v in out.metrics.items()}
+            logger.info("ours step %d: rollout %.2fs, update %.2fs", i + 1, phases.rollout.seconds,
+                        update_lap.seconds)
     finally:
         counter.remove()
         accelerator.free_memory()  # drops accelerate's references to the model and optimizer

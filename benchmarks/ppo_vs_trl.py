@@ -46,10 +46,7 @@ from foundation.cli import run
 logger = logging.getLogger("benchmarks.ppo_vs_trl")
 ROOT = Path(__file__).resolve().parent.parent
 SIDE_NAMES = {"ours": "ours (one base, 4 adapters)", "trl": "TRL 1.12 PPOTrainer",
-              "ours_separate": "ours, ablation: one pass per adapter (--fused_passes false)",
-              "ours_merged": "ours, ablation: generation from merged weights (--merged_generation true)",
               "ours_compiled": "ours, ablation: static KV cache and compiled decode step (--decode compiled)",
-              "ours_rescore": "ours, ablation: old log-probs from a policy scoring pass (--old_logprobs rescore)",
               "ours_eager": "ours, ablation: decoder layers not compiled (--compile_layers false)",
               "trl_compiled": "TRL 1.12 PPOTrainer, its models' decoder layers compiled as --compile_layers compiles ours"}
 

@@ -3,8 +3,8 @@
     python -m benchmarks.stage_side ours|trl SETTINGS_JSON SIDE_DIR
 
 ours: the stage script itself (`trainer/<stage>.py`'s main, with the workload's settings as flags),
-its per-step wall and CPU seconds read back from its metrics log and the rows it trained on from its
-row trace ($RLHF_TRACE_ROWS). trl: `benchmarks.trl_stages.run_trl`. Either way the process's peak
+its per-step wall and CPU seconds read back from its metrics log and the rows it trained on from
+`benchmarks.row_trace`. trl: `benchmarks.trl_stages.run_trl`. Either way the process's peak
 memory is read over the side's whole run (data, model, training, saving: the same span on both
 sides) and everything goes into SIDE_DIR/side.json.
 """
@@ -42,13 +42,13 @@ def stage_argv(w: StageWorkload, output_dir: Path) -> list[str]:
 
 
 def run_ours(w: StageWorkload, side_dir: Path, result: dict) -> None:
-    from trainer.engine.launch import TRACE_ROWS_ENV
+    from benchmarks.row_trace import traced
 
     run_dir, trace_dir = side_dir / "run", side_dir / "trace"
-    os.environ[TRACE_ROWS_ENV] = str(trace_dir)
     argv = stage_argv(w, run_dir)
     result["setup"] = {"class": f"trainer/{w.stage}.py (the stage script, in-process)", "argv": argv}
-    importlib.import_module(f"trainer.{w.stage}").main(argv)
+    with traced(trace_dir):
+        importlib.import_module(f"trainer.{w.stage}").main(argv)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     result["steps"] = [{"step": r["step"], "wall_s": r["perf/step_s"], "cpu_s": r.get("perf/step_cpu_s")}
                        for r in metrics if "perf/step_s" in r]

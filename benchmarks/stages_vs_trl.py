@@ -33,9 +33,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from benchmarks.row_trace import row_hash  # what the row trace of our side writes
 from foundation.cli import Checked, UsageError, at_least, one_of, parse, run
 from trainer.config import DataArguments, ModelArguments, TrainArguments
-from trainer.engine.launch import row_hash  # what our harness's row trace writes
 
 logger = logging.getLogger("benchmarks.stages_vs_trl")
 ROOT = Path(__file__).resolve().parent.parent

@@ -130,7 +130,7 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     """Fill `result` (setup, steps) in place, so a failure part-way keeps what was measured.
 
     `compiled`: the three models' decoder layers compiled as --compile_layers compiles ours
-    (`trainer.model.loading.compile_layers`: for the passes that train): what TRL would gain from it. TRL's
+    (`trainer.model.compiled.compile_layers`: for the passes that train): what TRL would gain from it. TRL's
     PPO loop compiles nothing itself: its Accelerator gets no dynamo plugin, so `PPOConfig.torch_compile`
     changes nothing there but, on CUDA, turns TF32 on for the whole process (`TrainingArguments`), which
     would skew every side run after it; it is left unset."""
@@ -141,7 +141,8 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     from transformers.trainer_callback import PrinterCallback
 
     from trainer.engine.optim import resolve_optimizer_name
-    from trainer.model.loading import compile_layers, enable_checkpointing, load_base_model
+    from trainer.model.compiled import compile_layers
+    from trainer.model.loading import enable_checkpointing, load_base_model
 
     device, vocab = accelerator.device, len(tokenizer)
     clock = PhaseClock(probe)
@@ -194,7 +195,7 @@ def run_trl(args: Workload, prompts: list[list[int]], tokenizer, accelerator, pr
     setup = clock.lap()
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     result["setup"] = {**describe(args, four_bit, optimizer_name), "trainable_parameters": trainable,
-                       "compiled decoder layers": (f"{compiled_parts} (trainer.model.loading.compile_layers on the "
+                       "compiled decoder layers": (f"{compiled_parts} (trainer.model.compiled.compile_layers on the "
                                                    "three models, for the passes that train: the reward model's only "
                                                    "pass has none, so it runs eagerly)") if compiled else "none",
                        "ppo_config": {k: getattr(getattr(config, k), "value", getattr(config, k)) for k in (

@@ -149,7 +149,7 @@ def run_trl(w, rows: Sequence, tokenizer, device: torch.device, out_dir: Path, r
     collate = trainer.data_collator
 
     def traced(features):
-        from trainer.engine.launch import row_hash
+        from benchmarks.row_trace import row_hash
 
         trace.append([row_hash(r) for r in feature_rows(w.stage, features)])
         return collate(features)

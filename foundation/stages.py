@@ -35,21 +35,6 @@ class Slot:
     head: bool
 
 
-# How an online-RL rollout decodes, and where the policy's old log-probs come from (trainer/ppo.py
-# --decode, --old_logprobs); the trainer and the memory estimator read the latter through `sampled_logprobs`.
-DECODE_PATHS = ("eager", "static", "compiled")
-OLD_LOGPROBS = ("sampling", "rescore")
-
-
-def sampled_logprobs(old_logprobs: str, merged: bool) -> bool:
-    """Whether the old log-probs are read from the logits the policy sampled from, so that the rollout's
-    scoring pass has no policy group: asked for, and the decode ran the policy's own forward through
-    its LoRA layers. Every decode path does (eager, static cache, compiled step: their logits differ
-    from a scoring pass's by the rounding of another summation order, tested to fp32 tolerance);
-    merged weights do not (the weights themselves are rounded once more): those are re-scored."""
-    return old_logprobs == "sampling" and not merged
-
-
 def stage_adapters(stage: str, without: Sequence[str] = ()) -> list[Slot]:
     """The adapters of `stage`, less the roles in `without` (a run scored by reward functions has no
     reward adapter; GRPO with beta 0 no reference)."""

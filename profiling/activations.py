@@ -150,19 +150,15 @@ def head_logprobs_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> i
     return _head_chunk_logits(shape, tokens) * (spec.dtype_bytes + 2 * 4)
 
 
-def training_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int, forwards: int = 1) -> int:
-    """Peak activation bytes (logits excluded) of forward + backward over `tokens` tokens.
-
-    `forwards` > 1 means that many forwards are alive before one backward (PPO: policy and value
-    over the same micro-batch, one summed loss); their saved tensors add up.
-    """
+def training_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int) -> int:
+    """Peak activation bytes (logits excluded) of forward + backward over `tokens` tokens."""
     L, h, a = shape.num_layers, shape.hidden_size, spec.dtype_bytes
     if spec.checkpointing:
-        kept = forwards * tokens * (L * a * h + 4 * h + 4)  # each layer's input; the final norm is not checkpointed
+        kept = tokens * (L * a * h + 4 * h + 4)  # each layer's input; the final norm is not checkpointed
         recompute = tokens * (layer_saved_per_token(shape, spec, seq_len)
                               + layer_backward_temporaries_per_token(shape, spec))
         return kept + recompute + dequantized_weight_bytes(shape, spec)
-    saved = forwards * saved_for_backward(shape, spec, tokens, seq_len)
+    saved = saved_for_backward(shape, spec, tokens, seq_len)
     return saved + tokens * layer_backward_temporaries_per_token(shape, spec) + dequantized_weight_bytes(shape, spec)
 
 

@@ -26,7 +26,7 @@ from profiling import components as C
 from profiling.predict import EstimateArguments, estimate
 from profiling.shapes import ModelShape
 
-ROLLOUT_PHASES = ("generate", "score", "reference", "value")
+ROLLOUT_PHASES = ("generate", "score")
 UPDATE_PHASES = ("update", "optimizer_step")
 
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional
 
 from foundation.cli import Checked, UsageError, above, at_least, between, one_of
-from foundation.stages import OLD_LOGPROBS, REFERENCE, REWARD, STAGES, Slot, sampled_logprobs, stage_adapters
+from foundation.stages import REFERENCE, REWARD, STAGES, Slot, stage_adapters
 from profiling import activations as A
 from profiling import components as C
 from profiling import resolve
@@ -75,15 +75,6 @@ class EstimateArguments(Checked):
     rollout_micro_batch_size: Optional[int] = _alias("generation_batch", default=None, metadata={
         "help": "PPO rows per generate / scoring pass (default: the micro-batch)."})
     num_generations: int = field(default=1, metadata={"help": "GRPO: responses per prompt."})
-    fused_passes: bool = field(default=True, metadata={
-        "help": "PPO: the rollout's scoring passes as one routed pass over 3x the rows (4x when the policy "
-                "re-scores), and the update's policy and value passes as one over 2x (as trainer/ppo.py "
-                "--fused_passes)."})
-    old_logprobs: str = field(default="sampling", metadata={
-        "help": "PPO: sampling (the policy's old log-probs from the logits it sampled from: no policy group in "
-                "the scoring pass, one (rows x vocab) logits row kept per decode step) or rescore (as trainer/ppo.py "
-                "--old_logprobs; merged generation re-scores)."})
-    merged_generation: bool = field(default=False, metadata={"help": "PPO: as trainer/ppo.py --merged_generation."})
     logprob_chunk: int = field(default=1024, metadata={"help": "Positions per fp32 log-prob chunk."})
     device: str = field(default="cuda", metadata={"help": "cuda, or cpu (fp32 dropout masks, step counters on device)."})
     memory_budget_gib: float = _alias("budget_gib", "budget-gib", default=24.0, metadata={
@@ -103,7 +94,7 @@ class EstimateArguments(Checked):
              "attn_implementation": one_of("sdpa", "flash_attention_2", "eager", "auto"),
              "micro_batch_size": at_least(1), "max_length": at_least(2), "max_prompt_length": at_least(1),
              "max_new_tokens": at_least(1), "rollout_batch_size": at_least(1), "rollout_micro_batch_size": at_least(1),
-             "num_generations": at_least(1), "old_logprobs": one_of(*OLD_LOGPROBS),
+             "num_generations": at_least(1),
              "logprob_chunk": at_least(1), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
              "allocator_overhead": at_least(0), "vocab_size": at_least(1), "hidden_size": at_least(1),
              "intermediate_size": at_least(1), "num_layers": at_least(1), "num_heads": at_least(1),
@@ -208,14 +199,6 @@ def rollout_buffer_bytes(args: EstimateArguments) -> int:
 # ---------------------------------------------------------------- phases
 
 
-def _scoring_logits(shape: ModelShape, spec: A.ForwardSpec, scored: int, reference: bool, policy_logits: int) -> int:
-    """The response logits of a scoring pass: the reference's (with the fp32 chunk temporaries) beside the
-    re-scoring policy's; without a reference, the policy's own take the chunks."""
-    if reference:
-        return A.logits_nograd(shape, spec, scored) + policy_logits
-    return A.logits_nograd(shape, spec, scored) if policy_logits else 0
-
-
 def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.ForwardSpec, trainable: list[int]) -> list:
     """(phase, {component: bytes}) for what each phase adds on top of the resident components."""
     grads = {C.GRADIENTS: gradient_bytes(trainable)}
@@ -243,28 +226,26 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         return [("reference", {C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, row) + mask,
                                C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens)}),
                 ("forward_backward", {**train, C.LOGITS: A.head_logprobs_training(shape, spec, tokens)}), step]
-    sampled = sampled_logprobs(args.old_logprobs, args.merged_generation)
     rows = args.rollout_micro_batch_size
-    # sampling: each step's last logits kept until its token arrives, and their fp32 log-softmax / softmax
-    step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 8) if sampled else 0
-    # the policy's response logits beside the reference's in a scoring pass that re-scores
-    policy_logits = 0 if sampled else rows * (args.max_new_tokens + 1) * shape.vocab_size * spec.dtype_bytes
+    # sampling: each step's last logits kept until its token arrives (the policy's old log-probs), and their
+    # fp32 log-softmax / softmax; the scoring pass then runs every adapter but the policy
+    step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 8)
+    groups = len(adapters(args)) - 1  # the policy's log-probs come from sampling
     if args.stage == "grpo":  # critic-free: the rollout rows are prompts x generations, one forward in the update
         rows_all = replace(args, rollout_batch_size=args.rollout_batch_size * args.num_generations)
         context = args.max_prompt_length + args.max_new_tokens
         buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(rows_all)}
         scored = rows * (args.max_new_tokens + 1)
-        groups = len(adapters(args)) - sampled
         return [
             ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
                           + A.kv_cache_growth(shape, spec, rows, context),
                           C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
                                                               args.max_prompt_length),
                           C.LOGITS: step_logits}),
-            # beta 0, reward functions and sampled log-probs: the phase runs no pass at all
+            # beta 0 and reward functions: the phase runs no pass at all
             ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context)
                        if groups else 0,
-                       C.LOGITS: _scoring_logits(shape, spec, scored, REFERENCE in roles(args), policy_logits)}),
+                       C.LOGITS: A.logits_nograd(shape, spec, scored) if REFERENCE in roles(args) else 0}),
             ("update", {**buffers, **grads, C.ACTIVATIONS: A.training_activations(shape, spec, mb * context, context),
                         C.LOGITS: A.logits_training(shape, spec, mb * (args.max_new_tokens + 1))}),
             step,
@@ -281,30 +262,13 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
                              C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
                                                                  args.max_prompt_length),
                              C.LOGITS: step_logits})
-    if args.fused_passes:
-        # One routed pass over the rows stacked once per adapter (the policy's only when it re-scores); the
-        # policy's and the reference's response logits are both alive when their log-probs are taken. In the
-        # update, policy and value rows are one batch: their layer inputs are kept, and a layer is
-        # recomputed for both.
-        groups = len(adapters(args)) - sampled
-        return [
-            generate,
-            ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
-                       C.LOGITS: A.logits_nograd(shape, spec, scored) + policy_logits}),
-            ("update", {**update, C.ACTIVATIONS: A.training_activations(shape, spec, 2 * mb_tokens, context)}),
-            step,
-        ]
+    # One routed pass over the rows stacked once per scoring adapter; only the reference gives logits. In the
+    # update, policy and value rows are one batch: their layer inputs are kept, and a layer is recomputed for both.
     return [
         generate,
-        # policy log-probs and entropy (unless sampling gave them), and the reward model's scores
-        ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context)
-                   if REWARD in roles(args) or not sampled else 0,
-                   C.LOGITS: 0 if sampled else A.logits_nograd(shape, spec, scored)}),
-        ("reference", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context),
-                       C.LOGITS: A.logits_nograd(shape, spec, scored)}),
-        ("value", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * context, context)}),
-        # Policy and value forwards of a micro-batch are alive together (one backward of the summed loss).
-        ("update", {**update, C.ACTIVATIONS: A.training_activations(shape, spec, mb_tokens, context, forwards=2)}),
+        ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
+                   C.LOGITS: A.logits_nograd(shape, spec, scored)}),
+        ("update", {**update, C.ACTIVATIONS: A.training_activations(shape, spec, 2 * mb_tokens, context)}),
         step,
     ]
 
@@ -362,7 +326,7 @@ def assumptions(args: EstimateArguments) -> list[str]:
                      + ("" if args.reward_model else "; scores from reward functions (no reward adapter or pass)")
                      + ("; beta 0: no reference adapter or pass" if REFERENCE not in roles(args) else ""))
     if args.stage == "ppo":
-        notes.append("ppo update: policy and value forwards alive together; the optimizer step of ppo is "
+        notes.append("ppo update: policy and value rows in one routed forward; the optimizer step of ppo is "
                      "listed as its own phase")
     if args.optimizer == "paged_adamw_8bit":
         notes.append("paged 8-bit states are CUDA managed memory: same bytes, but they can spill to host RAM "

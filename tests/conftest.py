@@ -99,8 +99,8 @@ def pytest_collection_modifyitems(items):
 @contextmanager
 def compiled_calls(monkeypatch):
     """Yields a list that gets one entry per call into a --compile_layers part's compiled forward (what
-    `trainer.model.loading._CompiledWithGrad` dispatches while autograd records)."""
-    from trainer.model.loading import _CompiledWithGrad
+    `trainer.model.compiled._CompiledWithGrad` dispatches while autograd records)."""
+    from trainer.model.compiled import _CompiledWithGrad
 
     calls, original = [], _CompiledWithGrad.__call__
 

@@ -161,7 +161,7 @@ def test_rounds_alternate_the_order_and_pool_every_rounds_measured_steps():
     from benchmarks.ppo_vs_trl import merge_round, round_orders, summarize
 
     assert round_orders(["ours", "trl"], 3) == [["ours", "trl"], ["trl", "ours"], ["ours", "trl"]]
-    assert round_orders(["ours", "trl", "ours_separate"], 2)[1] == ["ours_separate", "trl", "ours"]
+    assert round_orders(["ours", "trl", "ours_compiled"], 2)[1] == ["ours_compiled", "trl", "ours"]
     tokens = {"generated": 10, "update": 100}
     # round 1: warm-up 9 s, then 2 s and 4 s; round 2 (started 1 GiB higher): warm-up, then 6 s
     side = merge_round(None, _run([9.0, 2.0, 4.0], 1 << 30, [3 << 30, 3 << 30, 3 << 30]), 1)
@@ -187,24 +187,24 @@ def test_markdown_lists_each_rounds_ratio_when_there_are_several():
     assert "## Rounds" not in render_markdown(report)
 
 
-def test_decode_times_each_generation_path_on_the_same_rows(tmp_path):
+def test_decode_times_each_decode_path_on_the_same_rows(tmp_path):
     """benchmarks.gpu.decode --paths: one row per (path, batch); the static cache samples through transformers'
     own StaticCache (the compiled path adds only torch.compile, too slow for a unit test on CPU)."""
     from benchmarks.gpu.decode import main as decode
 
     result = decode(["--model_name_or_path", "tiny-llama", "--batches", "2", "--prompt_tokens", "4", "--new_tokens",
-                     "3", "--repeats", "1", "--copy_gib", "0.01", "--paths", "unmerged,merged,static",
+                     "3", "--repeats", "1", "--copy_gib", "0.01", "--paths", "eager,static",
                      "--out_dir", str(tmp_path)])
-    assert [(r["path"], r["batch"]) for r in result["rows"]] == [("unmerged", 2), ("merged", 2), ("static", 2)]
+    assert [(r["path"], r["batch"]) for r in result["rows"]] == [("eager", 2), ("static", 2)]
     assert all(r["tokens_per_s"] > 0 and r["first_call_s"] > 0 for r in result["rows"])
     assert "| static | 2 |" in (tmp_path / "decode.md").read_text()
 
 
 def test_ablations_change_the_model_or_ppo_setting_they_name_and_the_report_shows_each_variant():
     args = Workload.parse([*TINY, "--compile_layers", "true"])
-    eager, separate = args.ablation("ours_eager"), args.ablation("ours_separate")
+    eager, compiled = args.ablation("ours_eager"), args.ablation("ours_compiled")
     assert eager.model.compile_layers is False and eager.ppo == args.ppo
-    assert separate.ppo.fused_passes is False and separate.model == args.model
+    assert compiled.ppo.decode == "compiled" and compiled.model == args.model
     assert args.ablation("trl_compiled") == args.ablation("trl") == args
     report = _report("cpu")
     slower = {**report["sides"]["ours"], "summary": {**report["sides"]["ours"]["summary"], "step_s": 3.0},

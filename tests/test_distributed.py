@@ -28,6 +28,7 @@ TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
 TINY_PPO = ROOT / "tests" / "configs" / "tiny_ppo.yaml"
 CONFIGS = ROOT / "accelerate_configs"
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+ROW_TRACE = ROOT / "benchmarks" / "row_trace.py"
 # A curve that moves: a 10x larger learning rate than tiny_sft's, and no dropout (its masks would
 # differ between one process and two).
 CURVE = ("--max_steps", "4", "--save_every", "0", "--eval_every", "2", "--lora_dropout", "0",
@@ -94,19 +95,19 @@ def free_port() -> int:
 def launch(script: Path | str, output_dir: Path, *extra: str, config: str | None = None, processes: int = 1,
            trace: Path | None = None, expect_ok: bool = True, train_config: Path = TINY_SFT,
            poison: str | None = None) -> str:
-    """`python script` (config None) or `accelerate launch --config_file accelerate_configs/CONFIG`."""
+    """`python script` (config None) or `accelerate launch --config_file accelerate_configs/CONFIG`; with `trace`,
+    the script runs under benchmarks/row_trace.py, which records the rows each rank trains on into that folder."""
     from trainer.config import cache_dir
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache_dir() / "torch_extensions")}
-    if trace is not None:
-        env["RLHF_TRACE_ROWS"] = str(trace)
     if poison is not None:
         env["RLHF_TEST_POISON"] = poison
-    cmd = [sys.executable, str(script)]
+    target = [str(script)] if trace is None else [str(ROW_TRACE), str(trace), str(script)]
+    cmd = [sys.executable, *target]
     if config is not None:
         cmd = [ACCELERATE, "launch", "--config_file", str(CONFIGS / config), "--num_processes", str(processes),
-               "--main_process_port", str(free_port()), str(script)]
+               "--main_process_port", str(free_port()), *target]
     cmd += ["--config", str(train_config), "--output_dir", str(output_dir), *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr

@@ -97,10 +97,9 @@ def test_out_of_memory_in_the_grpo_update_retries_with_half_the_micro_batch(tmp_
 
 
 def test_grpo_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, fresh_accelerate_state):
-    """The critic-free rollout shares PPO's rule: --old_logprobs sampling gives what a policy pass gives
-    (the same samples, to fp32 tolerance), and the reference's log-probs are unchanged by it."""
+    """The critic-free rollout reads the old log-probs while sampling, as PPO's does: what a policy scoring
+    pass over the sampled rows gives, to fp32 tolerance; the reference's log-probs differ from them."""
     from contextlib import nullcontext
-    from dataclasses import replace
 
     from trainer.data.collators import PromptCollator
     from trainer.data.tokenization import tokenize_prompts
@@ -108,6 +107,8 @@ def test_grpo_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_p
     from trainer.grpo import GRPOArguments, build_model
     from trainer.ppo import make_scorer
     from trainer.rl.grpo_step import group_rollout
+    from trainer.rl.rollout import Sampling
+    from trainer.rl.scoring import response_logprobs
 
     ctx = start_run(GRPOArguments, ["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"),
                                     "--temperature", "0.8"])
@@ -121,16 +122,15 @@ def test_grpo_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_p
     prompts, _ = tokenize_prompts(ctx.splits.ppo[:2], tok, ctx.data_args)
     batch = PromptCollator(tok.pad_token_id)(prompts)
     scorer = make_scorer(ctx.stage_args, tok)
-    out = {}
-    for source in ("sampling", "rescore"):
-        torch.manual_seed(0)
-        out[source] = group_rollout(model, batch["input_ids"], batch["attention_mask"],
-                                    replace(ctx.stage_args, old_logprobs=source), scorer, tok.eos_token_id,
-                                    tok.pad_token_id, lambda name: nullcontext())
-    sampled, rescored = out["sampling"], out["rescore"]
-    assert torch.equal(sampled.input_ids, rescored.input_ids)
-    torch.testing.assert_close(sampled.logprobs, rescored.logprobs, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(sampled.ref_logprobs, rescored.ref_logprobs)
+    torch.manual_seed(0)
+    sampled = group_rollout(model, batch["input_ids"], batch["attention_mask"], ctx.stage_args, scorer,
+                            tok.eos_token_id, tok.pad_token_id, lambda name: nullcontext())
+    model.eval()
+    with torch.no_grad():
+        scored, _ = response_logprobs(model, sampled.input_ids, sampled.attention_mask,
+                                      sampled.response_mask.shape[1], "policy",
+                                      Sampling.of(ctx.stage_args).scoring_temperature)
+    torch.testing.assert_close(sampled.logprobs, scored * sampled.response_mask, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(sampled.logprobs, sampled.ref_logprobs)
 
 

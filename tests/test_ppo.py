@@ -316,21 +316,26 @@ def test_ppo_turns_lora_dropout_off_so_the_first_ratio_is_one(tmp_path, stage_ad
     assert float(stats["policy/approxkl_avg"]) < 1e-10 and float(stats["val/ratio"]) == pytest.approx(1.0, abs=1e-6)
 
 
-def test_fused_passes_give_the_rollout_and_the_steps_that_separate_passes_give(tmp_path, stage_adapters,
-                                                                               fresh_accelerate_state):
-    """--fused_passes true (one routed pass of the base) and false (one pass per adapter): the same
-    rollout to fp32 tolerance, and two PPO steps that end at the same weights."""
+def test_routed_passes_give_the_rollout_and_the_steps_that_one_pass_per_adapter_gives(tmp_path, stage_adapters,
+                                                                                       monkeypatch,
+                                                                                       fresh_accelerate_state):
+    """One routed pass of the base (the rollout's reference / value / reward, the update's policy + value) and
+    one pass per adapter (what a model that cannot route runs): the same rollout to fp32 tolerance, and two
+    PPO steps that end at the same weights."""
     from trainer.data.collators import PromptCollator
+    from trainer.model.shared_base import SharedBaseModel
     from trainer.rl.rollout import make_rollout
 
     ends = {}
     for fused in ("true", "false"):
+        if fused == "false":
+            monkeypatch.setattr(SharedBaseModel, "fused", SharedBaseModel._separate_passes)
         trainer, model = build_trainer(tmp_path / fused, stage_adapters, "--max_steps", "2", "--save_every", "0",
-                                       "--eval_every", "0", "--fused_passes", fused)
+                                       "--eval_every", "0")
         batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
         torch.manual_seed(0)
         rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
-                               trainer.eos_id, trainer.pad_id, micro_batch_size=2, fused=fused == "true")
+                               trainer.eos_id, trainer.pad_id, micro_batch_size=2)
         trainer.train()
         ends[fused] = rollout, {name: model.adapter_state(name) for name in ("policy", "value")}
     (fused_rollout, fused_weights), (separate_rollout, separate_weights) = ends["true"], ends["false"]
@@ -349,13 +354,14 @@ def test_fused_passes_give_the_rollout_and_the_steps_that_separate_passes_give(t
 @pytest.mark.parametrize("decode", ["eager", "static", "compiled"])
 def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, stage_adapters, monkeypatch,
                                                                       fresh_accelerate_state, decode):
-    """--old_logprobs sampling (the logits each token was sampled from) and rescore (a policy pass): the
-    same samples, log-probs and entropy to fp32 tolerance, at a temperature, with top-k truncated
-    sampling, left-padded prompts and rows that stop early; the sampling path's scoring pass has no
-    policy group. On every decode path: eager (dynamic KV cache), static cache, compiled decode step."""
+    """The old log-probs and entropy, read from the logits each token was sampled from, equal a policy
+    scoring pass over the sampled rows to fp32 tolerance, at a temperature, with top-k truncated sampling,
+    left-padded prompts and rows that stop early; the rollout's scoring pass has no policy group. On every
+    decode path: eager (dynamic KV cache), static cache, compiled decode step."""
     from trainer.data.collators import PromptCollator
     from trainer.model.shared_base import SharedBaseModel
     from trainer.rl.rollout import make_rollout
+    from trainer.rl.scoring import response_logprobs
 
     trainer, model = build_trainer(tmp_path, stage_adapters, "--temperature", "0.7", "--top_k", "20",
                                    "--max_new_tokens", "12", "--decode", decode)
@@ -367,36 +373,29 @@ def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, 
     monkeypatch.setattr(SharedBaseModel, "fused", lambda self, i, m, adapters, *a, **k: routed.append(tuple(adapters))
                         or fused(self, i, m, adapters, *a, **k))
 
-    def rollout(source: str, eos_id: int):
+    def rollout(eos_id: int):
         torch.manual_seed(0)
         return make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
-                            eos_id, trainer.pad_id, micro_batch_size=4, old_logprobs=source)
+                            eos_id, trainer.pad_id, micro_batch_size=4)
 
     # The untrained policy seldom samples EOS: the token row 0 samples fourth stands in for it, so that
     # rows stop early (the samples up to there are the same: same seed, same model)
-    eos_id = int(rollout("rescore", trainer.eos_id).input_ids[0, batch["input_ids"].shape[1] + 3])
+    eos_id = int(rollout(trainer.eos_id).input_ids[0, batch["input_ids"].shape[1] + 3])
     routed.clear()
-    sampled, rescored = rollout("sampling", eos_id), rollout("rescore", eos_id)
+    sampled = rollout(eos_id)
     # the compiled path really ran compiled: transformers keeps the compiled decode step on the model
     assert hasattr(model.causal_lm, "_compiled_call") == (decode == "compiled")
-    assert routed == [("reference", "value", "reward")] * 2 + [("policy", "reference", "value", "reward")] * 2
-    assert torch.equal(sampled.input_ids, rescored.input_ids)
+    assert routed == [("reference", "value", "reward")] * 2  # two micro-batches, no policy group
     ends = sampled.response_mask.sum(1)
     assert ends.min() < sampled.response_length  # a row stopped at EOS before the others
     assert (sampled.logprobs != 0).sum() == sampled.response_mask.sum()  # masked after EOS, set before
-    for name in ("logprobs", "entropy", "ref_logprobs", "values", "scores"):
-        torch.testing.assert_close(getattr(sampled, name), getattr(rescored, name), rtol=1e-5, atol=1e-5, msg=name)
-
-
-def test_old_logprobs_are_rescored_only_after_merged_generation():
-    from foundation.cli import UsageError
-    from trainer.rl.rollout import logprobs_while_sampling
-
-    assert logprobs_while_sampling("sampling", merged=False)
-    assert not logprobs_while_sampling("sampling", merged=True)
-    assert not logprobs_while_sampling("rescore", merged=False)
-    with pytest.raises(UsageError, match="--old_logprobs 'generation'"):
-        logprobs_while_sampling("generation", merged=False)
+    model.eval()
+    with torch.no_grad():
+        scored, entropy = response_logprobs(model, sampled.input_ids, sampled.attention_mask, sampled.response_length,
+                                            "policy", trainer.sampling.scoring_temperature, with_entropy=True)
+    mask = sampled.response_mask
+    torch.testing.assert_close(sampled.logprobs, scored * mask, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sampled.entropy, entropy * mask, rtol=1e-5, atol=1e-5)
 
 
 def test_sampled_logprobs_refuse_a_sampling_loop_with_more_forwards_than_tokens():
@@ -422,44 +421,12 @@ def test_sampled_logprobs_refuse_a_sampling_loop_with_more_forwards_than_tokens(
     torch.testing.assert_close(entropy, -(expected.exp() * expected).sum(-1, keepdim=True).expand(2, 2))
 
 
-def test_inverse_cdf_sampler_draws_the_softmax_distribution_and_never_a_zero_probability_token():
-    """`InverseCdfSampler`: over 40,000 draws of each row, every token comes at its softmax probability
-    (within 4.5 standard deviations), a token masked to -inf never; each output row leaves exactly the drawn
-    token finite (0), for generate's greedy step to pick."""
-    from trainer.rl.rollout import InverseCdfSampler
-
-    inf = float("inf")
-    scores = torch.tensor([[0.0, 1.0, -inf, 2.0, -1.0, -inf], [-inf, 3.0, 0.5, 0.5, -inf, 0.0]])
-    n = 40_000
-    torch.manual_seed(0)
-    out = InverseCdfSampler()(None, scores.repeat(n, 1))
-    assert ((out == 0).sum(-1) == 1).all() and (out[out != 0] == -inf).all()
-    tokens = out.argmax(-1).view(n, 2)
-    for row in range(2):
-        p = scores[row].softmax(-1).double()
-        freq = torch.bincount(tokens[:, row], minlength=6).double() / n
-        assert (freq[p == 0] == 0).all()
-        assert ((freq - p).abs() <= 4.5 * (p * (1 - p) / n).sqrt() + 1e-12).all(), (row, freq, p)
-
-
-def test_inverse_cdf_sampler_draws_at_the_ends_land_on_possible_tokens(monkeypatch):
-    """A draw of 0 takes the first token of non-zero probability; a draw that rounds up to the total (the
-    search runs past the end) takes the last one - never a masked token at either end."""
-    from trainer.rl.rollout import InverseCdfSampler
-
-    inf = float("inf")
-    scores = torch.tensor([[-inf, 0.0, 1.0, -inf], [-inf, -inf, 0.0, -inf]])
-    for draw, want in ((0.0, [1, 2]), (1.0, [2, 2])):
-        monkeypatch.setattr(torch, "rand", lambda *shape, draw=draw, **kw: torch.full(shape, draw, **kw))
-        assert InverseCdfSampler()(None, scores).argmax(-1).tolist() == want
-
-
 def test_sampling_runs_min_length_then_temperature_and_top_k_then_draws(tmp_path, stage_adapters,
                                                                          fresh_accelerate_state):
-    """`sample_responses` samples through transformers' own processors (the minimum length) first, then
-    temperature and top-k, then `InverseCdfSampler`, as generate's sampling orders them: with the EOS
-    logit raised far above the rest, no EOS comes before --min_new_tokens and it comes right after; every
-    earlier token is one of the top 2 of its step's logits once EOS is barred."""
+    """`sample_responses` samples through generate's own processors and warpers: the minimum length first,
+    then temperature and top-k, then the draw: with the EOS logit raised far above the rest, no EOS comes
+    before --min_new_tokens and it comes right after; every earlier token is one of the top 2 of its step's
+    logits once EOS is barred."""
     from trainer.data.collators import PromptCollator
     from trainer.rl.rollout import sample_responses
 

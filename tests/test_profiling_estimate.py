@@ -185,29 +185,27 @@ def test_the_seed_comparison_sets_seed_000_s_ranges_beside_the_estimate():
     assert rows["total"]["ours_bytes"] <= 24 * 2**30
 
 
-@pytest.mark.parametrize("old_logprobs", ["rescore", "sampling"])
-def test_fused_passes_hold_every_adapter_s_rows_at_once_and_separate_ones_are_phases_of_their_own(old_logprobs):
+def test_ppo_s_routed_passes_hold_every_adapter_s_rows_at_once():
+    """The scoring pass stacks the reference, value and reward rows (the policy's log-probs were read while
+    sampling); the update stacks policy and value rows; sampling keeps one step's logits."""
     shape = load_shape("llama-2-7b")
-    fused = {p["phase"]: p["components"] for p in estimate(shape, EstimateArguments(stage="ppo", old_logprobs=old_logprobs))["phases"]}
-    separate = {p["phase"]: p["components"] for p in estimate(
-        shape, EstimateArguments(stage="ppo", fused_passes=False, old_logprobs=old_logprobs))["phases"]}
-    assert list(fused) == ["generate", "score", "update", "optimizer_step"]
-    assert list(separate) == ["generate", "score", "reference", "value", "update", "optimizer_step"]
+    args = EstimateArguments(stage="ppo").resolved()
+    phases = {p["phase"]: p["components"] for p in estimate(shape, args)["phases"]}
+    assert list(phases) == ["generate", "score", "update", "optimizer_step"]
+    spec = predict.forward_spec(args, 2)
+    rows, context, mb = args.rollout_micro_batch_size, args.max_prompt_length + args.max_new_tokens, args.micro_batch_size
     act, logits = C.ACTIVATIONS, C.LOGITS
-    # every scoring adapter's rows in one pass, minus the one copy of the dequantized weight they share:
-    # four adapters, or three when the policy's log-probs were read while sampling
-    dequantized = A.dequantized_weight_bytes(shape, predict.forward_spec(EstimateArguments().resolved(), 2))
-    groups = 4 if old_logprobs == "rescore" else 3
-    assert fused["score"][act] - dequantized == groups * (separate["score"][act] - dequantized)
-    if old_logprobs == "rescore":
-        assert fused["score"][logits] > separate["score"][logits]  # policy and reference logits together
-    else:  # the reference's logits alone; the reward pass has none
-        assert fused["score"][logits] == separate["reference"][logits] and separate["score"][logits] == 0
-    # the update's two forwards: the same layer inputs kept, one layer recomputed for both
-    assert fused["update"][act] > separate["update"][act]
-    assert fused["generate"] == separate["generate"] and fused["optimizer_step"] == separate["optimizer_step"]
+    # every scoring adapter's rows in one pass, sharing one copy of the dequantized weight
+    dequantized = A.dequantized_weight_bytes(shape, spec)
+    one_pass = A.nograd_activations(shape, spec, rows * context, context)
+    assert phases["score"][act] - dequantized == 3 * (one_pass - dequantized)
+    assert phases["score"][act] == A.nograd_activations(shape, spec, 3 * rows * context, context)
+    # the reference's response logits alone: the value and reward heads give none
+    assert phases["score"][logits] == A.logits_nograd(shape, spec, rows * (args.max_new_tokens + 1))
+    # the update's policy and value rows as one batch
+    assert phases["update"][act] == A.training_activations(shape, spec, 2 * mb * context, context)
     # sampling keeps one step's logits (bf16, 4 rows x 32000) and their fp32 log-softmax / softmax
-    assert fused["generate"][logits] == (4 * 32000 * (2 + 8) if old_logprobs == "sampling" else 0)
+    assert phases["generate"][logits] == 4 * 32000 * (2 + 8)
 
 
 @pytest.mark.parametrize("stage", ["reward", "dpo"])

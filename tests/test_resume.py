@@ -45,9 +45,10 @@ KEYS = ("train/loss", "train/grad_norm", "train/lr", "objective/scores", "object
 def launch(stage: str, out: Path, wait: bool = True, trace: Path | None = None):
     config, extra, _, _ = STAGES[stage]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if trace is not None:
-        env["RLHF_TRACE_ROWS"] = str(trace)
-    cmd = [sys.executable, str(ROOT / "trainer" / f"{stage}.py"), "--config", str(config), "--output_dir", str(out),
+    script = [str(ROOT / "trainer" / f"{stage}.py")]
+    if trace is not None:  # the rows each step reads, recorded from outside the trainer
+        script = ["-m", "benchmarks.row_trace", str(trace), *script]
+    cmd = [sys.executable, *script, "--config", str(config), "--output_dir", str(out),
            "--save_every", "1", "--keep_checkpoints", "20", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if not wait:

@@ -70,13 +70,10 @@ class ModelArguments(Checked):
     )
     gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in backward."})
     compile_layers: bool = field(default=False, metadata={
-        "help": "torch.compile (dynamic shapes) each decoder layer as one graph - attention, MLP, norms, residual "
-                "adds, with the LoRA layers inside - for the passes that train, a checkpointed layer together with "
-                "its checkpoint (the recomputation inside the compiled backward): elementwise work fuses and per-op "
-                "overhead goes. Passes without autograd (generation, scoring, evaluation) stay eager. The first "
-                "update pays the compilation (about 6 s for SmolLM2-135M on 2 CPU cores with inductor's cache warm, "
-                "more with it cold), and each new adapter route or micro-batch size compiles once more. "
-                "Needs a C++ compiler on CPU, Triton on CUDA; not with ZeRO-3 / FSDP."})
+        "help": "torch.compile each decoder layer, with its checkpoint, for the passes that train (trainer/model/"
+                "compiled.py): elementwise work fuses and per-op overhead goes; generation and scoring stay eager. "
+                "The first update compiles, and each new adapter route or micro-batch size once more. Needs Triton "
+                "on CUDA (a C++ compiler on CPU); not with ZeRO-3 / FSDP."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow model code from the hub."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator."})

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from foundation.cli import Checked, UsageError, above, at_least, between, one_of, run
-from foundation.stages import DECODE_PATHS, OLD_LOGPROBS, POLICY, REFERENCE, REWARD, VALUE
+from foundation.stages import POLICY, REFERENCE, REWARD, VALUE
 from trainer.config import PROJECT_ROOT
 from trainer.data.collators import PromptCollator
 from trainer.data.tokenization import tokenize_prompts
@@ -29,7 +29,7 @@ from trainer.losses import KL_ESTIMATORS
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.policy_eval import policy_vs_reference
 from trainer.rl.ppo_step import PPOState, ppo_step
-from trainer.rl.rollout import RewardModelScorer, Sampling, ScriptedScorer, parse_scripted_reward
+from trainer.rl.rollout import DECODE_PATHS, RewardModelScorer, Sampling, ScriptedScorer, parse_scripted_reward
 
 logger = logging.getLogger(__name__)
 
@@ -52,27 +52,15 @@ class PPOArguments(Checked):
     rollout_batch_size: int = field(default=8, metadata={"help": "Prompts per PPO step on each process."})
     rollout_micro_batch_size: int = field(default=8, metadata={"help": "Rows per generation / scoring pass."})
     mini_batch_size: int = field(default=4, metadata={"help": "Rows per optimizer step in the update."})
-    fused_passes: bool = field(default=True, metadata={
-        "help": "Run the rollout's reference / value / reward passes (and the policy's, when it re-scores) as ONE "
-                "routed pass of the base, and the update's policy and value passes as one (same numbers; false: "
-                "one pass per adapter)."})
     auto_fit: Optional[bool] = field(default=None, metadata={
         "help": "Plan rollout_micro_batch_size, micro_batch_size and gradient_checkpointing from the memory estimate "
                 "to use memory_budget_gib with a 10%% margin (profiling/plan.py), logged as a table at start. "
                 "Default: on with CUDA, off on CPU."})
-    merged_generation: bool = field(default=False, metadata={
-        "help": "Sample from a working copy of the base with the policy merged in (one matmul per layer; the copy, "
-                "dequantized on a 4-bit base, lives during generation only). Old log-probs stay exact: they come "
-                "from the unmerged scoring pass."})
     decode: str = field(default="eager", metadata={
         "help": "How generation runs its decode steps: eager (transformers' dynamic KV cache), static (a KV cache "
                 "allocated once at full length) or compiled (the static cache and a torch.compile'd decode step; "
-                "the first rollout pays the compilation). Each keeps the sampled log-probs (--old_logprobs)."})
-    old_logprobs: str = field(default="sampling", metadata={
-        "help": "Where the policy's old log-probs and entropy come from: sampling (the logits each token was "
-                "sampled from, read while decoding through the LoRA layers - eager, static or compiled: the "
-                "policy's own forward, as TRL takes them; the scoring pass then runs without the policy) or "
-                "rescore (a policy pass in the scoring pass). Merged generation always re-scores."})
+                "the first rollout pays the compilation). Each reads the policy's old log-probs from the logits "
+                "it sampled from."})
     ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
     max_new_tokens: int = field(default=32, metadata={"help": "Response length limit."})
     min_new_tokens: int = field(default=0, metadata={"help": "Fix the response length (= max_new_tokens) for benchmarks."})
@@ -102,7 +90,6 @@ class PPOArguments(Checked):
              "rollout_micro_batch_size": at_least(1), "mini_batch_size": at_least(1), "ppo_epochs": at_least(1),
              "max_new_tokens": at_least(1), "min_new_tokens": at_least(0), "temperature": at_least(0),
              "top_k": at_least(0), "top_p": between(0, 1), "decode": one_of(*DECODE_PATHS),
-             "old_logprobs": one_of(*OLD_LOGPROBS),
              "kl_estimator": one_of(*KL_ESTIMATORS),
              "init_kl_coef": at_least(0), "target_kl": above(0), "kl_horizon": at_least(1), "gamma": between(0, 1),
              "lam": between(0, 1), "cliprange": above(0), "cliprange_value": above(0), "vf_coef": at_least(0),

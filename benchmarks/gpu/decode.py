@@ -1,7 +1,7 @@
 """Rollout decode throughput of the shared base, against the bandwidth bound.
 
     python -m benchmarks.gpu.decode --model_name_or_path llama-2-7b --quantization nf4 --batches 1,16,64
-    python -m benchmarks.gpu.decode --paths unmerged,merged,static,compiled --batches 8   # which path decodes fastest
+    python -m benchmarks.gpu.decode --paths eager,static,compiled --batches 8   # which decode path is fastest
 
 Each decoded token reads every weight of the base once (packed 4-bit weights, their quantization
 constants, norms and the LM head; an embedding row per sequence) plus the active LoRA adapter, whatever
@@ -11,12 +11,10 @@ bytes written, over the time). Decode time is generation of N new tokens less ge
 prefill), so tokens/s counts decoded tokens only. KV-cache reads are left out of the bound (they grow
 with the context; at these lengths they are a few percent of the weights).
 
-`--paths` times the generation paths a rollout can take, on the same rows: `unmerged` (the LoRA layers
-as they train, transformers' dynamic KV cache: what PPO runs by default), `merged` (a working copy of
-the weights with the policy merged in: `--merged_generation true`), `static` (a preallocated KV cache of
-fixed shape, no compilation: `--decode static`) and `compiled` (the static cache and a torch.compile'd
-decode step, on any device: `--decode compiled`). Every path's first call (compilation included) is
-timed apart from the best of the repeats.
+`--paths` times the decode paths a rollout can take (PPO's `--decode`), on the same rows: `eager`
+(transformers' dynamic KV cache: the default), `static` (a preallocated KV cache of fixed shape, no
+compilation) and `compiled` (the static cache and a torch.compile'd decode step). Every path's first
+call (compilation included) is timed apart from the best of the repeats.
 """
 
 from __future__ import annotations
@@ -46,24 +44,13 @@ class DecodeArguments(Checked):
     new_tokens: int = field(default=64, metadata={"help": "Tokens decoded per row (fixed: min == max)."})
     repeats: int = field(default=2, metadata={"help": "Timed generations per batch size (best kept)."})
     copy_gib: float = field(default=1.0, metadata={"help": "Size of the bandwidth-measuring copy, GiB."})
-    paths: str = field(default="unmerged", metadata={
-        "help": "Generation paths to time, comma-separated: unmerged, merged, static, compiled."})
+    paths: str = field(default="eager", metadata={
+        "help": "Decode paths to time, comma-separated: eager, static, compiled (PPO's --decode)."})
     out_dir: str = field(default="decode", metadata={"help": "Folder for decode.json and decode.md."})
 
     RULES = {"prompt_tokens": at_least(1), "new_tokens": at_least(2), "repeats": at_least(1), "copy_gib": above(0),
-             "paths": lambda name, value: (None if set(value.split(",")) <= set(PATHS)
-                                           else f"use some of {', '.join(PATHS)}")}
-
-
-# unmerged is PPO's default (--decode eager), merged is --merged_generation true, the rest are --decode paths.
-PATHS = ("unmerged", "merged", *DECODE_PATHS[1:])
-
-
-def path_kwargs(path: str, device: torch.device) -> dict:
-    """`SharedBaseModel.generate`'s extra arguments for a generation path: what PPO's rollout passes for it."""
-    if path == "merged":
-        return {"merged": True}
-    return decode_kwargs("eager" if path == "unmerged" else path, device)
+             "paths": lambda name, value: (None if set(value.split(",")) <= set(DECODE_PATHS)
+                                           else f"use some of {', '.join(DECODE_PATHS)}")}
 
 
 def batch_sizes(text: str) -> list[int]:
@@ -78,18 +65,18 @@ def batch_sizes(text: str) -> list[int]:
 
 def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, **kwargs) -> tuple[float, float]:
     """(first call's, best later call's) wall time of generating exactly `new_tokens` tokens for the rows of `ids`,
-    sampled as rollouts sample (temperature 1, `trainer.rl.rollout.sampling_processors`): the first call warms
-    kernels and caches up (and compiles, on the compiled path)."""
-    from trainer.rl.rollout import Sampling, sampling_processors
+    sampled as rollouts sample (temperature 1, `trainer.rl.rollout.Sampling`): the first call warms kernels and
+    caches up (and compiles, on the compiled path)."""
+    from trainer.rl.rollout import Sampling
 
     mask = torch.ones_like(ids)
-    processors = sampling_processors(Sampling(temperature=1.0))
+    sampling = Sampling(temperature=1.0).generate_kwargs()
     times = []
     for _ in range(repeats + 1):
         sync(ids.device)
         started = time.perf_counter()
         model.generate(ids, mask, adapter="policy", max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, logits_processor=processors, pad_token_id=0, **kwargs)
+                       pad_token_id=0, **sampling, **kwargs)
         sync(ids.device)
         times.append(time.perf_counter() - started)
     return times[0], min(times[1:])
@@ -114,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         ids = torch.randint(3, vocab, (batch, args.prompt_tokens), generator=generator).to(device)
         bound = batch * bandwidth / step_bytes
         for path in args.paths.split(","):
-            kwargs = path_kwargs(path, device)
+            kwargs = decode_kwargs(path, device)
             first, full = time_generation(model, ids, args.new_tokens, args.repeats, **kwargs)
             _, prefill = time_generation(model, ids, 1, args.repeats, **kwargs)
             decode_s = max(full - prefill, 1e-9)
@@ -148,9 +135,9 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['path']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
                      f"{r['generate_s']:.3f} | {r['first_call_s']:.2f} | {r['bound_tokens_per_s']:.0f} "
                      f"| {r['bandwidth_fraction']:.1%} |")
-    lines += ["", "Paths: unmerged (the LoRA layers as trained, dynamic KV cache: the default), merged (policy merged into "
-              "a working copy: --merged_generation true), static (preallocated KV cache, eager), compiled (static cache "
-              "+ torch.compile'd decode step). First call: compilation and warm-up, left out of the other columns."]
+    lines += ["", "Paths (PPO's --decode): eager (dynamic KV cache: the default), static (preallocated KV cache, "
+              "eager), compiled (static cache + torch.compile'd decode step). First call: compilation and warm-up, "
+              "left out of the other columns."]
     return "\n".join(lines) + "\n"
 
 

@@ -15,7 +15,7 @@
           `--profile_memory true`, 3 steps each, then each stage measured against the estimator.
 - speed:  `benchmarks.ppo_vs_trl` at 7B NF4 under the same cap, decode throughput at batch 1,
           16 and 64 against the bandwidth bound (`benchmarks.gpu.decode`), and at batch 16 each
-          generation path (unmerged, merged, static KV cache, compiled decode step).
+          decode path (eager, static KV cache, compiled decode step).
 - ladder: the SFT flag ladder (`benchmarks.flag_ladder`) at 7B under the cap.
 - stages: `benchmarks.stages_vs_trl` for SFT, reward and DPO at 7B NF4 under the cap, 3 steps each:
           our stage scripts against TRL's SFTTrainer, RewardTrainer and DPOTrainer (speed and memory).
@@ -203,7 +203,7 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                       "--copy_gib", "0.05"]
             sides = []
         else:
-            sides = ["--sides", "ours,ours_separate,trl"]  # the fused-vs-separate ablation where it should pay
+            sides = ["--sides", "ours,trl"]
             decode = ["--batches", "1,16,64", "--prompt_tokens", "128", "--new_tokens", "64"]
         steps = [Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args), *data_flags(args),
                                      *cap_flags(args), *work, *sides, "--out_dir", str(out / "ppo_vs_trl")]),
@@ -212,7 +212,7 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
         if not args.smoke:  # which generation path decodes fastest at the rollout's batch (issue: keep what wins)
             steps.append(Step("decode-paths", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args),
                                                "--batches", "16", "--prompt_tokens", "128", "--new_tokens", "64",
-                                               "--paths", "unmerged,merged,static,compiled",
+                                               "--paths", "eager,static,compiled",
                                                "--out_dir", str(out / "decode-paths")]))
             # compiled 4-bit layers and a compiled decode step (CUDA graphs) keeping the sampled log-probs
             # are untried on a GPU: last, so a failure costs no other figure. With --compile_layers true,

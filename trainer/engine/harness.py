@@ -18,7 +18,6 @@ and returns a `StepResult`:
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from collections import defaultdict
@@ -31,7 +30,7 @@ import torch
 from foundation.cli import InputError
 from trainer.engine.batches import batch_stream, make_loader
 from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
-from trainer.engine.launch import RowTrace, describe_engine, fill_deepspeed_autos, is_deepspeed
+from trainer.engine.launch import describe_engine, fill_deepspeed_autos, is_deepspeed
 from trainer.engine.metrics import (
     MetricsLog, all_finite, flat_config, format_line, largest_weight, mean_over_ranks, peak_memory_gb,
     unusable_weights,
@@ -170,28 +169,6 @@ class Engine:
                                    "them (these weights are not saved)")
 
 
-class LongLived:
-    """Keeps what lives for the whole run out of Python's cyclic garbage collector while the steps run.
-
-    Models, optimizer and data - and, once the first step has run, compiled graphs and caches - live
-    until the run ends, yet every full collection the interpreter starts walks them again: with the PPO
-    engine of SmolLM2 and compiled layers, about 0.4 s once every few steps on the 2-core CPU. On entry
-    and at each `settle()` what is garbage is collected and what lives is frozen (`gc.freeze`); objects
-    made later are collected as before. On exit everything frozen is handed back to the collector, so
-    nothing frozen here outlives the block (a model dropped after it is still collected)."""
-
-    def __enter__(self) -> "LongLived":
-        self.settle()
-        return self
-
-    def settle(self) -> None:
-        gc.collect()
-        gc.freeze()
-
-    def __exit__(self, *exc) -> None:
-        gc.unfreeze()
-
-
 StepBody = Callable[[int, Iterator[dict]], StepResult]
 
 
@@ -210,7 +187,6 @@ class Harness:
         self.engine = Engine(model, self.args, self.accelerator, stage, loader, accumulation_steps)
         self.output_dir = Path(self.args.output_dir)
         self.metrics_log = MetricsLog(self.accelerator, self.output_dir)
-        self.trace = RowTrace(self.accelerator)
         self.state = {"epoch": 0, "batches_in_epoch": 0, "bad_steps_in_row": 0, "bad_steps_total": 0}
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -228,30 +204,27 @@ class Harness:
         bar = tqdm(total=args.max_steps, initial=start, desc=self.stage, dynamic_ncols=True,
                    disable=not (acc.is_main_process and args.progress_bar))
         engine.model.train()
-        with LongLived() as long_lived:
-            for step in range(start + 1, args.max_steps + 1):
-                started, cpu_started = time.perf_counter(), time.process_time()
-                try:
-                    result = step_body(step, self._batches(step, stream))
-                except TrainingDiverged as exc:
-                    self._finish_trackers()
-                    raise TrainingDiverged(f"step {step}: {exc}") from None
-                elapsed, cpu_elapsed = time.perf_counter() - started, time.process_time() - cpu_started
-                self._count_bad_step(step, result.finite)
-                if result.stepped:
-                    engine.scheduler.step()
-                self._log(step, result, elapsed, cpu_elapsed, bar)
-                bar.update(1)
-                if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
-                    last_eval = self._evaluate(step)
-                    engine.model.train()
-                if args.save_every and (step % args.save_every == 0 or step == args.max_steps):
-                    extra = self.extra_state.state_dict() if self.extra_state is not None else {}
-                    save_checkpoint(acc, self.output_dir, step, engine.model, self.adapters, engine.optimizer,
-                                    engine.scheduler, {**self.state, **extra}, args.keep_checkpoints,
-                                    self.ctx.config())
-                if step == start + 1:
-                    long_lived.settle()  # what the first step compiled and cached lives on too
+        for step in range(start + 1, args.max_steps + 1):
+            started, cpu_started = time.perf_counter(), time.process_time()
+            try:
+                result = step_body(step, self._batches(step, stream))
+            except TrainingDiverged as exc:
+                self._finish_trackers()
+                raise TrainingDiverged(f"step {step}: {exc}") from None
+            elapsed, cpu_elapsed = time.perf_counter() - started, time.process_time() - cpu_started
+            self._count_bad_step(step, result.finite)
+            if result.stepped:
+                engine.scheduler.step()
+            self._log(step, result, elapsed, cpu_elapsed, bar)
+            bar.update(1)
+            if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
+                last_eval = self._evaluate(step)
+                engine.model.train()
+            if args.save_every and (step % args.save_every == 0 or step == args.max_steps):
+                extra = self.extra_state.state_dict() if self.extra_state is not None else {}
+                save_checkpoint(acc, self.output_dir, step, engine.model, self.adapters, engine.optimizer,
+                                engine.scheduler, {**self.state, **extra}, args.keep_checkpoints,
+                                self.ctx.config())
         bar.close()
         engine.recorder.write(self.output_dir, config=flat_config(self.ctx.config()))
         self._finish_trackers()
@@ -261,7 +234,6 @@ class Harness:
         """The batch stream as a step body sees it: the data position is kept for checkpoints."""
         while True:
             self.state["epoch"], self.state["batches_in_epoch"], batch = next(stream)
-            self.trace.record(step, batch)
             yield batch
 
     def _resume(self) -> int:

@@ -2,14 +2,11 @@
 
 Single GPU, DDP, DeepSpeed ZeRO-2/3 and FSDP all run the same harness; this module holds the few
 places where they differ: the Accelerator a stage makes, which launch mode is on, the combinations
-refused up front (one line, no stack trace), the 4-bit storage dtype that sharding needs, and a
-debug trace of the rows each rank trains on.
+refused up front (one line, no stack trace), and the 4-bit storage dtype that sharding needs.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import sys
@@ -21,7 +18,6 @@ import torch
 
 from foundation.cli import UsageError
 
-TRACE_ROWS_ENV = "RLHF_TRACE_ROWS"  # a folder: each rank appends the rows of every micro-batch it trains on
 # Stages that switch adapters on one base inside a step (DPO: policy/reference; PPO: all four) and,
 # for PPO, generate with it.
 MULTI_ADAPTER_STAGES = ("dpo", "ppo", "grpo")
@@ -247,28 +243,3 @@ def quant_storage_for(compute_dtype: torch.dtype, accelerator=None) -> torch.dty
             return torch.uint8
         accelerator = AcceleratorState()
     return compute_dtype if shards_parameters(accelerator) else torch.uint8
-
-
-def row_hash(ids) -> str:
-    """The short hash RowTrace writes for one row: its unpadded token ids as int64 (a tensor or a list)."""
-    return hashlib.sha1(torch.as_tensor(ids, dtype=torch.long).cpu().numpy().tobytes()).hexdigest()[:16]
-
-
-class RowTrace:
-    """Debug hook: with $RLHF_TRACE_ROWS set to a folder, each rank appends, per micro-batch, a short
-    hash of every row it trains on to `rows-rank{R}.jsonl`, so a test can prove the ranks saw
-    different rows and together the same rows as a single process."""
-
-    def __init__(self, accelerator):
-        folder = os.environ.get(TRACE_ROWS_ENV)
-        self.path = Path(folder) / f"rows-rank{accelerator.process_index}.jsonl" if folder else None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def record(self, step: int, batch: dict[str, torch.Tensor]) -> None:
-        if self.path is None:
-            return
-        ids, mask = batch["input_ids"], batch["attention_mask"].bool()
-        rows = [row_hash(ids[i][mask[i]]) for i in range(ids.shape[0])]
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, "rows": rows}) + "\n")

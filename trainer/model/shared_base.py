@@ -113,6 +113,7 @@ class SharedBaseModel(nn.Module):
         self._route: Optional[Route] = None
         self._single: Optional[str] = None  # on a routable model: the one adapter whose LoRA outputs the hook adds
         self._base_only = False  # `base_only`: no adapter adds anything
+        self._fallbacks_logged: set[str] = set()  # why `fused` ran one pass per adapter, said once each
         self.compiled_parts = 0  # decoder layers compiled for the passes that train (--compile_layers)
         self.routable = self._install_routing()
         self._apply_trainability()
@@ -208,7 +209,7 @@ class SharedBaseModel(nn.Module):
     def _add_routed_lora(self, layer, inputs, output):
         """Forward hook: `output` is the base layer's (peft's forward has no active adapter); add to
         each group's rows the LoRA output of that group's adapter - one group of all rows for a single
-        active adapter. Nothing in `base_only` (and `merged_weights`) or while peft's adapters are disabled or merged."""
+        active adapter. Nothing in `base_only` or while peft's adapters are disabled or merged."""
         x = inputs[0]
         route = self._route
         if self._base_only or layer.disable_adapters or layer.merged or (route is None and self._single is None):
@@ -217,9 +218,6 @@ class SharedBaseModel(nn.Module):
             route = ((self._single, x.shape[0]),)  # all rows: nothing to check
         elif x.shape[0] != sum(rows for _, rows in route):
             raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(r for _, r in route)}")
-        weights = _fusable_weights(layer, route, x, output)
-        if weights is not None:
-            return _routed_lora_products(layer, route, x, output, *weights)
         # Rounded as peft's own layer rounds (its bitsandbytes layers cast the LoRA output to the
         # result's dtype before adding; the plain one adds in the wider dtype, then casts), so a
         # routed pass gives each group what a pass under its adapter gives.
@@ -475,22 +473,27 @@ class SharedBaseModel(nn.Module):
         return self.heads[adapter](self.hidden_states(input_ids, attention_mask, adapter, keep_last))
 
     def fused(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapters: Sequence[str],
-              outputs: Sequence[str], keep_last: int = 0, separate: bool = False) -> tuple[torch.Tensor, ...]:
+              outputs: Sequence[str], keep_last: int = 0) -> tuple[torch.Tensor, ...]:
         """The same rows under several adapters in ONE pass of the base.
 
         The rows are stacked once per adapter and each copy is routed through its own LoRA weights, so
         every base layer (in 4-bit: every dequantization) runs once for all of them instead of once per
         adapter. `outputs[g]` ("logits" or "scores") is what `adapters[g]` gives; result g equals
-        `self(input_ids, attention_mask, adapters[g], outputs[g], keep_last)`. `separate=True`, or a
-        model that cannot route, runs those passes one after the other instead (same results).
+        `self(input_ids, attention_mask, adapters[g], outputs[g], keep_last)`. Where routing cannot run
+        (`_route_blocker`), the passes run one after the other instead, with the same results, said once.
         """
         if len(adapters) != len(outputs) or not adapters:
             raise ValueError(f"one output per adapter: got {list(adapters)} and {list(outputs)}")
         for output in outputs:
             if output not in ("logits", "scores"):
                 raise ValueError(f"a fused pass gives logits or scores, not '{output}'")
-        if separate or not self.routable or ("logits" in outputs and not self._plain_lm_head):
-            return tuple(self.forward(input_ids, attention_mask, a, o, keep_last) for a, o in zip(adapters, outputs))
+        blocker = self._route_blocker(outputs)
+        if blocker is not None:
+            if blocker not in self._fallbacks_logged:
+                self._fallbacks_logged.add(blocker)
+                logger.info("adapters %s run one pass each instead of one routed pass: %s", ", ".join(adapters),
+                            blocker)
+            return self._separate_passes(input_ids, attention_mask, adapters, outputs, keep_last)
         rows, groups = input_ids.shape[0], len(adapters)
         route = tuple((adapter, rows) for adapter in adapters)
         hidden = self.hidden_states(input_ids.repeat(groups, 1), attention_mask.repeat(groups, 1), route, keep_last)
@@ -504,54 +507,30 @@ class SharedBaseModel(nn.Module):
                 results.append(self.heads[adapter](part))
         return tuple(results)
 
-    @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = POLICY,
-                 merged: bool = False, **kwargs):
-        """Sample under `adapter` in eval mode (no dropout, KV cache on), restoring train mode after.
+    def _route_blocker(self, outputs: Sequence[str]) -> Optional[str]:
+        """Why a routed pass cannot give `outputs` on this model, or None. Launch modes never block it: the
+        ones that partition the base (ZeRO-3, FSDP) refuse the stages with several adapters at start."""
+        if not self.routable:
+            return "its adapters are not plain LoRA on linear layers"
+        if "logits" in outputs and not self._plain_lm_head:
+            return "its logits are not the LM head of the last hidden state (soft-capped or scaled)"
+        return None
 
-        `merged`: decode with a working copy of every LoRA layer's weight with `adapter` merged in
-        (`merged_weights`): one matmul per layer instead of three. The copy is freed on return.
-        On CPU the decode steps' products take the multi-threaded route (`few_row_products`).
-        """
+    def _separate_passes(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapters: Sequence[str],
+                         outputs: Sequence[str], keep_last: int = 0) -> tuple[torch.Tensor, ...]:
+        """What `fused` gives, from one pass per adapter: where routing cannot run, and what tests compare with."""
+        return tuple(self.forward(input_ids, attention_mask, a, o, keep_last) for a, o in zip(adapters, outputs))
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = POLICY, **kwargs):
+        """Sample under `adapter` in eval mode (no dropout, KV cache on), restoring train mode after."""
         was_training = self.training
         self.eval()
         try:
-            with (self.use_adapter(adapter), (self.merged_weights(adapter) if merged else nullcontext()),
-                  few_row_products(self.causal_lm)):
+            with self.use_adapter(adapter):
                 return self.peft.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
         finally:
             self.train(was_training)
-
-    @contextmanager
-    def merged_weights(self, adapter: str) -> Iterator[int]:
-        """Every LoRA linear layer runs as one matmul with W + scaling * B A of `adapter`, from a working
-        copy (dequantized to the compute dtype when the base is 4-bit); yields the copy's size in bytes.
-
-        Nothing of the base or the adapter changes: the copy replaces each layer's forward for the
-        body only. Its outputs equal the unmerged layer's up to rounding, so it serves sampling; PPO's
-        old log-probs come from a scoring pass with the adapters unmerged.
-        """
-        from peft.utils.integrations import dequantize_module_weight
-
-        replaced, size = [], 0
-        try:
-            # the working copy has the adapter in it: no LoRA output is added on top (`base_only`)
-            with torch.no_grad(), self.base_only():
-                for layer in self._tuner_layers:
-                    base = layer.base_layer
-                    dense = dequantize_module_weight(base) if base.weight.dtype == torch.uint8 else base.weight
-                    if adapter in layer.lora_A:
-                        delta = layer.lora_B[adapter].weight @ layer.lora_A[adapter].weight * layer.scaling[adapter]
-                        dense = (dense + delta).to(dense.dtype)
-                    dense = dense.to(_compute_dtype(base, dense))
-                    if dense is not base.weight:
-                        size += dense.numel() * dense.element_size()
-                    layer.forward = _FixedLinear(dense, base.bias)
-                    replaced.append(layer)
-                yield size
-        finally:
-            for layer in replaced:
-                del layer.forward  # the class's forward again
 
     # ---- parameters, saving -------------------------------------------------------------------
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -583,124 +562,6 @@ class SharedBaseModel(nn.Module):
             if name in self.heads:
                 self.heads[name].save(tmp / HEAD_FILE)
         return out
-
-
-def _fusable_weights(layer, route: Route, x: torch.Tensor, output: torch.Tensor
-                     ) -> Optional[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """The routed adapters' (A, B) weights where `_routed_lora_products` can add this layer's LoRA outputs,
-    else None: a plain (not 4-bit) layer whose every routed adapter is there, with no dropout active, no
-    bias and no ZeRO-3 partition, all in the dtype of the input and output (peft's own layer adds in the
-    wider dtype: with mixed dtypes the per-group path rounds as it does). The sums equal peft's up to fp
-    rounding (the scaling is applied to the rank-r product and the sum inside the matrix product): bit for
-    bit when the scaling is a power of two, as alpha / r usually is. Each module and weight is looked up
-    once: this runs for every LoRA layer at every decoded token."""
-    if type(layer).__module__.endswith(".bnb") or not output.is_contiguous():
-        return None
-    lora_a, lora_b, dropouts = layer.lora_A, layer.lora_B, layer.lora_dropout
-    weights_a, weights_b = [], []
-    for name, _ in route:
-        if name not in lora_a:
-            return None
-        a, b, dropout = lora_a[name], lora_b[name], dropouts[name]
-        if not (isinstance(dropout, nn.Identity) or not dropout.training or getattr(dropout, "p", None) == 0):
-            return None
-        wa, wb = a.weight, b.weight
-        if a.bias is not None or b.bias is not None or hasattr(wa, "ds_id"):  # ZeRO-3 gathers in module calls
-            return None
-        if not wa.dtype == wb.dtype == x.dtype == output.dtype:
-            return None
-        weights_a.append(wa)
-        weights_b.append(wb)
-    return weights_a, weights_b
-
-
-def _routed_lora_products(layer, route: Route, x: torch.Tensor, output: torch.Tensor,
-                          weights_a: list[torch.Tensor], weights_b: list[torch.Tensor]) -> torch.Tensor:
-    """Each group's `scaling * B (A x)` added to its rows of `output` with the scaling applied to the
-    rank-r product and the addition inside the second matrix product (addmm / baddbmm): no
-    output-sized products, sums or concatenations besides the result itself, where peft's layer makes
-    three (scale, add, cast) and a per-group split a fourth (the concatenation).
-
-    Without autograd the products are added into `output` in place. With it, groups of equal size
-    and adapter shapes run as one batched product over stacked weights; otherwise one group at a time
-    into a copy of `output`."""
-    width = output.shape[-1]
-    flat_x, flat_out = x.reshape(-1, x.shape[-1]), output.view(-1, width)
-    per_row = flat_x.shape[0] // x.shape[0]  # positions per row
-    scalings = [layer.scaling[name] for name, _ in route]
-    grad, groups = torch.is_grad_enabled(), len(route)
-    if grad and (len({rows for _, rows in route}) == 1 and len({w.shape for w in weights_a}) == 1
-                 and len({w.shape for w in weights_b}) == 1):
-        low = torch.bmm(flat_x.reshape(groups, -1, flat_x.shape[-1]), torch.stack(weights_a).transpose(1, 2))
-        if len(set(scalings)) == 1:
-            alpha = scalings[0]
-        else:
-            low, alpha = low * torch.tensor(scalings, dtype=low.dtype, device=low.device).view(-1, 1, 1), 1.0
-        summed = torch.baddbmm(flat_out.view(groups, -1, width), low, torch.stack(weights_b).transpose(1, 2), alpha=alpha)
-        return summed.view(output.shape)
-    result, start = (flat_out.clone() if grad else flat_out), 0
-    for (_, rows), wa, wb, scale in zip(route, weights_a, weights_b, scalings):
-        stop = start + rows * per_row
-        result[start:stop].addmm_(flat_x[start:stop] @ wa.t(), wb.t(), alpha=scale)
-        start = stop
-    return result.view(output.shape)
-
-
-FEW_ROWS = 16  # up to this many rows, `few_row_products` computes a CPU linear layer as (W x^T)^T
-
-
-@contextmanager
-def few_row_products(model: nn.Module) -> Iterator[int]:
-    """For the block (generation), every full-precision `nn.Linear` of `model` on CPU computes a product of
-    at most `FEW_ROWS` rows - a decode step's - as (W x^T)^T; yields how many layers it covers.
-
-    Same product, same fp32 operands, another order of the sums (so equal up to fp32 rounding). MKL runs
-    x W^T for a handful of rows on one thread, well below the memory bandwidth, and W x^T on every
-    thread: on the 2-core CPU CI runs on, the decode steps' products of SmolLM2 (8 rows, weights read
-    from memory) take about two thirds of the time, and it measured no faster from 32 rows on (the
-    prefill, scoring and update keep `F.linear`). The sampled log-probs are read from the same forward,
-    so PPO's old log-probs stay exact. Nothing changes on other devices, in other dtypes or with
-    autograd recording."""
-    layers = [m for m in model.modules()
-              if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
-    for layer in layers:
-        layer.forward = _FewRowLinear(layer)
-    try:
-        yield len(layers)
-    finally:
-        for layer in layers:
-            del layer.forward  # the class's forward again
-
-
-class _FewRowLinear:
-    """`nn.Linear.forward` of `layer`, as (W x^T)^T for at most `FEW_ROWS` rows without autograd."""
-
-    def __init__(self, layer: nn.Linear):
-        self.layer = layer
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.layer.weight, self.layer.bias
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not 0 < rows <= FEW_ROWS or torch.is_grad_enabled() or x.dtype != weight.dtype:
-            return nn.functional.linear(x, weight, bias)
-        out = torch.mm(weight, x.reshape(rows, -1).t()).t()
-        out = out + bias if bias is not None else out.contiguous()
-        return out.view(*x.shape[:-1], weight.shape[0])
-
-
-class _FixedLinear:
-    """`x -> x W^T + b` with a fixed weight, standing in for a LoRA layer's forward."""
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-        self.weight, self.bias = weight, bias
-
-    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
-
-
-def _compute_dtype(base: nn.Module, dense: torch.Tensor) -> torch.dtype:
-    """The dtype a layer computes in: a 4-bit layer's compute dtype, else its weight's."""
-    return getattr(base, "compute_dtype", None) or dense.dtype
 
 
 def head_source(spec: AdapterSpec) -> Optional[Path]:
@@ -795,7 +656,8 @@ def build_shared_model(args: ModelArguments, specs: list[AdapterSpec], vocab_siz
                        device: Optional[torch.device] = None,
                        quant_storage: torch.dtype = torch.uint8) -> SharedBaseModel:
     """Load the base per `args` and put the adapters of `specs` on it (`quant_storage`: see load_base_model)."""
-    from trainer.model.loading import compile_layers, enable_checkpointing, load_base_model
+    from trainer.model.compiled import compile_layers
+    from trainer.model.loading import enable_checkpointing, load_base_model
 
     check_specs(specs)  # a wrong adapter folder stops here, before the base model loads
     base = load_base_model(args, vocab_size=vocab_size, device=device, quant_storage=quant_storage,

@@ -2,7 +2,7 @@
 value model.
 
     prompts x num_generations -> generate (one batched call per chunk; the policy's old log-probs read
-    from the logits sampled from, or re-scored: --old_logprobs) -> ONE routed pass for the reference's
+    from the logits sampled from) -> ONE routed pass for the reference's
     log-probs (beta > 0) and the reward adapter's score (`trainer.rl.scoring.rollout_scores`, PPO's too)
     -> advantages per prompt group (`trainer.losses.group_advantages`)
     -> clipped ratio loss (+ beta * k3 to the reference for GRPO) over shuffled minibatches
@@ -23,7 +23,7 @@ from foundation.stages import POLICY
 from trainer.engine.harness import Engine, StepResult
 from trainer.losses import group_advantages, grpo_policy_loss, kl_penalty
 from trainer.rl.ppo_step import minibatch_update
-from trainer.rl.rollout import Sampling, chunked, logprobs_while_sampling, sample_in_chunks
+from trainer.rl.rollout import Sampling, chunked, sample_in_chunks
 from trainer.rl.scoring import response_logprobs, rollout_scores, trimmed_to_longest_response
 
 
@@ -60,7 +60,6 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
                   pad_id: int, phase: Callable) -> GroupRollout:
     """Generate `num_generations` responses per prompt and score them in one routed pass per chunk."""
     sampling, rows = Sampling.of(args), args.rollout_micro_batch_size
-    sampled = logprobs_while_sampling(args.old_logprobs, args.merged_generation)
     ids = prompt_ids.repeat_interleave(args.num_generations, dim=0)
     mask = prompt_mask.repeat_interleave(args.num_generations, dim=0)
     was_training = model.training
@@ -68,22 +67,18 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
     try:
         with phase("generate"):
             started = time.perf_counter()
-            samples = sample_in_chunks(model, ids, mask, sampling, eos_id, pad_id, rows, merged=args.merged_generation,
-                                       with_logprobs=sampled)
+            samples = sample_in_chunks(model, ids, mask, sampling, eos_id, pad_id, rows, with_logprobs=True)
             generate_s = time.perf_counter() - started
         input_ids, attention_mask, response_mask, ended = (samples.input_ids, samples.attention_mask,
                                                            samples.response_mask, samples.ended)
         reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
         temperature = sampling.scoring_temperature
         with phase("score"):
-            # nothing to score when sampling gave the log-probs, beta is 0 and the reward is scripted: all None
-            old, _, ref, _, scores = chunked(
-                lambda i, m, r: rollout_scores(model, i, m, r, temperature, policy=not sampled, reference=args.beta > 0,
-                                               value=False, reward_adapter=reward_adapter,
-                                               separate=not args.fused_passes),
+            # nothing to score when beta is 0 and the reward is scripted: both None
+            ref, _, scores = chunked(
+                lambda i, m, r: rollout_scores(model, i, m, r, temperature, reference=args.beta > 0, value=False,
+                                               reward_adapter=reward_adapter),
                 rows, input_ids.shape[0], input_ids, attention_mask, response_mask)
-            if sampled:  # steps after a row's EOS are masked out below
-                old = samples.logprobs
             if scores is None:
                 scores = scorer(model, input_ids, attention_mask, ids.shape[1], response_mask).float()
     finally:
@@ -91,7 +86,8 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
     if args.missing_eos_penalty is not None:
         scores = torch.where(ended, scores, scores - args.missing_eos_penalty)
     fmask = response_mask.float()
-    return GroupRollout(input_ids, attention_mask, fmask, old * fmask, None if ref is None else ref * fmask,
+    # the sampled log-probs: steps after a row's EOS are masked out here
+    return GroupRollout(input_ids, attention_mask, fmask, samples.logprobs * fmask, None if ref is None else ref * fmask,
                         scores, ended, generate_s)
 
 

@@ -106,7 +106,7 @@ def micro_loss(model, sub: Rollout, advantages: torch.Tensor, returns: torch.Ten
     """Policy + value loss of one micro-batch, and its detached statistics."""
     ids, att, width = trimmed_to_longest_response(sub.input_ids, sub.attention_mask, sub.response_mask)
     mask, adv, ret = sub.response_mask[:, :width], advantages[:, :width], returns[:, :width]
-    logprobs, entropy, values = policy_and_values(model, ids, att, width, temperature, separate=not args.fused_passes)
+    logprobs, entropy, values = policy_and_values(model, ids, att, width, temperature)
     pg_loss, pg_stats = ppo_policy_loss(logprobs, sub.logprobs[:, :width], adv, mask, args.cliprange)
     vf_loss, vf_clipfrac = ppo_value_loss(values, sub.values[:, :width], ret, mask, args.cliprange_value)
     entropy = masked_mean(entropy if args.entropy_coef else entropy.detach(), mask)
@@ -250,8 +250,7 @@ def ppo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: PPOSta
     # Generation and the no-grad scoring passes go around the DDP / DeepSpeed wrapper (DDP has no
     # generate, and no gradient sync is wanted there); the update goes through it.
     rollout = make_rollout(raw, ids, mask, sampling, scorer, eos_id, pad_id, args.rollout_micro_batch_size,
-                           args.missing_eos_penalty, phase=phase, fused=args.fused_passes,
-                           merged_generation=args.merged_generation, old_logprobs=args.old_logprobs)
+                           args.missing_eos_penalty, phase=phase)
     beta = state.kl.value
     adv = compute_advantages(rollout, beta, args)
     metrics = rollout_metrics(rollout, adv)

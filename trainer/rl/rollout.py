@@ -3,10 +3,9 @@
 All passes run on the ONE shared base: `policy` samples (KV cache on, left-padded prompts), then
 under `torch.no_grad` the `reference` log-probs of the response tokens, the `value` adapter's
 per-token values and the scorer's score of each response (the `reward` adapter, or a scripted
-reward), every pass through `trainer.rl.scoring`. By default those passes are ONE routed pass of the
-base (`SharedBaseModel.fused`): each base layer runs once for all adapters. The policy's own ("old")
-log-probs come from the logits it sampled from (`SampledLogprobs`), or from a policy pass in the
-scoring pass when the decode path's logits are not the policy's own forward (`--old_logprobs`).
+reward), every pass through `trainer.rl.scoring`. Those passes are ONE routed pass of the base
+(`SharedBaseModel.fused`): each base layer runs once for all adapters. The policy's own ("old")
+log-probs come from the logits it sampled from (`SampledLogprobs`): no scoring pass needs the policy.
 """
 
 from __future__ import annotations
@@ -20,13 +19,15 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from foundation.cli import UsageError
-from foundation.stages import DECODE_PATHS, OLD_LOGPROBS, POLICY, REFERENCE, REWARD, sampled_logprobs
+from foundation.stages import POLICY, REWARD
 from profiling.decode import sync
-from trainer.rl.scoring import (
-    next_token_logprobs, response_logprobs, response_values, rollout_scores, sequence_scores,
-)
+from trainer.rl.scoring import next_token_logprobs, rollout_scores, sequence_scores
 
 logger = logging.getLogger(__name__)
+
+# How generation runs its decode steps (--decode, `decode_kwargs`): the default, and two GPU options that the
+# GPU kit's speed part measures (decode-paths, ppo_compiled).
+DECODE_PATHS = ("eager", "static", "compiled")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,14 @@ class Sampling:
     def scoring_temperature(self) -> float:
         """The temperature log-probs are taken at: the one sampled with (1 for greedy decoding)."""
         return self.temperature or 1.0
+
+    def generate_kwargs(self) -> dict:
+        """`generate`'s sampling arguments: its own draw after temperature, top-k and top-p, with the other
+        warpers off whatever the model's generation config says; greedy at temperature 0."""
+        if not self.temperature:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "min_p": None, "typical_p": 1.0}
 
 
 @dataclass
@@ -100,13 +109,6 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -
     return mask, ended
 
 
-def logprobs_while_sampling(old_logprobs: str, merged: bool) -> bool:
-    """Whether the old log-probs are read from the sampling logits (`foundation.stages.sampled_logprobs`'s rule)."""
-    if old_logprobs not in OLD_LOGPROBS:
-        raise UsageError(f"--old_logprobs {old_logprobs!r}: must be one of {', '.join(OLD_LOGPROBS)}")
-    return sampled_logprobs(old_logprobs, merged)
-
-
 class SampledLogprobs:
     """The log-prob and entropy of each sampled token under the distribution it was sampled from (the
     raw logits at the sampling temperature, before top-k / top-p / min-length masks: what a scoring
@@ -118,6 +120,8 @@ class SampledLogprobs:
     (rows x new tokens x vocab). It relies on transformers' sampling loop running one forward per
     sampled token (true for one process on CPU or CUDA; not for `synced_gpus` under ZeRO-3 / FSDP
     generation, which PPO and GRPO refuse, or a chunked prefill): `finish` says so if the counts differ.
+    Every decode path runs the policy's own forward through its LoRA layers, so these equal a scoring
+    pass's log-probs up to the rounding of another summation order.
 
     The hook runs eagerly also under `--decode compiled` (`torch.compiler.disable`: the compiled decode
     step ends before it): it copies the step's logits out as soon as the step returns, before a CUDA
@@ -155,8 +159,9 @@ class SampledLogprobs:
         """(B, R) log-probs and entropy of the (B, R) sampled `responses`."""
         steps = len(self.logprobs) + (self._pending is not None)
         if steps != responses.shape[1]:
-            raise RuntimeError(f"generate ran {steps} forwards for {responses.shape[1]} sampled tokens: read the old "
-                               "log-probs with a scoring pass instead (--old_logprobs rescore)")
+            raise RuntimeError(f"generate ran {steps} forwards for {responses.shape[1]} sampled tokens: the old "
+                               "log-probs are read from one forward per sampled token (no synced_gpus, no chunked "
+                               "prefill)")
         if self._pending is not None:
             self._take(responses[:, -1])
         return torch.cat(self.logprobs, dim=1), torch.cat(self.entropy, dim=1)
@@ -180,57 +185,15 @@ def decode_kwargs(decode: str, device: torch.device) -> dict:
     return {"cache_implementation": "static", "compile_config": config}
 
 
-class InverseCdfSampler:
-    """A logits processor that draws each row's next token from softmax(scores) - what the processors
-    before it left - by inverse transform sampling: one uniform number per row against the cumulative
-    probabilities. `generate`'s own sampling (`torch.multinomial`) draws an exponential variate per
-    vocabulary entry: 6 ms of a 2-core CPU's decode step for 8 rows of a 49k vocabulary, against well under
-    one here. Same distribution (exact up to the float32 cumulative sum; a token of probability 0 is never
-    drawn), another stream of draws from torch's generator. Returns scores that leave only the drawn token
-    finite, for `generate` with `do_sample=False` to pick (its processors run first, ours after, in the
-    order `do_sample=True` would run them)."""
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = scores.float().softmax(-1)
-        cdf = probs.cumsum(-1)
-        draw = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
-        tokens = torch.searchsorted(cdf, draw, right=True)  # first entry whose cdf passes the draw: p > 0
-        past_end = tokens >= cdf.shape[-1]  # the draw rounded up to the total: the last token with p > 0
-        if past_end.any():
-            last = cdf.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1, keepdim=True)
-            tokens = torch.where(past_end, last, tokens)
-        return torch.full_like(scores, float("-inf")).scatter_(1, tokens, 0.0)
-
-
-def sampling_processors(sampling: Sampling):
-    """The logits processors that sample as `sampling` says (temperature, top-k, top-p, in transformers'
-    order, then `InverseCdfSampler`), for `generate(do_sample=False)`."""
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    processors = []
-    if sampling.temperature != 1.0:
-        processors.append(TemperatureLogitsWarper(sampling.temperature))
-    if sampling.top_k:
-        processors.append(TopKLogitsWarper(top_k=sampling.top_k))
-    if sampling.top_p < 1.0:
-        processors.append(TopPLogitsWarper(top_p=sampling.top_p))
-    return LogitsProcessorList([*processors, InverseCdfSampler()])
-
-
 @torch.no_grad()
 def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
-                     eos_id: int, pad_id: int, adapter: str = POLICY, merged: bool = False,
+                     eos_id: int, pad_id: int, adapter: str = POLICY,
                      with_logprobs: bool = False) -> tuple[torch.Tensor, ...]:
-    """Sample under `adapter` (from merged weights if `merged`: `SharedBaseModel.merged_weights`).
-    Returns (input_ids, attention_mask, response_mask, ended), and with `with_logprobs` the (B, R)
+    """Sample under `adapter`. Returns (input_ids, attention_mask, response_mask, ended), and with `with_logprobs` the (B, R)
     log-probs and entropy of the sampled tokens under the logits sampled from (`SampledLogprobs`)."""
     kwargs = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens,
-                  do_sample=False, eos_token_id=eos_id, pad_token_id=pad_id)
-    if sampling.temperature > 0:  # sampled by our processors, picked by generate's greedy step
-        kwargs["logits_processor"] = sampling_processors(sampling)
-    kwargs.update(decode_kwargs(sampling.decode, prompt_ids.device))
-    if merged:
-        kwargs["merged"] = True
+                  eos_token_id=eos_id, pad_token_id=pad_id, **sampling.generate_kwargs(),
+                  **decode_kwargs(sampling.decode, prompt_ids.device))
     recorder = SampledLogprobs(model.causal_lm, sampling.scoring_temperature) if with_logprobs else nullcontext()
     with recorder:
         sequences = model.generate(prompt_ids, prompt_mask, adapter=adapter, **kwargs)
@@ -256,11 +219,11 @@ class Samples:
 
 
 def sample_in_chunks(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, eos_id: int,
-                     pad_id: int, rows: int, merged: bool = False, with_logprobs: bool = False) -> Samples:
+                     pad_id: int, rows: int, with_logprobs: bool = False) -> Samples:
     """`sample_responses` over chunks of `rows` prompts, joined: chunks can stop at different lengths, so
     every response (and its sampled log-probs and entropy) is right-padded to the longest."""
     parts = [sample_responses(model, prompt_ids[i : i + rows], prompt_mask[i : i + rows], sampling, eos_id, pad_id,
-                              merged=merged, with_logprobs=with_logprobs) for i in range(0, prompt_ids.shape[0], rows)]
+                              with_logprobs=with_logprobs) for i in range(0, prompt_ids.shape[0], rows)]
     width = max(p[0].shape[1] for p in parts)
     response_width = width - prompt_ids.shape[1]
 
@@ -330,73 +293,47 @@ def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
 @torch.no_grad()
 def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, scorer: Scorer,
                  eos_id: int, pad_id: int, micro_batch_size: int, missing_eos_penalty: Optional[float] = None,
-                 phase=None, fused: bool = True, merged_generation: bool = False,
-                 old_logprobs: str = "sampling") -> Rollout:
-    """Generate, then score with (policy) / reference / value / reward, `micro_batch_size` rows at a time.
+                 phase=None) -> Rollout:
+    """Generate, then score with reference / value / reward, `micro_batch_size` rows at a time.
 
-    `old_logprobs` "sampling": the policy's log-probs and entropy are read from the logits it sampled
-    from (`logprobs_while_sampling` says when), and the scoring passes skip the policy; "rescore": a
-    policy pass gives them. `fused`: the scoring passes run as ONE routed pass of the base per
-    micro-batch (phase "score"); otherwise one pass per adapter (phases "score" for policy and reward,
-    "reference", "value"). `merged_generation` samples from a merged working copy of the policy's weights.
-    `phase` is an optional context-manager factory (`phase("generate")`): the memory
-    recorder's, or a benchmark's clock.
+    The policy's log-probs and entropy are read from the logits it sampled from (phase "generate"); the
+    reference, value and reward passes run as ONE routed pass of the base per micro-batch (phase "score").
+    `phase` is an optional context-manager factory (`phase("generate")`): the memory recorder's, or a
+    benchmark's clock.
     """
     phase = phase or (lambda name: nullcontext())
     was_training = model.training
     model.eval()  # no dropout: these log-probs and values are the fixed "old" ones of the update
     try:
         return _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                             missing_eos_penalty, phase, fused and getattr(model, "routable", False), merged_generation,
-                             logprobs_while_sampling(old_logprobs, merged_generation))
+                             missing_eos_penalty, phase)
     finally:
         model.train(was_training)
 
 
 def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                  missing_eos_penalty, phase, fused, merged_generation, sampled) -> Rollout:
+                  missing_eos_penalty, phase) -> Rollout:
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
     with phase("generate"):
         sync(prompt_ids.device)
         started = time.perf_counter()
         samples = sample_in_chunks(model, prompt_ids, prompt_mask, sampling, eos_id, pad_id, micro_batch_size,
-                                   merged=merged_generation, with_logprobs=sampled)
+                                   with_logprobs=True)
         sync(prompt_ids.device)
         generate_s = time.perf_counter() - started
     input_ids, attention_mask, response_mask, ended = (samples.input_ids, samples.attention_mask,
                                                        samples.response_mask, samples.ended)
-    width = response_mask.shape[1]
-    temperature = sampling.scoring_temperature
-    logprobs, entropy = samples.logprobs, samples.entropy  # sampled: steps after a row's EOS are masked in _finish
-
-    if fused:
-        reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
-        with phase("score"):
-            rescored, rescored_entropy, ref_logprobs, values, scores = chunked(
-                lambda i, m, r: rollout_scores(model, i, m, r, temperature, policy=not sampled, reference=True,
-                                               value=True, reward_adapter=reward_adapter),
-                micro_batch_size, batch, input_ids, attention_mask, response_mask)
-            if scores is None:
-                scores = scorer(model, input_ids, attention_mask, prompt_length, response_mask)
-        if not sampled:
-            logprobs, entropy = rescored, rescored_entropy
-        return _finish(input_ids, attention_mask, response_mask, prompt_length, logprobs, ref_logprobs, values, scores,
-                       ended, entropy, missing_eos_penalty, generate_s)
+    reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
     with phase("score"):
-        if not sampled:
-            logprobs, entropy = chunked(
-                lambda i, m: response_logprobs(model, i, m, width, POLICY, temperature, with_entropy=True),
-                micro_batch_size, batch, input_ids, attention_mask)
-        scores = chunked(lambda i, m, r: scorer(model, i, m, prompt_length, r), micro_batch_size, batch,
-                         input_ids, attention_mask, response_mask)
-    with phase("reference"):
-        ref_logprobs = chunked(lambda i, m: response_logprobs(model, i, m, width, REFERENCE, temperature)[0],
-                               micro_batch_size, batch, input_ids, attention_mask)
-    with phase("value"):
-        values = chunked(lambda i, m: response_values(model, i, m, width), micro_batch_size, batch,
-                         input_ids, attention_mask)
-    return _finish(input_ids, attention_mask, response_mask, prompt_length, logprobs, ref_logprobs, values, scores,
-                   ended, entropy, missing_eos_penalty, generate_s)
+        ref_logprobs, values, scores = chunked(
+            lambda i, m, r: rollout_scores(model, i, m, r, sampling.scoring_temperature, reference=True, value=True,
+                                           reward_adapter=reward_adapter),
+            micro_batch_size, batch, input_ids, attention_mask, response_mask)
+        if scores is None:
+            scores = scorer(model, input_ids, attention_mask, prompt_length, response_mask)
+    # the sampled log-probs and entropy: steps after a row's EOS are masked in _finish
+    return _finish(input_ids, attention_mask, response_mask, prompt_length, samples.logprobs, ref_logprobs, values,
+                   scores, ended, samples.entropy, missing_eos_penalty, generate_s)
 
 
 def _finish(input_ids, attention_mask, response_mask, prompt_length, logprobs, ref_logprobs, values, scores, ended,

@@ -57,13 +57,10 @@ def response_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return model(input_ids, attention_mask, adapter=adapter, output="scores", keep_last=width + 1)[:, :-1]
 
 
-def policy_and_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int, temperature: float,
-                      separate: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def policy_and_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int,
+                      temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probs, entropy, values) of the response under `policy` and `value`, from one routed pass of
-    the base (two passes if `separate`): the PPO update's forward. `model` may be wrapped (DDP)."""
-    if separate:
-        logprobs, entropy = response_logprobs(model, input_ids, attention_mask, width, POLICY, temperature, True)
-        return logprobs, entropy, response_values(model, input_ids, attention_mask, width)
+    the base: the PPO update's forward. `model` may be wrapped (DDP)."""
     logits, scores = model(input_ids, attention_mask, adapter=(POLICY, VALUE), output=("logits", "scores"),
                            keep_last=width + 1)
     logprobs, entropy = logprobs_of(logits, input_ids, temperature, with_entropy=True)
@@ -71,27 +68,23 @@ def policy_and_values(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 def rollout_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                   temperature: float, *, policy: bool, reference: bool, value: bool, reward_adapter: Optional[str],
-                   separate: bool = False) -> tuple[Optional[torch.Tensor], ...]:
-    """(policy log-probs, entropy, reference log-probs, values, reward scores) of a rollout's rows from ONE
-    routed pass of the base over the adapters asked for (one pass each if `separate`): PPO's and GRPO's
-    scoring pass. What is not asked for is None: the policy when its log-probs were read while sampling,
-    the reference when there is no KL term, the value without a critic, the reward when it is scripted."""
+                   temperature: float, *, reference: bool, value: bool,
+                   reward_adapter: Optional[str]) -> tuple[Optional[torch.Tensor], ...]:
+    """(reference log-probs, values, reward scores) of a rollout's rows from ONE routed pass of the base
+    over the adapters asked for: PPO's and GRPO's scoring pass (the policy's log-probs come from sampling). What is not asked for is None: the reference when there is no KL term,
+    the value without a critic, the reward when it is scripted."""
     width = response_mask.shape[1]
-    asked = ((POLICY, "logits", policy), (REFERENCE, "logits", reference), (VALUE, "scores", value),
+    asked = ((REFERENCE, "logits", reference), (VALUE, "scores", value),
              (reward_adapter, "scores", reward_adapter is not None))
     groups = [(adapter, output) for adapter, output, wanted in asked if wanted]
     if not groups:
-        return None, None, None, None, None
+        return None, None, None
     adapters, outputs = zip(*groups)
-    out = dict(zip(adapters, model.fused(input_ids, attention_mask, adapters, outputs, keep_last=width + 1,
-                                         separate=separate)))
-    logprobs, entropy = (logprobs_of(out[POLICY], input_ids, temperature, with_entropy=True) if policy
-                         else (None, None))
+    out = dict(zip(adapters, model.fused(input_ids, attention_mask, adapters, outputs, keep_last=width + 1)))
     ref_logprobs = logprobs_of(out[REFERENCE], input_ids, temperature)[0] if reference else None
     values = out[VALUE][:, :-1] if value else None
     scores = last_token_values(out[reward_adapter][:, 1:], response_mask).float() if reward_adapter is not None else None
-    return logprobs, entropy, ref_logprobs, values, scores
+    return ref_logprobs, values, scores
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,

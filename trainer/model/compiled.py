@@ -1,0 +1,122 @@
+"""--compile_layers: the decoder layers compiled (torch.compile) for the passes that train.
+
+A GPU option: one graph per decoder layer fuses its elementwise work and drops per-op overhead in the
+update's forward, recomputation and backward, at the price of a compilation on the first update (and one
+per new adapter route or micro-batch size). The GPU kit's `speed` part measures it (`ppo_compiled`).
+Launch modes that partition the base (ZeRO-3, FSDP) refuse it at start (`trainer.engine.launch`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from functools import partial
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def compile_layers(model) -> int:
+    """Compile, with dynamic shapes, every decoder layer's own forward (attention, MLP, norms and residual
+    adds, with their LoRA layers and the routing hook inside) for the passes that train; returns how many.
+    Passes without autograd (generation, scoring, evaluation) keep the eager forward: decoding would
+    compile a variant per KV-cache length. 0, with a one-line reason, where no compiler backend is present
+    (inductor needs Triton on CUDA, a C++ compiler on CPU).
+
+    A checkpointed layer compiles WITH its checkpoint (`_CompiledWithGrad`): dynamo traces
+    `torch.utils.checkpoint` around the layer's own forward (transformers 5 wraps the class's forward in its
+    checkpointing call: `inspect.unwrap`), and AOTAutograd moves the recomputation into the compiled
+    backward, which skips recomputing what it never reads. The route needs no `context_fn` there: the graph
+    holds the route it was traced under, recomputation included. Parameters and state-dict keys stay as
+    they are.
+
+    Dynamo guards what the routing hook reads (route, active adapter, train mode), so each adapter route -
+    and, since a route fixes its row groups, each micro-batch size - compiles its own variant. Where the
+    checkpointed layer cannot compile whole (a graph break or another trace failure, or torch's limit of
+    variants per code object, shared by all layers), the layer's own forward compiles inside transformers'
+    eager checkpoint with the shared base's `context_fn` (which dynamo cannot trace), and past the limit
+    there too it runs eagerly: slower, still correct."""
+    import shutil
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        missing = None if has_triton() else "Triton is not installed"
+    elif device.type == "cpu":
+        missing = None if any(shutil.which(c) for c in ("g++", "c++", "clang++")) else "no C++ compiler (g++) found"
+    else:
+        missing = f"not tried on {device.type}"
+    if missing:
+        logger.warning("--compile_layers ignored: %s; the layers run eagerly", missing)
+        return 0
+    count = 0
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer):
+            layer.forward = _CompiledWithGrad(layer)
+            count += 1
+    logger.info("compiled %d decoder layers for the passes that train (torch.compile, dynamic shapes); "
+                "the first update compiles them", count)
+    return count
+
+
+# What transformers' checkpointing wrapper turns off before checkpointing a layer: the cache is not
+# written in a recomputation (a layer that only reads it, `_can_checkpoint_with_cache`, keeps it).
+_CACHE_KWARGS = ("past_key_values", "layer_past", "use_cache")
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
+
+
+def _checkpointed(forward, layer, *args, **kwargs):
+    """`forward(layer, ...)` under a non-reentrant checkpoint: compiled whole (fullgraph), the recomputation
+    becomes part of the compiled backward."""
+    return torch.utils.checkpoint.checkpoint(forward, layer, *args, use_reentrant=False, **kwargs)
+
+
+class _CompiledWithGrad:
+    """A decoder layer's forward while autograd records: compiled with its checkpoint where the layer
+    checkpoints (else its own forward in transformers' eager checkpoint, `compile_layers`), its own forward
+    compiled where it does not, and transformers' eager forward without autograd. It holds its layer: a
+    deep copy of the model would run the original's layers, so compile the copy anew."""
+
+    def __init__(self, layer: torch.nn.Module):
+        self.layer = layer
+        self.eager = type(layer).forward  # transformers' checkpointing wrapper around the layer's own forward
+        self.own = inspect.unwrap(self.eager)
+        self.compiled = torch.compile(self.own, dynamic=True)
+        self.compiled_checkpointed = torch.compile(_checkpointed, dynamic=True, fullgraph=True)
+        self.whole = True  # False once the checkpointed forward failed to trace
+
+    def __call__(self, *args, **kwargs):
+        layer = self.layer
+        if not torch.is_grad_enabled():
+            return self.eager(layer, *args, **kwargs)
+        if layer.gradient_checkpointing and layer.training:
+            dropped = ("use_cache",) if getattr(layer, "_can_checkpoint_with_cache", False) else _CACHE_KWARGS
+            kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
+            if self.whole:
+                from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
+
+                try:  # fullgraph: a failure is raised while tracing, before anything runs
+                    return self.compiled_checkpointed(self.own, layer, *args, **kwargs)
+                except FailOnRecompileLimitHit:  # this variant only
+                    _warn_once(f"--compile_layers: more checkpointed {type(layer).__name__} variants than torch "
+                               "compiles; the others compile their forward inside the eager checkpoint")
+                except TorchDynamoException as err:  # a graph break, an op it cannot trace: the other path
+                    # traces the same code, so whatever it cannot do either surfaces there
+                    self.whole = False
+                    reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                    _warn_once(f"--compile_layers: {type(layer).__name__} does not compile with its checkpoint "
+                               f"({reason}); its forward compiles inside the eager checkpoint instead")
+            return layer._gradient_checkpointing_func(partial(self.compiled, layer, **kwargs), *args)
+        return self.compiled(layer, *args, **kwargs)
