@@ -239,8 +239,16 @@ def test_isolated_sides_rerun_this_command_for_one_side_once_and_a_failed_child_
             "--steps", "1"]
     assert bench.without_options(argv, bench.ISOLATE_OWN) == ["--model_name_or_path", "smollm2-135m", "--steps", "1"]
     seen = []
-    monkeypatch.setattr(subprocess, "run", lambda command, cwd: seen.append(command) or subprocess.CompletedProcess(
-        command, 3))
+
+    class Died:  # the child process, exiting with status 3 before it writes its record
+        def __init__(self, command, cwd, start_new_session):
+            seen.append(command)
+            self.returncode, self.pid = 3, -1
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+    monkeypatch.setattr(subprocess, "Popen", Died)
     record = bench.run_side_isolated("trl", argv)
     command = seen[0]
     assert command[1:3] == ["-m", "benchmarks.ppo_vs_trl"]
