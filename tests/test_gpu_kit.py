@@ -23,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # `speed` runs in smoke mode the code of `first`'s last two steps (its GPU-only steps are pinned below).
-PARTS = ("first", "check", "memory", "ladder", "stages")
+PARTS = ("first", "check", "memory", "ladder", "stages", "grpo_recipe")
 FIRST_STEPS = ["gpu-tests", "sft+reward", "ppo", "vs-estimate", "ppo_vs_trl"]
 
 
@@ -266,27 +266,47 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
     assert "| first-llama-2-7b-nvidia-h100 | ours | ok |" in text and "| first-llama-2-7b-nvidia-h100 | trl | ok |" in text
 
 
-def test_the_full_speed_part_ends_with_the_compiled_ablations_on_the_same_work(tmp_path):
-    """On the GPU (not smoke) the speed part runs the PPO comparison, then, last, ours with --compile_layers
-    against ours eager and ours with a compiled decode step too, on the same work (compiled 4-bit layers and
-    CUDA-graph decoding in PPO are untried: a failure there costs nothing else)."""
+def test_the_full_speed_part_ends_with_the_compiled_ablations_on_the_same_work_as_the_first_call(tmp_path):
+    """On the GPU (not smoke) the speed part measures decode and its paths, then, last, ours with
+    --compile_layers against ours eager and ours with a compiled decode step too, on the first call's PPO
+    work (compiled 4-bit layers and CUDA-graph decoding in PPO are untried: a failure there costs nothing else)."""
     from benchmarks.gpu.parts import PartArguments, steps_for
 
     smoke = steps_for(PartArguments(part="speed", out=str(tmp_path), smoke=True), tmp_path)
-    assert [s.name for s in smoke] == ["ppo_vs_trl", "decode"]  # in smoke mode, `first`'s code (run above)
-    steps = steps_for(PartArguments(part="speed", out=str(tmp_path)), tmp_path)
-    assert [s.name for s in steps] == ["ppo_vs_trl", "decode", "decode-paths", "ppo_compiled"]
-    main, compiled = steps[0].argv, steps[-1].argv
+    assert [s.name for s in smoke] == ["decode"]  # tested on the CPU below, and ppo_vs_trl by the first call
+    steps = steps_for(PartArguments(part="speed", out=str(tmp_path)), tmp_path, deadline=1000.0)
+    assert [s.name for s in steps] == ["decode", "decode-paths", "ppo_compiled"]
+    main = next(s for s in steps_for(PartArguments(part="first", out=str(tmp_path)), tmp_path, 1000.0)
+                if s.name == "ppo_vs_trl").argv
+    compiled = steps[-1].argv
     assert compiled[compiled.index("--sides") + 1] == "ours,ours_eager,ours_compiled"
     assert "--compile_layers" not in main
     at = compiled.index("--compile_layers")
     assert compiled[at + 1] == "true"
+    assert compiled[compiled.index("--stop_at") + 1] == main[main.index("--stop_at") + 1] == "985"
 
     def work(argv):  # every flag before --out_dir but the sides
         head = argv[:argv.index("--out_dir")]
         return head[:head.index("--sides")] + head[head.index("--sides") + 2:]
 
     assert work(compiled[:at] + compiled[at + 2:]) == work(main)  # the same model, data, cap and work flags
+
+
+def test_the_grpo_recipe_part_runs_trl_s_recipe_with_the_policy_adapter_alone(smoke):
+    """TRL's QLoRA GRPO recipe (issue 36): beta 0 and a scored reward, so one adapter on the base; memory against
+    the estimator, which predicts it (`benchmarks.trl_grpo_recipe`)."""
+    from benchmarks.gpu.parts import PartArguments, steps_for
+
+    _, unpacked = smoke
+    memory = json.loads((unpacked / "grpo_recipe" / "grpo" / "memory.json").read_text())
+    assert {k for p in memory["phases"] for k in p["components"] if k.startswith("adapter")} == {"adapter/policy"}
+    assert json.loads((unpacked / "grpo_recipe" / "grpo" / "vs_estimate.json").read_text())["phases"]
+    (run, _) = steps_for(PartArguments(part="grpo_recipe", out=str(unpacked)), unpacked)  # on the GPU
+    flags = run.argv
+    for flag, value in (("--model_name_or_path", "qwen2.5-7b"), ("--lora_r", "32"), ("--num_generations", "8"),
+                        ("--max_new_tokens", "256"), ("--micro_batch_size", "8"), ("--beta", "0"),
+                        ("--optimizer", "paged_adamw_8bit"), ("--simulate_gpu_gib", "24")):
+        assert flags[flags.index(flag) + 1] == value, flag
 
 
 # ---- collect: archives and manifests it refuses ---------------------------------------------------

@@ -13,9 +13,11 @@
 - memory: the seed recipe's SFT, reward model and PPO stages (trainer/configs/llama2_7b/) on the
           Llama-2-7B architecture (random weights, NF4) under a simulated 24 GB card with
           `--profile_memory true`, 3 steps each, then each stage measured against the estimator.
-- speed:  `benchmarks.ppo_vs_trl` at 7B NF4 under the same cap, decode throughput at batch 1,
-          16 and 64 against the bandwidth bound (`benchmarks.gpu.decode`), and at batch 16 each
-          decode path (eager, static KV cache, compiled decode step).
+- grpo_recipe: TRL's QLoRA GRPO recipe (Qwen2.5-7B shapes, r=32, 8 x 256 tokens, beta 0, a scored reward)
+          under the cap, 2 steps, memory against the estimator.
+- speed:  decode throughput at batch 1, 16 and 64 against the bandwidth bound (`benchmarks.gpu.decode`),
+          at batch 16 each decode path (eager, static KV cache, compiled decode step), and the first
+          call's PPO work with compiled layers.
 - ladder: the SFT flag ladder (`benchmarks.flag_ladder`) at 7B under the cap.
 - stages: `benchmarks.stages_vs_trl` for SFT, reward and DPO at 7B NF4 under the cap, 3 steps each:
           our stage scripts against TRL's SFTTrainer, RewardTrainer and DPOTrainer (speed and memory).
@@ -45,16 +47,17 @@ from foundation.cli import Checked, UsageError, at_least, one_of, parse, run
 from foundation.files import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-PARTS = ("first", "check", "memory", "speed", "ladder", "stages")
+PARTS = ("first", "check", "memory", "speed", "ladder", "stages", "grpo_recipe")
 # Seconds of steps; the wheel install and packing come on top: each part fits one 8-minute call.
-BUDGET_S = {"first": 420, "check": 180, "memory": 420, "speed": 420, "ladder": 420, "stages": 420}
+BUDGET_S = {"first": 420, "check": 180, "memory": 420, "speed": 420, "ladder": 420, "stages": 420,
+            "grpo_recipe": 420}
 CUT = "cut"  # the part's budget ran out before (or while) the step ran: a step never measured, not a result
 STOP_MARGIN_S = 15  # what a step given a stop time keeps for writing its files before the part's deadline
 
 
 @dataclass
 class PartArguments(Checked):
-    part: str = field(default="first", metadata={"help": "first, check, memory, speed, ladder or stages."})
+    part: str = field(default="first", metadata={"help": "first, check, memory, grpo_recipe, speed, ladder or stages."})
     out: str = field(default="gpu-out", metadata={"help": "Folder the part writes into (then packed by run.sh)."})
     smoke: bool = field(default=False, metadata={"help": "Same code paths on the CPU with the tiny preset."})
     data: str = field(default=".data/hh-rlhf", metadata={"help": "hh-rlhf rows carried to the GPU machine."})
@@ -132,6 +135,31 @@ def stages_vs_trl(args: PartArguments, stage: str, out: Path) -> list[str]:
             "--out_dir", str(out / f"stages_vs_trl-{stage}")]
 
 
+def grpo_recipe_run(args: PartArguments, out: Path) -> list[str]:
+    """TRL's QLoRA GRPO recipe (Qwen2.5-7B shapes, r=32 on every linear layer, 8 completions of 256 tokens per
+    step and per pass, beta 0, a scored reward instead of a reward model, paged 8-bit AdamW, checkpointing),
+    2 steps with memory recorded: what `benchmarks.trl_grpo_recipe` predicts."""
+    if args.smoke:
+        model = ["--model_name_or_path", "tiny-llama", "--quantization", "nf4", "--mixed_precision", "no",
+                 "--dtype", "float32", "--optimizer", "adamw_8bit"]
+        shape = ["--num_generations", "4", "--max_new_tokens", "8", "--min_new_tokens", "8", "--max_prompt_length", "24",
+                 "--micro_batch_size", "4", "--rollout_micro_batch_size", "4", "--mini_batch_size", "4"]
+    else:
+        model = ["--model_name_or_path", "qwen2.5-7b", "--quantization", "nf4", "--dtype", "bfloat16",
+                 "--tokenizer_name_or_path", args.tokenizer, "--optimizer", "paged_adamw_8bit",
+                 "--attn_implementation", "sdpa", *cap_flags(args)]
+        shape = ["--num_generations", "8", "--max_new_tokens", "256", "--min_new_tokens", "256",
+                 "--max_prompt_length", "256", "--micro_batch_size", "8", "--rollout_micro_batch_size", "8",
+                 "--mini_batch_size", "8"]
+    return [python(), "trainer/grpo.py", "--config", "trainer/configs/llama2_7b/grpo.yaml",
+            "--output_dir", str(out / "grpo"), *model, *data_flags(args), "--lora_r", "32", "--lora_alpha", "32",
+            "--eval_size", "16", "--sft_size", "64", "--reward_size", "64", "--ppo_size", "64",
+            "--sft_adapter", "null", "--reward_adapter", "null", "--scripted_reward", "chars:200", "--beta", "0",
+            "--rollout_batch_size", "1", *shape, "--gradient_checkpointing", "true", "--max_steps", "2",
+            "--eval_every", "0", "--eval_prompts", "0", "--save_every", "0", "--report_to", "none",
+            "--progress_bar", "false", "--profile_memory", "true", "--resume", "no"]
+
+
 # The GPU tests the first call keeps: the correctness of the CUDA path, which its later steps only run.
 FIRST_GPU_TESTS = "nf4 or paged or moves_only or recorder or simulated"
 
@@ -196,20 +224,12 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                 Step("grpo", stage_run(args, "grpo", out, *grpo, "--max_steps", "2")),
                 Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate",
                                      *(str(out / s) for s in ("sft", "reward", "ppo", "grpo"))])]
-    if args.part == "speed":
-        work = ppo_work(args)
-        if args.smoke:
-            decode = ["--batches", "1,4", "--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1",
-                      "--copy_gib", "0.05"]
-            sides = []
-        else:
-            sides = ["--sides", "ours,trl"]
-            decode = ["--batches", "1,16,64", "--prompt_tokens", "128", "--new_tokens", "64"]
-        steps = [Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args), *data_flags(args),
-                                     *cap_flags(args), *work, *sides, "--out_dir", str(out / "ppo_vs_trl")]),
-                 Step("decode", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), *decode,
+    if args.part == "speed":  # the comparison with TRL is the first call's; here what the GPU options buy
+        decode = (["--batches", "1,4", "--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05"]
+                  if args.smoke else ["--batches", "1,16,64", "--prompt_tokens", "128", "--new_tokens", "64"])
+        steps = [Step("decode", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), *decode,
                                  "--out_dir", str(out / "decode")])]
-        if not args.smoke:  # which generation path decodes fastest at the rollout's batch (issue: keep what wins)
+        if not args.smoke:  # which generation path decodes fastest at the rollout's batch
             steps.append(Step("decode-paths", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args),
                                                "--batches", "16", "--prompt_tokens", "128", "--new_tokens", "64",
                                                "--paths", "eager,static,compiled",
@@ -218,10 +238,14 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
             # are untried on a GPU: last, so a failure costs no other figure. With --compile_layers true,
             # ours_eager drops the compiled layers and ours_compiled adds the compiled decode step.
             steps.append(Step("ppo_compiled", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),
-                                               *data_flags(args), *cap_flags(args), *work, "--sides",
+                                               *data_flags(args), *cap_flags(args), *ppo_work(args), "--sides",
                                                "ours,ours_eager,ours_compiled", "--compile_layers", "true",
+                                               "--stop_at", f"{max(deadline - STOP_MARGIN_S, 0):.0f}",
                                                "--out_dir", str(out / "ppo_compiled")]))
         return steps
+    if args.part == "grpo_recipe":  # TRL's published QLoRA GRPO recipe, under the 24 GB cap, against the estimator
+        return [Step("grpo", grpo_recipe_run(args, out)),
+                Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "grpo")])]
     if args.part == "stages":
         stages = ("dpo",) if args.smoke else ("sft", "reward", "dpo")  # smoke: see the module's docstring
         return [Step(f"stages_vs_trl-{stage}", stages_vs_trl(args, stage, out)) for stage in stages]

@@ -39,6 +39,7 @@ DECODE_FRACTION = 0.05  # NF4 decoding at batch 16, of the bound: dequantised pe
 MFU = 0.2  # training and scoring FLOPs, of the bf16 peak (NF4 dequantised per matmul, LoRA, checkpointing)
 WHEELS_S, PACK_S = 45, 10  # run.sh's wheel install before the part, its archive after
 GPU_TESTS_S = 40  # the first call's subset of tests/test_gpu.py: small models, a few seconds each
+COMPILE_S = 60  # torch.compile of a 7B decode step or decoder layer, the first call
 
 
 @dataclass
@@ -102,6 +103,19 @@ def predicted(part: str) -> dict[str, float]:
                 "ppo": process + 3 * step_seconds(seed_ppo, shape),
                 "grpo": process + 2 * step_seconds(Work(rows=16, prompt=256, new=128, epochs=1, scoring_adapters=3), shape),
                 "vs-estimate": START_S}
+    if part == "speed":  # decode at 1, 16 and 64 rows (each timed twice and warmed up, prefill apart), its paths
+        def decode(rows: int, paths: int = 1, compile_s: float = 0) -> float:
+            per_token = decode_step_bytes(shape) / (BANDWIDTH * DECODE_FRACTION)
+            return paths * (3 * 64 * per_token + 3 * step_seconds(Work(rows=rows, prompt=128), shape)) + compile_s
+        return {"decode": process + sum(decode(rows) for rows in (1, 16, 64)),
+                "decode-paths": process + decode(16, paths=3, compile_s=COMPILE_S),
+                "ppo_compiled": 3 * process + 2 * COMPILE_S + 6 * step_seconds(bench_ppo, shape)}
+    if part == "grpo_recipe":  # TRL's recipe on Qwen2.5-7B shapes: 8 completions of 256 tokens, r=32
+        from profiling.shapes import load_shape
+
+        qwen = load_shape("qwen2.5-7b")
+        return {"grpo": process + 2 * step_seconds(Work(rows=8, prompt=256, new=256, epochs=1, scoring_adapters=0), qwen),
+                "vs-estimate": START_S}
     if part == "stages":  # 3 steps and a warm-up of 4 x 2 rows at 512 tokens, each side its own build
         tokens = 4 * 2 * 512
         work = {"sft": Work(train_tokens=tokens), "reward": Work(train_tokens=2 * tokens),
@@ -139,7 +153,7 @@ def plan_table() -> str:
              f"7B NF4 build (guesses until a GPU manifest replaces them). Each call adds ~{WHEELS_S} s of wheel "
              f"install and ~{PACK_S} s of packing; the machine's start (1-3 minutes) comes before it.", "",
              "| call | step | smoke s (CPU) | GPU s predicted | GPU s measured |", "|---|---|---:|---:|---:|"]
-    for part in ("first", "memory", "speed", "stages", "ladder", "check"):
+    for part in ("first", "memory", "grpo_recipe", "speed", "stages", "ladder", "check"):
         guess = predicted(part)
         smoke_steps = (smoke.get(part) or {}).get("steps") or {}
         gpu_steps = (gpu.get(part) or {}).get("steps") or {}
@@ -152,7 +166,6 @@ def plan_table() -> str:
         measured = (gpu.get(part) or {}).get("seconds")
         lines.append(f"| `{part}` | **the call** (steps within {BUDGET_S[part]} s, wheels, packing) | "
                      f"{_seconds((smoke.get(part) or {}).get('seconds'))} | {_seconds(call)} | {_seconds(measured)} |")
-    assert set(PARTS) == {"first", "memory", "speed", "stages", "ladder", "check"}
     lines += ["", END]
     return "\n".join(lines)
 
