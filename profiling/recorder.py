@@ -80,7 +80,8 @@ class MemoryRecorder:
 
     def __init__(self, stage: str, model=None, optimizer=None, device: Optional[torch.device] = None,
                  budget_bytes: int = C.DEFAULT_BUDGET_BYTES, enabled: bool = True,
-                 resident_label: Optional[str] = None, vocab_size: Optional[int] = None) -> None:
+                 resident_label: Optional[str] = None, vocab_size: Optional[int] = None,
+                 cpu_timeline: bool = True) -> None:
         self.stage = stage
         self.enabled = enabled
         self.budget_bytes = budget_bytes
@@ -94,6 +95,7 @@ class MemoryRecorder:
         self.extra: dict[str, object] = {}
         self._open: list[dict] = []  # the phases entered and not yet left, outermost first
         self.vocab_size = vocab_size  # what makes a tensor logits on the CPU (default: the model's LM head)
+        self.cpu_timeline = cpu_timeline  # CPU phases: transient peaks from the allocator's events
         self._live: Optional[LiveTimeline] = None  # CPU: one allocator timeline per outermost phase
         self._claims: dict[int, set[int]] = {}  # its marks -> addresses the tensor walk at that mark counted
         self._pending: list[tuple] = []  # phases left inside the outermost one, built when it ends
@@ -190,7 +192,7 @@ class MemoryRecorder:
         """Whether this phase is on a CPU allocator timeline (one starts with each outermost phase)."""
         if self._live is not None:
             return True
-        if self._open or self.device.type != "cpu":
+        if self._open or self.device.type != "cpu" or not self.cpu_timeline:
             return False  # an outer phase could not start one (another profiler runs), or not a CPU
         timeline = LiveTimeline(self.vocab_size or vocabulary_size(self.model))
         if timeline.start():
