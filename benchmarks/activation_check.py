@@ -16,7 +16,7 @@ run's own saved settings (`profiling.predict`), term by term:
 - transient: the phase's peak of both together, against the sum of the two estimates.
 
 Writes activation_check.json and README.md into --out_dir (default
-benchmarks/results/activation_check-cpu).
+benchmarks/results/activation_check-cpu); `--render` rewrites the README from the JSON alone.
 """
 
 from __future__ import annotations
@@ -69,21 +69,39 @@ STAGE_FLAGS = {
 }
 # What each phase's non-logit transient memory is in the estimate's components.
 ACTIVATION_TERMS = (C.ACTIVATIONS, C.KV_CACHE, C.OPTIMIZER_TEMPORARIES)
-# Why a term is off, as found when this check was written (the allocations alive at the measured peak,
-# read off the same allocator events); shown beside the terms that are off.
+# Why terms are off, as found when this check was written (the allocations alive at the measured peaks, read
+# off the same allocator events); `cause_of` says which applies to a term.
 CAUSES = {
-    ("optimizer_step", "activations"): "the trainer's AdamW runs torch's fused kernel, which allocates no "
-    "temporaries; the estimate (profiling/optimizers.py step_temporaries) assumes foreach AdamW's fp32 list",
-    ("optimizer_step", "transient"): "as its activations term (optimizer temporaries)",
-    ("score", "transient"): "the estimate adds the no-grad pass's layer working set to the logits, but the logits "
-    "and their log-softmax temporaries come after the last layer: the peak is the larger of the two",
-    ("generate", "logits"): "each decode step holds about eight (rows x V) fp32 tensors at once (the model's "
-    "logits, generate's fp32 copy, the log-prob hook's clone, the min-length mask, the sampler's softmax, cumsum "
-    "and two full_like); the estimate counts three",
-    ("update", "logits"): "ppo: the first micro-batch's (rows x (new + 1) x V) logits are still allocated during "
-    "the second micro-batch's backward in the trainer's update loop (not with micro_loss alone, nor in grpo); "
-    "the estimate holds one micro-batch's",
+    "fused_adamw": "the trainer's AdamW runs torch's fused kernel, which allocates no temporaries; the estimate "
+    "(profiling/optimizers.py step_temporaries) assumes foreach AdamW's fp32 list of the moments' size",
+    "apart_in_scoring": "a scoring pass's layers and its logits are not alive together (the logits and their "
+    "log-softmax temporaries come after the last layer): the peak is the larger of the two, the estimate adds them",
+    "apart_with_checkpointing": "with checkpointing the LM head's backward (the logits' peak, beside the kept layer "
+    "inputs) runs before the layers are recomputed one by one (the activations' peak): the estimate adds the two",
+    "ppo_retained_logits": "in the PPO update the first micro-batch's (rows x (new + 1) x V) logits are still "
+    "allocated during the second micro-batch's backward (not with trainer.rl.ppo_step.micro_loss alone, nor in "
+    "GRPO); the estimate holds one micro-batch's",
+    "decode_step_logits": "each decode step holds about eight (rows x V) fp32 tensors at once (the model's logits, "
+    "generate's fp32 copy, the log-prob hook's clone, the min-length mask, the sampler's softmax, cumsum and two "
+    "full_like); the estimate counts three",
 }
+
+
+def cause_of(row: dict, term: str) -> Optional[str]:
+    """The CAUSES key that explains `row`'s `term` being off, if one was found."""
+    phase, checkpointing = row["phase"], VARIANTS.get(row["variant"], ([], False))[1]
+    ratio = row[term]["ratio"] or 0
+    if phase == "optimizer_step":
+        return "fused_adamw"
+    if phase == "generate" and term == "logits":
+        return "decode_step_logits"
+    if phase == "score" and term == "transient":
+        return "apart_in_scoring"
+    if checkpointing and phase in ("forward_backward", "update") and term == "transient" and ratio < 1:
+        return "apart_with_checkpointing"
+    if row["stage"] == "ppo" and phase == "update" and term in ("logits", "transient") and ratio > 1:
+        return "ppo_retained_logits"
+    return None
 
 
 def write_rows(path: Path, rows: int = 64) -> Path:
@@ -222,6 +240,15 @@ def measure_overhead(repeats: int = 5) -> list[dict]:
     return rows
 
 
+def _off_group(phase: str, term: str, items: list[tuple[dict, str]]) -> str:
+    """'phase term (n): variants / stages, ratio lo-hi' for terms off alike."""
+    variants = sorted({r["variant"] for r, _ in items}, key=list(VARIANTS).index)
+    stages = sorted({r["stage"] for r, _ in items}, key=STAGES.index)
+    ratios = [r[t]["ratio"] or 0 for r, t in items]
+    spread = f"{min(ratios):.2f}" if min(ratios) == max(ratios) else f"{min(ratios):.2f}-{max(ratios):.2f}"
+    return f"{phase} {term} ({len(items)}: {', '.join(variants)}; {', '.join(stages)}; ratio {spread})"
+
+
 def _term_name(phase: str, term: str) -> str:
     """What a row's "activations" term is in that phase."""
     if term != "activations":
@@ -268,11 +295,15 @@ def markdown(result: dict) -> str:
                      f"{_cell(r['logits'])} | {_cell(r['transient'])} |")
     off = [(r, t) for r, t in held if not r[t]["within"]]
     if off:
-        lines += ["", "## Terms off by more than the tolerance", ""]
-        for r, t in off:
-            cause = CAUSES.get((r["phase"], t))
-            lines.append(f"- {r['variant']} {r['stage']}/{r['phase']} {t}: measured {_mib(r[t]['measured'])} MiB, "
-                         f"estimated {_mib(r[t]['estimated'])} MiB" + (f": {cause}" if cause else ""))
+        lines += ["", "## Terms off by more than the tolerance, by cause", ""]
+        for cause in [*CAUSES, None]:
+            groups: dict[tuple[str, str], list[tuple[dict, str]]] = {}
+            for r, t in off:
+                if cause_of(r, t) == cause:
+                    groups.setdefault((r["phase"], t), []).append((r, t))
+            if groups:
+                lines.append(f"- {CAUSES[cause] if cause else 'cause not named'}: " + "; ".join(
+                    _off_group(phase, term, items) for (phase, term), items in groups.items()))
     if result.get("overhead"):
         lines += ["", f"## Overhead of the measurement (tiny preset, one process on one thread, median of "
                   f"{result['overhead_repeats']})", "", "| work | recorder | CPU s | x recorder off |",
@@ -294,8 +325,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--timeout_s", type=int, default=900, help="Limit per stage run.")
     parser.add_argument("--overhead_repeats", type=int, default=5,
                         help="Runs per mode of the overhead check (0: none).")
+    parser.add_argument("--render", action="store_true",
+                        help="Only rewrite README.md from the activation_check.json in --out_dir.")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    if args.render:
+        result = json.loads((args.out_dir / "activation_check.json").read_text())
+        write_atomic(args.out_dir / "README.md", markdown(result))
+        return result
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
