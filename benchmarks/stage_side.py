@@ -26,6 +26,7 @@ import torch
 
 from benchmarks.measure import MemoryProbe, release_memory
 from benchmarks.stages_vs_trl import ABLATIONS, StageWorkload, training_rows
+from profiling import components as C
 
 logger = logging.getLogger("benchmarks.stage_side")
 
@@ -65,7 +66,9 @@ def tensor_profile(memory: dict) -> Optional[dict]:
     phase = next((p for p in memory["phases"] if p["phase"] == "forward_backward"), None)
     if phase is None:
         return None
-    resident = {k: v for k, v in phase["components"].items() if v is not None}
+    # on the CPU the recorder also measures what the phase allocated (activations, logits): not tensor-counted
+    transient = (C.ACTIVATIONS, C.LOGITS, C.KV_CACHE, C.OPTIMIZER_TEMPORARIES)
+    resident = {k: v for k, v in phase["components"].items() if v is not None and k not in transient}
     return {"resident": resident, "saved_for_backward": phase.get("saved_for_backward")}
 
 

@@ -108,19 +108,37 @@ def nograd_layer_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) -
 # ---------------------------------------------------------------- whole passes (bytes)
 
 
+def _upcast_bytes(spec: ForwardSpec) -> int:
+    """An fp32 copy of logits per element; none when the compute dtype is fp32 already (`.to` returns the tensor)."""
+    return 4 if spec.dtype_bytes < 4 else 0
+
+
+def _chunked_backward(per_chunk: int, first: int, second: int) -> int:
+    """Peak of a chunked softmax backward, per vocabulary entry: the chunk in work (`per_chunk` bytes per
+    logit) beside the previous chunk's fp32 gradient, which its loop variable holds until replaced."""
+    return max(first * per_chunk, 4 * first + second * per_chunk)
+
+
+def _chunks(chunk: int, positions: int) -> tuple[int, int]:
+    """Positions in the first and the second chunk of `positions` split `chunk` at a time."""
+    first = min(chunk, positions)
+    return first, min(chunk, positions - first)
+
+
 def logits_training(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
-    """At the start of backward: the (tokens x V) logits kept by the chunked log-prob, their
-    gradient, and three fp32 (chunk x V) temporaries of the chunked softmax backward."""
+    """At the start of backward: the (tokens x V) logits kept by the chunked log-prob and their gradient;
+    inside the chunked softmax backward two fp32 temporaries of the chunk in work (logits - lse, its exp;
+    then the exp and the gradient; the fp32 upcast dies at the first), beside the previous chunk's gradient."""
     V, a = shape.vocab_size, spec.dtype_bytes
-    chunk = min(spec.logprob_chunk, tokens)
-    return 2 * tokens * V * a + 3 * chunk * V * 4
+    return 2 * tokens * V * a + V * _chunked_backward(2 * 4, *_chunks(spec.logprob_chunk, tokens))
 
 
 def logits_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
-    """A scoring pass: the full (tokens x V) logits and two fp32 chunk temporaries (upcast, exp)."""
+    """A scoring pass: the full (tokens x V) logits, and for one chunk their fp32 upcast (none in fp32) and
+    the log-sum-exp's fp32 temporary."""
     V = shape.vocab_size
     chunk = min(spec.logprob_chunk, tokens)
-    return tokens * V * spec.dtype_bytes + 2 * chunk * V * 4
+    return tokens * V * spec.dtype_bytes + chunk * V * (_upcast_bytes(spec) + 4)
 
 
 # trainer.losses.head_logprobs runs the output layer over as many positions at once as make 2**24 logits: a
@@ -133,21 +151,19 @@ def head_chunk_positions(vocab_size: int) -> int:
     return max(1, HEAD_CHUNK_ELEMENTS // vocab_size)
 
 
-def _head_chunk_logits(shape: ModelShape, tokens: int) -> int:
-    """Logits in one chunk of trainer.losses.head_logprobs (head_chunk_positions of them, at most `tokens`)."""
-    return min(head_chunk_positions(shape.vocab_size), tokens) * shape.vocab_size
-
-
 def head_logprobs_training(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
     """Log-probs straight from the hidden states (trainer.losses.head_logprobs, SFT and DPO): no (tokens x V)
-    tensor, but in backward one chunk's logits in the compute dtype and three fp32 temporaries of them
-    (upcast, softmax, its gradient)."""
-    return _head_chunk_logits(shape, tokens) * (spec.dtype_bytes + 3 * 4)
+    tensor, but in backward each chunk's logits recomputed in the compute dtype with two fp32 temporaries of
+    them at a time (the upcast and logits - lse, then its exp, then the exp and the gradient), beside the
+    previous chunk's fp32 gradient: with one chunk only, a + 8 bytes per logit; with more, 4 more."""
+    chunks = _chunks(head_chunk_positions(shape.vocab_size), tokens)
+    return shape.vocab_size * _chunked_backward(spec.dtype_bytes + 2 * 4, *chunks)
 
 
 def head_logprobs_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
-    """The same without gradient (DPO's reference): one chunk's logits and two fp32 temporaries."""
-    return _head_chunk_logits(shape, tokens) * (spec.dtype_bytes + 2 * 4)
+    """The same without gradient (DPO's reference): a chunk's fp32 logits (the compute dtype's copy dies at
+    the upcast) and the log-sum-exp's fp32 temporary."""
+    return min(head_chunk_positions(shape.vocab_size), tokens) * shape.vocab_size * 2 * 4
 
 
 def training_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int) -> int:

@@ -17,9 +17,10 @@ OPTIMIZER_STATES = "optimizer_states"
 ADAPTER_PREFIX = "adapter/"
 HEAD_PREFIX = "head/"
 
-# Known only from allocator statistics around a phase (CUDA), or predicted by the estimator.
+# Known from allocator statistics around a phase (CUDA; on the CPU the allocator's events, profiling.live),
+# or predicted by the estimator.
 ACTIVATIONS = "activations"
-LOGITS = "logits"  # estimator only: (tokens x vocab) logits and the chunked fp32 log-prob temporaries
+LOGITS = "logits"  # (tokens x vocab) logits and the chunked fp32 log-prob temporaries (estimator, CPU recorder)
 KV_CACHE = "kv_cache"
 ROLLOUT_BUFFERS = "rollout_buffers"
 OPTIMIZER_TEMPORARIES = "optimizer_temporaries"  # buffers alive only inside optimizer.step()

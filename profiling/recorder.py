@@ -13,6 +13,10 @@ entry, exit and any `recorder.sample()` inside the phase) and, on CUDA: allocate
 the peak above the level at entry, reserved minus allocated at the peak, and the device total from
 NVML. The peak above entry, less what the tensor-counted components grew by inside the phase, is
 the phase's transient memory: KV cache for generation, activations for the other phases.
+
+On the CPU the transient memory comes from the allocator's own events instead (`profiling.live`): the
+peak of the bytes allocated inside the phase and alive at once, less the tensors a walk counted. The
+logits (tensors whose last dimension is the vocabulary) are split out of it as their own component.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from profiling import components as C
 from profiling import device as D
+from profiling.live import LiveFigures, LiveTimeline, vocabulary_size
 from profiling.saved import SavedTensorMeter
 from profiling.tensors import TensorLedger, count_tensors
 
@@ -58,6 +63,7 @@ class PhaseRecord:
     cuda: Optional[CudaFigures] = None
     gpu_reason: Optional[str] = None  # why the GPU-only components are None
     saved_for_backward: Optional[int] = None
+    live: Optional[LiveFigures] = None  # CPU: the allocator events' peak of what the phase allocated
 
     @property
     def total(self) -> int:
@@ -74,7 +80,8 @@ class MemoryRecorder:
 
     def __init__(self, stage: str, model=None, optimizer=None, device: Optional[torch.device] = None,
                  budget_bytes: int = C.DEFAULT_BUDGET_BYTES, enabled: bool = True,
-                 resident_label: Optional[str] = None) -> None:
+                 resident_label: Optional[str] = None, vocab_size: Optional[int] = None,
+                 cpu_timeline: bool = True) -> None:
         self.stage = stage
         self.enabled = enabled
         self.budget_bytes = budget_bytes
@@ -87,6 +94,11 @@ class MemoryRecorder:
         self.records: dict[tuple[str, str], PhaseRecord] = {}
         self.extra: dict[str, object] = {}
         self._open: list[dict] = []  # the phases entered and not yet left, outermost first
+        self.vocab_size = vocab_size  # what makes a tensor logits on the CPU (default: the model's LM head)
+        self.cpu_timeline = cpu_timeline  # CPU phases: transient peaks from the allocator's events
+        self._live: Optional[LiveTimeline] = None  # CPU: one allocator timeline per outermost phase
+        self._claims: dict[int, set[int]] = {}  # its marks -> addresses the tensor walk at that mark counted
+        self._pending: list[tuple] = []  # phases left inside the outermost one, built when it ends
         self.peak_allocated = 0  # the largest CUDA peak any phase saw (each phase resets CUDA's counter)
         from foundation.provenance import relative_command
 
@@ -110,6 +122,7 @@ class MemoryRecorder:
         """Re-count inside a phase, e.g. after backward and before zero_grad frees the gradients."""
         if self.enabled and self._open:
             ledger = self.count()
+            self._claim(ledger)
             for phase in self._open:
                 phase["samples"].append(ledger)
 
@@ -134,7 +147,9 @@ class MemoryRecorder:
         entry = self.count()
         for outer in self._open:
             outer["samples"].append(entry)
+        live = not cuda and self._start_live()
         mine = {"samples": [entry], "peak_allocated": 0, "peak_reserved": 0}
+        start_mark = self._claim(entry) if live else None
         self._open.append(mine)
         meter = SavedTensorMeter(exclude=entry.storage_keys()) if count_saved else None
         start = time.perf_counter()
@@ -148,6 +163,7 @@ class MemoryRecorder:
             seconds = time.perf_counter() - start
             self._open.pop()
             exit_count = self.count()
+            end_mark = self._claim(exit_count) if live else None
             for outer in self._open:
                 outer["samples"].append(exit_count)
             samples = mine["samples"] + [exit_count]
@@ -165,9 +181,44 @@ class MemoryRecorder:
                     peak_reserved=peak_reserved, reserved_after=reading.reserved,
                     nvml_used=nvml.used, nvml_total=nvml.total, nvml_reason=nvml.reason,
                 )
-            record = self._build(stage, name, transient, dev, samples, cuda_figures)
+            saved = meter.bytes if meter is not None else None
+            self._pending.append((stage, name, transient, dev, samples, cuda_figures, seconds, saved,
+                                  (start_mark, end_mark)))
+            if not self._open:  # the outermost phase: its timeline is complete, every phase in it can be built
+                self._build_pending()
+
+    # ---- the CPU allocator timeline -------------------------------------------------------------
+    def _start_live(self) -> bool:
+        """Whether this phase is on a CPU allocator timeline (one starts with each outermost phase)."""
+        if self._live is not None:
+            return True
+        if self._open or self.device.type != "cpu" or not self.cpu_timeline:
+            return False  # an outer phase could not start one (another profiler runs), or not a CPU
+        timeline = LiveTimeline(self.vocab_size or vocabulary_size(self.model))
+        if timeline.start():
+            self._live = timeline
+        return self._live is not None
+
+    def _claim(self, ledger: TensorLedger) -> Optional[int]:
+        """A mark on the timeline, with the CPU addresses `ledger` counted there; None off the timeline."""
+        if self._live is None:
+            return None
+        mark = self._live.mark()
+        self._claims[mark] = {ptr for dev, ptr in ledger.storage_keys() if dev == "cpu"}
+        return mark
+
+    def _build_pending(self) -> None:
+        timeline, self._live = self._live, None
+        if timeline is not None:
+            timeline.stop()
+        pending, claims = self._pending, self._claims
+        self._pending, self._claims = [], {}
+        for stage, name, transient, dev, samples, cuda_figures, seconds, saved, marks in pending:
+            live = timeline.figures(*marks, claims) if timeline is not None and marks[0] is not None else None
+            record = self._build(stage, name, transient, dev, samples, cuda_figures, live,
+                                 with_logits=timeline is not None and timeline.vocab_size is not None)
             record.seconds = seconds
-            record.saved_for_backward = meter.bytes if meter is not None else None
+            record.saved_for_backward = saved
             self._keep(record)
 
     def _fold_peak_into_open_phases(self, allocated: Optional[int] = None, reserved: Optional[int] = None) -> None:
@@ -182,7 +233,8 @@ class MemoryRecorder:
             phase["peak_reserved"] = max(phase["peak_reserved"], reserved)
 
     def _build(self, stage: str, name: str, transient: str, dev: str, samples: list[TensorLedger],
-               cuda: Optional[CudaFigures]) -> PhaseRecord:
+               cuda: Optional[CudaFigures], live: Optional[LiveFigures] = None,
+               with_logits: bool = False) -> PhaseRecord:
         entry = samples[0].components(dev)
         counted: dict[str, int] = {}
         for ledger in samples:
@@ -195,8 +247,13 @@ class MemoryRecorder:
         # Tensors the caller tracked under the resident label are counted already; the rest is "other".
         resident = self.resident_label if self.resident_label not in counted else C.OTHER_TENSORS
         if cuda is None:
+            if live is not None:
+                record.live = live
+                record.components[transient] = counted.get(transient, 0) + live.peak - live.logits_at_peak
+                if with_logits:
+                    record.components[C.LOGITS] = live.logits_at_peak
             record.components.update({c: None for c in (resident, transient, C.ALLOCATOR_OVERHEAD, C.CUDA_CONTEXT)
-                                      if c not in counted})
+                                      if c not in record.components})
             return record
         # Paged optimizer buffers are managed memory, invisible to the allocator figures below.
         paged = sum(last.paged().values())

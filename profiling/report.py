@@ -55,6 +55,12 @@ def markdown(data: dict) -> str:
                      "These come from torch.cuda allocator statistics and NVML on a CUDA device; "
                      "the tensor-counted rows are exact on any device.")
         lines.append("")
+    if any(phase.get("live") for phase in data["phases"]):
+        lines.append("On this CPU the rows of what a phase adds (activations, logits, kv_cache, optimizer_temporaries) "
+                     "are the largest sum of bytes allocated inside the phase and alive at once, from the CPU "
+                     "allocator's events (profiling/live.py); logits are tensors with the vocabulary as last "
+                     "dimension, and tensor-counted ones (gradients, optimizer states) are left out.")
+        lines.append("")
     for phase in data["phases"]:
         for dev, parts in (phase.get("elsewhere") or {}).items():
             listed = ", ".join(f"{c} {C.human(v)}" for c, v in parts.items())
@@ -62,6 +68,12 @@ def markdown(data: dict) -> str:
         if phase.get("paged"):
             listed = ", ".join(f"{c} {C.human(v)}" for c, v in phase["paged"].items())
             lines.append(f"- {phase['stage']}/{phase['phase']}: paged (CUDA managed, can spill to host): {listed}")
+        live = phase.get("live")
+        if live:
+            lines.append(f"- {phase['stage']}/{phase['phase']}: allocated inside the phase, alive at once (CPU "
+                         f"allocator): at most {C.human(live['peak'])}, of it logits "
+                         f"{C.human(live['logits_at_peak'])}; logits alone at most {C.human(live['logits_peak'])}, "
+                         f"the rest alone {C.human(live['others_peak'])}")
         if phase.get("saved_for_backward") is not None:
             lines.append(f"- {phase['stage']}/{phase['phase']}: saved for backward (tensor hooks): "
                          f"{C.human(phase['saved_for_backward'])}")
