@@ -237,8 +237,25 @@ def gpu_kit(folder: Path) -> Row:
                *_when(prov), f"{folder.name}/manifest.json")
 
 
+def activation_check(folder: Path) -> Row:
+    """The estimator's activation and logit terms against the CPU allocator's, per stage and phase."""
+    result = _load(folder / "activation_check.json")
+
+    def count(term: str, phase_is_step: bool = False) -> str:
+        held = [row[term] for row in result["rows"] if row[term]["held"]
+                and (row["phase"] == "optimizer_step") == phase_is_step]
+        return f"{sum(1 for t in held if t['within'])} of {len(held)}"
+
+    return Row((3, 2), "activations measured on the CPU (`benchmarks.activation_check`)",
+               "sft, reward, dpo, ppo, grpo on the tiny preset and SmolLM2, with and without checkpointing",
+               f"terms of >= {result['significant_bytes'] // 2**20} MiB within {result['tolerance']:.0%} of the "
+               f"estimate: layer activations {count('activations')}, logits {count('logits')}, optimizer "
+               f"temporaries {count('activations', True)}, phase peaks {count('transient')}",
+               *_when(result["provenance"]), _report(folder))
+
+
 KINDS: list[tuple[str, Callable[[Path], Row]]] = [  # the file that marks a folder's kind, in the order tried
-    ("manifest.json", gpu_kit), ("ppo_vs_trl.json", ppo_vs_trl), ("stages_vs_trl.json", stages_vs_trl), ("estimate.json", estimate),
+    ("manifest.json", gpu_kit), ("activation_check.json", activation_check), ("ppo_vs_trl.json", ppo_vs_trl), ("stages_vs_trl.json", stages_vs_trl), ("estimate.json", estimate),
     ("result.json", probe)]
 
 
