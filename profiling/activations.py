@@ -44,7 +44,7 @@ class ForwardSpec:
     device: str = "cuda"
     attention: str = "sdpa"  # sdpa / flash_attention_2 keep no seq x seq tensor; eager does
     checkpointing: bool = True
-    logprob_chunk: int = 1024  # positions upcast to fp32 at once (trainer.losses.DEFAULT_CHUNK_SIZE)
+    logprob_chunk: int = 1024  # positions upcast to fp32 at once (trainer.model.logprobs.DEFAULT_CHUNK_SIZE)
     nf4: bool = True
 
 
@@ -123,7 +123,7 @@ def logits_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
     return tokens * V * spec.dtype_bytes + 2 * chunk * V * 4
 
 
-# trainer.losses.head_logprobs runs the output layer over as many positions at once as make 2**24 logits: a
+# trainer.model.logprobs.head_logprobs runs the output layer over as many positions at once as make 2**24 logits: a
 # 64 MiB fp32 temporary whatever the vocabulary (341 positions of SmolLM2's 49k vocabulary, 524 of Llama-2's 32k).
 HEAD_CHUNK_ELEMENTS = 2 ** 24
 
@@ -134,12 +134,12 @@ def head_chunk_positions(vocab_size: int) -> int:
 
 
 def _head_chunk_logits(shape: ModelShape, tokens: int) -> int:
-    """Logits in one chunk of trainer.losses.head_logprobs (head_chunk_positions of them, at most `tokens`)."""
+    """Logits in one chunk of trainer.model.logprobs.head_logprobs (head_chunk_positions of them, at most `tokens`)."""
     return min(head_chunk_positions(shape.vocab_size), tokens) * shape.vocab_size
 
 
 def head_logprobs_training(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
-    """Log-probs straight from the hidden states (trainer.losses.head_logprobs, SFT and DPO): no (tokens x V)
+    """Log-probs straight from the hidden states (trainer.model.logprobs.head_logprobs, SFT and DPO): no (tokens x V)
     tensor, but in backward one chunk's logits in the compute dtype and three fp32 temporaries of them
     (upcast, softmax, its gradient)."""
     return _head_chunk_logits(shape, tokens) * (spec.dtype_bytes + 3 * 4)
