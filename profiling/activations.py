@@ -44,7 +44,7 @@ class ForwardSpec:
     device: str = "cuda"
     attention: str = "sdpa"  # sdpa / flash_attention_2 keep no seq x seq tensor; eager does
     checkpointing: bool = True
-    logprob_chunk: int = 1024  # positions upcast to fp32 at once (trainer.losses.DEFAULT_CHUNK_SIZE)
+    logprob_chunk: int = 1024  # positions upcast to fp32 at once (trainer.model.logprobs.DEFAULT_CHUNK_SIZE)
     nf4: bool = True
 
 
@@ -141,7 +141,7 @@ def logits_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
     return tokens * V * spec.dtype_bytes + chunk * V * (_upcast_bytes(spec) + 4)
 
 
-# trainer.losses.head_logprobs runs the output layer over as many positions at once as make 2**24 logits: a
+# trainer.model.logprobs.head_logprobs runs the output layer over as many positions at once as make 2**24 logits: a
 # 64 MiB fp32 temporary whatever the vocabulary (341 positions of SmolLM2's 49k vocabulary, 524 of Llama-2's 32k).
 HEAD_CHUNK_ELEMENTS = 2 ** 24
 
@@ -152,7 +152,7 @@ def head_chunk_positions(vocab_size: int) -> int:
 
 
 def head_logprobs_training(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
-    """Log-probs straight from the hidden states (trainer.losses.head_logprobs, SFT and DPO): no (tokens x V)
+    """Log-probs straight from the hidden states (trainer.model.logprobs.head_logprobs, SFT and DPO): no (tokens x V)
     tensor, but in backward each chunk's logits recomputed in the compute dtype with two fp32 temporaries of
     them at a time (the upcast and logits - lse, then its exp, then the exp and the gradient), beside the
     previous chunk's fp32 gradient: with one chunk only, a + 8 bytes per logit; with more, 4 more."""

@@ -205,7 +205,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     step = ("optimizer_step", {**grads, C.OPTIMIZER_TEMPORARIES: step_temporaries(trainable, args.optimizer)})
     mb, seq = args.micro_batch_size, args.max_length
     # SFT and DPO take log-probs at completion positions only, a chunk of the LM head at a time
-    # (`output="logprobs"`, trainer.losses.head_logprobs): a chunk's logits, never the (tokens x V) whole.
+    # (`output="logprobs"`, trainer.model.logprobs.head_logprobs): a chunk's logits, never the (tokens x V) whole.
     if args.stage == "sft":
         tokens = mb * seq
         return [("forward_backward", {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, seq),
@@ -314,9 +314,9 @@ def assumptions(args: EstimateArguments) -> list[str]:
         + ("checkpointing keeps each layer's input and recomputes one layer in backward"
            if args.gradient_checkpointing else "no checkpointing: every layer's saved tensors live until backward"),
         "logits: SFT and DPO hold one chunk of the LM head's output (2^24 logits) and its fp32 temporaries "
-        "(trainer.losses.head_logprobs); PPO and GRPO hold their response positions' (tokens x vocab) logits in "
-        f"the compute dtype plus fp32 chunks of {args.logprob_chunk} positions (trainer.losses.token_logprobs), "
-        "in training also their gradient",
+        "(trainer.model.logprobs.head_logprobs); PPO and GRPO hold their response positions' (tokens x vocab) "
+        f"logits in the compute dtype plus fp32 chunks of {args.logprob_chunk} positions "
+        "(trainer.model.logprobs.token_logprobs), in training also their gradient",
         f"allocator_overhead and cuda_context are assumptions ({args.allocator_overhead:.0%} of allocated, "
         f"{args.cuda_context_gib} GiB) until a GPU run measures them",
         "optimizer_states are the steady state after the first step; gradients are fp32 LoRA/head gradients",

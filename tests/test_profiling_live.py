@@ -129,7 +129,7 @@ def test_tiny_sft_step_peak_is_measured_and_near_the_estimate(sft_model):
 def test_the_chunked_log_prob_formulas_are_the_measured_peaks(dtype, positions):
     """trainer.losses' chunked log-probs (the LM head's in SFT and DPO, the logits' in PPO and GRPO), forward
     and backward, hold at most what profiling.activations says, to the byte, in fp32 and in bf16."""
-    from trainer.losses import head_chunk_positions, head_logprobs, token_logprobs
+    from trainer.model.logprobs import head_chunk_positions, head_logprobs, token_logprobs
 
     vocab, hidden_size, a = 2**18, 16, torch.finfo(dtype).bits // 8
     shape = resolve_shape(EstimateArguments(hidden_size=hidden_size, intermediate_size=32, num_layers=1, num_heads=1,

@@ -10,7 +10,8 @@ from conftest import saved_head
 
 from foundation.cli import UsageError
 from trainer.config import ModelArguments
-from trainer.model.shared_base import HEAD_FILE, AdapterSpec, build_shared_model, position_ids_from_mask
+from trainer.model.outputs import position_ids_from_mask
+from trainer.model.shared_base import HEAD_FILE, AdapterSpec, build_shared_model
 
 VOCAB = 512
 
@@ -264,7 +265,7 @@ def labelled_batch(seed=0):
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_label_logprobs_equal_full_logits_log_probs_in_value_and_gradient(checkpointing):
-    from trainer.losses import shift_for_next_token, token_logprobs
+    from trainer.model.logprobs import shift_for_next_token, token_logprobs
 
     torch.manual_seed(0)
     model = build_shared_model(tiny_args(checkpointing=checkpointing, lora_dropout=0.0),
@@ -294,13 +295,13 @@ def test_label_logprobs_equal_full_logits_log_probs_in_value_and_gradient(checkp
 
 
 def test_label_logprobs_run_the_lm_head_on_labelled_positions_only_in_chunks(monkeypatch):
-    import trainer.losses
+    import trainer.model.logprobs
 
     model = build_shared_model(tiny_args(), [AdapterSpec("policy", trainable=False)], vocab_size=VOCAB).eval()
     ids, mask, labels = labelled_batch()
     rows, whole = [], []
-    chunked = trainer.losses.head_logprobs
-    monkeypatch.setattr(trainer.losses, "head_logprobs", lambda h, *a, **k: rows.append(h.shape) or chunked(h, *a, **k))
+    chunked = trainer.model.logprobs.head_logprobs
+    monkeypatch.setattr(trainer.model.logprobs, "head_logprobs", lambda h, *a, **k: rows.append(h.shape) or chunked(h, *a, **k))
     hook = model.causal_lm.get_output_embeddings().register_forward_hook(lambda m, inp, out: whole.append(out.shape))
     try:
         with torch.no_grad():
@@ -311,6 +312,34 @@ def test_label_logprobs_run_the_lm_head_on_labelled_positions_only_in_chunks(mon
     assert whole == []  # the head module never built a (tokens x vocab) tensor
     with pytest.raises(ValueError, match="needs labels"):
         model(ids, mask, adapter="policy", output="logprobs")
+
+
+def test_forward_is_a_table_of_the_explicit_methods_for_wrappers(sft_adapter):
+    """DDP and DeepSpeed call `forward`: each output name gives exactly what its method gives."""
+    args, sft_dir, _ = sft_adapter
+    model = perturbed_ppo_model(args, sft_dir).eval()
+    ids, mask, labels = labelled_batch()
+    segments = torch.tensor([[0] * 4 + [1] * 4 + [2] * 4, [0] * 3 + [1] * 5 + [2] * 3 + [-1]] * 3)[:3]
+    with torch.no_grad():
+        pairs = {"pair_scores": model.pair_scores(ids, segments, "reward"),
+                 "pair_logprobs": model.pair_logprobs(ids, segments, "policy", labels)}
+        for output, adapter, want in [
+            ("logits", "policy", model.logits(ids, mask, "policy", 4)),
+            ("scores", "value", model.scores(ids, mask, "value", 4)),
+            ("hidden", "reference", model.hidden_states(ids, mask, "reference", 4)),
+            ("logprobs", "policy", model.label_logprobs(ids, mask, "policy", labels)),
+            ("pair_scores", "reward", pairs["pair_scores"]),
+            ("pair_logprobs", "policy", pairs["pair_logprobs"]),
+        ]:
+            got = model(ids, mask, adapter=adapter, output=output, keep_last=4, labels=labels, segments=segments)
+            for a, b in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want]):
+                assert torch.equal(a, b), output
+        assert [o.shape for o in model(ids, mask, ("policy", "value"), ("logits", "scores"))] == [
+            model.logits(ids, mask, "policy").shape, model.scores(ids, mask, "value").shape]
+    with pytest.raises(ValueError, match="unknown output 'values'"):
+        model(ids, mask, adapter="value", output="values")
+    with pytest.raises(ValueError, match="need segments"):
+        model(ids, mask, adapter="reward", output="pair_scores")
 
 
 def test_a_frozen_head_without_saved_weights_is_an_error_naming_the_folder(sft_adapter):
@@ -378,7 +407,7 @@ def test_where_routing_cannot_run_the_adapters_run_one_pass_each_and_say_so_once
     unroutable = perturbed_ppo_model(args, sft_dir).eval()
     passes, use_adapter = [], SharedBaseModel.use_adapter
     monkeypatch.setattr(SharedBaseModel, "use_adapter", lambda self, name: passes.append(name) or use_adapter(self, name))
-    with caplog.at_level("INFO", "trainer.model.shared_base"), torch.no_grad():
+    with caplog.at_level("INFO", "trainer.model.routing"), torch.no_grad():
         for model in (unroutable, capped, unroutable, capped):
             passes.clear()
             got = model.fused(ids, mask, adapters, outputs, keep_last=4)

@@ -3,7 +3,8 @@
 PPO holds `policy` (trainable), `reference` (frozen SFT copy), `value` (trainable, value head) and
 `reward` (frozen, reward head) on ONE base: switching changes which LoRA weights the injected layers
 use, never copies base weights. SFT, reward and DPO stages use the same class with fewer adapters;
-which ones, and which train, is `foundation.stages`' table (`stage_specs`).
+which ones, and which train, is `foundation.stages`' table (`stage_specs`). What a pass gives is in
+`trainer.model.outputs`; several adapters in one pass of the base, in `trainer.model.routing`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import shutil
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Sequence, Union
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -24,23 +25,10 @@ from foundation.files import atomic_folder
 from foundation.stages import POLICY, stage_adapters
 from trainer.config import ModelArguments
 from trainer.model.adapter_fit import HEAD_FILE, WEIGHTS_FILE, check_adapter_fits
+from trainer.model.outputs import Outputs
+from trainer.model.routing import Active, Route, Routing
 
 logger = logging.getLogger(__name__)
-
-
-# A routed batch: (adapter, rows) per group, in batch order. The groups' rows go through the base as
-# ONE batch, each group through its own LoRA weights (`SharedBaseModel.fused`).
-Route = tuple[tuple[str, int], ...]
-Active = Union[str, Route]
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over real tokens only, as generation computes them for left-padded prompts.
-
-    Scoring a left-padded rollout with plain 0..T-1 positions would give log-probs that differ from
-    the sampling distribution; for right-padded rows this equals 0..T-1 on every real token.
-    """
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 class ScalarHead(nn.Module):
@@ -100,8 +88,11 @@ def lora_config(args: ModelArguments, dropout: Optional[float] = None):
     )
 
 
-class SharedBaseModel(nn.Module):
-    """The shared-base multi-adapter model. Build it with `from_specs`."""
+class SharedBaseModel(Outputs, Routing, nn.Module):
+    """The shared-base multi-adapter model: adapters, switching, trainability, saving. Build it with `from_specs`.
+
+    Its outputs (`logits`, `scores`, `label_logprobs`, ...) come from `Outputs`, the routed passes from `Routing`.
+    """
 
     def __init__(self, peft_model, specs: list[AdapterSpec], heads: dict[str, ScalarHead]):
         super().__init__()
@@ -187,52 +178,6 @@ class SharedBaseModel(nn.Module):
         for name, head in self.heads.items():
             head.requires_grad_(self.specs[name].trainable)
 
-    def _install_routing(self) -> bool:
-        """Give every LoRA linear layer the hook that adds the LoRA outputs - of the active adapter, or of
-        each group's adapter in a routed batch - and leave peft's own forward none to add (its layers'
-        active adapters stay empty). False for other layer kinds: there peft's layers add the active
-        adapter's outputs and passes run one adapter at a time.
-
-        So on a routable model, peft's own switches act on empty lists: `use_adapter` switches and
-        `base_only` turns the adapters off. (peft's `disable_adapter()` would set requires_grad on its
-        active adapters - none here - when it ends, freezing every adapter.)"""
-        from peft.tuners.lora import LoraLayer
-
-        plain = all(isinstance(m, LoraLayer) and isinstance(m.base_layer, nn.Linear)  # bnb Linear4bit is one
-                    and not getattr(m, "lora_variant", {}) for m in self._tuner_layers)
-        if plain:
-            for layer in self._tuner_layers:
-                layer._active_adapter = []  # what peft's set_adapter assigns (peft 0.21); the switching tests pin it
-                layer.register_forward_hook(self._add_routed_lora)
-        return plain
-
-    def _add_routed_lora(self, layer, inputs, output):
-        """Forward hook: `output` is the base layer's (peft's forward has no active adapter); add to
-        each group's rows the LoRA output of that group's adapter - one group of all rows for a single
-        active adapter. Nothing in `base_only` or while peft's adapters are disabled or merged."""
-        x = inputs[0]
-        route = self._route
-        if self._base_only or layer.disable_adapters or layer.merged or (route is None and self._single is None):
-            return None
-        if route is None:
-            route = ((self._single, x.shape[0]),)  # all rows: nothing to check
-        elif x.shape[0] != sum(rows for _, rows in route):
-            raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(r for _, r in route)}")
-        # Rounded as peft's own layer rounds (its bitsandbytes layers cast the LoRA output to the
-        # result's dtype before adding; the plain one adds in the wider dtype, then casts), so a
-        # routed pass gives each group what a pass under its adapter gives.
-        round_first = type(layer).__module__.endswith(".bnb")
-        in_place = not torch.is_grad_enabled()  # scoring: add into the base output's rows, no copies
-        sizes, pieces = [rows for _, rows in route], []
-        for (name, _), xs, out in zip(route, x.split(sizes), output.split(sizes)):
-            if name in layer.lora_A:
-                lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-                delta = lora_b(lora_a(layer.lora_dropout[name](xs.to(lora_a.weight.dtype)))) * layer.scaling[name]
-                if round_first:
-                    delta = delta.to(out.dtype)
-                out = out.add_(delta) if in_place else (out + delta).to(out.dtype)
-            pieces.append(out)
-        return output if in_place else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     # ---- switching ----------------------------------------------------------------------------
     @property
@@ -266,15 +211,6 @@ class SharedBaseModel(nn.Module):
             self._set_peft_layers(name)
             self.peft.base_model.active_adapter = name  # the LoraModel's record ...
             self.peft.active_adapter = name  # ... and the PeftModel's (peft_config lookups, saving)
-
-    def _route_to(self, route: Route) -> None:
-        if not self.routable:
-            raise ValueError("this model's adapters cannot be routed per row group (only plain LoRA on linear "
-                             "layers can): run the passes one adapter at a time")
-        for name, rows in route:
-            if name not in self.specs:
-                raise KeyError(f"no adapter '{name}' on this model (have {self.adapter_names})")
-        self._route = route
 
     def checkpoint_contexts(self):
         """`context_fn` for torch.utils.checkpoint: recompute under the adapter (or route) active in the forward.
@@ -322,204 +258,24 @@ class SharedBaseModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str | Sequence[str],
                 output: str | Sequence[str] = "logits", keep_last: int = 0, labels: Optional[torch.Tensor] = None,
                 segments: Optional[torch.Tensor] = None):
-        """One entry point for wrappers (DDP, DeepSpeed) that must see `forward`.
+        """Only for wrappers (DDP, DeepSpeed) that must call `forward`: runs the method named by `output`.
 
-        Several adapters (and one output per adapter) score the same rows in one routed pass of the
-        base (`fused`) and return a tuple.
-
-        `output` is "logits" (B, T, V), "scores" (B, T) from the adapter's head, "hidden" (B, T, H), or
-        "logprobs" (B, T-1): log p of each next-token `labels` entry, computing the LM head only where
-        a label is set (SFT and DPO score completions; the prompt's logits are never built).
-        `keep_last=k` computes only the last k positions' outputs (PPO needs the response part only,
-        and the vocab-sized logits of the prompt are the largest tensor of a scoring pass).
-        "pair_scores" / "pair_logprobs" read a batch of one row per pair (`segments`, from
-        `SharedPromptPairCollator`) and return (chosen, rejected) per pair: the head's score at each
-        completion's last token, or each completion's summed label log-probs (`pair_outputs`).
+        Code that holds the model itself calls those methods directly. Several adapters (one output
+        each, "logits" or "scores") go to `fused` and give a tuple.
         """
-        if output in ("pair_scores", "pair_logprobs"):
-            if segments is None:
-                raise ValueError(f"output='{output}' needs segments (SharedPromptPairCollator)")
-            return self.pair_outputs(input_ids, segments, adapter, output, labels)
         if not isinstance(adapter, str):
             return self.fused(input_ids, attention_mask, adapter, output, keep_last)
-        if output == "logprobs":
-            if labels is None:
-                raise ValueError("output='logprobs' needs labels")
-            return self.label_logprobs(input_ids, attention_mask, labels, adapter)
-        if output == "logits":
-            return self.logits(input_ids, attention_mask, adapter, keep_last)
-        if output == "scores":
-            return self.scores(input_ids, attention_mask, adapter, keep_last)
-        if output == "hidden":
-            return self.hidden_states(input_ids, attention_mask, adapter, keep_last)
-        raise ValueError(f"unknown output '{output}': use logits, scores or hidden")
-
-    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str,
-               keep_last: int = 0) -> torch.Tensor:
-        """(B, T, V) next-token logits under `adapter` (the last `keep_last` positions if > 0)."""
-        if keep_last and self._plain_lm_head:
-            return self.lm_head(self.hidden_states(input_ids, attention_mask, adapter, keep_last))
-        with self.use_adapter(adapter):
-            return self.peft(input_ids=input_ids, attention_mask=attention_mask,
-                             position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-                             logits_to_keep=keep_last).logits
-
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: Active,
-                      keep_last: int = 0) -> torch.Tensor:
-        """(B, T, H) last hidden states under `adapter` (or a route), skipping the LM head (no vocab-sized tensor)."""
-        with self.use_adapter(adapter):
-            out = self.causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                            position_ids=position_ids_from_mask(attention_mask), use_cache=False)
-            hidden = out.last_hidden_state
-            return hidden[:, -keep_last:] if keep_last else hidden
-
-    @property
-    def shares_pair_prompts(self) -> bool:
-        """Whether the attention implementation takes the custom mask of one-row pairs (SDPA, eager)."""
-        from trainer.model.pairs import MASK_IMPLEMENTATIONS
-
-        return (getattr(self.causal_lm.config, "_attn_implementation", None) in MASK_IMPLEMENTATIONS
-                and self._plain_lm_head)
-
-    def pair_outputs(self, input_ids: torch.Tensor, segments: torch.Tensor, adapter: str, output: str,
-                     labels: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen, rejected) per pair from ONE row per pair (see trainer.model.pairs): the prompt runs once.
-
-        "pair_scores": the head's score at each completion's last token (EOS). "pair_logprobs": the summed
-        log-probs of each completion's `labels`, the LM head run only at completion positions."""
-        from trainer.losses import IGNORE_INDEX
-        from trainer.model.pairs import (
-            CHOSEN, REJECTED, last_of, pair_attention_mask, pair_positions, predicting_positions,
-        )
-
-        if not self.shares_pair_prompts:
-            raise ValueError("one-row pairs need SDPA or eager attention (a custom attention mask); "
-                             f"this model uses {self.causal_lm.config._attn_implementation}")
-        dtype = self.causal_lm.get_input_embeddings().weight.dtype
-        if torch.is_autocast_enabled(input_ids.device.type):
-            dtype = torch.get_autocast_dtype(input_ids.device.type)
-        mask = pair_attention_mask(segments, dtype, additive=self.causal_lm.config._attn_implementation == "eager")
-        with self.use_adapter(adapter):
-            hidden = self.causal_lm.base_model(input_ids=input_ids, attention_mask=mask,
-                                               position_ids=pair_positions(segments), use_cache=False).last_hidden_state
-        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-        if output == "pair_scores":
-            if adapter not in self.heads:
-                raise KeyError(f"adapter '{adapter}' has no scalar head")
-            head = self.heads[adapter]
-            return (head(hidden[rows, last_of(segments, CHOSEN)]), head(hidden[rows, last_of(segments, REJECTED)]))
-        if labels is None:
-            raise ValueError("output='pair_logprobs' needs labels")
-        keep = labels != IGNORE_INDEX
-        source = predicting_positions(segments)
-        picked_hidden = hidden[rows[:, None].expand_as(source)[keep], source[keep]]  # (N, H) at N completion tokens
-        picked = self.head_logprobs(picked_hidden, labels[keep])
-        per_token = torch.zeros(labels.shape, dtype=picked.dtype, device=picked.device).masked_scatter(keep, picked)
-        return (per_token * (segments == CHOSEN)).sum(dim=1), (per_token * (segments == REJECTED)).sum(dim=1)
-
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., V) logits of (..., H) hidden states as ONE matrix product.
-
-        The last k positions of a batch are a strided view; the LM head applied to it as it is (what
-        transformers' `logits_to_keep` does) runs as a batched product against the (V x H) weight
-        expanded per row when the head is frozen: half as fast as this (measured with SmolLM2's head,
-        8 rows x 17 positions, 2 CPU threads: 259 ms strided, 121 ms flat).
-        """
-        flat = hidden.reshape(-1, hidden.shape[-1])  # a copy of the few kept positions when strided
-        return self.causal_lm.get_output_embeddings()(flat).view(*hidden.shape[:-1], -1)
-
-    def head_logprobs(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """(N,) log p(labels) of (N, H) hidden states through the LM head. A plain linear head (Llama's, not
-        a PEFT, 4-bit or ZeRO-3-partitioned one) runs in chunks (trainer.losses.head_logprobs): neither the
-        (N x V) logits nor their gradient is held whole; any other head builds its logits."""
-        from trainer.losses import head_logprobs, token_logprobs
-
-        head = self.causal_lm.get_output_embeddings()
-        if type(head) is nn.Linear and not hasattr(head.weight, "ds_id"):
-            return head_logprobs(hidden, head.weight, head.bias, labels)
-        return token_logprobs(head(hidden).unsqueeze(0), labels.unsqueeze(0)).squeeze(0)
-
-    @property
-    def _plain_lm_head(self) -> bool:
-        """Logits are lm_head(last hidden state), as in Llama; some families scale or soft-cap them after."""
-        cfg = self.causal_lm.config
-        return not any(getattr(cfg, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
-
-    def label_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
-                       adapter: str) -> torch.Tensor:
-        """(B, T-1) log p(labels[:, t+1] | tokens <= t) under `adapter`; 0 where the label is IGNORE_INDEX.
-
-        Equal to `token_logprobs(*shift_for_next_token(logits, labels))` over the full logits, but the
-        LM head and the fp32 log-softmax run only at labelled positions (on hh-rlhf most tokens are
-        prompt: this skips most of the largest matmul), a chunk of them at a time (`head_logprobs`).
-        """
-        from trainer.losses import IGNORE_INDEX, shift_for_next_token, token_logprobs
-
-        if labels.shape != input_ids.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} do not match input_ids {tuple(input_ids.shape)}")
-        if not self._plain_lm_head:
-            return token_logprobs(*shift_for_next_token(self.logits(input_ids, attention_mask, adapter), labels))
-        targets = labels[:, 1:]
-        keep = targets != IGNORE_INDEX
-        hidden = self.hidden_states(input_ids, attention_mask, adapter)[:, :-1]
-        picked = self.head_logprobs(hidden[keep], targets[keep])  # the N labelled positions only
-        return torch.zeros(targets.shape, dtype=picked.dtype, device=picked.device).masked_scatter(keep, picked)
-
-    def scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str,
-               keep_last: int = 0) -> torch.Tensor:
-        """(B, T) per-token scalars from `adapter` and its head (values, or rewards read at the last token)."""
-        if adapter not in self.heads:
-            raise KeyError(f"adapter '{adapter}' has no scalar head")
-        return self.heads[adapter](self.hidden_states(input_ids, attention_mask, adapter, keep_last))
-
-    def fused(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapters: Sequence[str],
-              outputs: Sequence[str], keep_last: int = 0) -> tuple[torch.Tensor, ...]:
-        """The same rows under several adapters in ONE pass of the base.
-
-        The rows are stacked once per adapter and each copy is routed through its own LoRA weights, so
-        every base layer (in 4-bit: every dequantization) runs once for all of them instead of once per
-        adapter. `outputs[g]` ("logits" or "scores") is what `adapters[g]` gives; result g equals
-        `self(input_ids, attention_mask, adapters[g], outputs[g], keep_last)`. Where routing cannot run
-        (`_route_blocker`), the passes run one after the other instead, with the same results, said once.
-        """
-        if len(adapters) != len(outputs) or not adapters:
-            raise ValueError(f"one output per adapter: got {list(adapters)} and {list(outputs)}")
-        for output in outputs:
-            if output not in ("logits", "scores"):
-                raise ValueError(f"a fused pass gives logits or scores, not '{output}'")
-        blocker = self._route_blocker(outputs)
-        if blocker is not None:
-            if blocker not in self._fallbacks_logged:
-                self._fallbacks_logged.add(blocker)
-                logger.info("adapters %s run one pass each instead of one routed pass: %s", ", ".join(adapters),
-                            blocker)
-            return self._separate_passes(input_ids, attention_mask, adapters, outputs, keep_last)
-        rows, groups = input_ids.shape[0], len(adapters)
-        route = tuple((adapter, rows) for adapter in adapters)
-        hidden = self.hidden_states(input_ids.repeat(groups, 1), attention_mask.repeat(groups, 1), route, keep_last)
-        results = []
-        for adapter, output, part in zip(adapters, outputs, hidden.split(rows)):
-            if output == "logits":
-                results.append(self.lm_head(part))
-            else:
-                if adapter not in self.heads:
-                    raise KeyError(f"adapter '{adapter}' has no scalar head")
-                results.append(self.heads[adapter](part))
-        return tuple(results)
-
-    def _route_blocker(self, outputs: Sequence[str]) -> Optional[str]:
-        """Why a routed pass cannot give `outputs` on this model, or None. Launch modes never block it: the
-        ones that partition the base (ZeRO-3, FSDP) refuse the stages with several adapters at start."""
-        if not self.routable:
-            return "its adapters are not plain LoRA on linear layers"
-        if "logits" in outputs and not self._plain_lm_head:
-            return "its logits are not the LM head of the last hidden state (soft-capped or scaled)"
-        return None
-
-    def _separate_passes(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapters: Sequence[str],
-                         outputs: Sequence[str], keep_last: int = 0) -> tuple[torch.Tensor, ...]:
-        """What `fused` gives, from one pass per adapter: where routing cannot run, and what tests compare with."""
-        return tuple(self.forward(input_ids, attention_mask, a, o, keep_last) for a, o in zip(adapters, outputs))
+        passes = {
+            "logits": lambda: self.logits(input_ids, attention_mask, adapter, keep_last),
+            "scores": lambda: self.scores(input_ids, attention_mask, adapter, keep_last),
+            "hidden": lambda: self.hidden_states(input_ids, attention_mask, adapter, keep_last),
+            "logprobs": lambda: self.label_logprobs(input_ids, attention_mask, adapter, labels),
+            "pair_scores": lambda: self.pair_scores(input_ids, segments, adapter),
+            "pair_logprobs": lambda: self.pair_logprobs(input_ids, segments, adapter, labels),
+        }
+        if output not in passes:
+            raise ValueError(f"unknown output '{output}': use one of {', '.join(passes)}")
+        return passes[output]()
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = POLICY, **kwargs):

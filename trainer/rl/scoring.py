@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 
 from foundation.stages import POLICY, REFERENCE, REWARD, VALUE
-from trainer.losses import entropy_from_logits, last_token_values, token_logprobs
+from trainer.losses import last_token_values
+from trainer.model.logprobs import entropy_from_logits, token_logprobs
 
 
 def trimmed_to_longest_response(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor

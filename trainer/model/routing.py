@@ -1,0 +1,131 @@
+"""Routed LoRA: each row group of ONE batch through its own adapter, so the base runs once for all groups.
+
+On a model whose adapters are plain LoRA on linear layers, every LoRA layer carries a forward hook that
+adds the LoRA outputs itself: the active adapter's, or each group's adapter's in a routed batch (`Route`).
+`fused` stacks the same rows once per adapter and scores them in one routed pass: in 4-bit, every
+dequantization of the base is paid once instead of once per adapter. `SharedBaseModel` takes this mixin.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+# A routed batch: (adapter, rows) per group, in batch order. The groups' rows go through the base as
+# ONE batch, each group through its own LoRA weights (`Routing.fused`).
+Route = tuple[tuple[str, int], ...]
+Active = Union[str, Route]
+
+
+class Routing:
+    """The routing half of `SharedBaseModel`: the LoRA hook, routes, and the fused pass over row groups."""
+
+    def _install_routing(self) -> bool:
+        """Give every LoRA linear layer the hook that adds the LoRA outputs - of the active adapter, or of
+        each group's adapter in a routed batch - and leave peft's own forward none to add (its layers'
+        active adapters stay empty). False for other layer kinds: there peft's layers add the active
+        adapter's outputs and passes run one adapter at a time.
+
+        So on a routable model, peft's own switches act on empty lists: `use_adapter` switches and
+        `base_only` turns the adapters off. (peft's `disable_adapter()` would set requires_grad on its
+        active adapters - none here - when it ends, freezing every adapter.)"""
+        from peft.tuners.lora import LoraLayer
+
+        plain = all(isinstance(m, LoraLayer) and isinstance(m.base_layer, nn.Linear)  # bnb Linear4bit is one
+                    and not getattr(m, "lora_variant", {}) for m in self._tuner_layers)
+        if plain:
+            for layer in self._tuner_layers:
+                layer._active_adapter = []  # what peft's set_adapter assigns (peft 0.21); the switching tests pin it
+                layer.register_forward_hook(self._add_routed_lora)
+        return plain
+
+    def _add_routed_lora(self, layer, inputs, output):
+        """Forward hook: `output` is the base layer's (peft's forward has no active adapter); add to
+        each group's rows the LoRA output of that group's adapter - one group of all rows for a single
+        active adapter. Nothing in `base_only` or while peft's adapters are disabled or merged."""
+        x = inputs[0]
+        route = self._route
+        if self._base_only or layer.disable_adapters or layer.merged or (route is None and self._single is None):
+            return None
+        if route is None:
+            route = ((self._single, x.shape[0]),)  # all rows: nothing to check
+        elif x.shape[0] != sum(rows for _, rows in route):
+            raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(r for _, r in route)}")
+        # Rounded as peft's own layer rounds (its bitsandbytes layers cast the LoRA output to the
+        # result's dtype before adding; the plain one adds in the wider dtype, then casts), so a
+        # routed pass gives each group what a pass under its adapter gives.
+        round_first = type(layer).__module__.endswith(".bnb")
+        in_place = not torch.is_grad_enabled()  # scoring: add into the base output's rows, no copies
+        sizes, pieces = [rows for _, rows in route], []
+        for (name, _), xs, out in zip(route, x.split(sizes), output.split(sizes)):
+            if name in layer.lora_A:
+                lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+                delta = lora_b(lora_a(layer.lora_dropout[name](xs.to(lora_a.weight.dtype)))) * layer.scaling[name]
+                if round_first:
+                    delta = delta.to(out.dtype)
+                out = out.add_(delta) if in_place else (out + delta).to(out.dtype)
+            pieces.append(out)
+        return output if in_place else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _route_to(self, route: Route) -> None:
+        if not self.routable:
+            raise ValueError("this model's adapters cannot be routed per row group (only plain LoRA on linear "
+                             "layers can): run the passes one adapter at a time")
+        for name, rows in route:
+            if name not in self.specs:
+                raise KeyError(f"no adapter '{name}' on this model (have {self.adapter_names})")
+        self._route = route
+
+    def fused(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapters: Sequence[str],
+              outputs: Sequence[str], keep_last: int = 0) -> tuple[torch.Tensor, ...]:
+        """The same rows under several adapters in ONE pass of the base.
+
+        `outputs[g]` ("logits" or "scores") is what `adapters[g]` gives; result g equals
+        `self.logits` or `self.scores` of `adapters[g]` with the same `keep_last`. Where routing cannot
+        run (`_route_blocker`), the passes run one after the other instead, with the same results, said once.
+        """
+        if len(adapters) != len(outputs) or not adapters:
+            raise ValueError(f"one output per adapter: got {list(adapters)} and {list(outputs)}")
+        for output in outputs:
+            if output not in ("logits", "scores"):
+                raise ValueError(f"a fused pass gives logits or scores, not '{output}'")
+        blocker = self._route_blocker(outputs)
+        if blocker is not None:
+            if blocker not in self._fallbacks_logged:
+                self._fallbacks_logged.add(blocker)
+                logger.info("adapters %s run one pass each instead of one routed pass: %s", ", ".join(adapters),
+                            blocker)
+            return self._separate_passes(input_ids, attention_mask, adapters, outputs, keep_last)
+        rows, groups = input_ids.shape[0], len(adapters)
+        route = tuple((adapter, rows) for adapter in adapters)
+        hidden = self.hidden_states(input_ids.repeat(groups, 1), attention_mask.repeat(groups, 1), route, keep_last)
+        results = []
+        for adapter, output, part in zip(adapters, outputs, hidden.split(rows)):
+            if output == "logits":
+                results.append(self.lm_head(part))
+            else:
+                if adapter not in self.heads:
+                    raise KeyError(f"adapter '{adapter}' has no scalar head")
+                results.append(self.heads[adapter](part))
+        return tuple(results)
+
+    def _route_blocker(self, outputs: Sequence[str]) -> Optional[str]:
+        """Why a routed pass cannot give `outputs` on this model, or None. Launch modes never block it: the
+        ones that partition the base (ZeRO-3, FSDP) refuse the stages with several adapters at start."""
+        if not self.routable:
+            return "its adapters are not plain LoRA on linear layers"
+        if "logits" in outputs and not self._plain_lm_head:
+            return "its logits are not the LM head of the last hidden state (soft-capped or scaled)"
+        return None
+
+    def _separate_passes(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapters: Sequence[str],
+                         outputs: Sequence[str], keep_last: int = 0) -> tuple[torch.Tensor, ...]:
+        """What `fused` gives, from one pass per adapter: where routing cannot run, and what tests compare with."""
+        return tuple((self.logits if o == "logits" else self.scores)(input_ids, attention_mask, a, keep_last)
+                     for a, o in zip(adapters, outputs))
