@@ -3,10 +3,8 @@ GPU tables from the files they hold (no figure typed by hand).
 
     python -m benchmarks.gpu.collect ARCHIVE [ARCHIVE ...]
 
-Each archive (`run.sh` wrote it) becomes `benchmarks/results/PART-MODEL-GPU/` (a smoke run's:
-`PART-MODEL-smoke/`), with `provenance.json` (GPU name, driver, date, command, git revision, from the
-part's manifest). Then the README's section between the `gpu-results` markers is rewritten from every
-GPU result folder: the memory table (peak per phase, per stage) and the estimator-vs-measured table.
+Each archive becomes `benchmarks/results/PART-MODEL-GPU/` (smoke: `PART-MODEL-smoke/`) with
+`provenance.json`; then the README's `gpu-results` section is rewritten from every GPU result folder.
 """
 
 from __future__ import annotations

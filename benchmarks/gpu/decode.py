@@ -1,20 +1,11 @@
 """Rollout decode throughput of the shared base, against the bandwidth bound.
 
     python -m benchmarks.gpu.decode --model_name_or_path llama-2-7b --quantization nf4 --batches 1,16,64
-    python -m benchmarks.gpu.decode --paths eager,static,compiled --batches 8   # which decode path is fastest
 
-Each decoded token reads every weight of the base once (packed 4-bit weights, their quantization
-constants, norms and the LM head; an embedding row per sequence) plus the active LoRA adapter, whatever
-the batch: the bandwidth bound on tokens/s at batch B is B x (device bandwidth) / (bytes read per
-decode step). The bandwidth is measured in the same run by a device-to-device copy (bytes read plus
-bytes written, over the time). Decode time is generation of N new tokens less generation of one (the
-prefill), so tokens/s counts decoded tokens only. KV-cache reads are left out of the bound (they grow
-with the context; at these lengths they are a few percent of the weights).
-
-`--paths` times the decode paths a rollout can take (PPO's `--decode`), on the same rows: `eager`
-(transformers' dynamic KV cache: the default), `static` (a preallocated KV cache of fixed shape, no
-compilation) and `compiled` (the static cache and a torch.compile'd decode step). Every path's first
-call (compilation included) is timed apart from the best of the repeats.
+A decode step reads every weight once whatever the batch, so the bound at batch B is B x bandwidth /
+bytes read per step (`profiling.decode`; the bandwidth from a device copy in the same run). Decode time
+is generating N tokens less generating one (the prefill). `--paths eager,static,compiled` times PPO's
+`--decode` paths on the same rows, each path's first call (compilation) apart from the best repeat.
 """
 
 from __future__ import annotations

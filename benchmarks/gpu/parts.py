@@ -1,34 +1,11 @@
-"""The parts of the GPU kit: what each measures, as commands run one after another into one folder.
+"""The parts of the GPU kit, each a list of commands run one after another into one folder.
 
     python -m benchmarks.gpu.parts PART --out DIR [--smoke]
 
-- first:  the headline figures in one device call, in the order of their value: the GPU tests that
-          prove the CUDA path (NF4 against bf16, adapter isolation after a PPO update, paged 8-bit
-          AdamW, the recorder's allocator and NVML fields, the simulated card), the seed recipe's PPO
-          on the Llama-2-7B architecture (NF4, 2 steps, after one step each of SFT and reward, in one
-          process, for its adapters) with memory recorded per component and phase against the
-          estimator and its rollouts' decode tokens/s at batch 16 against the bandwidth bound, then
-          one PPO step against TRL's (each side stopped at the part's deadline).
-- check:  nvidia-smi and the GPU tests (`pytest -m gpu tests/test_gpu.py`).
-- memory: the seed recipe's SFT, reward model and PPO stages (trainer/configs/llama2_7b/) on the
-          Llama-2-7B architecture (random weights, NF4) under a simulated 24 GB card with
-          `--profile_memory true`, 3 steps each, then each stage measured against the estimator.
-- grpo_recipe: TRL's QLoRA GRPO recipe (Qwen2.5-7B shapes, r=32, 8 x 256 tokens, beta 0, a scored reward)
-          under the cap, 2 steps, memory against the estimator.
-- speed:  decode throughput at batch 1, 16 and 64 against the bandwidth bound (`benchmarks.gpu.decode`),
-          at batch 16 each decode path (eager, static KV cache, compiled decode step), and the first
-          call's PPO work with compiled layers.
-- ladder: the SFT flag ladder (`benchmarks.flag_ladder`) at 7B under the cap.
-- stages: `benchmarks.stages_vs_trl` for SFT, reward and DPO at 7B NF4 under the cap, 3 steps each:
-          our stage scripts against TRL's SFTTrainer, RewardTrainer and DPOTrainer (speed and memory).
-
-`--smoke` runs the same code paths on the CPU with the tiny preset and small settings (about a minute
-a part): CI runs every part that way, so the kit cannot rot between GPU sessions. The smoke `stages`
-part runs DPO only: SFT and reward run the same benchmark with the same NF4 and 8-bit AdamW flags in
-tests/test_stages_vs_trl.py, which CI runs too. Each step runs in its
-own process with what is left of the part's time; a step that fails is recorded (its exit code and the
-end of its log) and the part goes on. `manifest.json` in DIR says what ran, how long, and where: the
-GPU, its driver, the library versions, the date, the command and the git revision.
+What each part measures, and the order to run them: benchmarks/gpu/README.md. Each step runs in its own
+process with what is left of the part's budget; a step that fails or runs out of time is recorded and
+the part goes on. `manifest.json` says what ran, how long, and where. `--smoke` runs the same code paths
+on the CPU with the tiny preset: CI does, so the kit cannot rot between GPU sessions.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """How long each call of the GPU kit takes: measured where a manifest says so, predicted where none does.
 
-    python -m benchmarks.gpu.plan            # print the plan table
-    python -m benchmarks.gpu.plan --write    # and rewrite it in benchmarks/gpu/README.md
+    python -m benchmarks.gpu.plan [--write]    # print the plan table [and rewrite it in the kit's README]
 
-No step has a GPU time until a call has run there. Until then a step's GPU seconds are predicted from
-the estimator's shapes: decoding at `DECODE_FRACTION` of the bandwidth bound (bytes one decode step
-reads over the card's bandwidth, `profiling.decode`), training and scoring FLOPs at `MFU` of the card's
-bf16 peak, and a process start and a 7B NF4 build per process. Those constants are guesses, named
-here once; each call's smoke seconds (CPU, tiny preset) and GPU seconds come from the manifests under
-benchmarks/results/, and the first GPU run's manifest replaces the prediction in the table.
+A step's GPU seconds are predicted from the estimator's shapes (decode against the bandwidth bound, other
+passes against the bf16 peak, named guesses for process starts and builds) until a collected GPU
+manifest measures them; smoke seconds come from the collected smoke manifests.
 """
 
 from __future__ import annotations

@@ -2,12 +2,9 @@
 
     python -m benchmarks.gpu.vs_estimate RUN_DIR [RUN_DIR ...]
 
-For each stage folder (config.json and memory.json, written by a run with `--profile_memory true`)
-the estimator is run on the run's own saved settings (`EstimateArguments.of_run`: the trainer's
-field names, as the start-up budget check does), and every component of every phase both have is
-set side by side with the ratio measured / predicted, plus each phase's total and peak. Writes
-vs_estimate.json and vs_estimate.md into the run folder. A ratio within 0.85-1.15 is the project's
-target for the estimator.
+For each run folder (config.json and memory.json from `--profile_memory true`) the estimator runs on
+the run's own saved settings, and each component of each phase is set beside it with the ratio
+measured / predicted (the target: 0.85-1.15). Writes vs_estimate.json and vs_estimate.md there.
 """
 
 from __future__ import annotations
