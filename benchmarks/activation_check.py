@@ -2,21 +2,10 @@
 
     python -m benchmarks.activation_check [--variants tiny,smollm2-ckpt] [--out_dir DIR]
 
-Each model variant (the tiny preset and SmolLM2, each with and without gradient checkpointing, and the
-tiny preset with a 128k vocabulary) runs sft, reward, dpo, ppo and grpo, one optimizer step each, in
-processes of their own with `--profile_memory true`. The rows are generated so that every batch has the
-shape the estimator assumes: each sequence exactly `max_length` tokens, a 4-token prompt, PPO prompts
-exactly `max_prompt_length` and responses exactly `max_new_tokens` long. Then each phase's measured
-transient memory (the CPU allocator's events, `profiling.live`) is set beside the estimate for the
-run's own saved settings (`profiling.predict`), term by term:
-
-- activations: the largest sum of what the phase allocated and held at once, logits left out, against
-  the estimate's activations (generate: and the KV cache; optimizer_step: the optimizer's temporaries);
-- logits: the largest sum of tensors whose last dimension is the vocabulary, against the estimate's logits;
-- transient: the phase's peak of both together, against the sum of the two estimates.
-
-Writes activation_check.json and README.md into --out_dir (default
-benchmarks/results/activation_check-cpu); `--render` rewrites the README from the JSON alone.
+Each model variant runs sft, reward, dpo, ppo and grpo for one step in its own process with
+`--profile_memory true`, on rows shaped exactly as the estimator assumes. Each phase's measured activations,
+logits and transient peak (`profiling.live`) are set beside the estimate for the run's saved settings.
+Writes activation_check.json and README.md into --out_dir; `--render` rewrites the README from the JSON.
 """
 
 from __future__ import annotations
@@ -69,8 +58,8 @@ STAGE_FLAGS = {
 }
 # What each phase's non-logit transient memory is in the estimate's components.
 ACTIVATION_TERMS = (C.ACTIVATIONS, C.KV_CACHE, C.OPTIMIZER_TEMPORARIES)
-# Why terms are off, as found when this check was written (the allocations alive at the measured peaks, read
-# off the same allocator events); `cause_of` says which applies to a term.
+# Why terms are off (the allocations alive at the measured peaks, read off the same allocator events);
+# `cause_of` says which applies to a term.
 CAUSES = {
     "fused_adamw": "the trainer's AdamW runs torch's fused kernel, which allocates no temporaries; the estimate "
     "(profiling/optimizers.py step_temporaries) assumes foreach AdamW's fp32 list of the moments' size",

@@ -3,10 +3,9 @@ line each command prints. Writes benchmarks/results/bad_inputs/ (README.md table
 
     python -m benchmarks.bad_inputs
 
-Each case is a real command in a process of its own, on the tiny random Llama or the embedded SmolLM2,
-against files made in a scratch folder. Two cases need a fault in the middle of a command (a disk that
-fills while checkpointing, a folder filled while exporting): the first runs on a small tmpfs where the
-machine allows mounting one; the second and a kill during the final save are pinned by tests only.
+Each case is a real command in its own process, on the tiny Llama or the embedded SmolLM2, against files in
+a scratch folder. A disk filling mid-checkpoint runs on a small tmpfs where one can be mounted; a folder
+filled mid-export and a kill during the final save are pinned by tests only.
 """
 
 from __future__ import annotations

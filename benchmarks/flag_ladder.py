@@ -3,10 +3,9 @@
     python -m benchmarks.flag_ladder --stage sft --model_name_or_path llama-2-7b --simulate_gpu_gib 24
     python -m benchmarks.flag_ladder --stage ppo --grid "quantization=nf4,none;gradient_checkpointing=true,false"
 
-Each variant runs the real stage script for a few steps in its own process (clean allocator
-statistics, and an out-of-memory ends only that variant) with `--profile_memory true`, and the
-table is read from the files the run wrote: peak allocated / reserved (CUDA), peak resident set
-(CPU), median step time and tokens per second. Writes bench.json, bench.md and bench.png.
+Each variant runs the real stage script for a few steps in its own process (clean allocator statistics; an
+OOM ends only that variant) with `--profile_memory true`; the table (peak memory, median step time,
+tokens/s) is read from the run's files. Writes bench.json, bench.md and bench.png.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Our PPO step against TRL's PPOTrainer on the same work: a JSON + Markdown comparison.
 
     python -m benchmarks.ppo_vs_trl                                   # SmolLM2-135M, CPU or GPU
-    python -m benchmarks.ppo_vs_trl --model_name_or_path llama-2-7b --quantization nf4 --simulate_gpu_gib 24 ...
 
-Both sides get the same base weights, the same hh-rlhf prompts (all exactly `prompt_length`
-tokens), responses of exactly `max_new_tokens` tokens, the same rollout / mini / micro batch sizes,
-PPO epochs, LoRA shape, learning rate, optimizer, dtype and reward function (an untrained scalar
-head with identical weights on the same base). The sides run one after the other in the order of
-`--sides`; with `--rounds N` every side runs N times, the order reversed every other round (ours,
-TRL, TRL, ours, ...), so a drift in the machine's speed falls on both sides alike. Every side runs,
-each round, in a fresh Python process of its own (`--isolate`, the default): in one process a side
-ran slower after the other had run, TRL's by up to a quarter on a 2-core CPU, though each freed its
-models. Each side's peak memory is reset after its models are loaded. `warmup_runs` steps are run
-first and left out of the timings. Writes ppo_vs_trl.json and ppo_vs_trl.md to `out_dir` (rewritten
-after each side). Figures on CPU and on a GPU are never put
-in one table: each file holds one device.
+Both sides get the same weights, prompts, response length, batch sizes, PPO epochs, LoRA shape, optimizer,
+dtype and reward head. Each side runs in a fresh process, in alternating order over `--rounds`, with
+`warmup_runs` steps left out (docs/performance.md, "Method"). Writes ppo_vs_trl.json and ppo_vs_trl.md to
+`out_dir`; each file holds one device.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""Which rows each training step read, recorded from outside the trainer: the probe behind the tests that
-pin row order (resume, several ranks) and behind `benchmarks.stages_vs_trl` (both sides train on the
-same rows).
+"""Which rows each training step read, recorded from outside the trainer: the probe behind the row-order tests
+(resume, several ranks) and behind `benchmarks.stages_vs_trl` (both sides train on the same rows).
 
     python -m benchmarks.row_trace FOLDER trainer/sft.py --config ...      # a stage script, traced
     accelerate launch ... benchmarks/row_trace.py FOLDER trainer/sft.py --config ...
 
-While `traced(FOLDER)` is on, every `Harness` hands its step body the batch stream through a recorder:
-each rank appends, per micro-batch, a short hash of every row it trains on to FOLDER/rows-rank{R}.jsonl,
-one line `{"step": S, "rows": [...]}`.
+While `traced(FOLDER)` is on, each rank appends per micro-batch a short hash of every row it trains on to
+FOLDER/rows-rank{R}.jsonl, one line `{"step": S, "rows": [...]}`.
 """
 
 from __future__ import annotations

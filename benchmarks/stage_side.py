@@ -2,11 +2,9 @@
 
     python -m benchmarks.stage_side ours|trl SETTINGS_JSON SIDE_DIR
 
-ours: the stage script itself (`trainer/<stage>.py`'s main, with the workload's settings as flags),
-its per-step wall and CPU seconds read back from its metrics log and the rows it trained on from
-`benchmarks.row_trace`. trl: `benchmarks.trl_stages.run_trl`. Either way the process's peak
-memory is read over the side's whole run (data, model, training, saving: the same span on both
-sides) and everything goes into SIDE_DIR/side.json.
+ours: the stage script's main with the workload as flags, its per-step times read back from its metrics log
+and its rows from `benchmarks.row_trace`; trl: `benchmarks.trl_stages.run_trl`. Either way the process's peak
+memory spans the side's whole run (the same span on both sides); all goes into SIDE_DIR/side.json.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Our SFT, reward and DPO stages against TRL's SFTTrainer, RewardTrainer and DPOTrainer on the same work.
 
     python -m benchmarks.stages_vs_trl --stage reward                 # SmolLM2-135M, CPU or GPU
-    python -m benchmarks.stages_vs_trl --stage dpo --max_steps 4 --eval_size 64      # a quick look
     python -m benchmarks.stages_vs_trl --table benchmarks/results/stages_vs_trl-*/stages_vs_trl.json
-    python -m benchmarks.stages_vs_trl --rescore benchmarks/results/stages_vs_trl-sft-smollm2-135m-cpu  # score again
 
-One stage per run. Both sides get the same base weights, LoRA shape, rows in the same order (the
-first epoch of our trainer's shuffle, tokenized once by `trainer.data`, handed to TRL pre-tokenized
-through a sequential sampler), max length, micro-batch, accumulation, steps, optimizer and learning
-rate schedule (our AdamW and warmup-cosine schedule objects, given to TRL's Trainer through
-`optimizers=`), and loss (completion-only NLL; -log sigmoid(r_chosen - r_rejected); sigmoid DPO with
-the same beta against the base model as reference). Each side runs in a process of its own, one
-after the other (ours first), so each has its own peak memory. Both sides' adapters are then scored
-by the same evaluation code (`trainer.evaluate`) on the same held-out split, so only training differs.
-Writes stages_vs_trl.json and stages_vs_trl.md into `--out_dir`
-(default benchmarks/results/stages_vs_trl-STAGE-MODEL-DEVICE/).
+One stage per run, each side in its own process, with the same weights, LoRA shape, rows in the same order,
+batch sizes, optimizer and schedule objects and loss; both adapters are then scored by `trainer.evaluate` on
+the same held-out split (docs/performance.md, "Method"). Writes stages_vs_trl.json and .md into `--out_dir`.
 """
 
 from __future__ import annotations

@@ -3,15 +3,9 @@ per label so that a change's "before" and "after" sit side by side.
 
     python -m benchmarks.trl_grpo_recipe --label before
 
-TRL's recipe: Qwen2-7B-Instruct (the qwen2.5-7b preset has its shapes) in 4-bit NF4 with double
-quantization, LoRA r=32 alpha=32 on every linear layer, 8 completions per step and per pass, 256 new
-tokens, beta 0 (no reference model), reward functions (no reward model), paged 8-bit AdamW, gradient
-checkpointing, SDPA. TRL measured 9.2 GiB on a T4 and 9.6 GiB on an A100 as
-`torch.cuda.max_memory_reserved()`, the CUDA context not included. Our trainer runs online RL without
-LoRA dropout (trainer/grpo.py), so the estimate does too; alpha changes no tensor's size.
-
-Writes result.json (one entry per label: a run with another label is added beside the ones there) and
-README.md (rendered from every label in result.json) into --out_dir.
+TRL's recipe: Qwen2-7B-Instruct (the qwen2.5-7b preset's shapes) in NF4, LoRA r=32 on every linear layer, 8
+completions of 256 tokens, no reference or reward model, paged 8-bit AdamW, gradient checkpointing; no LoRA
+dropout, as our GRPO. Writes result.json (one entry per label) and README.md into --out_dir.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """TRL's side: `trl.experimental.ppo.PPOTrainer` (trl 1.12.0, the last release with PPO), as light as it goes.
 
-TRL needs separate policy, value and reward models. Its lightest supported set-up is used: the
-policy is the base with a PEFT LoRA adapter given through `peft_config` (so `ref_model=None` and
-the reference pass runs the policy with its adapter disabled); value and reward are
-`AutoModelForSequenceClassification(num_labels=1)` models of the same base weights, each a model
-of its own (4-bit where the policy is), the value one with a LoRA adapter of the same shape and a
-trainable `score` head, the reward one frozen. Dropout is off (TRL does that itself).
-
-TRL runs its own loop (`train()` for `total_episodes` = steps x rollout batch). It is timed from
-inside without changing what it does: a callback marks step starts and ends, and two module-level
-functions the loop calls are wrapped: `batch_generation` (generation time) and `forward` (its first
-call on the policy-and-value wrapper marks the end of the rollout and the start of the update).
+The policy is the base with a PEFT LoRA (`ref_model=None`: the reference pass disables the adapter); value
+and reward are separate `AutoModelForSequenceClassification(num_labels=1)` models of the same base (4-bit
+where the policy is), the value one with a LoRA and a trainable `score` head, the reward one frozen.
+TRL's own `train()` loop is timed from inside without changing it: a callback marks step ends, and wrappers
+on `batch_generation` and `forward` time generation and mark where the update starts.
 """
 
 from __future__ import annotations

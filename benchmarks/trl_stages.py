@@ -1,25 +1,10 @@
 """TRL's side of `benchmarks.stages_vs_trl`: SFTTrainer, RewardTrainer and DPOTrainer (trl 1.12) on our rows.
 
-Each trainer is TRL's own class running its own loop, configured to do our work:
-
-- rows: our tokenized examples in our order, pre-tokenized, read by a sequential sampler, exactly
-  max_steps x micro x accumulation of them (one epoch): SFT `input_ids` + `completion_mask` with
-  `completion_only_loss=True`; reward `chosen_ids` / `rejected_ids` (prompt + response + EOS); DPO
-  `prompt_ids` / `chosen_ids` / `rejected_ids`, through a DPOTrainer whose `_prepare_dataset` keeps
-  them as they are (DPOTrainer 1.12 tokenizes text only; its collator reads exactly these columns).
-  Our rows already fit `max_length` and end in EOS, so TRL neither truncates nor adds anything.
-- model: the same base weights (`trainer.model.loading`), a PEFT LoRA of our shape through `peft_config`
-  (reward: task_type SEQ_CLS, so its `score` head trains, as our scalar head does), no gradient
-  checkpointing unless ours has it, fp32 on CPU / bf16 autocast on GPUs as ours.
-- optimizer and schedule: our AdamW and our warmup-cosine schedule objects, set on the trainer before
-  `train()` (Trainer creates its own only when none is set), clipped at our max_grad_norm.
-- reward pooling: TRL reads the score at the last token that is not the pad token; SmolLM2's pad is
-  its EOS, so a distinct pad token (`<|endoftext|>`) is set (RewardConfig.pad_token) and the score is
-  read at EOS, where ours reads it.
-
-Per optimizer step a callback takes wall and process CPU time from one `on_step_end` to the next (the
-first from `on_train_begin`): TRL's whole loop, batch collation and logging included. A wrapped collator
-records the rows of every micro-batch, so the report can say both sides trained on the planned rows.
+Each is TRL's own class and loop, doing our work: our tokenized rows in our order through a sequential
+sampler (already within `max_length` and ending in EOS, so TRL adds nothing), the same base with a PEFT
+LoRA of our shape (reward: SEQ_CLS, so its `score` head trains like ours), our AdamW and schedule objects
+set before `train()`, and for reward a distinct pad token so TRL reads the score at EOS as ours does.
+A callback times each optimizer step (TRL's whole loop); a wrapped collator records the rows trained on.
 """
 
 from __future__ import annotations
@@ -196,7 +181,8 @@ def profile_tensors(trainer, accumulation: int, device: torch.device, result: di
 
 
 def _dpo_on_token_ids():
-    """DPOTrainer reading our `prompt_ids` / `chosen_ids` / `rejected_ids` as they are."""
+    """DPOTrainer reading our `prompt_ids` / `chosen_ids` / `rejected_ids` as they are (its own
+    `_prepare_dataset` tokenizes text only; its collator reads exactly these columns)."""
     import trl
 
     class DPOOnTokenIds(trl.DPOTrainer):

@@ -1,14 +1,10 @@
 """Every command line of the project parses through here: flags into argument dataclasses, each field
 checked, and a mistake reported as one line.
 
-An argument dataclass derives from `Checked` and says what its fields may hold in a `RULES` class
-variable (`{"max_steps": at_least(1), "optimizer": one_of(...)}`); the field types (int, float, bool,
-str, Optional[...]) are checked too, so a YAML value of the wrong kind (2.5 for an int) is caught
-where a command-line flag would be. A cross-field rule goes in a `check()` method.
-
-`run(main)` is what every entry point calls: a `UsageError` (bad flags or config: exit 2) or an
-`InputError` (a data, model, adapter or checkpoint file that cannot be used: exit 1) becomes one line
-on stderr, printed by the first process only, instead of a traceback.
+An argument dataclass derives from `Checked` and states its field rules in `RULES` (`{"max_steps":
+at_least(1), ...}`); field types are checked too, so a wrong YAML value is caught like a wrong flag, and
+cross-field rules go in `check()`. `run(main)` wraps every entry point: a `UsageError` (exit 2) or an
+`InputError` (exit 1) becomes one line on stderr from the first process, not a traceback.
 """
 
 from __future__ import annotations

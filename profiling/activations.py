@@ -1,29 +1,10 @@
 """Activation, logits and KV-cache memory of a Llama decoder with LoRA, as explicit formulas.
 
-Everything is bytes per token (one position of one sequence) unless named otherwise. Symbols:
-h hidden, i intermediate, n_h / n_kv attention / key-value heads, d head dim, r LoRA rank,
-a compute-dtype bytes (2 for bf16), V vocab. What autograd saves per decoder layer while a
-trainable LoRA adapter is active, as PyTorch 2.x, PEFT 0.21, bitsandbytes 0.50 and transformers 5
-do it (the terms were read off `saved_tensors_hooks` on SmolLM2 and match it to ~1%):
-
-  2 RMSNorms        2 x (4h + 4)      each keeps its input upcast to fp32 and the fp32 rsqrt
-  LoRA, per target  (m + 4) n_in + 4r the fp32 dropout output (PEFT casts x to the fp32 adapter
-                                      dtype, per target), the dropout mask (m = 1 byte bool on
-                                      CUDA, 4 on CPU, whose dropout keeps an fp32 noise tensor),
-                                      and lora_B's fp32 input; n_in = h for q,k,v,o,gate,up, i for down
-  attention (SDPA)  a (2 n_h d + 2 n_kv d) + 4 n_h   q, k, v, output and the fp32 logsumexp;
-                                      eager attention adds the (n_h x seq) probabilities: 6 n_h seq
-  MLP               3 a i             gate and up outputs and the SiLU output
-  base linears      0                 bitsandbytes' 4-bit matmul keeps only the packed weight, and a
-                                      frozen full-precision weight makes autograd keep no input either
-
-The first layer saves less: its input (the frozen embedding output) needs no gradient, so its first
-RMSNorm keeps nothing and the dropouts of q, k, v keep no mask. RoPE's cos and sin (2 a d) are
-kept once for all layers.
-
-Without a trainable adapter in the forward (no-grad passes) nothing is saved; the working set is
-one layer's temporaries. With gradient checkpointing each layer keeps only its input (a h) and
-the backward recomputes one layer at a time.
+Bytes per token unless named otherwise. Per decoder layer, with a trainable adapter active, autograd saves
+the RMSNorms' fp32 inputs, each LoRA target's fp32 dropout output and mask, attention's q, k, v, output and
+logsumexp, and the MLP's gate, up and SiLU outputs; frozen base linears save nothing. No-grad passes save
+nothing; with gradient checkpointing each layer keeps only its input. The term-by-term table:
+docs/memory.md, "Activation bytes per layer".
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The peak of live tensor bytes inside a phase on the CPU, read off the allocator's own events.
 
-torch's CPU allocator reports every allocation and free (address, bytes) to the profiler while it
-records memory (`torch.profiler.profile(profile_memory=True)`). One profiler session spans the
-outermost open phase; marks (empty `record_function` ranges, in the same timeline) cut it at phase
-entries, exits and `MemoryRecorder.sample()` calls. For one phase the allocations made inside it
-are replayed in order and the largest running sum is its transient peak: activations, logits,
-recomputed layers, temporaries. What was resident at entry (weights, adapters, optimizer states,
-the rollout) is not in it, and neither is an allocation that a tensor walk inside the phase counted
-(gradients, the optimizer states of a first step): those are components of their own.
-
-An allocation is logits when some operator read it as a tensor whose last dimension is the
-vocabulary (`record_shapes` gives each operator input the id of its allocation): the (tokens x V)
-logits, their fp32 upcasts, softmax temporaries and gradients.
-
-Exact for what goes through torch's CPU allocator; memory that a library allocates itself (oneDNN
-scratch space, the Python heap) is not seen.
+One `torch.profiler` session (`profile_memory=True`) spans the outermost phase; marks cut it at phase
+entries, exits and `sample()` calls. A phase's allocations are replayed in order and the largest running sum
+is its transient peak, leaving out what was resident at entry and what a tensor walk counted. An allocation
+is logits when an operator read it with the vocabulary as its last dimension. Exact for torch's CPU
+allocator; memory a library allocates itself (oneDNN scratch, the Python heap) is not seen.
 """
 
 from __future__ import annotations

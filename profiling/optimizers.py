@@ -1,16 +1,10 @@
 """Optimizer-state and gradient bytes for a list of trainable fp32 tensors, per optimizer.
 
-- adamw_torch: exp_avg and exp_avg_sq in the parameter dtype (fp32 LoRA): 8 bytes per parameter,
-  plus a 4-byte `step` tensor per parameter tensor, kept on the host unless fused/capturable.
-- adamw_8bit / paged_adamw_8bit (bitsandbytes): two uint8 states (2 bytes per parameter) plus an
-  fp32 absmax per 256-value block for each state, and one pair of 256-entry fp32 quantization maps
-  per optimizer; tensors under 4096 elements (min_8bit_size) get fp32 states (8 bytes per
-  parameter), which for LoRA on a small model is nearly every tensor. The paged variant allocates
-  the same bytes, for tensors of 1e5 elements or more, as CUDA managed memory that the driver can
-  page out to host RAM under pressure (and that torch's allocator statistics do not see).
-- deepspeed_zero2_offload: the fp32 master copy and both moments (12 bytes per parameter) live
-  in host RAM; nothing on the GPU.
-Gradients are fp32 like the LoRA weights: 4 bytes per trainable parameter.
+adamw_torch keeps two moments in the parameter dtype (8 bytes per parameter); bitsandbytes' 8-bit AdamW two
+uint8 states with per-block absmax, but fp32 states for tensors under 4096 elements (most LoRA tensors), and
+its paged variant puts large states in CUDA managed memory; DeepSpeed ZeRO-2 offload keeps the master copy
+and moments (12 bytes per parameter) in host RAM. Gradients: 4 bytes per trainable parameter.
+The exact layouts: docs/memory.md, "Optimizer-state bytes".
 """
 
 from __future__ import annotations
@@ -59,8 +53,8 @@ def optimizer_bytes(sizes: list[int], optimizer: str, device: str = "cuda") -> O
 
 def step_temporaries(sizes: list[int], optimizer: str) -> int:
     """Transient bytes inside optimizer.step(): none. The trainer runs torch's AdamW as its fused kernel
-    (trainer/engine/optim.py), which updates in place as the bitsandbytes kernels do (measured on the CPU
-    allocator: benchmarks/results/activation_check-cpu)."""
+    (trainer/engine/optim.py), which updates in place as the bitsandbytes kernels do
+    (benchmarks/results/activation_check-cpu holds the check)."""
     return 0
 
 

@@ -1,20 +1,11 @@
-"""The budget planner of the online RL stages (PPO, GRPO / RLOO): from the estimator and the memory
-budget, pick the batch sizes and whether gradient checkpointing is needed, so a run uses the card
-instead of whatever the config guessed.
+"""The budget planner of the online RL stages (PPO, GRPO / RLOO): batch sizes and gradient checkpointing
+picked from the estimator and the memory budget, so a run uses the card instead of a guess.
 
     plan_rl(shape, settings) -> Plan(rollout_micro_batch_size, micro_batch_size, gradient_checkpointing, ...)
 
-The rule, in order (each choice is the largest that keeps the estimated peak within the usable
-budget, the budget less `margin`):
-
-1. generation and scoring rows per pass (`rollout_micro_batch_size`): the largest divisor of the
-   rollout's rows (PPO: the prompts; GRPO: prompts x num_generations) whose generate and score phases fit;
-2. the update micro-batch: the largest divisor of the minibatch that fits, without gradient
-   checkpointing when that fits at least half the micro-batch checkpointing allows (the recompute
-   costs about a third of the update; a micro-batch half as large costs little per row), else with.
-
-Nothing here runs a model: a plan is the estimator's arithmetic, and the OOM back-off of the PPO
-update stays as the safety net when the estimate is short.
+Each choice is the largest whose estimated peak fits the budget less `margin`: first the rows per generate /
+score pass, then the update micro-batch, without checkpointing when that fits at least half of what
+checkpointing allows. Nothing runs a model: the PPO update's OOM back-off stays the safety net.
 """
 
 from __future__ import annotations

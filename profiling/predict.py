@@ -1,15 +1,9 @@
 """Predict device memory per component and phase for a stage, before running it.
 
-Resident components (base weights, NF4 constants, adapters, heads, gradients, optimizer states)
-are exact closed forms (`profiling.shapes`, `profiling.optimizers`); activations, logits and the KV
-cache follow the formulas in `profiling.activations`. Allocator overhead and the CUDA context are
-assumptions (flags) until a GPU run replaces them. The output uses the recorder's JSON layout, so
-`python -m profiling.report` renders an estimate the same way as a measured run.
-
-The settings carry the trainer's own field names (`micro_batch_size`, `max_prompt_length`,
-`max_new_tokens`, ...): a stage hands the estimator its argument objects as they are
-(`EstimateArguments.of_run`), and the command line (`python -m profiling.estimate`) takes the same
-flags as the stage scripts.
+Resident components are exact closed forms (`profiling.shapes`, `profiling.optimizers`); activations, logits
+and KV cache follow `profiling.activations`; allocator overhead and the CUDA context are flags. The output
+uses the recorder's JSON layout, so `python -m profiling.report` renders it like a measured run. Settings
+carry the stage scripts' field names: a stage hands over its arguments as they are (`EstimateArguments.of_run`).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Memory per component, per stage and phase, from tensor walks and (on CUDA) allocator statistics.
 
-A stage loop uses it in a few lines:
-
     recorder = MemoryRecorder("ppo", model=model, optimizer=optimizer, enabled=cfg.profile_memory)
-    with recorder.phase("generate"):
-        rollout = model.generate(...)
-    ...
+    with recorder.phase("generate"): ...
     recorder.write(run_dir, config={"model": asdict(model_args)})
 
-Per phase it records the tensor-counted components (exact, any device; the largest value seen at
-entry, exit and any `recorder.sample()` inside the phase) and, on CUDA: allocated before and after,
-the peak above the level at entry, reserved minus allocated at the peak, and the device total from
-NVML. The peak above entry, less what the tensor-counted components grew by inside the phase, is
-the phase's transient memory: KV cache for generation, activations for the other phases.
-
-On the CPU the transient memory comes from the allocator's own events instead (`profiling.live`): the
-peak of the bytes allocated inside the phase and alive at once, less the tensors a walk counted. The
-logits (tensors whose last dimension is the vocabulary) are split out of it as their own component.
+Per phase: tensor-counted components (largest at entry, exit, `sample()`) and the transient memory: on CUDA
+the peak above entry less the components' growth, on the CPU the allocator's events (`profiling.live`).
 """
 
 from __future__ import annotations

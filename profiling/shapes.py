@@ -1,20 +1,9 @@
 """Model shapes and the exact byte counts of what a model holds: base weights, NF4 constants, LoRA.
 
-These are closed forms of what the trainer really allocates (checked against the tensor walk in
-tests), so the estimator's resident components are exact, not approximations:
-
-- 4-bit NF4 (bitsandbytes, blocksize 64, double quantization, uint8 storage), per linear layer of
-  n = in x out weights:
-    packed weights          ceil(n / 2) bytes
-    absmax (8-bit)          ceil(n / 64) bytes, one per block of 64 weights
-    nested absmax (fp32)    4 x ceil(ceil(n / 64) / 256) bytes, one per 256 absmax values
-    offset (fp32 scalar)    4 bytes (the mean subtracted from absmax before quantizing it)
-    NF4 codebook (fp32)     16 x 4 = 64 bytes
-    nested codebook (fp32)  256 x 4 = 1024 bytes (bitsandbytes copies it for every layer)
-  i.e. 0.5 + 1/64 + 1/4096 bytes per weight (4.127 bits) plus 1,092 bytes per layer. Without
-  double quantization the absmax is fp32: 4 / 64 bytes per weight (4.5 bits) plus 64 bytes per layer.
-- lm_head, embeddings and norms stay in the compute dtype; rotary embeddings keep two fp32 buffers.
-- LoRA weights are fp32 (PEFT upcasts adapters of a bf16/fp16 base): r x (in + out) per target.
+Closed forms of what the trainer allocates (checked against the tensor walk in tests), so the estimator's
+resident components are exact. NF4 with double quantization costs 0.5 + 1/64 + 1/4096 bytes per weight plus
+1,092 bytes per layer (the layout: docs/memory.md, "NF4 bytes per linear layer"); lm_head, embeddings and
+norms stay in the compute dtype; LoRA weights are fp32: r x (in + out) per target.
 """
 
 from __future__ import annotations

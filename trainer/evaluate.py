@@ -1,16 +1,11 @@
 """Evaluate a saved adapter on any hh-rlhf-format file and print one JSON line.
 
     python -m trainer.evaluate sft    --adapter runs/sft/adapter    --data PATH   # perplexity
-    python -m trainer.evaluate reward --adapter runs/reward/adapter --data PATH   # pairwise accuracy
     python -m trainer.evaluate dpo    --adapter runs/dpo/adapter    --split eval  # implicit-reward accuracy
 
-PATH is a .jsonl / .jsonl.gz / .parquet file or folder, or a hub id. Every row is used (the first
-`--limit` usable ones, if set), unless `--split eval|sft|reward|ppo` picks that subset of the stage run
-the adapter came from (the split settings, and the data when --data is not given, are read from the
-run's config.json beside the adapter folder). DPO scores the policy adapter against its frozen
-reference: the run's SFT adapter unless `--reference` names another (the base model when the run had
-none). The figures come from the same functions the stages evaluate with, batched by length, under a
-progress bar.
+PATH is a file, folder or hub id; `--split eval|sft|reward|ppo` picks that subset of the adapter's own run
+(read from its config.json). `reward` gives pairwise accuracy; DPO scores against the run's SFT adapter
+unless `--reference` names another. The figures come from the functions the stages evaluate with.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""Take a trained policy out: its LoRA adapter merged into a full-precision copy of the base, written as
-a standalone Hugging Face model folder (safetensors, config, generation config, tokenizer) that plain
-`transformers` loads with no project code and no PEFT.
+"""Take a trained policy out: its LoRA adapter merged into a full-precision copy of the base, written as a
+standalone Hugging Face model folder that plain `transformers` loads with no project code and no PEFT.
 
     python -m trainer.export --adapter runs/demo/ppo/adapter --out exported/ppo [--dtype bfloat16]
 
-The base is rebuilt from the adapter's `base_model.json` (for a checkpoint's `adapters/NAME`: from the
-checkpoint's `config.json`), and the adapter is checked against it first (`trainer.model.adapter_fit`).
-When the adapter was trained on a 4-bit NF4 base (the GPU recipe), the adapter learned its correction
-against the NF4-rounded weights: by default (`--nf4_rounding true`) the exported base weights are those
-rounded values, dequantized, so the export computes what the trained model computed; `--nf4_rounding
-false` merges into the original full-precision weights instead (the rounding error, about 1e-2 relative
-per weight, then stays out of the export).
-A reward adapter (a scalar head, not a language model) is refused, and so is an `--out` that is not an
-empty folder, at the start and again when the export is published (nothing found there is replaced).
+The base is rebuilt from the adapter's `base_model.json` and checked against it. An adapter trained on an NF4
+base merges by default into the NF4-rounded weights it learned against (`--nf4_rounding`). Reward adapters
+are refused, and so is an `--out` that is not an empty folder.
 """
 
 from __future__ import annotations

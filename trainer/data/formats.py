@@ -1,26 +1,11 @@
 """Preference rows in the formats users bring, each turned into the one `PreferencePair` every stage reads.
 
-Detected per row from its columns, or forced with `--data_format`:
-
-- `hh`: hh-rlhf's `{"chosen": "\\n\\nHuman: ...\\n\\nAssistant: ...", "rejected": "..."}`; the prompt is
-  the dialogue up to its last `\\n\\nAssistant:` (`trainer.data.hh_rlhf.parse_row`).
-- `preference`: TRL's plain preference rows, `{"prompt": str, "chosen": str, "rejected": str}`.
-- `prompt_completion`: TRL's prompt/completion rows, `{"prompt": ..., "completion": ...}`, plain strings or
-  message lists: SFT and PPO prompts read them; reward and DPO, which need a rejected completion, skip
-  them as bad rows (`no_rejected`).
-- `text`: TRL's language-modelling rows, `{"text": str}`: SFT only, the loss on every token (cut at
-  max_length); PPO/GRPO skip them (`no_prompt`), reward and DPO too (`no_rejected`).
-- `conversational`: TRL's conversational preference rows (UltraFeedback-binarized style): lists of
-  `{"role", "content"}` messages, `{"prompt": [...], "chosen": [...], "rejected": [...]}`, or without
-  `prompt` (implicit: the messages both share before the final assistant message).
-
-Conversational rows are rendered to text by a `ChatRenderer`: the tokenizer's chat template
-(`--chat_template auto`, when it has one), a Jinja template file (`--chat_template PATH`), or hh-rlhf's
-plain `\\n\\nHuman: / \\n\\nAssistant:` turns (`none`). The prompt is the rendering of the prompt messages
-with the generation prompt; the completion is what the full conversation adds to it, less the
-end-of-sequence text that tokenization appends anyway, so the completion-only loss covers exactly the
-assistant's turn. A template file that is not UTF-8 or not Jinja, or that fails on a row (`raise_exception`,
-an undefined name, the sandbox), stops the run with one line naming it: the file is at fault, not the row.
+Detected per row from its columns, or forced with `--data_format`: `hh` (hh-rlhf's chosen / rejected
+dialogues), and TRL's `preference`, `prompt_completion`, `text` and `conversational` rows. A row a stage
+cannot use (no rejected completion, no prompt) is a bad row with that reason. Conversational rows are
+rendered to text by a `ChatRenderer` (the tokenizer's chat template, a Jinja file, or hh-rlhf's plain turns);
+the completion is what the full conversation adds to the prompt, so the loss covers the assistant's turn.
+A template file that fails stops the run with one line naming it: the file is at fault, not the row.
 """
 
 from __future__ import annotations

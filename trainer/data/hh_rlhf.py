@@ -1,20 +1,10 @@
 """hh-rlhf rows: where they come from, which are usable, and how they divide into stage subsets.
 
-Sources (`DataArguments.dataset`):
-- `"Anthropic/hh-rlhf"` (or any `owner/name` hub id with `chosen` / `rejected` columns): read with
-  `datasets.load_dataset(name, data_dir=dataset_subset, split=dataset_split)`; `dataset_subset`
-  picks one folder of the repo (`helpful-base`, `harmless-base`, ...), None reads all of them.
-- a local `.jsonl`, `.jsonl.gz` or `.parquet` file, or a folder searched recursively for them
-  (sorted by path, so the row order never depends on the file system).
-- `"auto"`: $RLHF_DATA if set, else ../shared/data/hh-rlhf if it exists, else the hub.
-
-Every row becomes a `PreferencePair`: the dialogue up to and including its last `\\n\\nAssistant:`
-is the prompt, the rest of each text is its completion. A row that cannot be one is a "bad row"
-with a reason (see `REASONS`); `on_bad_row="error"` stops at the first with a `DataError` naming
-the file and 1-based row number, `"skip"` drops it and counts it per reason in the `LoadReport`.
-
-The subsets `eval`, `sft`, `reward` and `ppo` are drawn so that no prompt is in two of them.
-Tokenization lives in `trainer/data/tokenization.py`, batching in `trainer/data/collators.py`.
+Sources (`DataArguments.dataset`): a hub id with `chosen` / `rejected` columns (`dataset_subset` picks one
+folder), a local `.jsonl`, `.jsonl.gz` or `.parquet` file or a folder of them (read in path order, so the
+row order never depends on the file system), or `"auto"` ($RLHF_DATA, else ../shared/data/hh-rlhf, else
+the hub). A row that cannot be a `PreferencePair` is a bad row with a reason (`REASONS`): `on_bad_row="error"`
+stops at it naming file and row, `"skip"` counts it. The subsets `eval`, `sft`, `reward` and `ppo` share no prompt.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Token ids for SFT, reward / DPO pairs and PPO prompts, with truncation that keeps completions whole.
 
-An example is `tokenizer(prompt, add_special_tokens=True)` followed by
-`tokenizer(completion, add_special_tokens=False) + [eos]`; the loss sees only the completion.
-When prompt + completion exceed `max_length`, the prompt loses tokens from its left (a leading BOS
-stays), because the completion is what is trained and the end of the prompt is what it answers.
-A completion that leaves fewer than `min_prompt_tokens` prompt tokens makes the row "too long":
-dropped and counted under `on_bad_row="skip"`, a `DataError` naming the row under "error".
-
-(Named `tokenization`, not `tokenize`: a module of that name in a folder Python puts first on sys.path
-would shadow the standard library module that `linecache` and `inspect` import.)
+An example is the prompt's tokens (special tokens added) then the completion's plus EOS; the loss sees only
+the completion. Too long, the prompt loses tokens from its left (a leading BOS stays): the completion is what
+is trained, the end of the prompt what it answers. A row left with under `min_prompt_tokens` prompt tokens is
+a bad row ("too long"). Not named `tokenize`: that would shadow the standard library module.
 """
 
 from __future__ import annotations

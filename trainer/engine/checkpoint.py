@@ -1,23 +1,11 @@
 """Resumable checkpoints: written atomically, verified before use, loaded without unpickling code.
 
-A checkpoint is a folder `checkpoint-0000120/` holding the trainable adapters (PEFT format plus
-heads), the optimizer state, the LR schedule, every rank's RNG states, `state.json` (step, data
-position, counters, stage extras), `config.json` (the settings the run had when it saved) and
-`manifest.json` (size and SHA-256 of every other file). It is written under a temporary name and
-renamed into place, so a kill during the write leaves only a `.tmp` folder that resume ignores and
-the next run removes. A write that fails (a full disk) stops the run in one line, with the `.tmp`
-folder removed and the previous checkpoint untouched.
-
-Loading never unpickles code: tensors and plain data only (`torch.load(weights_only=True)`, JSON,
-safetensors). Under DeepSpeed the engine's own files are loaded by DeepSpeed, which unpickles them: there
-the manifest's checksums detect damage but not a deliberate change. Before a run resumes, the checkpoint is verified against its manifest and every file
-is read; a damaged newest checkpoint gives way to the one before it with one warning line naming
-the bad file.
-
-The frozen base is never written: it is reloaded from its source on resume. Under DeepSpeed the
-optimizer state lives in the engine (sharded across ranks under ZeRO), so the engine writes it,
-from every rank, into `deepspeed/` inside the same temporary folder (trainable weights only), and
-the rename publishes it with the rest. The LR schedule is ours in every mode.
+A `checkpoint-0000120/` folder holds the trainable adapters, optimizer state, LR schedule, RNG states,
+`state.json`, `config.json` and `manifest.json` (size and SHA-256 of every other file). It is written under a
+temporary name and renamed into place, so a kill or a full disk leaves the previous checkpoint intact.
+Resume verifies the manifest and reads every file; a damaged newest checkpoint gives way to the one before.
+The frozen base is never written. Under DeepSpeed the engine writes its (sharded) optimizer state into
+`deepspeed/` in the same folder; DeepSpeed unpickles it, so there checksums catch damage, not tampering.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """The one harness every stage runs in, and the pieces of a training step the stages share.
 
-`Engine` is a model made ready to train in the launch mode at hand: optimizer, LR schedule,
-Accelerate / DeepSpeed wrappers, the memory recorder, and `optimizer_step()` (clip, NaN check, step,
-parameter check).
-
-`Harness` runs an engine for `max_steps` optimizer steps around a stage's step body: setup and
-resume, the batch stream, the progress bar, the metrics log, the NaN/inf policy (a step whose loss or
-gradient is not finite is skipped and counted; `max_bad_steps` in a row stop the run; a step that leaves a
-trainable weight NaN, inf or overflowing stops it at once, before anything saves it), evaluation
-and checkpoint cadence, and memory phases. A step body takes the step number and the batch stream
-and returns a `StepResult`:
-
-- SFT, reward and DPO: `supervised_step(engine, compute_loss)` - accumulate the micro-batches of one
-  optimizer step (each stage's `compute_loss` is its explicit step body), then one optimizer step.
-- PPO: `trainer.rl.ppo_step.ppo_step` - rollout, advantages, clipped update, KL control.
+`Engine`: a model made ready to train in the launch mode at hand (optimizer, LR schedule, Accelerate /
+DeepSpeed wrappers, memory recorder) and `optimizer_step()` (clip, NaN check, step, parameter check).
+`Harness` runs an engine for `max_steps` around a stage's step body (step number, batch stream ->
+`StepResult`): resume, progress, metrics, evaluation and checkpoint cadence, and the NaN/inf policy (a
+non-finite step is skipped, `max_bad_steps` in a row stop the run, a non-finite weight stops it at once).
+Step bodies: `supervised_step(engine, compute_loss)` for SFT, reward and DPO; `trainer.rl.ppo_step` for PPO.
 """
 
 from __future__ import annotations

@@ -56,20 +56,11 @@ def _alive(pid) -> bool:
 class RunLock:
     """The exclusive lock of one output folder, held by this process until `release()`.
 
-    The rule (`acquire`): the lock is `fcntl.flock` on the open `run.lock`, which the kernel drops when
-    its holder dies, however it dies; the file names the holder (host, pid, start time) so a refusal
-    can say who.
-    - flock held by another process: refused, naming that host and pid.
-    - flock free and the file names a process of THIS host: that run ended without releasing (it was
-      killed), since a live one would hold the flock; taken over with one warning.
-    - flock free but the file names ANOTHER host: on a shared filesystem flock may not reach across
-      hosts, so a free flock proves nothing there; refused, never taken over (delete the file once that
-      run is over).
-    - flock free and the file empty, garbled or absent: taken.
-    Where the filesystem has no flock at all, a same-host holder counts as alive while its pid is
-    (one warning says the lock is advisory). Releasing (the run's end, an error's exit through atexit)
-    removes the file; a second run of this process on the same folder releases the first one's lock,
-    since one process runs its stages one after another.
+    `fcntl.flock` on `run.lock`, which the kernel drops when its holder dies; the file names the holder (host,
+    pid, start time). Flock held: refused, naming the holder. Free, and the file names a process of this host:
+    that run was killed; taken over with a warning. Free, but another host: refused (flock may not reach across
+    hosts on a shared filesystem). Empty or garbled: taken. Without flock, a same-host holder counts as alive
+    while its pid is. Release removes the file.
     """
 
     def __init__(self, path: Path, file):

@@ -18,25 +18,14 @@ logger = logging.getLogger(__name__)
 
 
 def compile_layers(model) -> int:
-    """Compile, with dynamic shapes, every decoder layer's own forward (attention, MLP, norms and residual
-    adds, with their LoRA layers and the routing hook inside) for the passes that train; returns how many.
-    Passes without autograd (generation, scoring, evaluation) keep the eager forward: decoding would
-    compile a variant per KV-cache length. 0, with a one-line reason, where no compiler backend is present
-    (inductor needs Triton on CUDA, a C++ compiler on CPU).
+    """Compile, with dynamic shapes, every decoder layer's forward for the passes that train; returns how many.
+    No-grad passes (generation, scoring, evaluation) stay eager: decoding would compile one variant per KV-cache
+    length. 0, with a one-line reason, where no compiler backend is present.
 
-    A checkpointed layer compiles WITH its checkpoint (`_CompiledWithGrad`): dynamo traces
-    `torch.utils.checkpoint` around the layer's own forward (transformers 5 wraps the class's forward in its
-    checkpointing call: `inspect.unwrap`), and AOTAutograd moves the recomputation into the compiled
-    backward, which skips recomputing what it never reads. The route needs no `context_fn` there: the graph
-    holds the route it was traced under, recomputation included. Parameters and state-dict keys stay as
-    they are.
-
-    Dynamo guards what the routing hook reads (route, active adapter, train mode), so each adapter route -
-    and, since a route fixes its row groups, each micro-batch size - compiles its own variant. Where the
-    checkpointed layer cannot compile whole (a graph break or another trace failure, or torch's limit of
-    variants per code object, shared by all layers), the layer's own forward compiles inside transformers'
-    eager checkpoint with the shared base's `context_fn` (which dynamo cannot trace), and past the limit
-    there too it runs eagerly: slower, still correct."""
+    A checkpointed layer compiles with its checkpoint (`_CompiledWithGrad`), so the compiled backward skips
+    recomputing what it never reads. Each adapter route and micro-batch size compiles its own variant; a layer
+    that cannot compile whole (a graph break, torch's variant limit) compiles inside eager checkpointing with
+    the shared base's `context_fn`, and past the limit runs eagerly: slower, still correct."""
     import shutil
 
     from transformers.modeling_layers import GradientCheckpointingLayer

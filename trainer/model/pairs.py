@@ -1,16 +1,10 @@
 """One row per preference pair: prompt, chosen, rejected, the prompt computed once.
 
-`trainer.data.collators.SharedPromptPairCollator` lays a pair out as one row with `segments`
-(0 prompt, 1 chosen, 2 rejected, -1 padding). These helpers turn the segments into what the base
-model needs to score each completion exactly as if it sat in a row of its own after the prompt:
-
-- `pair_attention_mask`: a token attends to earlier tokens of the prompt and of its own segment only
-  (the rejected tokens never see the chosen ones);
-- `pair_positions`: both completions' positions continue the prompt's (P, P+1, ...);
-- `predicting_positions`: the position whose output predicts each token: the previous one, except the
-  first rejected token, which is predicted from the last prompt token.
-
-Pure functions of the segments, tested against separate rows in tests/test_shared_base.py.
+`SharedPromptPairCollator` lays a pair out as one row with `segments` (0 prompt, 1 chosen, 2 rejected,
+-1 padding). These pure functions make the base model score each completion as if it sat alone after
+the prompt: `pair_attention_mask` (a token sees the prompt and its own segment), `pair_positions` (both
+completions continue the prompt's positions) and `predicting_positions` (the first rejected token is
+predicted from the last prompt token). Tested against separate rows in tests/test_shared_base.py.
 """
 
 from __future__ import annotations
