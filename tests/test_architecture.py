@@ -124,6 +124,16 @@ def test_trainer_does_not_import_the_benchmarks():
     assert not {m: d for m, d in offenders.items() if d}
 
 
+STAGE_SCRIPTS = ("trainer.sft", "trainer.reward", "trainer.dpo", "trainer.ppo", "trainer.grpo")
+
+
+def test_no_stage_script_imports_another_or_the_pipeline():
+    """What two stages share lives below them (trainer.rl, trainer.engine); only the pipeline runs stages in order."""
+    graph = import_graph()
+    offenders = {m: sorted(graph[m] & {*STAGE_SCRIPTS, "trainer.pipeline"}) for m in STAGE_SCRIPTS}
+    assert not {m: d for m, d in offenders.items() if d}
+
+
 def test_the_checks_see_a_cycle_and_a_backwards_import_when_there_is_one(tmp_path):
     """The walkers above are not vacuous: a planted cycle is found, and so is a function-level import."""
     graph = import_graph()

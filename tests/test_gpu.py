@@ -118,27 +118,28 @@ def test_old_logprobs_read_while_sampling_on_cuda_equal_a_policy_scoring_pass(tm
     from conftest import saved_head
 
     from trainer.model.shared_base import build_shared_model, stage_specs
-    from trainer.rl.rollout import RewardModelScorer, Sampling, make_rollout
+    from trainer.rl.rollout import RewardModelScorer, make_rollout
     from trainer.rl.scoring import response_logprobs
+    from trainer.rl.settings import RolloutArguments
 
     specs = stage_specs("ppo", {})
     specs[-1].head_from = saved_head(tmp_path / "reward-head", 256)
     model = build_shared_model(tiny_args(), specs, vocab_size=VOCAB, device=cuda())
     model.eval()
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
-    sampling = Sampling(max_new_tokens=8, min_new_tokens=8, temperature=0.7, decode=decode)
+    args = RolloutArguments(max_new_tokens=8, min_new_tokens=8, temperature=0.7, decode=decode,
+                            rollout_micro_batch_size=4)
 
     def rollout():
         torch.manual_seed(0)
-        return make_rollout(model, ids, torch.ones_like(ids), sampling, RewardModelScorer(), eos_id=2, pad_id=0,
-                            micro_batch_size=4)
+        return make_rollout(model, ids, torch.ones_like(ids), args, RewardModelScorer(), eos_id=2, pad_id=0)
 
     rollout()  # the compiled path compiles and records its graphs on its first call
     sampled = rollout()
     assert hasattr(model.causal_lm, "_compiled_call") == (decode == "compiled")
     with torch.no_grad():
         scored, entropy = response_logprobs(model, sampled.input_ids, sampled.attention_mask, sampled.response_length,
-                                            "policy", sampling.scoring_temperature, with_entropy=True)
+                                            "policy", 0.7, with_entropy=True)
     mask = sampled.response_mask
     # bf16 compute: a decode step and a whole-sequence pass differ by bf16 rounding, not more
     torch.testing.assert_close(sampled.logprobs, scored.float() * mask, rtol=0, atol=5e-2)

@@ -105,7 +105,7 @@ def test_grpo_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_p
     from trainer.data.tokenization import tokenize_prompts
     from trainer.engine.setup import start_run
     from trainer.grpo import GRPOArguments, build_model
-    from trainer.ppo import make_scorer
+    from trainer.rl.settings import make_scorer
     from trainer.rl.grpo_step import group_rollout
     from trainer.rl.rollout import Sampling
     from trainer.rl.scoring import response_logprobs

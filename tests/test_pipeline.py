@@ -168,14 +168,15 @@ def test_evaluate_split_without_a_run_config_names_what_to_do(run_dir, tmp_path)
     assert "config.json does not exist: use --split all --data PATH" in proc.stderr
 
 
-def test_ppo_with_absent_earlier_stages_trains_them_first(tmp_path):
-    proc = subprocess.run([sys.executable, "trainer/ppo.py", "--config", str(RECIPE / "ppo.yaml"), "--output_dir",
-                           str(tmp_path / "ppo"), "--sft_adapter", str(tmp_path / "sft" / "adapter"), "--reward_adapter",
-                           str(tmp_path / "reward" / "adapter"), "--train_missing_stages", "true"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "sft adapter" in proc.stdout and "is missing: training it first" in proc.stdout
-    for stage in ("sft", "reward", "ppo"):
-        assert (tmp_path / stage / "adapter" / "adapter_config.json").is_file()
-    reward_cfg = json.loads((tmp_path / "reward" / "config.json").read_text())
-    assert reward_cfg["stage"]["sft_adapter"] == str(tmp_path / "sft" / "adapter")
+@pytest.mark.parametrize("stage", ["ppo", "grpo"])
+def test_online_rl_with_an_absent_earlier_stage_names_it_and_the_command_that_makes_it(tmp_path, stage):
+    """A stage script trains only its own stage: an absent SFT adapter stops the run at start, in one line."""
+    sft = tmp_path / "sft" / "adapter"
+    proc = subprocess.run([sys.executable, f"trainer/{stage}.py", "--config", str(RECIPE / f"{stage}.yaml"),
+                           "--output_dir", str(tmp_path / stage), "--sft_adapter", str(sft)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    (line,) = [x for x in proc.stderr.splitlines() if str(sft) in x]
+    assert "python -m trainer.pipeline" in line
+    assert f"trainer/sft.py --config trainer/configs/sft.yaml --output_dir {sft.parent}" in line
+    assert "Traceback" not in proc.stderr and not (tmp_path / "sft").exists()

@@ -44,13 +44,19 @@ class PPOSetup:
     """A PPO run's pieces as trainer/ppo.py makes them, for tests that drive them one by one."""
 
     def __init__(self, ctx, model, prompts, held_out):
-        from trainer.ppo import make_scorer
         from trainer.rl.rollout import Sampling
+        from trainer.rl.settings import make_scorer
 
         self.ctx, self.model, self.train_prompts, self.eval_prompts = ctx, model, prompts, held_out
         self.args, tok = ctx.stage_args, ctx.tokenizer
         self.eos_id, self.pad_id = tok.eos_token_id, tok.pad_token_id
         self.sampling, self.scorer = Sampling.of(self.args), make_scorer(self.args, tok)
+
+    def rows(self, n: int):
+        """The run's settings with generation and scoring `n` rows at a time."""
+        from dataclasses import replace
+
+        return replace(self.args, rollout_micro_batch_size=n)
 
     def train(self):
         from trainer.ppo import train
@@ -60,9 +66,8 @@ class PPOSetup:
     def evaluate(self) -> dict:
         from trainer.rl.policy_eval import policy_vs_reference
 
-        return policy_vs_reference(self.model, self.eval_prompts, self.sampling, self.scorer, self.eos_id,
-                                   self.pad_id, self.args.rollout_micro_batch_size, self.args.eval_seed,
-                                   self.ctx.accelerator, "policy", "reference")
+        return policy_vs_reference(self.model, self.eval_prompts, self.args, self.scorer, self.eos_id, self.pad_id,
+                                   self.ctx.accelerator)
 
 
 def build_trainer(tmp_path, stage_adapters, *extra) -> tuple[PPOSetup, object]:
@@ -96,8 +101,8 @@ def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_
     assert (model.compiled_parts > 0) == compiled
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
     torch.manual_seed(0)
-    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
-                           trainer.eos_id, trainer.pad_id, micro_batch_size=2)
+    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
+                           trainer.eos_id, trainer.pad_id)
     assert rollout.input_ids.shape[1] == batch["input_ids"].shape[1] + rollout.response_length
     # policy and reference start from the same SFT weights: zero KL on every token
     torch.testing.assert_close(rollout.logprobs, rollout.ref_logprobs)
@@ -177,8 +182,8 @@ def test_out_of_memory_halving_of_an_odd_micro_batch_leaves_every_token_its_weig
     trainer, model = build_trainer(tmp_path, stage_adapters)
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:5])
     torch.manual_seed(0)
-    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
-                           trainer.eos_id, trainer.pad_id, micro_batch_size=5)
+    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(5), trainer.scorer,
+                           trainer.eos_id, trainer.pad_id)
     mask = (torch.arange(rollout.response_length) < torch.tensor([1, 6, 2, 5, 3])[:, None]).float()
     rollout = replace(rollout, response_mask=mask, logprobs=rollout.logprobs * mask,
                       ref_logprobs=rollout.ref_logprobs * mask, values=rollout.values * mask,
@@ -290,8 +295,8 @@ def test_truncated_sampling_is_scored_as_the_full_policy_and_said_once(tmp_path,
     assert len(notes) == 1 and "top_k" in notes[0], notes
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:2])
     torch.manual_seed(0)
-    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
-                           trainer.eos_id, trainer.pad_id, micro_batch_size=2)
+    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
+                           trainer.eos_id, trainer.pad_id)
     with torch.no_grad():
         expected = _logprobs_at(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, "policy", 0.7)
     torch.testing.assert_close(rollout.logprobs, expected * rollout.response_mask, rtol=1e-4, atol=1e-5)
@@ -308,8 +313,8 @@ def test_ppo_turns_lora_dropout_off_so_the_first_ratio_is_one(tmp_path, stage_ad
     assert "lora_dropout 0.05 -> 0" in capsys.readouterr().out
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
     torch.manual_seed(0)
-    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
-                           trainer.eos_id, trainer.pad_id, micro_batch_size=4)
+    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(4), trainer.scorer,
+                           trainer.eos_id, trainer.pad_id)
     adv = compute_advantages(rollout, 0.05, trainer.args)
     model.train()
     _, stats = micro_loss(model, rollout, adv.advantages, adv.returns, trainer.args, 1.0)
@@ -334,8 +339,8 @@ def test_routed_passes_give_the_rollout_and_the_steps_that_one_pass_per_adapter_
                                        "--eval_every", "0")
         batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
         torch.manual_seed(0)
-        rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
-                               trainer.eos_id, trainer.pad_id, micro_batch_size=2)
+        rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
+                               trainer.eos_id, trainer.pad_id)
         trainer.train()
         ends[fused] = rollout, {name: model.adapter_state(name) for name in ("policy", "value")}
     (fused_rollout, fused_weights), (separate_rollout, separate_weights) = ends["true"], ends["false"]
@@ -375,8 +380,8 @@ def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, 
 
     def rollout(eos_id: int):
         torch.manual_seed(0)
-        return make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.sampling, trainer.scorer,
-                            eos_id, trainer.pad_id, micro_batch_size=4)
+        return make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(4), trainer.scorer,
+                            eos_id, trainer.pad_id)
 
     # The untrained policy seldom samples EOS: the token row 0 samples fourth stands in for it, so that
     # rows stop early (the samples up to there are the same: same seed, same model)

@@ -139,14 +139,15 @@ def prompt_batch(ctx, rows: int) -> dict[str, torch.Tensor]:
 
 def full_length_rollout(ctx, model, rows: int = 4):
     """A rollout whose responses all run to max_new_tokens (min_new_tokens bars an early EOS)."""
-    from trainer.ppo import make_scorer
-    from trainer.rl.rollout import Sampling, make_rollout
+    from trainer.rl.rollout import make_rollout
+    from trainer.rl.settings import make_scorer
 
     args, tok = ctx.stage_args, ctx.tokenizer
     batch = prompt_batch(ctx, rows)
     torch.manual_seed(0)
-    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], Sampling.of(args),
-                           make_scorer(args, tok), tok.eos_token_id, tok.pad_token_id, micro_batch_size=rows)
+    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"],
+                           replace(args, rollout_micro_batch_size=rows), make_scorer(args, tok), tok.eos_token_id,
+                           tok.pad_token_id)
     assert rollout.response_mask.sum() == rows * args.max_new_tokens
     return rollout
 
@@ -199,8 +200,8 @@ def test_ppo_step_tracks_its_rollout_buffers_at_their_exact_bytes(tmp_path, fres
     """The memory report's rollout_buffers in PPO's update phase: the token ids (int64) and six fp32
     (B, R) series - log-probs, reference log-probs, values, advantages, returns, rewards."""
     from profiling import components as C
-    from trainer.ppo import make_scorer
     from trainer.rl.ppo_step import PPOState, ppo_step
+    from trainer.rl.settings import make_scorer
 
     ctx, model, engine = ppo_engine(tmp_path, "--min_new_tokens", "6", "--profile_memory", "true")
     args, tok = replace(ctx.stage_args, rollout_batch_size=4, ppo_epochs=1), ctx.tokenizer
@@ -244,15 +245,16 @@ def expected_after_penalty(input_ids, prompt_length: int, eos: int, scores, pena
 
 
 def test_ppo_rollout_subtracts_the_missing_eos_penalty_from_responses_without_eos(tmp_path, fresh_accelerate_state):
-    from trainer.rl.rollout import Sampling, make_rollout
+    from trainer.rl.rollout import make_rollout
 
     ctx, model, _ = ppo_engine(tmp_path)
     batch, scores, tok = prompt_batch(ctx, 4), [0.5, -1.0, 2.0, 0.25], ctx.tokenizer
+    args = replace(ctx.stage_args, rollout_micro_batch_size=4, missing_eos_penalty=1.5)
 
     def sample(eos=tok.eos_token_id):
         torch.manual_seed(0)
-        return make_rollout(model, batch["input_ids"], batch["attention_mask"], Sampling.of(ctx.stage_args),
-                            FixedScores(scores), eos, tok.pad_token_id, micro_batch_size=4, missing_eos_penalty=1.5)
+        return make_rollout(model, batch["input_ids"], batch["attention_mask"], args, FixedScores(scores), eos,
+                            tok.pad_token_id)
 
     p = batch["input_ids"].shape[1]
     eos = early_eos(sample, p)

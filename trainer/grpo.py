@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from foundation.cli import UsageError, above, at_least, between, one_of, run
+from foundation.cli import UsageError, at_least, one_of, run
 from foundation.stages import POLICY, REFERENCE, REWARD
 from trainer.data.collators import PromptCollator
 from trainer.data.tokenization import tokenize_prompts
@@ -26,18 +26,17 @@ from trainer.engine.harness import Harness, StepResult
 from trainer.engine.setup import RunContext, finish_stage, require_rows, start_run
 from trainer.losses import GROUP_ADVANTAGES, LOSS_NORMALISATIONS
 from trainer.model.shared_base import build_shared_model, stage_specs
-from trainer.ppo import PPOArguments, make_scorer, train_missing_stages, warn_if_learning_unlikely
 from trainer.rl.grpo_step import GroupState, grpo_step
 from trainer.rl.policy_eval import policy_vs_reference
-from trainer.rl.rollout import Sampling
+from trainer.rl.settings import RolloutArguments, make_scorer, require_scorer, warn_if_learning_unlikely
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
-class GRPOArguments(PPOArguments):
-    """PPO's sampling, scoring and batch settings (`rollout_batch_size` counts prompts; minibatches and
-    micro-batches count responses), plus the critic-free ones. PPO-only fields (value, GAE, KL
-    controller) are not read."""
+class GRPOArguments(RolloutArguments):
+    """The shared rollout settings (`rollout_batch_size` counts prompts; minibatches and micro-batches
+    count responses), plus the critic-free ones."""
 
     advantage: str = field(default="grpo", metadata={"help": "grpo (group z-scores) or rloo (leave-one-out baseline)."})
     num_generations: int = field(default=4, metadata={"help": "Responses sampled per prompt (a group)."})
@@ -50,9 +49,8 @@ class GRPOArguments(PPOArguments):
                 "token weighs the same), sequence (each response's mean, then the mean: short responses weigh "
                 "more per token), fixed (sum / (rows x max_new_tokens), Dr. GRPO)."})
 
-    RULES = {**PPOArguments.RULES, "advantage": one_of(*GROUP_ADVANTAGES), "num_generations": at_least(1),
-             "beta": at_least(0), "epochs": at_least(1), "loss_normalisation": one_of(*LOSS_NORMALISATIONS),
-             "cliprange": above(0), "top_p": between(0, 1)}
+    RULES = {**RolloutArguments.RULES, "advantage": one_of(*GROUP_ADVANTAGES), "num_generations": at_least(1),
+             "beta": at_least(0), "epochs": at_least(1), "loss_normalisation": one_of(*LOSS_NORMALISATIONS)}
 
     def check(self) -> None:
         """Refuse what can never produce a gradient: an advantage is a reward against its prompt group's others,
@@ -73,9 +71,7 @@ class GRPOArguments(PPOArguments):
 
 
 def check_settings(args: GRPOArguments, micro: int) -> None:
-    if args.reward_adapter is None and args.scripted_reward is None:
-        raise UsageError("GRPO needs a scorer: pass --reward_adapter DIR (from trainer/reward.py) or "
-                         "--scripted_reward keyword:WORD|length:N|chars:N")
+    require_scorer(args, "GRPO")
     rows = args.rollout_batch_size * args.num_generations
     if rows % args.mini_batch_size or args.mini_batch_size % micro:
         raise UsageError(f"rollout_batch_size x num_generations ({rows}) must be a multiple of --mini_batch_size "
@@ -101,14 +97,12 @@ def train(ctx: RunContext, model, prompts, held_out) -> GroupState:
     args, targs, tok = ctx.stage_args, ctx.train_args, ctx.tokenizer
     scorer = make_scorer(args, tok)
     state = GroupState(torch.Generator().manual_seed(targs.seed), targs.micro_batch_size)
-    reference = REFERENCE if REFERENCE in model.adapter_names else None
 
     def evaluate() -> dict[str, float]:
-        if reference is None:
+        if REFERENCE not in model.adapter_names:  # beta 0: no reference to compare with
             return {}
-        return policy_vs_reference(harness.engine.raw, held_out, Sampling.of(args), scorer, tok.eos_token_id,
-                                   tok.pad_token_id, args.rollout_micro_batch_size, args.eval_seed, ctx.accelerator,
-                                   POLICY, reference, progress=targs.progress_bar) or {}
+        return policy_vs_reference(harness.engine.raw, held_out, args, scorer, tok.eos_token_id, tok.pad_token_id,
+                                   ctx.accelerator, progress=targs.progress_bar) or {}
 
     def step(step_number: int, batches) -> StepResult:
         return grpo_step(harness.engine, next(batches), args, state, scorer, tok.eos_token_id, tok.pad_token_id)
@@ -129,7 +123,6 @@ def train(ctx: RunContext, model, prompts, held_out) -> GroupState:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    train_missing_stages(argv, GRPOArguments)
     ctx = start_run(GRPOArguments, argv, stage="grpo")
     args = ctx.stage_args
     check_settings(args, ctx.train_args.micro_batch_size)

@@ -1,6 +1,6 @@
 """SFT -> reward model -> PPO (or GRPO / RLOO, or several side by side; and DPO when asked), each stage
-feeding the next, then the comparison of the policies and a run report. This is what `make demo` runs, and the one place that runs stages one
-after another (PPO's `train_missing_stages` uses it too).
+feeding the next, then the comparison of the policies and a run report. This is what `make demo` runs,
+and the one place that runs stages one after another: a stage script trains only its own stage.
 
     python -m trainer.pipeline                       # the CPU demo on the embedded SmolLM2
     python -m trainer.pipeline --with_dpo true       # also DPO from the same SFT adapter
@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 from foundation.cli import UsageError, parse, parse_assignments, run
 from foundation.files import write_atomic
-from trainer.config import (CONFIG_ROOT, PIPELINE_STAGES, RECIPES, DataArguments, PipelineArguments, load_yaml,
+from trainer.config import (PIPELINE_STAGES, RECIPES, DataArguments, PipelineArguments, load_yaml,
                             parse_config)
 from trainer.engine.launch import reset_accelerate
 from trainer.engine.setup import COSMETIC_FIELDS, config_changes, run_config
@@ -88,23 +88,6 @@ def run_stage(name: str, argv: list[str], out: Path, module: Optional[str] = Non
     write_atomic(done, json.dumps(results, indent=2))
     reset_accelerate()
     return results
-
-
-def train_stages_into(folder: Path, targets: dict[str, Optional[str]], extra: Sequence[str] = ()) -> None:
-    """Train each stage of `targets` (stage -> the STAGE_DIR/adapter path it must produce) whose adapter is
-    absent, with `folder`/STAGE.yaml (else the demo's): the earlier stages a PPO run needs."""
-    for name in ("sft", "reward"):
-        path = targets.get(name)
-        if path is None or (Path(path) / "adapter_config.json").is_file():
-            continue
-        links = ["--sft_adapter", targets["sft"]] if name == "reward" and targets.get("sft") else []
-        if Path(path).name != "adapter" or (name == "reward" and not links):
-            raise UsageError(f"--{name}_adapter {path} is missing and is not a STAGE_DIR/adapter path to train into")
-        config = folder / f"{name}.yaml" if (folder / f"{name}.yaml").is_file() else CONFIG_ROOT / f"{name}.yaml"
-        logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        logger.info("%s adapter %s is missing: training it first with %s", name, path, config)
-        run_stage(name, [*stage_argv(config, Path(path).parent, {}), *extra, *links], Path(path).parent)
 
 
 def check_recipe(args: PipelineArguments) -> Path:

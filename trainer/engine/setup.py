@@ -72,12 +72,28 @@ def run_config(model_args, data_args, train_args, stage_args, resolved: dict[str
     return json.loads(json.dumps({**{k: asdict(v) for k, v in sections.items()}, "resolved": resolved}))
 
 
+ADAPTER_STAGES = {"sft_adapter": "sft", "reward_adapter": "reward"}  # the stage that makes each adapter setting's
+
+
 def check_adapter_paths(stage_args) -> None:
-    """Every `*_adapter` setting must name a saved adapter: say which one is wrong, at start."""
+    """Every `*_adapter` setting must name a saved adapter: say which one is wrong, at start; for an
+    absent one, the command that makes it (stages run in order only through the pipeline)."""
     for f in fields(stage_args):
         path = getattr(stage_args, f.name)
         if f.name.endswith("_adapter") and path is not None:
+            if f.name in ADAPTER_STAGES and not Path(path).exists():
+                raise InputError(missing_adapter(f.name, Path(path)))
             check_adapter_folder(path, f"--{f.name}")
+
+
+def missing_adapter(setting: str, path: Path) -> str:
+    """One line: the absent adapter folder of `--setting`, and the commands that make it."""
+    stage = ADAPTER_STAGES[setting]
+    out = path.parent if path.name == "adapter" else "DIR"
+    where = "" if path.name == "adapter" else " (its adapter is DIR/adapter)"
+    return (f"--{setting}: {path} is not a saved adapter (no such folder): make it with `python -m trainer.pipeline` "
+            f"(every stage in order) or `python trainer/{stage}.py --config trainer/configs/{stage}.yaml "
+            f"--output_dir {out}`{where}")
 
 
 def check_output_dir(path: Path) -> None:

@@ -22,9 +22,9 @@ import torch
 from foundation.stages import POLICY
 from trainer.engine.harness import Engine, StepResult
 from trainer.losses import group_advantages, grpo_policy_loss, kl_penalty
-from trainer.rl.ppo_step import minibatch_update
 from trainer.rl.rollout import Sampling, chunked, sample_in_chunks
 from trainer.rl.scoring import response_logprobs, rollout_scores, trimmed_to_longest_response
+from trainer.rl.update import Update, run_update
 
 
 @dataclass
@@ -115,11 +115,11 @@ def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: Group
     temperature = Sampling.of(args).scoring_temperature
     started = time.perf_counter()
     size = rollout.input_ids.shape[0]
+    update = Update("GRPO", args.epochs, args.mini_batch_size,
+                    loss_of=lambda idx: _micro_loss(engine.model, rollout, advantages, idx, args, temperature),
+                    count_of=lambda idx: _loss_units(rollout, idx, args.loss_normalisation), grad_norm_key="grad_norm")
     with phase("update"):
-        metrics, all_finite, any_stepped = minibatch_update(
-            engine, state, "GRPO", size, args.epochs, args.mini_batch_size,
-            lambda idx: _micro_loss(engine.model, rollout, advantages, idx, args, temperature), "grad_norm",
-            lambda idx: _loss_units(rollout, idx, args.loss_normalisation))
+        metrics, all_finite, any_stepped = run_update(engine, state, update, size)
     update_s = time.perf_counter() - started
     groups = rollout.scores.view(-1, args.num_generations)
     metrics.update({

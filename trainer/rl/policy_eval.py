@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from foundation.stages import POLICY, REFERENCE
 from trainer.data.collators import PromptCollator
 from trainer.data.tokenization import PromptExample
 from trainer.rl.rollout import Sampling, Scorer, sample_responses
@@ -85,15 +86,16 @@ def sample_policies(model, prompts: Sequence[PromptExample], policies: Sequence[
     return results
 
 
-def policy_vs_reference(model, prompts: Sequence[PromptExample], sampling: Sampling, scorer: Scorer, eos_id: int,
-                        pad_id: int, batch_size: int, seed: int, accelerator, policy: str, reference: str,
-                        progress: bool = True) -> Optional[dict[str, float]]:
-    """PPO's evaluation figures: both policies' scores, the policy's win rate and KL, response lengths."""
+def policy_vs_reference(model, prompts: Sequence[PromptExample], args, scorer: Scorer, eos_id: int, pad_id: int,
+                        accelerator, reference: str = REFERENCE, progress: bool = True) -> Optional[dict[str, float]]:
+    """PPO's and GRPO's evaluation figures, `policy` against `reference` with the run's rollout settings
+    (`args`: sampling, rows per pass, `eval_seed`): both policies' scores, the policy's win rate and KL,
+    response lengths."""
     if not prompts:
         return None
-    samples = sample_policies(model, prompts, [policy, reference], reference, scorer, sampling, eos_id, pad_id,
-                              batch_size, seed, accelerator, progress=progress)
-    mine, base = samples[policy].summary(samples[reference]), samples[reference].summary(samples[reference])
+    samples = sample_policies(model, prompts, [POLICY, reference], reference, scorer, Sampling.of(args), eos_id,
+                              pad_id, args.rollout_micro_batch_size, args.eval_seed, accelerator, progress=progress)
+    mine, base = samples[POLICY].summary(samples[reference]), samples[reference].summary(samples[reference])
     return {"score_policy": mine["mean_score"], "score_sft": base["mean_score"], "win_rate": mine["win_rate"],
             "kl": mine["kl"], "response_length_policy": mine["mean_length"],
             "response_length_sft": base["mean_length"], "prompts": mine["prompts"]}

@@ -11,17 +11,15 @@ harness checkpoints.
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from foundation.cli import InputError, UsageError
+from foundation.cli import UsageError
 from profiling.decode import bandwidth_fraction, bytes_per_decode_step, copy_bandwidth
 from trainer.engine.harness import Engine, StepResult
 from trainer.engine.metrics import mean_over_ranks
@@ -31,6 +29,7 @@ from trainer.losses import (
 from trainer.rl.kl_control import KLController, make_kl_controller
 from trainer.rl.rollout import Rollout, Sampling, Scorer, make_rollout
 from trainer.rl.scoring import policy_and_values, trimmed_to_longest_response
+from trainer.rl.update import Update, run_update
 
 logger = logging.getLogger(__name__)
 
@@ -118,104 +117,15 @@ def micro_loss(model, sub: Rollout, advantages: torch.Tensor, returns: torch.Ten
     return loss, stats
 
 
-def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def halving_on_oom(engine: Engine, state, stage: str, minibatch: Callable[[int], Any]) -> Any:
-    """`minibatch(state.micro_batch_size)`; on a CUDA out-of-memory error, its partial gradients are
-    dropped and it runs again with half the micro-batch (logged; kept in `state` for the rest of the run).
-    The PPO and GRPO updates run every minibatch through it (`minibatch_update`)."""
-    while True:
-        try:
-            return minibatch(state.micro_batch_size)
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
-            if not is_oom(exc) or state.micro_batch_size == 1:
-                raise
-            if engine.deepspeed or engine.accelerator.num_processes > 1:
-                # The engine owns the gradients and fixed its accumulation at prepare time; with
-                # several processes a retry on one rank alone would pair its collectives wrongly.
-                raise InputError(f"out of memory in the {stage} update at micro-batch {state.micro_batch_size} "
-                                 "with DeepSpeed or several processes: lower --micro_batch_size (the "
-                                 "automatic retry needs one process without DeepSpeed)") from None
-            engine.optimizer.zero_grad(set_to_none=True)
-            free_memory()
-            state.micro_batch_size //= 2
-            logger.warning("out of memory in the %s update: retrying the minibatch with micro-batch %d", stage,
-                           state.micro_batch_size)
-
-
 def ppo_update(engine: Engine, rollout: Rollout, adv: Advantages, args, state: PPOState,
                temperature: float) -> tuple[dict[str, float], bool, bool]:
-    """`ppo_epochs` passes of shuffled minibatches (`minibatch_update`), each micro-batch's loss the clipped
+    """`ppo_epochs` passes of shuffled minibatches (`trainer.rl.update`), each micro-batch's loss the clipped
     policy + value loss of one routed pass (`micro_loss`): token means, so micro-batches weigh by tokens."""
-    return minibatch_update(engine, state, "PPO", rollout.input_ids.shape[0], args.ppo_epochs, args.mini_batch_size,
-                            lambda idx: micro_loss(engine.model, rollout.select(idx), adv.advantages[idx],
-                                                   adv.returns[idx], args, temperature), "policy/grad_norm",
-                            lambda idx: rollout.response_mask[idx].sum())
-
-
-def minibatch_update(engine: Engine, state, stage: str, size: int, epochs: int, mini_batch_size: int,
-                     loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]], grad_norm_key: str,
-                     count_of: Callable[[torch.Tensor], Any]) -> tuple[dict[str, float], bool, bool]:
-    """`epochs` passes over the `size` rollout rows in shuffled minibatches (`state.generator`), one
-    optimizer step each, the minibatch accumulated over micro-batches of `state.micro_batch_size` rows:
-    (mean statistics, with the gradient norm as `grad_norm_key`; every minibatch finite; any stepped).
-    `loss_of(rows)` is one micro-batch's (loss, statistics), its loss a mean over what `count_of(rows)`
-    counts (rows or tokens). Shared by the PPO and GRPO updates.
-
-    A minibatch whose loss or gradient is not finite is skipped. A CUDA out-of-memory error inside a
-    minibatch drops its partial gradients and retries it with half the micro-batch (`halving_on_oom`).
-    """
-    sums: dict[str, float] = defaultdict(float)
-    count, all_finite, any_stepped = 0, True, False
-    for _ in range(epochs):
-        order = torch.randperm(size, generator=state.generator)
-        for start in range(0, size, mini_batch_size):
-            rows = order[start : start + mini_batch_size]
-            stats, finite = halving_on_oom(engine, state, stage,
-                                           lambda micro: _accumulate(engine, rows, micro, loss_of, count_of))
-            engine.recorder.sample()  # the memory recorder counts gradients while they exist
-            stepped, sound, grad_norm = engine.optimizer_step(finite)
-            all_finite, any_stepped = all_finite and sound, any_stepped or stepped
-            stats[grad_norm_key] = grad_norm
-            for key, value in stats.items():
-                sums[key] += float(value)
-            count += 1
-    return {k: v / count for k, v in sums.items()}, all_finite, any_stepped
-
-
-def _accumulate(engine: Engine, rows: torch.Tensor, micro: int,
-                loss_of: Callable[[torch.Tensor], tuple[torch.Tensor, dict]],
-                count_of: Callable[[torch.Tensor], Any]) -> tuple[dict[str, float], bool]:
-    """One minibatch's backward over micro-batches of `micro` rows: (mean statistics, every loss finite).
-
-    Each micro-batch's loss, a mean over its rows or tokens, is weighed by its share of the minibatch's
-    count (`count_of`, summed over ranks), so every row or token weighs the same whatever the micro-batching:
-    responses of unequal length, an odd micro-batch halved into unequal parts, several ranks."""
-    acc = engine.accelerator
-    chunks = [rows[i : i + micro] for i in range(0, len(rows), micro)]
-    acc.gradient_accumulation_steps = len(chunks)
-    acc.step = 0  # realign the accumulation counter (after an OOM retry, too)
-    counts = [float(count_of(chunk)) for chunk in chunks]
-    local = sum(counts)
-    # undoes Accelerate's division by the accumulation steps and the ranks' average
-    scale = engine.loss_divisor(len(chunks)) / engine.step_units(local)
-    sums: dict[str, float] = defaultdict(float)
-    finite = True
-    for chunk, count in zip(chunks, counts):
-        with acc.accumulate(engine.model), acc.autocast():
-            loss, stats = loss_of(chunk)
-            finite = engine.backward(loss * (count * scale)) and finite
-        for key, value in stats.items():
-            sums[key] += float(value) * count / max(local, 1.0)
-    return dict(sums), finite
+    update = Update("PPO", args.ppo_epochs, args.mini_batch_size,
+                    loss_of=lambda idx: micro_loss(engine.model, rollout.select(idx), adv.advantages[idx],
+                                                   adv.returns[idx], args, temperature),
+                    count_of=lambda idx: rollout.response_mask[idx].sum(), grad_norm_key="policy/grad_norm")
+    return run_update(engine, state, update, rollout.input_ids.shape[0])
 
 
 def decode_metrics(model, rollout: Rollout, rows_per_call: int, state: PPOState) -> dict[str, float]:
@@ -249,8 +159,7 @@ def ppo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: PPOSta
     started = time.perf_counter()
     # Generation and the no-grad scoring passes go around the DDP / DeepSpeed wrapper (DDP has no
     # generate, and no gradient sync is wanted there); the update goes through it.
-    rollout = make_rollout(raw, ids, mask, sampling, scorer, eos_id, pad_id, args.rollout_micro_batch_size,
-                           args.missing_eos_penalty, phase=phase)
+    rollout = make_rollout(raw, ids, mask, args, scorer, eos_id, pad_id, phase=phase)
     beta = state.kl.value
     adv = compute_advantages(rollout, beta, args)
     metrics = rollout_metrics(rollout, adv)

@@ -43,7 +43,7 @@ class Sampling:
 
     @classmethod
     def of(cls, args) -> "Sampling":
-        """The sampling fields of an argument object (PPOArguments)."""
+        """The sampling fields of a settings object (`trainer.rl.settings.RolloutArguments`)."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     @property
@@ -291,10 +291,11 @@ def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
 
 
 @torch.no_grad()
-def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, scorer: Scorer,
-                 eos_id: int, pad_id: int, micro_batch_size: int, missing_eos_penalty: Optional[float] = None,
-                 phase=None) -> Rollout:
-    """Generate, then score with reference / value / reward, `micro_batch_size` rows at a time.
+def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, args, scorer: Scorer, eos_id: int,
+                 pad_id: int, phase=None) -> Rollout:
+    """Generate, then score with reference / value / reward, `args.rollout_micro_batch_size` rows at a time
+    (`args`: the rollout settings, `trainer.rl.settings.RolloutArguments`: sampling, rows per pass, the
+    missing-EOS penalty).
 
     The policy's log-probs and entropy are read from the logits it sampled from (phase "generate"); the
     reference, value and reward passes run as ONE routed pass of the base per micro-batch (phase "score").
@@ -305,46 +306,43 @@ def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sam
     was_training = model.training
     model.eval()  # no dropout: these log-probs and values are the fixed "old" ones of the update
     try:
-        return _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                             missing_eos_penalty, phase)
+        return _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, phase)
     finally:
         model.train(was_training)
 
 
-def _make_rollout(model, prompt_ids, prompt_mask, sampling, scorer, eos_id, pad_id, micro_batch_size,
-                  missing_eos_penalty, phase) -> Rollout:
+def _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, phase) -> Rollout:
+    sampling, rows = Sampling.of(args), args.rollout_micro_batch_size
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
     with phase("generate"):
         sync(prompt_ids.device)
         started = time.perf_counter()
-        samples = sample_in_chunks(model, prompt_ids, prompt_mask, sampling, eos_id, pad_id, micro_batch_size,
-                                   with_logprobs=True)
+        samples = sample_in_chunks(model, prompt_ids, prompt_mask, sampling, eos_id, pad_id, rows, with_logprobs=True)
         sync(prompt_ids.device)
         generate_s = time.perf_counter() - started
-    input_ids, attention_mask, response_mask, ended = (samples.input_ids, samples.attention_mask,
-                                                       samples.response_mask, samples.ended)
+    input_ids, attention_mask, response_mask = samples.input_ids, samples.attention_mask, samples.response_mask
     reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
     with phase("score"):
         ref_logprobs, values, scores = chunked(
             lambda i, m, r: rollout_scores(model, i, m, r, sampling.scoring_temperature, reference=True, value=True,
                                            reward_adapter=reward_adapter),
-            micro_batch_size, batch, input_ids, attention_mask, response_mask)
+            rows, batch, input_ids, attention_mask, response_mask)
         if scores is None:
             scores = scorer(model, input_ids, attention_mask, prompt_length, response_mask)
-    # the sampled log-probs and entropy: steps after a row's EOS are masked in _finish
-    return _finish(input_ids, attention_mask, response_mask, prompt_length, samples.logprobs, ref_logprobs, values,
-                   scores, ended, samples.entropy, missing_eos_penalty, generate_s)
+    return _finish(samples, prompt_length, ref_logprobs, values, scores, args.missing_eos_penalty, generate_s)
 
 
-def _finish(input_ids, attention_mask, response_mask, prompt_length, logprobs, ref_logprobs, values, scores, ended,
-            entropy, missing_eos_penalty, generate_s) -> Rollout:
+def _finish(samples: Samples, prompt_length: int, ref_logprobs, values, scores, missing_eos_penalty,
+            generate_s) -> Rollout:
+    """The rollout with the missing-EOS penalty applied and every per-token tensor 0 after each row's EOS."""
+    ended, response_mask = samples.ended, samples.response_mask
     if missing_eos_penalty is not None:
         scores = torch.where(ended, scores, scores - missing_eos_penalty)
     fmask = response_mask.float()
-    return Rollout(input_ids=input_ids, attention_mask=attention_mask, response_mask=fmask,
-                   prompt_length=prompt_length, logprobs=logprobs * fmask, ref_logprobs=ref_logprobs * fmask,
-                   values=values.float() * fmask, scores=scores.float(), ended=ended, entropy=entropy * fmask,
-                   generate_s=generate_s)
+    return Rollout(input_ids=samples.input_ids, attention_mask=samples.attention_mask, response_mask=fmask,
+                   prompt_length=prompt_length, logprobs=samples.logprobs * fmask, ref_logprobs=ref_logprobs * fmask,
+                   values=values.float() * fmask, scores=scores.float(), ended=ended,
+                   entropy=samples.entropy * fmask, generate_s=generate_s)
 
 
 def _pad_right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
