@@ -259,10 +259,22 @@ KINDS: list[tuple[str, Callable[[Path], Row]]] = [  # the file that marks a fold
     ("result.json", probe)]
 
 
+def ppo_step_by_revision(folder: Path) -> Row:
+    """Our side of ppo_vs_trl alone at several revisions (one subfolder each): its step time at each."""
+    runs = [(_load(f), f.parent.name) for f in folder.glob("*/ppo_vs_trl.json")]
+    runs.sort(key=lambda r: r[0].get("date") or "")
+    figures = [f"`{name}` {data['sides']['ours']['summary']['step_s']:.2f} s" for data, name in runs]
+    return Row((1, 1), "our PPO step at several revisions (`benchmarks.ppo_vs_trl --sides ours`)",
+               runs[-1][0]["settings"].get("model_name_or_path", "?") if runs else "-",
+               "step " + ", ".join(figures), *_when(runs[-1][0] if runs else {}), _report(folder))
+
+
 def row_for(folder: Path) -> Row:
     for name, reader in KINDS:
         if (folder / name).is_file():
             return reader(folder)
+    if any(folder.glob("*/ppo_vs_trl.json")):
+        return ppo_step_by_revision(folder)
     if any((folder / s / "results.json").is_file() for s in STAGES):
         return training_run(folder)
     return other(folder)

@@ -1,11 +1,8 @@
-"""Critic-free online RL on ONE shared base: GRPO or RLOO with three adapters (policy trainable,
-reference frozen SFT, reward frozen with its head), no value model.
+"""Critic-free online RL on ONE shared base: GRPO or RLOO, no value model.
 
-Each step (`trainer.rl.grpo_step.grpo_step`): sample `num_generations` responses to each prompt,
-score them (reward adapter or a scripted reward), turn each prompt group's rewards into advantages
-(GRPO: z-scores; RLOO: leave-one-out baseline) and take clipped policy-ratio steps, with the KL to the
-reference as a k3 loss term (GRPO) or a reward penalty (RLOO). Evaluation is PPO's: policy vs SFT on
-held-out prompts.
+Each step (`trainer.rl.grpo_step.grpo_step`) samples `num_generations` responses per prompt, scores them,
+turns each group's rewards into advantages (GRPO: z-scores; RLOO: leave-one-out) and takes clipped ratio
+steps, the KL to the reference a k3 loss term (GRPO) or a reward penalty (RLOO).
 
     accelerate launch trainer/grpo.py --config trainer/configs/grpo.yaml [--advantage rloo ...]
 """

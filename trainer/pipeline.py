@@ -1,15 +1,10 @@
-"""SFT -> reward model -> PPO (or GRPO / RLOO, or several side by side; and DPO when asked), each stage
-feeding the next, then the comparison of the policies and a run report. This is what `make demo` runs,
-and the one place that runs stages one after another: a stage script trains only its own stage.
+"""SFT -> reward model -> PPO / GRPO / RLOO (several side by side; DPO when asked), each stage feeding the
+next, then the comparison of the policies and a run report: what `make demo` runs, and the one place that
+runs stages in order. A finished stage (same settings) is skipped and an interrupted one resumes, so
+rerunning the same command continues where it stopped.
 
-    python -m trainer.pipeline                       # the CPU demo on the embedded SmolLM2
-    python -m trainer.pipeline --with_dpo true       # also DPO from the same SFT adapter
-    python -m trainer.pipeline --algorithm ppo,grpo,rloo   # three online RL policies from the same adapters
-    python -m trainer.pipeline --recipe llama2_7b    # the seed recipe (7B, 20k / 50k / 20k, GPU)
-
-A stage whose `results.json` exists was finished with the same settings is skipped (with other
-settings the pipeline stops and says which), and a stage that was interrupted resumes from its newest
-checkpoint, so rerunning the same command continues where it stopped.
+    python -m trainer.pipeline [--algorithm ppo,grpo,rloo] [--with_dpo true]   # the CPU demo on SmolLM2
+    python -m trainer.pipeline --recipe llama2_7b                              # the seed recipe (7B, GPU)
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""Stage 3, PPO on ONE shared 4-bit base: policy, reference, value and reward are LoRA adapters.
+"""PPO on ONE shared 4-bit base: policy, reference, value and reward are LoRA adapters.
 
-Each step (`trainer.rl.ppo_step.ppo_step`): sample responses to a batch of prompts with `policy`,
-score them with `reward`, take per-token KL against `reference` (the frozen SFT adapter) and values
-from `value`, compute GAE advantages, run clipped policy and value updates over shuffled minibatches,
-and adapt the KL coefficient. Every `eval_every` steps the policy and SFT answer held-out prompts
-side by side (`trainer.rl.policy_eval`).
+Each step (`trainer.rl.ppo_step.ppo_step`) samples with `policy`, scores with `reward`, takes the KL to
+`reference` and values from `value`, computes GAE advantages, runs clipped policy and value updates and
+adapts the KL coefficient; every `eval_every` steps the policy and SFT answer held-out prompts.
 
     accelerate launch trainer/ppo.py --config trainer/configs/ppo.yaml [--field value ...]
 """

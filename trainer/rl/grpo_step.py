@@ -1,14 +1,10 @@
-"""One critic-free step (GRPO or RLOO) on the shared base: the same plumbing as `ppo_step`, less the
-value model.
+"""One critic-free step (GRPO or RLOO) on the shared base: PPO's plumbing less the value model.
 
-    prompts x num_generations -> generate (one batched call per chunk; the policy's old log-probs read
-    from the logits sampled from) -> ONE routed pass for the reference's
-    log-probs (beta > 0) and the reward adapter's score (`trainer.rl.scoring.rollout_scores`, PPO's too)
-    -> advantages per prompt group (`trainer.losses.group_advantages`)
-    -> clipped ratio loss (+ beta * k3 to the reference for GRPO) over shuffled minibatches
+    prompts x num_generations -> generate (old log-probs read while sampling) -> one routed pass for the
+    reference's log-probs and the reward's score -> advantages per prompt group -> clipped ratio loss
+    (+ beta * k3 to the reference for GRPO; RLOO puts the KL in the reward, as TRL's RLOOTrainer does)
 
-RLOO puts the KL in the reward instead (r - beta * sum of the k1 KL over the response), as TRL's
-RLOOTrainer does. beta 0 skips the reference pass altogether.
+beta 0 skips the reference pass.
 """
 
 from __future__ import annotations

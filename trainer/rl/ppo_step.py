@@ -3,10 +3,8 @@
     rollout (generate, score, reference, value) -> per-token rewards and GAE advantages
     -> clipped policy + value update over shuffled minibatches -> KL control
 
-The maths is in `trainer.losses` (pure, tested against hand-computed values); this module is the
-plumbing around it. What a run carries from step to step (the KL controller, the minibatch order,
-the micro-batch size the update settled on after running out of memory) is `PPOState`, which the
-harness checkpoints.
+The maths is in `trainer.losses`; this module is the plumbing. What a run carries from step to step (KL
+controller, minibatch order, the micro-batch the update settled on) is `PPOState`, checkpointed.
 """
 
 from __future__ import annotations

@@ -110,22 +110,13 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -
 
 
 class SampledLogprobs:
-    """The log-prob and entropy of each sampled token under the distribution it was sampled from (the
-    raw logits at the sampling temperature, before top-k / top-p / min-length masks: what a scoring
-    pass gives), read from the generating model's own forward.
+    """The log-prob and entropy of each sampled token under the logits it was sampled from (at the sampling
+    temperature, before top-k / top-p masks: what a scoring pass gives), read from the model's own forward.
 
-    A forward hook on the causal LM keeps the last position's logits of each step until the next step's
-    input - the token sampled from them - arrives; `finish` reads the last step's token from the
-    output. One (rows x vocab) tensor is held at a time, where keeping every step's logits would hold
-    (rows x new tokens x vocab). It relies on transformers' sampling loop running one forward per
-    sampled token (true for one process on CPU or CUDA; not for `synced_gpus` under ZeRO-3 / FSDP
-    generation, which PPO and GRPO refuse, or a chunked prefill): `finish` says so if the counts differ.
-    Every decode path runs the policy's own forward through its LoRA layers, so these equal a scoring
-    pass's log-probs up to the rounding of another summation order.
-
-    The hook runs eagerly also under `--decode compiled` (`torch.compiler.disable`: the compiled decode
-    step ends before it): it copies the step's logits out as soon as the step returns, before a CUDA
-    graph's next replay reuses their memory, and its lists never become a graph's side effects.
+    A forward hook keeps each step's last-position logits (one rows x vocab tensor at a time) until the
+    sampled token arrives; `finish` checks one forward ran per token (not so under ZeRO-3 / FSDP generation,
+    which PPO and GRPO refuse). Under `--decode compiled` the hook runs eagerly and copies the logits out
+    before a CUDA graph's next replay reuses their memory.
     """
 
     def __init__(self, causal_lm, temperature: float):
