@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
-import shlex
 import statistics
 import subprocess
 import sys
@@ -220,7 +219,7 @@ def chart(data: dict, path: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    from foundation.provenance import provenance
+    from foundation.provenance import provenance, relative_command
 
     argv = list(sys.argv[1:] if argv is None else argv)
     (args,) = parse([BenchArguments], argv)
@@ -233,7 +232,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     import torch
 
     device = torch.device("cuda") if cuda_available() else torch.device("cpu")
-    data = {**provenance(device, command="python -m benchmarks.flag_ladder " + " ".join(shlex.quote(a) for a in argv)),
+    data = {**provenance(device, command="python -m benchmarks.flag_ladder " + relative_command(argv)),
             "stage": args.stage, "model": args.model_name_or_path, "steps": args.steps,
             "simulate_gpu_gib": args.simulate_gpu_gib, "budget_gib": args.budget_gib, "arguments": asdict(args),
             "rows": []}

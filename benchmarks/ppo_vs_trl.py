@@ -14,7 +14,6 @@ import importlib.metadata
 import json
 import logging
 import os
-import shlex
 import shutil
 import signal
 import statistics
@@ -238,7 +237,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 def run_benchmark(args: Workload, argv: list[str], accelerator) -> dict:
-    from foundation.provenance import provenance
+    from foundation.provenance import provenance, relative_command
 
     sides = args.side_list
     device = accelerator.device
@@ -249,7 +248,7 @@ def run_benchmark(args: Workload, argv: list[str], accelerator) -> dict:
         Path(args.bench.side_run_out).write_text(json.dumps(record, default=str))
         return record
     out_dir = Path(args.bench.out_dir) if args.bench.out_dir else default_out_dir(args, device)
-    command = "python -m benchmarks.ppo_vs_trl " + " ".join(shlex.quote(a) for a in argv)
+    command = "python -m benchmarks.ppo_vs_trl " + relative_command(argv)
     report = {"kind": "ppo_vs_trl", "device_kind": "cuda" if device.type == "cuda" else "cpu",
               **provenance(device, command), "trl_version": _version("trl"),
               "mixed_precision": accelerator.mixed_precision,

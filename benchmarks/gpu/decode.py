@@ -11,7 +11,6 @@ is generating N tokens less generating one (the prefill). `--paths eager,static,
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,7 +21,7 @@ import torch
 
 from foundation.cli import Checked, UsageError, above, at_least, parse, run
 from foundation.files import write_atomic
-from foundation.provenance import provenance
+from foundation.provenance import provenance, relative_command
 from profiling.decode import bytes_per_decode_step, copy_bandwidth, sync
 from trainer.config import ModelArguments
 from trainer.rl.rollout import DECODE_PATHS, decode_kwargs
@@ -103,7 +102,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             print(f"{path}, batch {batch}: {tokens_per_s:.1f} tokens/s, {rows[-1]['ms_per_step']:.1f} ms per step, "
                   f"{rows[-1]['bandwidth_fraction']:.1%} of the bandwidth bound ({bound:.0f} tokens/s); first call "
                   f"{first:.2f} s", flush=True)
-    result = {**provenance(device, "python -m benchmarks.gpu.decode " + " ".join(shlex.quote(a) for a in argv)),
+    result = {**provenance(device, "python -m benchmarks.gpu.decode " + relative_command(argv)),
               "kind": "decode", "model": asdict(model_args), "settings": asdict(args),
               "copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_decode_step": read,
               "bytes_per_decode_step": step_bytes, "rows": rows}

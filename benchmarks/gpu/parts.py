@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -299,7 +300,7 @@ def run_steps(steps: list[Step], out: Path, deadline: float) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    from foundation.provenance import provenance
+    from foundation.provenance import provenance, relative_command
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not argv[0].startswith("-"):
@@ -318,7 +319,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     model = "tiny-llama" if args.smoke else "llama-2-7b"
     manifest = {**provenance(command="benchmarks/gpu/run.sh " + ("--smoke " if args.smoke else "") + args.part),
                 **device_facts(), "versions": found, "part": args.part, "smoke": args.smoke, "model": model, "arguments": asdict(args),
-                "seconds": time.time() - started, "budget_s": budget, "steps": [asdict(s) for s in steps]}
+                "seconds": time.time() - started, "budget_s": budget,
+                "steps": [{**asdict(s), "argv": shlex.split(relative_command(s.argv))} for s in steps]}
     write_atomic(out / "manifest.json", json.dumps(manifest, indent=2))
     print(f"part {args.part}: " + ", ".join(f"{s.name} {s.status}" for s in steps), flush=True)
     return manifest

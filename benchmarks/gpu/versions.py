@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import platform
-import sys
-from pathlib import Path
 
 LIBRARIES = ("torch", "transformers", "tokenizers", "peft", "accelerate", "bitsandbytes", "deepspeed", "trl",
              "datasets", "safetensors", "nvidia-ml-py", "pytest")
@@ -21,9 +18,3 @@ def versions() -> dict:
 
     return {**out, **library_versions(LIBRARIES)}
 
-
-if __name__ == "__main__":
-    found = versions()
-    print(json.dumps(found, indent=2))
-    if len(sys.argv) > 1:
-        Path(sys.argv[1]).write_text(json.dumps(found, indent=2))
