@@ -155,9 +155,10 @@ def simulate_gpu_memory(gib: float, device) -> None:
     if device.type != "cuda":
         logger.info("simulate_gpu_gib=%s ignored: no CUDA device", gib)
         return
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" has none
+    total = torch.cuda.get_device_properties(index).total_memory
     fraction = min(1.0, gib * 2**30 / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     logger.info("CUDA memory capped at %.1f GiB (%.3f of %.1f GiB)", gib, fraction, total / 2**30)
 
 

@@ -302,7 +302,10 @@ def enable_checkpointing(model, context_fn=None) -> None:
     kwargs = {"use_reentrant": False}
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # the older name, as in the GPU image's transformers 5.17
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
 
 
