@@ -186,10 +186,11 @@ def test_fp16_loss_scaling_skips_an_overflow_step_and_trains_on(tmp_path):
     down, and the next step runs (the scaler must see every step, or unscale_ fails the next one)."""
     from trainer.config import TrainArguments
     from trainer.engine.harness import Engine
-    from trainer.engine.launch import make_accelerator
+    from trainer.engine.launch import make_accelerator, reset_accelerate
     from trainer.model.shared_base import AdapterSpec, build_shared_model
 
     args = TrainArguments(output_dir=str(tmp_path), mixed_precision="fp16", report_to="none", optimizer="adamw_torch")
+    reset_accelerate()  # an earlier test in this process made a bf16 Accelerator
     accelerator = make_accelerator(args)
     model = build_shared_model(tiny_args(quantization="none", dtype="float32"), [AdapterSpec("policy", trainable=True)],
                                vocab_size=VOCAB, device=cuda())
