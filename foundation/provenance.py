@@ -24,11 +24,12 @@ _RECORDED_ENV_PREFIXES = ("MALLOC_",)
 
 
 def git_revision(cwd: Path = PROJECT_ROOT) -> str:
-    """`git rev-parse HEAD` (with '-dirty' when tracked files changed); outside a checkout, the revision the
-    tree was copied at ($RLHF_GIT_REVISION: the GPU kit carries it), else 'unknown'."""
+    """`git rev-parse HEAD` (with '-dirty' when tracked files changed), else 'unknown'; $RLHF_GIT_REVISION,
+    where set, wins: the GPU kit sets it to the revision its tree was prepared at (the copy's .git can be
+    an older snapshot)."""
     import os
 
-    if os.environ.get("RLHF_GIT_REVISION") and not (cwd / ".git").exists():
+    if os.environ.get("RLHF_GIT_REVISION"):
         return os.environ["RLHF_GIT_REVISION"]
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,

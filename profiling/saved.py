@@ -32,7 +32,9 @@ class SavedTensorMeter:
                 self._seen.add(key)
                 self.bytes += storage.nbytes()
                 self.tensors += 1
-        return tensor
+        # A detached alias, never the tensor itself: for a saved output, the tensor's grad_fn owns this
+        # record, and a graph never run backward (a detached metric's) would keep it alive for good.
+        return tensor.detach()
 
     @contextmanager
     def watch(self) -> Iterator["SavedTensorMeter"]:

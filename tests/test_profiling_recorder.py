@@ -183,3 +183,23 @@ def test_nested_phases_are_each_recorded_and_the_outer_keeps_the_inner_peak(sft_
     assert inner.cuda.peak_allocated == 900
     assert outer.cuda.peak_allocated == 900  # not the 400 read after the inner phase's reset
     assert recorder._open == []
+
+
+def test_metering_saved_tensors_frees_a_graph_that_is_never_run_backward():
+    """A metric computed with grad and then detached (PPO's entropy without an entropy bonus) leaves a
+    graph nobody runs backward: once its output is dropped, what it saved must go too, metered or not."""
+    import gc
+    import weakref
+
+    from profiling.saved import SavedTensorMeter
+
+    x = torch.randn(64, 64, requires_grad=True)
+    meter = SavedTensorMeter()
+    with meter.watch():
+        out = (x * 2).exp()  # exp saves its own output
+    alive = weakref.ref(out)
+    metric = out.sum().detach()
+    del out
+    gc.collect()
+    assert meter.bytes == 64 * 64 * 4 and metric.item() > 0
+    assert alive() is None, "the meter kept a saved output alive through its own grad_fn"

@@ -25,8 +25,9 @@ if [[ ${#smoke[@]} -eq 0 && -d .whl ]]; then
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-# No .git travels to the GPU machine: prepare.sh wrote the revision the tree was taken at.
-if ! git rev-parse HEAD >/dev/null 2>&1 && [[ -f .data/git-revision ]]; then
+# prepare.sh wrote the revision the tree was taken at; the GPU machine's .git, where one travels, can be
+# an older snapshot of the checkout, so there the prepared revision wins (a smoke run here reads git).
+if [[ ${#smoke[@]} -eq 0 && -f .data/git-revision ]]; then
   export RLHF_GIT_REVISION=$(cat .data/git-revision)
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1

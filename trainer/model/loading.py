@@ -345,6 +345,8 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
             model.to(device)
     if four_bit and device.type == "cpu":
         keep_cpu_nf4_layout_(model)
+    if device.type == "cuda":  # the load's transient blocks (weights before NF4) back to the device, not
+        torch.cuda.empty_cache()  # left reserved for the whole run, where the card's budget counts them
     model.requires_grad_(False)
     if args.gradient_checkpointing if checkpointing is None else checkpointing:
         enable_checkpointing(model)
