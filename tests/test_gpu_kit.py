@@ -253,7 +253,9 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
     assert "| memory-llama-2-7b-nvidia-h100 | ppo | update |" in text
     compared = json.loads((gpu / "ppo" / "vs_estimate.json").read_text())
     update = next(p for p in compared["phases"] if p["phase"] == "update")
-    assert f"{update['predicted_total'] / 2**30:.2f}" in text.split("| memory-llama-2-7b-nvidia-h100 | ppo | update |")[-1]
+    row = text.split("| memory-llama-2-7b-nvidia-h100 | ppo | update |")[-1].split("\n")[0]
+    assert f"{update['predicted_total'] / 2**30:.2f}" in row
+    assert row.count("|") == 6  # peak allocated, its estimate and ratio, then the whole phase's three
     # The first call's folder: its PPO memory, decode speed and the comparison with TRL are tabulated too.
     first = results / "first-llama-2-7b-nvidia-h100"
     shutil.copytree(results / "first-tiny-llama-smoke", first)

@@ -150,8 +150,10 @@ def estimate_rows(folder: Path) -> list[str]:
             continue
         for p in json.loads(path.read_text())["phases"]:
             ratio = "-" if p["total_ratio"] is None else f"{p['total_ratio']:.2f}"
-            rows.append(f"| {folder.name} | {stage} | {p['phase']} | {_gib(p['measured_total'])} | "
-                        f"{_gib(p['predicted_total'])} | {ratio} |")
+            alloc = p.get("peak_allocated_ratio")
+            rows.append(f"| {folder.name} | {stage} | {p['phase']} | {_gib(p.get('measured_peak_allocated'))} | "
+                        f"{_gib(p.get('predicted_peak_allocated'))} | {'-' if alloc is None else f'{alloc:.2f}'} | "
+                        f"{_gib(p['measured_total'])} | {_gib(p['predicted_total'])} | {ratio} |")
     return rows
 
 
@@ -214,9 +216,12 @@ def readme_section(results: Path) -> str:
               "|---|---|---|---:|---:|---:|---:|"]
     for folder in folders:
         lines += memory_rows(folder)
-    lines += ["", "Measured against the estimator on the same settings (whole phase, target ratio 0.85-1.15):", "",
-              "| result | stage | phase | measured GiB | estimated GiB | measured / estimated |",
-              "|---|---|---|---:|---:|---:|"]
+    lines += ["", "Measured against the estimator on the same settings (target ratio 0.85-1.15): the peak the "
+              "allocator held for tensors, and the whole phase (device used: the allocator's cache and the CUDA "
+              "context too):", "",
+              "| result | stage | phase | peak allocated GiB | estimated GiB | ratio | whole phase GiB | "
+              "estimated GiB | ratio |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for folder in folders:
         lines += estimate_rows(folder)
     decode = [row for folder in folders for row in decode_rows(folder)]
