@@ -133,12 +133,12 @@ def head_chunk_positions(vocab_size: int) -> int:
 
 
 def head_logprobs_training(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
-    """Log-probs straight from the hidden states (trainer.model.logprobs.head_logprobs, SFT and DPO): no (tokens x V)
-    tensor, but in backward each chunk's logits recomputed in the compute dtype with two fp32 temporaries of
-    them at a time (the upcast and logits - lse, then its exp, then the exp and the gradient), beside the
-    previous chunk's fp32 gradient: with one chunk only, a + 8 bytes per logit; with more, 4 more."""
+    """Log-probs straight from the hidden states (trainer.model.logprobs.head_logprobs: every stage's; PPO's and
+    GRPO's at a temperature and with the entropy): no (tokens x V) tensor. Its backward works in place: per
+    logit of the chunk, the product in the compute dtype (in fp32 it is the first buffer itself) and two fp32
+    buffers (log p, then p), beside the previous chunk's gradient; its forward holds less."""
     chunks = _chunks(head_chunk_positions(shape.vocab_size), tokens)
-    return shape.vocab_size * _chunked_backward(spec.dtype_bytes + 2 * 4, *chunks)
+    return shape.vocab_size * _chunked_backward((spec.dtype_bytes if spec.dtype_bytes < 4 else 0) + 2 * 4, *chunks)
 
 
 def head_logprobs_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:

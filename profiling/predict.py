@@ -239,18 +239,19 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
             # beta 0 and reward functions: the phase runs no pass at all
             ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context)
                        if groups else 0,
-                       C.LOGITS: A.logits_nograd(shape, spec, scored) if REFERENCE in roles(args) else 0}),
+                       C.LOGITS: A.head_logprobs_nograd(shape, spec, scored) if REFERENCE in roles(args) else 0}),
             ("update", {**buffers, **grads, C.ACTIVATIONS: A.training_activations(shape, spec, mb * context, context),
-                        C.LOGITS: A.logits_training(shape, spec, mb * (args.max_new_tokens + 1))}),
+                        C.LOGITS: A.head_logprobs_training(shape, spec, mb * (args.max_new_tokens + 1))}),
             step,
         ]
     # PPO as trainer.rl.rollout / trainer.rl.ppo_step run it: generation and scoring in chunks of
-    # `rollout_micro_batch_size` rows; logits only for the response positions (keep_last = generation + 1).
+    # `rollout_micro_batch_size` rows; log-probs from the response positions' hidden states through the LM head
+    # a chunk at a time (trainer.model.logprobs.head_logprobs): no (tokens x vocab) logits, as in SFT.
     context = args.max_prompt_length + args.max_new_tokens
     buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(args)}
     scored = rows * (args.max_new_tokens + 1)
     mb_tokens = mb * context
-    update = {**buffers, **grads, C.LOGITS: A.logits_training(shape, spec, mb * (args.max_new_tokens + 1))}
+    update = {**buffers, **grads, C.LOGITS: A.head_logprobs_training(shape, spec, mb * (args.max_new_tokens + 1))}
     generate = ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
                              + A.kv_cache_growth(shape, spec, rows, context),
                              C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
@@ -261,7 +262,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     return [
         generate,
         ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
-                   C.LOGITS: A.logits_nograd(shape, spec, scored)}),
+                   C.LOGITS: A.head_logprobs_nograd(shape, spec, scored)}),
         ("update", {**update, C.ACTIVATIONS: A.training_activations(shape, spec, 2 * mb_tokens, context)}),
         step,
     ]
@@ -307,10 +308,9 @@ def assumptions(args: EstimateArguments) -> list[str]:
         "activations: formulas in profiling/activations.py (saved tensors per layer read off autograd); "
         + ("checkpointing keeps each layer's input and recomputes one layer in backward"
            if args.gradient_checkpointing else "no checkpointing: every layer's saved tensors live until backward"),
-        "logits: SFT and DPO hold one chunk of the LM head's output (2^24 logits) and its fp32 temporaries "
-        "(trainer.model.logprobs.head_logprobs); PPO and GRPO hold their response positions' (tokens x vocab) "
-        f"logits in the compute dtype plus fp32 chunks of {args.logprob_chunk} positions "
-        "(trainer.model.logprobs.token_logprobs), in training also their gradient",
+        "logits: every stage holds one chunk of the LM head's output (2^24 logits) and its fp32 temporaries "
+        "(trainer.model.logprobs.head_logprobs), never the (tokens x vocab) whole; sampling holds each decode "
+        "step's logits",
         f"allocator_overhead and cuda_context are assumptions ({args.allocator_overhead:.0%} of allocated, "
         f"{args.cuda_context_gib} GiB) until a GPU run measures them",
         "optimizer_states are the steady state after the first step; gradients are fp32 LoRA/head gradients",

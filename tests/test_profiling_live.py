@@ -127,8 +127,9 @@ def test_tiny_sft_step_peak_is_measured_and_near_the_estimate(sft_model):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("positions", [48, 160])  # one chunk of the LM head; two full ones and a part
 def test_the_chunked_log_prob_formulas_are_the_measured_peaks(dtype, positions):
-    """trainer.losses' chunked log-probs (the LM head's in SFT and DPO, the logits' in PPO and GRPO), forward
-    and backward, hold at most what profiling.activations says, to the byte, in fp32 and in bf16."""
+    """The chunked log-probs of the LM head (every stage's; PPO's and GRPO's at a temperature and with the
+    entropy) and of whole logits, forward and backward, hold what profiling.activations says, to the byte,
+    in fp32 and in bf16."""
     from trainer.model.logprobs import head_chunk_positions, head_logprobs, token_logprobs
 
     vocab, hidden_size, a = 2**18, 16, torch.finfo(dtype).bits // 8
@@ -143,6 +144,11 @@ def test_the_chunked_log_prob_formulas_are_the_measured_peaks(dtype, positions):
         head_logprobs(hidden, weight, None, labels).sum().backward()
     with recorder.phase("reference"), torch.no_grad():
         head_logprobs(hidden, weight, None, labels)
+    with recorder.phase("rl_update"):  # PPO's: at a temperature, with the entropy and its gradient
+        logprobs, entropy = head_logprobs(hidden, weight, None, labels, temperature=0.7, with_entropy=True)
+        (logprobs.sum() + 0.01 * entropy.sum()).backward()
+    with recorder.phase("rl_score"), torch.no_grad():
+        head_logprobs(hidden, weight, None, labels, temperature=0.7)
     with recorder.phase("update"):
         logits = torch.randn(1, positions, vocab, dtype=dtype, requires_grad=True)
         token_logprobs(logits, labels[None], chunk_size=spec.logprob_chunk).sum().backward()
@@ -151,5 +157,7 @@ def test_the_chunked_log_prob_formulas_are_the_measured_peaks(dtype, positions):
     peaks = {phase: record.live.logits_peak for (_, phase), record in recorder.records.items()}
     assert peaks["head"] == A.head_logprobs_training(shape, spec, positions)
     assert peaks["reference"] == A.head_logprobs_nograd(shape, spec, positions)
+    assert peaks["rl_update"] == A.head_logprobs_training(shape, spec, positions)
+    assert peaks["rl_score"] == A.head_logprobs_nograd(shape, spec, positions)
     assert peaks["update"] == A.logits_training(shape, spec, positions)
     assert peaks["score"] == A.logits_nograd(shape, spec, positions) - positions * vocab * a  # logits made before

@@ -723,3 +723,113 @@ def test_compiled_checkpointed_layers_recompute_the_dropout_of_their_forward(sft
                 p.sub_(sign * eps * g / norm)
     slope = (values[0] - values[1]) / (2 * eps)
     assert slope == pytest.approx(norm.item(), rel=2e-3)
+
+
+# ---- RL log-probs from the hidden states (no tokens x vocabulary tensor) ---------------------------
+def full_logits_scoring(model, ids, mask, width, temperature):
+    """What PPO's update pass gave from whole logits: the reference the chunked head is held to."""
+    from trainer.rl.scoring import next_token_logprobs
+
+    logits, values = model.fused(ids, mask, ("policy", "value"), ("logits", "scores"), keep_last=width + 1)
+    logprobs, entropy = next_token_logprobs(logits[:, :-1], ids[:, -width:], temperature, with_entropy=True)
+    return logprobs, entropy, values[:, :-1]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rl_logprobs_and_entropy_from_hidden_states_equal_full_logits_in_value_and_gradient(sft_adapter, temperature):
+    """PPO's update pass (policy log-probs, entropy, values), GRPO's (policy log-probs) and the rollout's
+    reference log-probs, taken from the hidden states a chunk at a time, equal what the whole logits give,
+    in value and in every trainable gradient (entropy's included, for an entropy bonus). In bf16 (NF4 here)
+    the whole-logits path rounds more (logits / temperature in bf16): the tolerance is bf16's."""
+    from trainer.rl.scoring import policy_and_values, response_logprobs, rollout_scores
+
+    args, sft_dir, _ = sft_adapter
+    tol = 1e-5 if args.quantization == "none" else 2e-3
+    model = perturbed_ppo_model(tiny_args(args.quantization, lora_dropout=0.0), sft_dir)
+    model.train()
+    ids, mask = batch(b=3)
+    width = 5
+    g = torch.Generator().manual_seed(5)
+    weights = [torch.randn(3, width, generator=g) for _ in range(3)]
+    got_grads, want_grads = [], []
+    for scoring, grads in ((lambda: policy_and_values(model, ids, mask, width, temperature), got_grads),
+                           (lambda: full_logits_scoring(model, ids, mask, width, temperature), want_grads)):
+        model.zero_grad(set_to_none=True)
+        outputs = scoring()
+        sum((o * w).sum() for o, w in zip(outputs, weights)).backward()
+        grads.append([o.detach() for o in outputs])
+        grads.append([None if p.grad is None else p.grad.clone() for p in model.trainable_parameters()])
+    for got, want in zip(got_grads[0], want_grads[0]):
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert any(p is not None and p.abs().sum() > 0 for p in got_grads[1])
+    for got, want in zip(got_grads[1], want_grads[1]):
+        if args.quantization == "none":  # fp32 throughout
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        else:  # NF4 computes in bf16, where the whole-logits path rounds its two gradients apart before summing
+            assert (got.float() - want.float()).norm() <= 3e-2 * want.float().norm()
+
+    from trainer.rl.scoring import next_token_logprobs
+
+    logits = model.logits(ids, mask, "policy", keep_last=width + 1)
+    want = next_token_logprobs(logits[:, :-1], ids[:, -width:], temperature)[0]
+    torch.testing.assert_close(response_logprobs(model, ids, mask, width, "policy", temperature)[0], want,
+                               rtol=tol, atol=tol)
+    with torch.no_grad():
+        ref_logits = model.logits(ids, mask, "reference", keep_last=width + 1)
+        want_ref = next_token_logprobs(ref_logits[:, :-1], ids[:, -width:], temperature)[0]
+        response_mask = torch.ones(3, width, dtype=torch.long)
+        got_ref = rollout_scores(model, ids, mask, response_mask, temperature, reference=True, value=False,
+                                 reward_adapter=None)[0]
+    torch.testing.assert_close(got_ref, want_ref, rtol=tol, atol=tol)
+
+
+class VocabularyWide:
+    """Every tensor an operator allocates (views left out: the head's transposed weight), forward or
+    backward, with the vocabulary as its last dimension: the most positions any one of them spans."""
+
+    def __init__(self, vocab: int) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.is_view:
+                    return out
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == vocab:
+                        seen.most_positions = max(seen.most_positions, t.numel() // vocab)
+                return out
+
+        self.most_positions = 0
+        self.mode = Mode()
+
+
+def test_no_tokens_by_vocabulary_tensor_is_allocated_in_rl_scoring_or_the_update(sft_adapter, monkeypatch):
+    """Measured on every operator's output: PPO's update pass (forward and backward), GRPO's, and the
+    rollout's reference pass hold at most one chunk of positions by the vocabulary; the whole-logits path,
+    watched the same way, holds all of them (the watch can see what it must not find)."""
+    import profiling.activations
+    from trainer.rl.scoring import policy_and_values, response_logprobs, rollout_scores
+
+    chunk = 4
+    monkeypatch.setattr(profiling.activations, "HEAD_CHUNK_ELEMENTS", chunk * VOCAB)
+    args, sft_dir, _ = sft_adapter
+    model = perturbed_ppo_model(tiny_args(args.quantization, lora_dropout=0.0), sft_dir)
+    model.train()
+    ids, mask = batch(b=3)
+    width = 5  # 15 response positions, four chunks of at most 4
+    watch = VocabularyWide(VOCAB)
+    with watch.mode:
+        logprobs, entropy, values = policy_and_values(model, ids, mask, width, 0.7)
+        (logprobs.sum() + 0.01 * entropy.sum() + values.sum()).backward()
+        response_logprobs(model, ids, mask, width, "policy", 0.7)[0].sum().backward()
+        with torch.no_grad():
+            rollout_scores(model, ids, mask, torch.ones(3, width, dtype=torch.long), 0.7, reference=True,
+                           value=True, reward_adapter="reward")
+    assert 0 < watch.most_positions <= chunk
+    whole = VocabularyWide(VOCAB)
+    with whole.mode:
+        full_logits_scoring(model, ids, mask, width, 0.7)
+    assert whole.most_positions >= 3 * width

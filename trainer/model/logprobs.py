@@ -140,12 +140,35 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SI
     return _Entropy.apply(logits, chunk_size)
 
 
+def _head_chunk_grad(product: torch.Tensor, lse: torch.Tensor, label: torch.Tensor, temperature: float,
+                     grad_out: Optional[torch.Tensor], entropy_grad: Optional[tuple[torch.Tensor, torch.Tensor]]
+                     ) -> torch.Tensor:
+    """The gradient at one chunk of the head's product z of its log-probs (weights `grad_out`) and entropies
+    ((entropy, weights)) at `temperature`, in two fp32 chunk buffers, in place:
+    d/dz = (g (onehot - p) - g_H p (log p + H)) / temperature, with log p = z / temperature - lse."""
+    logp = product.to(lse.dtype)  # the product is this chunk's own: overwritten in place
+    if temperature != 1.0:
+        logp.div_(temperature)
+    logp.sub_(lse.unsqueeze(-1))
+    p = torch.exp(logp)
+    if entropy_grad is not None:
+        entropy, g_h = entropy_grad
+        dz = logp.add_(entropy.unsqueeze(-1)).mul_(p).mul_(-g_h.to(lse.dtype).unsqueeze(-1))
+    else:
+        dz = logp.zero_()
+    if grad_out is not None:
+        g = torch.where(label != IGNORE_INDEX, grad_out, 0.0).to(lse.dtype).unsqueeze(-1)
+        dz.sub_(p.mul_(g)).scatter_add_(-1, label.clamp(min=0).unsqueeze(-1), g)
+    return dz.div_(temperature) if temperature != 1.0 else dz
+
+
 class _HeadLogprobs(torch.autograd.Function):
-    """log softmax(hidden W^T + b)[label], `chunk` positions at a time. Saved for backward: the hidden
-    states and one log-sum-exp per position; backward recomputes each chunk's logits."""
+    """log softmax((hidden W^T + b) / temperature)[label], and the entropy of that softmax if asked, `chunk`
+    positions at a time. Saved for backward: the hidden states and one log-sum-exp (and entropy) per
+    position; backward recomputes each chunk's logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk):
+    def forward(ctx, hidden, weight, bias, labels, chunk, temperature, with_entropy):
         # Autocast is not active in backward: the product's dtype is fixed here and used in both.
         device = hidden.device.type
         mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
@@ -153,26 +176,39 @@ class _HeadLogprobs(torch.autograd.Function):
         dtype = _compute_dtype(mm)
         out = torch.zeros(labels.shape, dtype=dtype, device=hidden.device)
         lse = torch.zeros_like(out)
+        entropy = torch.zeros_like(out) if with_entropy else None
         for s in range(0, labels.shape[0], chunk):
-            out[s:s + chunk], lse[s:s + chunk] = _chunk_logprobs(F.linear(hidden[s:s + chunk].to(mm), w, b).to(dtype),
-                                                                 labels[s:s + chunk])
-        ctx.chunk, ctx.mm = chunk, mm
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        return out
+            z = F.linear(hidden[s:s + chunk].to(mm), w, b).to(dtype)
+            if temperature != 1.0:
+                z.div_(temperature)
+            out[s:s + chunk], lse[s:s + chunk] = _chunk_logprobs(z, labels[s:s + chunk])
+            if with_entropy:  # H = lse - sum p z, one more chunk-sized buffer (p, then p * z in place)
+                p = (z - lse[s:s + chunk].unsqueeze(-1)).exp_()
+                entropy[s:s + chunk] = lse[s:s + chunk] - p.mul_(z).sum(-1)
+                del p
+            del z  # before the next chunk's product, not after it
+        ctx.chunk, ctx.mm, ctx.temperature = chunk, mm, temperature
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
+        return out, entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_entropy):
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        mm, chunk = ctx.mm, ctx.chunk
+        mm, chunk, temperature = ctx.mm, ctx.chunk, ctx.temperature
         w, b = weight.to(mm), None if bias is None else bias.to(mm)
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=lse.dtype, device=bias.device) if need_bias else None
+        if grad_out is None and grad_entropy is None:
+            return grad_hidden, grad_weight, grad_bias, None, None, None, None
         for s in range(0, labels.shape[0], chunk):
             h = hidden[s:s + chunk].to(mm)
-            dz = _chunk_logprob_grad(F.linear(h, w, b), lse[s:s + chunk], labels[s:s + chunk], grad_out[s:s + chunk])
+            dz = _head_chunk_grad(F.linear(h, w, b), lse[s:s + chunk], labels[s:s + chunk], temperature,
+                                  None if grad_out is None else grad_out[s:s + chunk],
+                                  None if grad_entropy is None else (entropy[s:s + chunk], grad_entropy[s:s + chunk]))
             if need_hidden:
                 grad_hidden[s:s + chunk] = (dz.to(mm) @ w).to(hidden.dtype)
             if need_weight:
@@ -180,17 +216,25 @@ class _HeadLogprobs(torch.autograd.Function):
             if need_bias:
                 grad_bias += dz.sum(0)
         return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
-                None if grad_bias is None else grad_bias.to(bias.dtype), None, None)
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
-                  chunk: Optional[int] = None) -> torch.Tensor:
-    """(N, H) hidden states, a (V, H) output layer and (N,) labels -> (N,) log p(label); 0 where the label
-    is IGNORE_INDEX. Equal to `token_logprobs` of `F.linear(hidden, weight, bias)`, but neither the (N, V)
-    logits nor their gradient is ever held: `chunk` positions (default: `head_chunk_positions`) at a time,
-    in forward and again in backward, at the cost of the output layer's product run once more in backward.
+                  chunk: Optional[int] = None, temperature: float = 1.0,
+                  with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """(N, H) hidden states, a (V, H) output layer and (N,) labels -> (N,) log p(label) at `temperature`; 0
+    where the label is IGNORE_INDEX; with `with_entropy`, also (N,) entropy of each position's softmax.
+    Equal to `token_logprobs` (and `entropy_from_logits`) of `F.linear(hidden, weight, bias) / temperature`,
+    but neither the (N, V) logits nor their gradient is ever held: `chunk` positions (default:
+    `head_chunk_positions`) at a time, in forward and again in backward, at the cost of the output layer's
+    product run once more in backward.
     """
     if hidden.dim() != 2 or labels.shape != hidden.shape[:1] or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"head_logprobs takes (N, H) hidden, (V, H) weight, (N,) labels; got "
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}")
-    return _HeadLogprobs.apply(hidden, weight, bias, labels.long(), chunk or head_chunk_positions(weight.shape[0]))
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logprobs, entropy = _HeadLogprobs.apply(hidden, weight, bias, labels.long(),
+                                            chunk or head_chunk_positions(weight.shape[0]), float(temperature),
+                                            with_entropy)
+    return (logprobs, entropy) if with_entropy else logprobs

@@ -145,15 +145,42 @@ class Outputs:
         return self.causal_lm.get_output_embeddings()(flat).view(*hidden.shape[:-1], -1)
 
     def head_logprobs(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """(N,) log p(labels) of (N, H) hidden states through the LM head. A plain linear head (Llama's, not
-        a PEFT, 4-bit or ZeRO-3-partitioned one) runs in chunks (trainer.model.logprobs.head_logprobs):
-        neither the (N x V) logits nor their gradient is held whole; any other head builds its logits."""
-        from trainer.model.logprobs import head_logprobs, token_logprobs
+        """(N,) log p(labels) of (N, H) hidden states through the LM head (`token_logprobs_of`, no entropy)."""
+        return self.token_logprobs_of(hidden, labels)[0]
+
+    def token_logprobs_of(self, hidden: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                          with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(...,) log p(labels) of (..., H) hidden states through the LM head at `temperature`, and the entropy
+        of each position's distribution if asked. A plain linear head (Llama's, not a PEFT, 4-bit or
+        ZeRO-3-partitioned one) runs in chunks (trainer.model.logprobs.head_logprobs): neither the
+        (positions x V) logits nor their gradient is held whole; any other head builds its logits."""
+        from trainer.model.logprobs import entropy_from_logits, head_logprobs, token_logprobs
 
         head = self.causal_lm.get_output_embeddings()
-        if type(head) is nn.Linear and not hasattr(head.weight, "ds_id"):
-            return head_logprobs(hidden, head.weight, head.bias, labels)
-        return token_logprobs(head(hidden).unsqueeze(0), labels.unsqueeze(0)).squeeze(0)
+        flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        if self.chunked_head:
+            out = head_logprobs(flat, head.weight, head.bias, flat_labels, temperature=temperature,
+                                with_entropy=with_entropy)
+            logprobs, entropy = out if with_entropy else (out, None)
+        else:
+            logits = head(flat).unsqueeze(0)
+            if temperature != 1.0:
+                logits = logits / temperature
+            logprobs = token_logprobs(logits, flat_labels.unsqueeze(0)).squeeze(0)
+            entropy = entropy_from_logits(logits).squeeze(0) if with_entropy else None
+        return logprobs.view(labels.shape), None if entropy is None else entropy.view(labels.shape)
+
+    @property
+    def lm_output(self) -> str:
+        """What a scoring pass asks for to get log-probs: "hidden" (the head then runs in chunks,
+        `token_logprobs_of`), or "logits" where they are not the LM head of the last hidden state."""
+        return "hidden" if self._plain_lm_head else "logits"
+
+    @property
+    def chunked_head(self) -> bool:
+        """Whether the LM head's log-probs come from the hidden states in chunks (`token_logprobs_of`)."""
+        head = self.causal_lm.get_output_embeddings()
+        return type(head) is nn.Linear and not hasattr(head.weight, "ds_id") and self._plain_lm_head
 
     @property
     def _plain_lm_head(self) -> bool:

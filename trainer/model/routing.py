@@ -86,15 +86,15 @@ class Routing:
               outputs: Sequence[str], keep_last: int = 0) -> tuple[torch.Tensor, ...]:
         """The same rows under several adapters in ONE pass of the base.
 
-        `outputs[g]` ("logits" or "scores") is what `adapters[g]` gives; result g equals
-        `self.logits` or `self.scores` of `adapters[g]` with the same `keep_last`. Where routing cannot
+        `outputs[g]` ("logits", "hidden" or "scores") is what `adapters[g]` gives; result g equals
+        `self.logits`, `self.hidden_states` or `self.scores` of `adapters[g]` with the same `keep_last`. Where routing cannot
         run (`_route_blocker`), the passes run one after the other instead, with the same results, said once.
         """
         if len(adapters) != len(outputs) or not adapters:
             raise ValueError(f"one output per adapter: got {list(adapters)} and {list(outputs)}")
         for output in outputs:
-            if output not in ("logits", "scores"):
-                raise ValueError(f"a fused pass gives logits or scores, not '{output}'")
+            if output not in ("logits", "hidden", "scores"):
+                raise ValueError(f"a fused pass gives logits, hidden or scores, not '{output}'")
         blocker = self._route_blocker(outputs)
         if blocker is not None:
             if blocker not in self._fallbacks_logged:
@@ -109,6 +109,8 @@ class Routing:
         for adapter, output, part in zip(adapters, outputs, hidden.split(rows)):
             if output == "logits":
                 results.append(self.lm_head(part))
+            elif output == "hidden":
+                results.append(part)
             else:
                 if adapter not in self.heads:
                     raise KeyError(f"adapter '{adapter}' has no scalar head")
@@ -127,5 +129,5 @@ class Routing:
     def _separate_passes(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapters: Sequence[str],
                          outputs: Sequence[str], keep_last: int = 0) -> tuple[torch.Tensor, ...]:
         """What `fused` gives, from one pass per adapter: where routing cannot run, and what tests compare with."""
-        return tuple((self.logits if o == "logits" else self.scores)(input_ids, attention_mask, a, keep_last)
-                     for a, o in zip(adapters, outputs))
+        passes = {"logits": self.logits, "hidden": self.hidden_states, "scores": self.scores}
+        return tuple(passes[o](input_ids, attention_mask, a, keep_last) for a, o in zip(adapters, outputs))

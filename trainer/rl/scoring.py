@@ -3,8 +3,8 @@ per sequence - for the rollout, the PPO update and every evaluation alike.
 
 Rows are a (left-padded) prompt followed by a right-padded response whose `width` tokens are the
 last columns. The output at position t predicts token t+1, so the response's tokens are scored from
-the last width+1 positions, minus the final one; only those positions' outputs are computed, so the
-vocabulary-sized logits of the prompt never exist.
+the last width+1 positions, minus the final one; only those positions' hidden states go through the LM
+head, a chunk at a time, so no (tokens x vocabulary) tensor exists, forward or backward.
 """
 
 from __future__ import annotations
@@ -32,15 +32,25 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(B, width) log-probs of the response tokens under `adapter`'s full softmax at `temperature`
     (the distribution sampling used, before any top-k / top-p truncation), and their entropy if asked."""
-    logits = model(input_ids, attention_mask, adapter=adapter, output="logits", keep_last=width + 1)
-    return logprobs_of(logits, input_ids, temperature, with_entropy)
+    out = model(input_ids, attention_mask, adapter=adapter, output=_unwrapped(model).lm_output, keep_last=width + 1)
+    return logprobs_of(model, out, input_ids, temperature, with_entropy)
 
 
-def logprobs_of(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False
-                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """`response_logprobs` from the logits of the last width + 1 positions (a fused pass's)."""
-    logits = logits[:, :-1]
-    return next_token_logprobs(logits, input_ids[:, -logits.shape[1]:], temperature, with_entropy)
+def logprobs_of(model, out: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
+                with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`response_logprobs` from a pass's `lm_output` over the last width + 1 positions: hidden states
+    through the LM head in chunks (no (tokens x vocabulary) tensor), or logits where the model has no
+    plain head."""
+    out = out[:, :-1]
+    tokens = input_ids[:, -out.shape[1]:]
+    raw = _unwrapped(model)
+    if raw.lm_output == "hidden":
+        return raw.token_logprobs_of(out, tokens, temperature, with_entropy)
+    return next_token_logprobs(out, tokens, temperature, with_entropy)
+
+
+def _unwrapped(model):
+    return getattr(model, "module", model)  # DDP and DeepSpeed hold the model as .module
 
 
 def next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
@@ -62,9 +72,9 @@ def policy_and_values(model, input_ids: torch.Tensor, attention_mask: torch.Tens
                       temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probs, entropy, values) of the response under `policy` and `value`, from one routed pass of
     the base: the PPO update's forward. `model` may be wrapped (DDP)."""
-    logits, scores = model(input_ids, attention_mask, adapter=(POLICY, VALUE), output=("logits", "scores"),
-                           keep_last=width + 1)
-    logprobs, entropy = logprobs_of(logits, input_ids, temperature, with_entropy=True)
+    out, scores = model(input_ids, attention_mask, adapter=(POLICY, VALUE),
+                        output=(_unwrapped(model).lm_output, "scores"), keep_last=width + 1)
+    logprobs, entropy = logprobs_of(model, out, input_ids, temperature, with_entropy=True)
     return logprobs, entropy, scores[:, :-1]
 
 
@@ -75,14 +85,14 @@ def rollout_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     over the adapters asked for: PPO's and GRPO's scoring pass (the policy's log-probs come from sampling). What is not asked for is None: the reference when there is no KL term,
     the value without a critic, the reward when it is scripted."""
     width = response_mask.shape[1]
-    asked = ((REFERENCE, "logits", reference), (VALUE, "scores", value),
+    asked = ((REFERENCE, model.lm_output, reference), (VALUE, "scores", value),
              (reward_adapter, "scores", reward_adapter is not None))
     groups = [(adapter, output) for adapter, output, wanted in asked if wanted]
     if not groups:
         return None, None, None
     adapters, outputs = zip(*groups)
     out = dict(zip(adapters, model.fused(input_ids, attention_mask, adapters, outputs, keep_last=width + 1)))
-    ref_logprobs = logprobs_of(out[REFERENCE], input_ids, temperature)[0] if reference else None
+    ref_logprobs = logprobs_of(model, out[REFERENCE], input_ids, temperature)[0] if reference else None
     values = out[VALUE][:, :-1] if value else None
     scores = last_token_values(out[reward_adapter][:, 1:], response_mask).float() if reward_adapter is not None else None
     return ref_logprobs, values, scores
