@@ -20,7 +20,7 @@ from trainer.engine.harness import Engine
 from trainer.model.loading import resolve_precision
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.ppo_step import PPOState, ppo_step
-from trainer.rl.rollout import RewardModelScorer
+from trainer.rl.rewards import Scorer
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def run_ours(args: Workload, prompts: list[list[int]], tokenizer, accelerator, p
 
     collate = PromptCollator(tokenizer.pad_token_id)
     state = PPOState.start(args.ppo, args.micro_batch_size, args.seed)
-    scorer, phases = RewardModelScorer(), StepPhases(clock)
+    scorer, phases = Scorer(), StepPhases(clock)
     counter = StepCounter(engine.optimizer)
     b = args.rollout_batch_size
     try:

@@ -506,7 +506,7 @@ def test_prompt_collator_pads_left_for_generation():
     batch = PromptCollator(pad_token_id=0)([PromptExample([5, 6, 7], "a"), PromptExample([8], "b")])
     assert batch["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
-    assert set(batch) == {"input_ids", "attention_mask"}
+    assert set(batch) == {"input_ids", "attention_mask", "examples"}
 
 
 def test_collators_batch_real_tokenized_rows(smol_tokenizer, real_pairs):

@@ -82,7 +82,7 @@ def test_a_ppo_step_on_cuda_moves_only_policy_value_and_value_head(tmp_path):
     from trainer.model.shared_base import build_shared_model, stage_specs
     from trainer.ppo import PPOArguments
     from trainer.rl.ppo_step import PPOState, ppo_step
-    from trainer.rl.rollout import RewardModelScorer
+    from trainer.rl.rewards import Scorer
 
     train_args = TrainArguments(output_dir=str(tmp_path), micro_batch_size=2, learning_rate=1e-2, warmup_steps=0,
                                 report_to="none")
@@ -98,7 +98,7 @@ def test_a_ppo_step_on_cuda_moves_only_policy_value_and_value_head(tmp_path):
     state = PPOState.start(args, 2, 0)
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    result = ppo_step(engine, batch, args, state, RewardModelScorer(), eos_id=2, pad_id=0)
+    result = ppo_step(engine, batch, args, state, Scorer(), eos_id=2, pad_id=0)
     assert result.stepped and all(torch.isfinite(torch.tensor(v)) for v in result.metrics.values())
     after = {name: model.adapter_state(name) for name in model.adapter_names}
     for name in ("reference", "reward"):
@@ -118,7 +118,8 @@ def test_old_logprobs_read_while_sampling_on_cuda_equal_a_policy_scoring_pass(tm
     from conftest import saved_head
 
     from trainer.model.shared_base import build_shared_model, stage_specs
-    from trainer.rl.rollout import RewardModelScorer, make_rollout
+    from trainer.rl.rewards import Scorer
+    from trainer.rl.rollout import make_rollout
     from trainer.rl.scoring import response_logprobs
     from trainer.rl.settings import RolloutArguments
 
@@ -132,7 +133,7 @@ def test_old_logprobs_read_while_sampling_on_cuda_equal_a_policy_scoring_pass(tm
 
     def rollout():
         torch.manual_seed(0)
-        return make_rollout(model, ids, torch.ones_like(ids), args, RewardModelScorer(), eos_id=2, pad_id=0)
+        return make_rollout(model, ids, torch.ones_like(ids), args, Scorer(), eos_id=2, pad_id=0)
 
     rollout()  # the compiled path compiles and records its graphs on its first call
     sampled = rollout()

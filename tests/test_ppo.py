@@ -220,7 +220,8 @@ def test_out_of_memory_halving_of_an_odd_micro_batch_leaves_every_token_its_weig
 
 
 def test_scripted_rewards_score_the_decoded_response(smol_tokenizer):
-    from trainer.rl.rollout import ScriptedScorer
+    """--scripted_reward names a built-in reward function, scored on the decoded response (length: on its tokens)."""
+    from trainer.rl.settings import RolloutArguments, make_scorer
 
     tok = smol_tokenizer
     prompt = tok(["\n\nHuman: hi\n\nAssistant:"], add_special_tokens=False)["input_ids"][0]
@@ -231,17 +232,21 @@ def test_scripted_rewards_score_the_decoded_response(smol_tokenizer):
     rmask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     att = torch.cat([torch.ones(2, len(prompt), dtype=torch.long), rmask], dim=1)
     p = len(prompt)
-    assert ScriptedScorer("keyword:YOU", tok)(None, ids, att, p, rmask).tolist() == [1.0, 0.0]
+
+    def scripted(spec):
+        return make_scorer(RolloutArguments(scripted_reward=spec), tok)
+
+    assert scripted("keyword:YOU")(None, ids, att, p, rmask).tolist() == [1.0, 0.0]
     lengths = [len(r) for r in rows]
     expected = [-abs(n - 3) / 3 for n in lengths]
-    assert ScriptedScorer("length:3", tok)(None, ids, att, p, rmask).tolist() == pytest.approx(expected)
-    assert ScriptedScorer("chars:10", tok)(None, ids, att, p, rmask).tolist() == pytest.approx(
+    assert scripted("length:3")(None, ids, att, p, rmask).tolist() == pytest.approx(expected)
+    assert scripted("chars:10")(None, ids, att, p, rmask).tolist() == pytest.approx(
         [-abs(len(t) - 10) / 10 for t in texts])
     from foundation.cli import UsageError
 
     for bad in ("sentiment", "length:", "length:abc", "chars:0", "keyword"):
         with pytest.raises(UsageError, match="--scripted_reward"):
-            ScriptedScorer(bad, tok)
+            scripted(bad)
 
 
 # ---- defects pinned before the harness redesign (issue 14) --------------------------------------

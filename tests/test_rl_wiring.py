@@ -220,8 +220,14 @@ class FixedScores:
     """A scorer that gives the i-th row `scores[i]` and keeps what it was shown (the rollout's tokens, and
     the policy's and reference's log-probs of them before any update, from the test's own passes)."""
 
+    adapter = None  # no reward adapter pass
+
     def __init__(self, scores, reference: bool = False):
         self.scores, self.reference, self.seen = scores, reference, {}
+
+    def score(self, model, input_ids, attention_mask, prompt_length, response_mask, examples=None,
+              adapter_scores=None):
+        return self(model, input_ids, attention_mask, prompt_length, response_mask), {}
 
     def __call__(self, model, input_ids, attention_mask, prompt_length, response_mask):
         self.seen = {"input_ids": input_ids, "attention_mask": attention_mask, "prompt_length": prompt_length,

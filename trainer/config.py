@@ -98,7 +98,8 @@ class ModelArguments(Checked):
              "lora_alpha": at_least(1), "lora_dropout": between(0, 1, high_open=True)}
 
 
-DATA_FORMATS = ("auto", "hh", "preference", "prompt_completion", "text", "conversational")  # trainer/data/formats.py
+# trainer/data/formats.py
+DATA_FORMATS = ("auto", "hh", "preference", "prompt_completion", "prompt_only", "text", "conversational")
 
 
 @dataclass
@@ -123,7 +124,8 @@ class DataArguments(Checked):
     )
     data_format: str = field(default="auto", metadata={
         "help": "Row format: auto (from each row's columns), hh (hh-rlhf dialogues), preference (prompt / chosen / "
-                "rejected strings), prompt_completion (SFT and PPO prompts only), text (SFT only) or "
+                "rejected strings), prompt_completion (SFT and PPO prompts only), prompt_only (PPO / GRPO only; "
+                "other columns reach the reward functions), text (SFT only) or "
                 "conversational (lists of role/content messages, explicit or implicit prompt)."})
     chat_template: str = field(default="auto", metadata={
         "help": "How conversational rows become text: auto (the tokenizer's chat template, if it has one), none "

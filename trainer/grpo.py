@@ -25,6 +25,7 @@ from trainer.losses import GROUP_ADVANTAGES, LOSS_NORMALISATIONS
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.grpo_step import GroupState, grpo_step
 from trainer.rl.policy_eval import policy_vs_reference
+from trainer.rl.rewards import Scorer
 from trainer.rl.settings import RolloutArguments, make_scorer, require_scorer, warn_if_learning_unlikely
 
 logger = logging.getLogger(__name__)
@@ -90,9 +91,9 @@ def build_model(ctx: RunContext):
                               quant_storage=ctx.quant_storage(model_args))
 
 
-def train(ctx: RunContext, model, prompts, held_out) -> GroupState:
+def train(ctx: RunContext, model, prompts, held_out, scorer: Optional[Scorer] = None) -> GroupState:
     args, targs, tok = ctx.stage_args, ctx.train_args, ctx.tokenizer
-    scorer = make_scorer(args, tok)
+    scorer = scorer or make_scorer(args, tok)
     state = GroupState(torch.Generator().manual_seed(targs.seed), targs.micro_batch_size)
 
     def evaluate() -> dict[str, float]:
@@ -126,8 +127,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     prompts, _ = tokenize_prompts(ctx.splits.ppo, ctx.tokenizer, ctx.data_args)
     held_out, _ = tokenize_prompts(ctx.splits.eval[: args.eval_prompts], ctx.tokenizer, ctx.data_args)
     require_rows(prompts, "GRPO prompts", args.rollout_batch_size, ctx.data_args)
+    scorer = make_scorer(args, ctx.tokenizer)  # reward functions imported before the model loads: a bad one fails fast
     model = build_model(ctx)
-    state = train(ctx, model, prompts, held_out)
+    state = train(ctx, model, prompts, held_out, scorer)
     return finish_stage(ctx, "grpo", model, POLICY, prompts=len(prompts), update_micro_batch=state.micro_batch_size)
 
 

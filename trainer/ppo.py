@@ -1,8 +1,9 @@
 """PPO on ONE shared 4-bit base: policy, reference, value and reward are LoRA adapters.
 
-Each step (`trainer.rl.ppo_step.ppo_step`) samples with `policy`, scores with `reward`, takes the KL to
-`reference` and values from `value`, computes GAE advantages, runs clipped policy and value updates and
-adapts the KL coefficient; every `eval_every` steps the policy and SFT answer held-out prompts.
+Each step (`trainer.rl.ppo_step.ppo_step`) samples with `policy`, scores with `reward` and / or reward
+functions (`--reward_fn`), takes the KL to `reference` and values from `value`, computes GAE advantages,
+runs clipped policy and value updates and adapts the KL coefficient; every `eval_every` steps the policy
+and SFT answer held-out prompts.
 
     accelerate launch trainer/ppo.py --config trainer/configs/ppo.yaml [--field value ...]
 """
@@ -23,6 +24,7 @@ from trainer.losses import KL_ESTIMATORS
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.policy_eval import policy_vs_reference
 from trainer.rl.ppo_step import PPOState, ppo_step
+from trainer.rl.rewards import Scorer
 from trainer.rl.settings import RolloutArguments, make_scorer, require_scorer, warn_if_learning_unlikely
 
 logger = logging.getLogger(__name__)
@@ -85,10 +87,10 @@ def build_model(ctx: RunContext):
 ARGUMENTS = PPOArguments  # the `stage:` section of this stage's config
 
 
-def train(ctx: RunContext, model, prompts, held_out) -> PPOState:
+def train(ctx: RunContext, model, prompts, held_out, scorer: Optional[Scorer] = None) -> PPOState:
     """Run PPO on `model` for train_args.max_steps steps in the harness; returns the state it ended in."""
     args, targs, tok = ctx.stage_args, ctx.train_args, ctx.tokenizer
-    scorer = make_scorer(args, tok)
+    scorer = scorer or make_scorer(args, tok)
     state = PPOState.start(args, targs.micro_batch_size, targs.seed)
 
     def evaluate() -> dict[str, float]:
@@ -118,8 +120,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     prompts, _ = tokenize_prompts(ctx.splits.ppo, ctx.tokenizer, ctx.data_args)
     held_out, _ = tokenize_prompts(ctx.splits.eval[: args.eval_prompts], ctx.tokenizer, ctx.data_args)
     require_rows(prompts, "PPO prompts", args.rollout_batch_size, ctx.data_args)
+    scorer = make_scorer(args, ctx.tokenizer)  # reward functions imported before the model loads: a bad one fails fast
     model = build_model(ctx)
-    state = train(ctx, model, prompts, held_out)
+    state = train(ctx, model, prompts, held_out, scorer)
     return finish_stage(ctx, "ppo", model, POLICY, prompts=len(prompts), update_micro_batch=state.micro_batch_size)
 
 

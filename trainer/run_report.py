@@ -100,6 +100,26 @@ def stage_table(results: dict[str, dict], run_dir: Optional[Path] = None) -> lis
     return lines
 
 
+def reward_function_table(run_dir: Path, stages: Sequence[str]) -> list[str]:
+    """Each reward function's mean (and std) over a rollout batch at the first and last logged step of each RL
+    stage, from its `rewards/NAME/mean` metrics; nothing when no stage was scored by reward functions."""
+    lines = []
+    for stage in stages:
+        rows = [r for r in read_metrics(run_dir / stage) if any(k.startswith("rewards/") for k in r)]
+        names = sorted({k[len("rewards/"):-len("/mean")] for r in rows for k in r
+                        if k.startswith("rewards/") and k.endswith("/mean")})
+        for name in names:
+            first, last = rows[0], rows[-1]
+            cells = [f"{_fmt(r.get(f'rewards/{name}/mean'))} ± {_fmt(r.get(f'rewards/{name}/std'))} (step {r['step']})"
+                     for r in (first, last)]
+            lines.append(f"| {stage} | {name} | {cells[0]} | {cells[1]} |")
+    if not lines:
+        return []
+    return ["## Reward functions", "", "Mean ± std over each step's responses (`rewards/NAME/mean` and `/std` in "
+            "metrics.jsonl; a function's None values are left out).", "",
+            "| stage | function | first step | last step |", "|---|---|---|---|", *lines, ""]
+
+
 def wilson_interval(accuracy: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson score interval of a fraction measured on n pairs (sound near 0 and 1, unlike p +- 2 SE)."""
     denom = 1 + z * z / n
@@ -194,6 +214,7 @@ def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: 
     if any("process RSS" in line for line in lines):
         lines += ["On a CPU the peak memory is the process's resident set since it started: where stages ran in one "
                   "process (`trainer.pipeline`), a stage's figure includes the stages before it.", ""]
+    lines += reward_function_table(run_dir, list(results))
     dpo_before = (results.get("dpo") or {}).get("eval_before") or {}
     if dpo_before.get("eval/rewards/margins") == 0.0:
         lines += ["DPO starts with the policy equal to the reference, so every implicit reward is exactly 0 before "

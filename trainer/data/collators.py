@@ -108,13 +108,15 @@ def pair_collator(pad_token_id: int, share_prompt: bool, model) -> "PairCollator
 
 @dataclass
 class PromptCollator:
-    """Generation batch: left padding, so every prompt ends at the last column."""
+    """Generation batch: left padding, so every prompt ends at the last column; `examples` are the rows
+    themselves, whose columns the reward functions read."""
 
     pad_token_id: int
 
-    def __call__(self, examples: Sequence[PromptExample]) -> dict[str, torch.Tensor]:
+    def __call__(self, examples: Sequence[PromptExample]) -> dict:
         prompts = [e.prompt_ids for e in examples]
         return {
             "input_ids": pad(prompts, self.pad_token_id, left=True),
             "attention_mask": pad([[1] * len(p) for p in prompts], 0, left=True),
+            "examples": list(examples),
         }

@@ -1,9 +1,10 @@
 """Preference rows in the formats users bring, each turned into the one `PreferencePair` every stage reads.
 
 Detected per row from its columns, or forced with `--data_format`: `hh` (hh-rlhf's chosen / rejected
-dialogues), and TRL's `preference`, `prompt_completion`, `text` and `conversational` rows. A row a stage
-cannot use (no rejected completion, no prompt) is a bad row with that reason. Conversational rows are
-rendered to text by a `ChatRenderer` (the tokenizer's chat template, a Jinja file, or hh-rlhf's plain turns);
+dialogues), and TRL's `preference`, `prompt_completion`, `prompt_only`, `text` and `conversational` rows.
+A row's other columns (`answer`, ...) go with it to PPO's and GRPO's reward functions. A row a stage
+cannot use (no rejected completion, no prompt, no completion) is a bad row with that reason. Conversational
+rows are rendered to text by a `ChatRenderer` (the tokenizer's chat template, a Jinja file, or hh-rlhf's plain turns);
 the completion is what the full conversation adds to the prompt, so the loss covers the assistant's turn.
 A template file that fails stops the run with one line naming it: the file is at fault, not the row.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -22,8 +24,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from foundation.cli import InputError
 from trainer.data.hh_rlhf import (
-    EMPTY_COMPLETION, IDENTICAL, MISSING_FIELD, PROMPT_MISMATCH, DataError, PreferencePair, RawRow, decode_record,
-    parse_row, require_strings,
+    EMPTY_COMPLETION, IDENTICAL, MISSING_FIELD, NO_PROMPT, PROMPT_MISMATCH, DataError, PreferencePair, RawRow,
+    decode_record, parse_row, require_strings,
 )
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ WRONG_FORMAT = "wrong_format"
 TEMPLATE_MISMATCH = "template_mismatch"
 ROLES = ("system", "user", "assistant")
 PLAIN_ROLES = {"system": "System", "user": "Human", "assistant": "Assistant"}
+COMPLETIONS = ("chosen", "rejected", "completion", "text")  # a row's columns that are not handed on with it
 
 
 class ChatTemplateError(InputError):
@@ -114,12 +117,18 @@ class ChatRenderer:
             raise ChatTemplateError(f"{self.path}: the chat template failed on {source}: {type(exc).__name__}: "
                                     f"{one_line(exc)}") from None
 
+    def prompt(self, prompt: list[dict], source: str) -> str:
+        """The prompt messages as the text a response follows (with the generation prompt)."""
+        if self.plain:
+            return "".join(f"\n\n{PLAIN_ROLES[m['role']]}: {m['content']}" for m in prompt) + "\n\nAssistant:"
+        return self.render(prompt, True, source)
+
     def __call__(self, prompt: list[dict], completion: list[dict], source: str) -> tuple[str, str]:
         if self.plain:
-            text = "".join(f"\n\n{PLAIN_ROLES[m['role']]}: {m['content']}" for m in prompt) + "\n\nAssistant:"
-            return text, "".join(f" {m['content']}" if i == 0 else f"\n\n{PLAIN_ROLES[m['role']]}: {m['content']}"
-                                 for i, m in enumerate(completion))
-        head = self.render(prompt, True, source)
+            return self.prompt(prompt, source), "".join(
+                f" {m['content']}" if i == 0 else f"\n\n{PLAIN_ROLES[m['role']]}: {m['content']}"
+                for i, m in enumerate(completion))
+        head = self.prompt(prompt, source)
         full = self.render(prompt + completion, False, source)
         if not full.startswith(head):
             raise DataError(source, TEMPLATE_MISMATCH, "the chat template renders the prompt differently inside the "
@@ -137,6 +146,8 @@ def detect(record: dict) -> str:
         return "prompt_completion"
     if "text" in record and "chosen" not in record:
         return "text"
+    if "prompt" in record and "chosen" not in record and "rejected" not in record:
+        return "prompt_only"
     if isinstance(record.get("chosen"), list) or isinstance(record.get("prompt"), list):
         return "conversational"
     return "preference" if "prompt" in record else "hh"
@@ -196,6 +207,18 @@ def parse_prompt_completion(record: dict, source: str, render: ChatRenderer) -> 
     return _pair(record["prompt"], record["completion"], None, source)
 
 
+def parse_prompt_only(record: dict, source: str, render: ChatRenderer) -> PreferencePair:
+    """A prompt (text, or messages rendered with the generation prompt) and no completion: PPO and GRPO only."""
+    if isinstance(record["prompt"], list):
+        prompt = render.prompt(_messages(record["prompt"], source, "prompt"), source)
+    else:
+        require_strings(record, source, ("prompt",))
+        prompt = record["prompt"]
+    if not prompt.strip():
+        raise DataError(source, NO_PROMPT, "'prompt' is empty")
+    return PreferencePair(prompt=prompt, chosen=None, rejected=None, source=source)
+
+
 def row_parser(data_format: str = "auto", render: Optional[ChatRenderer] = None) -> Callable[[RawRow], PreferencePair]:
     """The function that turns one raw row into a pair (or raises `DataError` with the reason)."""
     render = render or ChatRenderer()
@@ -210,17 +233,23 @@ def row_parser(data_format: str = "auto", render: Optional[ChatRenderer] = None)
                             f"is {data_format}")
         if found == "hh":
             return parse_row(RawRow(row.source, record))  # the decoded mapping: not parsed twice
+        columns = {key: value for key, value in record.items() if key not in COMPLETIONS}
+        return replace(parse_record(found, record, row.source), columns=columns)
+
+    def parse_record(found: str, record: dict, source: str) -> PreferencePair:
         if found == "preference":
-            require_strings(record, row.source, ("prompt", "chosen", "rejected"))
-            return _pair(record["prompt"], record["chosen"], record["rejected"], row.source)
+            require_strings(record, source, ("prompt", "chosen", "rejected"))
+            return _pair(record["prompt"], record["chosen"], record["rejected"], source)
         if found == "text":
-            require_strings(record, row.source, ("text",))
+            require_strings(record, source, ("text",))
             if not record["text"].strip():
-                raise DataError(row.source, EMPTY_COMPLETION, "'text' is empty")
-            return PreferencePair(prompt="", chosen=record["text"], rejected=None, source=row.source)
+                raise DataError(source, EMPTY_COMPLETION, "'text' is empty")
+            return PreferencePair(prompt="", chosen=record["text"], rejected=None, source=source)
         if found == "prompt_completion":
-            return parse_prompt_completion(record, row.source, render)
-        return parse_conversational(record, row.source, render)
+            return parse_prompt_completion(record, source, render)
+        if found == "prompt_only":
+            return parse_prompt_only(record, source, render)
+        return parse_conversational(record, source, render)
 
     return parse
 

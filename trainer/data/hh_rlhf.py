@@ -43,9 +43,10 @@ IDENTICAL = "identical"
 TOO_LONG = "too_long"  # found at tokenization, see trainer/tokenization.py
 NO_REJECTED = "no_rejected"  # a prompt/completion row where a pair is needed (reward, DPO): found at tokenization
 NO_PROMPT = "no_prompt"  # a text row where a prompt is needed (PPO / GRPO): found at tokenization
+NO_COMPLETION = "no_completion"  # a prompt-only row where a completion is needed (SFT, reward, DPO): likewise
 UNREADABLE_FILE = "unreadable_file"  # a whole file, not a row: never skipped
 REASONS = (NOT_UTF8, NOT_JSON, NOT_OBJECT, MISSING_FIELD, NOT_STRING, NO_ASSISTANT_TURN, PROMPT_MISMATCH,
-           EMPTY_COMPLETION, IDENTICAL, TOO_LONG, NO_REJECTED, NO_PROMPT)
+           EMPTY_COMPLETION, IDENTICAL, TOO_LONG, NO_REJECTED, NO_PROMPT, NO_COMPLETION)
 
 
 class DataError(InputError, ValueError):
@@ -59,12 +60,15 @@ class DataError(InputError, ValueError):
 @dataclass(frozen=True)
 class PreferencePair:
     """One row: the shared prompt (for hh-rlhf, ending with "\\n\\nAssistant:") and the two completions;
-    `rejected` is None for a prompt/completion row (SFT and PPO prompts only)."""
+    `rejected` is None for a prompt/completion row (SFT and PPO prompts only), both None for a prompt-only
+    row (PPO and GRPO only)."""
 
     prompt: str
-    chosen: str
+    chosen: Optional[str]
     rejected: Optional[str]
     source: str  # "path/to/file.jsonl.gz:123" (1-based row), or "Anthropic/hh-rlhf[train]:123"
+    # the row's columns besides its completions, as read (`prompt` as given, `answer`, ...): for reward functions
+    columns: dict = field(default_factory=dict, compare=False)
 
 
 @dataclass
@@ -361,7 +365,7 @@ def group_by_prompt(pairs: Iterable[PreferencePair], seed: int) -> list[list[Pre
     for pair in pairs:  # text rows (no prompt) are each a group of their own
         groups.setdefault(pair.prompt or "\0text\0" + pair.chosen, []).append(pair)
     # Sorting first makes the shuffle see the same sequence whatever file order or format the rows had.
-    ordered = [sorted(g, key=lambda p: (p.chosen, p.rejected or "", p.source)) for _, g in sorted(groups.items())]
+    ordered = [sorted(g, key=lambda p: (p.chosen or "", p.rejected or "", p.source)) for _, g in sorted(groups.items())]
     random.Random(seed).shuffle(ordered)
     return ordered
 

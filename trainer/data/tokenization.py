@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from trainer.config import DataArguments
-from trainer.data.hh_rlhf import NO_PROMPT, NO_REJECTED, TOO_LONG, DataError, PreferencePair, apply_policy
+from trainer.data.hh_rlhf import (
+    NO_COMPLETION, NO_PROMPT, NO_REJECTED, TOO_LONG, DataError, PreferencePair, apply_policy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +62,12 @@ class PairExample:
 
 @dataclass(frozen=True)
 class PromptExample:
-    """A PPO prompt, left-truncated to `max_prompt_length`."""
+    """A PPO prompt, left-truncated to `max_prompt_length`, and its row's columns for the reward functions
+    (`prompt`: as the row gave it, text or messages; then any other, e.g. `answer`)."""
 
     prompt_ids: list[int]
     source: str
+    columns: dict = field(default_factory=dict, compare=False)
 
     @property
     def length(self) -> int:
@@ -81,10 +85,12 @@ class TokenizeReport:
     too_long: int = 0
     no_rejected: int = 0
     no_prompt: int = 0
+    no_completion: int = 0
 
     def summary(self) -> str:
         unpaired = f", {self.no_rejected} without a rejected completion" if self.no_rejected else ""
         unpaired += f", {self.no_prompt} without a prompt" if self.no_prompt else ""
+        unpaired += f", {self.no_completion} without a completion" if self.no_completion else ""
         return (f"tokenized {self.rows} {self.kind} rows: kept {self.kept}, "
                 f"{self.truncated} prompts left-truncated, {self.too_long} too long{unpaired}")
 
@@ -133,17 +139,29 @@ def reject_too_long(pair: PreferencePair, completion_len: int, args: DataArgumen
 
 def log_report(report: TokenizeReport, skipped: Counter) -> TokenizeReport:
     report.too_long, report.no_rejected, report.no_prompt = skipped[TOO_LONG], skipped[NO_REJECTED], skipped[NO_PROMPT]
-    level = logging.WARNING if report.too_long or report.no_rejected or report.no_prompt else logging.INFO
+    report.no_completion = skipped[NO_COMPLETION]
+    dropped = report.too_long + report.no_rejected + report.no_prompt + report.no_completion
+    level = logging.WARNING if dropped else logging.INFO
     logger.log(level, "%s", report.summary())
     return report
+
+
+def with_completions(pairs: Sequence[PreferencePair], args: DataArguments, skipped: Counter) -> list[PreferencePair]:
+    """`pairs` less the prompt-only rows, each a bad row here (`no_completion`)."""
+    for pair in pairs:
+        if pair.chosen is None:
+            apply_policy(DataError(pair.source, NO_COMPLETION, "a prompt-only row has no completion to train on "
+                                   "(PPO and GRPO read such rows)"), args.on_bad_row, skipped)
+    return [p for p in pairs if p.chosen is not None]
 
 
 def tokenize_sft(pairs: Sequence[PreferencePair], tokenizer, args: DataArguments) -> tuple[list[SFTExample], TokenizeReport]:
     """SFT examples (prompt + chosen completion + EOS) within `args.max_length`."""
     check_tokenizer(tokenizer)
+    report, skipped, examples = TokenizeReport("sft", rows=len(pairs)), Counter(), []
+    pairs = with_completions(pairs, args, skipped)
     prompts = encode(tokenizer, [p.prompt for p in pairs], add_special_tokens=True)
     completions = with_eos(encode(tokenizer, [p.chosen for p in pairs], add_special_tokens=False), tokenizer.eos_token_id)
-    report, skipped, examples = TokenizeReport("sft", rows=len(pairs)), Counter(), []
     for pair, prompt_ids, completion_ids in zip(pairs, prompts, completions):
         if not pair.prompt:  # a text row: the loss covers all of it, cut at max_length (EOS kept last)
             room = args.max_length - len(prompt_ids)
@@ -168,6 +186,7 @@ def tokenize_pairs(pairs: Sequence[PreferencePair], tokenizer, args: DataArgumen
     check_tokenizer(tokenizer)
     eos = tokenizer.eos_token_id
     report, skipped, examples = TokenizeReport("pair", rows=len(pairs)), Counter(), []
+    pairs = with_completions(pairs, args, skipped)
     for pair in pairs:
         if pair.rejected is None:  # a prompt/completion row: SFT and PPO read it, a pairwise loss cannot
             apply_policy(DataError(pair.source, NO_REJECTED, "a prompt/completion row has no 'rejected' completion "
@@ -202,7 +221,7 @@ def tokenize_prompts(pairs: Sequence[PreferencePair], tokenizer, args: DataArgum
     for pair, prompt_ids in zip(pairs, prompts):
         fitted = fit_prompt(prompt_ids, args.max_prompt_length, 1, tokenizer.bos_token_id)
         report.truncated += len(fitted) < len(prompt_ids)
-        examples.append(PromptExample(fitted, pair.source))
+        examples.append(PromptExample(fitted, pair.source, {"prompt": pair.prompt, **pair.columns}))
     report.kept = len(examples)
     return examples, log_report(report, skipped)
 

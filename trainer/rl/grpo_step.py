@@ -10,8 +10,8 @@ beta 0 skips the reference pass.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -33,6 +33,7 @@ class GroupRollout:
     scores: torch.Tensor  # (P*G,)
     ended: torch.Tensor  # (P*G,) bool
     generate_s: float
+    reward_metrics: dict = field(default_factory=dict)  # rewards/NAME/mean and /std of each reward function
 
 
 @dataclass
@@ -53,11 +54,14 @@ class GroupState:
 
 @torch.no_grad()
 def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, args, scorer, eos_id: int,
-                  pad_id: int, phase: Callable) -> GroupRollout:
-    """Generate `num_generations` responses per prompt and score them in one routed pass per chunk."""
+                  pad_id: int, phase: Callable, examples: Optional[Sequence] = None) -> GroupRollout:
+    """Generate `num_generations` responses per prompt and score them in one routed pass per chunk; each
+    prompt's dataset row (`examples`) goes with each of its responses to the reward functions."""
     sampling, rows = Sampling.of(args), args.rollout_micro_batch_size
     ids = prompt_ids.repeat_interleave(args.num_generations, dim=0)
     mask = prompt_mask.repeat_interleave(args.num_generations, dim=0)
+    if examples is not None:
+        examples = [e for e in examples for _ in range(args.num_generations)]
     was_training = model.training
     model.eval()
     try:
@@ -67,16 +71,15 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
             generate_s = time.perf_counter() - started
         input_ids, attention_mask, response_mask, ended = (samples.input_ids, samples.attention_mask,
                                                            samples.response_mask, samples.ended)
-        reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
         temperature = sampling.scoring_temperature
         with phase("score"):
-            # nothing to score when beta is 0 and the reward is scripted: both None
-            ref, _, scores = chunked(
+            # nothing to score when beta is 0 and no reward adapter is set: both None
+            ref, _, adapter_scores = chunked(
                 lambda i, m, r: rollout_scores(model, i, m, r, temperature, reference=args.beta > 0, value=False,
-                                               reward_adapter=reward_adapter),
+                                               reward_adapter=scorer.adapter),
                 rows, input_ids.shape[0], input_ids, attention_mask, response_mask)
-            if scores is None:
-                scores = scorer(model, input_ids, attention_mask, ids.shape[1], response_mask).float()
+            scores, reward_metrics = scorer.score(model, input_ids, attention_mask, ids.shape[1], response_mask,
+                                                  examples, adapter_scores)
     finally:
         model.train(was_training)
     if args.missing_eos_penalty is not None:
@@ -84,7 +87,7 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
     fmask = response_mask.float()
     # the sampled log-probs: steps after a row's EOS are masked out here
     return GroupRollout(input_ids, attention_mask, fmask, samples.logprobs * fmask, None if ref is None else ref * fmask,
-                        scores, ended, generate_s)
+                        scores.float(), ended, generate_s, reward_metrics)
 
 
 def rollout_advantages(rollout: GroupRollout, args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +107,7 @@ def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: Group
     phase = phase or engine.recorder.phase
     started = time.perf_counter()
     rollout = group_rollout(raw, batch["input_ids"].to(acc.device), batch["attention_mask"].to(acc.device), args,
-                            scorer, eos_id, pad_id, phase)
+                            scorer, eos_id, pad_id, phase, batch.get("examples"))
     advantages, rewards = rollout_advantages(rollout, args)
     rollout_s = time.perf_counter() - started
     engine.model.train()
@@ -126,7 +129,8 @@ def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: Group
         "frac_reward_zero_std": (groups.std(dim=1) == 0).float().mean().item() if args.num_generations > 1 else 1.0,
         "lr": engine.scheduler.get_last_lr()[0], "perf/rollout_s": rollout_s, "perf/update_s": update_s,
         "perf/update_micro_batch": float(state.micro_batch_size),
-        "perf/decode_tokens_per_s": size * rollout.response_mask.shape[1] / max(rollout.generate_s, 1e-9)})
+        "perf/decode_tokens_per_s": size * rollout.response_mask.shape[1] / max(rollout.generate_s, 1e-9),
+        **rollout.reward_metrics})
     if rollout.ref_logprobs is not None:
         metrics["kl"] = (kl_penalty(rollout.logprobs, rollout.ref_logprobs, "k1") * rollout.response_mask).sum(1).mean().item()
     return StepResult(metrics, finite=all_finite, stepped=any_stepped)

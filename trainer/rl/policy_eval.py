@@ -2,7 +2,7 @@
 against its SFT reference) and `trainer.compare` (SFT, PPO and DPO after the pipeline) both run this.
 
 Each policy samples responses to the same prompts with the same sampling noise, the scorer (the reward
-adapter, or a scripted reward) scores them, and each policy's KL to the reference is estimated on its
+adapter and / or reward functions) scores them, and each policy's KL to the reference is estimated on its
 own samples, at the sampling temperature: sum over response tokens of log pi(y_t) - log pi_ref(y_t).
 """
 
@@ -16,7 +16,8 @@ import torch
 from foundation.stages import POLICY, REFERENCE
 from trainer.data.collators import PromptCollator
 from trainer.data.tokenization import PromptExample
-from trainer.rl.rollout import Sampling, Scorer, sample_responses
+from trainer.rl.rewards import Scorer
+from trainer.rl.rollout import Sampling, sample_responses
 from trainer.rl.scoring import response_logprobs
 
 
@@ -61,14 +62,15 @@ def sample_policies(model, prompts: Sequence[PromptExample], policies: Sequence[
         main = accelerator is None or accelerator.is_main_process
         for start in tqdm(range(0, len(mine), batch_size), desc="policies", leave=False, dynamic_ncols=True,
                           disable=not (progress and main)):
-            batch = collate(mine[start : start + batch_size])
+            examples = mine[start : start + batch_size]
+            batch = collate(examples)
             ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             for name in policies:
                 torch.manual_seed(seed + start)  # the same sampling noise for every policy
                 full, att, rmask, _ = sample_responses(model, ids, mask, sampling, eos_id, pad_id, adapter=name)
                 width = rmask.shape[1]
                 out = results[name]
-                out.scores += scorer(model, full, att, ids.shape[1], rmask).float().tolist()
+                out.scores += scorer(model, full, att, ids.shape[1], rmask, examples).float().tolist()
                 out.lengths += rmask.sum(1).float().tolist()
                 if name == reference:
                     out.kl += [0.0] * full.shape[0]

@@ -25,7 +25,8 @@ from trainer.losses import (
     gae, kl_penalty, masked_mean, masked_var, masked_whiten, per_token_rewards, ppo_policy_loss, ppo_value_loss,
 )
 from trainer.rl.kl_control import KLController, make_kl_controller
-from trainer.rl.rollout import Rollout, Sampling, Scorer, make_rollout
+from trainer.rl.rewards import Scorer
+from trainer.rl.rollout import Rollout, Sampling, make_rollout
 from trainer.rl.scoring import policy_and_values, trimmed_to_longest_response
 from trainer.rl.update import Update, run_update
 
@@ -96,6 +97,7 @@ def rollout_metrics(rollout: Rollout, adv: Advantages) -> dict[str, float]:
         "val/returns_mean": masked_mean(adv.returns, mask).item(),
         "val/values_mean": masked_mean(rollout.values, mask).item(),
         "val/values_var": masked_var(rollout.values, mask).item() if mask.sum() > 1 else 0.0,
+        **rollout.reward_metrics,
     }
 
 
@@ -157,7 +159,7 @@ def ppo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: PPOSta
     started = time.perf_counter()
     # Generation and the no-grad scoring passes go around the DDP / DeepSpeed wrapper (DDP has no
     # generate, and no gradient sync is wanted there); the update goes through it.
-    rollout = make_rollout(raw, ids, mask, args, scorer, eos_id, pad_id, phase=phase)
+    rollout = make_rollout(raw, ids, mask, args, scorer, eos_id, pad_id, phase=phase, examples=batch.get("examples"))
     beta = state.kl.value
     adv = compute_advantages(rollout, beta, args)
     metrics = rollout_metrics(rollout, adv)

@@ -2,8 +2,8 @@
 
 All passes run on the ONE shared base: `policy` samples (KV cache on, left-padded prompts), then
 under `torch.no_grad` the `reference` log-probs of the response tokens, the `value` adapter's
-per-token values and the scorer's score of each response (the `reward` adapter, or a scripted
-reward), every pass through `trainer.rl.scoring`. Those passes are ONE routed pass of the base
+per-token values and the scorer's score of each response (the `reward` adapter and / or reward
+functions, `trainer.rl.rewards`), every pass through `trainer.rl.scoring`. Those passes are ONE routed pass of the base
 (`SharedBaseModel.fused`): each base layer runs once for all adapters. The policy's own ("old")
 log-probs come from the logits it sampled from (`SampledLogprobs`): no scoring pass needs the policy.
 """
@@ -13,15 +13,16 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, fields
-from typing import Callable, Optional, Protocol
+from dataclasses import dataclass, field, fields
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from foundation.cli import UsageError
-from foundation.stages import POLICY, REWARD
+from foundation.stages import POLICY
 from profiling.decode import sync
-from trainer.rl.scoring import next_token_logprobs, rollout_scores, sequence_scores
+from trainer.rl.rewards import Scorer
+from trainer.rl.scoring import next_token_logprobs, rollout_scores
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +72,11 @@ class Rollout:
     logprobs: torch.Tensor  # (B, R) policy log-probs when sampled (the "old" policy)
     ref_logprobs: torch.Tensor  # (B, R) reference (frozen SFT) log-probs
     values: torch.Tensor  # (B, R) value of the state before each response token
-    scores: torch.Tensor  # (B,) reward model (or scripted) score of each whole response
+    scores: torch.Tensor  # (B,) score of each whole response: reward adapter + weighted reward functions
     ended: torch.Tensor  # (B,) bool: the response reached EOS
     entropy: torch.Tensor  # (B, R) policy entropy per response position (metrics only)
     generate_s: float = 0.0  # wall time of the generation (prefill and decode), device synchronised
+    reward_metrics: dict = field(default_factory=dict)  # rewards/NAME/mean and /std of each reward function
 
     @property
     def response_length(self) -> int:
@@ -87,11 +89,6 @@ class Rollout:
             if isinstance(value, torch.Tensor):
                 picked[name] = value[index]
         return Rollout(**picked)
-
-
-class Scorer(Protocol):
-    def __call__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
-                 response_mask: torch.Tensor) -> torch.Tensor: ...
 
 
 def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,53 +223,6 @@ def sample_in_chunks(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                    torch.cat([p[3] for p in parts]), *extra)
 
 
-class RewardModelScorer:
-    """Scores from the frozen `reward` adapter + head at each sequence's last real token."""
-
-    def __init__(self, adapter: str = REWARD):
-        self.adapter = adapter
-
-    def __call__(self, model, input_ids, attention_mask, prompt_length, response_mask) -> torch.Tensor:
-        return sequence_scores(model, input_ids, attention_mask, response_mask, self.adapter)
-
-
-class ScriptedScorer:
-    """A reward computed from the response text, for tests and sanity runs.
-
-    `keyword:WORD` scores 1 when WORD appears in the response (case-insensitive), else 0;
-    `length:N` scores -|tokens - N| / N (0 at exactly N response tokens);
-    `chars:N` scores -|characters - N| / N (a target length in characters of the decoded text:
-    dense, so it shows learning within a few steps even with fixed-length responses).
-    """
-
-    KINDS = ("keyword", "length", "chars")
-
-    def __init__(self, spec: str, tokenizer):
-        self.kind, self.arg = parse_scripted_reward(spec)
-        self.tokenizer = tokenizer
-        if self.kind in ("length", "chars"):
-            self.target = int(self.arg)
-
-    def __call__(self, model, input_ids, attention_mask, prompt_length, response_mask) -> torch.Tensor:
-        if self.kind == "length":
-            return -(response_mask.sum(dim=1).float() - self.target).abs() / self.target
-        response = input_ids[:, prompt_length:].masked_fill(response_mask == 0, self.tokenizer.pad_token_id)
-        texts = self.tokenizer.batch_decode(response, skip_special_tokens=True)
-        if self.kind == "chars":
-            return torch.tensor([-abs(len(t) - self.target) / self.target for t in texts], device=input_ids.device)
-        return torch.tensor([float(self.arg.lower() in t.lower()) for t in texts], device=input_ids.device)
-
-
-def parse_scripted_reward(spec: str) -> tuple[str, str]:
-    """('keyword' | 'length' | 'chars', argument) of a --scripted_reward setting; a UsageError otherwise."""
-    kind, _, arg = spec.partition(":")
-    if kind not in ScriptedScorer.KINDS or not arg:
-        raise UsageError(f"--scripted_reward {spec!r}: use keyword:WORD, length:N or chars:N")
-    if kind in ("length", "chars") and (not arg.isdigit() or int(arg) < 1):
-        raise UsageError(f"--scripted_reward {spec!r}: N must be a whole number of at least 1")
-    return kind, arg
-
-
 def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
     """Apply `fn` to row chunks of `tensors` and concatenate its (tuple of) outputs."""
     outs = [fn(*(t[i : i + size] for t in tensors)) for i in range(0, batch, size)]
@@ -283,10 +233,10 @@ def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
 
 @torch.no_grad()
 def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, args, scorer: Scorer, eos_id: int,
-                 pad_id: int, phase=None) -> Rollout:
+                 pad_id: int, phase=None, examples: Optional[Sequence] = None) -> Rollout:
     """Generate, then score with reference / value / reward, `args.rollout_micro_batch_size` rows at a time
     (`args`: the rollout settings, `trainer.rl.settings.RolloutArguments`: sampling, rows per pass, the
-    missing-EOS penalty).
+    missing-EOS penalty). `examples` are the prompts' dataset rows, whose columns the reward functions read.
 
     The policy's log-probs and entropy are read from the logits it sampled from (phase "generate"); the
     reference, value and reward passes run as ONE routed pass of the base per micro-batch (phase "score").
@@ -297,12 +247,12 @@ def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, arg
     was_training = model.training
     model.eval()  # no dropout: these log-probs and values are the fixed "old" ones of the update
     try:
-        return _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, phase)
+        return _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, phase, examples)
     finally:
         model.train(was_training)
 
 
-def _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, phase) -> Rollout:
+def _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, phase, examples) -> Rollout:
     sampling, rows = Sampling.of(args), args.rollout_micro_batch_size
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
     with phase("generate"):
@@ -312,15 +262,16 @@ def _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, 
         sync(prompt_ids.device)
         generate_s = time.perf_counter() - started
     input_ids, attention_mask, response_mask = samples.input_ids, samples.attention_mask, samples.response_mask
-    reward_adapter = getattr(scorer, "adapter", None)  # a scripted scorer needs no pass
     with phase("score"):
-        ref_logprobs, values, scores = chunked(
+        ref_logprobs, values, adapter_scores = chunked(
             lambda i, m, r: rollout_scores(model, i, m, r, sampling.scoring_temperature, reference=True, value=True,
-                                           reward_adapter=reward_adapter),
+                                           reward_adapter=scorer.adapter),
             rows, batch, input_ids, attention_mask, response_mask)
-        if scores is None:
-            scores = scorer(model, input_ids, attention_mask, prompt_length, response_mask)
-    return _finish(samples, prompt_length, ref_logprobs, values, scores, args.missing_eos_penalty, generate_s)
+        scores, reward_metrics = scorer.score(model, input_ids, attention_mask, prompt_length, response_mask,
+                                              examples, adapter_scores)
+    rollout = _finish(samples, prompt_length, ref_logprobs, values, scores, args.missing_eos_penalty, generate_s)
+    rollout.reward_metrics = reward_metrics
+    return rollout
 
 
 def _finish(samples: Samples, prompt_length: int, ref_logprobs, values, scores, missing_eos_penalty,

@@ -1,5 +1,5 @@
-"""The settings PPO and GRPO share - adapters, rollout sizes, sampling, clipping, evaluation, the scorer - and
-what both do with them at start: the checks, the warning for unlikely learning, the scorer.
+"""The settings PPO and GRPO share - adapters, reward functions, rollout sizes, sampling, clipping, evaluation -
+and what both do with them at start: the checks, the warning for unlikely learning, the scorer.
 
 `PPOArguments` (trainer/ppo.py) and `GRPOArguments` (trainer/grpo.py) each add only what their own step
 reads, so neither stage's --help lists a setting it ignores.
@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from foundation.cli import Checked, UsageError, above, at_least, between, one_of
-from trainer.rl.rollout import DECODE_PATHS, RewardModelScorer, ScriptedScorer, parse_scripted_reward
+from foundation.stages import REWARD
+from trainer.rl.rewards import Scorer, builtin, check_spec, describe, load_reward_functions, parse_weights, split_specs
+from trainer.rl.rollout import DECODE_PATHS
 
 logger = logging.getLogger(__name__)
 
@@ -22,9 +24,21 @@ HOT_TEMPERATURE = 2.0  # above it, samples are close to random tokens and the po
 
 def _scripted_reward_rule(name: str, value: str) -> Optional[str]:
     try:
-        parse_scripted_reward(value)
+        builtin(value, "--scripted_reward")
     except UsageError as exc:
         return str(exc).split(": ", 1)[-1]
+    return None
+
+
+def _reward_fn_rule(name: str, value: str) -> Optional[str]:
+    """The form of each function named (PATH.py:NAME, ...); importing waits for `make_scorer`."""
+    if not split_specs(value):
+        return "names no function"
+    for spec in split_specs(value):
+        try:
+            check_spec(spec)
+        except UsageError as exc:
+            return str(exc).replace("--reward_fn ", "", 1)
     return None
 
 
@@ -34,7 +48,14 @@ class RolloutArguments(Checked):
 
     sft_adapter: Optional[str] = field(default=None, metadata={"help": "SFT adapter: policy start and frozen reference."})
     reward_adapter: Optional[str] = field(default=None, metadata={"help": "Reward adapter + head (frozen scorer; value start)."})
-    scripted_reward: Optional[str] = field(default=None, metadata={"help": "Instead of a reward model: keyword:WORD, length:N or chars:N."})
+    reward_fn: Optional[str] = field(default=None, metadata={
+        "help": "Reward functions, comma-separated: PATH.py:NAME, package.module:NAME or the built-ins keyword:WORD, "
+                "length:N, chars:N; TRL's convention (docs/training.md). Summed with the reward adapter's score when "
+                "one is set."})
+    reward_weights: Optional[str] = field(default=None, metadata={
+        "help": "Weights of the --reward_fn functions, comma-separated (default 1 each); the reward adapter weighs 1."})
+    scripted_reward: Optional[str] = field(default=None, metadata={
+        "help": "A built-in reward function, weight 1: keyword:WORD, length:N or chars:N (as in --reward_fn)."})
     rollout_batch_size: int = field(default=8, metadata={"help": "Prompts per step on each process."})
     rollout_micro_batch_size: int = field(default=8, metadata={"help": "Rows per generation / scoring pass."})
     mini_batch_size: int = field(default=4, metadata={"help": "Rows per optimizer step in the update."})
@@ -57,13 +78,14 @@ class RolloutArguments(Checked):
     eval_prompts: int = field(default=16, metadata={"help": "Held-out prompts for policy-vs-SFT evaluation."})
     eval_seed: int = field(default=1234, metadata={"help": "Sampling seed of evaluations (same samples each time)."})
 
-    RULES = {"scripted_reward": _scripted_reward_rule, "rollout_batch_size": at_least(1),
+    RULES = {"scripted_reward": _scripted_reward_rule, "reward_fn": _reward_fn_rule, "rollout_batch_size": at_least(1),
              "rollout_micro_batch_size": at_least(1), "mini_batch_size": at_least(1),
              "max_new_tokens": at_least(1), "min_new_tokens": at_least(0), "temperature": at_least(0),
              "top_k": at_least(0), "top_p": between(0, 1), "decode": one_of(*DECODE_PATHS),
              "cliprange": above(0), "eval_prompts": at_least(0)}
 
     def check(self) -> None:
+        parse_weights(self.reward_weights, len(split_specs(self.reward_fn)))
         if self.min_new_tokens > self.max_new_tokens:
             raise UsageError(f"--min_new_tokens {self.min_new_tokens} exceeds --max_new_tokens {self.max_new_tokens}")
         if self.top_p == 0:
@@ -73,10 +95,19 @@ class RolloutArguments(Checked):
                              "gradient and can never learn; use a finite temperature (1.0 is usual)")
 
 
+def reward_functions(args: RolloutArguments) -> tuple[list[str], list[float]]:
+    """The reward functions the settings name and their weights: --reward_fn's, then --scripted_reward's (1)."""
+    specs = split_specs(args.reward_fn)
+    weights = parse_weights(args.reward_weights, len(specs))
+    if args.scripted_reward:
+        specs, weights = specs + [args.scripted_reward], weights + [1.0]
+    return specs, weights
+
+
 def require_scorer(args: RolloutArguments, stage: str) -> None:
-    if args.reward_adapter is None and args.scripted_reward is None:
-        raise UsageError(f"{stage} needs a scorer: pass --reward_adapter DIR (from trainer/reward.py) or "
-                         "--scripted_reward keyword:WORD|length:N|chars:N")
+    if args.reward_adapter is None and not reward_functions(args)[0]:
+        raise UsageError(f"{stage} needs a scorer: pass --reward_adapter DIR (from trainer/reward.py), --reward_fn "
+                         "PATH.py:NAME or --scripted_reward keyword:WORD|length:N|chars:N")
 
 
 def warn_if_learning_unlikely(args: RolloutArguments) -> None:
@@ -87,6 +118,9 @@ def warn_if_learning_unlikely(args: RolloutArguments) -> None:
                        args.temperature, 1 / args.temperature)
 
 
-def make_scorer(args: RolloutArguments, tokenizer):
-    """The scripted reward if one is set, else the frozen reward adapter + head."""
-    return ScriptedScorer(args.scripted_reward, tokenizer) if args.scripted_reward else RewardModelScorer()
+def make_scorer(args: RolloutArguments, tokenizer) -> Scorer:
+    """The reward functions (imported here) plus the frozen reward adapter + head, if one is set."""
+    functions = load_reward_functions(*reward_functions(args))
+    if functions:
+        logger.info("%s", describe(functions))
+    return Scorer(functions, tokenizer, REWARD if args.reward_adapter is not None else None)

@@ -1,0 +1,274 @@
+"""The score of a response: the reward adapter's (weight 1) plus each reward function's value times its weight.
+
+A reward function follows TRL's convention: it takes keyword arguments `prompts`, `completions` (decoded
+text; for a conversational row `[{"role": "assistant", "content": text}]`), `completion_ids` and every other
+column of the rows (e.g. `answer`), each a list with one entry per completion, and returns one float per
+completion, or None where it does not apply (left out of its mean, 0 in the sum). Functions come only from
+the settings (`--reward_fn PATH.py:NAME` or `package.module:NAME`); the toy rewards `keyword:WORD`,
+`length:N` and `chars:N` are built-in functions of the same kind. A function that fails stops the run with
+one line naming it and the row (`RewardFunctionError`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import logging
+import math
+import numbers
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from foundation.cli import UsageError
+from foundation.stages import REWARD
+from trainer.rl.scoring import sequence_scores
+
+logger = logging.getLogger(__name__)
+
+BUILTINS = ("keyword", "length", "chars")
+RESERVED = ("prompts", "completions", "completion_ids")  # the call's own arguments: a column cannot replace them
+
+
+class RewardFunctionError(UsageError):
+    """A reward function that cannot be imported or returned what cannot be a reward; one line."""
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str  # its name in the metrics: rewards/NAME/mean
+    fn: Callable[..., Any]
+    weight: float = 1.0
+    origin: str = "built-in"  # the file or module it was imported from
+
+
+# ---- the built-ins ---------------------------------------------------------------------------------
+
+def _text(completion) -> str:
+    return completion if isinstance(completion, str) else "".join(m.get("content", "") for m in completion)
+
+
+def builtin(spec: str, flag: str = "--reward_fn") -> RewardFunction:
+    """`keyword:WORD` (1 when WORD is in the response, any case), `length:N` (-|tokens - N| / N, the EOS
+    counted) or `chars:N` (-|characters - N| / N of the decoded text), as a reward function."""
+    kind, _, arg = spec.partition(":")
+    if kind not in BUILTINS or not arg:
+        raise UsageError(f"{flag} {spec!r}: use keyword:WORD, length:N or chars:N")
+    if kind == "keyword":
+        word = arg.lower()
+        return RewardFunction(kind, lambda completions, **_: [float(word in _text(c).lower()) for c in completions])
+    if not arg.isdigit() or int(arg) < 1:
+        raise UsageError(f"{flag} {spec!r}: N must be a whole number of at least 1")
+    n = int(arg)
+    if kind == "length":
+        return RewardFunction(kind, lambda completion_ids, **_: [-abs(len(ids) - n) / n for ids in completion_ids])
+    return RewardFunction(kind, lambda completions, **_: [-abs(len(_text(c)) - n) / n for c in completions])
+
+
+# ---- the settings ----------------------------------------------------------------------------------
+
+def split_specs(text: Optional[str]) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def check_spec(spec: str) -> None:
+    """A UsageError unless `spec` reads as a built-in, `PATH.py:NAME` or `package.module:NAME` (not imported)."""
+    if spec.partition(":")[0] in BUILTINS:  # a built-in wins over a module of its name (the standard `keyword`)
+        builtin(spec)
+        return
+    target, sep, name = spec.rpartition(":")
+    dotted = all(part.isidentifier() for part in target.split("."))
+    if not sep or not name.isidentifier() or not (target.endswith(".py") or dotted):
+        raise UsageError(f"--reward_fn {spec!r}: use PATH.py:NAME, package.module:NAME, keyword:WORD, length:N or "
+                         "chars:N (several: comma-separated)")
+
+
+def parse_weights(text: Optional[str], count: int) -> list[float]:
+    """The --reward_weights of `count` functions (1 each when unset)."""
+    if not text:
+        return [1.0] * count
+    try:
+        weights = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--reward_weights {text!r}: use comma-separated numbers, one per --reward_fn") from None
+    if len(weights) != count:
+        raise UsageError(f"--reward_weights {text!r}: {len(weights)} weights for {count} reward functions")
+    if not all(math.isfinite(w) for w in weights):
+        raise UsageError(f"--reward_weights {text!r}: every weight must be a finite number")
+    return weights
+
+
+def _module_of(target: str, spec: str):
+    """The module `target` names (a .py file, or a dotted module), or a RewardFunctionError in one line."""
+    try:
+        return _import_file(target, spec) if target.endswith(".py") else importlib.import_module(target)
+    except RewardFunctionError:
+        raise
+    except Exception as exc:  # the user's code failed to import: any error at all, named in one line
+        raise RewardFunctionError(f"--reward_fn {spec!r}: cannot import {target}: {type(exc).__name__}: "
+                                  f"{_one_line(exc)}") from None
+
+
+def _import_file(target: str, spec: str):
+    path = Path(target).expanduser().resolve()
+    if not path.is_file():
+        raise RewardFunctionError(f"--reward_fn {spec!r}: no such file {target}")
+    name = f"_reward_fn_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up there
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def load_reward_functions(specs: Sequence[str], weights: Sequence[float]) -> list[RewardFunction]:
+    """The functions `specs` name, imported (each file once), with their weights and unique metric names."""
+    modules: dict[str, Any] = {}
+    out: list[RewardFunction] = []
+    for spec, weight in zip(specs, weights):
+        check_spec(spec)
+        target, _, name = spec.rpartition(":")
+        if spec.partition(":")[0] in BUILTINS:
+            function = builtin(spec)
+        else:
+            if target not in modules:
+                modules[target] = _module_of(target, spec)
+            fn = getattr(modules[target], name, None)
+            if not callable(fn):
+                raise RewardFunctionError(f"--reward_fn {spec!r}: {target} has no function {name}")
+            function = RewardFunction(name, fn, origin=target)
+        taken, unique, k = {f.name for f in out}, function.name, 1
+        while unique in taken:  # two functions of one name (length:4,length:8): length, length_2
+            k += 1
+            unique = f"{function.name}_{k}"
+        out.append(RewardFunction(unique, function.fn, weight, function.origin))
+    return out
+
+
+# ---- scoring ---------------------------------------------------------------------------------------
+
+def _one_line(text: Any) -> str:
+    return " ".join(str(text).split())[:300]
+
+
+def _checked(function: RewardFunction, values: Any, count: int, sources: Sequence[str]) -> list[Optional[float]]:
+    """`values` as `count` floats or None, or a RewardFunctionError naming the function and the row."""
+    who = f"reward function {function.name} ({function.origin})"
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise RewardFunctionError(f"{who} returned {type(values).__name__}, not a list of {count} values "
+                                  f"(rows {sources[0]} ...)")
+    if len(values) != count:
+        raise RewardFunctionError(f"{who} returned {len(values)} values for {count} completions (rows "
+                                  f"{sources[0]} ...)")
+    out: list[Optional[float]] = []
+    for value, source in zip(values, sources):
+        if value is not None and not isinstance(value, numbers.Real):
+            raise RewardFunctionError(f"{who} returned {type(value).__name__} {_one_line(repr(value))[:60]}, not a "
+                                      f"number, for row {source}")
+        if value is not None and not math.isfinite(value):
+            raise RewardFunctionError(f"{who} returned {value} for row {source}")
+        out.append(None if value is None else float(value))
+    return out
+
+
+def _call(function: RewardFunction, kwargs: dict[str, list], sources: Sequence[str]) -> Any:
+    try:
+        return function.fn(**kwargs)
+    except Exception as exc:
+        culprit = _failing_row(function, kwargs, sources)
+        where = f"row {culprit}" if culprit else f"the batch of rows {sources[0]} ..."
+        raise RewardFunctionError(f"reward function {function.name} ({function.origin}) raised "
+                                  f"{type(exc).__name__}: {_one_line(exc)} on {where}") from None
+
+
+def _failing_row(function: RewardFunction, kwargs: dict[str, list], sources: Sequence[str]) -> Optional[str]:
+    """The first row on which the function raises when called again with that row alone (None: none does)."""
+    for i, source in enumerate(sources):
+        try:
+            function.fn(**{key: values[i : i + 1] for key, values in kwargs.items()})
+        except Exception:
+            return source
+    return None
+
+
+def _stats(values: list[Optional[float]]) -> tuple[float, float]:
+    """(mean, sample std) of the values that apply; NaN mean when none does."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return math.nan, math.nan
+    return statistics.fmean(present), statistics.stdev(present) if len(present) > 1 else 0.0
+
+
+class Scorer:
+    """Scores whole responses: the `adapter`'s head (None: no reward adapter) plus the weighted reward functions."""
+
+    def __init__(self, functions: Sequence[RewardFunction] = (), tokenizer=None, adapter: Optional[str] = REWARD):
+        self.functions, self.tokenizer, self.adapter = list(functions), tokenizer, adapter
+
+    def __call__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                 response_mask: torch.Tensor, examples: Optional[Sequence] = None) -> torch.Tensor:
+        return self.score(model, input_ids, attention_mask, prompt_length, response_mask, examples)[0]
+
+    def score(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+              response_mask: torch.Tensor, examples: Optional[Sequence] = None,
+              adapter_scores: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """((B,) scores, each function's `rewards/NAME/mean` and `/std`). `examples` (one per row, with `source`
+        and `columns`: `trainer.data.tokenization.PromptExample`) give the reward functions their columns;
+        `adapter_scores` are the reward adapter's when a fused pass already computed them."""
+        total = torch.zeros(input_ids.shape[0], device=input_ids.device)
+        if self.adapter is not None:
+            if adapter_scores is None:
+                adapter_scores = sequence_scores(model, input_ids, attention_mask, response_mask, self.adapter)
+            total = adapter_scores.float()
+        if not self.functions:
+            return total, {}
+        kwargs, sources = self._arguments(input_ids, attention_mask, prompt_length, response_mask, examples)
+        metrics = {}
+        for function in self.functions:
+            values = _checked(function, _call(function, kwargs, sources), len(sources), sources)
+            metrics[f"rewards/{function.name}/mean"], metrics[f"rewards/{function.name}/std"] = _stats(values)
+            added = torch.tensor([0.0 if v is None else v for v in values], device=total.device)
+            total = total + function.weight * added
+        return total, metrics
+
+    def _arguments(self, input_ids, attention_mask, prompt_length, response_mask, examples
+                   ) -> tuple[dict[str, list], list[str]]:
+        """The functions' keyword arguments (TRL's) and each row's source."""
+        tok, rows = self.tokenizer, input_ids.shape[0]
+        responses, keep = input_ids[:, prompt_length:], response_mask.bool()
+        completion_ids = [row[mask].tolist() for row, mask in zip(responses, keep)]
+        texts = tok.batch_decode(responses.masked_fill(~keep, tok.pad_token_id), skip_special_tokens=True)
+        if examples is not None and len(examples) != rows:
+            raise ValueError(f"{len(examples)} examples for {rows} rows")
+        if examples is None or any("prompt" not in e.columns for e in examples):  # the prompt text, then
+            prompt_mask = attention_mask[:, :prompt_length] == 0
+            decoded = tok.batch_decode(input_ids[:, :prompt_length].masked_fill(prompt_mask, tok.pad_token_id),
+                                       skip_special_tokens=True)
+        if examples is None:  # no dataset row at hand: no column besides the prompt
+            return ({"prompts": decoded, "completions": texts, "completion_ids": completion_ids},
+                    [f"batch row {i}" for i in range(rows)])
+        prompts = [e.columns["prompt"] if "prompt" in e.columns else decoded[i] for i, e in enumerate(examples)]
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                       for p, t in zip(prompts, texts)]
+        names = sorted({k for e in examples for k in e.columns} - {"prompt", *RESERVED})
+        kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
+                  **{k: [e.columns.get(k) for e in examples] for k in names}}
+        return kwargs, [e.source for e in examples]
+
+
+def describe(functions: Sequence[RewardFunction]) -> str:
+    """One log line: which functions score, with their weights, and which files were imported."""
+    files = sorted({f.origin for f in functions if f.origin != "built-in"})
+    listed = ", ".join(f"{f.name} (weight {f.weight:g})" for f in functions)
+    return f"reward functions: {listed}; imported from: {', '.join(files) or 'nothing (built-ins only)'}"
