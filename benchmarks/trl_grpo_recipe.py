@@ -34,7 +34,10 @@ TRL_GRPO_FLAGS = ["--model_name_or_path", "qwen2.5-7b", "--stage", "grpo", "--be
                   "--lora_dropout", "0", "--optimizer", "paged_adamw_8bit", "--gradient_checkpointing", "true",
                   "--attn_implementation", "sdpa", "--cuda_context_gib", str(CUDA_CONTEXT_GIB)]
 TRL_RECIPES = {"trl_grpo_prompt256": TRL_GRPO_FLAGS + ["--max_prompt_length", "256"],
-               "trl_grpo_prompt128": TRL_GRPO_FLAGS + ["--max_prompt_length", "128"]}
+               "trl_grpo_prompt128": TRL_GRPO_FLAGS + ["--max_prompt_length", "128"],
+               # what the planner adds where the budget needs it: the input embedding in host memory
+               "trl_grpo_prompt256_offload_embeddings": TRL_GRPO_FLAGS + ["--max_prompt_length", "256",
+                                                                          "--offload_embeddings", "true"]}
 
 
 @dataclass

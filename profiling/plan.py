@@ -5,7 +5,7 @@ picked from the estimator and the memory budget, so a run uses the card instead 
 
 Each choice is the largest whose estimated peak fits the budget less `margin`: first the rows per generate /
 score pass, then the update micro-batch, without checkpointing when that fits at least half of what
-checkpointing allows. Nothing runs a model: the PPO update's OOM back-off stays the safety net.
+checkpointing allows; where nothing fits, the same with the input embedding in host memory. Nothing runs a model: the PPO update's OOM back-off stays the safety net.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from profiling import components as C
-from profiling.predict import EstimateArguments, estimate
+from profiling.predict import EstimateArguments, estimate, offloaded_embedding
 from profiling.shapes import ModelShape
 
 ROLLOUT_PHASES = ("generate", "score")
@@ -26,6 +26,7 @@ class Plan:
     rollout_micro_batch_size: int
     micro_batch_size: int
     gradient_checkpointing: bool
+    offload_embeddings: bool
     peak_bytes: int
     peak_phase: str
     usable_bytes: int
@@ -36,7 +37,8 @@ class Plan:
         """The plan and the predicted peak per phase, as the log prints it at the start of a run."""
         lines = [f"budget plan (estimate within {C.gib(self.usable_bytes)} of {C.gib(self.budget_bytes)} GiB):",
                  f"  rollout_micro_batch_size {self.rollout_micro_batch_size}  micro_batch_size "
-                 f"{self.micro_batch_size}  gradient_checkpointing {str(self.gradient_checkpointing).lower()}"]
+                 f"{self.micro_batch_size}  gradient_checkpointing {str(self.gradient_checkpointing).lower()}"
+                 + ("  offload_embeddings true" if self.offload_embeddings else "")]
         for phase, total in self.phases:
             mark = "  <- peak" if phase == self.peak_phase else ""
             lines.append(f"  {phase:<15} {C.gib(total):>7} GiB{mark}")
@@ -60,9 +62,20 @@ def _largest(shape: ModelShape, args: EstimateArguments, field: str, sizes: list
     return None
 
 
-def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float = 0.1) -> Optional[Plan]:
+def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float = 0.1,
+            may_offload: bool = True) -> Optional[Plan]:
     """The plan for a PPO or GRPO run (`args.stage`; EstimateArguments of the run) with minibatches of
-    `mini_batch_size` rows; None when not even one row per pass fits."""
+    `mini_batch_size` rows; None when not even one row per pass fits. Where nothing fits and `may_offload`,
+    the input embedding goes to host memory (`offload_embeddings`) and the plan is made again."""
+    plan = _plan_rl(shape, args, mini_batch_size, margin)
+    if plan is None and may_offload and not args.offload_embeddings:
+        offloaded = replace(args, offload_embeddings=True)
+        if offloaded_embedding(shape, offloaded.resolved()):
+            plan = _plan_rl(shape, offloaded, mini_batch_size, margin)
+    return plan
+
+
+def _plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float) -> Optional[Plan]:
     args = args.resolved()
     if args.stage not in ("ppo", "grpo"):
         raise ValueError(f"the planner plans online RL stages (ppo, grpo), not {args.stage!r}")
@@ -85,6 +98,7 @@ def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, ma
         return None
     est = estimate(shape, args)
     return Plan(rollout_micro_batch_size=rows, micro_batch_size=args.micro_batch_size,
-                gradient_checkpointing=args.gradient_checkpointing, peak_bytes=est["peak_bytes"],
+                gradient_checkpointing=args.gradient_checkpointing, offload_embeddings=args.offload_embeddings,
+                peak_bytes=est["peak_bytes"],
                 peak_phase=est["peak_phase"], usable_bytes=usable, budget_bytes=args.budget_bytes,
                 phases=tuple((p["phase"], p["total"]) for p in est["phases"]))

@@ -55,6 +55,8 @@ class EstimateArguments(Checked):
     lora_dropout: float = 0.05
     optimizer: str = field(default="paged_adamw_8bit", metadata={"help": ", ".join(("auto",) + OPTIMIZERS)})
     gradient_checkpointing: bool = True
+    offload_embeddings: bool = field(default=False, metadata={
+        "help": "The input embedding in host memory (as ModelArguments): off the GPU where untied, on CUDA."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, flash_attention_2 or eager."})
     share_pair_prompts: bool = field(default=True, metadata={
         "help": "Reward and DPO: one row per pair, prompt once (as the stages' --share_pair_prompts): rows twice "
@@ -163,6 +165,8 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
     """Components that live through the whole stage, and the trainable tensor sizes behind them."""
     a = 2 if args.quantization == "nf4" and DTYPE_BYTES[args.dtype] == 4 else DTYPE_BYTES[args.dtype]
     parts = base_bytes(shape, args.quantization, a)
+    if offloaded_embedding(shape, args):
+        parts[C.BASE_OTHER] -= shape.vocab_size * shape.hidden_size * a
     lora = lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules)
     trainable: list[int] = []
     for slot in adapters(args):
@@ -174,6 +178,11 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
     opt = optimizer_bytes(trainable, args.optimizer, args.device)
     parts[C.OPTIMIZER_STATES] = opt.device
     return {"components": parts, "trainable": trainable, "optimizer": opt, "dtype_bytes": a}
+
+
+def offloaded_embedding(shape: ModelShape, args: EstimateArguments) -> bool:
+    """Whether the run keeps its input embedding in host memory (trainer.model.loading.HostEmbedding)."""
+    return args.offload_embeddings and args.device == "cuda" and not shape.tie_word_embeddings
 
 
 def forward_spec(args: EstimateArguments, dtype_bytes: int) -> A.ForwardSpec:

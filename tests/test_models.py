@@ -248,3 +248,35 @@ def test_each_family_preset_trains_an_adapter_on_the_shared_base(family, model_c
     logits.float().logsumexp(-1).mean().backward()
     grads = [p.grad for p in model.trainable_parameters() if p.grad is not None]
     assert grads and any(g.abs().sum() > 0 for g in grads)
+
+
+def test_a_host_embedding_gives_the_same_rows_forward_and_in_generation_and_holds_no_parameter():
+    """--offload_embeddings' module (on a GPU its matrix sits in pinned host memory, its rows go to the card):
+    the same hidden states and greedy tokens as the embedding it replaces, and nothing `.to()` would move."""
+    from trainer.model.loading import HostEmbedding
+
+    args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", gradient_checkpointing=False)
+    model = load_base_model(args, vocab_size=512, device=CPU).eval()
+    ids = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+        host = HostEmbedding(model.get_input_embeddings(), CPU)
+        model.set_input_embeddings(host)
+        assert list(host.parameters()) == [] and model.get_input_embeddings().weight is host.host_weight
+        model.to(CPU)
+        assert torch.equal(model(ids).logits, before)
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), tokens)
+
+
+def test_offload_embeddings_refuses_a_tied_model_and_is_ignored_on_the_cpu(caplog):
+    from trainer.model.loading import offload_input_embeddings_
+
+    untied = load_base_model(ModelArguments(model_name_or_path="tiny-llama", quantization="none"), 512, CPU)
+    with caplog.at_level(logging.INFO, logger="trainer.model.loading"):
+        assert offload_input_embeddings_(untied, CPU) is False
+    assert "offload_embeddings ignored: the model is on cpu" in caplog.text
+    tied = load_base_model(ModelArguments(model_name_or_path="tiny-llama", quantization="none",
+                                          preset_overrides="tie_word_embeddings=true"), 512, CPU)
+    with pytest.raises(UsageError, match="ties its input embedding to the LM head"):
+        offload_input_embeddings_(tied, CPU)

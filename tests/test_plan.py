@@ -103,3 +103,36 @@ def test_grpo_applies_the_plan_when_asked(tmp_path, capfd, fresh_accelerate_stat
                                     "--output_dir", str(tmp_path / "on"), "--auto_fit", "true"], stage="grpo")
     assert ctx.stage_args.rollout_micro_batch_size == 16  # 4 prompts x 4 responses in one pass
     assert "budget plan" in "".join(capfd.readouterr())
+
+
+QWEN_7B = load_shape("qwen2.5-7b")  # untied 152k x 3584 embedding: 1 GiB in bf16
+TRL_GRPO = EstimateArguments(model_name_or_path="qwen2.5-7b", stage="grpo", beta=0.0, reward_model=False,
+                             rollout_batch_size=1, num_generations=8, max_new_tokens=256, max_prompt_length=256,
+                             micro_batch_size=8, rollout_micro_batch_size=8, lora_r=32, lora_dropout=0.0)
+
+
+def test_offloaded_embeddings_leave_the_card_only_where_untied_and_on_cuda():
+    embedding = QWEN_7B.vocab_size * QWEN_7B.hidden_size * 2
+    kept, offloaded = (estimate(QWEN_7B, a)["phases"][0]["components"]["base_other"]
+                       for a in (TRL_GRPO, replace(TRL_GRPO, offload_embeddings=True)))
+    assert kept - offloaded == embedding
+    on_cpu = replace(TRL_GRPO, device="cpu", quantization="none", dtype="float32")
+    assert estimate(QWEN_7B, on_cpu)["phases"] == estimate(QWEN_7B, replace(on_cpu, offload_embeddings=True))["phases"]
+    tied = load_shape("smollm2-135m")
+    small = replace(TRL_GRPO, model_name_or_path="smollm2-135m")
+    assert tied.tie_word_embeddings
+    assert estimate(tied, small)["phases"] == estimate(tied, replace(small, offload_embeddings=True))["phases"]
+
+
+def test_the_planner_offloads_the_embedding_only_when_nothing_fits_without_it():
+    no_room = None
+    for budget in [x / 4 for x in range(24, 60)]:  # the first budget where only the offloaded embedding fits
+        args = replace(TRL_GRPO, memory_budget_gib=budget)
+        if plan_rl(QWEN_7B, args, 8, may_offload=False) is None and plan_rl(QWEN_7B, args, 8) is not None:
+            no_room = args
+            break
+    assert no_room is not None
+    plan = plan_rl(QWEN_7B, no_room, 8)
+    assert plan.offload_embeddings and "offload_embeddings true" in plan.table()
+    roomy = plan_rl(QWEN_7B, replace(TRL_GRPO, memory_budget_gib=24), 8)
+    assert roomy is not None and not roomy.offload_embeddings

@@ -14,7 +14,7 @@ from profiling import components as C
 from profiling.advice import advice_lines
 from profiling.plan import plan_rl
 from profiling.predict import EstimateArguments, estimate, resolve_shape
-from trainer.engine.launch import deepspeed_config, offloads_optimizer
+from trainer.engine.launch import deepspeed_config, offloads_optimizer, shards_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +65,14 @@ def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, acc
     if not on:
         return model_args, train_args, stage_args
     args = estimate_arguments(stage, model_args, data_args, train_args, stage_args, accelerator)
-    plan = plan_rl(resolve_shape(args), args, stage_args.mini_batch_size)
+    plan = plan_rl(resolve_shape(args), args, stage_args.mini_batch_size, may_offload=stage_args.decode == "eager"
+                   and not shards_parameters(accelerator))
     if plan is None:
         logger.warning("auto_fit: no batch sizes fit memory_budget_gib=%s; keeping the configured ones",
                        train_args.memory_budget_gib)
         return model_args, train_args, stage_args
     logger.info("%s", plan.table())
-    return (replace(model_args, gradient_checkpointing=plan.gradient_checkpointing),
+    return (replace(model_args, gradient_checkpointing=plan.gradient_checkpointing,
+                    offload_embeddings=plan.offload_embeddings),
             replace(train_args, micro_batch_size=plan.micro_batch_size),
             replace(stage_args, rollout_micro_batch_size=plan.rollout_micro_batch_size))

@@ -209,11 +209,16 @@ def describe_engine(model) -> Optional[str]:
             f"clipping at {model.gradient_clipping()}, {model.world_size} ranks")
 
 
-def check_launch(accelerator, stage: Optional[str], compile_layers: bool = False) -> None:
-    """Refuse, at start and in one line, the launch modes a stage (or --compile_layers) cannot run under."""
+def check_launch(accelerator, stage: Optional[str], compile_layers: bool = False,
+                 offload_embeddings: bool = False) -> None:
+    """Refuse, at start and in one line, the launch modes a stage (or --compile_layers,
+    --offload_embeddings) cannot run under."""
     if not shards_parameters(accelerator):
         return
     mode = "FSDP" if is_fsdp(accelerator) else "DeepSpeed ZeRO-3"
+    if offload_embeddings:
+        raise LaunchError(f"--offload_embeddings is not supported under {mode}, which partitions the embedding "
+                          "across ranks already; drop --offload_embeddings")
     if compile_layers:
         raise LaunchError(f"--compile_layers is not supported under {mode}: its module hooks, which gather the "
                           "partitioned weights, would run inside the compiled decoder layers (untested); drop "

@@ -243,7 +243,10 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     model_args, data_args, train_args, stage_args = parse_config(stage_args_cls, sys.argv[1:] if argv is None else argv)
     accelerator = make_accelerator(train_args)
     setup_logging(accelerator)
-    check_launch(accelerator, stage, model_args.compile_layers)
+    check_launch(accelerator, stage, model_args.compile_layers, model_args.offload_embeddings)
+    if model_args.offload_embeddings and getattr(stage_args, "decode", "eager") != "eager":
+        raise UsageError(f"--offload_embeddings needs --decode eager: each decode step looks its token's row up "
+                         f"in host memory, which a {stage_args.decode} decode step cannot capture")
     check_output_dir(Path(train_args.output_dir))
     lock = lock_output_dir(accelerator, Path(train_args.output_dir))
     set_seed(train_args.seed)

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from foundation.cli import InputError
+from foundation.cli import InputError, UsageError
 from foundation.files import atomic_folder
 from profiling import resolve
 from profiling.shapes import PRESETS, preset_config
@@ -292,6 +294,42 @@ def keep_cpu_nf4_layout_(model: torch.nn.Module) -> int:
     return changed
 
 
+class HostEmbedding(nn.Module):
+    """An input embedding whose matrix stays in host memory: the batch's token ids go to the host, their rows
+    come back to `device`. A plain attribute, not a parameter, so no `.to(device)` moves it back."""
+
+    def __init__(self, embedding: nn.Embedding, device: torch.device) -> None:
+        super().__init__()
+        host = embedding.weight.detach().to("cpu")
+        self.host_weight = host.pin_memory() if device.type == "cuda" else host
+        self.padding_idx = embedding.padding_idx
+        self.device = device
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.host_weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(input_ids.to("cpu"), self.host_weight, self.padding_idx)
+        return rows.to(self.device, non_blocking=True)
+
+
+def offload_input_embeddings_(model, device: torch.device) -> bool:
+    """Move the input embedding to host memory (HostEmbedding); False, logged, where there is nothing to gain."""
+    embedding = model.get_input_embeddings()
+    if embedding.weight is model.get_output_embeddings().weight:
+        raise UsageError("--offload_embeddings: this model ties its input embedding to the LM head, which "
+                         "needs it beside the hidden states; drop the flag")
+    if device.type != "cuda":
+        logger.info("offload_embeddings ignored: the model is on %s, host memory already", device.type)
+        return False
+    model.set_input_embeddings(HostEmbedding(embedding, device))
+    del embedding
+    logger.info("input embedding kept in host memory (%.2f GiB off the GPU)",
+                model.get_input_embeddings().weight.numel() * model.get_input_embeddings().weight.element_size() / 2**30)
+    return True
+
+
 def enable_checkpointing(model, context_fn=None) -> None:
     """Gradient (activation) checkpointing through the transformers 5 API, non-reentrant.
 
@@ -345,6 +383,8 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
             model.to(device)
     if four_bit and device.type == "cpu":
         keep_cpu_nf4_layout_(model)
+    if args.offload_embeddings:
+        offload_input_embeddings_(model, device)
     if device.type == "cuda":  # the load's transient blocks (weights before NF4) back to the device, not
         torch.cuda.empty_cache()  # left reserved for the whole run, where the card's budget counts them
     model.requires_grad_(False)
