@@ -15,9 +15,7 @@ import json
 import logging
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from benchmarks.measure import MemoryProbe, release_memory
+from benchmarks.processes import run_stoppable
 from benchmarks.workload import (
     TRL_SIDES, Workload, export_tokenizer, fixed_length_prompts, head_weights, hidden_size, load_bench_tokenizer,
     trl_batch_settings, write_heads,
@@ -146,17 +145,12 @@ def run_side_isolated(name: str, argv: list[str], stop_at: float = 0.0) -> dict:
         command = [sys.executable, "-m", "benchmarks.ppo_vs_trl", *without_options(argv, ISOLATE_OWN),
                    "--sides", name, "--rounds", "1", "--isolate", "false", "--side_run_out", str(record)]
         logger.info("%s: in a process of its own", name)
-        # A session of its own, so that a stop takes the side's children (compile workers) with it.
-        proc = subprocess.Popen(command, cwd=ROOT, start_new_session=True)
-        try:
-            proc.wait(timeout=left)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        code = run_stoppable(command, left, cwd=ROOT)
+        if code is None:
             return record_of(CUT, f"stopped after {left:.0f} s: the time given (--stop_at) ran out")
-        if proc.returncode == 0 and record.exists():
+        if code == 0 and record.exists():
             return json.loads(record.read_text())
-    return record_of("failed", f"its process exited with status {proc.returncode} before writing its record")
+    return record_of("failed", f"its process exited with status {code} before writing its record")
 
 
 def without_options(argv: list[str], names: Sequence[str]) -> list[str]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from benchmarks.processes import run_stoppable
 from foundation.cli import Checked, UsageError, at_least, one_of, parse, run
 from foundation.files import write_atomic
 
@@ -282,16 +282,8 @@ def run_steps(steps: list[Step], out: Path, deadline: float) -> None:
         log.parent.mkdir(parents=True, exist_ok=True)
         try:
             with open(log, "w") as f:
-                # A session of its own: on timeout the whole tree goes (accelerate's and DeepSpeed's
-                # children would otherwise keep the GPU busy for the next step).
-                proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-                try:
-                    step.status = "ok" if proc.wait(timeout=left) == 0 else f"exit {proc.returncode}"
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    step.status = CUT
+                code = run_stoppable(step.argv, left, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+            step.status = CUT if code is None else "ok" if code == 0 else f"exit {code}"
         except OSError as exc:  # nvidia-smi on a machine without it
             step.status = f"not available ({exc.strerror or exc})"
         step.seconds = time.time() - started
