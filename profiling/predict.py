@@ -238,7 +238,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         rows_all = replace(args, rollout_batch_size=args.rollout_batch_size * args.num_generations)
         context = args.max_prompt_length + args.max_new_tokens
         buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(rows_all)}
-        scored = rows * (args.max_new_tokens + 1)
+        scored = rows * args.max_new_tokens  # the head runs at the response positions only (trainer.rl.scoring)
         return [
             ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
                           + A.kv_cache_growth(shape, spec, rows, context),
@@ -250,7 +250,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
                        if groups else 0,
                        C.LOGITS: A.head_logprobs_nograd(shape, spec, scored) if REFERENCE in roles(args) else 0}),
             ("update", {**buffers, **grads, C.ACTIVATIONS: A.training_activations(shape, spec, mb * context, context),
-                        C.LOGITS: A.head_logprobs_training(shape, spec, mb * (args.max_new_tokens + 1))}),
+                        C.LOGITS: A.head_logprobs_training(shape, spec, mb * args.max_new_tokens)}),
             step,
         ]
     # PPO as trainer.rl.rollout / trainer.rl.ppo_step run it: generation and scoring in chunks of
@@ -258,9 +258,9 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     # a chunk at a time (trainer.model.logprobs.head_logprobs): no (tokens x vocab) logits, as in SFT.
     context = args.max_prompt_length + args.max_new_tokens
     buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(args)}
-    scored = rows * (args.max_new_tokens + 1)
+    scored = rows * args.max_new_tokens  # the head runs at the response positions only (trainer.rl.scoring)
     mb_tokens = mb * context
-    update = {**buffers, **grads, C.LOGITS: A.head_logprobs_training(shape, spec, mb * (args.max_new_tokens + 1))}
+    update = {**buffers, **grads, C.LOGITS: A.head_logprobs_training(shape, spec, mb * args.max_new_tokens)}
     generate = ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
                              + A.kv_cache_growth(shape, spec, rows, context),
                              C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,

@@ -201,7 +201,7 @@ def test_ppo_s_routed_passes_hold_every_adapter_s_rows_at_once():
     assert phases["score"][act] - dequantized == 3 * (one_pass - dequantized)
     assert phases["score"][act] == A.nograd_activations(shape, spec, 3 * rows * context, context)
     # the reference's response log-probs alone, one chunk of the head at a time: the value and reward heads give none
-    assert phases["score"][logits] == A.head_logprobs_nograd(shape, spec, rows * (args.max_new_tokens + 1))
+    assert phases["score"][logits] == A.head_logprobs_nograd(shape, spec, rows * args.max_new_tokens)
     # the update's policy and value rows as one batch
     assert phases["update"][act] == A.training_activations(shape, spec, 2 * mb * context, context)
     # sampling keeps one step's logits (bf16, 4 rows x 32000) and their fp32 log-softmax / softmax

@@ -1,13 +1,14 @@
 """Routed LoRA: each row group of ONE batch through its own adapter, so the base runs once for all groups.
 
-On a model whose adapters are plain LoRA on linear layers, every LoRA layer carries a forward hook that
-adds the LoRA outputs itself: the active adapter's, or each group's adapter's in a routed batch (`Route`).
+On a model whose adapters are plain LoRA on linear layers, every LoRA layer's forward is replaced by one that
+runs its base layer and adds the LoRA outputs itself: the active adapter's, or each group's adapter's in a routed batch (`Route`).
 `fused` stacks the same rows once per adapter and scores them in one routed pass: in 4-bit, every
 dequantization of the base is paid once instead of once per adapter. `SharedBaseModel` takes this mixin.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional, Sequence, Union
 
@@ -24,13 +25,12 @@ Active = Union[str, Route]
 
 
 class Routing:
-    """The routing half of `SharedBaseModel`: the LoRA hook, routes, and the fused pass over row groups."""
+    """The routing half of `SharedBaseModel`: the LoRA layers' forward, routes, and the fused pass over row groups."""
 
     def _install_routing(self) -> bool:
-        """Give every LoRA linear layer the hook that adds the LoRA outputs - of the active adapter, or of
-        each group's adapter in a routed batch - and leave peft's own forward none to add (its layers'
-        active adapters stay empty). False for other layer kinds: there peft's layers add the active
-        adapter's outputs and passes run one adapter at a time.
+        """Give every LoRA linear layer the forward that adds the LoRA outputs - of the active adapter, or of
+        each group's adapter in a routed batch - instead of peft's. False for other layer kinds: there
+        peft's layers add the active adapter's outputs and passes run one adapter at a time.
 
         So on a routable model, peft's own switches act on empty lists: `use_adapter` switches and
         `base_only` turns the adapters off. (peft's `disable_adapter()` would set requires_grad on its
@@ -42,26 +42,40 @@ class Routing:
         if plain:
             for layer in self._tuner_layers:
                 layer._active_adapter = []  # what peft's set_adapter assigns (peft 0.21); the switching tests pin it
-                layer.register_forward_hook(self._add_routed_lora)
+                layer.forward = functools.partial(self._routed_forward, layer)
         return plain
 
-    def _add_routed_lora(self, layer, inputs, output):
-        """Forward hook: `output` is the base layer's (peft's forward has no active adapter); add to
-        each group's rows the LoRA output of that group's adapter - one group of all rows for a single
-        active adapter. Nothing in `base_only` or while peft's adapters are disabled or merged."""
-        x = inputs[0]
+    def _routed_forward(self, layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """A LoRA layer's forward: its base layer, then `_add_routed_lora`. In place of peft's, which would add
+        nothing (no active adapter) but still copy the 4-bit output and check its arguments, per layer and per
+        decode step, where decoding is bound by such per-call work."""
+        output = layer.base_layer(x, *args, **kwargs)
+        added = self._add_routed_lora(layer, x, output)
+        return output if added is None else added
+
+    def _add_routed_lora(self, layer, x: torch.Tensor, output: torch.Tensor) -> Optional[torch.Tensor]:
+        """`output` is the base layer's; add to each group's rows the LoRA output of that group's adapter -
+        one group of all rows for a single active adapter. None (nothing to add) in `base_only` or while
+        peft's adapters are disabled or merged."""
         route = self._route
         if self._base_only or layer.disable_adapters or layer.merged or (route is None and self._single is None):
             return None
-        if route is None:
-            route = ((self._single, x.shape[0]),)  # all rows: nothing to check
-        elif x.shape[0] != sum(rows for _, rows in route):
-            raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(r for _, r in route)}")
         # Rounded as peft's own layer rounds (its bitsandbytes layers cast the LoRA output to the
         # result's dtype before adding; the plain one adds in the wider dtype, then casts), so a
         # routed pass gives each group what a pass under its adapter gives.
         round_first = type(layer).__module__.endswith(".bnb")
         in_place = not torch.is_grad_enabled()  # scoring: add into the base output's rows, no copies
+        if route is None:  # one adapter, all rows (every decode step): no split, no route to check
+            name = self._single
+            if name not in layer.lora_A:
+                return None
+            delta = layer.lora_B[name](layer.lora_A[name](layer.lora_dropout[name](x.to(layer.lora_A[name].weight.dtype))))
+            delta = delta * layer.scaling[name]
+            if round_first:
+                delta = delta.to(output.dtype)
+            return output.add_(delta) if in_place else (output + delta).to(output.dtype)
+        if x.shape[0] != sum(rows for _, rows in route):
+            raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(r for _, r in route)}")
         sizes, pieces = [rows for _, rows in route], []
         for (name, _), xs, out in zip(route, x.split(sizes), output.split(sizes)):
             if name in layer.lora_A:

@@ -102,7 +102,7 @@ class SharedBaseModel(Outputs, Routing, nn.Module):
         self._lora_params = self._collect_lora_params()
         self._tuner_layers = self._collect_tuner_layers()
         self._route: Optional[Route] = None
-        self._single: Optional[str] = None  # on a routable model: the one adapter whose LoRA outputs the hook adds
+        self._single: Optional[str] = None  # on a routable model: the one adapter whose LoRA outputs the layers add
         self._base_only = False  # `base_only`: no adapter adds anything
         self._fallbacks_logged: set[str] = set()  # why `fused` ran one pass per adapter, said once each
         self.compiled_parts = 0  # decoder layers compiled for the passes that train (--compile_layers)
@@ -202,7 +202,7 @@ class SharedBaseModel(Outputs, Routing, nn.Module):
             raise KeyError(f"no adapter '{name}' on this model (have {self.adapter_names})")
         self._route = None
         if self.routable:
-            self._single = name  # the hook adds its LoRA outputs
+            self._single = name  # the routed LoRA layers add its outputs
         if name != self.peft.active_adapter:
             # Only pointers change. PeftModel.set_adapter walks every module and rewrites requires_grad
             # on every adapter (30 ms per switch on SmolLM2, ~7 ms even per layer), and a checkpointed
@@ -234,7 +234,7 @@ class SharedBaseModel(Outputs, Routing, nn.Module):
             self._set_peft_layers(self.active)
 
     def _set_peft_layers(self, name: Active) -> None:
-        """What peft's own layers add: nothing on a routable model (the hook adds) or in `base_only`,
+        """What peft's own layers add: nothing on a routable model (the routed forward adds) or in `base_only`,
         else the active adapter's outputs. `_active_adapter` is what peft's set_adapter assigns (peft 0.21)."""
         adapters = [] if self.routable or self._base_only or not isinstance(name, str) else [name]
         for layer in self._tuner_layers:
