@@ -29,6 +29,10 @@ class ForwardSpec:
     nf4: bool = True
 
 
+# LoRA layers that read the same tensor: the attention block's normed input, the MLP's.
+SHARED_INPUT = {"q_proj": "attention", "k_proj": "attention", "v_proj": "attention", "gate_proj": "mlp", "up_proj": "mlp"}
+
+
 def _mask_bytes(spec: ForwardSpec) -> int:
     return 1 if spec.device == "cuda" else LORA_BYTES
 
@@ -38,8 +42,16 @@ def layer_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) ->
     h, i, a, r = shape.hidden_size, shape.intermediate_size, spec.dtype_bytes, spec.lora_rank
     n_h, n_kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
     norms = 2 * (4 * h + 4)
-    per_input = (_mask_bytes(spec) + LORA_BYTES) if spec.lora_dropout else LORA_BYTES
-    lora = sum(per_input * n_in + LORA_BYTES * r for _, n_in, _ in lora_targets(shape, spec.lora_targets))
+    targets = lora_targets(shape, spec.lora_targets)
+    if spec.lora_dropout:  # each LoRA layer's own dropped copy of its input, and the mask
+        inputs = sum((_mask_bytes(spec) + LORA_BYTES) * n_in for _, n_in, _ in targets)
+    elif a == LORA_BYTES:  # the input itself, saved once by the LoRA layers that read it (q, k, v; gate, up);
+        # o_proj's is the attention kernel's output, which it saves already (`attention` below)
+        read = {(SHARED_INPUT.get(name, name), n_in) for name, n_in, _ in targets}
+        inputs = LORA_BYTES * sum(n_in for group, n_in in read if not (group == "o_proj" and spec.attention != "eager"))
+    else:  # each LoRA layer's own cast of its input to the LoRA weights' dtype
+        inputs = LORA_BYTES * sum(n_in for _, n_in, _ in targets)
+    lora = inputs + sum(LORA_BYTES * r for _ in targets)
     attention = a * (2 * n_h * d + 2 * n_kv * d) + 4 * n_h
     if spec.attention == "eager":
         attention += 6 * n_h * seq_len + a * 2 * (n_h - n_kv) * d  # fp32 + bf16 probabilities, repeated k/v

@@ -103,8 +103,12 @@ def test_disabled_recorder_records_and_writes_nothing(sft_model, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_saved_for_backward_equals_the_activation_formula_exactly(sft_model):
+@pytest.mark.parametrize("dropout", [0.05, 0.0], ids=["lora dropout", "no lora dropout"])
+def test_saved_for_backward_equals_the_activation_formula_exactly(sft_model, dropout):
+    """With LoRA dropout each LoRA layer saves its own dropped input and mask; without it (PPO, GRPO), in
+    fp32 the LoRA layers reading one tensor save it once, in bf16 each saves its own fp32 cast."""
     quantization, model = sft_model
+    set_lora_dropout(model, dropout)
     recorder = MemoryRecorder("sft", model=model)
     b, t = 2, 24
     ids, mask = batch(b, t)
@@ -112,10 +116,19 @@ def test_saved_for_backward_equals_the_activation_formula_exactly(sft_model):
         logits = model.logits(ids, mask, "policy")
     measured = recorder.records[("sft", "forward")].saved_for_backward
     args = EstimateArguments(model_name_or_path="tiny-llama", stage="sft", quantization=quantization, dtype="float32",
-                             lora_r=8, device="cpu", vocab_size=VOCAB)
+                             lora_r=8, device="cpu", vocab_size=VOCAB, lora_dropout=dropout)
     spec = forward_spec(args, 2 if quantization == "nf4" else 4)
     assert measured == A.saved_for_backward(resolve_shape(args), spec, b * t, t)
     del logits
+    set_lora_dropout(model, 0.05)
+
+
+def set_lora_dropout(model, p: float) -> None:
+    """Each LoRA layer's dropout as a stage builds it: nn.Dropout(p), or nn.Identity when p is 0 (peft's)."""
+    for layer in model._tuner_layers:
+        for name in layer.lora_dropout:
+            layer.lora_dropout[name] = torch.nn.Dropout(p) if p else torch.nn.Identity()
+    model.train()
 
 
 def test_device_readers_give_reasons_instead_of_raising_without_a_gpu():
