@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +23,7 @@ from foundation.provenance import provenance, shown_command
 
 ACCURACY, FORMAT = "correct", "formatted"  # the check functions of benchmarks/arithmetic/rewards.py
 RUN_FILES = ("config.json", "results.json", "metrics.jsonl")
+SHOWN = 8  # responses shown in the README
 
 
 def _load(path: Path) -> dict:
@@ -52,6 +54,32 @@ def verdict(name: str, before: dict, after: dict) -> str:
         return (f"{change}: the new mean lies outside the starting 95% interval, but the two intervals overlap, "
                 f"so the move is not clearly beyond noise.")
     return f"{change}: within the starting 95% interval, so it did not move beyond noise."
+
+
+def answer_counts(evaluation: dict) -> Optional[Counter]:
+    """How often each answer ('Answer: N' last line; None: none) was given, when the evaluation kept every
+    response: a policy that collapsed to one answer shows here."""
+    from benchmarks.arithmetic.rewards import parse_answer
+
+    samples = evaluation.get("samples") or []
+    if len(samples) < evaluation["rows"]:
+        return None
+    return Counter(parse_answer(s["response"]) for s in samples)
+
+
+def _counts(counts: Counter) -> str:
+    total = sum(counts.values())
+    top = ", ".join(f"{'no answer line' if a is None else a} {n / total:.0%}" for a, n in counts.most_common(3))
+    return f"{len(counts)} distinct; most often {top}"
+
+
+def collapse(counts: Counter, share: float = 0.25) -> Optional[str]:
+    """A sentence when one answer is given to at least `share` of the problems."""
+    answer, n = counts.most_common(1)[0]
+    if answer is None or n < share * sum(counts.values()):
+        return None
+    return (f"The trained policy answers {answer} to {n / sum(counts.values()):.0%} of the problems: much of what "
+            f"it learned is the format, not the arithmetic.")
 
 
 def _figure(check: dict, digits: int = 3) -> str:
@@ -85,8 +113,14 @@ def readme(result: dict) -> str:
         lines.append(f"| {label} | {_figure(before['checks'][name])} | {_figure(after['checks'][name])} |")
     lines.append(f"| mean response length (tokens) | {_figure(before['mean_length'], 1)} | "
                  f"{_figure(after['mean_length'], 1)} |")
+    counts = [answer_counts(ev) for ev in (before, after)]
+    if all(counts):
+        lines.append(f"| answers given | {_counts(counts[0])} | {_counts(counts[1])} |")
     lines += ["", verdict("Exact-match accuracy", before["checks"][ACCURACY], after["checks"][ACCURACY]),
-              verdict("Format compliance", before["checks"][FORMAT], after["checks"][FORMAT]), "",
+              verdict("Format compliance", before["checks"][FORMAT], after["checks"][FORMAT])]
+    if counts[1] and collapse(counts[1]):
+        lines.append(collapse(counts[1]))
+    lines += ["",
               "## Training", "",
               f"GRPO from the base model (no SFT), {training['steps']} steps of {stage['rollout_batch_size']} "
               f"prompts x {stage['num_generations']} responses ({stage['max_new_tokens']} new tokens at most, "
@@ -104,7 +138,7 @@ def readme(result: dict) -> str:
               f"Evaluated {after['provenance']['date']} on {after['provenance']['device_name']}, git revision "
               f"`{after['provenance']['git_revision']}`.", "", "## Samples after GRPO", "",
               "| answer | response |", "|---|---|"]
-    for s in after.get("samples", []):
+    for s in after.get("samples", [])[:SHOWN]:
         lines.append(f"| {s.get('answer', '')} | {' '.join(s['response'].replace('|', '/').split())} |")
     return "\n".join(lines) + "\n"
 
