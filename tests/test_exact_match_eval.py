@@ -75,3 +75,19 @@ def test_exact_match_needs_check_functions_and_data(tmp_path):
     with pytest.raises(UsageError, match="--data"):
         main(["exact_match", "--adapter", "none", "--model_name_or_path", "tiny-llama",
               "--reward_fn", "benchmarks/arithmetic/rewards.py:correct"])
+
+
+def test_exact_match_evaluates_a_trained_adapter_on_the_base_it_was_trained_on(tmp_path):
+    import trainer.grpo as grpo
+
+    (tmp_path / "checks.py").write_text(CHECKS)
+    data = held_out(tmp_path / "heldout.jsonl", list(range(1, 41)))
+    tiny_grpo = Path(__file__).parent / "configs" / "tiny_grpo.yaml"
+    grpo.main(["--config", str(tiny_grpo), "--output_dir", str(tmp_path / "run"), "--dataset", str(data),
+               "--ppo_size", "32", "--eval_prompts", "0", "--scripted_reward", "null",
+               "--reward_fn", f"{tmp_path / 'checks.py'}:tokens"])
+    result = main(["exact_match", "--adapter", str(tmp_path / "run" / "adapter"), "--data", str(data), "--limit", "5",
+                   "--reward_fn", f"{tmp_path / 'checks.py'}:even_answer", "--max_new_tokens", "2",
+                   "--progress_bar", "false"])
+    assert result["base_model"] == "tiny-llama"  # from the adapter's folder, not the default base
+    assert result["rows"] == 5 and result["checks"]["even_answer"]["mean"] == pytest.approx(2 / 5)
