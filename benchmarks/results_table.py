@@ -254,9 +254,29 @@ def activation_check(folder: Path) -> Row:
                *_when(result["provenance"]), _report(folder))
 
 
+def arithmetic_task(folder: Path) -> Row:
+    """Held-out exact match on the arithmetic task before and after GRPO (`benchmarks.arithmetic.report`)."""
+    result = _load(folder / "arithmetic.json")
+    before, after, training = result["before"], result["after"], result["training"]
+    s = training["settings"]
+    functions = ", ".join(spec.rsplit(":", 1)[-1] for spec in s["stage"]["reward_fn"].split(","))
+    setting = (f"{s['model']['model_name_or_path']}, GRPO {training['steps']} steps x "
+               f"{s['stage']['rollout_batch_size']} prompts x {s['stage']['num_generations']}, reward functions "
+               f"{functions}; {before['rows']} held-out problems, greedy")
+
+    def change(name: str) -> str:
+        b, a = before["checks"][name], after["checks"][name]
+        return f"{b['mean']:.3f}{_ci(b['ci95'])} -> {a['mean']:.3f}{_ci(a['ci95'])}"
+
+    headline = (f"exact match {change('correct')}; format {change('formatted')}; mean length "
+                f"{before['mean_length']['mean']:.1f} -> {after['mean_length']['mean']:.1f} tokens")
+    return Row((3, 3), "arithmetic task, GRPO with reward functions (`benchmarks/arithmetic/recipe.sh`)", setting,
+               headline, *_when(after["provenance"]), _report(folder))
+
+
 KINDS: list[tuple[str, Callable[[Path], Row]]] = [  # the file that marks a folder's kind, in the order tried
     ("manifest.json", gpu_kit), ("activation_check.json", activation_check), ("ppo_vs_trl.json", ppo_vs_trl), ("stages_vs_trl.json", stages_vs_trl), ("estimate.json", estimate),
-    ("result.json", probe)]
+    ("arithmetic.json", arithmetic_task), ("result.json", probe)]
 
 
 def ppo_step_by_revision(folder: Path) -> Row:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from benchmarks.arithmetic.make_data import main
-from benchmarks.arithmetic.rewards import correct, formatted, parse_answer
+from benchmarks.arithmetic.rewards import answer_stated, correct, formatted, parse_answer
 
 
 def test_the_task_writes_disjoint_train_and_held_out_problems_with_their_answers(tmp_path):
@@ -30,3 +30,40 @@ def test_the_reward_functions_read_only_a_last_answer_line():
     assert [parse_answer(c) for c in completions] == ["67", "66", None, None, "-3"]
     assert correct(completions, answer=["67", "67", "67", "67", "-3"]) == [1.0, 0.0, 0.0, 0.0, 1.0]
     assert formatted(completions) == [1.0, 1.0, 0.0, 0.0, 1.0]
+
+
+def test_the_one_digit_level_adds_or_takes_away_numbers_under_ten(tmp_path):
+    main(["--out", str(tmp_path / "t"), "--train", "200", "--heldout", "50", "--level", "one_digit"])
+    for line in (tmp_path / "t" / "train.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        numbers = [int(w) for w in row["prompt"][0]["content"].replace(".", " ").split() if w.isdigit()]
+        a, b = numbers
+        assert int(row["answer"]) in {a + b, a - b} and b < 10 and (a < 10 or int(row["answer"]) < 10)
+
+
+def test_answer_stated_credits_an_answer_given_anywhere_in_any_wording():
+    completions = ["The answer is 8.", "Answer: 8\nthat is all", "answer: -3", "I think 8", "Answers vary"]
+    assert answer_stated(completions) == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_the_result_says_whether_a_figure_moved_beyond_its_interval():
+    from benchmarks.arithmetic.report import moved, verdict
+
+    start = {"mean": 0.10, "ci95": [0.07, 0.14]}
+    assert moved(start, {"mean": 0.30, "ci95": [0.25, 0.35]}) == "apart"
+    assert moved(start, {"mean": 0.16, "ci95": [0.12, 0.20]}) == "outside"
+    assert moved(start, {"mean": 0.12, "ci95": [0.09, 0.16]}) == "within"
+    assert "did not move beyond noise" in verdict("Exact match", start, {"mean": 0.12, "ci95": [0.09, 0.16]})
+    assert verdict("Exact match", start, {"mean": 0.30, "ci95": [0.25, 0.35]}) == (
+        "Exact match went from 0.100 to 0.300: the 95% intervals do not overlap, so it moved beyond its interval.")
+
+
+def test_the_result_counts_the_answers_a_policy_gives_and_names_a_collapse():
+    from benchmarks.arithmetic.report import _counts, answer_counts, collapse
+
+    responses = ["Answer: 10", "Answer: 10", "x\nAnswer: 7", "no idea"]
+    counts = answer_counts({"rows": 4, "samples": [{"response": r} for r in responses]})
+    assert _counts(counts) == "3 distinct; most often 10 50%, 7 25%, no answer line 25%"
+    assert collapse(counts).startswith("The trained policy answers 10 to 50% of the problems")
+    assert collapse(counts, share=0.6) is None
+    assert answer_counts({"rows": 5, "samples": [{"response": r} for r in responses]}) is None  # not all kept

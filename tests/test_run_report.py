@@ -57,7 +57,13 @@ def test_saved_evaluations_appear_with_their_interval(tmp_path):
          "accuracy_ci95": list(wilson_interval(0.5, 100))}))
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "evaluation-all.json").write_text(json.dumps({"task": "sft", "perplexity": 9.5}))
+    (tmp_path / "grpo").mkdir()
+    (tmp_path / "grpo" / "evaluation-heldout.json").write_text(json.dumps(
+        {"task": "exact_match", "checks": {"correct": {"mean": 0.25, "ci95": [0.2, 0.3], "interval": "wilson",
+                                                       "rows": 300}}}))
     lines = evaluation_table(tmp_path)
+    assert ("| exact_match | all | correct 0.250 (95% CI 0.200-0.300, 300 rows) | `grpo/evaluation-heldout.json` |"
+            in lines)
     assert "| dpo | eval | accuracy 0.5 (95% CI 0.404-0.596, 100 pairs) | `dpo/evaluation-eval.json` |" in lines
     assert "| sft | all | perplexity 9.5 | `sft/evaluation-all.json` |" in lines
     assert evaluation_table(tmp_path / "dpo") == []
@@ -75,3 +81,55 @@ def test_stage_rows_show_the_mean_step_time_and_peak_memory_from_the_metrics(tmp
     lines = stage_table(results, tmp_path)
     assert "| grpo | - | 3 | 1.75 (process RSS) | score_policy 0.1 | score_policy 0.3 |" in lines
     assert next(line for line in lines if line.startswith("| sft ")).startswith("| sft | - | - | - |")  # no metrics
+
+
+def rl_evaluations(kl, score, length_policy=20.0, length_sft=20.0):
+    """metrics.jsonl rows of an RL stage: a training row, then one evaluation per (kl, score)."""
+    rows = [{"step": 1, "reward": 0.1}]
+    for i, (k, s) in enumerate(zip(kl, score)):
+        rows.append({"step": 10 * i, "eval/score_policy": s, "eval/score_sft": 0.2, "eval/kl": k,
+                     "eval/response_length_policy": length_policy if i == len(kl) - 1 else length_sft,
+                     "eval/response_length_sft": length_sft})
+    return rows
+
+
+def test_reward_hacking_warns_when_the_mean_length_moves_more_than_half():
+    from trainer.run_report import reward_hacking_signs
+
+    short = reward_hacking_signs("grpo", rl_evaluations([0.0, 0.5], [0.2, 0.9], length_policy=9.0))
+    assert short == ["grpo's mean response length went from 20.0 to 9.0 tokens (-55%) by step 10"]
+    long = reward_hacking_signs("ppo", rl_evaluations([0.0, 0.5], [0.2, 0.9], length_policy=31.0))
+    assert long == ["ppo's mean response length went from 20.0 to 31.0 tokens (+55%) by step 10"]
+    for within in (11.0, 10.0, 29.0, 30.0):  # half away or less: no warning
+        assert reward_hacking_signs("grpo", rl_evaluations([0.0, 0.5], [0.2, 0.9], length_policy=within)) == []
+
+
+def test_reward_hacking_warns_when_kl_rises_over_the_last_three_evaluations_while_the_score_falls():
+    from trainer.run_report import reward_hacking_signs
+
+    rising_kl = [0.0, 0.1, 0.3, 0.6]
+    assert reward_hacking_signs("grpo", rl_evaluations(rising_kl, [0.2, 0.5, 0.4, 0.3])) == [
+        "grpo's KL to the reference rose over its last three evaluations (0.1 -> 0.3 -> 0.6) while the held-out "
+        "score fell (0.5 -> 0.4 -> 0.3)"]
+    assert reward_hacking_signs("grpo", rl_evaluations(rising_kl, [0.2, 0.3, 0.4, 0.5])) == []  # score rises
+    assert reward_hacking_signs("grpo", rl_evaluations(rising_kl, [0.2, 0.5, 0.6, 0.5])) == []  # back where it was
+    assert reward_hacking_signs("grpo", rl_evaluations([0.0, 0.3, 0.2, 0.6], [0.2, 0.5, 0.4, 0.3])) == []  # KL dips
+    assert reward_hacking_signs("grpo", rl_evaluations([0.1, 0.6], [0.5, 0.3])) == []  # fewer than three evaluations
+    assert reward_hacking_signs("sft", [{"step": 1, "eval/loss": 2.0}]) == []  # not an RL stage
+
+
+def test_the_report_says_reward_hacking_in_one_line_at_the_top(tmp_path):
+    import json
+
+    from trainer.run_report import write_run_report
+
+    def report(rows):
+        (tmp_path / "grpo").mkdir(exist_ok=True)
+        (tmp_path / "grpo" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return write_run_report(tmp_path, results={"grpo": {}}).read_text().splitlines()
+
+    lines = report(rl_evaluations([0.0, 0.1, 0.3, 0.6], [0.2, 0.5, 0.4, 0.3], length_policy=6.0))
+    warnings = [line for line in lines if "reward hacking" in line]
+    assert len(warnings) == 1 and lines.index(warnings[0]) < lines.index("## Stages")
+    assert "length went from 20.0 to 6.0" in warnings[0] and "KL to the reference rose" in warnings[0]
+    assert not any("reward hacking" in line for line in report(rl_evaluations([0.0, 0.1, 0.2], [0.2, 0.3, 0.4])))

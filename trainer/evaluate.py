@@ -2,16 +2,23 @@
 
     python -m trainer.evaluate sft    --adapter runs/sft/adapter    --data PATH   # perplexity
     python -m trainer.evaluate dpo    --adapter runs/dpo/adapter    --split eval  # implicit-reward accuracy
+    python -m trainer.evaluate exact_match --adapter runs/grpo/adapter --data heldout.jsonl \
+        --reward_fn benchmarks/arithmetic/rewards.py:correct,benchmarks/arithmetic/rewards.py:formatted
 
 PATH is a file, folder or hub id; `--split eval|sft|reward|ppo` picks that subset of the adapter's own run
 (read from its config.json). `reward` gives pairwise accuracy; DPO scores against the run's SFT adapter
-unless `--reference` names another. The figures come from the functions the stages evaluate with.
+unless `--reference` names another. `exact_match` answers each prompt of a prompt-only file greedily (the
+adapter, or `--adapter none`: the base model) and reports each `--reward_fn` check's mean with a 95% interval
+(Wilson for 0/1 scores) and the mean response length; `--output_file` writes a Markdown table beside the JSON.
+The figures come from the functions the stages evaluate with.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,27 +29,31 @@ import torch
 from foundation.cli import Checked, InputError, UsageError, above, at_least, one_of, run
 from foundation.files import write_atomic
 from foundation.stages import POLICY, REFERENCE, REWARD
-from trainer.config import BAD_ROW_POLICIES, DataArguments
+from trainer.config import BAD_ROW_POLICIES, DataArguments, ModelArguments
 from trainer.data.collators import SFTCollator, pair_collator
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import load_pairs, load_splits
-from trainer.data.tokenization import tokenize_pairs, tokenize_sft
+from trainer.data.tokenization import tokenize_pairs, tokenize_prompts, tokenize_sft
 from trainer.dpo import DPOArguments, implicit_reward_accuracy
 from trainer.engine.setup import base_model_args
 from trainer.model.loading import load_tokenizer
 from trainer.model.shared_base import AdapterSpec, build_shared_model, check_adapter_folder
 from trainer.reward import reward_accuracy
+from trainer.rl.policy_eval import check_answers
+from trainer.rl.rewards import Scorer, describe, load_reward_functions, split_specs
 from trainer.run_report import wilson_interval
 from trainer.sft import completion_perplexity
 
-TASKS = ("sft", "reward", "dpo")
+TASKS = ("sft", "reward", "dpo", "exact_match")
+BASE = "none"  # --adapter none: the base model without an adapter
 SPLITS = ("all", "eval", "sft", "reward", "ppo")
 RUN_CONFIG = "config.json"
 
 
 @dataclass
 class EvalArguments(Checked):
-    adapter: str = field(metadata={"help": "Adapter folder saved by a stage (PEFT format, + head for reward)."})
+    adapter: str = field(metadata={
+        "help": "Adapter folder saved by a stage (PEFT format, + head for reward); exact_match: 'none' is the base."})
     data: Optional[str] = field(default=None, metadata={
         "help": "hh-rlhf-format file or folder (.jsonl, .jsonl.gz, .parquet) or hub id; default: the run's dataset."})
     split: str = field(default="all", metadata={
@@ -62,9 +73,14 @@ class EvalArguments(Checked):
     trust_remote_code: bool = field(default=False, metadata={
         "help": "Allow the base model's own code from the hub (never taken from the adapter's files)."})
     progress_bar: bool = field(default=True, metadata={"help": "Show a progress bar over the batches (stderr)."})
+    reward_fn: Optional[str] = field(default=None, metadata={
+        "help": "exact_match: the check functions, PATH.py:NAME or module:NAME, comma-separated (as PPO's / GRPO's)."})
+    max_new_tokens: int = field(default=64, metadata={"help": "exact_match: response length limit (greedy)."})
+    samples: int = field(default=5, metadata={"help": "exact_match: responses shown in the result."})
 
     RULES = {"split": one_of(*SPLITS), "beta": above(0), "max_length": at_least(2), "batch_size": at_least(1),
-             "limit": at_least(0), "on_bad_row": one_of(*BAD_ROW_POLICIES),
+             "limit": at_least(0), "on_bad_row": one_of(*BAD_ROW_POLICIES), "max_new_tokens": at_least(1),
+             "samples": at_least(0),
              "output_file": lambda name, value: _output_file_rule(value)}
 
 
@@ -121,6 +137,8 @@ def adapter_specs(task: str, args: EvalArguments, run: dict) -> list[AdapterSpec
 def evaluate(task: str, args: EvalArguments) -> dict:
     from accelerate import Accelerator
 
+    if task == "exact_match":
+        return evaluate_answers(args)
     run = run_config(args.adapter)
     data_args = data_arguments(args, run)
     specs = adapter_specs(task, args, run)
@@ -166,6 +184,83 @@ def evaluate(task: str, args: EvalArguments) -> dict:
     return out
 
 
+def check_summary(values: list[Optional[float]]) -> dict:
+    """A check function's mean over the rows it applies to, with a 95% interval: Wilson's for 0/1 values,
+    else mean +- 1.96 standard errors."""
+    counted = [v for v in values if v is not None]
+    if not counted:
+        return {"mean": None, "ci95": None, "interval": None, "rows": 0}
+    n, mean = len(counted), sum(counted) / len(counted)
+    if set(counted) <= {0.0, 1.0}:
+        return {"mean": mean, "ci95": list(wilson_interval(mean, n)), "interval": "wilson", "rows": n}
+    half = 1.96 * statistics.stdev(counted) / math.sqrt(n) if n > 1 else 0.0
+    return {"mean": mean, "ci95": [mean - half, mean + half], "interval": "normal", "rows": n}
+
+
+def answer_model_args(args: EvalArguments) -> ModelArguments:
+    """The adapter's base model (overrides applied), or with `--adapter none` the named / default base."""
+    overrides = dict(model_name_or_path=args.model_name_or_path, quantization=args.quantization,
+                     gradient_checkpointing=False)
+    if args.adapter != BASE:
+        check_adapter_folder(args.adapter, "--adapter")
+        return base_model_args(args.adapter, trust_remote_code=args.trust_remote_code, **overrides)
+    return ModelArguments(**{k: v for k, v in overrides.items() if v is not None},
+                          trust_remote_code=args.trust_remote_code)
+
+
+def evaluate_answers(args: EvalArguments) -> dict:
+    """exact_match: greedy answers to every prompt of --data, each check function's mean and interval."""
+    from accelerate import Accelerator
+
+    if not args.reward_fn:
+        raise UsageError("exact_match needs --reward_fn: the functions that check an answer (PATH.py:NAME, ...)")
+    if args.data is None:
+        raise UsageError("exact_match needs --data: a prompt-only file of held-out problems")
+    specs = split_specs(args.reward_fn)
+    functions = load_reward_functions(specs, [1.0] * len(specs))  # imported before the model: a bad one fails fast
+    logging.getLogger(__name__).info("%s", describe(functions).replace("reward functions", "checks", 1))
+    model_args = answer_model_args(args)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
+                               model_args.tokenizer_name_or_path)
+    data_args = DataArguments(dataset=args.data, on_bad_row=args.on_bad_row, data_format="prompt_only")
+    pairs, report = load_pairs(data_args, limit=args.limit, parse=parser_for(data_args, tokenizer))
+    prompts, tok_report = tokenize_prompts(pairs, tokenizer, data_args)
+    if not prompts:
+        raise InputError(f"no usable prompts in {args.data} ({report.summary()}; {tok_report.summary()})")
+    spec = AdapterSpec(POLICY, init_from=None if args.adapter == BASE else args.adapter)
+    model = build_shared_model(model_args, [spec], vocab_size=len(tokenizer), device=accelerator.device)
+    with accelerator.autocast():
+        checks = check_answers(model, prompts, Scorer(functions, tokenizer, adapter=None), tokenizer,
+                               args.max_new_tokens, args.batch_size, progress=args.progress_bar)
+    lengths = [float(n) for n in checks.lengths]
+    samples = [{"source": e.source, **{k: v for k, v in e.columns.items() if k != "prompt"}, "response": r}
+               for e, r in zip(prompts[: args.samples], checks.responses)]
+    return {"task": "exact_match", "adapter": args.adapter, "base_model": model_args.model_name_or_path,
+            "data": args.data, "rows": len(prompts), "decoding": "greedy", "max_new_tokens": args.max_new_tokens,
+            "checks": {name: check_summary(values) for name, values in checks.values.items()},
+            "mean_length": check_summary(lengths), "samples": samples,
+            "skipped_rows": sum(report.skipped.values()) + tok_report.too_long}
+
+
+def answers_markdown(result: dict) -> str:
+    """exact_match's result as a Markdown table, with where it came from."""
+    prov = result.get("provenance", {})
+    lines = [f"# exact_match: {result['adapter']} on {result['data']}", "",
+             f"{result['rows']} prompts, greedy, at most {result['max_new_tokens']} new tokens; base "
+             f"{result['base_model']}.", "", "| check | mean | 95% interval | rows |", "|---|---|---|---|"]
+    for name, c in {**result["checks"], "response length (tokens)": result["mean_length"]}.items():
+        shown = "n/a" if c["mean"] is None else f"{c['mean']:.3f}"
+        interval = "n/a" if c["ci95"] is None else f"{c['ci95'][0]:.3f} - {c['ci95'][1]:.3f} ({c['interval']})"
+        lines.append(f"| {name} | {shown} | {interval} | {c['rows']} |")
+    if prov:
+        from foundation.provenance import shown_command
+
+        lines += ["", f"Command: `{shown_command(prov)}`", "",
+                  f"Date {prov['date']}, git revision {prov['git_revision']}, device {prov['device_name']}."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     from foundation.cli import parse
 
@@ -183,7 +278,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         from foundation.provenance import provenance
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        write_atomic(args.output_file, json.dumps({**result, "provenance": provenance(device)}, indent=2))
+        result = {**result, "provenance": provenance(device)}
+        write_atomic(args.output_file, json.dumps(result, indent=2))
+        if task == "exact_match":
+            write_atomic(Path(args.output_file).with_suffix(".md"), answers_markdown(result))
     return result
 
 

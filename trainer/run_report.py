@@ -120,6 +120,39 @@ def reward_function_table(run_dir: Path, stages: Sequence[str]) -> list[str]:
             "| stage | function | first step | last step |", "|---|---|---|---|", *lines, ""]
 
 
+LENGTH_DRIFT = 0.5  # a trained policy's mean response length this far (as a fraction) from the start's is suspect
+
+
+def reward_hacking_signs(stage: str, rows: list[dict]) -> list[str]:
+    """What in an RL stage's evaluations (metrics.jsonl rows with `eval/kl`) looks like reward hacking: the
+    policy's mean response length more than half away from the starting policy's at the last evaluation, or
+    the KL to the reference rising at each of the last three evaluations while the held-out score falls
+    over them (the last below the first)."""
+    evals = [r for r in rows if "eval/kl" in r and "eval/score_policy" in r]
+    if not evals:
+        return []
+    signs, last = [], evals[-1]
+    start = last.get("eval/response_length_sft", evals[0].get("eval/response_length_policy"))
+    now = last.get("eval/response_length_policy")
+    if start and now is not None and abs(now - start) > LENGTH_DRIFT * start:
+        signs.append(f"{stage}'s mean response length went from {start:.1f} to {now:.1f} tokens "
+                     f"({(now - start) / start:+.0%}) by step {last['step']}")
+    kl, score = ([r[k] for r in evals[-3:]] for k in ("eval/kl", "eval/score_policy"))
+    if len(evals) >= 3 and kl[0] < kl[1] < kl[2] and score[2] < score[0]:
+        signs.append(f"{stage}'s KL to the reference rose over its last three evaluations "
+                     f"({' -> '.join(f'{v:.3g}' for v in kl)}) while the held-out score fell "
+                     f"({' -> '.join(f'{v:.3g}' for v in score)})")
+    return signs
+
+
+def reward_hacking_line(run_dir: Path, stages: Sequence[str]) -> list[str]:
+    """The report's one warning line (and a blank) when any RL stage shows a sign of reward hacking."""
+    signs = [s for stage in stages for s in reward_hacking_signs(stage, read_metrics(run_dir / stage))]
+    if not signs:
+        return []
+    return [f"**Possible reward hacking:** {'; '.join(signs)}. Read the samples before trusting the scores.", ""]
+
+
 def wilson_interval(accuracy: float, n: int, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson score interval of a fraction measured on n pairs (sound near 0 and 1, unlike p +- 2 SE)."""
     denom = 1 + z * z / n
@@ -179,7 +212,10 @@ def evaluation_table(run_dir: Path) -> list[str]:
     for path in sorted(run_dir.glob("*/evaluation*.json")):
         ev = json.loads(path.read_text())
         accuracy = ev.get("accuracy", ev.get("rewards/accuracies"))
-        if accuracy is None:
+        if ev.get("task") == "exact_match":
+            figure = ", ".join(f"{name} {c['mean']:.3f} (95% CI {c['ci95'][0]:.3f}-{c['ci95'][1]:.3f}, "
+                               f"{c['rows']} rows)" for name, c in ev["checks"].items() if c["mean"] is not None)
+        elif accuracy is None:
             figure = f"perplexity {ev['perplexity']:.4g}" if "perplexity" in ev else "-"
         else:
             low, high = ev["accuracy_ci95"]  # evaluate writes it beside every accuracy
@@ -210,7 +246,7 @@ def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: 
     lines = [f"# Run report: {run_dir}", "",
              f"Generated {prov['date']} on {prov['device_name']}, git `{prov['git_revision']}`, "
              f"from the files in this folder (`python -m trainer.run_report {run_dir}`).", "",
-             "## Stages", "", *stage_table(results, run_dir), ""]
+             *reward_hacking_line(run_dir, list(results)), "## Stages", "", *stage_table(results, run_dir), ""]
     if any("process RSS" in line for line in lines):
         lines += ["On a CPU the peak memory is the process's resident set since it started: where stages ran in one "
                   "process (`trainer.pipeline`), a stage's figure includes the stages before it.", ""]

@@ -101,3 +101,38 @@ def policy_vs_reference(model, prompts: Sequence[PromptExample], args, scorer: S
     return {"score_policy": mine["mean_score"], "score_sft": base["mean_score"], "win_rate": mine["win_rate"],
             "kl": mine["kl"], "response_length_policy": mine["mean_length"],
             "response_length_sft": base["mean_length"], "prompts": mine["prompts"]}
+
+
+@dataclass
+class AnswerChecks:
+    """Per held-out prompt: each check function's value (None: does not apply), the response length, the text."""
+
+    values: dict[str, list[Optional[float]]]
+    lengths: list[int] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)
+
+
+@torch.no_grad()
+def check_answers(model, prompts: Sequence[PromptExample], scorer: Scorer, tokenizer, max_new_tokens: int,
+                  batch_size: int, adapter: str = POLICY, progress: bool = True) -> AnswerChecks:
+    """Answer every prompt greedily under `adapter` and run each of the scorer's functions on the answers:
+    `trainer.evaluate exact_match`'s loop (one process)."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    collate, sampling = PromptCollator(tokenizer.pad_token_id), Sampling(max_new_tokens=max_new_tokens, temperature=0)
+    out = AnswerChecks({f.name: [] for f in scorer.functions})
+    model.eval()
+    for start in tqdm(range(0, len(prompts), batch_size), desc="answers", unit="batch", dynamic_ncols=True,
+                      disable=not progress):
+        examples = prompts[start : start + batch_size]
+        batch = collate(examples)
+        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        full, att, rmask, _ = sample_responses(model, ids, mask, sampling, tokenizer.eos_token_id,
+                                               tokenizer.pad_token_id, adapter=adapter)
+        for name, values in zip(out.values, scorer.function_values(full, att, ids.shape[1], rmask, examples)):
+            out.values[name] += values
+        out.lengths += rmask.sum(1).tolist()
+        out.responses += tokenizer.batch_decode(full[:, ids.shape[1]:].masked_fill(rmask == 0, tokenizer.pad_token_id),
+                                                skip_special_tokens=True)
+    return out

@@ -233,14 +233,20 @@ class Scorer:
             total = adapter_scores.float()
         if not self.functions:
             return total, {}
-        kwargs, sources = self._arguments(input_ids, attention_mask, prompt_length, response_mask, examples)
         metrics = {}
-        for function in self.functions:
-            values = _checked(function, _call(function, kwargs, sources), len(sources), sources)
+        for function, values in zip(self.functions, self.function_values(input_ids, attention_mask, prompt_length,
+                                                                          response_mask, examples)):
             metrics[f"rewards/{function.name}/mean"], metrics[f"rewards/{function.name}/std"] = _stats(values)
             added = torch.tensor([0.0 if v is None else v for v in values], device=total.device)
             total = total + function.weight * added
         return total, metrics
+
+    def function_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
+                        response_mask: torch.Tensor, examples: Optional[Sequence] = None
+                        ) -> list[list[Optional[float]]]:
+        """Each reward function's checked values, one per row (None: does not apply), unweighted, in order."""
+        kwargs, sources = self._arguments(input_ids, attention_mask, prompt_length, response_mask, examples)
+        return [_checked(f, _call(f, kwargs, sources), len(sources), sources) for f in self.functions]
 
     def _arguments(self, input_ids, attention_mask, prompt_length, response_mask, examples
                    ) -> tuple[dict[str, list], list[str]]:
