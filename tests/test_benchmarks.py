@@ -265,7 +265,8 @@ def test_trl_grpo_recipe_keeps_each_label_and_estimates_trl_s_recipe_with_the_po
     assert list(data["runs"]) == ["before", "after"]  # a later label is added beside, never over, the first
     assert json.loads((tmp_path / "result.json").read_text())["runs"].keys() == {"before", "after"}
     recipes = data["runs"]["before"]["recipes"]
-    assert set(recipes) == {"trl_grpo_prompt256", "trl_grpo_prompt128", "seed_ppo"}
+    assert set(recipes) == {"trl_grpo_prompt256", "trl_grpo_prompt128", "trl_grpo_prompt256_offload_embeddings",
+                            "seed_ppo"}
     trl = recipes["trl_grpo_prompt256"]["estimate"]
     held = {c for p in trl["phases"] for c in p["components"] if c.startswith(("adapter/", "head/"))}
     assert held == {"adapter/policy"}
@@ -275,5 +276,8 @@ def test_trl_grpo_recipe_keeps_each_label_and_estimates_trl_s_recipe_with_the_po
         16, 4, 128, True)
     summary = recipes["trl_grpo_prompt256"]["summary"]
     assert summary["peak_gib"] - summary["peak_without_context_gib"] == pytest.approx(0.5)
+    # the input embedding in host memory: its bf16 bytes, and the allocator overhead on them, off the peak
+    offloaded = recipes["trl_grpo_prompt256_offload_embeddings"]["summary"]
+    assert summary["peak_gib"] - offloaded["peak_gib"] == pytest.approx(152064 * 3584 * 2 * 1.05 / 2**30, abs=0.002)
     readme = (tmp_path / "README.md").read_text()
     assert "## before" in readme and "## after" in readme and "goal <= 8.9 GiB" in readme

@@ -269,16 +269,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
         raise UsageError(f"usage: python -m trainer.evaluate {{{','.join(TASKS)}}} --adapter DIR "
                          f"[--data PATH] [--split {'|'.join(SPLITS)}]" + (f" (not '{argv[0]}')" if argv else ""))
     task = argv.pop(0)
+    command = ["python", "-m", "trainer.evaluate", task, *argv]  # what the provenance names, however it was called
     (args,) = parse([EvalArguments], argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s",
                         force=True)
     result = evaluate(task, args)
     print(json.dumps(result), flush=True)
     if args.output_file:
-        from foundation.provenance import provenance
+        from foundation.provenance import provenance, relative_command
 
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        result = {**result, "provenance": provenance(device)}
+        result = {**result, "provenance": provenance(device, relative_command(command))}
         write_atomic(args.output_file, json.dumps(result, indent=2))
         if task == "exact_match":
             write_atomic(Path(args.output_file).with_suffix(".md"), answers_markdown(result))
