@@ -60,32 +60,15 @@ class Routing:
         route = self._route
         if self._base_only or layer.disable_adapters or layer.merged or (route is None and self._single is None):
             return None
-        # Rounded as peft's own layer rounds (its bitsandbytes layers cast the LoRA output to the
-        # result's dtype before adding; the plain one adds in the wider dtype, then casts), so a
-        # routed pass gives each group what a pass under its adapter gives.
-        round_first = type(layer).__module__.endswith(".bnb")
-        in_place = not torch.is_grad_enabled()  # scoring: add into the base output's rows, no copies
         if route is None:  # one adapter, all rows (every decode step): no split, no route to check
-            name = self._single
-            if name not in layer.lora_A:
-                return None
-            delta = layer.lora_B[name](layer.lora_A[name](layer.lora_dropout[name](x.to(layer.lora_A[name].weight.dtype))))
-            delta = delta * layer.scaling[name]
-            if round_first:
-                delta = delta.to(output.dtype)
-            return output.add_(delta) if in_place else (output + delta).to(output.dtype)
+            return _with_lora(layer, self._single, x, output)
         if x.shape[0] != sum(rows for _, rows in route):
             raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(r for _, r in route)}")
         sizes, pieces = [rows for _, rows in route], []
         for (name, _), xs, out in zip(route, x.split(sizes), output.split(sizes)):
-            if name in layer.lora_A:
-                lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
-                delta = lora_b(lora_a(layer.lora_dropout[name](xs.to(lora_a.weight.dtype)))) * layer.scaling[name]
-                if round_first:
-                    delta = delta.to(out.dtype)
-                out = out.add_(delta) if in_place else (out + delta).to(out.dtype)
-            pieces.append(out)
-        return output if in_place else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            added = _with_lora(layer, name, xs, out)
+            pieces.append(out if added is None else added)
+        return output if not torch.is_grad_enabled() else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def _route_to(self, route: Route) -> None:
         if not self.routable:
@@ -145,3 +128,18 @@ class Routing:
         """What `fused` gives, from one pass per adapter: where routing cannot run, and what tests compare with."""
         passes = {"logits": self.logits, "hidden": self.hidden_states, "scores": self.scores}
         return tuple(passes[o](input_ids, attention_mask, a, keep_last) for a, o in zip(adapters, outputs))
+
+
+def _with_lora(layer, name: str, x: torch.Tensor, out: torch.Tensor) -> Optional[torch.Tensor]:
+    """`out` (the base layer's output for rows `x`) plus adapter `name`'s LoRA output; None where the layer has
+    no such adapter. Without autograd (scoring, decoding) added into `out` in place, no copy. Rounded as
+    peft's own layer rounds (its bitsandbytes layers cast the LoRA output to the result's dtype before
+    adding; the plain one adds in the wider dtype, then casts), so a routed pass gives each group what a
+    pass under its adapter gives."""
+    if name not in layer.lora_A:
+        return None
+    lora_a = layer.lora_A[name]
+    delta = layer.lora_B[name](lora_a(layer.lora_dropout[name](x.to(lora_a.weight.dtype)))) * layer.scaling[name]
+    if type(layer).__module__.endswith(".bnb"):
+        delta = delta.to(out.dtype)
+    return out.add_(delta) if not torch.is_grad_enabled() else (out + delta).to(out.dtype)
