@@ -64,7 +64,14 @@ def question_number(prompt) -> str:
     return text.split(":")[0].split()[-1]
 
 
-def test_a_reward_function_from_a_file_drives_a_tiny_grpo_run_on_prompt_only_rows(tmp_path, capsys,
+def models_built(monkeypatch, stage) -> dict:
+    """{"model": the model `stage.main` builds}, once it has run."""
+    built, original = {}, stage.build_model
+    monkeypatch.setattr(stage, "build_model", lambda ctx: built.setdefault("model", original(ctx)))
+    return built
+
+
+def test_a_reward_function_from_a_file_drives_a_tiny_grpo_run_on_prompt_only_rows(tmp_path, capsys, monkeypatch,
                                                                                    fresh_accelerate_state):
     """Plain prompts + an `answer` column: each of a prompt's 4 responses gets that prompt's answer, the logged
     mean is the mean of what the function returned, and GRPO holds policy + reference only."""
@@ -72,15 +79,10 @@ def test_a_reward_function_from_a_file_drives_a_tiny_grpo_run_on_prompt_only_row
 
     rewards = write_rewards(tmp_path / "fns")
     data = prompt_only_file(tmp_path / "prompts.jsonl", 40, conversational=False)
-    built = {}
-    original = grpo.build_model
-    grpo.build_model = lambda ctx: built.setdefault("model", original(ctx))
-    try:
-        grpo.main(["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"), "--dataset", str(data),
-                   "--ppo_size", "32", "--eval_prompts", "0", "--scripted_reward", "null",
-                   "--reward_fn", f"{rewards}:text_length"])
-    finally:
-        grpo.build_model = original
+    built = models_built(monkeypatch, grpo)
+    grpo.main(["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"), "--dataset", str(data),
+               "--ppo_size", "32", "--eval_prompts", "0", "--scripted_reward", "null",
+               "--reward_fn", f"{rewards}:text_length"])
     assert built["model"].adapter_names == ["policy", "reference"]
     (call,) = calls_of(rewards)
     assert len(call["values"]) == 16 and call["columns"] == ["level"]  # 4 prompts x 4 responses
@@ -96,7 +98,7 @@ def test_a_reward_function_from_a_file_drives_a_tiny_grpo_run_on_prompt_only_row
 
 
 def test_a_reward_function_drives_a_tiny_ppo_run_on_conversational_prompts_without_a_reward_adapter(
-        tmp_path, fresh_accelerate_state):
+        tmp_path, monkeypatch, fresh_accelerate_state):
     """Conversational prompt-only rows: the function gets the prompt messages and each completion as an
     assistant message, as TRL passes them; PPO keeps its value adapter and needs no reward adapter. The
     held-out evaluation scores with the same function, its rows' columns with it."""
@@ -104,15 +106,10 @@ def test_a_reward_function_drives_a_tiny_ppo_run_on_conversational_prompts_witho
 
     rewards = write_rewards(tmp_path / "fns")
     data = prompt_only_file(tmp_path / "chat.jsonl", 40, conversational=True)
-    built = {}
-    original = ppo.build_model
-    ppo.build_model = lambda ctx: built.setdefault("model", original(ctx))
-    try:
-        ppo.main(["--config", str(TINY_PPO), "--output_dir", str(tmp_path / "run"), "--dataset", str(data),
-                  "--ppo_size", "32", "--max_steps", "1", "--save_every", "0", "--scripted_reward", "null",
-                  "--reward_fn", f"{rewards}:text_length"])
-    finally:
-        ppo.build_model = original
+    built = models_built(monkeypatch, ppo)
+    ppo.main(["--config", str(TINY_PPO), "--output_dir", str(tmp_path / "run"), "--dataset", str(data),
+              "--ppo_size", "32", "--max_steps", "1", "--save_every", "0", "--scripted_reward", "null",
+              "--reward_fn", f"{rewards}:text_length"])
     assert built["model"].adapter_names == ["policy", "reference", "value"]
     calls = calls_of(rewards)
     rollouts = [c for c in calls if len(c["values"]) == 8]  # rollout_batch_size 8; evaluations score 4 rows
