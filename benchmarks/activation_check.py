@@ -63,34 +63,12 @@ ACTIVATION_TERMS = (C.ACTIVATIONS, C.KV_CACHE, C.OPTIMIZER_TEMPORARIES)
 CAUSES = {
     "fused_adamw": "the trainer's AdamW runs torch's fused kernel, which allocates no temporaries; the estimate "
     "(profiling/optimizers.py step_temporaries) assumes foreach AdamW's fp32 list of the moments' size",
-    "apart_in_scoring": "a scoring pass's layers and its logits are not alive together (the logits and their "
-    "log-softmax temporaries come after the last layer): the peak is the larger of the two, the estimate adds them",
-    "apart_with_checkpointing": "with checkpointing the LM head's backward (the logits' peak, beside the kept layer "
-    "inputs) runs before the layers are recomputed one by one (the activations' peak): the estimate adds the two",
-    "ppo_retained_logits": "in the PPO update the first micro-batch's (rows x (new + 1) x V) logits are still "
-    "allocated during the second micro-batch's backward (not with trainer.rl.ppo_step.micro_loss alone, nor in "
-    "GRPO); the estimate holds one micro-batch's",
-    "decode_step_logits": "each decode step holds about eight (rows x V) fp32 tensors at once (the model's logits, "
-    "generate's fp32 copy, the log-prob hook's clone, the min-length mask, the sampler's softmax, cumsum and two "
-    "full_like); the estimate counts three",
 }
 
 
 def cause_of(row: dict, term: str) -> Optional[str]:
     """The CAUSES key that explains `row`'s `term` being off, if one was found."""
-    phase, checkpointing = row["phase"], VARIANTS.get(row["variant"], ([], False))[1]
-    ratio = row[term]["ratio"] or 0
-    if phase == "optimizer_step":
-        return "fused_adamw"
-    if phase == "generate" and term == "logits":
-        return "decode_step_logits"
-    if phase == "score" and term == "transient":
-        return "apart_in_scoring"
-    if checkpointing and phase in ("forward_backward", "update") and term == "transient" and ratio < 1:
-        return "apart_with_checkpointing"
-    if row["stage"] == "ppo" and phase == "update" and term in ("logits", "transient") and ratio > 1:
-        return "ppo_retained_logits"
-    return None
+    return "fused_adamw" if row["phase"] == "optimizer_step" else None
 
 
 def write_rows(path: Path, rows: int = 64) -> Path:
@@ -133,17 +111,19 @@ def _term(measured: Optional[int], estimated: Optional[int]) -> dict:
 
 def compare(variant: str, stage: str, run_dir: Path) -> list[dict]:
     memory = json.loads((run_dir / "memory.json").read_text())
-    predicted = {p["phase"]: p["components"] for p in estimate_for(run_dir, stage)["phases"]}
+    predicted = {p["phase"]: p for p in estimate_for(run_dir, stage)["phases"]}
     rows = []
     for phase in memory["phases"]:
         live, guess = phase.get("live"), predicted.get(phase["phase"])
         if not live or guess is None:  # evaluation: not a phase the estimator sizes
             continue
-        act = sum(guess.get(c) or 0 for c in ACTIVATION_TERMS)
-        logits = guess.get(C.LOGITS) or 0
+        at_peak, own = guess["components"], guess["term_peaks"]  # the phase's peak moment; each term's own peak
+        act = sum(own.get(c) or 0 for c in ACTIVATION_TERMS)
+        transient = sum(at_peak.get(c) or 0 for c in (*ACTIVATION_TERMS, C.LOGITS))
         rows.append({"variant": variant, "stage": stage, "phase": phase["phase"], "calls": phase["calls"],
-                     "activations": _term(live["others_peak"], act), "logits": _term(live["logits_peak"], logits),
-                     "transient": _term(live["peak"], act + logits),
+                     "activations": _term(live["others_peak"], act),
+                     "logits": _term(live["logits_peak"], own.get(C.LOGITS) or 0),
+                     "transient": _term(live["peak"], transient),
                      "logits_at_peak": live["logits_at_peak"], "saved_for_backward": phase.get("saved_for_backward")})
     return rows
 

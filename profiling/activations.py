@@ -1,17 +1,18 @@
 """Activation, logits and KV-cache memory of a Llama decoder with LoRA, as explicit formulas.
 
 Bytes per token unless named otherwise. Per decoder layer, with a trainable adapter active, autograd saves
-the RMSNorms' fp32 inputs, each LoRA target's fp32 dropout output and mask, attention's q, k, v, output and
-logsumexp, and the MLP's gate, up and SiLU outputs; frozen base linears save nothing. No-grad passes save
-nothing; with gradient checkpointing each layer keeps only its input. The term-by-term table:
-docs/memory.md, "Activation bytes per layer".
+the RMSNorms' fp32 inputs, each LoRA target's fp32 dropout output and mask (under autocast: the compute-dtype
+cast of it), attention's q, k, v, output and logsumexp, and the MLP's gate, up and SiLU outputs; frozen base
+linears save nothing. No-grad passes save nothing; with gradient checkpointing each layer keeps only its
+input. A training pass peaks either in the LM head's backward or in a layer's, never both at once
+(`training_parts`). The term-by-term table: docs/memory.md, "Activation bytes per layer".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from profiling.shapes import LORA_BYTES, ModelShape, lora_targets
+from profiling.shapes import LORA_BYTES, ModelShape, lora_targets, lora_tensor_sizes
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,19 @@ class ForwardSpec:
     device: str = "cuda"
     attention: str = "sdpa"  # sdpa / flash_attention_2 keep no seq x seq tensor; eager does
     checkpointing: bool = True
-    logprob_chunk: int = 1024  # positions upcast to fp32 at once (trainer.model.logprobs.DEFAULT_CHUNK_SIZE)
     nf4: bool = True
+    autocast: bool = False  # training under mixed precision (Accelerate's autocast; CUDA's default)
+
+    @property
+    def casts_lora(self) -> bool:
+        """Whether autocast casts the fp32 LoRA matmuls' inputs and weights to a 2-byte compute dtype."""
+        return self.autocast and self.dtype_bytes < LORA_BYTES
 
 
 # LoRA layers that read the same tensor: the attention block's normed input, the MLP's.
 SHARED_INPUT = {"q_proj": "attention", "k_proj": "attention", "v_proj": "attention", "gate_proj": "mlp", "up_proj": "mlp"}
+
+FED_BY_INPUT_NORM = ("q_proj", "k_proj", "v_proj")  # layer 0's: their input, the embedding's, needs no gradient
 
 
 def _mask_bytes(spec: ForwardSpec) -> int:
@@ -39,10 +47,13 @@ def _mask_bytes(spec: ForwardSpec) -> int:
 
 def layer_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) -> int:
     """Bytes one decoder layer saves for backward, per token, with a trainable adapter active."""
-    h, i, a, r = shape.hidden_size, shape.intermediate_size, spec.dtype_bytes, spec.lora_rank
-    n_h, n_kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    h, a, r = shape.hidden_size, spec.dtype_bytes, spec.lora_rank
     norms = 2 * (4 * h + 4)
     targets = lora_targets(shape, spec.lora_targets)
+    if spec.casts_lora:  # autocast's compute-dtype copy of each LoRA layer's (dropped) fp32 input, and the mask
+        mask = _mask_bytes(spec) if spec.lora_dropout else 0
+        inputs = sum((mask + a) * n_in for _, n_in, _ in targets)
+        return norms + inputs + sum(a * r for _ in targets) + _attention_and_mlp(shape, spec, seq_len)
     if spec.lora_dropout:  # each LoRA layer's own dropped copy of its input, and the mask
         inputs = sum((_mask_bytes(spec) + LORA_BYTES) * n_in for _, n_in, _ in targets)
     elif a == LORA_BYTES:  # the input itself, saved once by the LoRA layers that read it (q, k, v; gate, up);
@@ -52,17 +63,21 @@ def layer_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) ->
     else:  # each LoRA layer's own cast of its input to the LoRA weights' dtype
         inputs = LORA_BYTES * sum(n_in for _, n_in, _ in targets)
     lora = inputs + sum(LORA_BYTES * r for _ in targets)
+    return norms + lora + _attention_and_mlp(shape, spec, seq_len)
+
+
+def _attention_and_mlp(shape: ModelShape, spec: ForwardSpec, seq_len: int) -> int:
+    """Attention's q, k, v, output and logsumexp, the MLP's gate, up and SiLU outputs, per token."""
+    a, n_h, n_kv, d = spec.dtype_bytes, shape.num_heads, shape.num_kv_heads, shape.head_dim
     attention = a * (2 * n_h * d + 2 * n_kv * d) + 4 * n_h
     if spec.attention == "eager":
         attention += 6 * n_h * seq_len + a * 2 * (n_h - n_kv) * d  # fp32 + bf16 probabilities, repeated k/v
-    mlp = 3 * a * i
-    return norms + lora + attention + mlp
+    return attention + 3 * a * shape.intermediate_size
 
 
 def first_layer_savings_per_token(shape: ModelShape, spec: ForwardSpec) -> int:
     """What layer 0 does not save because its input needs no gradient (see the module docstring)."""
-    fed_by_input_norm = ("q_proj", "k_proj", "v_proj")
-    masks = sum(n_in for name, n_in, _ in lora_targets(shape, spec.lora_targets) if name in fed_by_input_norm)
+    masks = sum(n_in for name, n_in, _ in lora_targets(shape, spec.lora_targets) if name in FED_BY_INPUT_NORM)
     return 4 * shape.hidden_size + 4 + (_mask_bytes(spec) * masks if spec.lora_dropout else 0)
 
 
@@ -73,9 +88,11 @@ def _all_layers_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: i
 
 
 def layer_backward_temporaries_per_token(shape: ModelShape, spec: ForwardSpec) -> int:
-    """Gradients alive inside one layer's backward (approximate): the MLP's, the largest ones."""
+    """Gradients alive inside one layer's backward (approximate): the MLP's, the largest ones - at down_proj's
+    backward the input's gradient through the base weight, through the LoRA path and their sum, and where the
+    compute dtype is narrower than the LoRA weights the LoRA path's fp32 gradient before its cast back."""
     i, a = shape.intermediate_size, spec.dtype_bytes
-    return (3 * a + LORA_BYTES) * i + 4 * shape.hidden_size
+    return (3 * a + (LORA_BYTES if a < LORA_BYTES else 0)) * i + 4 * shape.hidden_size
 
 
 def dequantized_weight_bytes(shape: ModelShape, spec: ForwardSpec) -> int:
@@ -101,11 +118,6 @@ def nograd_layer_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) -
 # ---------------------------------------------------------------- whole passes (bytes)
 
 
-def _upcast_bytes(spec: ForwardSpec) -> int:
-    """An fp32 copy of logits per element; none when the compute dtype is fp32 already (`.to` returns the tensor)."""
-    return 4 if spec.dtype_bytes < 4 else 0
-
-
 def _chunked_backward(per_chunk: int, first: int, second: int) -> int:
     """Peak of a chunked softmax backward, per vocabulary entry: the chunk in work (`per_chunk` bytes per
     logit) beside the previous chunk's fp32 gradient, which its loop variable holds until replaced."""
@@ -116,22 +128,6 @@ def _chunks(chunk: int, positions: int) -> tuple[int, int]:
     """Positions in the first and the second chunk of `positions` split `chunk` at a time."""
     first = min(chunk, positions)
     return first, min(chunk, positions - first)
-
-
-def logits_training(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
-    """At the start of backward: the (tokens x V) logits kept by the chunked log-prob and their gradient;
-    inside the chunked softmax backward two fp32 temporaries of the chunk in work (logits - lse, its exp;
-    then the exp and the gradient; the fp32 upcast dies at the first), beside the previous chunk's gradient."""
-    V, a = shape.vocab_size, spec.dtype_bytes
-    return 2 * tokens * V * a + V * _chunked_backward(2 * 4, *_chunks(spec.logprob_chunk, tokens))
-
-
-def logits_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> int:
-    """A scoring pass: the full (tokens x V) logits, and for one chunk their fp32 upcast (none in fp32) and
-    the log-sum-exp's fp32 temporary."""
-    V = shape.vocab_size
-    chunk = min(spec.logprob_chunk, tokens)
-    return tokens * V * spec.dtype_bytes + chunk * V * (_upcast_bytes(spec) + 4)
 
 
 # trainer.model.logprobs.head_logprobs runs the output layer over as many positions at once as make 2**24 logits: a
@@ -159,21 +155,44 @@ def head_logprobs_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> i
     return min(head_chunk_positions(shape.vocab_size), tokens) * shape.vocab_size * 2 * 4
 
 
-def training_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int) -> int:
-    """Peak activation bytes (logits excluded) of forward + backward over `tokens` tokens."""
+def lora_weight_casts(shape: ModelShape, spec: ForwardSpec, adapters: int = 1) -> int:
+    """Autocast's compute-dtype copies of the trainable LoRA weights: cached from their first use in the
+    forward until autocast exits after the backward (none without autocast or in fp32)."""
+    if not spec.casts_lora:
+        return 0
+    return adapters * spec.dtype_bytes * sum(lora_tensor_sizes(shape, spec.lora_rank, spec.lora_targets))
+
+
+def training_parts(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int,
+                   adapters: int = 1) -> tuple[int, int]:
+    """(kept, layer): the activation bytes alive from the forward through the whole backward - every layer's
+    saved tensors, or with checkpointing each layer's input - and what one layer's backward adds on top
+    (with checkpointing its recomputed saved tensors), the MLP's gradients and a dequantized 4-bit weight.
+    The LM head's backward runs beside `kept` alone, before any layer's: a training pass peaks at
+    kept + max(layer, head). `adapters`: trainable adapters in the pass (PPO's policy and value)."""
     L, h, a = shape.num_layers, shape.hidden_size, spec.dtype_bytes
+    casts = lora_weight_casts(shape, spec, adapters)
+    temporaries = tokens * layer_backward_temporaries_per_token(shape, spec) + dequantized_weight_bytes(shape, spec)
     if spec.checkpointing:
         kept = tokens * (L * a * h + 4 * h + 4)  # each layer's input; the final norm is not checkpointed
-        recompute = tokens * (layer_saved_per_token(shape, spec, seq_len)
-                              + layer_backward_temporaries_per_token(shape, spec))
-        return kept + recompute + dequantized_weight_bytes(shape, spec)
-    saved = saved_for_backward(shape, spec, tokens, seq_len)
-    return saved + tokens * layer_backward_temporaries_per_token(shape, spec) + dequantized_weight_bytes(shape, spec)
+        return kept + casts, tokens * layer_saved_per_token(shape, spec, seq_len) + temporaries
+    return tokens * _all_layers_saved_per_token(shape, spec, seq_len) + casts, temporaries
+
+
+def training_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int, adapters: int = 1) -> int:
+    """Peak activation bytes (logits excluded) of forward + backward over `tokens` tokens."""
+    return sum(training_parts(shape, spec, tokens, seq_len, adapters))
 
 
 def saved_for_backward(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int) -> int:
-    """Bytes saved by one forward without checkpointing (the figure `SavedTensorMeter` measures)."""
-    return tokens * _all_layers_saved_per_token(shape, spec, seq_len)
+    """Bytes saved by one forward without checkpointing (the figure `SavedTensorMeter` measures): with autocast
+    also the LoRA weights' casts, less layer 0's q, k, v lora_A (their input needs no gradient)."""
+    casts = lora_weight_casts(shape, spec)
+    if casts:
+        first = sum(spec.lora_rank * n_in for name, n_in, _ in lora_targets(shape, spec.lora_targets)
+                    if name in FED_BY_INPUT_NORM)
+        casts -= spec.dtype_bytes * first
+    return tokens * _all_layers_saved_per_token(shape, spec, seq_len) + casts
 
 
 def nograd_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int) -> int:

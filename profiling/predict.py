@@ -71,7 +71,8 @@ class EstimateArguments(Checked):
     rollout_micro_batch_size: Optional[int] = _alias("generation_batch", default=None, metadata={
         "help": "PPO rows per generate / scoring pass (default: the micro-batch)."})
     num_generations: int = field(default=1, metadata={"help": "GRPO: responses per prompt."})
-    logprob_chunk: int = field(default=1024, metadata={"help": "Positions per fp32 log-prob chunk."})
+    mixed_precision: str = field(default="auto", metadata={
+        "help": "As the stages' --mixed_precision: training under autocast (auto: bf16 on cuda, no on cpu)."})
     device: str = field(default="cuda", metadata={"help": "cuda, or cpu (fp32 dropout masks, step counters on device)."})
     memory_budget_gib: float = _alias("budget_gib", "budget-gib", default=24.0, metadata={
         "help": "Device budget in GiB (2^30 bytes)."})
@@ -91,7 +92,7 @@ class EstimateArguments(Checked):
              "micro_batch_size": at_least(1), "max_length": at_least(2), "max_prompt_length": at_least(1),
              "max_new_tokens": at_least(1), "rollout_batch_size": at_least(1), "rollout_micro_batch_size": at_least(1),
              "num_generations": at_least(1),
-             "logprob_chunk": at_least(1), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
+             "mixed_precision": one_of("auto", "no", "bf16", "fp16"), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
              "allocator_overhead": at_least(0), "vocab_size": at_least(1), "hidden_size": at_least(1),
              "intermediate_size": at_least(1), "num_layers": at_least(1), "num_heads": at_least(1),
              "num_kv_heads": at_least(1), "head_dim": at_least(1)}
@@ -124,7 +125,15 @@ class EstimateArguments(Checked):
                        dtype=resolve.compute_dtype(self.dtype, self.device, nf4),
                        optimizer=self.optimizer if self.optimizer == "deepspeed_zero2_offload"
                        else resolve.optimizer(self.optimizer, self.device),
-                       rollout_micro_batch_size=self.rollout_micro_batch_size or self.micro_batch_size)
+                       rollout_micro_batch_size=self.rollout_micro_batch_size or self.micro_batch_size,
+                       mixed_precision=self.autocast_dtype)
+
+    @property
+    def autocast_dtype(self) -> str:
+        """--mixed_precision as the trainer resolves it (trainer.engine.launch): auto is bf16 on cuda, no on cpu."""
+        if self.mixed_precision != "auto":
+            return self.mixed_precision
+        return "bf16" if self.device == "cuda" else "no"
 
 
 def adapters(args: EstimateArguments) -> list[Slot]:
@@ -188,8 +197,8 @@ def offloaded_embedding(shape: ModelShape, args: EstimateArguments) -> bool:
 def forward_spec(args: EstimateArguments, dtype_bytes: int) -> A.ForwardSpec:
     return A.ForwardSpec(dtype_bytes=dtype_bytes, lora_rank=args.lora_r, lora_targets=args.lora_target_modules,
                          lora_dropout=args.lora_dropout > 0, device=args.device, attention=args.attn_implementation,
-                         checkpointing=args.gradient_checkpointing, logprob_chunk=args.logprob_chunk,
-                         nf4=args.quantization == "nf4")
+                         checkpointing=args.gradient_checkpointing, nf4=args.quantization == "nf4",
+                         autocast=args.autocast_dtype != "no")
 
 
 def rollout_buffer_bytes(args: EstimateArguments) -> int:
@@ -202,17 +211,28 @@ def rollout_buffer_bytes(args: EstimateArguments) -> int:
 # ---------------------------------------------------------------- phases
 
 
+def _training(shape: ModelShape, spec: A.ForwardSpec, tokens: int, seq: int, head: int, held: dict,
+              adapters: int = 1, extra: int = 0) -> tuple[dict, list[dict]]:
+    """(held, moments) of a training pass: the LM head's backward (`head` bytes) runs beside the kept
+    activations alone, then each layer's backward (A.training_parts). `extra`: activation bytes alive
+    throughout (a pair mask)."""
+    kept, layer = A.training_parts(shape, spec, tokens, seq, adapters)
+    return _merged(held, {C.ACTIVATIONS: kept + extra}), [{C.LOGITS: head}, {C.ACTIVATIONS: layer}]
+
+
 def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.ForwardSpec, trainable: list[int]) -> list:
-    """(phase, {component: bytes}) for what each phase adds on top of the resident components."""
+    """(phase, held, moments) for what each phase adds on top of the resident components: `held` is alive
+    through the phase, each moment's components are alive together, and the phase peaks at its largest
+    moment (the layers of a pass and its LM head never hold their peaks at once)."""
     grads = {C.GRADIENTS: gradient_bytes(trainable)}
-    step = ("optimizer_step", {**grads, C.OPTIMIZER_TEMPORARIES: step_temporaries(trainable, args.optimizer)})
+    step = ("optimizer_step", {**grads, C.OPTIMIZER_TEMPORARIES: step_temporaries(trainable, args.optimizer)}, [{}])
     mb, seq = args.micro_batch_size, args.max_length
     # SFT and DPO take log-probs at completion positions only, a chunk of the LM head at a time
     # (`output="logprobs"`, trainer.model.logprobs.head_logprobs): a chunk's logits, never the (tokens x V) whole.
     if args.stage == "sft":
         tokens = mb * seq
-        return [("forward_backward", {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, seq),
-                                      C.LOGITS: A.head_logprobs_training(shape, spec, tokens)}), step]
+        return [("forward_backward", *_training(shape, spec, tokens, seq, A.head_logprobs_training(shape, spec, tokens),
+                                                grads)), step]
     if args.stage in ("reward", "dpo"):
         # Chosen and rejected of each pair, each with its prompt, at most max_length: 2 x mb x seq tokens is the
         # bound in either layout (one row per pair holds the prompt once). One row per pair is up to twice as long
@@ -223,58 +243,54 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         if args.share_pair_prompts and args.attn_implementation != "flash_attention_2":
             row = 2 * seq
             mask = mb * row * row * (1 + spec.dtype_bytes)
-        train = {**grads, C.ACTIVATIONS: A.training_activations(shape, spec, tokens, row) + mask}
+        head = A.head_logprobs_training(shape, spec, tokens) if args.stage == "dpo" else 0
+        train = ("forward_backward", *_training(shape, spec, tokens, row, head, grads, extra=mask))
         if args.stage == "reward":
-            return [("forward_backward", train), step]
-        return [("reference", {C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, row) + mask,
-                               C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens)}),
-                ("forward_backward", {**train, C.LOGITS: A.head_logprobs_training(shape, spec, tokens)}), step]
+            return [train, step]
+        return [("reference", {C.ACTIVATIONS: mask}, [{C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, row)},
+                                                       {C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens)}]),
+                train, step]
     rows = args.rollout_micro_batch_size
-    # sampling: each step's last logits kept until its token arrives (the policy's old log-probs), and their
-    # fp32 log-softmax / softmax; the scoring pass then runs every adapter but the policy
-    step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 8)
+    context = args.max_prompt_length + args.max_new_tokens
+    scored = rows * args.max_new_tokens  # the head runs at the response positions only (trainer.rl.scoring)
+    update_head = A.head_logprobs_training(shape, spec, mb * args.max_new_tokens)
+    # Sampling: the KV cache through the phase; the prompt's forward, then per decode step (rows x V) logits:
+    # the model's, generate's fp32 copy, the log-prob hook's clone, the min-length mask, the sampler's
+    # softmax, cumulative sum and two full_like (benchmarks/results/activation_check-cpu).
+    step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 7 * 4)
+    generate_held = {C.KV_CACHE: A.kv_cache(shape, spec, rows, context) + A.kv_cache_growth(shape, spec, rows, context)}
+    generate_moments = [{C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
+                                                             args.max_prompt_length)}, {C.LOGITS: step_logits}]
     groups = len(adapters(args)) - 1  # the policy's log-probs come from sampling
+    # The scoring pass runs every adapter but the policy; only the reference gives log-probs (beta 0 and
+    # reward functions in GRPO: no pass at all).
+    score_moments = [{C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context)
+                      if groups else 0},
+                     {C.LOGITS: A.head_logprobs_nograd(shape, spec, scored) if REFERENCE in roles(args) else 0}]
     if args.stage == "grpo":  # critic-free: the rollout rows are prompts x generations, one forward in the update
         rows_all = replace(args, rollout_batch_size=args.rollout_batch_size * args.num_generations)
-        context = args.max_prompt_length + args.max_new_tokens
         buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(rows_all)}
-        scored = rows * args.max_new_tokens  # the head runs at the response positions only (trainer.rl.scoring)
-        return [
-            ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
-                          + A.kv_cache_growth(shape, spec, rows, context),
-                          C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
-                                                              args.max_prompt_length),
-                          C.LOGITS: step_logits}),
-            # beta 0 and reward functions: the phase runs no pass at all
-            ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context)
-                       if groups else 0,
-                       C.LOGITS: A.head_logprobs_nograd(shape, spec, scored) if REFERENCE in roles(args) else 0}),
-            ("update", {**buffers, **grads, C.ACTIVATIONS: A.training_activations(shape, spec, mb * context, context),
-                        C.LOGITS: A.head_logprobs_training(shape, spec, mb * args.max_new_tokens)}),
-            step,
-        ]
+        return [("generate", {**buffers, **generate_held}, generate_moments),
+                ("score", buffers, score_moments),
+                ("update", *_training(shape, spec, mb * context, context, update_head, {**buffers, **grads})),
+                step]
     # PPO as trainer.rl.rollout / trainer.rl.ppo_step run it: generation and scoring in chunks of
-    # `rollout_micro_batch_size` rows; log-probs from the response positions' hidden states through the LM head
-    # a chunk at a time (trainer.model.logprobs.head_logprobs): no (tokens x vocab) logits, as in SFT.
-    context = args.max_prompt_length + args.max_new_tokens
+    # `rollout_micro_batch_size` rows. In the update, policy and value rows are one routed batch of two
+    # trainable adapters: their layer inputs are kept, and a layer is recomputed for both.
     buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(args)}
-    scored = rows * args.max_new_tokens  # the head runs at the response positions only (trainer.rl.scoring)
-    mb_tokens = mb * context
-    update = {**buffers, **grads, C.LOGITS: A.head_logprobs_training(shape, spec, mb * args.max_new_tokens)}
-    generate = ("generate", {**buffers, C.KV_CACHE: A.kv_cache(shape, spec, rows, context)
-                             + A.kv_cache_growth(shape, spec, rows, context),
-                             C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
-                                                                 args.max_prompt_length),
-                             C.LOGITS: step_logits})
-    # One routed pass over the rows stacked once per scoring adapter; only the reference gives logits. In the
-    # update, policy and value rows are one batch: their layer inputs are kept, and a layer is recomputed for both.
-    return [
-        generate,
-        ("score", {**buffers, C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context),
-                   C.LOGITS: A.head_logprobs_nograd(shape, spec, scored)}),
-        ("update", {**update, C.ACTIVATIONS: A.training_activations(shape, spec, 2 * mb_tokens, context)}),
-        step,
-    ]
+    return [("generate", {**buffers, **generate_held}, generate_moments),
+            ("score", buffers, score_moments),
+            ("update", *_training(shape, spec, 2 * mb * context, context, update_head, {**buffers, **grads},
+                                  adapters=2)),
+            step]
+
+
+def _merged(*parts: dict) -> dict:
+    out: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = out.get(key, 0) + value
+    return out
 
 
 def estimate(shape: ModelShape, args: EstimateArguments) -> dict:
@@ -283,14 +299,16 @@ def estimate(shape: ModelShape, args: EstimateArguments) -> dict:
     res = resident(shape, args)
     spec = forward_spec(args, res["dtype_bytes"])
     phases = []
-    for name, extra in _transient_phases(shape, args, spec, res["trainable"]):
-        comps = {**res["components"], **extra}
+    for name, held, moments in _transient_phases(shape, args, spec, res["trainable"]):
+        # the components at the phase's peak moment; each term's own peak in the phase beside them
+        term_peaks = {k: max(_merged(held, m).get(k, 0) for m in moments) for k in _merged(held, *moments)}
+        comps = {**res["components"], **dict.fromkeys(term_peaks, 0), **_merged(held, max(moments, key=C.total))}
         allocated = C.total(comps)
         comps[C.ALLOCATOR_OVERHEAD] = int(args.allocator_overhead * allocated)
         comps[C.CUDA_CONTEXT] = int(args.cuda_context_gib * C.GIB) if args.device == "cuda" else 0
         comps = {k: comps[k] for k in C.ordered(comps)}
         phase = {"stage": args.stage, "phase": name, "components": comps, "total": C.total(comps),
-                 "peak_allocated": allocated}
+                 "peak_allocated": allocated, "term_peaks": term_peaks}
         if res["optimizer"].host:
             phase["elsewhere"] = {"cpu": {C.OPTIMIZER_STATES: res["optimizer"].host}}
         if res["optimizer"].paged:
@@ -316,10 +334,14 @@ def assumptions(args: EstimateArguments) -> list[str]:
     notes = [
         "activations: formulas in profiling/activations.py (saved tensors per layer read off autograd); "
         + ("checkpointing keeps each layer's input and recomputes one layer in backward"
-           if args.gradient_checkpointing else "no checkpointing: every layer's saved tensors live until backward"),
+           if args.gradient_checkpointing else "no checkpointing: every layer's saved tensors live until backward")
+        + ("; under autocast the LoRA matmuls save compute-dtype casts of their inputs and weights"
+           if args.mixed_precision != "no" else ""),
         "logits: every stage holds one chunk of the LM head's output (2^24 logits) and its fp32 temporaries "
         "(trainer.model.logprobs.head_logprobs), never the (tokens x vocab) whole; sampling holds each decode "
         "step's logits",
+        "each phase is shown at its peak moment: a pass's layers and its LM head never peak together, so a "
+        "term that peaks at another moment reads 0 there (its own peak: `term_peaks` in the JSON)",
         f"allocator_overhead and cuda_context are assumptions ({args.allocator_overhead:.0%} of allocated, "
         f"{args.cuda_context_gib} GiB) until a GPU run measures them",
         "optimizer_states are the steady state after the first step; gradients are fp32 LoRA/head gradients",

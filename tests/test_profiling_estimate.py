@@ -190,7 +190,9 @@ def test_ppo_s_routed_passes_hold_every_adapter_s_rows_at_once():
     sampling); the update stacks policy and value rows; sampling keeps one step's logits."""
     shape = load_shape("llama-2-7b")
     args = EstimateArguments(stage="ppo").resolved()
-    phases = {p["phase"]: p["components"] for p in estimate(shape, args)["phases"]}
+    data = {p["phase"]: p for p in estimate(shape, args)["phases"]}
+    phases = {name: p["components"] for name, p in data.items()}
+    peaks = {name: p["term_peaks"] for name, p in data.items()}
     assert list(phases) == ["generate", "score", "update", "optimizer_step"]
     spec = predict.forward_spec(args, 2)
     rows, context, mb = args.rollout_micro_batch_size, args.max_prompt_length + args.max_new_tokens, args.micro_batch_size
@@ -201,11 +203,17 @@ def test_ppo_s_routed_passes_hold_every_adapter_s_rows_at_once():
     assert phases["score"][act] - dequantized == 3 * (one_pass - dequantized)
     assert phases["score"][act] == A.nograd_activations(shape, spec, 3 * rows * context, context)
     # the reference's response log-probs alone, one chunk of the head at a time: the value and reward heads give none
-    assert phases["score"][logits] == A.head_logprobs_nograd(shape, spec, rows * args.max_new_tokens)
-    # the update's policy and value rows as one batch
-    assert phases["update"][act] == A.training_activations(shape, spec, 2 * mb * context, context)
-    # sampling keeps one step's logits (bf16, 4 rows x 32000) and their fp32 log-softmax / softmax
-    assert phases["generate"][logits] == 4 * 32000 * (2 + 8)
+    # (after the layers: the phase peaks in the layers, where no logits are alive)
+    assert peaks["score"][logits] == A.head_logprobs_nograd(shape, spec, rows * args.max_new_tokens)
+    assert phases["score"][logits] == 0
+    # the update's policy and value rows as one batch of two trainable adapters; the LM head's backward runs
+    # beside the kept layer inputs alone, a layer's backward after it
+    kept, layer = A.training_parts(shape, spec, 2 * mb * context, context, adapters=2)
+    head = A.head_logprobs_training(shape, spec, mb * args.max_new_tokens)
+    assert layer > head and phases["update"][act] == kept + layer and phases["update"][logits] == 0
+    assert peaks["update"][logits] == head
+    # sampling keeps one step's logits (bf16, 4 rows x 32000) and seven fp32 tensors of their size
+    assert peaks["generate"][logits] == 4 * 32000 * (2 + 7 * 4)
 
 
 @pytest.mark.parametrize("stage", ["reward", "dpo"])
@@ -256,7 +264,7 @@ def test_grpo_with_beta_0_and_reward_functions_holds_the_policy_adapter_alone():
         assert full[name]["peak_allocated"] - lean[name]["peak_allocated"] == 2 * LLAMA7B_ADAPTER + LLAMA7B_HEAD
     # sampled log-probs, no reference, scripted scores: the score phase runs no pass
     assert lean["score"]["components"][C.ACTIVATIONS] == lean["score"]["components"][C.LOGITS] == 0
-    assert full["score"]["components"][C.LOGITS] > 0
+    assert full["score"]["term_peaks"][C.LOGITS] > 0
     # either one alone leaves the other adapter in
     assert _held(_by_phase(EstimateArguments(stage="grpo", beta=0))["update"]["components"], C.ADAPTER_PREFIX) == {
         C.adapter("policy"), C.adapter("reward")}

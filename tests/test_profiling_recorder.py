@@ -3,6 +3,8 @@ GPU-only parts None with a reason."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -121,6 +123,30 @@ def test_saved_for_backward_equals_the_activation_formula_exactly(sft_model, dro
     assert measured == A.saved_for_backward(resolve_shape(args), spec, b * t, t)
     del logits
     set_lora_dropout(model, 0.05)
+
+
+@pytest.mark.parametrize("dropout", [0.05, 0.0], ids=["lora dropout", "no lora dropout"])
+def test_saved_for_backward_under_bf16_autocast_equals_the_formula_exactly(dropout):
+    """Under autocast (a GPU's mixed precision; the CPU's bf16 autocast casts the same matmuls) each LoRA layer
+    saves the bf16 cast of its fp32 input, not the fp32 one, and the LoRA weights' bf16 casts."""
+    args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", dtype="bfloat16",
+                          gradient_checkpointing=False, lora_r=8, lora_alpha=16)
+    model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
+    set_lora_dropout(model, dropout)
+    recorder = MemoryRecorder("sft", model=model)
+    b, t = 2, 24
+    ids, mask = batch(b, t)
+    with recorder.phase("forward", count_saved=True), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model.logits(ids, mask, "policy")
+    measured = recorder.records[("sft", "forward")].saved_for_backward
+    estimate = EstimateArguments(model_name_or_path="tiny-llama", stage="sft", quantization="none", dtype="bfloat16",
+                                 lora_r=8, device="cpu", vocab_size=VOCAB, lora_dropout=dropout,
+                                 mixed_precision="bf16")
+    spec = forward_spec(estimate.resolved(), 2)
+    without = forward_spec(replace(estimate, mixed_precision="no").resolved(), 2)
+    assert measured == A.saved_for_backward(resolve_shape(estimate), spec, b * t, t)
+    assert measured < A.saved_for_backward(resolve_shape(estimate), without, b * t, t)
+    del logits
 
 
 def set_lora_dropout(model, p: float) -> None:
