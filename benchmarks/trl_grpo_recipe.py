@@ -35,9 +35,15 @@ TRL_GRPO_FLAGS = ["--model_name_or_path", "qwen2.5-7b", "--stage", "grpo", "--be
                   "--attn_implementation", "sdpa", "--cuda_context_gib", str(CUDA_CONTEXT_GIB)]
 TRL_RECIPES = {"trl_grpo_prompt256": TRL_GRPO_FLAGS + ["--max_prompt_length", "256"],
                "trl_grpo_prompt128": TRL_GRPO_FLAGS + ["--max_prompt_length", "128"],
-               # what the planner adds where the budget needs it: the input embedding in host memory
+               # what the planner adds where the budget needs it: the input embedding in host memory, the
+               # update's kept activations there, both
                "trl_grpo_prompt256_offload_embeddings": TRL_GRPO_FLAGS + ["--max_prompt_length", "256",
-                                                                          "--offload_embeddings", "true"]}
+                                                                          "--offload_embeddings", "true"],
+               "trl_grpo_prompt256_offload_activations": TRL_GRPO_FLAGS + ["--max_prompt_length", "256",
+                                                                           "--offload_activations", "true"],
+               "trl_grpo_prompt256_offload_both": TRL_GRPO_FLAGS + ["--max_prompt_length", "256",
+                                                                    "--offload_embeddings", "true",
+                                                                    "--offload_activations", "true"]}
 
 
 @dataclass

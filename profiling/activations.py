@@ -28,6 +28,7 @@ class ForwardSpec:
     checkpointing: bool = True
     nf4: bool = True
     autocast: bool = False  # training under mixed precision (Accelerate's autocast; CUDA's default)
+    offload: bool = False  # what a training pass keeps goes to host memory (trainer/model/offload.py; CUDA)
 
     @property
     def casts_lora(self) -> bool:
@@ -164,24 +165,33 @@ def lora_weight_casts(shape: ModelShape, spec: ForwardSpec, adapters: int = 1) -
 
 
 def training_parts(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int,
-                   adapters: int = 1) -> tuple[int, int]:
-    """(kept, layer): the activation bytes alive from the forward through the whole backward - every layer's
-    saved tensors, or with checkpointing each layer's input - and what one layer's backward adds on top
-    (with checkpointing its recomputed saved tensors), the MLP's gradients and a dequantized 4-bit weight.
-    The LM head's backward runs beside `kept` alone, before any layer's: a training pass peaks at
-    kept + max(layer, head). `adapters`: trainable adapters in the pass (PPO's policy and value)."""
+                   adapters: int = 1) -> tuple[int, int, int]:
+    """(kept, layer, host): the activation bytes alive on the device from the forward through the whole
+    backward - every layer's saved tensors, or with checkpointing each layer's input - and what one layer's
+    backward adds on top (with checkpointing its recomputed saved tensors), the MLP's gradients and a
+    dequantized 4-bit weight. The LM head's backward runs beside `kept` alone, before any layer's: a training
+    pass peaks at kept + max(layer, head). With `spec.offload` what would be kept waits in host memory
+    (`host`) and comes back a layer at a time. `adapters`: trainable adapters in the pass (PPO's policy and
+    value)."""
     L, h, a = shape.num_layers, shape.hidden_size, spec.dtype_bytes
     casts = lora_weight_casts(shape, spec, adapters)
     temporaries = tokens * layer_backward_temporaries_per_token(shape, spec) + dequantized_weight_bytes(shape, spec)
+    saved = tokens * layer_saved_per_token(shape, spec, seq_len)
     if spec.checkpointing:
-        kept = tokens * (L * a * h + 4 * h + 4)  # each layer's input; the final norm is not checkpointed
-        return kept + casts, tokens * layer_saved_per_token(shape, spec, seq_len) + temporaries
-    return tokens * _all_layers_saved_per_token(shape, spec, seq_len) + casts, temporaries
+        kept, layer = tokens * (L * a * h + 4 * h + 4), saved + temporaries  # the final norm is not checkpointed
+    else:
+        kept, layer = tokens * _all_layers_saved_per_token(shape, spec, seq_len), temporaries
+    if not spec.offload:
+        return kept + casts, layer, 0
+    # back on the device: one layer's input (the head's hidden states first), without checkpointing its saves
+    back = tokens * a * h + (0 if spec.checkpointing else saved)
+    return casts, layer + back, kept
 
 
 def training_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int, adapters: int = 1) -> int:
     """Peak activation bytes (logits excluded) of forward + backward over `tokens` tokens."""
-    return sum(training_parts(shape, spec, tokens, seq_len, adapters))
+    kept, layer, _ = training_parts(shape, spec, tokens, seq_len, adapters)
+    return kept + layer
 
 
 def saved_for_backward(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int) -> int:

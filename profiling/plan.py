@@ -5,13 +5,15 @@ picked from the estimator and the memory budget, so a run uses the card instead 
 
 Each choice is the largest whose estimated peak fits the budget less `margin`: first the rows per generate /
 score pass, then the update micro-batch, without checkpointing when that fits at least half of what
-checkpointing allows; where nothing fits, the same with the input embedding in host memory. Nothing runs a model: the PPO update's OOM back-off stays the safety net.
+checkpointing allows; where nothing fits, the same with the input embedding in host memory, then with the
+update's saved activations there, then with both. Nothing runs a model: the PPO update's OOM back-off stays
+the safety net.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Sequence
 
 from profiling import components as C
 from profiling.predict import EstimateArguments, estimate, offloaded_embedding
@@ -19,6 +21,7 @@ from profiling.shapes import ModelShape
 
 ROLLOUT_PHASES = ("generate", "score")
 UPDATE_PHASES = ("update", "optimizer_step")
+OFFLOADS = ("offload_embeddings", "offload_activations")  # tried alone in this order, then together
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class Plan:
     micro_batch_size: int
     gradient_checkpointing: bool
     offload_embeddings: bool
+    offload_activations: bool
     peak_bytes: int
     peak_phase: str
     usable_bytes: int
@@ -38,7 +42,8 @@ class Plan:
         lines = [f"budget plan (estimate within {C.gib(self.usable_bytes)} of {C.gib(self.budget_bytes)} GiB):",
                  f"  rollout_micro_batch_size {self.rollout_micro_batch_size}  micro_batch_size "
                  f"{self.micro_batch_size}  gradient_checkpointing {str(self.gradient_checkpointing).lower()}"
-                 + ("  offload_embeddings true" if self.offload_embeddings else "")]
+                 + ("  offload_embeddings true" if self.offload_embeddings else "")
+                 + ("  offload_activations true" if self.offload_activations else "")]
         for phase, total in self.phases:
             mark = "  <- peak" if phase == self.peak_phase else ""
             lines.append(f"  {phase:<15} {C.gib(total):>7} GiB{mark}")
@@ -63,16 +68,27 @@ def _largest(shape: ModelShape, args: EstimateArguments, field: str, sizes: list
 
 
 def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float = 0.1,
-            may_offload: bool = True) -> Optional[Plan]:
+            may_offload: Sequence[str] = OFFLOADS) -> Optional[Plan]:
     """The plan for a PPO or GRPO run (`args.stage`; EstimateArguments of the run) with minibatches of
-    `mini_batch_size` rows; None when not even one row per pass fits. Where nothing fits and `may_offload`,
-    the input embedding goes to host memory (`offload_embeddings`) and the plan is made again."""
+    `mini_batch_size` rows; None when not even one row per pass fits. Where nothing fits, the offloads the run
+    allows (`may_offload`, of OFFLOADS) are turned on, each alone in OFFLOADS' order and then together, until a
+    plan fits; an offload that would change nothing (a tied embedding, the CPU) is not tried."""
     plan = _plan_rl(shape, args, mini_batch_size, margin)
-    if plan is None and may_offload and not args.offload_embeddings:
-        offloaded = replace(args, offload_embeddings=True)
-        if offloaded_embedding(shape, offloaded.resolved()):
+    allowed = [name for name in OFFLOADS if name in may_offload and not getattr(args, name)]
+    tries = [[name] for name in allowed] + ([allowed] if len(allowed) > 1 else [])
+    for names in tries:
+        if plan is not None:
+            break
+        offloaded = replace(args, **dict.fromkeys(names, True))
+        if all(_moves_something(shape, offloaded.resolved(), name) for name in names):
             plan = _plan_rl(shape, offloaded, mini_batch_size, margin)
     return plan
+
+
+def _moves_something(shape: ModelShape, args: EstimateArguments, offload: str) -> bool:
+    if offload == "offload_embeddings":
+        return offloaded_embedding(shape, args)
+    return args.device == "cuda"
 
 
 def _plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float) -> Optional[Plan]:
@@ -99,6 +115,7 @@ def _plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, m
     est = estimate(shape, args)
     return Plan(rollout_micro_batch_size=rows, micro_batch_size=args.micro_batch_size,
                 gradient_checkpointing=args.gradient_checkpointing, offload_embeddings=args.offload_embeddings,
+                offload_activations=args.offload_activations,
                 peak_bytes=est["peak_bytes"],
                 peak_phase=est["peak_phase"], usable_bytes=usable, budget_bytes=args.budget_bytes,
                 phases=tuple((p["phase"], p["total"]) for p in est["phases"]))

@@ -57,6 +57,8 @@ class EstimateArguments(Checked):
     gradient_checkpointing: bool = True
     offload_embeddings: bool = field(default=False, metadata={
         "help": "The input embedding in host memory (as ModelArguments): off the GPU where untied, on CUDA."})
+    offload_activations: bool = field(default=False, metadata={
+        "help": "What training passes keep for backward in host memory (as ModelArguments), on CUDA."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, flash_attention_2 or eager."})
     share_pair_prompts: bool = field(default=True, metadata={
         "help": "Reward and DPO: one row per pair, prompt once (as the stages' --share_pair_prompts): rows twice "
@@ -198,7 +200,8 @@ def forward_spec(args: EstimateArguments, dtype_bytes: int) -> A.ForwardSpec:
     return A.ForwardSpec(dtype_bytes=dtype_bytes, lora_rank=args.lora_r, lora_targets=args.lora_target_modules,
                          lora_dropout=args.lora_dropout > 0, device=args.device, attention=args.attn_implementation,
                          checkpointing=args.gradient_checkpointing, nf4=args.quantization == "nf4",
-                         autocast=args.autocast_dtype != "no")
+                         autocast=args.autocast_dtype != "no",
+                         offload=args.offload_activations and args.device == "cuda")
 
 
 def rollout_buffer_bytes(args: EstimateArguments) -> int:
@@ -213,19 +216,20 @@ def rollout_buffer_bytes(args: EstimateArguments) -> int:
 
 def _training(shape: ModelShape, spec: A.ForwardSpec, tokens: int, seq: int, head: int, held: dict,
               adapters: int = 1, extra: int = 0) -> tuple[dict, list[dict]]:
-    """(held, moments) of a training pass: the LM head's backward (`head` bytes) runs beside the kept
+    """(held, moments, host) of a training pass: the LM head's backward (`head` bytes) runs beside the kept
     activations alone, then each layer's backward (A.training_parts). `extra`: activation bytes alive
     throughout (a pair mask)."""
-    kept, layer = A.training_parts(shape, spec, tokens, seq, adapters)
-    return _merged(held, {C.ACTIVATIONS: kept + extra}), [{C.LOGITS: head}, {C.ACTIVATIONS: layer}]
+    kept, layer, host = A.training_parts(shape, spec, tokens, seq, adapters)
+    return _merged(held, {C.ACTIVATIONS: kept + extra}), [{C.LOGITS: head}, {C.ACTIVATIONS: layer}], host
 
 
 def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.ForwardSpec, trainable: list[int]) -> list:
-    """(phase, held, moments) for what each phase adds on top of the resident components: `held` is alive
-    through the phase, each moment's components are alive together, and the phase peaks at its largest
-    moment (the layers of a pass and its LM head never hold their peaks at once)."""
+    """(phase, held, moments, host) for what each phase adds on top of the resident components: `held` is
+    alive through the phase, each moment's components are alive together, and the phase peaks at its largest
+    moment (the layers of a pass and its LM head never hold their peaks at once); `host`: activation bytes
+    offloaded to host memory."""
     grads = {C.GRADIENTS: gradient_bytes(trainable)}
-    step = ("optimizer_step", {**grads, C.OPTIMIZER_TEMPORARIES: step_temporaries(trainable, args.optimizer)}, [{}])
+    step = ("optimizer_step", {**grads, C.OPTIMIZER_TEMPORARIES: step_temporaries(trainable, args.optimizer)}, [{}], 0)
     mb, seq = args.micro_batch_size, args.max_length
     # SFT and DPO take log-probs at completion positions only, a chunk of the LM head at a time
     # (`output="logprobs"`, trainer.model.logprobs.head_logprobs): a chunk's logits, never the (tokens x V) whole.
@@ -248,7 +252,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         if args.stage == "reward":
             return [train, step]
         return [("reference", {C.ACTIVATIONS: mask}, [{C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, row)},
-                                                       {C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens)}]),
+                                                       {C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens)}], 0),
                 train, step]
     rows = args.rollout_micro_batch_size
     context = args.max_prompt_length + args.max_new_tokens
@@ -270,16 +274,16 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     if args.stage == "grpo":  # critic-free: the rollout rows are prompts x generations, one forward in the update
         rows_all = replace(args, rollout_batch_size=args.rollout_batch_size * args.num_generations)
         buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(rows_all)}
-        return [("generate", {**buffers, **generate_held}, generate_moments),
-                ("score", buffers, score_moments),
+        return [("generate", {**buffers, **generate_held}, generate_moments, 0),
+                ("score", buffers, score_moments, 0),
                 ("update", *_training(shape, spec, mb * context, context, update_head, {**buffers, **grads})),
                 step]
     # PPO as trainer.rl.rollout / trainer.rl.ppo_step run it: generation and scoring in chunks of
     # `rollout_micro_batch_size` rows. In the update, policy and value rows are one routed batch of two
     # trainable adapters: their layer inputs are kept, and a layer is recomputed for both.
     buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(args)}
-    return [("generate", {**buffers, **generate_held}, generate_moments),
-            ("score", buffers, score_moments),
+    return [("generate", {**buffers, **generate_held}, generate_moments, 0),
+            ("score", buffers, score_moments, 0),
             ("update", *_training(shape, spec, 2 * mb * context, context, update_head, {**buffers, **grads},
                                   adapters=2)),
             step]
@@ -299,7 +303,7 @@ def estimate(shape: ModelShape, args: EstimateArguments) -> dict:
     res = resident(shape, args)
     spec = forward_spec(args, res["dtype_bytes"])
     phases = []
-    for name, held, moments in _transient_phases(shape, args, spec, res["trainable"]):
+    for name, held, moments, host in _transient_phases(shape, args, spec, res["trainable"]):
         # the components at the phase's peak moment; each term's own peak in the phase beside them
         term_peaks = {k: max(_merged(held, m).get(k, 0) for m in moments) for k in _merged(held, *moments)}
         comps = {**res["components"], **dict.fromkeys(term_peaks, 0), **_merged(held, max(moments, key=C.total))}
@@ -309,8 +313,9 @@ def estimate(shape: ModelShape, args: EstimateArguments) -> dict:
         comps = {k: comps[k] for k in C.ordered(comps)}
         phase = {"stage": args.stage, "phase": name, "components": comps, "total": C.total(comps),
                  "peak_allocated": allocated, "term_peaks": term_peaks}
-        if res["optimizer"].host:
-            phase["elsewhere"] = {"cpu": {C.OPTIMIZER_STATES: res["optimizer"].host}}
+        elsewhere = {C.OPTIMIZER_STATES: res["optimizer"].host, C.ACTIVATIONS: host}
+        if any(elsewhere.values()):
+            phase["elsewhere"] = {"cpu": {k: v for k, v in elsewhere.items() if v}}
         if res["optimizer"].paged:
             phase["paged"] = {C.OPTIMIZER_STATES: res["optimizer"].paged}
         phases.append(phase)

@@ -266,7 +266,7 @@ def test_trl_grpo_recipe_keeps_each_label_and_estimates_trl_s_recipe_with_the_po
     assert json.loads((tmp_path / "result.json").read_text())["runs"].keys() == {"before", "after"}
     recipes = data["runs"]["before"]["recipes"]
     assert set(recipes) == {"trl_grpo_prompt256", "trl_grpo_prompt128", "trl_grpo_prompt256_offload_embeddings",
-                            "seed_ppo"}
+                            "trl_grpo_prompt256_offload_activations", "trl_grpo_prompt256_offload_both", "seed_ppo"}
     trl = recipes["trl_grpo_prompt256"]["estimate"]
     held = {c for p in trl["phases"] for c in p["components"] if c.startswith(("adapter/", "head/"))}
     assert held == {"adapter/policy"}
@@ -279,5 +279,8 @@ def test_trl_grpo_recipe_keeps_each_label_and_estimates_trl_s_recipe_with_the_po
     # the input embedding in host memory: its bf16 bytes, and the allocator overhead on them, off the peak
     offloaded = recipes["trl_grpo_prompt256_offload_embeddings"]["summary"]
     assert summary["peak_gib"] - offloaded["peak_gib"] == pytest.approx(152064 * 3584 * 2 * 1.05 / 2**30, abs=0.002)
+    # the update's kept activations in host memory as well: a lower peak again
+    both = recipes["trl_grpo_prompt256_offload_both"]["summary"]
+    assert both["peak_gib"] < offloaded["peak_gib"] and both["peak_phase"] == "update"
     readme = (tmp_path / "README.md").read_text()
     assert "## before" in readme and "## after" in readme and "goal <= 8.9 GiB" in readme

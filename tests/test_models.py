@@ -280,3 +280,58 @@ def test_offload_embeddings_refuses_a_tied_model_and_is_ignored_on_the_cpu(caplo
                                           preset_overrides="tie_word_embeddings=true"), 512, CPU)
     with pytest.raises(UsageError, match="ties its input embedding to the LM head"):
         offload_input_embeddings_(tied, CPU)
+
+
+def _checkpointed_policy(offload: bool = False):
+    from trainer.model.shared_base import AdapterSpec, build_shared_model
+
+    args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", gradient_checkpointing=True,
+                          lora_r=8, lora_alpha=16, lora_dropout=0.0, offload_activations=offload)
+    return build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=512).train()
+
+
+def test_offloaded_activations_are_what_checkpointing_keeps_and_change_no_gradient(monkeypatch):
+    """--offload_activations' hooks (trainer/model/offload.py), made to take CPU tensors for CUDA ones: with
+    checkpointing they move what the estimator says the update keeps (each layer's input, the final norm's
+    input and rsqrt) and the LM head's inputs, never a weight; the gradients are the same to the bit."""
+    from dataclasses import replace
+
+    from profiling import activations as A
+    from profiling.predict import EstimateArguments, forward_spec, resolve_shape
+    from trainer.model.offload import SavedToHost
+
+    model = _checkpointed_policy()
+    b, t, h = 2, 16, 64
+    ids = torch.randint(0, 512, (b, t), generator=torch.Generator().manual_seed(0))
+
+    def grads(hooks):
+        model.zero_grad(set_to_none=True)
+        with hooks:
+            loss = model(ids, torch.ones_like(ids), adapter="policy", output="logprobs", labels=ids).sum()
+        loss.backward()
+        return [p.grad.clone() for p in model.trainable_parameters()]
+
+    offloader = SavedToHost(model.parameters(), min_bytes=0)
+    monkeypatch.setattr(SavedToHost, "offloads",
+                        lambda self, x: x.untyped_storage().data_ptr() not in self._weights)
+    plain = grads(torch.enable_grad())
+    moved = grads(offloader.hooks())
+    assert all(torch.equal(x, y) for x, y in zip(plain, moved))
+    estimate = EstimateArguments(model_name_or_path="tiny-llama", stage="sft", quantization="none", dtype="float32",
+                                 lora_r=8, lora_dropout=0.0, device="cpu", vocab_size=512)
+    spec = replace(forward_spec(estimate.resolved(), 4), offload=True)
+    _, _, host = A.training_parts(resolve_shape(estimate), spec, b * t, t)
+    positions = b * (t - 1)  # the LM head's: the labelled positions' mask, hidden states, labels, log-sum-exp
+    assert offloader.bytes == host + positions * (1 + 4 * h + 8 + 4)
+
+
+def test_offload_activations_is_ignored_on_the_cpu_and_refused_with_compiled_layers(caplog, tmp_path):
+    from trainer.engine.setup import start_run
+    from trainer.sft import SFTArguments
+
+    with caplog.at_level(logging.INFO, logger="trainer.model.shared_base"):
+        model = _checkpointed_policy(offload=True)
+    assert model.saved_to_host is None and "offload_activations ignored" in caplog.text
+    with pytest.raises(UsageError, match="--offload_activations and --compile_layers do not combine"):
+        start_run(SFTArguments, ["--config", "tests/configs/tiny_sft.yaml", "--output_dir", str(tmp_path / "x"),
+                                 "--offload_activations", "true", "--compile_layers", "true"], stage="sft")

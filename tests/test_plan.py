@@ -6,7 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from profiling.plan import plan_rl
+from profiling import components as C
+from profiling.plan import OFFLOADS, plan_rl
 from profiling.predict import EstimateArguments, estimate
 from profiling.shapes import load_shape
 
@@ -128,11 +129,42 @@ def test_the_planner_offloads_the_embedding_only_when_nothing_fits_without_it():
     no_room = None
     for budget in [x / 4 for x in range(24, 60)]:  # the first budget where only the offloaded embedding fits
         args = replace(TRL_GRPO, memory_budget_gib=budget)
-        if plan_rl(QWEN_7B, args, 8, may_offload=False) is None and plan_rl(QWEN_7B, args, 8) is not None:
+        if plan_rl(QWEN_7B, args, 8, may_offload=()) is None and plan_rl(QWEN_7B, args, 8) is not None:
             no_room = args
             break
     assert no_room is not None
     plan = plan_rl(QWEN_7B, no_room, 8)
     assert plan.offload_embeddings and "offload_embeddings true" in plan.table()
+    assert not plan.offload_activations  # the embedding alone was enough
     roomy = plan_rl(QWEN_7B, replace(TRL_GRPO, memory_budget_gib=24), 8)
-    assert roomy is not None and not roomy.offload_embeddings
+    assert roomy is not None and not roomy.offload_embeddings and not roomy.offload_activations
+
+
+def test_the_planner_offloads_activations_where_the_embedding_alone_is_not_enough():
+    """Each offload alone, then both: the budget where only both fit gets both, and a run that may not offload
+    the embedding (compiled decoding) gets the activations alone where they are enough."""
+    both_only = None
+    for budget in [x / 8 for x in range(48, 120)]:
+        args = replace(TRL_GRPO, memory_budget_gib=budget)
+        alone = [plan_rl(QWEN_7B, args, 8, may_offload=(name,)) for name in OFFLOADS]
+        if all(p is None for p in alone) and plan_rl(QWEN_7B, args, 8) is not None:
+            both_only = args
+            break
+    assert both_only is not None
+    plan = plan_rl(QWEN_7B, both_only, 8)
+    assert plan.offload_embeddings and plan.offload_activations and "offload_activations true" in plan.table()
+    activations_only = plan_rl(QWEN_7B, both_only, 8, may_offload=("offload_activations",))
+    assert activations_only is None
+    on_cpu = replace(TRL_GRPO, device="cpu", quantization="none", dtype="float32")
+    assert estimate(QWEN_7B, on_cpu)["phases"] == estimate(QWEN_7B, replace(on_cpu, offload_activations=True))["phases"]
+
+
+def test_offloaded_activations_leave_the_update_s_kept_layer_inputs_in_host_memory():
+    """With checkpointing the update keeps each layer's input and the final norm's fp32 input: offloaded,
+    they sit in host memory and one layer's input at a time comes back to the card."""
+    off, on = (next(p for p in estimate(QWEN_7B, a)["phases"] if p["phase"] == "update")
+               for a in (TRL_GRPO, replace(TRL_GRPO, offload_activations=True)))
+    tokens, h, layers = 8 * (256 + 256), QWEN_7B.hidden_size, QWEN_7B.num_layers
+    host = tokens * (layers * 2 * h + 4 * h + 4)
+    assert on["elsewhere"] == {"cpu": {C.ACTIVATIONS: host}} and "elsewhere" not in off
+    assert off["peak_allocated"] - on["peak_allocated"] == host - tokens * 2 * h

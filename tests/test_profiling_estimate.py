@@ -208,7 +208,7 @@ def test_ppo_s_routed_passes_hold_every_adapter_s_rows_at_once():
     assert phases["score"][logits] == 0
     # the update's policy and value rows as one batch of two trainable adapters; the LM head's backward runs
     # beside the kept layer inputs alone, a layer's backward after it
-    kept, layer = A.training_parts(shape, spec, 2 * mb * context, context, adapters=2)
+    kept, layer, _ = A.training_parts(shape, spec, 2 * mb * context, context, adapters=2)
     head = A.head_logprobs_training(shape, spec, mb * args.max_new_tokens)
     assert layer > head and phases["update"][act] == kept + layer and phases["update"][logits] == 0
     assert peaks["update"][logits] == head

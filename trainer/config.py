@@ -73,6 +73,11 @@ class ModelArguments(Checked):
         "help": "Keep the input embedding in pinned host memory and send only each batch's rows to the GPU: "
                 "vocab x hidden x 2 bytes less on the card (1 GiB at Qwen2.5-7B). Untied embeddings, eager "
                 "decoding; the RL planner (--auto_fit) turns it on when nothing fits without it."})
+    offload_activations: bool = field(default=False, metadata={
+        "help": "Keep what a training pass saves for backward in pinned host memory until its backward (with "
+                "checkpointing: each layer's input, layers x tokens x hidden x 2 bytes) - trainer/model/offload.py. "
+                "CUDA; not with ZeRO-3 / FSDP or --compile_layers; the RL planner (--auto_fit) turns it on when "
+                "nothing fits without it."})
     compile_layers: bool = field(default=False, metadata={
         "help": "torch.compile each decoder layer, with its checkpoint, for the passes that train (trainer/model/"
                 "compiled.py): elementwise work fuses and per-op overhead goes; generation and scoring stay eager. "

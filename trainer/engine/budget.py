@@ -65,14 +65,16 @@ def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, acc
     if not on:
         return model_args, train_args, stage_args
     args = estimate_arguments(stage, model_args, data_args, train_args, stage_args, accelerator)
-    plan = plan_rl(resolve_shape(args), args, stage_args.mini_batch_size, may_offload=stage_args.decode == "eager"
-                   and not shards_parameters(accelerator))
+    sharded = shards_parameters(accelerator)
+    may_offload = ((("offload_embeddings",) if stage_args.decode == "eager" and not sharded else ())
+                   + (("offload_activations",) if not sharded and not model_args.compile_layers else ()))
+    plan = plan_rl(resolve_shape(args), args, stage_args.mini_batch_size, may_offload=may_offload)
     if plan is None:
         logger.warning("auto_fit: no batch sizes fit memory_budget_gib=%s; keeping the configured ones",
                        train_args.memory_budget_gib)
         return model_args, train_args, stage_args
     logger.info("%s", plan.table())
     return (replace(model_args, gradient_checkpointing=plan.gradient_checkpointing,
-                    offload_embeddings=plan.offload_embeddings),
+                    offload_embeddings=plan.offload_embeddings, offload_activations=plan.offload_activations),
             replace(train_args, micro_batch_size=plan.micro_batch_size),
             replace(stage_args, rollout_micro_batch_size=plan.rollout_micro_batch_size))

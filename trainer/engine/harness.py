@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Protocol
@@ -92,6 +93,13 @@ class Engine:
         self.recorder = MemoryRecorder(stage, model=model, optimizer=self.optimizer, device=accelerator.device,
                                        budget_bytes=int(train_args.memory_budget_gib * GIB),
                                        enabled=train_args.profile_memory and accelerator.is_main_process)
+
+    @contextmanager
+    def micro_batch(self) -> Iterator[None]:
+        """Around one micro-batch's forward and backward: gradient accumulation, mixed precision and, with
+        --offload_activations, the saved activations in host memory."""
+        with self.accelerator.accumulate(self.model), self.accelerator.autocast(), self.raw.training_pass():
+            yield
 
     def loss_divisor(self, accumulation_steps: int) -> int:
         """What a backward's gradient ends up divided by: Accelerate's (or DeepSpeed's, fixed at prepare) division
@@ -314,7 +322,7 @@ def supervised_step(engine: Engine, compute_loss: Callable[[dict, float], StepOu
         normaliser = engine.step_units(sum(units(batch) for batch in micro_batches)) / divisor
         with engine.recorder.phase("forward_backward", count_saved=first[0]):
             for batch in micro_batches:
-                with acc.accumulate(engine.model), acc.autocast():
+                with engine.micro_batch():
                     out = compute_loss(batch, normaliser)
                     finite = engine.backward(out.loss) and finite
                 tokens += out.tokens

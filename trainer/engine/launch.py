@@ -210,15 +210,18 @@ def describe_engine(model) -> Optional[str]:
 
 
 def check_launch(accelerator, stage: Optional[str], compile_layers: bool = False,
-                 offload_embeddings: bool = False) -> None:
+                 offload_embeddings: bool = False, offload_activations: bool = False) -> None:
     """Refuse, at start and in one line, the launch modes a stage (or --compile_layers,
-    --offload_embeddings) cannot run under."""
+    --offload_embeddings, --offload_activations) cannot run under."""
     if not shards_parameters(accelerator):
         return
     mode = "FSDP" if is_fsdp(accelerator) else "DeepSpeed ZeRO-3"
     if offload_embeddings:
         raise LaunchError(f"--offload_embeddings is not supported under {mode}, which partitions the embedding "
                           "across ranks already; drop --offload_embeddings")
+    if offload_activations:
+        raise LaunchError(f"--offload_activations is not supported under {mode}: the weights it gathers would be "
+                          "taken for activations and copied to the host; drop --offload_activations")
     if compile_layers:
         raise LaunchError(f"--compile_layers is not supported under {mode}: its module hooks, which gather the "
                           "partitioned weights, would run inside the compiled decoder layers (untested); drop "

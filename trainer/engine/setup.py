@@ -243,7 +243,11 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     model_args, data_args, train_args, stage_args = parse_config(stage_args_cls, sys.argv[1:] if argv is None else argv)
     accelerator = make_accelerator(train_args)
     setup_logging(accelerator)
-    check_launch(accelerator, stage, model_args.compile_layers, model_args.offload_embeddings)
+    check_launch(accelerator, stage, model_args.compile_layers, model_args.offload_embeddings,
+                 model_args.offload_activations)
+    if model_args.offload_activations and model_args.compile_layers:
+        raise UsageError("--offload_activations and --compile_layers do not combine: compiled layers do not run "
+                         "saved-tensor hooks; drop one")
     if model_args.offload_embeddings and getattr(stage_args, "decode", "eager") != "eager":
         raise UsageError(f"--offload_embeddings needs --decode eager: each decode step looks its token's row up "
                          f"in host memory, which a {stage_args.decode} decode step cannot capture")

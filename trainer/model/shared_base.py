@@ -25,6 +25,7 @@ from foundation.files import atomic_folder
 from foundation.stages import POLICY, stage_adapters
 from trainer.config import ModelArguments
 from trainer.model.adapter_fit import HEAD_FILE, WEIGHTS_FILE, check_adapter_fits
+from trainer.model.offload import SavedToHost
 from trainer.model.outputs import Outputs
 from trainer.model.routing import Active, Route, Routing
 
@@ -106,6 +107,7 @@ class SharedBaseModel(Outputs, Routing, nn.Module):
         self._base_only = False  # `base_only`: no adapter adds anything
         self._fallbacks_logged: set[str] = set()  # why `fused` ran one pass per adapter, said once each
         self.compiled_parts = 0  # decoder layers compiled for the passes that train (--compile_layers)
+        self.saved_to_host: Optional[SavedToHost] = None  # --offload_activations on CUDA
         self.routable = self._install_routing()
         self._apply_trainability()
 
@@ -211,6 +213,11 @@ class SharedBaseModel(Outputs, Routing, nn.Module):
             self._set_peft_layers(name)
             self.peft.base_model.active_adapter = name  # the LoraModel's record ...
             self.peft.active_adapter = name  # ... and the PeftModel's (peft_config lookups, saving)
+
+    def training_pass(self):
+        """Around a forward that trains (its backward may run later): what it saves for backward goes to host
+        memory with --offload_activations (trainer/model/offload.py), else stays where it is."""
+        return self.saved_to_host.hooks() if self.saved_to_host is not None else nullcontext()
 
     def checkpoint_contexts(self):
         """`context_fn` for torch.utils.checkpoint: recompute under the adapter (or route) active in the forward.
@@ -424,6 +431,11 @@ def build_shared_model(args: ModelArguments, specs: list[AdapterSpec], vocab_siz
         enable_checkpointing(base, context_fn=model.checkpoint_contexts)
     if args.compile_layers:
         model.compiled_parts = compile_layers(base)
+    if args.offload_activations:
+        if next(base.parameters()).device.type == "cuda":
+            model.saved_to_host = SavedToHost(model.parameters())
+        else:
+            logger.info("offload_activations ignored: the model is on the CPU, host memory already")
     n_train = sum(p.numel() for p in model.trainable_parameters())
     logger.info("adapters %s on one base; %s trainable parameters",
                 ", ".join(f"{s.name}{'*' if s.trainable else ''}" for s in specs), f"{n_train:,}")

@@ -85,7 +85,7 @@ def _minibatch_steps(engine: Engine, state, update: Update, orders: list[torch.T
             sums: dict[str, float] = defaultdict(float)
             finite = True
             for chunk, count in zip(chunks, counts):  # micro-batches
-                with acc.accumulate(engine.model), acc.autocast():
+                with engine.micro_batch():
                     loss, stats = update.loss_of(chunk)
                     finite = engine.backward(loss * (count * scale)) and finite
                 for key, value in stats.items():
