@@ -187,15 +187,21 @@ def bad_inputs(folder: Path, result: dict) -> Row:
 
 def trl_grpo_recipe(folder: Path, result: dict) -> Row:
     """The estimator on TRL's QLoRA GRPO recipe, each label (before / after a change) side by side."""
+    labels = list(result["runs"])
     figures, prov = [], {}
-    for label, entry in result["runs"].items():
+    for label in dict.fromkeys((labels[0], labels[-1])):  # the first and the latest
+        entry = result["runs"][label]
         prov = entry.get("provenance") or prov
         peak = entry["recipes"]["trl_grpo_prompt256"]["summary"]
-        figures.append(f"{label}: {peak['peak_gib']:.2f} GiB in {peak['peak_phase']}")
-    goal = result.get("targets_gib", {}).get("goal")
+        offloads = [f"{name.rsplit('offload_', 1)[1]} offloaded {recipe['summary']['peak_gib']:.2f}"
+                    for name, recipe in entry["recipes"].items() if name.startswith("trl_grpo_prompt256_offload")]
+        figures.append(f"{label}: {peak['peak_gib']:.2f} GiB in {peak['peak_phase']}"
+                       + (f" ({', '.join(offloads)})" if offloads else ""))
+    targets = result.get("targets_gib", {})
+    goal = " / ".join(f"{k} <= {v} GiB" for k, v in targets.items())
     return Row((3, 1), "TRL's QLoRA GRPO recipe, estimated (`benchmarks.trl_grpo_recipe`)",
                "Qwen2.5-7B NF4, r=32, 8 x 256-token completions, beta 0, reward functions",
-               "; ".join(figures) + (f" (goal <= {goal} GiB)" if goal else ""), *_when(prov), _report(folder))
+               "; ".join(figures) + (f" ({goal})" if goal else ""), *_when(prov), _report(folder))
 
 
 def code_size(folder: Path, result: dict) -> Row:
