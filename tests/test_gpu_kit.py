@@ -303,12 +303,17 @@ def test_the_grpo_recipe_part_runs_trl_s_recipe_with_the_policy_adapter_alone(sm
     memory = json.loads((unpacked / "grpo_recipe" / "grpo" / "memory.json").read_text())
     assert {k for p in memory["phases"] for k in p["components"] if k.startswith("adapter")} == {"adapter/policy"}
     assert json.loads((unpacked / "grpo_recipe" / "grpo" / "vs_estimate.json").read_text())["phases"]
-    (run, _) = steps_for(PartArguments(part="grpo_recipe", out=str(unpacked)), unpacked)  # on the GPU
+    assert json.loads((unpacked / "grpo_recipe" / "grpo_offload" / "vs_estimate.json").read_text())["phases"]
+    run, _, offloaded, _ = steps_for(PartArguments(part="grpo_recipe", out=str(unpacked)), unpacked)  # on the GPU
     flags = run.argv
     for flag, value in (("--model_name_or_path", "qwen2.5-7b"), ("--lora_r", "32"), ("--num_generations", "8"),
                         ("--max_new_tokens", "256"), ("--micro_batch_size", "8"), ("--beta", "0"),
                         ("--optimizer", "paged_adamw_8bit"), ("--simulate_gpu_gib", "24")):
         assert flags[flags.index(flag) + 1] == value, flag
+    # the same run again with both offloads: the estimator's 7.75 GiB recipe
+    extra = offloaded.argv[len(flags):]
+    assert [a.replace("grpo_offload", "grpo") for a in offloaded.argv[:len(flags)]] == flags
+    assert extra == ["--offload_embeddings", "true", "--offload_activations", "true"]
 
 
 # ---- collect: archives and manifests it refuses ---------------------------------------------------

@@ -113,10 +113,11 @@ def stages_vs_trl(args: PartArguments, stage: str, out: Path) -> list[str]:
             "--out_dir", str(out / f"stages_vs_trl-{stage}")]
 
 
-def grpo_recipe_run(args: PartArguments, out: Path) -> list[str]:
+def grpo_recipe_run(args: PartArguments, out: Path, name: str = "grpo", *extra: str) -> list[str]:
     """TRL's QLoRA GRPO recipe (Qwen2.5-7B shapes, r=32 on every linear layer, 8 completions of 256 tokens per
     step and per pass, beta 0, a scored reward instead of a reward model, paged 8-bit AdamW, checkpointing),
-    2 steps with memory recorded: what `benchmarks.trl_grpo_recipe` predicts."""
+    2 steps with memory recorded into out/`name`, with the `extra` flags: what `benchmarks.trl_grpo_recipe`
+    predicts."""
     if args.smoke:
         model = ["--model_name_or_path", "tiny-llama", "--quantization", "nf4", "--mixed_precision", "no",
                  "--dtype", "float32", "--optimizer", "adamw_8bit"]
@@ -130,12 +131,12 @@ def grpo_recipe_run(args: PartArguments, out: Path) -> list[str]:
                  "--max_prompt_length", "256", "--micro_batch_size", "8", "--rollout_micro_batch_size", "8",
                  "--mini_batch_size", "8"]
     return [python(), "trainer/grpo.py", "--config", "trainer/configs/llama2_7b/grpo.yaml",
-            "--output_dir", str(out / "grpo"), *model, *data_flags(args), "--lora_r", "32", "--lora_alpha", "32",
+            "--output_dir", str(out / name), *model, *data_flags(args), "--lora_r", "32", "--lora_alpha", "32",
             "--eval_size", "16", "--sft_size", "64", "--reward_size", "64", "--ppo_size", "64",
             "--sft_adapter", "null", "--reward_adapter", "null", "--scripted_reward", "chars:200", "--beta", "0",
             "--rollout_batch_size", "1", *shape, "--gradient_checkpointing", "true", "--max_steps", "2",
             "--eval_every", "0", "--eval_prompts", "0", "--save_every", "0", "--report_to", "none",
-            "--progress_bar", "false", "--profile_memory", "true", "--resume", "no"]
+            "--progress_bar", "false", "--profile_memory", "true", "--resume", "no", *extra]
 
 
 # The GPU tests the first call keeps: the correctness of the CUDA path, which its later steps only run.
@@ -222,8 +223,12 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                                                "--out_dir", str(out / "ppo_compiled")]))
         return steps
     if args.part == "grpo_recipe":  # TRL's published QLoRA GRPO recipe, under the 24 GB cap, against the estimator
+        # then with the input embedding and the update's kept activations in host memory
+        offloads = ("--offload_embeddings", "true", "--offload_activations", "true")
         return [Step("grpo", grpo_recipe_run(args, out)),
-                Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "grpo")])]
+                Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "grpo")]),
+                Step("grpo-offload", grpo_recipe_run(args, out, "grpo_offload", *offloads)),
+                Step("vs-estimate-offload", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "grpo_offload")])]
     if args.part == "stages":
         stages = ("dpo",) if args.smoke else ("sft", "reward", "dpo")  # smoke: see the module's docstring
         return [Step(f"stages_vs_trl-{stage}", stages_vs_trl(args, stage, out)) for stage in stages]

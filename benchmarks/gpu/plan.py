@@ -110,8 +110,8 @@ def predicted(part: str) -> dict[str, float]:
         from profiling.shapes import load_shape
 
         qwen = load_shape("qwen2.5-7b")
-        return {"grpo": process + 2 * step_seconds(Work(rows=8, prompt=256, new=256, epochs=1, scoring_adapters=0), qwen),
-                "vs-estimate": START_S}
+        grpo = process + 2 * step_seconds(Work(rows=8, prompt=256, new=256, epochs=1, scoring_adapters=0), qwen)
+        return {"grpo": grpo, "vs-estimate": START_S, "grpo-offload": grpo, "vs-estimate-offload": START_S}
     if part == "stages":  # 3 steps and a warm-up of 4 x 2 rows at 512 tokens, each side its own build
         tokens = 4 * 2 * 512
         work = {"sft": Work(train_tokens=tokens), "reward": Work(train_tokens=2 * tokens),
