@@ -10,6 +10,7 @@ cross-field rules go in `check()`. `run(main)` wraps every entry point: a `Usage
 from __future__ import annotations
 
 import os
+import re
 import sys
 import typing
 from dataclasses import fields
@@ -162,14 +163,23 @@ def argument_parser(prog: str, description: str):
     return Parser(prog=prog, description=description)
 
 
+_KEY = re.compile(r"^\s*[A-Za-z_][\w.]*\s*=")
+
+
 def parse_assignments(text: Optional[str], flag: str) -> dict[str, str]:
-    """'key=value,key2=value2' (the one syntax of every override flag) as a dict of strings."""
+    """'key=value,key2=value2' (the one syntax of every override flag) as a dict of strings. A part that does
+    not start with `key=` continues the value before it, so a value may be a comma list itself:
+    'reward_weights=1.0,0.5,max_steps=30' sets reward_weights to '1.0,0.5'."""
     out: dict[str, str] = {}
+    key = None
     for item in filter(None, (part.strip() for part in (text or "").split(","))):
-        key, sep, value = (p.strip() for p in item.partition("="))
-        if not sep or not key:
+        if _KEY.match(item):
+            key, _, value = (p.strip() for p in item.partition("="))
+            out[key] = value
+        elif key is None:
             raise UsageError(f"--{flag}: '{item}' is not key=value (use 'key=value,key2=value2')")
-        out[key] = value
+        else:
+            out[key] += f",{item}"
     return out
 
 

@@ -59,3 +59,20 @@ def test_pipeline_with_an_unknown_recipe_fails_at_start(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "trainer.pipeline", "--recipe", str(tmp_path / "nothing"),
                            "--run_dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "no sft.yaml, reward.yaml, ppo.yaml" in proc.stderr
+
+
+def test_override_values_may_be_comma_lists():
+    """`--overrides` (pipeline), `--preset_overrides`: a part that does not start with key= continues the value
+    before it, so list-valued settings (reward functions, their weights) pass through; a bare first part is
+    still refused in one line."""
+    import pytest
+
+    from foundation.cli import UsageError, parse_assignments
+
+    given = "reward_fn=a.py:right,b.py:formatted,reward_weights=1.0,0.25,max_steps=30"
+    assert parse_assignments(given, "overrides") == {
+        "reward_fn": "a.py:right,b.py:formatted", "reward_weights": "1.0,0.25", "max_steps": "30"}
+    assert parse_assignments("num_hidden_layers=3, hidden_size=32", "x") == {"num_hidden_layers": "3",
+                                                                            "hidden_size": "32"}
+    with pytest.raises(UsageError, match="'max_steps' is not key=value"):
+        parse_assignments("max_steps,reward_weights=1", "overrides")
