@@ -106,13 +106,14 @@ def dequantized_weight_bytes(shape: ModelShape, spec: ForwardSpec) -> int:
 def nograd_layer_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) -> int:
     """Peak temporaries of one layer in a forward without autograd (approximate): the residual
     stream plus the larger of the attention block and the MLP block, with their fp32 norm copy
-    and the fp32 LoRA input cast."""
+    and the LoRA input's fp32 cast (none in fp32)."""
     h, i, a = shape.hidden_size, shape.intermediate_size, spec.dtype_bytes
     n_h, n_kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    attention = 4 * h + a * (h + 2 * n_h * d + 2 * n_kv * d) + LORA_BYTES * h
+    cast = LORA_BYTES if a < LORA_BYTES else 0  # in fp32 the LoRA input is the input itself
+    attention = 4 * h + a * (h + 2 * n_h * d + 2 * n_kv * d) + cast * h
     if spec.attention == "eager":
         attention += 6 * n_h * seq_len
-    mlp = 4 * h + a * (h + 3 * i) + LORA_BYTES * i
+    mlp = 4 * h + a * (h + 3 * i) + cast * i
     return 2 * a * h + max(attention, mlp)
 
 
@@ -154,6 +155,13 @@ def head_logprobs_nograd(shape: ModelShape, spec: ForwardSpec, tokens: int) -> i
     """The same without gradient (DPO's reference): a chunk's fp32 logits (the compute dtype's copy dies at
     the upcast) and the log-sum-exp's fp32 temporary."""
     return min(head_chunk_positions(shape.vocab_size), tokens) * shape.vocab_size * 2 * 4
+
+
+def head_inputs(shape: ModelShape, spec: ForwardSpec, tokens: int, positions: int, backward: bool = True) -> int:
+    """Beside the LM head's chunks: the final hidden states of all `tokens`, which the caller holds while the
+    head runs, and at the head's `positions` their gathered hidden states, with a backward also three
+    gradients of that size (the gathered states', the chunk's, their sum)."""
+    return spec.dtype_bytes * shape.hidden_size * (tokens + (4 if backward else 1) * positions)
 
 
 def lora_weight_casts(shape: ModelShape, spec: ForwardSpec, adapters: int = 1) -> int:

@@ -214,13 +214,15 @@ def rollout_buffer_bytes(args: EstimateArguments) -> int:
 # ---------------------------------------------------------------- phases
 
 
-def _training(shape: ModelShape, spec: A.ForwardSpec, tokens: int, seq: int, head: int, held: dict,
-              adapters: int = 1, extra: int = 0) -> tuple[dict, list[dict]]:
-    """(held, moments, host) of a training pass: the LM head's backward (`head` bytes) runs beside the kept
-    activations alone, then each layer's backward (A.training_parts). `extra`: activation bytes alive
-    throughout (a pair mask)."""
+def _training(shape: ModelShape, spec: A.ForwardSpec, tokens: int, seq: int, positions: int, held: dict,
+              adapters: int = 1, extra: int = 0) -> tuple[dict, list[dict], int]:
+    """(held, moments, host) of a training pass: the LM head's backward at `positions` (none: a scalar head)
+    runs beside the kept activations alone, then each layer's backward (A.training_parts). `extra`:
+    activation bytes alive throughout (a pair mask)."""
     kept, layer, host = A.training_parts(shape, spec, tokens, seq, adapters)
-    return _merged(held, {C.ACTIVATIONS: kept + extra}), [{C.LOGITS: head}, {C.ACTIVATIONS: layer}], host
+    head = {C.LOGITS: A.head_logprobs_training(shape, spec, positions) if positions else 0,
+            C.ACTIVATIONS: A.head_inputs(shape, spec, tokens, positions)}
+    return _merged(held, {C.ACTIVATIONS: kept + extra}), [head, {C.ACTIVATIONS: layer}], host
 
 
 def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.ForwardSpec, trainable: list[int]) -> list:
@@ -235,8 +237,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     # (`output="logprobs"`, trainer.model.logprobs.head_logprobs): a chunk's logits, never the (tokens x V) whole.
     if args.stage == "sft":
         tokens = mb * seq
-        return [("forward_backward", *_training(shape, spec, tokens, seq, A.head_logprobs_training(shape, spec, tokens),
-                                                grads)), step]
+        return [("forward_backward", *_training(shape, spec, tokens, seq, tokens, grads)), step]
     if args.stage in ("reward", "dpo"):
         # Chosen and rejected of each pair, each with its prompt, at most max_length: 2 x mb x seq tokens is the
         # bound in either layout (one row per pair holds the prompt once). One row per pair is up to twice as long
@@ -247,17 +248,19 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         if args.share_pair_prompts and args.attn_implementation != "flash_attention_2":
             row = 2 * seq
             mask = mb * row * row * (1 + spec.dtype_bytes)
-        head = A.head_logprobs_training(shape, spec, tokens) if args.stage == "dpo" else 0
-        train = ("forward_backward", *_training(shape, spec, tokens, row, head, grads, extra=mask))
+        positions = tokens if args.stage == "dpo" else 0  # reward scores read one position per row
+        train = ("forward_backward", *_training(shape, spec, tokens, row, positions, grads, extra=mask))
         if args.stage == "reward":
             return [train, step]
         return [("reference", {C.ACTIVATIONS: mask}, [{C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, row)},
-                                                       {C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens)}], 0),
+                                                       {C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens),
+                                                        C.ACTIVATIONS: A.head_inputs(shape, spec, tokens, tokens,
+                                                                                     backward=False)}], 0),
                 train, step]
     rows = args.rollout_micro_batch_size
     context = args.max_prompt_length + args.max_new_tokens
     scored = rows * args.max_new_tokens  # the head runs at the response positions only (trainer.rl.scoring)
-    update_head = A.head_logprobs_training(shape, spec, mb * args.max_new_tokens)
+    update_positions = mb * args.max_new_tokens  # the policy rows' responses
     # Sampling: the KV cache through the phase; the prompt's forward, then per decode step (rows x V) logits:
     # the model's, generate's fp32 copy, the log-prob hook's clone, the min-length mask, the sampler's
     # softmax, cumulative sum and two full_like (benchmarks/results/activation_check-cpu).
@@ -268,15 +271,18 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     groups = len(adapters(args)) - 1  # the policy's log-probs come from sampling
     # The scoring pass runs every adapter but the policy; only the reference gives log-probs (beta 0 and
     # reward functions in GRPO: no pass at all).
+    reference = REFERENCE in roles(args)
     score_moments = [{C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context)
                       if groups else 0},
-                     {C.LOGITS: A.head_logprobs_nograd(shape, spec, scored) if REFERENCE in roles(args) else 0}]
+                     {C.LOGITS: A.head_logprobs_nograd(shape, spec, scored) if reference else 0,
+                      C.ACTIVATIONS: A.head_inputs(shape, spec, groups * rows * context, scored, backward=False)
+                      if reference else 0}]
     if args.stage == "grpo":  # critic-free: the rollout rows are prompts x generations, one forward in the update
         rows_all = replace(args, rollout_batch_size=args.rollout_batch_size * args.num_generations)
         buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(rows_all)}
         return [("generate", {**buffers, **generate_held}, generate_moments, 0),
                 ("score", buffers, score_moments, 0),
-                ("update", *_training(shape, spec, mb * context, context, update_head, {**buffers, **grads})),
+                ("update", *_training(shape, spec, mb * context, context, update_positions, {**buffers, **grads})),
                 step]
     # PPO as trainer.rl.rollout / trainer.rl.ppo_step run it: generation and scoring in chunks of
     # `rollout_micro_batch_size` rows. In the update, policy and value rows are one routed batch of two
@@ -284,7 +290,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(args)}
     return [("generate", {**buffers, **generate_held}, generate_moments, 0),
             ("score", buffers, score_moments, 0),
-            ("update", *_training(shape, spec, 2 * mb * context, context, update_head, {**buffers, **grads},
+            ("update", *_training(shape, spec, 2 * mb * context, context, update_positions, {**buffers, **grads},
                                   adapters=2)),
             step]
 

@@ -153,3 +153,22 @@ def test_the_chunked_log_prob_formulas_are_the_measured_peaks(dtype, positions):
     assert peaks["reference"] == A.head_logprobs_nograd(shape, spec, positions)
     assert peaks["rl_update"] == A.head_logprobs_training(shape, spec, positions)
     assert peaks["rl_score"] == A.head_logprobs_nograd(shape, spec, positions)
+
+
+def test_the_estimate_holds_every_large_activation_and_logit_term_measured_on_the_cpu(tmp_path):
+    """benchmarks.activation_check on its test variant (two layers of a 1B model's width, checkpointed, a 128k
+    vocabulary): SFT's forward and backward, PPO's generation, scoring and update, each run by the stage
+    script; every term of at least 16 MiB (activations, logits, both at once) within 10% of the estimate."""
+    from benchmarks.activation_check import SIGNIFICANT, TOLERANCE, run_variant, write_rows
+
+    rows, runs = run_variant("wide-vocab128k-ckpt", tmp_path, write_rows(tmp_path / "rows.jsonl"), timeout_s=600,
+                             stages=("sft", "reward", "ppo"))
+    assert [r["exit_code"] for r in runs] == [0, 0, 0], runs
+    held = [(r["stage"], r["phase"], term, r[term]) for r in rows for term in ("activations", "logits", "transient")
+            if r[term]["held"]]
+    phases = {(stage, phase) for stage, phase, _, _ in held}
+    assert {("sft", "forward_backward"), ("ppo", "score"), ("ppo", "update")} <= phases
+    assert len(held) >= 8 and all(max(t["measured"], t["estimated"]) >= SIGNIFICANT for *_, t in held)
+    off = [(stage, phase, term, round(t["ratio"], 2)) for stage, phase, term, t in held
+           if abs(t["ratio"] - 1) > TOLERANCE]
+    assert not off, off
