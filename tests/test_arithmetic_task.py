@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.arithmetic.make_data import main
-from benchmarks.arithmetic.rewards import answer_stated, correct, formatted, parse_answer
+from benchmarks.arithmetic.make_data import INSTRUCTION, main
+from benchmarks.arithmetic.rewards import correct, formatted, parse_answer
+
+
+def question(row: dict) -> str:
+    """The problem of a row, after the worked example every prompt shows first."""
+    content = row["prompt"][0]["content"]
+    assert content.startswith(INSTRUCTION) and "Answer: N" in INSTRUCTION
+    return content.rsplit("Problem: ", 1)[1]
 
 
 def test_the_task_writes_disjoint_train_and_held_out_problems_with_their_answers(tmp_path):
@@ -16,7 +23,7 @@ def test_the_task_writes_disjoint_train_and_held_out_problems_with_their_answers
     questions = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
     assert len(questions(train)) == 300 and len(questions(heldout)) == 100 and not questions(train) & questions(heldout)
     for row in train + heldout:  # every answer is the problem's own arithmetic
-        text = row["prompt"][0]["content"].split("\n")[0]
+        text = question(row)
         numbers = [int(w.strip(".,")) for w in text.split() if w.strip(".,").isdigit()]
         assert int(row["answer"]) in {numbers[0] + numbers[1], numbers[0] - numbers[1], numbers[0] * numbers[1]} | (
             {numbers[0] + numbers[1] - numbers[2]} if len(numbers) == 3 else set())
@@ -36,14 +43,9 @@ def test_the_one_digit_level_adds_or_takes_away_numbers_under_ten(tmp_path):
     main(["--out", str(tmp_path / "t"), "--train", "200", "--heldout", "50", "--level", "one_digit"])
     for line in (tmp_path / "t" / "train.jsonl").read_text().splitlines():
         row = json.loads(line)
-        numbers = [int(w) for w in row["prompt"][0]["content"].replace(".", " ").split() if w.isdigit()]
+        numbers = [int(w) for w in question(row).replace(".", " ").split() if w.isdigit()]
         a, b = numbers
         assert int(row["answer"]) in {a + b, a - b} and b < 10 and (a < 10 or int(row["answer"]) < 10)
-
-
-def test_answer_stated_credits_an_answer_given_anywhere_in_any_wording():
-    completions = ["The answer is 8.", "Answer: 8\nthat is all", "answer: -3", "I think 8", "Answers vary"]
-    assert answer_stated(completions) == [1.0, 1.0, 1.0, 0.0, 0.0]
 
 
 def test_the_result_says_whether_a_figure_moved_beyond_its_interval():

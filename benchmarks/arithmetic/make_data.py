@@ -6,8 +6,8 @@
 Writes train.jsonl and heldout.jsonl, one row per problem: `{"prompt": [{"role": "user", "content": ...}],
 "answer": "71"}` (a conversational prompt, the answer as a separate column for the reward functions).
 Each problem (level two_digit) is one or two steps of adding, taking away or multiplying small whole numbers;
-level one_digit only adds or takes away numbers under 10. Every problem asks for the result on a last line
-`Answer: N`. Held-out problems never repeat a training problem.
+level one_digit only adds or takes away numbers under 10. Every prompt shows one worked example and asks for
+the result on a last line `Answer: N`. Held-out problems never repeat a training problem.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ from foundation.files import atomic_folder
 
 ITEMS = ("apples", "books", "coins", "marbles", "pencils", "stickers", "cards", "shells")
 NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Goran", "Hana", "Ivan", "Jun")
-INSTRUCTION = "Solve the problem. End your reply with a last line of the form 'Answer: N', N a whole number."
+# One worked example, of names and items the problems never use: the format to keep, shown once.
+INSTRUCTION = ("Solve the problem. Work it out in one line, then end with a last line 'Answer: N', N a whole number. "
+               "For example:\nProblem: Lea has 7 pens and gives away 3. How many pens are left?\n"
+               "Lea has 7 - 3 = 4 pens left.\nAnswer: 4")
 LEVELS = ("two_digit", "one_digit")
 
 
@@ -63,7 +66,8 @@ def rows(count: int, rng: random.Random, taken: set[str], level: str = "two_digi
         if question in taken:
             continue
         taken.add(question)
-        out.append({"prompt": [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}], "answer": str(answer)})
+        out.append({"prompt": [{"role": "user", "content": f"{INSTRUCTION}\n\nProblem: {question}"}],
+                    "answer": str(answer)})
     return out
 
 

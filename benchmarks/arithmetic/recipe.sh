@@ -9,7 +9,7 @@ RUN=${1:-runs/arithmetic}
 PY=${PYTHON:-.venv/bin/python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 CHECKS=benchmarks/arithmetic/rewards.py:correct,benchmarks/arithmetic/rewards.py:formatted
-EVAL=(--data "$RUN/data/heldout.jsonl" --reward_fn "$CHECKS" --max_new_tokens 40 --model_name_or_path smollm2-135m
+EVAL=(--data "$RUN/data/heldout.jsonl" --reward_fn "$CHECKS" --max_new_tokens 48 --model_name_or_path smollm2-135m
       --samples 300)  # every response kept: the report counts the answers given
 
 $PY -m benchmarks.arithmetic.make_data --out "$RUN/data" --level one_digit --train 2000 --heldout 300

@@ -105,7 +105,8 @@ def readme(result: dict) -> str:
     rows = [("exact match (`correct`)", ACCURACY), ("format compliance (`formatted`)", FORMAT)]
     lines = ["# Arithmetic word problems: GRPO with reward functions on SmolLM2-135M-Instruct (CPU)", "",
              f"{before['rows']} held-out problems (`benchmarks.arithmetic.make_data --level one_digit`: one step, "
-             "adding or taking away numbers under 10, the answer asked for on a last line `Answer: N`), answered "
+             "adding or taking away numbers under 10, after one worked example of the format, the answer asked "
+             "for on a last line `Answer: N`), answered "
              f"greedily with at most {before['max_new_tokens']} new tokens before and after GRPO; 95% Wilson "
              "intervals in brackets.", "",
              "| | before (base model) | after GRPO |", "|---|---|---|"]

@@ -33,12 +33,3 @@ def correct(completions, answer, **_) -> list[float]:
 def formatted(completions, **_) -> list[float]:
     """1 when the completion ends with a line `Answer: N`, else 0 (right or wrong)."""
     return [float(parse_answer(c) is not None) for c in completions]
-
-
-STATED = re.compile(r"answer\W{0,3}(?:is\s+)?-?\d+", re.IGNORECASE)
-
-
-def answer_stated(completions, **_) -> list[float]:
-    """1 when the completion states a number as its answer anywhere ('Answer: 7', 'the answer is 7'): a
-    denser signal than `formatted` for a model that rarely keeps the format at the start."""
-    return [float(STATED.search(_text(c)) is not None) for c in completions]
