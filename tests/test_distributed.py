@@ -453,12 +453,12 @@ from pathlib import Path
 import torch
 import trainer.ppo as ppo
 real_train = ppo.train
-def train(ctx, model, prompts, held_out, *scorer):
+def train(ctx, model, prompts, held_out, scorer):
     # every rank saves its trainable weights before and after training, each into its own file
     rank = ctx.accelerator.process_index
     weights = lambda: [p.detach().cpu().clone() for p in model.trainable_parameters()]
     before = weights()
-    state = real_train(ctx, model, prompts, held_out, *scorer)
+    state = real_train(ctx, model, prompts, held_out, scorer)
     torch.save({"before": before, "after": weights()}, Path(__file__).parent / f"weights_rank{rank}.pt")
     return state
 ppo.train = train

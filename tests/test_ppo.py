@@ -60,8 +60,10 @@ class PPOSetup:
 
     def train(self):
         from trainer.ppo import train
+        from trainer.rl.settings import make_scorer
 
-        return train(self.ctx, self.model, self.train_prompts, self.eval_prompts)
+        return train(self.ctx, self.model, self.train_prompts, self.eval_prompts,
+                     make_scorer(self.ctx.stage_args, self.ctx.tokenizer))
 
     def evaluate(self) -> dict:
         from trainer.rl.policy_eval import policy_vs_reference

@@ -91,9 +91,8 @@ def build_model(ctx: RunContext):
                               quant_storage=ctx.quant_storage(model_args))
 
 
-def train(ctx: RunContext, model, prompts, held_out, scorer: Optional[Scorer] = None) -> GroupState:
+def train(ctx: RunContext, model, prompts, held_out, scorer: Scorer) -> GroupState:
     args, targs, tok = ctx.stage_args, ctx.train_args, ctx.tokenizer
-    scorer = scorer or make_scorer(args, tok)
     state = GroupState(torch.Generator().manual_seed(targs.seed), targs.micro_batch_size)
 
     def evaluate() -> dict[str, float]:

@@ -87,10 +87,9 @@ def build_model(ctx: RunContext):
 ARGUMENTS = PPOArguments  # the `stage:` section of this stage's config
 
 
-def train(ctx: RunContext, model, prompts, held_out, scorer: Optional[Scorer] = None) -> PPOState:
+def train(ctx: RunContext, model, prompts, held_out, scorer: Scorer) -> PPOState:
     """Run PPO on `model` for train_args.max_steps steps in the harness; returns the state it ended in."""
     args, targs, tok = ctx.stage_args, ctx.train_args, ctx.tokenizer
-    scorer = scorer or make_scorer(args, tok)
     state = PPOState.start(args, targs.micro_batch_size, targs.seed)
 
     def evaluate() -> dict[str, float]:

@@ -269,13 +269,12 @@ def _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, 
             rows, batch, input_ids, attention_mask, response_mask)
         scores, reward_metrics = scorer.score(model, input_ids, attention_mask, prompt_length, response_mask,
                                               examples, adapter_scores)
-    rollout = _finish(samples, prompt_length, ref_logprobs, values, scores, args.missing_eos_penalty, generate_s)
-    rollout.reward_metrics = reward_metrics
-    return rollout
+    return _finish(samples, prompt_length, ref_logprobs, values, scores, args.missing_eos_penalty, generate_s,
+                   reward_metrics)
 
 
 def _finish(samples: Samples, prompt_length: int, ref_logprobs, values, scores, missing_eos_penalty,
-            generate_s) -> Rollout:
+            generate_s, reward_metrics: dict) -> Rollout:
     """The rollout with the missing-EOS penalty applied and every per-token tensor 0 after each row's EOS."""
     ended, response_mask = samples.ended, samples.response_mask
     if missing_eos_penalty is not None:
@@ -284,7 +283,7 @@ def _finish(samples: Samples, prompt_length: int, ref_logprobs, values, scores, 
     return Rollout(input_ids=samples.input_ids, attention_mask=samples.attention_mask, response_mask=fmask,
                    prompt_length=prompt_length, logprobs=samples.logprobs * fmask, ref_logprobs=ref_logprobs * fmask,
                    values=values.float() * fmask, scores=scores.float(), ended=ended,
-                   entropy=samples.entropy * fmask, generate_s=generate_s)
+                   entropy=samples.entropy * fmask, generate_s=generate_s, reward_metrics=reward_metrics)
 
 
 def _pad_right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
