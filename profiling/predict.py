@@ -225,6 +225,16 @@ def _training(shape: ModelShape, spec: A.ForwardSpec, tokens: int, seq: int, pos
     return _merged(held, {C.ACTIVATIONS: kept + extra}), [head, {C.ACTIVATIONS: layer}], host
 
 
+def _scoring(shape: ModelShape, spec: A.ForwardSpec, tokens: int, seq: int, positions: int) -> list[dict]:
+    """The moments of a no-grad pass over `tokens` (none: no pass): its layers, then its LM head at `positions`
+    (none: no head) beside the final hidden states."""
+    layers = {C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, seq) if tokens else 0}
+    if not positions:
+        return [layers, {C.LOGITS: 0}]
+    return [layers, {C.LOGITS: A.head_logprobs_nograd(shape, spec, positions),
+                     C.ACTIVATIONS: A.head_inputs(shape, spec, tokens, positions, backward=False)}]
+
+
 def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.ForwardSpec, trainable: list[int]) -> list:
     """(phase, held, moments, host) for what each phase adds on top of the resident components: `held` is
     alive through the phase, each moment's components are alive together, and the phase peaks at its largest
@@ -252,11 +262,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         train = ("forward_backward", *_training(shape, spec, tokens, row, positions, grads, extra=mask))
         if args.stage == "reward":
             return [train, step]
-        return [("reference", {C.ACTIVATIONS: mask}, [{C.ACTIVATIONS: A.nograd_activations(shape, spec, tokens, row)},
-                                                       {C.LOGITS: A.head_logprobs_nograd(shape, spec, tokens),
-                                                        C.ACTIVATIONS: A.head_inputs(shape, spec, tokens, tokens,
-                                                                                     backward=False)}], 0),
-                train, step]
+        return [("reference", {C.ACTIVATIONS: mask}, _scoring(shape, spec, tokens, row, tokens), 0), train, step]
     rows = args.rollout_micro_batch_size
     context = args.max_prompt_length + args.max_new_tokens
     scored = rows * args.max_new_tokens  # the head runs at the response positions only (trainer.rl.scoring)
@@ -271,12 +277,8 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     groups = len(adapters(args)) - 1  # the policy's log-probs come from sampling
     # The scoring pass runs every adapter but the policy; only the reference gives log-probs (beta 0 and
     # reward functions in GRPO: no pass at all).
-    reference = REFERENCE in roles(args)
-    score_moments = [{C.ACTIVATIONS: A.nograd_activations(shape, spec, groups * rows * context, context)
-                      if groups else 0},
-                     {C.LOGITS: A.head_logprobs_nograd(shape, spec, scored) if reference else 0,
-                      C.ACTIVATIONS: A.head_inputs(shape, spec, groups * rows * context, scored, backward=False)
-                      if reference else 0}]
+    score_moments = _scoring(shape, spec, groups * rows * context, context,
+                             scored if REFERENCE in roles(args) else 0)
     if args.stage == "grpo":  # critic-free: the rollout rows are prompts x generations, one forward in the update
         rows_all = replace(args, rollout_batch_size=args.rollout_batch_size * args.num_generations)
         buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(rows_all)}
