@@ -231,7 +231,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 def run_benchmark(args: Workload, argv: list[str], accelerator) -> dict:
-    from foundation.provenance import provenance, relative_command
+    from foundation.provenance import provenance, relative_command, relative_path
 
     sides = args.side_list
     device = accelerator.device
@@ -246,7 +246,8 @@ def run_benchmark(args: Workload, argv: list[str], accelerator) -> dict:
     report = {"kind": "ppo_vs_trl", "device_kind": "cuda" if device.type == "cuda" else "cpu",
               **provenance(device, command), "trl_version": _version("trl"),
               "mixed_precision": accelerator.mixed_precision,
-              "settings": {k: v for part in args.settings().values() for k, v in part.items()},
+              "settings": {k: relative_path(v) if isinstance(v, str) else v
+                           for part in args.settings().values() for k, v in part.items()},
               "resolved": resolved(args, device),
               "trl_ppo_config": trl_batch_settings(args), "tokens_per_step": args.tokens(),
               "simulated_gpu_gib": args.simulate_gpu_gib if device.type == "cuda" else None,

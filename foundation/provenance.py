@@ -51,17 +51,18 @@ def library_versions(names=_LIBRARIES) -> dict[str, Optional[str]]:
     return out
 
 
-def relative_command(argv: Optional[list[str]] = None) -> str:
-    """The command line with every absolute path made relative to the project root (provenance never names
-    a machine's folders): /home/x/onebase/trainer/sft.py -> trainer/sft.py, /tmp/run -> ../../tmp/run."""
-    import os
+def relative_path(value: str) -> str:
+    """An absolute path made relative to the project root (provenance never names a machine's folders):
+    /home/x/onebase/trainer/sft.py -> trainer/sft.py, /tmp/run -> ../../tmp/run; anything else as it is."""
+    return os.path.relpath(value, PROJECT_ROOT) if value.startswith("/") else value
 
+
+def relative_command(argv: Optional[list[str]] = None) -> str:
+    """The command line with every absolute path made relative to the project root (`relative_path`)."""
     words = []
     for arg in sys.argv if argv is None else argv:
         head, sep, value = arg.partition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
-        if value.startswith("/"):
-            value = os.path.relpath(value, PROJECT_ROOT)
-        words.append(shlex.quote(head + sep + value))
+        words.append(shlex.quote(head + sep + relative_path(value)))
     return " ".join(words)
 
 
