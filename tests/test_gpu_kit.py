@@ -1,6 +1,6 @@
 """The GPU kit end to end in smoke mode: `benchmarks/gpu/run.sh --smoke` runs every part's code path on
 the CPU with the tiny preset, packs each part into one archive small enough to come back from the GPU
-machine, and `benchmarks.gpu.collect` files the archives and regenerates the README's GPU section.
+machine, and `benchmarks.gpu.collect` files the archives and regenerates the GPU tables of docs/gpu-results.md.
 
 The smoke run's files are checked for what each part must measure: the flag ladder's rungs really ran
 with their flags, both sides of the TRL comparison did the same work, decode throughput and the
