@@ -266,6 +266,20 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
     assert "| first-llama-2-7b-nvidia-h100 | ppo | update |" in text
     assert "| first-llama-2-7b-nvidia-h100 | ppo | 4 | 8 |" in text  # rows decoded together, new tokens
     assert "| first-llama-2-7b-nvidia-h100 | ours | ok |" in text and "| first-llama-2-7b-nvidia-h100 | trl | ok |" in text
+    # Every run folder of a result is tabulated (the recipe's offloaded run too), and the speed part's decode
+    # paths (from its committed smoke result).
+    recipe, speed = results / "grpo_recipe-llama-2-7b-nvidia-h100", results / "speed-llama-2-7b-nvidia-h100"
+    shutil.copytree(results / "grpo_recipe-tiny-llama-smoke", recipe)
+    shutil.copytree(ROOT / "benchmarks" / "results" / "speed-tiny-llama-smoke", speed)
+    for folder in (recipe, speed):
+        part_info = json.loads((folder / "provenance.json").read_text())
+        (folder / "provenance.json").write_text(json.dumps({**part_info, "smoke": False, "device": "cuda"}))
+    update_readme(readme, results)
+    text = readme.read_text()
+    assert "| grpo_recipe-llama-2-7b-nvidia-h100 | grpo | update |" in text
+    assert "| grpo_recipe-llama-2-7b-nvidia-h100 | grpo_offload | update |" in text
+    decoded = json.loads(next(speed.glob("*/decode.json")).read_text())["rows"]
+    assert text.count("| speed-llama-2-7b-nvidia-h100 | decode") == len(decoded) > 0
 
 
 def test_the_full_speed_part_ends_with_the_compiled_ablations_on_the_same_work_as_the_first_call(tmp_path):

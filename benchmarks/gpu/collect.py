@@ -1,11 +1,11 @@
 """The GPU kit, back on a development machine: unpack the parts' archives and regenerate the GPU tables of
 docs/gpu-results.md from the files they hold (no figure typed by hand).
 
-    python -m benchmarks.gpu.collect ARCHIVE [ARCHIVE ...]
+    python -m benchmarks.gpu.collect [ARCHIVE ...]
 
 Each archive becomes `benchmarks/results/PART-MODEL-GPU/` (smoke: `PART-MODEL-smoke/`) with
 `provenance.json`; then the `gpu-results` section of docs/gpu-results.md is rewritten from every GPU result
-folder.
+folder (with no archive, only that section).
 """
 
 from __future__ import annotations
@@ -128,13 +128,18 @@ def gpu_folders(results: Path, part: str) -> list[Path]:
     return found
 
 
+def run_folders(folder: Path, file: str) -> list[Path]:
+    """A result's run folders that hold FILE: the stages in pipeline order, then the rest (e.g. `grpo_offload`)."""
+    order = {"sft": 0, "reward": 1, "ppo": 2, "grpo": 3}
+    runs = [path.parent for path in folder.glob(f"*/{file}")]
+    return sorted(runs, key=lambda run: (order.get(run.name, len(order)), run.name))
+
+
 def memory_rows(folder: Path) -> list[str]:
     rows = []
-    for stage in ("sft", "reward", "ppo", "grpo"):
-        memory = folder / stage / "memory.json"
-        if not memory.is_file():
-            continue
-        data = json.loads(memory.read_text())
+    for run in run_folders(folder, "memory.json"):
+        stage = run.name
+        data = json.loads((run / "memory.json").read_text())
         for phase in data["phases"]:
             cuda = phase.get("cuda") or {}
             rows.append(f"| {folder.name} | {stage} | {phase['phase']} | {_gib(cuda.get('peak_allocated'))} | "
@@ -145,11 +150,9 @@ def memory_rows(folder: Path) -> list[str]:
 
 def estimate_rows(folder: Path) -> list[str]:
     rows = []
-    for stage in ("sft", "reward", "ppo", "grpo"):
-        path = folder / stage / "vs_estimate.json"
-        if not path.is_file():
-            continue
-        for p in json.loads(path.read_text())["phases"]:
+    for run in run_folders(folder, "vs_estimate.json"):
+        stage = run.name
+        for p in json.loads((run / "vs_estimate.json").read_text())["phases"]:
             ratio = "-" if p["total_ratio"] is None else f"{p['total_ratio']:.2f}"
             alloc = p.get("peak_allocated_ratio")
             rows.append(f"| {folder.name} | {stage} | {p['phase']} | {_gib(p.get('measured_peak_allocated'))} | "
@@ -172,9 +175,9 @@ def last_metrics(path: Path) -> dict:
 def decode_rows(folder: Path) -> list[str]:
     """Decode speed of each RL run's rollout (its last step: warm), against the bandwidth bound."""
     rows = []
-    for stage in ("ppo", "grpo"):
-        config_file = folder / stage / "config.json"
-        last = last_metrics(folder / stage / "metrics.jsonl")
+    for run in run_folders(folder, "metrics.jsonl"):
+        stage, config_file = run.name, run / "config.json"
+        last = last_metrics(run / "metrics.jsonl")
         if not last or not config_file.is_file():
             continue
         stage_config = json.loads(config_file.read_text()).get("stage", {})
@@ -182,6 +185,16 @@ def decode_rows(folder: Path) -> list[str]:
         rows.append(f"| {folder.name} | {stage} | {stage_config.get('rollout_micro_batch_size')} | "
                     f"{stage_config.get('max_new_tokens')} | {last['perf/decode_tokens_per_s']:.0f} | "
                     f"{'-' if fraction is None else f'{fraction:.0%}'} |")
+    return rows
+
+
+def decode_path_rows(folder: Path) -> list[str]:
+    """The decode benchmark's rows (`benchmarks.gpu.decode`): each path and batch against the bandwidth bound."""
+    rows = []
+    for run in run_folders(folder, "decode.json"):
+        for r in json.loads((run / "decode.json").read_text())["rows"]:
+            rows.append(f"| {folder.name} | {run.name} | {r['path']} | {r['batch']} | {r['ms_per_step']:.1f} | "
+                        f"{r['tokens_per_s']:.0f} | {r['bandwidth_fraction']:.1%} | {r['first_call_s']:.1f} |")
     return rows
 
 
@@ -213,14 +226,14 @@ def readme_section(results: Path) -> str:
                   "prediction. `benchmarks/gpu/README.md` says how to measure them.", "", END]
         return "\n".join(lines)
     lines += ["Measured memory per phase (7B architecture, NF4, seed recipe settings, simulated 24 GB card):", "",
-              "| result | stage | phase | peak allocated GiB | peak reserved GiB | NVML device used GiB | budget GiB |",
+              "| result | run | phase | peak allocated GiB | peak reserved GiB | NVML device used GiB | budget GiB |",
               "|---|---|---|---:|---:|---:|---:|"]
     for folder in folders:
         lines += memory_rows(folder)
     lines += ["", "Measured against the estimator on the same settings (target ratio 0.85-1.15): the peak the "
               "allocator held for tensors, and the whole phase (device used: the allocator's cache and the CUDA "
               "context too):", "",
-              "| result | stage | phase | peak allocated GiB | estimated GiB | ratio | whole phase GiB | "
+              "| result | run | phase | peak allocated GiB | estimated GiB | ratio | whole phase GiB | "
               "estimated GiB | ratio |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for folder in folders:
@@ -228,8 +241,14 @@ def readme_section(results: Path) -> str:
     decode = [row for folder in folders for row in decode_rows(folder)]
     if decode:
         lines += ["", "Rollout decoding (the run's last step; prefill included), against the bandwidth bound:", "",
-                  "| result | stage | rows decoded together | new tokens | tokens/s | of the bound |",
+                  "| result | run | rows decoded together | new tokens | tokens/s | of the bound |",
                   "|---|---|---:|---:|---:|---:|", *decode]
+    paths = [row for folder in gpu_folders(results, "speed") for row in decode_path_rows(folder)]
+    if paths:
+        lines += ["", "Decoding alone (`benchmarks.gpu.decode`: 7B NF4, policy adapter, fixed length), per path and "
+                  "batch, against the bandwidth bound; first call (warm-up, compilation) apart:", "",
+                  "| result | run | path | batch | ms per step | tokens/s | of the bound | first call s |",
+                  "|---|---|---|---:|---:|---:|---:|---:|", *paths]
     trl = [row for folder in folders for row in trl_rows(folder)]
     if trl:
         lines += ["", "One PPO step on the same 7B work, ours against TRL 1.12 (a side the budget cut has no figure):",
@@ -249,7 +268,7 @@ def update_readme(readme: Path, results: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> list[Path]:
     parser = argument_parser("python -m benchmarks.gpu.collect", __doc__.splitlines()[0])
-    parser.add_argument("archives", nargs="+", type=Path)
+    parser.add_argument("archives", nargs="*", type=Path)
     parser.add_argument("--results_dir", type=Path, default=RESULTS)
     parser.add_argument("--readme", type=Path, default=GPU_RESULTS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -138,6 +138,15 @@ def _seconds(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+def _step_seconds(step: Optional[dict]) -> str:
+    """A step's measured seconds; a step the call's budget cut shows `cut after N` (or `cut` if never started)."""
+    if not step:
+        return "-"
+    if step.get("status") == "cut":
+        return f"cut after {step['seconds']:.0f}" if step.get("seconds") else "cut"
+    return _seconds(step.get("seconds"))
+
+
 def plan_table() -> str:
     from benchmarks.gpu.parts import BUDGET_S, PARTS
 
@@ -155,8 +164,8 @@ def plan_table() -> str:
         gpu_steps = (gpu.get(part) or {}).get("steps") or {}
         names = list(guess) or list(smoke_steps) or list(gpu_steps)
         for name in names:
-            lines.append(f"| `{part}` | {name} | {_seconds((smoke_steps.get(name) or {}).get('seconds'))} | "
-                         f"{_seconds(guess.get(name))} | {_seconds((gpu_steps.get(name) or {}).get('seconds'))} |")
+            lines.append(f"| `{part}` | {name} | {_step_seconds(smoke_steps.get(name))} | "
+                         f"{_seconds(guess.get(name))} | {_step_seconds(gpu_steps.get(name))} |")
         total = sum(guess.values()) if guess else None
         call = None if total is None else min(total, BUDGET_S[part]) + WHEELS_S + PACK_S
         measured = (gpu.get(part) or {}).get("seconds")
