@@ -164,8 +164,8 @@ class Outputs:
             logprobs, entropy = out if with_entropy else (out, None)
         else:
             logits = head(flat).unsqueeze(0)
-            if temperature != 1.0:
-                logits = logits / temperature
+            if temperature != 1.0:  # upcast first, as the chunked head does
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
             logprobs = token_logprobs(logits, flat_labels.unsqueeze(0)).squeeze(0)
             entropy = entropy_from_logits(logits).squeeze(0) if with_entropy else None
         return logprobs.view(labels.shape), None if entropy is None else entropy.view(labels.shape)

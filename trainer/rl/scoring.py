@@ -56,9 +56,10 @@ def _unwrapped(model):
 def next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
                         with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(B, T) log-probs of `tokens` under the (B, T, V) `logits` that predict them, at `temperature`, and
-    the entropy of each position's distribution if asked: every scoring pass's, and sampling's."""
+    the entropy of each position's distribution if asked. At a temperature the logits are upcast before the
+    division, as the chunked head does (`head_logprobs`): dividing bf16 logits rounds them a second time."""
     if temperature not in (0.0, 1.0):
-        logits = logits / temperature
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     return token_logprobs(logits, tokens), entropy_from_logits(logits) if with_entropy else None
 
 
