@@ -268,9 +268,8 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     scored = rows * args.max_new_tokens  # the head runs at the response positions only (trainer.rl.scoring)
     update_positions = mb * args.max_new_tokens  # the policy rows' responses
     # Sampling: the KV cache through the phase; the prompt's forward, then per decode step (rows x V) logits:
-    # the model's, generate's fp32 copy, the log-prob hook's clone, the min-length mask, the sampler's
-    # softmax, cumulative sum and two full_like (benchmarks/results/activation_check-cpu).
-    step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 7 * 4)
+    # the model's, and at most four fp32 buffers of the pick (trainer.model.decode.pick_tokens; top-p adds three).
+    step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 4 * 4)
     generate_held = {C.KV_CACHE: A.kv_cache(shape, spec, rows, context) + A.kv_cache_growth(shape, spec, rows, context)}
     generate_moments = [{C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
                                                              args.max_prompt_length)}, {C.LOGITS: step_logits}]

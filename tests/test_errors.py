@@ -157,7 +157,7 @@ def cases(tmp: Path, shared: Path) -> dict[str, tuple]:
         "reward adapter without a head": (ppo(tmp, "--scripted_reward", "null", "--reward_adapter", str(sft_like)), 1,
                                           "needs its trained scalar head"),
         "resume from a non-checkpoint": (sft(tmp, "--resume", str(tmp)), 1, "not a complete checkpoint folder"),
-        "offloaded embedding with a compiled decode": (grpo(tmp, "--offload_embeddings", "true", "--decode", "static"),
+        "offloaded embedding with a compiled decode": (grpo(tmp, "--offload_embeddings", "true", "--decode", "compiled"),
                                                        2, "--offload_embeddings needs --decode eager"),
         "memory budget too small": (sft(tmp, "--memory_budget_gib", "0.05"), 2, "exceeds memory_budget_gib=0.05"),
         # evaluate

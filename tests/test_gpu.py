@@ -113,8 +113,9 @@ def test_a_ppo_step_on_cuda_moves_only_policy_value_and_value_head(tmp_path):
 @pytest.mark.parametrize("decode", ["eager", "compiled"])
 def test_old_logprobs_read_while_sampling_on_cuda_equal_a_policy_scoring_pass(tmp_path, decode):
     """The sampled tokens' log-probs read from the decode's own logits match a policy scoring pass on CUDA
-    with NF4, also from a compiled decode step run as CUDA graphs (transformers' reduce-overhead mode),
-    whose outputs the next replay overwrites: the recorder copies each step's logits out first."""
+    with NF4, also from a compiled decode step run as CUDA graphs (reduce-overhead mode), whose outputs the
+    next replay overwrites: the loop copies each step's token, log-prob and entropy out first; a second
+    rollout replays the graphs the first recorded, with the same tokens as the eager loop."""
     from conftest import saved_head
 
     from trainer.model.shared_base import build_shared_model, stage_specs
@@ -135,9 +136,14 @@ def test_old_logprobs_read_while_sampling_on_cuda_equal_a_policy_scoring_pass(tm
         torch.manual_seed(0)
         return make_rollout(model, ids, torch.ones_like(ids), args, Scorer(), eos_id=2, pad_id=0)
 
+    from trainer.model.decode import _COMPILED, Sampling, decode as run_decode
+
     rollout()  # the compiled path compiles and records its graphs on its first call
     sampled = rollout()
-    assert hasattr(model.causal_lm, "_compiled_call") == (decode == "compiled")
+    assert (model.causal_lm in _COMPILED) == (decode == "compiled")
+    greedy = [run_decode(model, ids, torch.ones_like(ids), Sampling(max_new_tokens=8, temperature=0, decode=path),
+                         eos_id=2, pad_id=0).tokens for path in ("eager", decode)]
+    assert torch.equal(greedy[0], greedy[1])
     with torch.no_grad():
         scored, entropy = response_logprobs(model, sampled.input_ids, sampled.attention_mask, sampled.response_length,
                                             "policy", 0.7, with_entropy=True)

@@ -282,30 +282,33 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
     assert text.count("| speed-llama-2-7b-nvidia-h100 | decode") == len(decoded) > 0
 
 
-def test_the_full_speed_part_ends_with_the_compiled_ablations_on_the_same_work_as_the_first_call(tmp_path):
-    """On the GPU (not smoke) the speed part measures decode and its paths, then, last, ours with
-    --compile_layers against ours eager and ours with a compiled decode step too, on the first call's PPO
-    work (compiled 4-bit layers and CUDA-graph decoding in PPO are untried: a failure there costs nothing else)."""
-    from benchmarks.gpu.parts import PartArguments, steps_for
+def test_the_speed_part_times_each_decode_path_then_the_recipes_with_the_compiled_one(tmp_path):
+    """The speed part: decode alone on every path at 1, 16 and 64 rows (one build); TRL's GRPO recipe with the
+    compiled decode step; last (on the GPU only), the first call's PPO work, ours with the compiled decode step
+    against TRL, on the same model, data, cap and work flags as the first call's comparison."""
+    from benchmarks.gpu.parts import PartArguments, grpo_recipe_run, steps_for
+    from trainer.model.decode import DECODE_PATHS
 
     smoke = steps_for(PartArguments(part="speed", out=str(tmp_path), smoke=True), tmp_path)
-    assert [s.name for s in smoke] == ["decode"]  # tested on the CPU below, and ppo_vs_trl by the first call
+    assert [s.name for s in smoke] == ["decode", "grpo-compiled"]  # ppo_vs_trl: tested by the first call
     steps = steps_for(PartArguments(part="speed", out=str(tmp_path)), tmp_path, deadline=1000.0)
-    assert [s.name for s in steps] == ["decode", "decode-paths", "ppo_compiled"]
+    assert [s.name for s in steps] == ["decode", "grpo-compiled", "ppo_compiled"]
+    decode = steps[0].argv
+    assert decode[decode.index("--paths") + 1].split(",") == list(DECODE_PATHS)
+    assert decode[decode.index("--batches") + 1] == "1,16,64"
+    recipe = grpo_recipe_run(PartArguments(part="grpo_recipe", out=str(tmp_path)), tmp_path, "grpo_compiled")
+    assert steps[1].argv == [*recipe, "--decode", "compiled"]
     main = next(s for s in steps_for(PartArguments(part="first", out=str(tmp_path)), tmp_path, 1000.0)
                 if s.name == "ppo_vs_trl").argv
     compiled = steps[-1].argv
-    assert compiled[compiled.index("--sides") + 1] == "ours,ours_eager,ours_compiled"
-    assert "--compile_layers" not in main
-    at = compiled.index("--compile_layers")
-    assert compiled[at + 1] == "true"
+    assert compiled[compiled.index("--sides") + 1] == "ours_compiled,trl"
     assert compiled[compiled.index("--stop_at") + 1] == main[main.index("--stop_at") + 1] == "985"
 
     def work(argv):  # every flag before --out_dir but the sides
         head = argv[:argv.index("--out_dir")]
         return head[:head.index("--sides")] + head[head.index("--sides") + 2:]
 
-    assert work(compiled[:at] + compiled[at + 2:]) == work(main)  # the same model, data, cap and work flags
+    assert work(compiled) == work(main)  # the same model, data, cap and work flags
 
 
 def test_the_grpo_recipe_part_runs_trl_s_recipe_with_the_policy_adapter_alone(smoke):

@@ -363,13 +363,13 @@ def test_routed_passes_give_the_rollout_and_the_steps_that_one_pass_per_adapter_
                                        msg=lambda m, a=adapter, k=key: f"{a} {k}: {m}")
 
 
-@pytest.mark.parametrize("decode", ["eager", "static", "compiled"])
+@pytest.mark.parametrize("decode", ["eager", "compiled"])
 def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, stage_adapters, monkeypatch,
                                                                       fresh_accelerate_state, decode):
     """The old log-probs and entropy, read from the logits each token was sampled from, equal a policy
     scoring pass over the sampled rows to fp32 tolerance, at a temperature, with top-k truncated sampling,
     left-padded prompts and rows that stop early; the rollout's scoring pass has no policy group. On every
-    decode path: eager (dynamic KV cache), static cache, compiled decode step."""
+    decode path: eager (a KV cache grown per step), compiled (a full-length cache and a compiled step)."""
     from trainer.data.collators import PromptCollator
     from trainer.model.shared_base import SharedBaseModel
     from trainer.rl.rollout import make_rollout
@@ -395,8 +395,10 @@ def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, 
     eos_id = int(rollout(trainer.eos_id).input_ids[0, batch["input_ids"].shape[1] + 3])
     routed.clear()
     sampled = rollout(eos_id)
-    # the compiled path really ran compiled: transformers keeps the compiled decode step on the model
-    assert hasattr(model.causal_lm, "_compiled_call") == (decode == "compiled")
+    # the compiled path really ran compiled: the loop keeps the compiled step and its cache per model
+    from trainer.model.decode import _COMPILED
+
+    assert (model.causal_lm in _COMPILED) == (decode == "compiled")
     assert routed == [("reference", "value", "reward")] * 2  # two micro-batches, no policy group
     ends = sampled.response_mask.sum(1)
     assert ends.min() < sampled.response_length  # a row stopped at EOS before the others
@@ -410,32 +412,9 @@ def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, 
     torch.testing.assert_close(sampled.entropy, entropy * mask, rtol=1e-5, atol=1e-5)
 
 
-def test_sampled_logprobs_refuse_a_sampling_loop_with_more_forwards_than_tokens():
-    """One forward per sampled token is what the recorder relies on; anything else is a clear error."""
-    from types import SimpleNamespace
-
-    from trainer.rl.rollout import SampledLogprobs
-
-    recorder = SampledLogprobs(torch.nn.Identity(), 1.0)
-    logits = torch.randn(2, 1, 5)
-    for step in range(3):  # prefill, then two decode steps
-        recorder._hook(None, (), {"input_ids": torch.full((2, 1), step)}, SimpleNamespace(logits=logits))
-    with pytest.raises(RuntimeError, match="generate ran 3 forwards for 2 sampled tokens"):
-        recorder.finish(torch.zeros(2, 2, dtype=torch.long))
-    # the right count: the prefill, then one decode step fed the first sampled token
-    responses = torch.tensor([[1, 3], [1, 4]])
-    recorder = SampledLogprobs(torch.nn.Identity(), 1.0)
-    recorder._hook(None, (), {"input_ids": torch.zeros(2, 7, dtype=torch.long)}, SimpleNamespace(logits=logits))
-    recorder._hook(None, (), {"input_ids": responses[:, :1]}, SimpleNamespace(logits=logits))
-    got, entropy = recorder.finish(responses)
-    expected = logits[:, 0].log_softmax(-1)
-    torch.testing.assert_close(got, torch.stack([expected[:, 1], expected.gather(1, torch.tensor([[3], [4]]))[:, 0]], 1))
-    torch.testing.assert_close(entropy, -(expected.exp() * expected).sum(-1, keepdim=True).expand(2, 2))
-
-
 def test_sampling_runs_min_length_then_temperature_and_top_k_then_draws(tmp_path, stage_adapters,
                                                                          fresh_accelerate_state):
-    """`sample_responses` samples through generate's own processors and warpers: the minimum length first,
+    """`sample_responses` samples as generate's processors and warpers do: the minimum length first,
     then temperature and top-k, then the draw: with the EOS logit raised far above the rest, no EOS comes
     before --min_new_tokens and it comes right after; every earlier token is one of the top 2 of its step's
     logits once EOS is barred."""

@@ -223,17 +223,6 @@ def test_missing_adapter_folder_is_a_clear_error(tmp_path):
         build_shared_model(tiny_args(), [AdapterSpec("policy"), AdapterSpec("policy")], vocab_size=VOCAB)
 
 
-def test_generate_runs_under_the_policy_in_eval_mode_and_restores_train_mode(sft_adapter):
-    args, sft_dir, _ = sft_adapter
-    model = ppo_model(args, sft_dir)
-    model.train()
-    ids, mask = batch(t=6)
-    out = model.generate(ids, mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert out.shape == (2, 10)
-    assert torch.equal(out[:, :6], ids)
-    assert model.training and model.active_adapter == "policy"
-
-
 def test_left_padded_rows_score_like_unpadded_rows():
     """Positions come from the mask, so left padding changes nothing for the real tokens."""
     model = build_shared_model(tiny_args(), [AdapterSpec("value", trainable=True, head=True)], vocab_size=VOCAB).eval()
@@ -555,28 +544,6 @@ def test_routing_refuses_unknown_adapters_and_mismatched_rows(sft_adapter):
     assert model.active == "policy"
 
 
-def test_static_kv_cache_decodes_the_same_greedy_tokens_as_the_dynamic_one(sft_adapter):
-    """--decode static: transformers' preallocated cache through the LoRA layers, the same tokens as the default
-    (left-padded prompts included); a decode path outside the three is refused by name."""
-    from trainer.rl.rollout import Sampling, decode_kwargs, sample_responses
-
-    args, sft_dir, _ = sft_adapter
-    if args.quantization != "none":
-        pytest.skip("greedy tokens are compared exactly in fp32 only")
-    model = perturbed_ppo_model(args, sft_dir)
-    ids, mask = batch(b=3)
-    outs = [sample_responses(model, ids, mask, Sampling(max_new_tokens=5, temperature=0.0, decode=decode), eos_id=1,
-                             pad_id=0) for decode in ("eager", "static")]
-    for eager, static in zip(*outs):
-        assert torch.equal(eager, static)
-    assert outs[0][0].shape[1] > ids.shape[1]
-    assert decode_kwargs("static", torch.device("cpu"))["cache_implementation"] == "static"
-    compiled = decode_kwargs("compiled", torch.device("cpu"))["compile_config"]
-    assert compiled._compile_all_devices and compiled.mode == "default"
-    with pytest.raises(UsageError, match="--decode 'fast'"):
-        decode_kwargs("fast", torch.device("cpu"))
-
-
 COMPILED_PASSES = [(("policy", "value"), ("logits", "scores")), ("value", "scores"), ("policy", "logits"),
                    (("value", "policy"), ("scores", "logits"))]
 
@@ -627,6 +594,8 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
     from conftest import compiled_calls
     from torch._dynamo.utils import counters
 
+    from trainer.model.decode import Sampling, decode
+
     args, sft_dir, _ = sft_adapter
     if args.quantization != "none":
         pytest.skip("compiled 4-bit layers are a CUDA path")
@@ -642,7 +611,7 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
     graphs = counters["stats"]["unique_graphs"]
     with compiled_calls(monkeypatch) as calls, torch.no_grad():
         models[1].fused(ids, mask, ["reference", "value", "reward"], ["logits", "scores", "scores"], keep_last=5)
-        sequences = [m.generate(ids, mask, adapter="policy", max_new_tokens=4, do_sample=False, pad_token_id=0)
+        sequences = [decode(m, ids, mask, Sampling(max_new_tokens=4, temperature=0), eos_id=1, pad_id=0).tokens
                      for m in models]
     assert not calls and counters["stats"]["unique_graphs"] == graphs  # scoring and decoding: eager, nothing compiled
     assert torch.equal(sequences[0], sequences[1])

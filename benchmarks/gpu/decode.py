@@ -4,8 +4,9 @@
 
 A decode step reads every weight once whatever the batch, so the bound at batch B is B x bandwidth /
 bytes read per step (`profiling.decode`; the bandwidth from a device copy in the same run). Decode time
-is generating N tokens less generating one (the prefill). `--paths eager,static,compiled` times PPO's
-`--decode` paths on the same rows, each path's first call (compilation) apart from the best repeat.
+is generating N tokens less generating one (the prefill). `--paths eager,compiled` times the rollouts'
+`--decode` paths (`trainer.model.decode`) on the same rows, each path's first call (compilation) apart from
+the best repeat.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from foundation.files import write_atomic
 from foundation.provenance import provenance, relative_command
 from profiling.decode import bytes_per_decode_step, copy_bandwidth, sync
 from trainer.config import ModelArguments
-from trainer.rl.rollout import DECODE_PATHS, decode_kwargs
+from trainer.model.decode import DECODE_PATHS, Sampling, decode
 
 
 @dataclass
@@ -35,7 +36,7 @@ class DecodeArguments(Checked):
     repeats: int = field(default=2, metadata={"help": "Timed generations per batch size (best kept)."})
     copy_gib: float = field(default=1.0, metadata={"help": "Size of the bandwidth-measuring copy, GiB."})
     paths: str = field(default="eager", metadata={
-        "help": "Decode paths to time, comma-separated: eager, static, compiled (PPO's --decode)."})
+        "help": "Decode paths to time, comma-separated: eager, compiled (the rollouts' --decode)."})
     out_dir: str = field(default="decode", metadata={"help": "Folder for decode.json and decode.md."})
 
     RULES = {"prompt_tokens": at_least(1), "new_tokens": at_least(2), "repeats": at_least(1), "copy_gib": above(0),
@@ -53,20 +54,17 @@ def batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, **kwargs) -> tuple[float, float]:
-    """(first call's, best later call's) wall time of generating exactly `new_tokens` tokens for the rows of `ids`,
-    sampled as rollouts sample (temperature 1, `trainer.rl.rollout.Sampling`): the first call warms kernels and
-    caches up (and compiles, on the compiled path)."""
-    from trainer.rl.rollout import Sampling
-
+def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, path: str) -> tuple[float, float]:
+    """(first call's, best later call's) wall time of decoding exactly `new_tokens` tokens for the rows of `ids`,
+    sampled as rollouts sample (temperature 1) on decode path `path`: the first call warms kernels and caches up
+    (and compiles, on the compiled path)."""
     mask = torch.ones_like(ids)
-    sampling = Sampling(temperature=1.0).generate_kwargs()
+    sampling = Sampling(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=1.0, decode=path)
     times = []
     for _ in range(repeats + 1):
         sync(ids.device)
         started = time.perf_counter()
-        model.generate(ids, mask, adapter="policy", max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       pad_token_id=0, **sampling, **kwargs)
+        decode(model, ids, mask, sampling, eos_id=0, pad_id=0)
         sync(ids.device)
         times.append(time.perf_counter() - started)
     return times[0], min(times[1:])
@@ -91,9 +89,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         ids = torch.randint(3, vocab, (batch, args.prompt_tokens), generator=generator).to(device)
         bound = batch * bandwidth / step_bytes
         for path in args.paths.split(","):
-            kwargs = decode_kwargs(path, device)
-            first, full = time_generation(model, ids, args.new_tokens, args.repeats, **kwargs)
-            _, prefill = time_generation(model, ids, 1, args.repeats, **kwargs)
+            first, full = time_generation(model, ids, args.new_tokens, args.repeats, path)
+            _, prefill = time_generation(model, ids, 1, args.repeats, path)
             decode_s = max(full - prefill, 1e-9)
             tokens_per_s = batch * (args.new_tokens - 1) / decode_s
             rows.append({"path": path, "batch": batch, "decode_s": decode_s, "generate_s": full, "first_call_s": first,
@@ -125,9 +122,9 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['path']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
                      f"{r['generate_s']:.3f} | {r['first_call_s']:.2f} | {r['bound_tokens_per_s']:.0f} "
                      f"| {r['bandwidth_fraction']:.1%} |")
-    lines += ["", "Paths (PPO's --decode): eager (dynamic KV cache: the default), static (preallocated KV cache, "
-              "eager), compiled (static cache + torch.compile'd decode step). First call: compilation and warm-up, "
-              "left out of the other columns."]
+    lines += ["", "Paths (the rollouts' --decode, trainer/model/decode.py): eager (a KV cache grown per step: the "
+              "default), compiled (a full-length KV cache and a torch.compile'd step, CUDA graphs on CUDA). First "
+              "call: compilation and warm-up, left out of the other columns."]
     return "\n".join(lines) + "\n"
 
 

@@ -203,22 +203,16 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                 Step("grpo", stage_run(args, "grpo", out, *grpo, "--max_steps", "2")),
                 Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate",
                                      *(str(out / s) for s in ("sft", "reward", "ppo", "grpo"))])]
-    if args.part == "speed":  # the comparison with TRL is the first call's; here what the GPU options buy
+    if args.part == "speed":  # what the decode paths buy, alone, in TRL's GRPO recipe and in a PPO step against TRL
         decode = (["--batches", "1,4", "--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05"]
                   if args.smoke else ["--batches", "1,16,64", "--prompt_tokens", "128", "--new_tokens", "64"])
         steps = [Step("decode", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), *decode,
-                                 "--out_dir", str(out / "decode")])]
-        if not args.smoke:  # which generation path decodes fastest at the rollout's batch
-            steps.append(Step("decode-paths", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args),
-                                               "--batches", "16", "--prompt_tokens", "128", "--new_tokens", "64",
-                                               "--paths", "eager,static,compiled",
-                                               "--out_dir", str(out / "decode-paths")]))
-            # compiled 4-bit layers and a compiled decode step (CUDA graphs) keeping the sampled log-probs
-            # are untried on a GPU: last, so a failure costs no other figure. With --compile_layers true,
-            # ours_eager drops the compiled layers and ours_compiled adds the compiled decode step.
+                                 "--paths", "eager,compiled", "--out_dir", str(out / "decode")]),
+                 Step("grpo-compiled", grpo_recipe_run(args, out, "grpo_compiled", "--decode", "compiled"))]
+        if not args.smoke:  # the first call's PPO work, ours with the compiled decode step against TRL
             steps.append(Step("ppo_compiled", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),
                                                *data_flags(args), *cap_flags(args), *ppo_work(args), "--sides",
-                                               "ours,ours_eager,ours_compiled", "--compile_layers", "true",
+                                               "ours_compiled,trl",
                                                "--stop_at", f"{max(deadline - STOP_MARGIN_S, 0):.0f}",
                                                "--out_dir", str(out / "ppo_compiled")]))
         return steps

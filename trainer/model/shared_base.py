@@ -22,7 +22,7 @@ from torch import nn
 
 from foundation.cli import InputError
 from foundation.files import atomic_folder
-from foundation.stages import POLICY, stage_adapters
+from foundation.stages import stage_adapters
 from trainer.config import ModelArguments
 from trainer.model.adapter_fit import HEAD_FILE, WEIGHTS_FILE, check_adapter_fits
 from trainer.model.offload import SavedToHost
@@ -283,17 +283,6 @@ class SharedBaseModel(Outputs, Routing, nn.Module):
         if output not in passes:
             raise ValueError(f"unknown output '{output}': use one of {', '.join(passes)}")
         return passes[output]()
-
-    @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapter: str = POLICY, **kwargs):
-        """Sample under `adapter` in eval mode (no dropout, KV cache on), restoring train mode after."""
-        was_training = self.training
-        self.eval()
-        try:
-            with self.use_adapter(adapter):
-                return self.peft.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **kwargs)
-        finally:
-            self.train(was_training)
 
     # ---- parameters, saving -------------------------------------------------------------------
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -5,7 +5,7 @@ under `torch.no_grad` the `reference` log-probs of the response tokens, the `val
 per-token values and the scorer's score of each response (the `reward` adapter and / or reward
 functions, `trainer.rl.rewards`), every pass through `trainer.rl.scoring`. Those passes are ONE routed pass of the base
 (`SharedBaseModel.fused`): each base layer runs once for all adapters. The policy's own ("old")
-log-probs come from the logits it sampled from (`SampledLogprobs`): no scoring pass needs the policy.
+log-probs come from the logits it sampled from (`trainer.model.decode`): no scoring pass needs the policy.
 """
 
 from __future__ import annotations
@@ -18,47 +18,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from foundation.cli import UsageError
 from foundation.stages import POLICY
 from profiling.decode import sync
+from trainer.model.decode import Sampling, decode
 from trainer.rl.rewards import Scorer
-from trainer.rl.scoring import next_token_logprobs, rollout_scores
+from trainer.rl.scoring import rollout_scores
 
 logger = logging.getLogger(__name__)
-
-# How generation runs its decode steps (--decode, `decode_kwargs`): the default, and two GPU options that the
-# GPU kit's speed part measures (decode-paths, ppo_compiled).
-DECODE_PATHS = ("eager", "static", "compiled")
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How responses are sampled (`generate`'s arguments). temperature 0 is greedy decoding."""
-
-    max_new_tokens: int = 32
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    decode: str = "eager"  # DECODE_PATHS
-
-    @classmethod
-    def of(cls, args) -> "Sampling":
-        """The sampling fields of a settings object (`trainer.rl.settings.RolloutArguments`)."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-    @property
-    def scoring_temperature(self) -> float:
-        """The temperature log-probs are taken at: the one sampled with (1 for greedy decoding)."""
-        return self.temperature or 1.0
-
-    def generate_kwargs(self) -> dict:
-        """`generate`'s sampling arguments: its own draw after temperature, top-k and top-p, with the other
-        warpers off whatever the model's generation config says; greedy at temperature 0."""
-        if not self.temperature:
-            return {"do_sample": False}
-        return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
-                "min_p": None, "typical_p": 1.0}
 
 
 @dataclass
@@ -106,91 +72,18 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -
     return mask, ended
 
 
-class SampledLogprobs:
-    """The log-prob and entropy of each sampled token under the logits it was sampled from (at the sampling
-    temperature, before top-k / top-p masks: what a scoring pass gives), read from the model's own forward.
-
-    A forward hook keeps each step's last-position logits (one rows x vocab tensor at a time) until the
-    sampled token arrives; `finish` checks one forward ran per token (not so under ZeRO-3 / FSDP generation,
-    which PPO and GRPO refuse). Under `--decode compiled` the hook runs eagerly and copies the logits out
-    before a CUDA graph's next replay reuses their memory.
-    """
-
-    def __init__(self, causal_lm, temperature: float):
-        self.causal_lm, self.temperature = causal_lm, temperature
-        self.logprobs: list[torch.Tensor] = []
-        self.entropy: list[torch.Tensor] = []
-        self._pending: Optional[torch.Tensor] = None
-        self._handle = None
-
-    def __enter__(self) -> "SampledLogprobs":
-        self._handle = self.causal_lm.register_forward_hook(self._hook, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._handle.remove()
-
-    @torch.compiler.disable
-    def _hook(self, module, args, kwargs, output) -> None:
-        if self._pending is not None:
-            ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-            self._take(ids[:, -1])
-        self._pending = output.logits[:, -1:].clone()
-
-    def _take(self, tokens: torch.Tensor) -> None:
-        logprobs, entropy = next_token_logprobs(self._pending, tokens[:, None], self.temperature, with_entropy=True)
-        self.logprobs.append(logprobs)
-        self.entropy.append(entropy)
-        self._pending = None
-
-    def finish(self, responses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, R) log-probs and entropy of the (B, R) sampled `responses`."""
-        steps = len(self.logprobs) + (self._pending is not None)
-        if steps != responses.shape[1]:
-            raise RuntimeError(f"generate ran {steps} forwards for {responses.shape[1]} sampled tokens: the old "
-                               "log-probs are read from one forward per sampled token (no synced_gpus, no chunked "
-                               "prefill)")
-        if self._pending is not None:
-            self._take(responses[:, -1])
-        return torch.cat(self.logprobs, dim=1), torch.cat(self.entropy, dim=1)
-
-
-def decode_kwargs(decode: str, device: torch.device) -> dict:
-    """transformers' `generate` arguments for a decode path. eager: its dynamic KV cache, grown token by token;
-    static: a KV cache allocated once at its full length, run eagerly; compiled: the static cache and a
-    torch.compile'd decode step (what transformers does by itself on CUDA with a static cache; here on any device,
-    CUDA graphs on CUDA). Every path leaves `SampledLogprobs` the logits each token was sampled from."""
-    if decode not in DECODE_PATHS:
-        raise UsageError(f"--decode {decode!r}: must be one of {', '.join(DECODE_PATHS)}")
-    if decode == "eager":
-        return {}
-    if decode == "static":
-        return {"cache_implementation": "static", "disable_compile": True}
-    from transformers import CompileConfig
-
-    config = CompileConfig(mode="reduce-overhead" if device.type == "cuda" else "default")
-    config._compile_all_devices = True  # transformers' own switch: without it, it compiles on accelerators only
-    return {"cache_implementation": "static", "compile_config": config}
-
-
 @torch.no_grad()
 def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
                      eos_id: int, pad_id: int, adapter: str = POLICY,
                      with_logprobs: bool = False) -> tuple[torch.Tensor, ...]:
-    """Sample under `adapter`. Returns (input_ids, attention_mask, response_mask, ended), and with `with_logprobs` the (B, R)
-    log-probs and entropy of the sampled tokens under the logits sampled from (`SampledLogprobs`)."""
-    kwargs = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.min_new_tokens,
-                  eos_token_id=eos_id, pad_token_id=pad_id, **sampling.generate_kwargs(),
-                  **decode_kwargs(sampling.decode, prompt_ids.device))
-    recorder = SampledLogprobs(model.causal_lm, sampling.scoring_temperature) if with_logprobs else nullcontext()
-    with recorder:
-        sequences = model.generate(prompt_ids, prompt_mask, adapter=adapter, **kwargs)
-    responses = sequences[:, prompt_ids.shape[1]:]
-    sampled = recorder.finish(responses) if with_logprobs else ()
-    response_mask, ended = response_mask_after_eos(responses, eos_id, pad_id)
-    responses = responses.masked_fill(response_mask == 0, pad_id)
+    """Sample under `adapter` (`trainer.model.decode`). Returns (input_ids, attention_mask, response_mask, ended),
+    and with `with_logprobs` the (B, R) log-probs and entropy of the sampled tokens under the logits sampled from."""
+    decoded = decode(model, prompt_ids, prompt_mask, sampling, eos_id, pad_id, adapter=adapter)
+    response_mask, ended = response_mask_after_eos(decoded.tokens, eos_id, pad_id)
+    responses = decoded.tokens.masked_fill(response_mask == 0, pad_id)
     input_ids = torch.cat([prompt_ids, responses], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    sampled = (decoded.logprobs, decoded.entropy) if with_logprobs else ()
     return (input_ids, attention_mask, response_mask, ended, *sampled)
 
 

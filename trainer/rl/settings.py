@@ -14,8 +14,8 @@ from typing import Optional
 
 from foundation.cli import Checked, UsageError, above, at_least, between, one_of
 from foundation.stages import REWARD
+from trainer.model.decode import DECODE_PATHS
 from trainer.rl.rewards import Scorer, builtin, check_spec, describe, load_reward_functions, parse_weights, split_specs
-from trainer.rl.rollout import DECODE_PATHS
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +64,9 @@ class RolloutArguments(Checked):
                 "to use memory_budget_gib with a 10%% margin (profiling/plan.py), logged as a table at start. "
                 "Default: on with CUDA, off on CPU."})
     decode: str = field(default="eager", metadata={
-        "help": "How generation runs its decode steps: eager (transformers' dynamic KV cache), static (a KV cache "
-                "allocated once at full length) or compiled (the static cache and a torch.compile'd decode step; "
-                "the first rollout pays the compilation). Each reads the policy's old log-probs from the logits "
-                "it sampled from."})
+        "help": "How rollouts decode (trainer/model/decode.py): eager (a KV cache grown per step, each step run "
+                "eagerly) or compiled (a full-length KV cache and a torch.compile'd step, replayed as CUDA graphs on "
+                "CUDA; the first rollout pays the compilation)."})
     max_new_tokens: int = field(default=32, metadata={"help": "Response length limit."})
     min_new_tokens: int = field(default=0, metadata={"help": "Fix the response length (= max_new_tokens) for benchmarks."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (0: greedy)."})

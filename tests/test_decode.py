@@ -1,0 +1,170 @@
+"""The rollout decode loop (trainer/model/decode.py): the tokens transformers' generate gives, each token's
+log-prob from the logits it was drawn from, EOS bookkeeping on the device, and the sampling masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_shared_base import VOCAB, batch, perturbed_ppo_model, sft_adapter, tiny_args  # noqa: F401 (fixture)
+
+from foundation.cli import UsageError
+from trainer.model.decode import CHECK_EVERY, Sampling, check_path, decode, pick_tokens, truncated
+from trainer.model.shared_base import AdapterSpec, build_shared_model
+
+
+def hf_greedy(model, ids, mask, new_tokens, eos_id, pad_id, min_new_tokens=0):
+    """transformers' own greedy generate under the policy: the reference the loop is held to."""
+    with torch.no_grad(), model.use_adapter("policy"):
+        model.eval()
+        out = model.peft.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                  min_new_tokens=min_new_tokens, do_sample=False, eos_token_id=eos_id,
+                                  pad_token_id=pad_id, use_cache=True)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model = build_shared_model(tiny_args(), [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def greedy(new, path="eager", min_new=0):
+    return Sampling(max_new_tokens=new, min_new_tokens=min_new, temperature=0.0, decode=path)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_greedy_tokens_equal_transformers_generate_with_left_padded_prompts(tiny, rows):
+    ids, mask = batch(seed=rows, b=max(rows, 2), t=9)
+    ids, mask = ids[:rows], mask[:rows]
+    eos = int(hf_greedy(tiny, ids, mask, 6, eos_id=VOCAB + 1, pad_id=0)[0, 2])  # a token row 0 emits third
+    want = hf_greedy(tiny, ids, mask, 12, eos_id=eos, pad_id=0)
+    got = decode(tiny, ids, mask, greedy(12), eos_id=eos, pad_id=0)
+    width = want.shape[1]  # generate stops at the step every row ended; the loop at most CHECK_EVERY - 1 later
+    assert torch.equal(got.tokens[:, :width], want)
+    assert (got.tokens[:, width:] == 0).all() and got.tokens.shape[1] <= max(width, CHECK_EVERY * -(-width // CHECK_EVERY))
+    assert torch.equal(got.ended, (want == eos).any(1))
+    assert bool(got.ended[0])
+
+
+def test_every_row_ended_stops_the_loop_at_the_next_check_and_pads_after_eos(tiny):
+    """Row 0 draws EOS at its first token: it is pad from there on; once every row has ended the loop stops
+    at the next check, never running max_new_tokens steps."""
+    ids, mask = batch(b=2, t=8)
+    first = hf_greedy(tiny, ids, mask, 1, eos_id=VOCAB + 1, pad_id=0)[:, 0]
+    eos = int(first[0])
+    got = decode(tiny, ids, mask, greedy(40), eos_id=eos, pad_id=VOCAB - 1)
+    assert got.tokens[0, 0] == eos and (got.tokens[0, 1:] == VOCAB - 1).all() and bool(got.ended[0])
+    full = decode(tiny, ids[:1], mask[:1], greedy(40), eos_id=eos, pad_id=VOCAB - 1)
+    assert full.tokens.shape[1] == CHECK_EVERY and bool(full.ended.all())
+
+
+def test_min_new_tokens_bars_eos_until_then_as_generate_does(tiny):
+    ids, mask = batch(b=3, t=7)
+    eos = int(hf_greedy(tiny, ids, mask, 1, eos_id=VOCAB + 1, pad_id=0)[0, 0])  # row 0's first greedy token
+    want = hf_greedy(tiny, ids, mask, 6, eos_id=eos, pad_id=0, min_new_tokens=4)
+    got = decode(tiny, ids, mask, greedy(6, min_new=4), eos_id=eos, pad_id=0)
+    assert torch.equal(got.tokens[:, :want.shape[1]], want)
+    assert (got.tokens[:, :4] != eos).all()
+
+
+def test_each_token_s_log_prob_and_entropy_come_from_the_logits_it_was_drawn_from(tiny):
+    """Sampled at T 0.7 with top-k: every log-prob and entropy is the full softmax's at T 0.7 of the logits the
+    model gave at that step (a policy pass over prompt + response), and every token is in that step's top k."""
+    ids, mask = batch(b=4, t=8)
+    sampling = Sampling(max_new_tokens=10, min_new_tokens=10, temperature=0.7, top_k=5)
+    torch.manual_seed(3)
+    got = decode(tiny, ids, mask, sampling, eos_id=VOCAB - 1, pad_id=0)  # EOS barred throughout
+    full = torch.cat([ids, got.tokens], 1)
+    with torch.no_grad():
+        logits = tiny.logits(full, torch.cat([mask, torch.ones_like(got.tokens)], 1), "policy")
+    step_logits = logits[:, ids.shape[1] - 1:-1].float() / 0.7
+    logp = step_logits.log_softmax(-1)
+    torch.testing.assert_close(got.logprobs, logp.gather(-1, got.tokens[..., None])[..., 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.entropy, -(logp.exp() * logp).sum(-1), rtol=1e-5, atol=1e-5)
+    step_logits[..., VOCAB - 1] = float("-inf")
+    top5 = step_logits.topk(5, dim=-1).indices
+    assert (top5 == got.tokens[..., None]).any(-1).all()
+
+
+def test_top_k_and_top_p_keep_what_transformers_warpers_keep():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(0)
+    scores = torch.randn(6, 50) * 3
+    for k, p in ((0, 0.9), (5, 1.0), (7, 0.5), (0, 0.05), (60, 0.99)):
+        want = scores.clone()
+        if k:
+            want = TopKLogitsWarper(k)(None, want)
+        if p < 1:
+            want = TopPLogitsWarper(p)(None, want)
+        assert torch.equal(truncated(scores.clone(), k, p), want), (k, p)
+
+
+def test_draws_follow_the_truncated_distribution_and_greedy_takes_the_argmax():
+    """Exponential races draw each token with its softmax probability (here 20,000 draws of 4 tokens)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(20000, 1)
+    torch.manual_seed(0)
+    tokens, logprobs, entropy = pick_tokens(logits, Sampling(temperature=1.0, top_k=4), eos_id=4, bar_eos=False)
+    freq = torch.bincount(tokens, minlength=5).float() / tokens.numel()
+    torch.testing.assert_close(freq[:4], logits[0, :4].softmax(-1), atol=0.01, rtol=0)
+    torch.testing.assert_close(logprobs, logits.log_softmax(-1)[torch.arange(20000), tokens])  # untruncated
+    assert freq[4] == 0
+    tokens, _, _ = pick_tokens(logits[:2], Sampling(temperature=0.0), eos_id=0, bar_eos=True)
+    assert tokens.tolist() == [1, 1]  # EOS (0 here) barred: the next best
+
+
+def test_a_decode_path_outside_the_loop_s_is_refused_by_name():
+    assert check_path("compiled") == "compiled"
+    with pytest.raises(UsageError, match="--decode 'static': must be one of eager, compiled"):
+        check_path("static")
+
+
+def test_the_compiled_step_decodes_the_eager_tokens_and_log_probs_and_keeps_its_cache(tiny):
+    """--decode compiled: a full-length static KV cache and a torch.compile'd step (CUDA graphs on CUDA), kept
+    for the next rollout; the eager loop's tokens and log-probs."""
+    from trainer.model.decode import _COMPILED
+
+    ids, mask = batch(b=2, t=8)
+    eager = decode(tiny, ids, mask, greedy(6), eos_id=VOCAB + 1, pad_id=0)
+    compiled = decode(tiny, ids, mask, greedy(6, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    assert torch.equal(compiled.tokens, eager.tokens)
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=1e-4, atol=1e-4)
+    length, cache = _COMPILED[tiny.causal_lm].caches[2]
+    again = decode(tiny, ids[:, 2:], mask[:, 2:], greedy(6, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    assert _COMPILED[tiny.causal_lm].caches[2][1] is cache and length % 256 == 0
+    assert torch.equal(again.tokens, decode(tiny, ids[:, 2:], mask[:, 2:], greedy(6), VOCAB + 1, 0).tokens)
+
+
+def test_decoding_runs_the_policy_in_eval_mode_and_restores_train_mode(sft_adapter):
+    args, sft_dir, _ = sft_adapter
+    model = perturbed_ppo_model(args, sft_dir)
+    model.train()
+    ids, mask = batch(t=6)
+    with model.use_adapter("value"):
+        out = decode(model, ids, mask, greedy(4, min_new=4), eos_id=1, pad_id=0)
+        assert model.active_adapter == "value"
+    assert out.tokens.shape == (2, 4)
+    assert model.training
+    if args.quantization == "none":
+        assert torch.equal(out.tokens, hf_greedy(model, ids, mask, 4, 1, 0, min_new_tokens=4))
+
+
+def test_the_pick_holds_the_four_fp32_buffers_the_estimator_prices():
+    """Beside one step's logits, the pick holds four (rows x V) fp32 buffers at its peak whatever the sampling
+    (what `profiling.predict` prices for the generate phase); top-p sorts and adds three."""
+    from profiling.recorder import MemoryRecorder
+
+    rows, vocab = 4, 32000
+    logits = torch.randn(rows, vocab).to(torch.bfloat16)
+    buffer = rows * vocab * 4
+    for sampling, buffers in ((Sampling(temperature=0.7, top_k=50), 4), (Sampling(temperature=0), 4),
+                              (Sampling(temperature=1.0, top_p=0.9), 7)):
+        recorder = MemoryRecorder("ppo", vocab_size=vocab)
+        with recorder.phase("generate"):
+            pick_tokens(logits, sampling, eos_id=2, bar_eos=True)
+        peak = recorder.records[("ppo", "generate")].live.peak
+        assert buffers * buffer <= peak < buffers * buffer + 4096, sampling

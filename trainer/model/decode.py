@@ -1,0 +1,190 @@
+"""Rollout decoding: the prompt once through the model (prefill), then one token per step from a KV cache.
+
+Each step's logits give the sampled token and, from the same logits, its log-prob and entropy at the sampling
+temperature: the full softmax of the upcast logits divided by the temperature, before min-length, top-k and
+top-p masks, which is what a scoring pass of the policy gives (`trainer.rl.scoring`). Rows that reached EOS
+emit pad; whether every row has ended is read on the host once every `CHECK_EVERY` steps, never per token.
+
+Paths (`--decode`): `eager` grows a KV cache by one position a step and runs each step eagerly; `compiled`
+allocates the KV cache once at its full length and compiles the step (torch.compile; on CUDA in
+"reduce-overhead" mode, so each token replays CUDA graphs). The compiled step and its cache are kept per
+model and batch size, so later rollouts replay what the first captured: the LoRA weights are updated in
+place by the optimizer, and the graphs read them where they are.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from foundation.cli import UsageError
+from foundation.stages import POLICY
+
+DECODE_PATHS = ("eager", "compiled")
+CHECK_EVERY = 8  # decode steps between two reads of "has every row ended?" on the host
+CACHE_ROUND = 256  # a compiled path's KV cache length is rounded up to this: one graph serves many prompts
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How responses are sampled. temperature 0 is greedy decoding (log-probs then at temperature 1)."""
+
+    max_new_tokens: int = 32
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    decode: str = "eager"  # DECODE_PATHS
+
+    @classmethod
+    def of(cls, args) -> "Sampling":
+        """The sampling fields of a settings object (`trainer.rl.settings.RolloutArguments`)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature log-probs are taken at: the one sampled with (1 for greedy decoding)."""
+        return self.temperature or 1.0
+
+
+@dataclass
+class Decoded:
+    """What one decode gives: R is the steps run (max_new_tokens, or fewer when every row ended sooner)."""
+
+    tokens: torch.Tensor  # (B, R) sampled tokens; pad after each row's EOS
+    logprobs: torch.Tensor  # (B, R) fp32 log-prob of each token at the sampling temperature (full softmax)
+    entropy: torch.Tensor  # (B, R) fp32 entropy of each step's distribution at that temperature
+    ended: torch.Tensor  # (B,) bool: the row emitted EOS
+
+
+def pick_tokens(logits: torch.Tensor, sampling: Sampling, eos_id: int, bar_eos: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B,) tokens drawn from (B, V) logits, and their (B,) log-probs and entropies at the scoring temperature.
+
+    The draw sees EOS barred (before `min_new_tokens`), then temperature, top-k and top-p, as transformers'
+    processors apply them; the log-prob and entropy see none of the masks. Drawn as a race, argmax of
+    log p - log Exp(1) (a draw from p), so the step stays on the device; greedy at temperature 0. Three
+    (B, V) fp32 buffers at most beside the logits, four while the entropy is summed."""
+    scaled = logits.to(torch.float32, copy=True)  # upcast, then divided: as the chunked head does
+    if sampling.scoring_temperature != 1.0:
+        scaled.div_(sampling.scoring_temperature)
+    logp = scaled.log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    masked = scaled  # from here on the draw's scores, masked in place
+    if bar_eos:
+        masked[:, eos_id] = float("-inf")
+    if sampling.temperature:
+        masked = truncated(masked, sampling.top_k, sampling.top_p)
+        masked.sub_(torch.empty_like(masked).exponential_().log_())
+    tokens = masked.argmax(-1)
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0], entropy
+
+
+def truncated(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """(B, V) scores, in place, with the tokens outside the top `top_k` (0: all) and then outside the smallest
+    set of probability >= `top_p` set to -inf; at least one token stays."""
+    if top_k and top_k < scores.shape[-1]:
+        kth = scores.topk(top_k, dim=-1).values[:, -1:]
+        scores.masked_fill_(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = scores.sort(dim=-1)
+        dropped = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        dropped[:, -1] = False
+        scores.masked_fill_(dropped.scatter(-1, order, dropped), float("-inf"))
+    return scores
+
+
+def check_path(decode: str) -> str:
+    if decode not in DECODE_PATHS:
+        raise UsageError(f"--decode {decode!r}: must be one of {', '.join(DECODE_PATHS)}")
+    return decode
+
+
+class _Compiled:
+    """A model's compiled decode step and one full-length KV cache per batch size, reset between rollouts."""
+
+    def __init__(self, causal_lm):
+        mode = "reduce-overhead" if next(causal_lm.parameters()).device.type == "cuda" else None
+        self.step = torch.compile(_step, mode=mode, fullgraph=False)
+        self.caches: dict[int, tuple[int, object]] = {}
+
+    def cache(self, causal_lm, batch: int, length: int):
+        from transformers import StaticCache
+
+        held = self.caches.get(batch)
+        if held is None or held[0] < length:
+            length = -(-length // CACHE_ROUND) * CACHE_ROUND
+            self.caches[batch] = held = (length, StaticCache(config=causal_lm.config, max_cache_len=length))
+        else:
+            held[1].reset()
+        return held
+
+
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, _Compiled]" = weakref.WeakKeyDictionary()
+
+
+def _step(causal_lm, tokens, positions, cache_position, mask, cache, sampling: Sampling, eos_id: int,
+          bar_eos: bool):
+    """One decode step: the last tokens through the model, the next ones picked from its logits."""
+    logits = causal_lm(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                       cache_position=cache_position, use_cache=True).logits[:, -1]
+    return pick_tokens(logits, sampling, eos_id, bar_eos)
+
+
+@torch.no_grad()
+def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, eos_id: int,
+           pad_id: int, adapter: str = POLICY) -> Decoded:
+    """Sample up to `sampling.max_new_tokens` tokens after each left-padded prompt under `adapter`, in eval mode
+    (no dropout); the train mode and active adapter are restored after."""
+    check_path(sampling.decode)
+    was_training = model.training
+    model.eval()
+    try:
+        with model.use_adapter(adapter):
+            return _decode(model.causal_lm, prompt_ids, prompt_mask, sampling, eos_id, pad_id)
+    finally:
+        model.train(was_training)
+
+
+def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int, pad_id: int) -> Decoded:
+    from transformers import DynamicCache
+
+    batch, prompt_length = prompt_ids.shape
+    new, device = sampling.max_new_tokens, prompt_ids.device
+    if sampling.decode == "compiled":
+        compiled = _COMPILED.get(causal_lm) or _COMPILED.setdefault(causal_lm, _Compiled(causal_lm))
+        length, cache = compiled.cache(causal_lm, batch, prompt_length + new)
+        step = compiled.step
+    else:
+        length, cache, step = prompt_length + new, DynamicCache(config=causal_lm.config), _step
+    mask = torch.ones(batch, length, dtype=prompt_mask.dtype, device=device)
+    mask[:, :prompt_length] = prompt_mask
+    positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
+    cache_position = torch.arange(prompt_length, device=device)
+    logits = causal_lm(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
+                       past_key_values=cache, cache_position=cache_position, use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
+    tokens, logprobs, entropy = pick_tokens(logits, sampling, eos_id, bar_eos=sampling.min_new_tokens > 0)
+    out = Decoded(torch.full((batch, new), pad_id, dtype=torch.long, device=device),
+                  torch.zeros(batch, new, device=device), torch.zeros(batch, new, device=device),
+                  torch.zeros(batch, dtype=torch.bool, device=device))
+    positions = positions[:, -1:] + 1
+    cache_position = cache_position[-1:] + 1
+    steps = new
+    for t in range(new):
+        tokens = tokens.masked_fill(out.ended, pad_id)
+        out.tokens[:, t], out.logprobs[:, t], out.entropy[:, t] = tokens, logprobs, entropy
+        out.ended |= tokens == eos_id
+        if t + 1 == new or ((t + 1) % CHECK_EVERY == 0 and bool(out.ended.all())):
+            steps = t + 1
+            break
+        step_mask = mask if sampling.decode == "compiled" else mask[:, :prompt_length + t + 1]
+        if sampling.decode == "compiled" and device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # this step's inputs are copies: the last replay's may go
+        tokens, logprobs, entropy = step(causal_lm, tokens[:, None], positions, cache_position, step_mask, cache,
+                                         sampling, eos_id, t + 1 < sampling.min_new_tokens)
+        positions, cache_position = positions + 1, cache_position + 1
+    return Decoded(out.tokens[:, :steps], out.logprobs[:, :steps], out.entropy[:, :steps], out.ended)
