@@ -12,6 +12,7 @@ from typing import Iterable, Mapping
 BASE_WEIGHTS = "base_weights"  # the frozen linear layers: packed 4-bit storage, or full-precision weights
 BASE_QUANT_CONSTANTS = "base_quant_constants"  # NF4 absmax, nested absmax, codebooks and offsets
 BASE_OTHER = "base_other"  # embeddings, norms, lm_head, rotary buffers: never quantized
+GENERATION_WEIGHTS = "generation_weights"  # dense copies of the 4-bit weights that decoding reads
 GRADIENTS = "gradients"
 OPTIMIZER_STATES = "optimizer_states"
 ADAPTER_PREFIX = "adapter/"
@@ -34,7 +35,7 @@ GIB = 2**30
 MIB = 2**20
 DEFAULT_BUDGET_BYTES = 24 * GIB
 
-_ORDER = (BASE_WEIGHTS, BASE_QUANT_CONSTANTS, BASE_OTHER, ADAPTER_PREFIX, HEAD_PREFIX, OPTIMIZER_STATES,
+_ORDER = (BASE_WEIGHTS, BASE_QUANT_CONSTANTS, BASE_OTHER, GENERATION_WEIGHTS, ADAPTER_PREFIX, HEAD_PREFIX, OPTIMIZER_STATES,
           GRADIENTS, ACTIVATIONS, LOGITS, KV_CACHE, ROLLOUT_BUFFERS, OPTIMIZER_TEMPORARIES, OTHER_TENSORS,
           ALLOCATOR_OVERHEAD, CUDA_CONTEXT)
 

@@ -6,8 +6,9 @@ picked from the estimator and the memory budget, so a run uses the card instead 
 Each choice is the largest whose estimated peak fits the budget less `margin`: first the rows per generate /
 score pass, then the update micro-batch, without checkpointing when that fits at least half of what
 checkpointing allows; where nothing fits, the same with the input embedding in host memory, then with the
-update's saved activations there, then with both. Nothing runs a model: the PPO update's OOM back-off stays
-the safety net.
+update's saved activations there, then with both. Then, where `generation_weights` is auto, a 4-bit base on
+CUDA decoding more than one row at a time gets the dense copy of its weights that still fits: resident, else
+made per rollout, else none. Nothing runs a model: the PPO update's OOM back-off stays the safety net.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Plan:
     gradient_checkpointing: bool
     offload_embeddings: bool
     offload_activations: bool
+    generation_weights: str  # what decoding reads: quantized, dequantized or resident (trainer.model.decode)
     peak_bytes: int
     peak_phase: str
     usable_bytes: int
@@ -43,7 +45,9 @@ class Plan:
                  f"  rollout_micro_batch_size {self.rollout_micro_batch_size}  micro_batch_size "
                  f"{self.micro_batch_size}  gradient_checkpointing {str(self.gradient_checkpointing).lower()}"
                  + ("  offload_embeddings true" if self.offload_embeddings else "")
-                 + ("  offload_activations true" if self.offload_activations else "")]
+                 + ("  offload_activations true" if self.offload_activations else "")
+                 + (f"  generation_weights {self.generation_weights}" if self.generation_weights != "quantized"
+                    else "")]
         for phase, total in self.phases:
             mark = "  <- peak" if phase == self.peak_phase else ""
             lines.append(f"  {phase:<15} {C.gib(total):>7} GiB{mark}")
@@ -73,6 +77,7 @@ def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, ma
     `mini_batch_size` rows; None when not even one row per pass fits. Where nothing fits, the offloads the run
     allows (`may_offload`, of OFFLOADS) are turned on, each alone in OFFLOADS' order and then together, until a
     plan fits; an offload that would change nothing (a tied embedding, the CPU) is not tried."""
+    planned = args.generation_weights == "auto"
     plan = _plan_rl(shape, args, mini_batch_size, margin)
     allowed = [name for name in OFFLOADS if name in may_offload and not getattr(args, name)]
     tries = [[name] for name in allowed] + ([allowed] if len(allowed) > 1 else [])
@@ -82,6 +87,17 @@ def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, ma
         offloaded = replace(args, **dict.fromkeys(names, True))
         if all(_moves_something(shape, offloaded.resolved(), name) for name in names):
             plan = _plan_rl(shape, offloaded, mini_batch_size, margin)
+    if plan is None or not planned:
+        return plan
+    settled = replace(args, rollout_micro_batch_size=plan.rollout_micro_batch_size,
+                      micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
+                      offload_embeddings=plan.offload_embeddings, offload_activations=plan.offload_activations).resolved()
+    if settled.quantization != "nf4" or settled.device != "cuda" or plan.rollout_micro_batch_size < 2:
+        return plan  # one row decodes through bitsandbytes' 4-bit kernel, which reads 4 bits a weight
+    for weights in ("resident", "dequantized"):
+        est = estimate(shape, replace(settled, generation_weights=weights))
+        if all(p["total"] <= plan.usable_bytes for p in est["phases"]):
+            return _plan_of(replace(settled, generation_weights=weights), est, plan.usable_bytes)
     return plan
 
 
@@ -112,10 +128,12 @@ def _plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, m
         args = replace(args, gradient_checkpointing=True, micro_batch_size=with_ckpt)
     else:
         return None
-    est = estimate(shape, args)
-    return Plan(rollout_micro_batch_size=rows, micro_batch_size=args.micro_batch_size,
+    return _plan_of(args, estimate(shape, args), usable)
+
+
+def _plan_of(args: EstimateArguments, est: dict, usable: int) -> Plan:
+    return Plan(rollout_micro_batch_size=args.rollout_micro_batch_size, micro_batch_size=args.micro_batch_size,
                 gradient_checkpointing=args.gradient_checkpointing, offload_embeddings=args.offload_embeddings,
-                offload_activations=args.offload_activations,
-                peak_bytes=est["peak_bytes"],
-                peak_phase=est["peak_phase"], usable_bytes=usable, budget_bytes=args.budget_bytes,
-                phases=tuple((p["phase"], p["total"]) for p in est["phases"]))
+                offload_activations=args.offload_activations, generation_weights=args.generation_weights,
+                peak_bytes=est["peak_bytes"], peak_phase=est["peak_phase"], usable_bytes=usable,
+                budget_bytes=args.budget_bytes, phases=tuple((p["phase"], p["total"]) for p in est["phases"]))

@@ -59,6 +59,10 @@ class EstimateArguments(Checked):
         "help": "The input embedding in host memory (as ModelArguments): off the GPU where untied, on CUDA."})
     offload_activations: bool = field(default=False, metadata={
         "help": "What training passes keep for backward in host memory (as ModelArguments), on CUDA."})
+    generation_weights: str = field(default="quantized", metadata={
+        "help": "PPO, GRPO: what a 4-bit base decodes from (as the stages' --generation_weights): quantized, "
+                "dequantized (a dense copy through the generate phase) or resident (that copy in every phase); "
+                "auto estimates as quantized."})
     attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, flash_attention_2 or eager."})
     share_pair_prompts: bool = field(default=True, metadata={
         "help": "Reward and DPO: one row per pair, prompt once (as the stages' --share_pair_prompts): rows twice "
@@ -91,6 +95,7 @@ class EstimateArguments(Checked):
              "dtype": one_of("auto", *resolve.DTYPES), "optimizer": one_of("auto", *OPTIMIZERS),
              "device": one_of("cuda", "cpu"), "lora_r": at_least(1), "lora_dropout": between(0, 1, high_open=True),
              "attn_implementation": one_of("sdpa", "flash_attention_2", "eager", "auto"),
+             "generation_weights": one_of("auto", *resolve.GENERATION_WEIGHTS),
              "micro_batch_size": at_least(1), "max_length": at_least(2), "max_prompt_length": at_least(1),
              "max_new_tokens": at_least(1), "rollout_batch_size": at_least(1), "rollout_micro_batch_size": at_least(1),
              "num_generations": at_least(1),
@@ -123,7 +128,9 @@ class EstimateArguments(Checked):
     def resolved(self) -> "EstimateArguments":
         """The settings with 'auto' turned into what it means on `device` (profiling.resolve's rule)."""
         nf4 = resolve.four_bit(self.quantization, self.device)
+        weights = self.generation_weights if nf4 and self.stage in ("ppo", "grpo") else "quantized"
         return replace(self, quantization="nf4" if nf4 else "none",
+                       generation_weights="quantized" if weights == "auto" else weights,
                        dtype=resolve.compute_dtype(self.dtype, self.device, nf4),
                        optimizer=self.optimizer if self.optimizer == "deepspeed_zero2_offload"
                        else resolve.optimizer(self.optimizer, self.device),
@@ -186,9 +193,16 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
             parts[C.head(slot.role)] = 4 * sum(head_tensor_sizes(shape))
         if slot.trainable:
             trainable += lora + (head_tensor_sizes(shape) if slot.head else [])
+    if args.generation_weights == "resident":
+        parts[C.GENERATION_WEIGHTS] = generation_weight_bytes(shape, a)
     opt = optimizer_bytes(trainable, args.optimizer, args.device)
     parts[C.OPTIMIZER_STATES] = opt.device
     return {"components": parts, "trainable": trainable, "optimizer": opt, "dtype_bytes": a}
+
+
+def generation_weight_bytes(shape: ModelShape, dtype_bytes: int) -> int:
+    """The dense copy of every 4-bit linear layer in the compute dtype (trainer.model.decode.generation_weights)."""
+    return shape.linear_params() * dtype_bytes
 
 
 def offloaded_embedding(shape: ModelShape, args: EstimateArguments) -> bool:
@@ -271,6 +285,8 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     # the model's, and at most four fp32 buffers of the pick (trainer.model.decode.pick_tokens; top-p adds three).
     step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 4 * 4)
     generate_held = {C.KV_CACHE: A.kv_cache(shape, spec, rows, context) + A.kv_cache_growth(shape, spec, rows, context)}
+    if args.generation_weights == "dequantized":  # made for the rollout's decoding, freed before scoring
+        generate_held[C.GENERATION_WEIGHTS] = generation_weight_bytes(shape, spec.dtype_bytes)
     generate_moments = [{C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
                                                              args.max_prompt_length)}, {C.LOGITS: step_logits}]
     groups = len(adapters(args)) - 1  # the policy's log-probs come from sampling

@@ -168,3 +168,85 @@ def test_the_pick_holds_the_four_fp32_buffers_the_estimator_prices():
             pick_tokens(logits, sampling, eos_id=2, bar_eos=True)
         peak = recorder.records[("ppo", "generate")].live.peak
         assert buffers * buffer <= peak < buffers * buffer + 4096, sampling
+
+
+# ---- generation weights: a dense copy of the 4-bit layers -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_nf4():
+    torch.manual_seed(0)
+    model = build_shared_model(tiny_args("nf4"), [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def four_bit_layers(model):
+    from bitsandbytes.nn import Linear4bit
+
+    return [m for m in model.modules() if isinstance(m, Linear4bit)]
+
+
+@pytest.mark.parametrize("weights", ["dequantized", "resident"])
+def test_a_dense_copy_of_the_4bit_weights_decodes_the_same_tokens_and_log_probs(tiny_nf4, weights):
+    """The copy holds what the 4-bit layers' forward multiplies by: the same tokens and log-probs as decoding
+    from the 4-bit weights (rows > 1: bitsandbytes dequantizes for them too). After, the model holds its 4-bit
+    layers again; `dequantized` frees the copy, `resident` keeps it for the next rollout."""
+    from profiling.tensors import HELD_GENERATION_WEIGHTS
+    from trainer.model.decode import _RESIDENT, drop_resident_weights
+
+    ids, mask = batch(b=3, t=8)
+    layers = four_bit_layers(tiny_nf4)
+    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8)
+    torch.manual_seed(5)
+    want = decode(tiny_nf4, ids, mask, sampling, eos_id=1, pad_id=0)
+    torch.manual_seed(5)
+    got = decode(tiny_nf4, ids, mask, Sampling(**{**vars(sampling), "generation_weights": weights}), 1, 0)
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-6)
+    assert four_bit_layers(tiny_nf4) == layers  # swapped back
+    held = getattr(tiny_nf4.causal_lm, HELD_GENERATION_WEIGHTS)
+    if weights == "resident":
+        assert len(held) == len(layers) and tiny_nf4.causal_lm in _RESIDENT
+        kept = _RESIDENT[tiny_nf4.causal_lm]
+        decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=2, generation_weights="resident"), 1, 0)
+        assert _RESIDENT[tiny_nf4.causal_lm] is kept  # made once
+        drop_resident_weights(tiny_nf4.causal_lm)
+    else:
+        assert held == [] and tiny_nf4.causal_lm not in _RESIDENT
+
+
+def test_the_recorder_counts_the_copy_as_generation_weights_at_the_estimator_s_size(tiny_nf4):
+    """The dense copy is its own component in a memory record, and its bytes are the estimator's."""
+    from profiling import components as C
+    from profiling.predict import generation_weight_bytes
+    from profiling.shapes import load_shape
+    from profiling.tensors import TensorLedger, add_model
+    from trainer.model.decode import drop_resident_weights
+
+    ids, mask = batch(b=2, t=6)
+    decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=2, generation_weights="resident"), 1, 0)
+    ledger = TensorLedger()
+    add_model(ledger, tiny_nf4)
+    counted = ledger.components()[C.GENERATION_WEIGHTS]
+    drop_resident_weights(tiny_nf4.causal_lm)
+    assert counted == generation_weight_bytes(load_shape("tiny-llama", VOCAB), 2)  # bf16, the compute dtype
+    ledger = TensorLedger()
+    add_model(ledger, tiny_nf4)
+    assert C.GENERATION_WEIGHTS not in ledger.components()
+
+
+def test_a_model_without_4bit_layers_decodes_as_it_is_with_a_dense_copy_asked(tiny, caplog):
+    import logging
+
+    from trainer.model.decode import _said
+
+    _said.clear()
+    ids, mask = batch(b=2, t=6)
+    with caplog.at_level(logging.INFO, logger="trainer.model.decode"):
+        got = decode(tiny, ids, mask, Sampling(max_new_tokens=4, temperature=0, generation_weights="dequantized"),
+                     VOCAB + 1, 0)
+    assert torch.equal(got.tokens, decode(tiny, ids, mask, greedy(4), VOCAB + 1, 0).tokens)
+    assert "no 4-bit layer to dequantize" in caplog.text

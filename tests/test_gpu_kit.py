@@ -283,24 +283,27 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
 
 
 def test_the_speed_part_times_each_decode_path_then_the_recipes_with_the_compiled_one(tmp_path):
-    """The speed part: decode alone on every path at 1, 16 and 64 rows (one build); TRL's GRPO recipe with the
-    compiled decode step; last (on the GPU only), the first call's PPO work, ours with the compiled decode step
-    against TRL, on the same model, data, cap and work flags as the first call's comparison."""
+    """The speed part: decode alone at the recipes' 16 rows on every path, from the 4-bit weights and from a
+    dense copy (one build); TRL's GRPO recipe with the compiled decode step; on the GPU only, the first call's
+    PPO work, ours with the compiled decode step against TRL on the same model, data, cap and work flags as the
+    first call's comparison; last, decode at 1 and 64 rows."""
     from benchmarks.gpu.parts import PartArguments, grpo_recipe_run, steps_for
     from trainer.model.decode import DECODE_PATHS
 
     smoke = steps_for(PartArguments(part="speed", out=str(tmp_path), smoke=True), tmp_path)
     assert [s.name for s in smoke] == ["decode", "grpo-compiled"]  # ppo_vs_trl: tested by the first call
     steps = steps_for(PartArguments(part="speed", out=str(tmp_path)), tmp_path, deadline=1000.0)
-    assert [s.name for s in steps] == ["decode", "grpo-compiled", "ppo_compiled"]
-    decode = steps[0].argv
-    assert decode[decode.index("--paths") + 1].split(",") == list(DECODE_PATHS)
-    assert decode[decode.index("--batches") + 1] == "1,16,64"
+    assert [s.name for s in steps] == ["decode", "grpo-compiled", "ppo_compiled", "decode-batches"]
+    for step, batches in ((steps[0], "16"), (steps[-1], "1,64")):
+        argv = step.argv
+        assert sorted(argv[argv.index("--paths") + 1].split(",")) == sorted(DECODE_PATHS)
+        assert argv[argv.index("--weights") + 1] == "dequantized,quantized"
+        assert argv[argv.index("--batches") + 1] == batches
     recipe = grpo_recipe_run(PartArguments(part="grpo_recipe", out=str(tmp_path)), tmp_path, "grpo_compiled")
     assert steps[1].argv == [*recipe, "--decode", "compiled"]
     main = next(s for s in steps_for(PartArguments(part="first", out=str(tmp_path)), tmp_path, 1000.0)
                 if s.name == "ppo_vs_trl").argv
-    compiled = steps[-1].argv
+    compiled = steps[2].argv
     assert compiled[compiled.index("--sides") + 1] == "ours_compiled,trl"
     assert compiled[compiled.index("--stop_at") + 1] == main[main.index("--stop_at") + 1] == "985"
 

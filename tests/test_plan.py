@@ -88,6 +88,7 @@ def test_auto_fit_is_off_on_cpu_by_default_and_applies_the_plan_when_asked(tmp_p
             "--rollout_micro_batch_size", "2", "--gradient_checkpointing", "true"]
     ctx = start_run(PPOArguments, [*base, "--output_dir", str(tmp_path / "off")], stage="ppo")
     assert ctx.stage_args.rollout_micro_batch_size == 2 and ctx.model_args.gradient_checkpointing is True
+    assert ctx.stage_args.generation_weights == "quantized"  # auto, with no plan: the weights as they are
     assert "budget plan" not in "".join(capfd.readouterr())
     ctx = start_run(PPOArguments, [*base, "--output_dir", str(tmp_path / "on"), "--auto_fit", "true"], stage="ppo")
     logged = "".join(capfd.readouterr())
@@ -168,3 +169,22 @@ def test_offloaded_activations_leave_the_update_s_kept_layer_inputs_in_host_memo
     host = tokens * (layers * 2 * h + 4 * h + 4)
     assert on["elsewhere"] == {"cpu": {C.ACTIVATIONS: host}} and "elsewhere" not in off
     assert off["peak_allocated"] - on["peak_allocated"] == host - tokens * 2 * h
+
+
+def test_a_dense_copy_for_decoding_is_planned_where_auto_and_it_fits_never_past_the_budget():
+    """generation_weights auto: after the batch sizes, the dense copy of the 4-bit weights that still fits
+    (resident, else per rollout), else none; never on one row per pass (bitsandbytes' 4-bit kernel reads 4 bits
+    a weight there), on the CPU, or where the run named its choice."""
+    auto = replace(GRPO, generation_weights="auto")
+    plan = plan_rl(SEVEN_B, replace(auto, memory_budget_gib=24), mini_batch_size=8)
+    assert plan.generation_weights == "dequantized" and "generation_weights dequantized" in plan.table()
+    assert plan == plan_rl(SEVEN_B, replace(GRPO, memory_budget_gib=24, generation_weights="dequantized"),
+                           mini_batch_size=8)  # the batch sizes are the quantized plan's
+    assert plan.peak_bytes <= plan.usable_bytes
+    resident = estimate(SEVEN_B, replace(GRPO, memory_budget_gib=24, generation_weights="resident",
+                                         micro_batch_size=plan.micro_batch_size, gradient_checkpointing=False))
+    assert resident["peak_bytes"] > plan.usable_bytes  # the resident copy would not fit
+    assert plan_rl(SEVEN_B, replace(auto, memory_budget_gib=48), mini_batch_size=8).generation_weights == "resident"
+    for args in (replace(auto, memory_budget_gib=20), replace(auto, rollout_batch_size=1, num_generations=1),
+                 replace(auto, device="cpu"), replace(GRPO, generation_weights="quantized")):
+        assert plan_rl(SEVEN_B, args, mini_batch_size=1).generation_weights == "quantized", args

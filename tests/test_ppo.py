@@ -119,6 +119,36 @@ def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_
     assert float(stats["val/clipfrac_avg"]) == 0.0
 
 
+def test_a_bf16_rollout_sampled_at_a_temperature_starts_the_update_at_ratio_one(tmp_path, stage_adapters,
+                                                                             fresh_accelerate_state):
+    """In bf16 at temperature 0.7, each sampled token's old log-prob and the update's first one (the chunked
+    head) come from logits upcast before the division: the first ratios are 1 to the bf16 rounding of the two
+    passes, not the 0.88-1.16 that dividing the bf16 logits gives."""
+    from trainer.data.collators import PromptCollator
+    from trainer.rl.rollout import make_rollout
+    from trainer.rl.scoring import policy_and_values, trimmed_to_longest_response
+
+    trainer, model = build_trainer(tmp_path, stage_adapters, "--dtype", "bfloat16", "--temperature", "0.7",
+                                   "--max_new_tokens", "12")
+    assert model.causal_lm.dtype == torch.bfloat16
+    _perturb_policy(model)
+    with torch.no_grad():  # logits of a trained model's size (~10-30), where bf16 rounds by 0.06-0.12
+        model.causal_lm.get_output_embeddings().weight.mul_(40)
+    batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
+    torch.manual_seed(0)
+    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(4), trainer.scorer,
+                           trainer.eos_id, trainer.pad_id)
+    ids, mask, width = trimmed_to_longest_response(rollout.input_ids, rollout.attention_mask, rollout.response_mask)
+    model.train()
+    with torch.no_grad():
+        logprobs, _, _ = policy_and_values(model, ids, mask, width, 0.7)
+    taken = rollout.response_mask[:, :width].bool()
+    ratio = (logprobs.float() - rollout.logprobs[:, :width]).exp()[taken]
+    # the two passes' bf16 rounding moves single tokens by a few percent; dividing the bf16 logits moved the
+    # mean by 0.047 here
+    assert ratio.numel() >= 24 and (ratio - 1).abs().mean() < 0.02, ratio
+
+
 def test_ppo_steps_move_only_policy_value_and_value_head(tmp_path, stage_adapters, fresh_accelerate_state):
     trainer, model = build_trainer(tmp_path, stage_adapters, "--max_steps", "2", "--save_every", "0")
     before = {name: model.adapter_state(name) for name in model.adapter_names}

@@ -308,3 +308,23 @@ def test_of_run_reads_beta_and_the_scorer_off_a_run_s_settings():
         "policy", "reference", "value", "reward"]
     kept = EstimateArguments.of_run(model, GRPOArguments(reward_adapter="runs/reward/adapter"), stage="grpo")
     assert (kept.beta, predict.roles(kept)) == (0.04, ["policy", "reference", "reward"])
+
+
+def test_a_dense_copy_of_the_4bit_weights_weighs_on_the_generate_phase_or_on_every_phase():
+    """generation_weights: `dequantized` holds the copy (every linear layer in the compute dtype) through the
+    generate phase only, `resident` in every phase; a base not in 4 bits, or auto, has none."""
+    from profiling.predict import generation_weight_bytes
+
+    shape = load_shape("llama-2-7b")
+    args = EstimateArguments(stage="grpo", rollout_batch_size=4, num_generations=4, rollout_micro_batch_size=16)
+    copy = generation_weight_bytes(shape, 2)
+    assert copy == shape.linear_params() * 2 and 12 < copy / 2**30 < 12.2
+    phases = {w: {p["phase"]: p for p in estimate(shape, replace(args, generation_weights=w))["phases"]}
+              for w in ("quantized", "dequantized", "resident", "auto")}
+    for name, phase in phases["quantized"].items():
+        grown = phases["dequantized"][name]["peak_allocated"] - phase["peak_allocated"]
+        assert grown == (copy if name == "generate" else 0), name
+        assert phases["resident"][name]["components"][C.GENERATION_WEIGHTS] == copy
+        assert phases["auto"][name] == phase
+    none = estimate(shape, replace(args, quantization="none", generation_weights="resident"))
+    assert all(C.GENERATION_WEIGHTS not in p["components"] for p in none["phases"])

@@ -193,8 +193,9 @@ def decode_path_rows(folder: Path) -> list[str]:
     rows = []
     for run in run_folders(folder, "decode.json"):
         for r in json.loads((run / "decode.json").read_text())["rows"]:
-            rows.append(f"| {folder.name} | {run.name} | {r['path']} | {r['batch']} | {r['ms_per_step']:.1f} | "
-                        f"{r['tokens_per_s']:.0f} | {r['bandwidth_fraction']:.1%} | {r['first_call_s']:.1f} |")
+            rows.append(f"| {folder.name} | {run.name} | {r['path']} | {r.get('weights', 'quantized')} | "
+                        f"{r['batch']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | "
+                        f"{r['bandwidth_fraction']:.1%} | {r['first_call_s']:.1f} |")
     return rows
 
 
@@ -247,8 +248,8 @@ def readme_section(results: Path) -> str:
     if paths:
         lines += ["", "Decoding alone (`benchmarks.gpu.decode`: 7B NF4, policy adapter, fixed length), per path and "
                   "batch, against the bandwidth bound; first call (warm-up, compilation) apart:", "",
-                  "| result | run | path | batch | ms per step | tokens/s | of the bound | first call s |",
-                  "|---|---|---|---:|---:|---:|---:|---:|", *paths]
+                  "| result | run | path | weights | batch | ms per step | tokens/s | of the bound | first call s |",
+                  "|---|---|---|---|---:|---:|---:|---:|---:|", *paths]
     trl = [row for folder in folders for row in trl_rows(folder)]
     if trl:
         lines += ["", "One PPO step on the same 7B work, ours against TRL 1.12 (a side the budget cut has no figure):",

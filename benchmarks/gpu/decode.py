@@ -6,7 +6,8 @@ A decode step reads every weight once whatever the batch, so the bound at batch 
 bytes read per step (`profiling.decode`; the bandwidth from a device copy in the same run). Decode time
 is generating N tokens less generating one (the prefill). `--paths eager,compiled` times the rollouts'
 `--decode` paths (`trainer.model.decode`) on the same rows, each path's first call (compilation) apart from
-the best repeat.
+the best repeat; `--weights quantized,dequantized` also times each path decoding from a dense copy of the
+4-bit weights (`--generation_weights`). The bound is the 4-bit weights' bytes in every row.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from foundation.files import write_atomic
 from foundation.provenance import provenance, relative_command
 from profiling.decode import bytes_per_decode_step, copy_bandwidth, sync
 from trainer.config import ModelArguments
-from trainer.model.decode import DECODE_PATHS, Sampling, decode
+from trainer.model.decode import DECODE_PATHS, Sampling, decode, drop_resident_weights
 
 
 @dataclass
@@ -37,11 +38,15 @@ class DecodeArguments(Checked):
     copy_gib: float = field(default=1.0, metadata={"help": "Size of the bandwidth-measuring copy, GiB."})
     paths: str = field(default="eager", metadata={
         "help": "Decode paths to time, comma-separated: eager, compiled (the rollouts' --decode)."})
+    weights: str = field(default="quantized", metadata={
+        "help": "What the base decodes from, comma-separated: quantized, dequantized (--generation_weights)."})
     out_dir: str = field(default="decode", metadata={"help": "Folder for decode.json and decode.md."})
 
     RULES = {"prompt_tokens": at_least(1), "new_tokens": at_least(2), "repeats": at_least(1), "copy_gib": above(0),
              "paths": lambda name, value: (None if set(value.split(",")) <= set(DECODE_PATHS)
-                                           else f"use some of {', '.join(DECODE_PATHS)}")}
+                                           else f"use some of {', '.join(DECODE_PATHS)}"),
+             "weights": lambda name, value: (None if set(value.split(",")) <= {"quantized", "dequantized"}
+                                             else "use some of quantized, dequantized")}
 
 
 def batch_sizes(text: str) -> list[int]:
@@ -54,12 +59,14 @@ def batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, path: str) -> tuple[float, float]:
+def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, path: str,
+                    weights: str = "quantized") -> tuple[float, float]:
     """(first call's, best later call's) wall time of decoding exactly `new_tokens` tokens for the rows of `ids`,
-    sampled as rollouts sample (temperature 1) on decode path `path`: the first call warms kernels and caches up
-    (and compiles, on the compiled path)."""
+    sampled as rollouts sample (temperature 1) on decode path `path` from `weights`: the first call warms kernels
+    and caches up (and compiles, on the compiled path). A dequantized copy is made once, outside the timing."""
     mask = torch.ones_like(ids)
-    sampling = Sampling(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=1.0, decode=path)
+    sampling = Sampling(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=1.0, decode=path,
+                        generation_weights="resident" if weights == "dequantized" else weights)
     times = []
     for _ in range(repeats + 1):
         sync(ids.device)
@@ -87,18 +94,23 @@ def main(argv: Optional[list[str]] = None) -> dict:
     generator = torch.Generator().manual_seed(0)
     for batch in batch_sizes(args.batches):
         ids = torch.randint(3, vocab, (batch, args.prompt_tokens), generator=generator).to(device)
+        mask = torch.ones_like(ids)
         bound = batch * bandwidth / step_bytes
-        for path in args.paths.split(","):
-            first, full = time_generation(model, ids, args.new_tokens, args.repeats, path)
-            _, prefill = time_generation(model, ids, 1, args.repeats, path)
+        for path, weights in [(p, w) for w in args.weights.split(",") for p in args.paths.split(",")]:
+            if weights == "dequantized":  # the copy is made before the timing, and kept (resident)
+                decode(model, ids[:, :1], mask[:, :1], Sampling(max_new_tokens=1, generation_weights="resident"), 0, 0)
+            first, full = time_generation(model, ids, args.new_tokens, args.repeats, path, weights)
+            _, prefill = time_generation(model, ids, 1, args.repeats, path, weights)
             decode_s = max(full - prefill, 1e-9)
             tokens_per_s = batch * (args.new_tokens - 1) / decode_s
-            rows.append({"path": path, "batch": batch, "decode_s": decode_s, "generate_s": full, "first_call_s": first,
-                         "prefill_s": prefill, "tokens_per_s": tokens_per_s, "bound_tokens_per_s": bound,
-                         "bandwidth_fraction": tokens_per_s / bound, "ms_per_step": 1e3 * decode_s / (args.new_tokens - 1)})
-            print(f"{path}, batch {batch}: {tokens_per_s:.1f} tokens/s, {rows[-1]['ms_per_step']:.1f} ms per step, "
-                  f"{rows[-1]['bandwidth_fraction']:.1%} of the bandwidth bound ({bound:.0f} tokens/s); first call "
-                  f"{first:.2f} s", flush=True)
+            rows.append({"path": path, "weights": weights, "batch": batch, "decode_s": decode_s, "generate_s": full,
+                         "first_call_s": first, "prefill_s": prefill, "tokens_per_s": tokens_per_s,
+                         "bound_tokens_per_s": bound, "bandwidth_fraction": tokens_per_s / bound,
+                         "ms_per_step": 1e3 * decode_s / (args.new_tokens - 1)})
+            print(f"{path}, {weights}, batch {batch}: {tokens_per_s:.1f} tokens/s, {rows[-1]['ms_per_step']:.1f} ms "
+                  f"per step, {rows[-1]['bandwidth_fraction']:.1%} of the bandwidth bound ({bound:.0f} tokens/s); "
+                  f"first call {first:.2f} s", flush=True)
+        drop_resident_weights(model.causal_lm)
     result = {**provenance(device, "python -m benchmarks.gpu.decode " + relative_command(argv)),
               "kind": "decode", "model": asdict(model_args), "settings": asdict(args),
               "copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_decode_step": read,
@@ -116,15 +128,16 @@ def markdown(result: dict) -> str:
              f"- device copy bandwidth: {result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write); "
              f"bytes read per decode step: {result['bytes_per_decode_step'] / 2**30:.3f} GiB "
              f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in result['bytes_read_per_decode_step'].items())})", "",
-             "| path | batch | decoded tokens/s | ms per step | whole generation s (best) | first call s | bound tokens/s "
-             "| fraction of bound |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| path | weights | batch | decoded tokens/s | ms per step | whole generation s (best) | first call s | bound tokens/s "
+             "| fraction of bound |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        lines.append(f"| {r['path']} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
+        lines.append(f"| {r['path']} | {r.get('weights', 'quantized')} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
                      f"{r['generate_s']:.3f} | {r['first_call_s']:.2f} | {r['bound_tokens_per_s']:.0f} "
                      f"| {r['bandwidth_fraction']:.1%} |")
     lines += ["", "Paths (the rollouts' --decode, trainer/model/decode.py): eager (a KV cache grown per step: the "
-              "default), compiled (a full-length KV cache and a torch.compile'd step, CUDA graphs on CUDA). First "
-              "call: compilation and warm-up, left out of the other columns."]
+              "default), compiled (a full-length KV cache and a torch.compile'd step, CUDA graphs on CUDA). Weights "
+              "(--generation_weights): quantized (the 4-bit weights), dequantized (a dense copy made before the "
+              "timing). First call: compilation and warm-up, left out of the other columns."]
     return "\n".join(lines) + "\n"
 
 

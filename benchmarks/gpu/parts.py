@@ -203,18 +203,22 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                 Step("grpo", stage_run(args, "grpo", out, *grpo, "--max_steps", "2")),
                 Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate",
                                      *(str(out / s) for s in ("sft", "reward", "ppo", "grpo"))])]
-    if args.part == "speed":  # what the decode paths buy, alone, in TRL's GRPO recipe and in a PPO step against TRL
-        decode = (["--batches", "1,4", "--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05"]
-                  if args.smoke else ["--batches", "1,16,64", "--prompt_tokens", "128", "--new_tokens", "64"])
-        steps = [Step("decode", [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), *decode,
-                                 "--paths", "eager,compiled", "--out_dir", str(out / "decode")]),
+    if args.part == "speed":  # what the decode paths and weights buy, alone, in TRL's GRPO recipe, and in PPO vs TRL
+        decode = [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), "--paths", "compiled,eager",
+                  "--weights", "dequantized,quantized"]
+        sizes = (["--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05"] if args.smoke
+                 else ["--prompt_tokens", "128", "--new_tokens", "64"])
+        steps = [Step("decode", [*decode, "--batches", "4" if args.smoke else "16", *sizes,
+                                 "--out_dir", str(out / "decode")]),
                  Step("grpo-compiled", grpo_recipe_run(args, out, "grpo_compiled", "--decode", "compiled"))]
-        if not args.smoke:  # the first call's PPO work, ours with the compiled decode step against TRL
-            steps.append(Step("ppo_compiled", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),
-                                               *data_flags(args), *cap_flags(args), *ppo_work(args), "--sides",
-                                               "ours_compiled,trl",
-                                               "--stop_at", f"{max(deadline - STOP_MARGIN_S, 0):.0f}",
-                                               "--out_dir", str(out / "ppo_compiled")]))
+        if not args.smoke:  # the first call's PPO work, ours with the compiled decode step against TRL; other batches
+            steps += [Step("ppo_compiled", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),
+                                            *data_flags(args), *cap_flags(args), *ppo_work(args), "--sides",
+                                            "ours_compiled,trl",
+                                            "--stop_at", f"{max(deadline - STOP_MARGIN_S, 0):.0f}",
+                                            "--out_dir", str(out / "ppo_compiled")]),
+                      Step("decode-batches", [*decode, "--batches", "1,64", *sizes,
+                                              "--out_dir", str(out / "decode-batches")])]
         return steps
     if args.part == "grpo_recipe":  # TRL's published QLoRA GRPO recipe, under the 24 GB cap, against the estimator
         # then with the input embedding and the update's kept activations in host memory

@@ -99,18 +99,19 @@ def predicted(part: str) -> dict[str, float]:
                 "ppo": process + 3 * step_seconds(seed_ppo, shape),
                 "grpo": process + 2 * step_seconds(Work(rows=16, prompt=256, new=128, epochs=1, scoring_adapters=3), shape),
                 "vs-estimate": START_S}
-    if part == "speed":  # decode at 1, 16 and 64 rows on both paths (each timed twice and warmed up, prefill
-        # apart; the compiled path compiles once per batch size), TRL's GRPO recipe compiled, a PPO step vs TRL
+    if part == "speed":  # decode on both paths from both weights (each timed twice and warmed up, prefill apart;
+        # the compiled path compiles once per batch size and weights), TRL's GRPO recipe compiled, PPO vs TRL
         def decode(rows: int) -> float:
             per_token = decode_step_bytes(shape) / (BANDWIDTH * DECODE_FRACTION)
-            return 2 * (3 * 64 * per_token + 3 * step_seconds(Work(rows=rows, prompt=128), shape)) + COMPILE_S
+            return 2 * (2 * (3 * 64 * per_token + 3 * step_seconds(Work(rows=rows, prompt=128), shape)) + COMPILE_S)
 
         from profiling.shapes import load_shape
 
         grpo = Work(rows=8, prompt=256, new=256, epochs=1, scoring_adapters=0)
-        return {"decode": process + sum(decode(rows) for rows in (1, 16, 64)),
+        return {"decode": process + decode(16),
                 "grpo-compiled": process + COMPILE_S + 2 * step_seconds(grpo, load_shape("qwen2.5-7b")),
-                "ppo_compiled": 2 * START_S + 4 * BUILD_S + COMPILE_S + 4 * step_seconds(bench_ppo, shape)}
+                "ppo_compiled": 2 * START_S + 4 * BUILD_S + COMPILE_S + 4 * step_seconds(bench_ppo, shape),
+                "decode-batches": process + decode(1) + decode(64)}
     if part == "grpo_recipe":  # TRL's recipe on Qwen2.5-7B shapes: 8 completions of 256 tokens, r=32
         from profiling.shapes import load_shape
 

@@ -10,18 +10,31 @@ allocates the KV cache once at its full length and compiles the step (torch.comp
 "reduce-overhead" mode, so each token replays CUDA graphs). The compiled step and its cache are kept per
 model and batch size, so later rollouts replay what the first captured: the LoRA weights are updated in
 place by the optimizer, and the graphs read them where they are.
+
+Weights (`--generation_weights`): a 4-bit base is frozen, so its linear weights can be dequantized once
+(bitsandbytes' `dequantize_4bit`, the very values its training forward multiplies by) and each step reads
+one dense matrix per layer instead of dequantizing it again: `dequantized` builds that copy for each
+rollout and frees it after, `resident` keeps it, `quantized` decodes from the 4-bit weights.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Iterator
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from foundation.cli import UsageError
 from foundation.stages import POLICY
+from profiling.resolve import GENERATION_WEIGHTS  # noqa: F401  (the choices, one owner: the estimator reads them too)
+from profiling.tensors import HELD_GENERATION_WEIGHTS
+
+logger = logging.getLogger(__name__)
 
 DECODE_PATHS = ("eager", "compiled")
 CHECK_EVERY = 8  # decode steps between two reads of "has every row ended?" on the host
@@ -38,6 +51,7 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     decode: str = "eager"  # DECODE_PATHS
+    generation_weights: str = "quantized"  # GENERATION_WEIGHTS ("auto": quantized, where no planner chose)
 
     @classmethod
     def of(cls, args) -> "Sampling":
@@ -134,6 +148,75 @@ def _step(causal_lm, tokens, positions, cache_position, mask, cache, sampling: S
     return pick_tokens(logits, sampling, eos_id, bar_eos)
 
 
+class DequantizedLinear(nn.Module):
+    """A bitsandbytes 4-bit linear layer as one dense matrix in its compute dtype: `dequantize_4bit` of its
+    weight, multiplied as its own forward multiplies a batch of tokens (input cast to the compute dtype,
+    output back to the input's), so the same values come out."""
+
+    def __init__(self, layer: nn.Module):
+        import bitsandbytes.functional as bnbf
+
+        super().__init__()
+        dtype = layer.compute_dtype or layer.weight.quant_state.dtype
+        # buffers, so that a compiled step reads them as inputs rather than baking them in
+        self.register_buffer("dense", bnbf.dequantize_4bit(layer.weight.data, layer.weight.quant_state).to(dtype),
+                             persistent=False)
+        self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().to(dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.dense.dtype), self.dense, self.bias).to(x.dtype)
+
+
+def _four_bit_layers(causal_lm: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, layer) of every bitsandbytes 4-bit linear layer of the model."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return []
+    return [(parent, name, child) for parent in causal_lm.modules() for name, child in parent.named_children()
+            if isinstance(child, Linear4bit)]
+
+
+_RESIDENT: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+_said: set[str] = set()
+
+
+@contextmanager
+def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
+    """The body decodes from dense copies of the 4-bit layers (`dequantized`: made here and freed after;
+    `resident`: made once, kept), swapped in place of each layer and swapped back after, also on errors;
+    `quantized` (or "auto" left unplanned) changes nothing. A model with no 4-bit layer has nothing to copy:
+    said once."""
+    layers = [] if choice in ("quantized", "auto") else _four_bit_layers(causal_lm)
+    if not layers:
+        if choice not in ("quantized", "auto") and choice not in _said:
+            _said.add(choice)
+            logger.info("generation_weights %s: the model has no 4-bit layer to dequantize; decoding as it is", choice)
+        yield
+        return
+    swaps = _RESIDENT.get(causal_lm)
+    if swaps is None:
+        swaps = [(parent, name, layer, DequantizedLinear(layer)) for parent, name, layer in layers]
+        if choice == "resident":
+            _RESIDENT[causal_lm] = swaps
+    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [dense.dense for *_, dense in swaps])
+    for parent, name, _, dense in swaps:
+        setattr(parent, name, dense)
+    try:
+        yield
+    finally:
+        for parent, name, layer, _ in swaps:
+            setattr(parent, name, layer)
+        if causal_lm not in _RESIDENT:  # the per-rollout copy goes with `swaps`
+            setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
+
+
+def drop_resident_weights(causal_lm: nn.Module) -> None:
+    """Free a model's resident dense copies (the next `resident` decode makes them again)."""
+    _RESIDENT.pop(causal_lm, None)
+    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
+
+
 @torch.no_grad()
 def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, eos_id: int,
            pad_id: int, adapter: str = POLICY) -> Decoded:
@@ -143,7 +226,7 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling:
     was_training = model.training
     model.eval()
     try:
-        with model.use_adapter(adapter):
+        with model.use_adapter(adapter), generation_weights(model.causal_lm, sampling.generation_weights):
             return _decode(model.causal_lm, prompt_ids, prompt_mask, sampling, eos_id, pad_id)
     finally:
         model.train(was_training)

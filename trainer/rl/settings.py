@@ -14,7 +14,7 @@ from typing import Optional
 
 from foundation.cli import Checked, UsageError, above, at_least, between, one_of
 from foundation.stages import REWARD
-from trainer.model.decode import DECODE_PATHS
+from trainer.model.decode import DECODE_PATHS, GENERATION_WEIGHTS
 from trainer.rl.rewards import Scorer, builtin, check_spec, describe, load_reward_functions, parse_weights, split_specs
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,10 @@ class RolloutArguments(Checked):
         "help": "How rollouts decode (trainer/model/decode.py): eager (a KV cache grown per step, each step run "
                 "eagerly) or compiled (a full-length KV cache and a torch.compile'd step, replayed as CUDA graphs on "
                 "CUDA; the first rollout pays the compilation)."})
+    generation_weights: str = field(default="auto", metadata={
+        "help": "What a 4-bit base decodes from: quantized (its 4-bit weights), dequantized (a dense copy made for "
+                "each rollout, freed after), resident (that copy kept), or auto (the budget planner's pick, "
+                "quantized without one)."})
     max_new_tokens: int = field(default=32, metadata={"help": "Response length limit."})
     min_new_tokens: int = field(default=0, metadata={"help": "Fix the response length (= max_new_tokens) for benchmarks."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (0: greedy)."})
@@ -81,6 +85,7 @@ class RolloutArguments(Checked):
              "rollout_micro_batch_size": at_least(1), "mini_batch_size": at_least(1),
              "max_new_tokens": at_least(1), "min_new_tokens": at_least(0), "temperature": at_least(0),
              "top_k": at_least(0), "top_p": between(0, 1), "decode": one_of(*DECODE_PATHS),
+             "generation_weights": one_of("auto", *GENERATION_WEIGHTS),
              "cliprange": above(0), "eval_prompts": at_least(0)}
 
     def check(self) -> None:
