@@ -222,6 +222,11 @@ def kv_cache(shape: ModelShape, spec: ForwardSpec, batch: int, context: int) -> 
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * context * batch * spec.dtype_bytes
 
 
+def compiled_kv_cache(shape: ModelShape, spec: ForwardSpec, batch: int, context: int) -> int:
+    """The compiled decode's static KV cache (trainer.model.decode): its length rounded up to 128 positions."""
+    return kv_cache(shape, spec, batch, -(-context // 128) * 128)
+
+
 def kv_cache_growth(shape: ModelShape, spec: ForwardSpec, batch: int, context: int) -> int:
     """transformers' DynamicCache grows by torch.cat: one layer's old and new K, V coexist briefly."""
     return kv_cache(shape, spec, batch, context) // shape.num_layers

@@ -59,6 +59,9 @@ class EstimateArguments(Checked):
         "help": "The input embedding in host memory (as ModelArguments): off the GPU where untied, on CUDA."})
     offload_activations: bool = field(default=False, metadata={
         "help": "What training passes keep for backward in host memory (as ModelArguments), on CUDA."})
+    decode: str = field(default="eager", metadata={
+        "help": "PPO, GRPO: the rollouts' decode path (as the stages' --decode); compiled keeps a full-length KV "
+                "cache in every phase."})
     generation_weights: str = field(default="quantized", metadata={
         "help": "PPO, GRPO: what a 4-bit base decodes from (as the stages' --generation_weights): quantized, "
                 "dequantized (a dense copy through the generate phase) or resident (that copy in every phase); "
@@ -95,7 +98,7 @@ class EstimateArguments(Checked):
              "dtype": one_of("auto", *resolve.DTYPES), "optimizer": one_of("auto", *OPTIMIZERS),
              "device": one_of("cuda", "cpu"), "lora_r": at_least(1), "lora_dropout": between(0, 1, high_open=True),
              "attn_implementation": one_of("sdpa", "flash_attention_2", "eager", "auto"),
-             "generation_weights": one_of("auto", *resolve.GENERATION_WEIGHTS),
+             "generation_weights": one_of("auto", *resolve.GENERATION_WEIGHTS), "decode": one_of("eager", "compiled"),
              "micro_batch_size": at_least(1), "max_length": at_least(2), "max_prompt_length": at_least(1),
              "max_new_tokens": at_least(1), "rollout_batch_size": at_least(1), "rollout_micro_batch_size": at_least(1),
              "num_generations": at_least(1),
@@ -195,6 +198,9 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
             trainable += lora + (head_tensor_sizes(shape) if slot.head else [])
     if args.generation_weights == "resident":
         parts[C.GENERATION_WEIGHTS] = generation_weight_bytes(shape, a)
+    if args.decode == "compiled" and args.stage in ("ppo", "grpo"):
+        parts[C.KV_CACHE] = A.compiled_kv_cache(shape, forward_spec(args, a), args.rollout_micro_batch_size,
+                                                args.max_prompt_length + args.max_new_tokens)
     opt = optimizer_bytes(trainable, args.optimizer, args.device)
     parts[C.OPTIMIZER_STATES] = opt.device
     return {"components": parts, "trainable": trainable, "optimizer": opt, "dtype_bytes": a}
@@ -284,7 +290,9 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     # Sampling: the KV cache through the phase; the prompt's forward, then per decode step (rows x V) logits:
     # the model's, and at most four fp32 buffers of the pick (trainer.model.decode.pick_tokens; top-p adds three).
     step_logits = rows * shape.vocab_size * (spec.dtype_bytes + 4 * 4)
-    generate_held = {C.KV_CACHE: A.kv_cache(shape, spec, rows, context) + A.kv_cache_growth(shape, spec, rows, context)}
+    # The KV cache: grown per step (eager), or the compiled path's full-length one, kept in every phase (resident)
+    generate_held = {} if args.decode == "compiled" else {
+        C.KV_CACHE: A.kv_cache(shape, spec, rows, context) + A.kv_cache_growth(shape, spec, rows, context)}
     if args.generation_weights == "dequantized":  # made for the rollout's decoding, freed before scoring
         generate_held[C.GENERATION_WEIGHTS] = generation_weight_bytes(shape, spec.dtype_bytes)
     generate_moments = [{C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,

@@ -135,7 +135,15 @@ def test_the_compiled_step_decodes_the_eager_tokens_and_log_probs_and_keeps_its_
     torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=1e-4, atol=1e-4)
     length, cache = _COMPILED[tiny.causal_lm].caches[2]
     again = decode(tiny, ids[:, 2:], mask[:, 2:], greedy(6, "compiled"), eos_id=VOCAB + 1, pad_id=0)
-    assert _COMPILED[tiny.causal_lm].caches[2][1] is cache and length % 256 == 0
+    assert _COMPILED[tiny.causal_lm].caches[2][1] is cache and length == 128  # 8 + 6 positions, rounded up
+    # the bytes it keeps are the estimator's (profiling.activations.compiled_kv_cache)
+    from profiling import activations as A
+    from profiling.predict import EstimateArguments, forward_spec
+    from profiling.shapes import load_shape
+
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    spec = forward_spec(EstimateArguments(quantization="none", dtype="float32", device="cpu"), 4)
+    assert held == A.compiled_kv_cache(load_shape("tiny-llama", VOCAB), spec, 2, 8 + 6)
     assert torch.equal(again.tokens, decode(tiny, ids[:, 2:], mask[:, 2:], greedy(6), VOCAB + 1, 0).tokens)
 
 

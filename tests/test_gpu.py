@@ -153,6 +153,33 @@ def test_old_logprobs_read_while_sampling_on_cuda_equal_a_policy_scoring_pass(tm
     torch.testing.assert_close(sampled.entropy, entropy.float() * mask, rtol=0, atol=5e-2)
 
 
+@pytest.mark.parametrize("decode", ["eager", "compiled"])
+def test_a_dense_copy_of_the_nf4_weights_decodes_as_the_4bit_layers_do_on_cuda(decode):
+    """--generation_weights on CUDA: decoding 4 rows from the dense copy gives the tokens and log-probs of
+    decoding from the NF4 weights (bitsandbytes dequantizes for rows > 1 too); a resident copy serves the
+    next rollout, compiled as CUDA graphs, and the model holds its 4-bit layers again after each."""
+    from bitsandbytes.nn import Linear4bit
+
+    from trainer.model.decode import Sampling, decode as run_decode, drop_resident_weights
+    from trainer.model.shared_base import build_shared_model, stage_specs
+
+    model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
+    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
+    mask = torch.ones_like(ids)
+    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    runs = {}
+    for weights in ("quantized", "dequantized", "resident", "resident"):
+        torch.manual_seed(0)
+        runs.setdefault(weights, []).append(run_decode(model, ids, mask, Sampling(
+            max_new_tokens=8, min_new_tokens=8, temperature=0.7, decode=decode, generation_weights=weights), 2, 0))
+        assert [m for m in model.modules() if isinstance(m, Linear4bit)] == layers
+    drop_resident_weights(model.causal_lm)
+    want = runs["quantized"][0]
+    for got in (runs["dequantized"][0], *runs["resident"]):
+        assert torch.equal(got.tokens, want.tokens)
+        torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-3)
+
+
 def test_the_recorder_fills_its_cuda_allocator_and_nvml_fields():
     from profiling import components as C
     from profiling.recorder import MemoryRecorder

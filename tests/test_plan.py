@@ -88,7 +88,7 @@ def test_auto_fit_is_off_on_cpu_by_default_and_applies_the_plan_when_asked(tmp_p
             "--rollout_micro_batch_size", "2", "--gradient_checkpointing", "true"]
     ctx = start_run(PPOArguments, [*base, "--output_dir", str(tmp_path / "off")], stage="ppo")
     assert ctx.stage_args.rollout_micro_batch_size == 2 and ctx.model_args.gradient_checkpointing is True
-    assert ctx.stage_args.generation_weights == "quantized"  # auto, with no plan: the weights as they are
+    assert ctx.stage_args.generation_weights == "auto"  # unplanned: decodes from the weights as they are
     assert "budget plan" not in "".join(capfd.readouterr())
     ctx = start_run(PPOArguments, [*base, "--output_dir", str(tmp_path / "on"), "--auto_fit", "true"], stage="ppo")
     logged = "".join(capfd.readouterr())

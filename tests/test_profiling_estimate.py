@@ -17,7 +17,7 @@ from profiling import activations as A
 from profiling import components as C
 from profiling import predict
 from profiling.advice import plan_to_fit, suggest
-from profiling.predict import EstimateArguments, estimate, resolve_shape
+from profiling.predict import EstimateArguments, estimate, forward_spec, resolve_shape
 from profiling.recorder import MemoryRecorder
 from profiling.shapes import base_bytes, load_shape, lora_tensor_sizes
 from trainer.config import ModelArguments
@@ -328,3 +328,20 @@ def test_a_dense_copy_of_the_4bit_weights_weighs_on_the_generate_phase_or_on_eve
         assert phases["auto"][name] == phase
     none = estimate(shape, replace(args, quantization="none", generation_weights="resident"))
     assert all(C.GENERATION_WEIGHTS not in p["components"] for p in none["phases"])
+
+
+def test_the_compiled_decode_keeps_its_full_length_kv_cache_in_every_phase():
+    """--decode compiled keeps one static KV cache per batch size between rollouts (trainer.model.decode):
+    prompt + new tokens rounded up to 128 positions, in every phase; eager decoding's grows in generate only."""
+    shape = load_shape("llama-2-7b")
+    args = EstimateArguments(stage="ppo", rollout_batch_size=16, rollout_micro_batch_size=16,
+                             max_prompt_length=200, max_new_tokens=128)
+    eager = {p["phase"]: p for p in estimate(shape, args)["phases"]}
+    compiled = {p["phase"]: p for p in estimate(shape, replace(args, decode="compiled"))["phases"]}
+    spec = forward_spec(args.resolved(), 2)
+    kept = A.compiled_kv_cache(shape, spec, 16, 328)
+    assert kept == A.kv_cache(shape, spec, 16, 384)
+    for name, phase in compiled.items():
+        assert phase["components"][C.KV_CACHE] == kept, name
+        assert eager[name]["components"].get(C.KV_CACHE, 0) == (
+            A.kv_cache(shape, spec, 16, 328) + A.kv_cache_growth(shape, spec, 16, 328) if name == "generate" else 0)

@@ -59,13 +59,12 @@ def check_budget(stage: str, model_args, data_args, train_args, stage_args, acce
 def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, accelerator):
     """An online RL stage's budget plan (`profiling.plan`) applied to the run's settings, when `auto_fit`
     is on (its default on CUDA): returns (model_args, train_args, stage_args), changed where the plan says;
-    `generation_weights` auto is the plan's pick, else quantized."""
+    `generation_weights` auto becomes the plan's pick (unplanned, it decodes from the weights as they are)."""
     from dataclasses import replace
 
     on = stage_args.auto_fit if stage_args.auto_fit is not None else accelerator.device.type == "cuda"
-    if not on:  # nothing planned: an unplanned auto decodes from the weights as they are
-        weights = "quantized" if stage_args.generation_weights == "auto" else stage_args.generation_weights
-        return model_args, train_args, replace(stage_args, generation_weights=weights)
+    if not on:  # nothing planned: generation_weights auto decodes from the weights as they are
+        return model_args, train_args, stage_args
     args = estimate_arguments(stage, model_args, data_args, train_args, stage_args, accelerator)
     sharded = shards_parameters(accelerator)
     may_offload = ((("offload_embeddings",) if stage_args.decode == "eager" and not sharded else ())
@@ -74,8 +73,7 @@ def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, acc
     if plan is None:
         logger.warning("auto_fit: no batch sizes fit memory_budget_gib=%s; keeping the configured ones",
                        train_args.memory_budget_gib)
-        weights = "quantized" if stage_args.generation_weights == "auto" else stage_args.generation_weights
-        return model_args, train_args, replace(stage_args, generation_weights=weights)
+        return model_args, train_args, stage_args
     logger.info("%s", plan.table())
     return (replace(model_args, gradient_checkpointing=plan.gradient_checkpointing,
                     offload_embeddings=plan.offload_embeddings, offload_activations=plan.offload_activations),

@@ -20,6 +20,7 @@ rollout and frees it after, `resident` keeps it, `quantized` decodes from the 4-
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
@@ -31,6 +32,7 @@ from torch import nn
 
 from foundation.cli import UsageError
 from foundation.stages import POLICY
+from profiling.decode import sync
 from profiling.resolve import GENERATION_WEIGHTS  # noqa: F401  (the choices, one owner: the estimator reads them too)
 from profiling.tensors import HELD_GENERATION_WEIGHTS
 
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 DECODE_PATHS = ("eager", "compiled")
 CHECK_EVERY = 8  # decode steps between two reads of "has every row ended?" on the host
-CACHE_ROUND = 256  # a compiled path's KV cache length is rounded up to this: one graph serves many prompts
+CACHE_ROUND = 128  # a compiled path's KV cache length is rounded up to this: one graph serves many prompts
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,9 @@ def check_path(decode: str) -> str:
 
 
 class _Compiled:
-    """A model's compiled decode step and one full-length KV cache per batch size, reset between rollouts."""
+    """A model's compiled decode step and one full-length KV cache per batch size, reset between rollouts and
+    kept between them (the estimator prices it in every phase): prompt + new tokens rounded up to CACHE_ROUND,
+    grown only when a longer rollout comes."""
 
     def __init__(self, causal_lm):
         mode = "reduce-overhead" if next(causal_lm.parameters()).device.type == "cuda" else None
@@ -237,8 +241,10 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
 
     batch, prompt_length = prompt_ids.shape
     new, device = sampling.max_new_tokens, prompt_ids.device
+    first_call, started = False, time.perf_counter()
     if sampling.decode == "compiled":
         compiled = _COMPILED.get(causal_lm) or _COMPILED.setdefault(causal_lm, _Compiled(causal_lm))
+        first_call = batch not in compiled.caches
         length, cache = compiled.cache(causal_lm, batch, prompt_length + new)
         step = compiled.step
     else:
@@ -270,4 +276,9 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
         tokens, logprobs, entropy = step(causal_lm, tokens[:, None], positions, cache_position, step_mask, cache,
                                          sampling, eos_id, t + 1 < sampling.min_new_tokens)
         positions, cache_position = positions + 1, cache_position + 1
+    if first_call:
+        sync(device)
+        logger.info("decode compiled for %d rows: the first decode took %.1f s, compilation%s included (once per "
+                    "batch size)", batch, time.perf_counter() - started,
+                    " and CUDA graph capture" if device.type == "cuda" else "")
     return Decoded(out.tokens[:, :steps], out.logprobs[:, :steps], out.entropy[:, :steps], out.ended)
