@@ -9,6 +9,7 @@ cross-field rules go in `check()`. `run(main)` wraps every entry point: a `Usage
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -80,7 +81,13 @@ def _check_type(name: str, hint, value):
         raise FieldError(name, value, "must be a whole number")
     if kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int past any float
+                number = math.inf
+            if math.isfinite(number):
+                return number
+            raise FieldError(name, value, "must be a finite number")
         raise FieldError(name, value, "must be a number")
     if kind is str:
         if isinstance(value, str):

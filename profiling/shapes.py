@@ -142,6 +142,10 @@ def preset_config(name: str, vocab_size: int, overrides: Optional[str] = None):
                            else type(default)(raw) if isinstance(default, (int, float)) else raw)
         except ValueError:
             raise UsageError(f"--preset_overrides: {key}={raw} is not a {type(default).__name__}") from None
+        number = values[key]
+        if isinstance(number, (int, float)) and not isinstance(number, bool) and not (
+                math.isfinite(number) and (number > 0 or key.endswith(("dropout", "_id", "bias")))):
+            raise UsageError(f"--preset_overrides: {key}={raw} must be a finite number greater than 0")
     return config_class(**values)
 
 

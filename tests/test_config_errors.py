@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,3 +79,40 @@ def test_override_values_may_be_comma_lists():
                                                                             "hidden_size": "32"}
     with pytest.raises(UsageError, match="'max_steps' is not key=value"):
         parse_assignments("max_steps,reward_weights=1", "overrides")
+
+
+NOT_FINITE = [  # (settings class, field, value, what the one line says): each passed or ended in a traceback before
+    ("trainer.grpo:GRPOArguments", "beta", math.inf, "must be a finite number"),
+    ("trainer.grpo:GRPOArguments", "missing_eos_penalty", math.nan, "must be a finite number"),
+    ("trainer.grpo:GRPOArguments", "missing_eos_penalty", -math.inf, "must be a finite number"),
+    ("trainer.grpo:GRPOArguments", "temperature", 1e-30, "must be 0 (greedy) or in [0.01, 100]"),
+    ("trainer.ppo:PPOArguments", "init_kl_coef", math.inf, "must be a finite number"),
+    ("trainer.ppo:PPOArguments", "vf_coef", math.inf, "must be a finite number"),
+    ("trainer.ppo:PPOArguments", "entropy_coef", math.inf, "must be a finite number"),
+    ("trainer.ppo:PPOArguments", "reward_timeout_s", 10 ** 400, "must be a finite number"),
+    ("trainer.dpo:DPOArguments", "beta", math.inf, "must be a finite number"),
+    ("trainer.dpo:DPOArguments", "beta", 1e30, "must be in [0.0001, 100]"),
+    ("trainer.config:TrainArguments", "memory_budget_gib", math.inf, "must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("where, name, value, problem", NOT_FINITE, ids=[f"{c.split(':')[1]}.{n}={v}"
+                                                                          for c, n, v, _ in NOT_FINITE])
+def test_a_float_setting_must_be_finite_and_in_its_range(where, name, value, problem):
+    import importlib
+
+    from foundation.cli import UsageError
+
+    module, _, cls = where.partition(":")
+    with pytest.raises(UsageError) as raised:
+        getattr(importlib.import_module(module), cls)(**{name: value})
+    assert str(raised.value) == f"--{name} {value!r}: {problem}"
+
+
+def test_a_preset_override_that_is_not_a_positive_size_is_one_line():
+    from foundation.cli import UsageError
+    from profiling.shapes import preset_config
+
+    for override in ("num_hidden_layers=-1", "hidden_size=0", "rms_norm_eps=inf"):
+        with pytest.raises(UsageError, match=rf"--preset_overrides: {override} must be a finite number greater than 0"):
+            preset_config("tiny-llama", 512, override)

@@ -229,6 +229,15 @@ BAD = {  # case: (code, function, what the one line says)
                      r"'no_such_module_here'$"),
     "syntax error": ("def f(:\n", "f", r"cannot import .*fns.py: SyntaxError: "),
     "no such function": ("def g(**_):\n    return []\n", "f", r"--reward_fn '.*fns.py:f': .*fns.py has no function f$"),
+    # what a float32 score cannot hold, and a function that exits (issue 44: both passed or ended the run silently)
+    "past float32": ("def f(completions, **_):\n    return [1.0, 1e308]\n", "f",
+                     r"reward function f \(.*\) returned 1e\+308, past float32's range, for row data.jsonl:2$"),
+    "an int past any float": ("def f(completions, **_):\n    return [10 ** 400, 1]\n", "f",
+                              r"reward function f \(.*\) returned 1000.*\.\.\., past float32's range, for row "
+                              r"data.jsonl:1$"),
+    "exits": ("import sys\ndef f(completions, **_):\n    sys.exit(0)\n", "f",
+              r"reward function f \(.*\) raised SystemExit: 0 on row data.jsonl:1$"),
+    "exits at import": ("import sys\nsys.exit(3)\n", "f", r"cannot import .*fns.py: SystemExit: 3$"),
 }
 
 
@@ -242,6 +251,53 @@ def test_every_bad_function_stops_with_one_line_naming_it_and_the_row(tmp_path, 
         scorer_of(tmp_path, smol_tokenizer, code, name)(None, ids, att, p, rmask, examples(2))
     assert "\n" not in str(raised.value)
     assert raised.match(message)
+
+
+def test_a_weight_or_a_sum_past_float32_stops_naming_the_function_or_the_row(tmp_path, smol_tokenizer):
+    from trainer.rl.rewards import RewardFunctionError
+
+    code = "def big(completions, **_):\n    return [10.0, 3e38]\ndef small(completions, **_):\n    return [1.0, 1.0]\n"
+    ids, att, p, rmask = batch(smol_tokenizer, [" Hi.", " No."])
+    with pytest.raises(RewardFunctionError, match=r"reward function small \(.*\) returned 1 times its weight 1e\+300, "
+                                                  r"past float32's range, for row data.jsonl:1$"):
+        scorer_of(tmp_path, smol_tokenizer, code, "small", reward_weights="1e300")(None, ids, att, p, rmask,
+                                                                                   examples(2))
+    with pytest.raises(RewardFunctionError, match=r"the weighted rewards of row data.jsonl:2 sum past float32's range "
+                                                  r"\(big, big_2\)"):
+        scorer_of(tmp_path, smol_tokenizer, code, "big,big")(None, ids, att, p, rmask, examples(2))
+
+
+def test_a_function_past_its_time_limit_stops_the_run_naming_it(tmp_path, smol_tokenizer):
+    import time
+
+    from trainer.rl.rewards import RewardFunctionError
+
+    code = "import time\ndef slow(completions, **_):\n    time.sleep(30)\n    return [0.0] * len(completions)\n"
+    ids, att, p, rmask = batch(smol_tokenizer, [" Hi.", " No."])
+    started = time.monotonic()
+    with pytest.raises(RewardFunctionError, match=r"reward function slow \(.*\) ran past --reward_timeout_s 0.5 on "
+                                                  r"the batch of rows data.jsonl:1 \.\.\.$"):
+        scorer_of(tmp_path, smol_tokenizer, code, "slow", reward_timeout_s=0.5)(None, ids, att, p, rmask, examples(2))
+    assert time.monotonic() - started < 5
+
+
+def test_each_function_gets_its_own_copies_of_the_rows(tmp_path, smol_tokenizer):
+    """A function that edits its arguments in place changes neither what the next function sees nor the rows,
+    at this step or the next."""
+    code = ("def vandal(prompts, completions, answer, **_):\n"
+            "    for i in range(len(prompts)):\n"
+            "        prompts[i] += ' MUTATED'\n        answer[i] = 'MUTATED'\n        completions[i] = 'MUTATED'\n"
+            "    prompts.append('extra')\n"
+            "    return [0.0] * len(completions)\n"
+            "def witness(prompts, completions, answer, **_):\n"
+            "    return [float('MUTATED' in p + c + a) for p, c, a in zip(prompts, completions, answer)]\n")
+    scorer = scorer_of(tmp_path, smol_tokenizer, code, "vandal,witness")
+    ids, att, p, rmask = batch(smol_tokenizer, [" Hi.", " No."])
+    rows = examples(2, answer=["yes", "no"])
+    before = [dict(e.columns) for e in rows]
+    for _ in range(2):
+        assert scorer(None, ids, att, p, rmask, rows).tolist() == [0.0, 0.0]
+    assert [e.columns for e in rows] == before
 
 
 def test_a_missing_file_a_bad_spec_and_wrong_weights_are_refused(tmp_path):

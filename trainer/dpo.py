@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 from accelerate.utils import gather_object
 
-from foundation.cli import Checked, UsageError, above, between, one_of, run
+from foundation.cli import Checked, UsageError, between, one_of, run
 from foundation.stages import POLICY, REFERENCE
 from trainer.data.collators import PairCollator, pair_collator, pairs_in
 from trainer.data.tokenization import PairExample, tokenize_pairs
@@ -32,7 +32,7 @@ class DPOArguments(Checked):
     loss_type: str = field(default="sigmoid", metadata={"help": "'sigmoid' (DPO), 'ipo' or 'hinge'."})
     label_smoothing: float = field(default=0.0, metadata={"help": "Conservative DPO label noise (sigmoid only)."})
 
-    RULES = {"beta": above(0), "loss_type": one_of(*DPO_LOSS_TYPES), "label_smoothing": between(0, 0.5)}
+    RULES = {"beta": between(1e-4, 100), "loss_type": one_of(*DPO_LOSS_TYPES), "label_smoothing": between(0, 0.5)}
 
     def check(self) -> None:
         if self.label_smoothing and self.loss_type != "sigmoid":

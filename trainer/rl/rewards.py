@@ -5,12 +5,15 @@ text; for a conversational row `[{"role": "assistant", "content": text}]`), `com
 column of the rows (e.g. `answer`), each a list with one entry per completion, and returns one float per
 completion, or None where it does not apply (left out of its mean, 0 in the sum). Functions come only from
 the settings (`--reward_fn PATH.py:NAME` or `package.module:NAME`); the toy rewards `keyword:WORD`,
-`length:N` and `chars:N` are built-in functions of the same kind. A function that fails stops the run with
-one line naming it and the row (`RewardFunctionError`).
+`length:N` and `chars:N` are built-in functions of the same kind. A function that fails, exits, runs past
+`--reward_timeout_s` or returns what is not a finite float32 (after its weight) stops the run with one line
+naming it and the row (`RewardFunctionError`). Each function gets its own copies of the rows: what one
+changes in place reaches neither the next function nor the dataset.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import importlib.util
@@ -19,6 +22,7 @@ import math
 import numbers
 import statistics
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -33,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 BUILTINS = ("keyword", "length", "chars")
 RESERVED = ("prompts", "completions", "completion_ids")  # the call's own arguments: a column cannot replace them
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # scores are float32 tensors: a reward must fit one
 
 
 class RewardFunctionError(UsageError):
@@ -109,7 +114,7 @@ def _module_of(target: str, spec: str):
         return _import_file(target, spec) if target.endswith(".py") else importlib.import_module(target)
     except RewardFunctionError:
         raise
-    except Exception as exc:  # the user's code failed to import: any error at all, named in one line
+    except (Exception, SystemExit) as exc:  # the user's code failed to import, or exited: named in one line
         raise RewardFunctionError(f"--reward_fn {spec!r}: cannot import {target}: {type(exc).__name__}: "
                                   f"{_one_line(exc)}") from None
 
@@ -176,28 +181,68 @@ def _checked(function: RewardFunction, values: Any, count: int, sources: Sequenc
         if value is not None and not isinstance(value, numbers.Real):
             raise RewardFunctionError(f"{who} returned {type(value).__name__} {_one_line(repr(value))[:60]}, not a "
                                       f"number, for row {source}")
-        if value is not None and not math.isfinite(value):
-            raise RewardFunctionError(f"{who} returned {value} for row {source}")
-        out.append(None if value is None else float(value))
+        if value is not None:
+            try:
+                value = float(value)
+            except OverflowError:  # an int past any float
+                raise RewardFunctionError(f"{who} returned {_one_line(repr(value))[:40]}..., past float32's range, "
+                                          f"for row {source}") from None
+            if not math.isfinite(value):
+                raise RewardFunctionError(f"{who} returned {value} for row {source}")
+            if abs(value) > FLOAT32_MAX or abs(value * function.weight) > FLOAT32_MAX:
+                times = "" if abs(value) > FLOAT32_MAX else f" times its weight {function.weight:g}"
+                raise RewardFunctionError(f"{who} returned {value:g}{times}, past float32's range, for row {source}")
+        out.append(value)
     return out
 
 
-def _call(function: RewardFunction, kwargs: dict[str, list], sources: Sequence[str]) -> Any:
+class _TimedOut(Exception):
+    pass
+
+
+def _run(function: RewardFunction, kwargs: dict[str, list], timeout_s: float) -> Any:
+    """The function on its own copies of `kwargs`, in a thread given `timeout_s`: its value, or what it raised
+    (SystemExit too), re-raised here; `_TimedOut` when it runs past the limit (the thread is left to itself)."""
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = function.fn(**copy.deepcopy(kwargs))
+        except BaseException as exc:  # noqa: BLE001 - carried over to the caller's thread
+            result["error"] = exc
+
+    worker = threading.Thread(target=target, name=f"reward function {function.name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise _TimedOut()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _call(function: RewardFunction, kwargs: dict[str, list], sources: Sequence[str], timeout_s: float) -> Any:
+    who = f"reward function {function.name} ({function.origin})"
     try:
-        return function.fn(**kwargs)
-    except Exception as exc:
-        culprit = _failing_row(function, kwargs, sources)
+        return _run(function, kwargs, timeout_s)
+    except _TimedOut:
+        raise RewardFunctionError(f"{who} ran past --reward_timeout_s {timeout_s:g} on the batch of rows "
+                                  f"{sources[0]} ...") from None
+    except (Exception, SystemExit) as exc:
+        culprit = _failing_row(function, kwargs, sources, timeout_s)
         where = f"row {culprit}" if culprit else f"the batch of rows {sources[0]} ..."
-        raise RewardFunctionError(f"reward function {function.name} ({function.origin}) raised "
-                                  f"{type(exc).__name__}: {_one_line(exc)} on {where}") from None
+        raise RewardFunctionError(f"{who} raised {type(exc).__name__}: {_one_line(exc)} on {where}") from None
 
 
-def _failing_row(function: RewardFunction, kwargs: dict[str, list], sources: Sequence[str]) -> Optional[str]:
+def _failing_row(function: RewardFunction, kwargs: dict[str, list], sources: Sequence[str],
+                 timeout_s: float) -> Optional[str]:
     """The first row on which the function raises when called again with that row alone (None: none does)."""
     for i, source in enumerate(sources):
         try:
-            function.fn(**{key: values[i : i + 1] for key, values in kwargs.items()})
-        except Exception:
+            _run(function, {key: values[i : i + 1] for key, values in kwargs.items()}, timeout_s)
+        except _TimedOut:
+            return None
+        except (Exception, SystemExit):
             return source
     return None
 
@@ -213,8 +258,10 @@ def _stats(values: list[Optional[float]]) -> tuple[float, float]:
 class Scorer:
     """Scores whole responses: the `adapter`'s head (None: no reward adapter) plus the weighted reward functions."""
 
-    def __init__(self, functions: Sequence[RewardFunction] = (), tokenizer=None, adapter: Optional[str] = REWARD):
+    def __init__(self, functions: Sequence[RewardFunction] = (), tokenizer=None, adapter: Optional[str] = REWARD,
+                 timeout_s: float = 600.0):
         self.functions, self.tokenizer, self.adapter = list(functions), tokenizer, adapter
+        self.timeout_s = timeout_s  # per call of each function
 
     def __call__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
                  response_mask: torch.Tensor, examples: Optional[Sequence] = None) -> torch.Tensor:
@@ -239,6 +286,11 @@ class Scorer:
             metrics[f"rewards/{function.name}/mean"], metrics[f"rewards/{function.name}/std"] = _stats(values)
             added = torch.tensor([0.0 if v is None else v for v in values], device=total.device)
             total = total + function.weight * added
+        if not torch.isfinite(total).all():
+            row = int((~torch.isfinite(total)).nonzero()[0, 0])
+            where = examples[row].source if examples is not None else f"batch row {row}"
+            raise RewardFunctionError(f"the weighted rewards of row {where} sum past float32's range "
+                                      f"({', '.join(f.name for f in self.functions)}): scale them down")
         return total, metrics
 
     def function_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
@@ -246,7 +298,7 @@ class Scorer:
                         ) -> list[list[Optional[float]]]:
         """Each reward function's checked values, one per row (None: does not apply), unweighted, in order."""
         kwargs, sources = self._arguments(input_ids, attention_mask, prompt_length, response_mask, examples)
-        return [_checked(f, _call(f, kwargs, sources), len(sources), sources) for f in self.functions]
+        return [_checked(f, _call(f, kwargs, sources, self.timeout_s), len(sources), sources) for f in self.functions]
 
     def _arguments(self, input_ids, attention_mask, prompt_length, response_mask, examples
                    ) -> tuple[dict[str, list], list[str]]:

@@ -22,6 +22,11 @@ logger = logging.getLogger(__name__)
 HOT_TEMPERATURE = 2.0  # above it, samples are close to random tokens and the policy's gradient is 1/T of its own
 
 
+def _temperature_rule(name: str, value: float):
+    """0 is greedy; a tiny temperature makes every draw the argmax and every log-prob 0: nothing to learn."""
+    return None if value == 0 or 0.01 <= value <= 100 else "must be 0 (greedy) or in [0.01, 100]"
+
+
 def _scripted_reward_rule(name: str, value: str) -> Optional[str]:
     try:
         builtin(value, "--scripted_reward")
@@ -54,6 +59,8 @@ class RolloutArguments(Checked):
                 "one is set."})
     reward_weights: Optional[str] = field(default=None, metadata={
         "help": "Weights of the --reward_fn functions, comma-separated (default 1 each); the reward adapter weighs 1."})
+    reward_timeout_s: float = field(default=600.0, metadata={
+        "help": "Seconds one call of a reward function may take; past it the run stops naming the function."})
     scripted_reward: Optional[str] = field(default=None, metadata={
         "help": "A built-in reward function, weight 1: keyword:WORD, length:N or chars:N (as in --reward_fn)."})
     rollout_batch_size: int = field(default=8, metadata={"help": "Prompts per step on each process."})
@@ -81,9 +88,10 @@ class RolloutArguments(Checked):
     eval_prompts: int = field(default=16, metadata={"help": "Held-out prompts for policy-vs-SFT evaluation."})
     eval_seed: int = field(default=1234, metadata={"help": "Sampling seed of evaluations (same samples each time)."})
 
-    RULES = {"scripted_reward": _scripted_reward_rule, "reward_fn": _reward_fn_rule, "rollout_batch_size": at_least(1),
+    RULES = {"scripted_reward": _scripted_reward_rule, "reward_fn": _reward_fn_rule, "reward_timeout_s": above(0),
+             "rollout_batch_size": at_least(1),
              "rollout_micro_batch_size": at_least(1), "mini_batch_size": at_least(1),
-             "max_new_tokens": at_least(1), "min_new_tokens": at_least(0), "temperature": at_least(0),
+             "max_new_tokens": at_least(1), "min_new_tokens": at_least(0), "temperature": _temperature_rule,
              "top_k": at_least(0), "top_p": between(0, 1), "decode": one_of(*DECODE_PATHS),
              "generation_weights": one_of("auto", *GENERATION_WEIGHTS),
              "cliprange": above(0), "eval_prompts": at_least(0)}
@@ -127,4 +135,4 @@ def make_scorer(args: RolloutArguments, tokenizer) -> Scorer:
     functions = load_reward_functions(*reward_functions(args))
     if functions:
         logger.info("%s", describe(functions))
-    return Scorer(functions, tokenizer, REWARD if args.reward_adapter is not None else None)
+    return Scorer(functions, tokenizer, REWARD if args.reward_adapter is not None else None, args.reward_timeout_s)
