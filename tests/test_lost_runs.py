@@ -110,6 +110,45 @@ def test_a_lock_naming_another_host_is_refused_and_never_taken_over(tmp_path):
     assert (tmp_path / LOCK_FILE).read_text() == stale
 
 
+@pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "folder", "fifo", "unreadable"])
+def test_a_lock_file_that_is_not_a_regular_file_is_refused_in_one_line_and_nothing_outside_is_written(tmp_path, kind):
+    """run.lock is opened without following links: a link to a file outside the folder is never truncated or
+    written; a folder, a FIFO or an unopenable file is one line naming it, not a traceback or a hang."""
+    from trainer.engine.run_lock import RunLock, RunLocked
+
+    out, outside = tmp_path / "run", tmp_path / "precious.txt"
+    out.mkdir()
+    outside.write_text("keep me")
+    lock = out / LOCK_FILE
+    if kind == "symlink":
+        lock.symlink_to(outside)
+    elif kind == "dangling symlink":
+        lock.symlink_to(tmp_path / "nowhere.txt")
+    elif kind == "folder":
+        lock.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.write_text("{}")
+        lock.chmod(0)
+        if os.access(lock, os.R_OK):  # root reads anything
+            pytest.skip("running as root: every file is readable")
+    with pytest.raises(RunLocked) as raised:
+        RunLock.acquire(out)
+    message = str(raised.value)
+    assert "\n" not in message and str(lock) in message and "remove it" in message
+    assert outside.read_text() == "keep me" and not (tmp_path / "nowhere.txt").exists()
+
+
+def test_a_lock_file_that_is_not_utf8_claims_nothing_and_is_taken(tmp_path):
+    from trainer.engine.run_lock import RunLock
+
+    (tmp_path / LOCK_FILE).write_bytes(b"\xff\xfe garbage \x80")
+    lock = RunLock.acquire(tmp_path)
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+
+
 def test_without_flock_a_live_holder_is_refused_and_a_dead_one_taken_over(tmp_path, monkeypatch, caplog):
     import trainer.engine.run_lock as run_lock
     from trainer.engine.run_lock import RunLock, RunLocked

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import Optional
@@ -74,7 +75,7 @@ class RunLock:
             earlier.release()
         path = folder / LOCK_FILE
         while True:
-            file = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+")
+            file = _open_lock_file(path, folder)
             try:
                 fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 trusted = True
@@ -133,6 +134,25 @@ class RunLock:
         for key, lock in list(_held.items()):
             if lock is self:
                 del _held[key]
+
+
+def _open_lock_file(path: Path, folder: Path):
+    """`run.lock` opened for reading and writing, created if absent: never through a link (a link could send the
+    holder's name into a file outside the folder), and only a regular file; anything else is one line."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        what = ("a symbolic link" if exc.errno == errno.ELOOP else "a folder" if exc.errno == errno.EISDIR
+                else f"not usable ({exc.strerror})")
+        raise RunLocked(f"--output_dir {folder}: its lock file {path} is {what}; remove it, or pick another "
+                        "--output_dir") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RunLocked(f"--output_dir {folder}: its lock file {path} is not a regular file; remove it, or pick "
+                        "another --output_dir")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "r+", encoding="utf-8", errors="replace")  # a garbled name claims nothing
 
 
 def _same_file(file, path: Path) -> bool:
