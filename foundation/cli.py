@@ -31,7 +31,8 @@ class InputError(Exception):
 class FieldError(UsageError):
     def __init__(self, name: str, value: Any, problem: str):
         self.name, self.value, self.problem = name, value, problem
-        super().__init__(f"--{name} {value!r}: {problem}")
+        shown = repr(value)
+        super().__init__(f"--{name} {shown if len(shown) <= 200 else shown[:200] + '...'}: {problem}")
 
 
 # ---- rules ----------------------------------------------------------------------------------------
@@ -194,6 +195,9 @@ def main_process() -> bool:
     return os.environ.get("RANK", "0") in ("0", "")
 
 
+MAX_ERROR_CHARS = 2000
+
+
 def run(main: Callable[[Optional[list[str]]], Any], argv: Optional[list[str]] = None) -> Any:
     """Call an entry point's `main`; our errors end the process with one line and exit code 2 or 1."""
     try:
@@ -205,5 +209,7 @@ def run(main: Callable[[Optional[list[str]]], Any], argv: Optional[list[str]] = 
         code = 1
         message = str(exc)
     if main_process():
+        if len(message) > MAX_ERROR_CHARS:  # a value echoed whole (a huge config value) would bury the line
+            message = message[:MAX_ERROR_CHARS] + f"... ({len(message):,} characters, cut)"
         print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)

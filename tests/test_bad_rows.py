@@ -103,6 +103,13 @@ TEMPLATES = {  # name -> (file bytes, what the one line says after the file's pa
     "sandbox": (b"{{ messages.append(1) }}",
                 "the chat template failed on {data}:1: SecurityError: access to attribute 'append' of 'list' object "
                 "is unsafe."),
+    # a template that would build gigabytes (issue 44: OOM-killed at 19.5 GB) stops before it does
+    "a huge repetition": (b"{{ 'x' * 100000000 }}",
+                          "the chat template failed on {data}:1: SecurityError: a repetition of 100,000,000 items is "
+                          "past the limit of 1,000,000"),
+    "a huge rendering": (b"{% for i in range(100000) %}{{ messages[0].content * 20 }}{% endfor %}",
+                         "the chat template failed on {data}:1: SecurityError: it renders more than 1,000,000 "
+                         "characters"),
 }
 
 

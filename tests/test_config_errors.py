@@ -116,3 +116,30 @@ def test_a_preset_override_that_is_not_a_positive_size_is_one_line():
     for override in ("num_hidden_layers=-1", "hidden_size=0", "rms_norm_eps=inf"):
         with pytest.raises(UsageError, match=rf"--preset_overrides: {override} must be a finite number greater than 0"):
             preset_config("tiny-llama", 512, override)
+
+
+def test_an_alias_bomb_a_deep_nest_and_a_huge_value_are_one_short_line(tmp_path):
+    """A 9^7-value alias bomb is refused before it is built; 20,000 nested lists are refused, not a
+    RecursionError; an error echoing a huge value is cut to a readable line."""
+    from foundation.cli import FieldError, UsageError
+    from trainer.config import read_yaml
+
+    lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 7)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\nmodel:\n  lora_r: *a6\n")
+    assert len(bomb.read_bytes()) < 500
+    with pytest.raises(UsageError, match=r"bomb.yaml: its aliases expand to more than 100,000 values"):
+        read_yaml(bomb)
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("model:\n  lora_r: " + "[" * 20000 + "]" * 20000 + "\n")
+    with pytest.raises(UsageError, match=r"deep.yaml: nested too deep to read$"):
+        read_yaml(deep)
+    merged = tmp_path / "merged.yaml"  # anchors and merges of a real config stay readable
+    merged.write_text("model: &m\n  lora_r: 8\ndata:\n  <<: *m\n")
+    assert read_yaml(merged)["data"] == {"lora_r": 8}
+    assert len(str(FieldError("lora_r", ["x"] * 10**6, "must be a whole number"))) < 300
+    for flag in ("--lora_r", "--dataset"):  # argparse echoes the value; a path no filesystem takes
+        proc = start("sft", "--output_dir", str(tmp_path / "s"), flag, "x" * 100_000)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-500:]
+        assert max(len(line) for line in proc.stderr.splitlines()) < 2100

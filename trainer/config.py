@@ -345,13 +345,34 @@ class UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+MAX_YAML_VALUES = 100_000  # values a config may hold once its aliases are expanded: far past any real config
+
+
+def _expanded_size(node, sizes: dict) -> int:
+    """How many values `node` holds once every alias in it is expanded (a shared node counts each time)."""
+    if id(node) not in sizes:
+        sizes[id(node)] = 0  # a node that holds itself (a recursive alias) counts once
+        children = [item for pair in node.value for item in pair] if isinstance(node, yaml.MappingNode) else \
+            node.value if isinstance(node, yaml.SequenceNode) else []
+        sizes[id(node)] = min(1 + sum(_expanded_size(child, sizes) for child in children), MAX_YAML_VALUES + 1)
+    return sizes[id(node)]
+
+
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    """A config file's sections as written (a key or section written twice is refused), unchecked."""
+    """A config file's sections as written (a key or section written twice is refused), unchecked. Aliases
+    that expand past MAX_YAML_VALUES values, and nesting Python cannot follow, are refused in one line."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"config file not found: {path}")
     try:
-        raw = yaml.load(path.read_text(), Loader=UniqueKeyLoader) or {}
+        text = path.read_text()
+        node = yaml.compose(text, Loader=UniqueKeyLoader)
+        if node is not None and _expanded_size(node, {}) > MAX_YAML_VALUES:
+            raise UsageError(f"{path}: its aliases expand to more than {MAX_YAML_VALUES:,} values; write the "
+                             "config out without them")
+        raw = yaml.load(text, Loader=UniqueKeyLoader) or {}
+    except RecursionError:
+        raise UsageError(f"{path}: nested too deep to read") from None
     except DuplicateKey as exc:
         raise UsageError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:

@@ -53,8 +53,8 @@ def load_template_file(path: str):
         raise ChatTemplateError(f"{path}: the chat template is not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise ChatTemplateError(f"{path}: the chat template cannot be read ({exc.strerror or exc})") from None
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=_PrintedUndefined,
-                                        extensions=[GenerationTag, "jinja2.ext.loopcontrols"])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, undefined=_PrintedUndefined,
+                          extensions=[GenerationTag, "jinja2.ext.loopcontrols"])
     env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     env.filters["tojson"] = _tojson
     try:
@@ -62,6 +62,23 @@ def load_template_file(path: str):
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"{path}: the chat template is not valid Jinja at line {exc.lineno} "
                                 f"({one_line(exc.message)})") from None
+
+
+MAX_RENDERED = 1_000_000  # characters a chat template may render for one row: far past any context window
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with `str * n` and `list * n` refused past MAX_RENDERED items before they are built."""
+
+    intercepted_binops = frozenset({"*"})
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for items, times in ((left, right), (right, left)):
+                if isinstance(items, (str, list, tuple)) and isinstance(times, int) and len(items) * times > MAX_RENDERED:
+                    raise jinja2.exceptions.SecurityError(f"a repetition of {len(items) * times:,} items is past the "
+                                                          f"limit of {MAX_RENDERED:,}")
+        return super().call_binop(context, operator, left, right)
 
 
 class _PrintedUndefined(jinja2.StrictUndefined):
@@ -111,8 +128,14 @@ class ChatRenderer:
                                                       add_generation_prompt=add_generation_prompt)
         tokens = getattr(self.tokenizer, "special_tokens_map", None) or {}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
-                                        documents=None, **tokens)
+            parts, size = [], 0
+            for part in self.template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                               tools=None, documents=None, **tokens):
+                size += len(part)
+                if size > MAX_RENDERED:
+                    raise jinja2.exceptions.SecurityError(f"it renders more than {MAX_RENDERED:,} characters")
+                parts.append(part)
+            return "".join(parts)
         except Exception as exc:  # the template's own code failed: raise_exception, undefined, sandbox, any other
             raise ChatTemplateError(f"{self.path}: the chat template failed on {source}: {type(exc).__name__}: "
                                     f"{one_line(exc)}") from None

@@ -123,15 +123,22 @@ def resolve_dataset(dataset: str) -> str:
 
 def is_hub_id(dataset: str) -> bool:
     """True for an `owner/name` that is not a local path (local paths win when both could apply)."""
-    if Path(dataset).expanduser().exists():
-        return False
+    try:
+        if Path(dataset).expanduser().exists():
+            return False
+    except OSError:  # a name no filesystem takes (too long): not a local path; the reader names what it lacks
+        pass
     looks_like_path = dataset.startswith((".", "/", "~")) or dataset.endswith(DATA_SUFFIXES) or "\\" in dataset
     return dataset.count("/") == 1 and not looks_like_path
 
 
 def data_files(path: Path) -> list[Path]:
     """The data files at `path`: the file itself, or every data file below a folder, sorted by path."""
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as exc:  # a name no filesystem takes (too long)
+        raise DataError(str(path)[:200], "not_found", f"not a usable path ({exc.strerror})") from None
+    if not exists:
         raise DataError(str(path), "not_found", "no such file or folder (set --dataset or $" + DATA_ENV + ")")
     if path.is_file():
         if not path.name.endswith(DATA_SUFFIXES):
