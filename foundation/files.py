@@ -109,6 +109,27 @@ def publish_into_empty(tmp: Path, target: Path) -> Path:
 
 
 @contextmanager
+def check_writable(target: Union[str, os.PathLike], what: str) -> None:
+    """A UsageError naming `what` unless a file can be written beside `target` (in its nearest existing folder):
+    a read-only or full filesystem is found before the work whose result would go there."""
+    from foundation.cli import UsageError
+
+    folder = Path(target).parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=folder)
+        try:
+            os.write(fd, b"x" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"{what} {target}: cannot write in {folder} ({exc.strerror or exc}); free space or pick "
+                         "another place") from None
+
+
 def atomic_folder(target: Union[str, os.PathLike], replace: bool = True, into_empty: bool = False) -> Iterator[Path]:
     """Yield an empty temporary folder beside `target`; on success it becomes `target` (`publish_folder`, or
     with `into_empty` `publish_into_empty`), on error it is removed."""

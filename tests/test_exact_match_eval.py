@@ -91,3 +91,21 @@ def test_exact_match_evaluates_a_trained_adapter_on_the_base_it_was_trained_on(t
                    "--progress_bar", "false"])
     assert result["base_model"] == "tiny-llama"  # from the adapter's folder, not the default base
     assert result["rows"] == 5 and result["checks"]["even_answer"]["mean"] == pytest.approx(2 / 5)
+
+
+def test_an_output_file_on_a_read_only_filesystem_is_refused_before_the_evaluation(tmp_path, monkeypatch):
+    import errno
+
+    import foundation.files
+    import trainer.evaluate
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(foundation.files.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(trainer.evaluate, "evaluate", lambda *a, **k: pytest.fail("the evaluation ran"))
+    data = held_out(tmp_path / "heldout.jsonl", [1])
+    out = tmp_path / "results" / "eval.json"
+    with pytest.raises(UsageError, match=rf"--output_file {out}: cannot write in {tmp_path} \(Read-only file system\)"):
+        main(["exact_match", "--adapter", "none", "--model_name_or_path", "tiny-llama", "--data", str(data),
+              "--reward_fn", "benchmarks/arithmetic/rewards.py:correct", "--output_file", str(out)])

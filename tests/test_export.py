@@ -158,6 +158,44 @@ def test_a_reward_adapter_or_a_used_folder_is_refused_in_one_line(tmp_path, caps
     assert not (tmp_path / "o").exists()
 
 
+def test_an_out_link_or_an_unwritable_place_is_refused_before_the_export_starts(tmp_path, capsys, monkeypatch):
+    """--out at a symbolic link (to an empty folder, or dangling), or where nothing can be written (a read-only
+    or full filesystem), is one line before any model loads (it was found only after the whole export)."""
+    import errno
+
+    import foundation.files
+    import trainer.export
+    from foundation.cli import run
+    from trainer.export import main
+
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    (policy / "adapter_model.safetensors").write_bytes(b"\0" * 8)
+    monkeypatch.setattr(trainer.export, "base_model_args", lambda *a, **k: pytest.fail("the export started"))
+    empty, link, dangling = tmp_path / "empty", tmp_path / "link", tmp_path / "dangling"
+    empty.mkdir()
+    link.symlink_to(empty)
+    dangling.symlink_to(tmp_path / "nowhere")
+
+    def refused(out, text):
+        with pytest.raises(SystemExit) as exit_info:
+            run(main, ["--adapter", str(policy), "--out", str(out)])
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+        assert exit_info.value.code == 2 and len(err) == 1 and text in err[0], err
+
+    refused(link, f"--out {link}: is a symbolic link")
+    refused(dangling, f"--out {dangling}: is a symbolic link")
+    for code, reason in ((errno.EROFS, "Read-only file system"), (errno.ENOSPC, "No space left on device")):
+        def failing(*args, code=code, reason=reason, **kwargs):
+            raise OSError(code, reason)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(foundation.files.tempfile, "mkstemp", failing)
+            refused(tmp_path / "new", f"--out {tmp_path / 'new'}: cannot write in {tmp_path} ({reason})")
+    assert not (tmp_path / "new").exists() and not (tmp_path / "nowhere").exists() and not any(empty.iterdir())
+
+
 def test_an_out_folder_filled_while_exporting_is_left_as_it_is_and_refused_in_one_line(tmp_path, capsys,
                                                                                         monkeypatch):
     """--out was empty at the start; another program writes there while the base loads: the export is not

@@ -273,6 +273,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     (args,) = parse([EvalArguments], argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s",
                         force=True)
+    if args.output_file:  # a read-only or full target is found before the evaluation, not after it
+        from foundation.files import check_writable
+
+        check_writable(args.output_file, "--output_file")
     result = evaluate(task, args)
     print(json.dumps(result), flush=True)
     if args.output_file:

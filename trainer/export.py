@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from foundation.cli import Checked, InputError, UsageError, one_of, parse, run
-from foundation.files import atomic_folder
+from foundation.files import atomic_folder, check_writable
 from trainer.engine.setup import base_model_args
 from trainer.model.adapter_fit import check_adapter_fits, saved_base
 from trainer.model.loading import load_base_model, load_tokenizer
@@ -71,8 +71,11 @@ def check_inputs(args: ExportArguments) -> tuple[Path, Path]:
     if (adapter / HEAD_FILE).is_file():
         raise InputError(f"--adapter {adapter}: a reward adapter (it has {HEAD_FILE}), not a language model; "
                          "export a policy adapter (sft, ppo, grpo or dpo)")
+    if out.is_symlink():  # the export is published by renaming onto --out: a link would never be filled
+        raise UsageError(f"--out {out}: is a symbolic link; name the folder itself")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out}: exists and is not an empty folder; pick a new one")
+    check_writable(out, "--out")
     return adapter, out
 
 
