@@ -108,7 +108,6 @@ def publish_into_empty(tmp: Path, target: Path) -> Path:
     return target
 
 
-@contextmanager
 def check_writable(target: Union[str, os.PathLike], what: str) -> None:
     """A UsageError naming `what` unless a file can be written beside `target` (in its nearest existing folder):
     a read-only or full filesystem is found before the work whose result would go there."""
@@ -130,6 +129,7 @@ def check_writable(target: Union[str, os.PathLike], what: str) -> None:
                          "another place") from None
 
 
+@contextmanager
 def atomic_folder(target: Union[str, os.PathLike], replace: bool = True, into_empty: bool = False) -> Iterator[Path]:
     """Yield an empty temporary folder beside `target`; on success it becomes `target` (`publish_folder`, or
     with `into_empty` `publish_into_empty`), on error it is removed."""

@@ -143,3 +143,29 @@ def test_an_alias_bomb_a_deep_nest_and_a_huge_value_are_one_short_line(tmp_path)
         proc = start("sft", "--output_dir", str(tmp_path / "s"), flag, "x" * 100_000)
         assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-500:]
         assert max(len(line) for line in proc.stderr.splitlines()) < 2100
+
+
+def test_a_pipeline_override_goes_only_to_the_stages_that_have_the_setting(tmp_path, monkeypatch):
+    """`--overrides reward_fn=...` reaches the online stage alone (SFT refused it as an unknown argument); a
+    setting no stage of the run has is refused before any stage runs."""
+    import trainer.compare
+    import trainer.pipeline
+    import trainer.run_report
+    from foundation.cli import UsageError
+
+    ran = {}
+    monkeypatch.setattr(trainer.pipeline, "run_stage", lambda name, argv, out, module=None: ran.setdefault(name, argv))
+    monkeypatch.setattr(trainer.compare, "compare_policies", lambda *a: {})
+    monkeypatch.setattr(trainer.run_report, "write_run_report", lambda *a: tmp_path / "report.md")
+    given = "reward_fn=keyword:thanks,length:24,reward_weights=1.0,0.5,max_steps=2"
+    trainer.pipeline.main(["--run_dir", str(tmp_path / "run"), "--algorithm", "grpo", "--overrides", given])
+    assert list(ran) == ["sft", "reward", "grpo"]
+    for name, argv in ran.items():
+        assert argv[argv.index("--max_steps") + 1] == "2", name
+        assert ("--reward_fn" in argv) == (name == "grpo") and ("--reward_weights" in argv) == (name == "grpo")
+    grpo = ran["grpo"]
+    assert grpo[grpo.index("--reward_fn") + 1] == "keyword:thanks,length:24"
+    ran.clear()
+    with pytest.raises(UsageError, match=r"--overrides beta_max: no stage of this pipeline \(sft, reward, ppo\) has"):
+        trainer.pipeline.main(["--run_dir", str(tmp_path / "run2"), "--overrides", "beta_max=1,max_steps=2"])
+    assert not ran

@@ -109,3 +109,24 @@ def test_an_output_file_on_a_read_only_filesystem_is_refused_before_the_evaluati
     with pytest.raises(UsageError, match=rf"--output_file {out}: cannot write in {tmp_path} \(Read-only file system\)"):
         main(["exact_match", "--adapter", "none", "--model_name_or_path", "tiny-llama", "--data", str(data),
               "--reward_fn", "benchmarks/arithmetic/rewards.py:correct", "--output_file", str(out)])
+
+
+def test_the_wilson_interval_stays_in_zero_to_one_at_either_end():
+    for n in (1, 7, 300, 10_000):
+        low, high = wilson_interval(0.0, n)
+        assert low == 0.0 and 0 < high < 1
+        low, high = wilson_interval(1.0, n)
+        assert 0 < low < 1 and high == 1.0
+
+
+def test_answers_longer_than_the_model_s_positions_are_refused_before_decoding(tmp_path, monkeypatch):
+    """The tiny preset has 1024 positions: prompt + --max_new_tokens past them is one line (training refuses it
+    too), not a generation past the model's positions."""
+    import trainer.evaluate
+
+    monkeypatch.setattr(trainer.evaluate, "build_shared_model", lambda *a, **k: pytest.fail("the model was built"))
+    data = held_out(tmp_path / "heldout.jsonl", [1, 2])
+    with pytest.raises(UsageError, match=r"--max_new_tokens 5000: the longest prompt \(\d+ tokens\) and its answer "
+                                         r"exceed the 1024 positions of tiny-llama: use at most \d+"):
+        main(["exact_match", "--adapter", "none", "--model_name_or_path", "tiny-llama", "--data", str(data),
+              "--reward_fn", "benchmarks/arithmetic/rewards.py:correct", "--max_new_tokens", "5000"])

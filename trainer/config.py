@@ -255,8 +255,8 @@ class PipelineArguments(Checked):
                 "from the same SFT and reward adapters into its own folder."})
     with_dpo: bool = field(default=False, metadata={"help": "Also train DPO from the SFT adapter."})
     overrides: str = field(default="", metadata={
-        "help": "Settings for every stage as key=value,key=value (e.g. max_steps=2); a value may be a list: "
-                "reward_weights=1.0,0.5,max_steps=2."})
+        "help": "Settings as key=value,key=value (e.g. max_steps=2), each given to the stages that have it; a value "
+                "may be a list: reward_fn=keyword:thanks,length:24,reward_weights=1.0,0.5,max_steps=2."})
     eval_prompts: int = field(default=32, metadata={"help": "Held-out prompts for the final policy comparison."})
     eval_max_new_tokens: int = field(default=32, metadata={"help": "Response length of the final comparison."})
     samples_in_report: int = field(default=4, metadata={"help": "Side-by-side generations shown in the report."})

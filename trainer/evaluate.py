@@ -208,6 +208,18 @@ def answer_model_args(args: EvalArguments) -> ModelArguments:
                           trust_remote_code=args.trust_remote_code)
 
 
+def check_answer_positions(model_args, prompts, max_new_tokens: int, vocab_size: int) -> None:
+    """The longest prompt and its answer must fit the base model's positions, as training requires."""
+    from trainer.model.loading import max_positions
+
+    positions = max_positions(model_args, vocab_size)
+    longest = max(len(p.prompt_ids) for p in prompts)
+    if positions is not None and longest + max_new_tokens > positions:
+        raise UsageError(f"--max_new_tokens {max_new_tokens}: the longest prompt ({longest} tokens) and its answer "
+                         f"exceed the {positions} positions of {model_args.model_name_or_path}: use at most "
+                         f"{max(positions - longest, 0)}")
+
+
 def evaluate_answers(args: EvalArguments) -> dict:
     """exact_match: greedy answers to every prompt of --data, each check function's mean and interval."""
     from accelerate import Accelerator
@@ -228,6 +240,7 @@ def evaluate_answers(args: EvalArguments) -> dict:
     prompts, tok_report = tokenize_prompts(pairs, tokenizer, data_args)
     if not prompts:
         raise InputError(f"no usable prompts in {args.data} ({report.summary()}; {tok_report.summary()})")
+    check_answer_positions(model_args, prompts, args.max_new_tokens, len(tokenizer))
     spec = AdapterSpec(POLICY, init_from=None if args.adapter == BASE else args.adapter)
     model = build_shared_model(model_args, [spec], vocab_size=len(tokenizer), device=accelerator.device)
     with accelerator.autocast():

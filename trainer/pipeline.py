@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -41,6 +42,20 @@ def stage_sections(name: str) -> dict[str, type]:
 
     return {"model": ModelArguments, "data": DataArguments, "train": TrainArguments,
             "stage": stage_module(name).ARGUMENTS}
+
+
+def stage_fields(module: str) -> set[str]:
+    """Every setting a stage's entry module takes (its sections' fields)."""
+    return {f.name for cls in stage_sections(module).values() for f in fields(cls)}
+
+
+def check_overrides(overrides: dict[str, str], stages: Sequence[str]) -> None:
+    """Each override goes to the stages that have the setting; one that no stage of this run has is refused."""
+    taken = set().union(*(stage_fields(PIPELINE_STAGES[name][0]) for name in stages))
+    unknown = [key for key in overrides if key not in taken]
+    if unknown:
+        raise UsageError(f"--overrides {', '.join(unknown)}: no stage of this pipeline ({', '.join(stages)}) has "
+                         f"{'that setting' if len(unknown) == 1 else 'those settings'}")
 
 
 def stage_argv(config: Path, out: Path, settings: dict[str, str]) -> list[str]:
@@ -118,10 +133,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     online = {"sft_adapter": str(sft_dir), "reward_adapter": str(reward_dir)}
     links = {"sft": {}, "reward": {"sft_adapter": str(sft_dir)}, "dpo": {"sft_adapter": str(sft_dir)},
              **{name: online for name in args.algorithms}}
+    check_overrides(overrides, stages_of(args))
     results = {}
     for name in stages_of(args):
         module, config, fixed = PIPELINE_STAGES[name]
-        argv_stage = stage_argv(folder / config, run_dir / name, {**links[name], **overrides, **fixed})
+        own = {key: value for key, value in overrides.items() if key in stage_fields(module)}
+        argv_stage = stage_argv(folder / config, run_dir / name, {**links[name], **own, **fixed})
         results[name] = run_stage(name, argv_stage, run_dir / name, module)
     from trainer.compare import compare_policies
     from trainer.run_report import write_run_report

@@ -158,7 +158,9 @@ def wilson_interval(accuracy: float, n: int, z: float = 1.96) -> tuple[float, fl
     denom = 1 + z * z / n
     center = (accuracy + z * z / (2 * n)) / denom
     half = z * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n)) / denom
-    return center - half, center + half
+    # at 0 and 1 the interval's end is exactly 0 or 1; rounding would step past it (-1.4e-17) or short of it
+    low, high = max(center - half, 0.0), min(center + half, 1.0)
+    return (0.0 if accuracy <= 0 else low), (1.0 if accuracy >= 1 else high)
 
 
 def bootstrap_perplexity_interval(nll: Sequence[float], tokens: Sequence[int], resamples: int = 2000,
