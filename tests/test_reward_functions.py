@@ -385,3 +385,25 @@ def test_the_run_report_shows_each_reward_functions_mean_at_the_first_and_last_s
     assert lines[0] == "## Reward functions"
     assert "| grpo | correct | 0.25 ± 0.5 (step 1) | 0.75 ± 0.25 (step 3) |" in lines
     assert reward_function_table(tmp_path, ["sft"]) == []
+
+
+def test_a_run_resumed_after_its_reward_file_changed_says_so_once(tmp_path, capsys, fresh_accelerate_state):
+    """The run records a hash of each reward function's file; resuming after the file was edited warns that the
+    steps before and after are scored by different functions (it resumed silently)."""
+    import trainer.grpo as grpo
+    from trainer.engine.launch import reset_accelerate
+
+    rewards = write_rewards(tmp_path / "fns")
+    data = prompt_only_file(tmp_path / "prompts.jsonl", 40, conversational=False)
+    argv = ["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"), "--dataset", str(data),
+            "--ppo_size", "32", "--eval_prompts", "0", "--scripted_reward", "null", "--save_every", "1",
+            "--reward_fn", f"{rewards}:text_length"]
+    grpo.main([*argv, "--max_steps", "1"])
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["resolved"]["reward_files"]
+    assert list(saved) == [str(rewards)] and len(saved[str(rewards)]) == 16
+    reset_accelerate()
+    capsys.readouterr()
+    rewards.write_text(REWARDS.replace("float(len(t))", "float(len(t)) / 2"))
+    grpo.main([*argv, "--max_steps", "2"])
+    said = [line for line in capsys.readouterr().out.splitlines() if "changed since the checkpoint" in line]
+    assert len(said) == 1 and f"WARNING trainer.engine.setup: reward functions in {rewards}" in said[0]

@@ -170,7 +170,23 @@ COSMETIC_FIELDS = {
 }
 # A resumed run may also lengthen itself and evaluate or save differently.
 RESUME_SAFE_FIELDS = {"train": COSMETIC_FIELDS["train"] | {"max_steps", "eval_every", "eval_batches",
-                                                           "eval_batch_size", "save_every"}}
+                                                           "eval_batch_size", "save_every"},
+                      "resolved": {"reward_files"}}  # an edited reward file is said (warn_edited_rewards), not refused
+
+
+def reward_sources(stage_args) -> dict[str, Any]:
+    """{"reward_files": {file or module: hash}} of a stage scored by reward functions, else {}."""
+    sources = stage_args.reward_sources() if hasattr(stage_args, "reward_sources") else {}
+    return {"reward_files": sources} if sources else {}
+
+
+def warn_edited_rewards(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """A run resumed with reward functions whose source changed since its checkpoint: one warning per file."""
+    before = (saved.get("resolved") or {}).get("reward_files") or {}
+    for source, digest in ((now.get("resolved") or {}).get("reward_files") or {}).items():
+        if source in before and before[source] != digest:
+            logger.warning("reward functions in %s changed since the checkpoint this run resumes: the steps and "
+                           "evaluations before and after it are scored by different functions", source)
 
 
 def config_changes(saved: dict[str, Any], now: dict[str, Any], allowed: dict[str, set[str]]) -> list[str]:
@@ -206,6 +222,7 @@ def check_resume_config(ctx: RunContext) -> None:
             raise InputError(f"{folder_config}: not valid JSON ({exc}); resume with --resume_config_check false "
                              "or start over with --resume no") from None
     changes = resume_config_changes(saved, ctx.config())
+    warn_edited_rewards(saved, ctx.config())
     old_steps = (saved.get("train") or {}).get("max_steps")
     if old_steps not in (None, ctx.train_args.max_steps):
         logger.warning("max_steps %s -> %s: the learning-rate schedule is stretched to the new length, so the "
@@ -267,7 +284,7 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     splits, report = load_splits(data_args, parser_for(data_args, tokenizer))
     check_split(stage, splits, report, data_args, train_args, stage_args)
     ctx = RunContext(model_args, data_args, train_args, stage_args, accelerator, tokenizer, splits,
-                     resolved={"dataset_fingerprint": report.fingerprint}, lock=lock)
+                     resolved={"dataset_fingerprint": report.fingerprint, **reward_sources(stage_args)}, lock=lock)
     prepare_output_dir(ctx)
     return ctx
 

@@ -135,6 +135,27 @@ def _import_file(target: str, spec: str):
     return module
 
 
+def source_hashes(specs: Sequence[str]) -> dict[str, str]:
+    """{file or module named by a spec: a hash of its source}, for the run's record: a resumed run that scores
+    with edited functions says so."""
+    out = {}
+    for spec in specs:
+        if spec.partition(":")[0] in BUILTINS:
+            continue
+        target = spec.rpartition(":")[0]
+        if target.endswith(".py"):
+            path: Optional[Path] = Path(target).expanduser()
+        else:
+            try:
+                found = importlib.util.find_spec(target)
+            except (ImportError, ValueError):
+                found = None
+            path = Path(found.origin) if found is not None and found.origin else None
+        if path is not None and path.is_file():
+            out[target] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return out
+
+
 def load_reward_functions(specs: Sequence[str], weights: Sequence[float]) -> list[RewardFunction]:
     """The functions `specs` name, imported (each file once), with their weights and unique metric names."""
     modules: dict[str, Any] = {}

@@ -15,7 +15,8 @@ from typing import Optional
 from foundation.cli import Checked, UsageError, above, at_least, between, one_of
 from foundation.stages import REWARD
 from trainer.model.decode import DECODE_PATHS, GENERATION_WEIGHTS
-from trainer.rl.rewards import Scorer, builtin, check_spec, describe, load_reward_functions, parse_weights, split_specs
+from trainer.rl.rewards import (Scorer, builtin, check_spec, describe, load_reward_functions, parse_weights,
+                                source_hashes, split_specs)
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,10 @@ class RolloutArguments(Checked):
              "top_k": at_least(0), "top_p": between(0, 1), "decode": one_of(*DECODE_PATHS),
              "generation_weights": one_of("auto", *GENERATION_WEIGHTS),
              "cliprange": above(0), "eval_prompts": at_least(0)}
+
+    def reward_sources(self) -> dict[str, str]:
+        """The files and modules the reward functions come from, each with a hash of its source."""
+        return source_hashes(split_specs(self.reward_fn))
 
     def check(self) -> None:
         parse_weights(self.reward_weights, len(split_specs(self.reward_fn)))
