@@ -300,3 +300,20 @@ def test_grpo_k3_term_gives_a_finite_gradient_when_a_padded_log_prob_is_minus_10
     # d k3 / d logp = 1 - exp(ref - logp): 1 - 1/2 on token 0, 0 on token 1, nothing from padding
     assert_close(grads[1], torch.tensor([[0.1 * 0.5 / 2, 0.0, 0.0]]))
     assert_close(grads[0], grads[1])
+
+
+def test_group_advantages_leave_an_unscored_response_out_and_give_it_zero_as_trl_does():
+    """NaN: every reward function returned None. Group [1, 2, NaN, 3]: mean 2 and std 1 over the three scored,
+    advantages -1, 0, 0, 1 (TRL's nanmean / nanstd); a group with one scored response, or none, is all 0."""
+    from trainer.losses import group_advantages
+
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 2.0, nan, 3.0], [nan, 5.0, nan, nan], [nan, nan, nan, nan], [4.0, nan, 4.0, 1.0]])
+    adv = group_advantages(rewards, "grpo", eps=0.0)
+    assert_close(adv[0], torch.tensor([-1.0, 0.0, 0.0, 1.0]))
+    assert_close(adv[1:3], torch.zeros(2, 4))
+    assert_close(adv[3], torch.tensor([1.0, 0.0, 1.0, -2.0]) / 3 ** 0.5)  # mean 3, std sqrt(3)
+    assert_close(group_advantages(rewards, "grpo", scale_std=False)[0], torch.tensor([-1.0, 0.0, 0.0, 1.0]))
+    # rloo: r_i minus the mean of the group's other scored rewards
+    assert_close(group_advantages(rewards, "rloo")[0], torch.tensor([-1.5, 0.0, 0.0, 1.5]))
+    assert not torch.isnan(group_advantages(rewards, "rloo")).any()

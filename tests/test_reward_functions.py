@@ -85,7 +85,7 @@ def test_a_reward_function_from_a_file_drives_a_tiny_grpo_run_on_prompt_only_row
                "--reward_fn", f"{rewards}:text_length"])
     assert built["model"].adapter_names == ["policy", "reference"]
     (call,) = calls_of(rewards)
-    assert len(call["values"]) == 16 and call["columns"] == ["level"]  # 4 prompts x 4 responses
+    assert len(call["values"]) == 16 and call["columns"] == ["level", "trainer_state"]  # 4 prompts x 4 responses
     assert all(isinstance(c, str) for c in call["completions"])
     for k in range(0, 16, 4):  # a prompt's responses are consecutive rows, each with the prompt's own columns
         assert len(set(call["prompts"][k : k + 4])) == 1 and len(set(call["answer"][k : k + 4])) == 1
@@ -172,12 +172,36 @@ def test_weights_sum_the_functions_and_the_reward_adapter_and_none_counts_zero(t
     assert without(None, ids, att, p, rmask, examples(2, answer=["yes", "no"])).tolist() == [3.0, 4.0]
 
 
-def test_a_function_that_never_applies_logs_nan_and_adds_nothing(tmp_path, smol_tokenizer):
-    scorer = scorer_of(tmp_path, smol_tokenizer, "def never(completions, **_):\n    return [None] * len(completions)\n",
-                       "never")
+def test_a_function_that_never_applies_is_said_once_and_logs_no_nan(tmp_path, smol_tokenizer, caplog):
+    """A function returning None for every row: no mean is logged for it (it wrote NaN, not JSON), one warning
+    says so; a row no function scored is 0 for PPO and NaN for GRPO (`nan_unscored`), as TRL marks it."""
+    import logging
+
+    code = ("def never(completions, **_):\n    return [None] * len(completions)\n"
+            "def some(completions, **_):\n    return [1.0, None]\n")
     ids, att, p, rmask = batch(smol_tokenizer, [" Hi.", " No."])
-    scores, metrics = scorer.score(None, ids, att, p, rmask, examples(2))
-    assert scores.tolist() == [0.0, 0.0] and math.isnan(metrics["rewards/never/mean"])
+    scorer = scorer_of(tmp_path, smol_tokenizer, code, "never")
+    with caplog.at_level(logging.WARNING, logger="trainer.rl.rewards"):
+        for _ in range(2):
+            scores, metrics = scorer.score(None, ids, att, p, rmask, examples(2))
+            assert scores.tolist() == [0.0, 0.0] and metrics == {}
+    said = [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "trainer.rl.rewards"]
+    assert said == ["reward function never"]
+    both = scorer_of(tmp_path, smol_tokenizer, code, "never,some")
+    scores, metrics = both.score(None, ids, att, p, rmask, examples(2), nan_unscored=True)
+    assert scores[0].item() == 1.0 and math.isnan(scores[1].item()) and set(metrics) == {"rewards/some/mean",
+                                                                                         "rewards/some/std"}
+
+
+def test_a_trl_function_that_names_trainer_state_gets_the_step(tmp_path, smol_tokenizer):
+    from trainer.rl.rewards import TrainerState
+
+    code = "def staged(completions, trainer_state, **_):\n    return [float(trainer_state.global_step)] * len(completions)\n"
+    scorer = scorer_of(tmp_path, smol_tokenizer, code, "staged")
+    scorer.trainer_state = TrainerState(global_step=7, max_steps=10, epoch=0.5)
+    ids, att, p, rmask = batch(smol_tokenizer, [" Hi.", " No."])
+    assert scorer(None, ids, att, p, rmask, examples(2)).tolist() == [7.0, 7.0]
+    assert scorer(None, ids, att, p, rmask).tolist() == [7.0, 7.0]  # no dataset rows at hand
 
 
 def test_built_ins_and_imported_functions_score_alike_and_share_names_apart(tmp_path, smol_tokenizer):
@@ -407,3 +431,25 @@ def test_a_run_resumed_after_its_reward_file_changed_says_so_once(tmp_path, caps
     grpo.main([*argv, "--max_steps", "2"])
     said = [line for line in capsys.readouterr().out.splitlines() if "changed since the checkpoint" in line]
     assert len(said) == 1 and f"WARNING trainer.engine.setup: reward functions in {rewards}" in said[0]
+
+
+def test_a_grpo_step_with_unscored_responses_logs_finite_metrics(tmp_path, fresh_accelerate_state):
+    """Half the responses unscored (every function returned None) and one function that never applies: the
+    step's metrics are finite JSON (no NaN), and the unscored fraction is logged."""
+    import trainer.grpo as grpo
+
+    fns = tmp_path / "fns.py"
+    fns.write_text("def half(completions, **_):\n    return [float(len(c)) if i % 2 else None for i, c in enumerate("
+                   "completions)]\ndef never(completions, **_):\n    return [None] * len(completions)\n")
+    data = prompt_only_file(tmp_path / "prompts.jsonl", 40, conversational=False)
+    grpo.main(["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"), "--dataset", str(data),
+               "--ppo_size", "32", "--eval_prompts", "0", "--scripted_reward", "null",
+               "--reward_fn", f"{fns}:half,{fns}:never"])
+
+    def no_nan(text):
+        raise ValueError(f"{text} in metrics.jsonl")
+
+    rows = [json.loads(line, parse_constant=no_nan) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    step = next(r for r in rows if "frac_reward_unscored" in r)
+    assert step["frac_reward_unscored"] == 0.5 and "rewards/half/mean" in step and "rewards/never/mean" not in step

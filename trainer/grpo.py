@@ -25,7 +25,7 @@ from trainer.losses import GROUP_ADVANTAGES, LOSS_NORMALISATIONS
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.grpo_step import GroupState, grpo_step
 from trainer.rl.policy_eval import policy_vs_reference
-from trainer.rl.rewards import Scorer
+from trainer.rl.rewards import Scorer, TrainerState
 from trainer.rl.settings import RolloutArguments, make_scorer, require_scorer, warn_if_learning_unlikely
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,8 @@ def train(ctx: RunContext, model, prompts, held_out, scorer: Scorer) -> GroupSta
                                    ctx.accelerator, progress=targs.progress_bar) or {}
 
     def step(step_number: int, batches) -> StepResult:
+        scorer.trainer_state = TrainerState(global_step=step_number - 1, max_steps=targs.max_steps,
+                                            epoch=(step_number - 1) * args.rollout_batch_size / max(len(prompts), 1))
         return grpo_step(harness.engine, next(batches), args, state, scorer, tok.eos_token_id, tok.pad_token_id)
 
     rows = args.rollout_batch_size * args.num_generations

@@ -244,21 +244,30 @@ def group_advantages(rewards: torch.Tensor, method: str = "grpo", scale_std: boo
     advantage 0. rloo: r_i - mean of the group's other rewards (leave-one-out), which needs G >= 2.
     Groups whose rewards are all equal get advantage exactly 0 either way (the fp32 mean of equal values
     can miss them by an ulp, which the division by std + eps would magnify to a push of one sign).
+    A NaN reward (a response no reward function scored) is left out of its group's mean and std, and its
+    advantage is 0, as TRL's GRPOTrainer does.
     """
     if method not in GROUP_ADVANTAGES:
         raise ValueError(f"method must be one of {GROUP_ADVANTAGES}, got {method!r}")
     rewards = rewards.float()
-    size = rewards.shape[1]
-    if method == "rloo" and size < 2:
+    if method == "rloo" and rewards.shape[1] < 2:
         raise ValueError("rloo needs at least 2 responses per prompt (num_generations >= 2)")
-    equal = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    scored = ~torch.isnan(rewards)
+    count = scored.sum(dim=1, keepdim=True)
+    filled = torch.where(scored, rewards, 0.0)
+    first = filled.gather(1, scored.float().argmax(dim=1, keepdim=True))  # a scored reward of each group
+    equal = torch.where(scored, rewards == first, True).all(dim=1, keepdim=True)
+    total = filled.sum(dim=1, keepdim=True)
     if method == "rloo":
-        advantages = rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (size - 1)
+        advantages = rewards - (total - rewards) / (count - 1).clamp(min=1)
     else:
-        advantages = rewards - rewards.mean(dim=1, keepdim=True)
-        if scale_std and size > 1:
-            advantages = advantages / (rewards.std(dim=1, keepdim=True) + eps)
-    return torch.where(equal, 0.0, advantages)
+        mean = total / count.clamp(min=1)
+        advantages = rewards - mean
+        if scale_std:
+            squares = torch.where(scored, (rewards - mean) ** 2, 0.0).sum(dim=1, keepdim=True)
+            variance = squares / (count - 1).clamp(min=1)
+            advantages = advantages / (variance.sqrt() + eps)
+    return torch.where(equal | (count < 2) | ~scored, 0.0, advantages)
 
 
 def grpo_policy_loss(

@@ -79,7 +79,7 @@ def group_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, ar
                                                reward_adapter=scorer.adapter),
                 rows, input_ids.shape[0], input_ids, attention_mask, response_mask)
             scores, reward_metrics = scorer.score(model, input_ids, attention_mask, ids.shape[1], response_mask,
-                                                  examples, adapter_scores)
+                                                  examples, adapter_scores, nan_unscored=True)
     finally:
         model.train(was_training)
     if args.missing_eos_penalty is not None:
@@ -120,13 +120,14 @@ def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: Group
     with phase("update"):
         metrics, all_finite, any_stepped = run_update(engine, state, update, size)
     update_s = time.perf_counter() - started
-    groups = rollout.scores.view(-1, args.num_generations)
+    groups = rollout.scores.view(-1, args.num_generations)  # NaN: a response no reward function scored
+    spread = _nan_std(groups) if args.num_generations > 1 else torch.zeros(groups.shape[0])
     metrics.update({
-        "reward": rewards.mean().item(), "reward_std": groups.std(dim=1).mean().item() if args.num_generations > 1 else 0.0,
-        "objective/scores": rollout.scores.mean().item(),
+        "reward": _nan_mean(rewards), "reward_std": _nan_mean(spread) if args.num_generations > 1 else 0.0,
+        "objective/scores": _nan_mean(rollout.scores), "frac_reward_unscored": rollout.scores.isnan().float().mean().item(),
         "completions/mean_length": rollout.response_mask.sum(1).mean().item(),
         "completions/clipped_ratio": (~rollout.ended).float().mean().item(),
-        "frac_reward_zero_std": (groups.std(dim=1) == 0).float().mean().item() if args.num_generations > 1 else 1.0,
+        "frac_reward_zero_std": (spread == 0).float().mean().item() if args.num_generations > 1 else 1.0,
         "lr": engine.scheduler.get_last_lr()[0], "perf/rollout_s": rollout_s, "perf/update_s": update_s,
         "perf/update_micro_batch": float(state.micro_batch_size),
         "perf/decode_tokens_per_s": size * rollout.response_mask.shape[1] / max(rollout.generate_s, 1e-9),
@@ -134,6 +135,21 @@ def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: Group
     if rollout.ref_logprobs is not None:
         metrics["kl"] = (kl_penalty(rollout.logprobs, rollout.ref_logprobs, "k1") * rollout.response_mask).sum(1).mean().item()
     return StepResult(metrics, finite=all_finite, stepped=any_stepped)
+
+
+def _nan_mean(values: torch.Tensor) -> float:
+    """The mean of the scored values; 0.0 when none is (a metric is never NaN in metrics.jsonl)."""
+    scored = values[~values.isnan()]
+    return scored.mean().item() if scored.numel() else 0.0
+
+
+def _nan_std(groups: torch.Tensor) -> torch.Tensor:
+    """(P,) unbiased std of each group's scored rewards (0 below two)."""
+    scored = ~groups.isnan()
+    count = scored.sum(dim=1)
+    mean = torch.where(scored, groups, 0.0).sum(dim=1) / count.clamp(min=1)
+    squares = torch.where(scored, (groups - mean[:, None]) ** 2, 0.0).sum(dim=1)
+    return torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), 0.0)
 
 
 def _loss_units(rollout: GroupRollout, idx: torch.Tensor, normalisation: str):

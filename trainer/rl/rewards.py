@@ -260,7 +260,8 @@ def _failing_row(function: RewardFunction, kwargs: dict[str, list], sources: Seq
     """The first row on which the function raises when called again with that row alone (None: none does)."""
     for i, source in enumerate(sources):
         try:
-            _run(function, {key: values[i : i + 1] for key, values in kwargs.items()}, timeout_s)
+            _run(function, {key: values[i : i + 1] if isinstance(values, list) else values
+                            for key, values in kwargs.items()}, timeout_s)
         except _TimedOut:
             return None
         except (Exception, SystemExit):
@@ -276,6 +277,15 @@ def _stats(values: list[Optional[float]]) -> tuple[float, float]:
     return statistics.fmean(present), statistics.stdev(present) if len(present) > 1 else 0.0
 
 
+@dataclass(frozen=True)
+class TrainerState:
+    """What TRL hands a reward function as `trainer_state`: the optimizer steps done, of how many, and the epoch."""
+
+    global_step: int
+    max_steps: int
+    epoch: float
+
+
 class Scorer:
     """Scores whole responses: the `adapter`'s head (None: no reward adapter) plus the weighted reward functions."""
 
@@ -283,6 +293,8 @@ class Scorer:
                  timeout_s: float = 600.0):
         self.functions, self.tokenizer, self.adapter = list(functions), tokenizer, adapter
         self.timeout_s = timeout_s  # per call of each function
+        self.trainer_state: Optional[TrainerState] = None  # set by the training loop before each step
+        self._never_applied: set[str] = set()  # functions said (once) to have returned None for a whole batch
 
     def __call__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
                  response_mask: torch.Tensor, examples: Optional[Sequence] = None) -> torch.Tensor:
@@ -290,10 +302,13 @@ class Scorer:
 
     def score(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
               response_mask: torch.Tensor, examples: Optional[Sequence] = None,
-              adapter_scores: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, float]]:
-        """((B,) scores, each function's `rewards/NAME/mean` and `/std`). `examples` (one per row, with `source`
-        and `columns`: `trainer.data.tokenization.PromptExample`) give the reward functions their columns;
-        `adapter_scores` are the reward adapter's when a fused pass already computed them."""
+              adapter_scores: Optional[torch.Tensor] = None,
+              nan_unscored: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+        """((B,) scores, each function's `rewards/NAME/mean` and `/std`, left out where it applied to no row).
+        `examples` (one per row, with `source` and `columns`: `trainer.data.tokenization.PromptExample`) give the
+        reward functions their columns; `adapter_scores` are the reward adapter's when a fused pass already
+        computed them. A row no function scored (every one returned None) and no adapter scores is 0, or NaN
+        with `nan_unscored` (GRPO then leaves it out of its group, as TRL does)."""
         total = torch.zeros(input_ids.shape[0], device=input_ids.device)
         if self.adapter is not None:
             if adapter_scores is None:
@@ -302,9 +317,14 @@ class Scorer:
         if not self.functions:
             return total, {}
         metrics = {}
+        scored = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=total.device)
         for function, values in zip(self.functions, self.function_values(input_ids, attention_mask, prompt_length,
                                                                           response_mask, examples)):
-            metrics[f"rewards/{function.name}/mean"], metrics[f"rewards/{function.name}/std"] = _stats(values)
+            if all(v is None for v in values):
+                self._say_never_applied(function)
+            else:
+                metrics[f"rewards/{function.name}/mean"], metrics[f"rewards/{function.name}/std"] = _stats(values)
+            scored |= torch.tensor([v is not None for v in values], device=total.device)
             added = torch.tensor([0.0 if v is None else v for v in values], device=total.device)
             total = total + function.weight * added
         if not torch.isfinite(total).all():
@@ -312,7 +332,15 @@ class Scorer:
             where = examples[row].source if examples is not None else f"batch row {row}"
             raise RewardFunctionError(f"the weighted rewards of row {where} sum past float32's range "
                                       f"({', '.join(f.name for f in self.functions)}): scale them down")
+        if nan_unscored and self.adapter is None:
+            total = torch.where(scored, total, math.nan)
         return total, metrics
+
+    def _say_never_applied(self, function: RewardFunction) -> None:
+        if function.name not in self._never_applied:
+            self._never_applied.add(function.name)
+            logger.warning("reward function %s (%s) returned None for every row of a batch: it scored nothing "
+                           "there (said once)", function.name, function.origin)
 
     def function_values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int,
                         response_mask: torch.Tensor, examples: Optional[Sequence] = None
@@ -334,15 +362,16 @@ class Scorer:
             prompt_mask = attention_mask[:, :prompt_length] == 0
             decoded = tok.batch_decode(input_ids[:, :prompt_length].masked_fill(prompt_mask, tok.pad_token_id),
                                        skip_special_tokens=True)
+        state = {} if self.trainer_state is None else {"trainer_state": self.trainer_state}  # TRL's functions may name it
         if examples is None:  # no dataset row at hand: no column besides the prompt
-            return ({"prompts": decoded, "completions": texts, "completion_ids": completion_ids},
+            return ({"prompts": decoded, "completions": texts, "completion_ids": completion_ids, **state},
                     [f"batch row {i}" for i in range(rows)])
         prompts = [e.columns["prompt"] if "prompt" in e.columns else decoded[i] for i, e in enumerate(examples)]
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
                        for p, t in zip(prompts, texts)]
-        names = sorted({k for e in examples for k in e.columns} - {"prompt", *RESERVED})
+        names = sorted({k for e in examples for k in e.columns} - {"prompt", "trainer_state", *RESERVED})
         kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids,
-                  **{k: [e.columns.get(k) for e in examples] for k in names}}
+                  **{k: [e.columns.get(k) for e in examples] for k in names}, **state}
         return kwargs, [e.source for e in examples]
 
 
