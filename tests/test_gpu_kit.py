@@ -401,6 +401,13 @@ BAD_MANIFESTS = {
     "steps-missing": ({k: v for k, v in GOOD_MANIFEST.items() if k != "steps"}, "manifest.json's 'steps' must be"),
     "not-an-object": ([GOOD_MANIFEST], "its manifest.json is not a JSON object but list"),
     "not-json": (b"{part: memory", "its manifest.json is not valid JSON"),
+    # issue 44, group 10: what replaced a committed benchmark's results or gave a traceback
+    "not-a-kit-part": ({**GOOD_MANIFEST, "part": "demo", "model": "smollm2-135m", "device": "cpu", "smoke": False,
+                        "device_slug": "cpu"}, "manifest.json's 'part' must be one of the GPU kit's"),
+    "gpu-run-on-cpu": ({**GOOD_MANIFEST, "device": "cpu", "device_slug": "cpu"},
+                       "a part that is not a smoke run must have run on cuda"),
+    "deep-nesting": (b'{"part": ' + b"[" * 100000 + b"]" * 100000 + b"}", "its manifest.json is not valid JSON"),
+    "huge-int": (b'{"part": "memory", "seconds": ' + b"9" * 5000 + b"}", "its manifest.json is not valid JSON"),
 }
 
 
@@ -414,6 +421,50 @@ def test_collect_refuses_a_manifest_it_cannot_name_a_folder_from_in_one_line_tou
     code, err = collect_exit(capsys, str(archive), "--results_dir", str(lab[0]), "--readme", str(lab[1]))
     assert code == 1 and len(err) == 1 and err[0].startswith(f"error: {archive}: {message}"), err
     assert_nothing_touched(lab)
+
+
+BAD_RESULTS = {  # a results file the GPU tables read, malformed
+    "memory-not-json": ("memory/ppo/memory.json", b"{phases: [", "JSONDecodeError"),
+    "memory-wrong-shape": ("memory/ppo/memory.json", b'{"phases": [{"cuda": 3}]}', "Error"),
+    "estimate-missing-key": ("memory/ppo/vs_estimate.json", b'{"phases": [{"phase": "update"}]}', "KeyError"),
+    "decode-deep": ("memory/decode/decode.json", b'{"rows": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+                    "RecursionError"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RESULTS))
+def test_collect_refuses_a_malformed_results_file_before_writing_anything(case, lab, tmp_path, capsys):
+    name, payload, error = BAD_RESULTS[case]
+    archive = part_archive(tmp_path / "part.tar.gz", GOOD_MANIFEST, [(name, payload, {})])
+    code, err = collect_exit(capsys, str(archive), "--results_dir", str(lab[0]), "--readme", str(lab[1]))
+    assert code == 1 and len(err) == 1 and err[0].startswith(
+        f"error: {archive}: refused: a results file the GPU tables read is malformed ("), err
+    assert error in err[0]
+    assert_nothing_touched(lab)
+
+
+def test_collect_refuses_an_archive_that_unpacks_past_its_limit(lab, tmp_path, capsys, monkeypatch):
+    import benchmarks.gpu.collect as collect
+
+    monkeypatch.setattr(collect, "MAX_UNPACKED", 1000)
+    archive = part_archive(tmp_path / "part.tar.gz", GOOD_MANIFEST, [("memory/big.bin", b"\0" * 5000, {})])
+    code, err = collect_exit(capsys, str(archive), "--results_dir", str(lab[0]), "--readme", str(lab[1]))
+    assert code == 1 and len(err) == 1 and "refused: it unpacks to" in err[0] and "past the 1,000" in err[0], err
+    assert_nothing_touched(lab)
+
+
+def test_a_marker_inside_a_results_file_never_reaches_the_generated_section(lab, tmp_path):
+    """A phase named like the section's end marker is escaped: the README keeps one section, readable."""
+    from benchmarks.gpu.collect import END, START, main
+
+    memory = json.dumps({"budget_bytes": 1, "phases": [{"phase": f"x {END} y | z", "cuda": {}}]}).encode()
+    archive = part_archive(tmp_path / "part.tar.gz", GOOD_MANIFEST, [("memory/grpo/memory.json", memory, {})])
+    results, readme, _ = lab
+    main([str(archive), "--results_dir", str(results), "--readme", str(readme)])
+    text = readme.read_text()
+    assert text.count(START) == 1 and text.count(END) == 1 and "x &lt;!-- gpu-results:end --&gt; y \\| z" in text
+    main(["--results_dir", str(results), "--readme", str(readme)])  # a later collect still works
+    assert readme.read_text() == text
 
 
 ESCAPES = {

@@ -27,6 +27,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 GPU_RESULTS = ROOT / "docs" / "gpu-results.md"
 START, END = "<!-- gpu-results:start -->", "<!-- gpu-results:end -->"
 GIB = 2**30
+MAX_UNPACKED = 256 * 2**20  # bytes an archive may unpack to: the kit's largest part packs a few MiB
 
 
 # A result folder's name is made of manifest fields and replaces what is there: plain names only, so an
@@ -48,10 +49,19 @@ def _name_field(manifest: dict, key: str, archive: Path) -> str:
 
 def folder_name(manifest: dict, archive: Path) -> str:
     """PART-MODEL-GPU (a smoke run's: PART-MODEL-smoke), or an InputError naming the field that cannot be used."""
+    from benchmarks.gpu.parts import PARTS
+
     if not isinstance(manifest.get("smoke"), bool):
         raise InputError(f"{archive}: manifest.json's 'smoke' must be true or false, {_found(manifest, 'smoke')}")
+    part = _name_field(manifest, "part", archive)
+    if part not in PARTS:  # a results folder of another benchmark is never replaced by an archive
+        raise InputError(f"{archive}: manifest.json's 'part' must be one of the GPU kit's ({', '.join(PARTS)}), "
+                         f"{_found(manifest, 'part')}")
+    if not manifest["smoke"] and manifest.get("device") != "cuda":
+        raise InputError(f"{archive}: a part that is not a smoke run must have run on cuda, "
+                         f"{_found(manifest, 'device')}")
     device = "smoke" if manifest["smoke"] else _name_field(manifest, "device_slug", archive)
-    return f"{_name_field(manifest, 'part', archive)}-{_name_field(manifest, 'model', archive)}-{device}"
+    return f"{part}-{_name_field(manifest, 'model', archive)}-{device}"
 
 
 def step_summary(manifest: dict, archive: Path) -> dict:
@@ -68,6 +78,10 @@ def step_summary(manifest: dict, archive: Path) -> dict:
 def check_members(tar: tarfile.TarFile, archive: Path) -> None:
     """Refuse an archive with a member that is not a plain file or folder (links, devices) or whose name is
     absolute or holds `..`: the kit packs none, and each could write outside the extraction folder."""
+    unpacked = sum(member.size for member in tar.getmembers() if member.isfile())
+    if unpacked > MAX_UNPACKED:
+        raise InputError(f"{archive}: refused: it unpacks to {unpacked:,} bytes, past the {MAX_UNPACKED:,} a part's "
+                         "results take")
     for member in tar.getmembers():
         if not (member.isfile() or member.isdir()):
             raise InputError(f"{archive}: refused: member {member.name!r} is a link or a special file")
@@ -82,11 +96,23 @@ def read_manifest(archive: Path, folder: Path) -> tuple[Path, dict]:
         raise InputError(f"{archive}: expected one PART/manifest.json inside, found {len(manifests)}")
     try:
         manifest = json.loads(manifests[0].read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{archive}: its manifest.json is not valid JSON ({exc})") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, huge int
+        raise InputError(f"{archive}: its manifest.json is not valid JSON ({' '.join(str(exc).split())[:200]})"
+                         ) from None
     if not isinstance(manifest, dict):
         raise InputError(f"{archive}: its manifest.json is not a JSON object but {type(manifest).__name__}")
     return manifests[0].parent, manifest
+
+
+def check_tables(folder: Path, archive: Path) -> None:
+    """Every file of the part that docs/gpu-results.md tabulates is read as the tables read it, before anything
+    is written: a malformed one is one InputError naming it, never a traceback in this or a later collect."""
+    for rows in (memory_rows, estimate_rows, decode_rows, decode_path_rows, trl_rows):
+        try:
+            rows(folder)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, OSError) as exc:
+            raise InputError(f"{archive}: refused: a results file the GPU tables read is malformed "
+                             f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})") from None
 
 
 def unpack(archive: Path, results: Path) -> Path:
@@ -104,6 +130,7 @@ def unpack(archive: Path, results: Path) -> Path:
             raise InputError(f"{archive}: not a readable archive ({exc})") from None
         source, manifest = read_manifest(archive, Path(tmp))
         target = results / folder_name(manifest, archive)
+        check_tables(source, archive)
         provenance = {k: manifest.get(k) for k in ("part", "model", "smoke", "device", "device_name", "device_slug",
                                                     "driver", "date", "command", "git_revision", "host", "versions", "seconds",
                                                     "budget_s")}
@@ -112,6 +139,12 @@ def unpack(archive: Path, results: Path) -> Path:
             shutil.copytree(source, folder, dirs_exist_ok=True)
             (folder / "provenance.json").write_text(json.dumps(provenance, indent=2))
     return target
+
+
+def _cell(value) -> str:
+    """A table cell from a file's text: no markup, no column break, no line break, a readable length."""
+    text = " ".join(str(value).split()).replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|")
+    return text if len(text) <= 60 else text[:60] + "..."
 
 
 def _gib(value: Optional[float]) -> str:
@@ -138,11 +171,11 @@ def run_folders(folder: Path, file: str) -> list[Path]:
 def memory_rows(folder: Path) -> list[str]:
     rows = []
     for run in run_folders(folder, "memory.json"):
-        stage = run.name
+        stage = _cell(run.name)
         data = json.loads((run / "memory.json").read_text())
         for phase in data["phases"]:
             cuda = phase.get("cuda") or {}
-            rows.append(f"| {folder.name} | {stage} | {phase['phase']} | {_gib(cuda.get('peak_allocated'))} | "
+            rows.append(f"| {folder.name} | {stage} | {_cell(phase['phase'])} | {_gib(cuda.get('peak_allocated'))} | "
                         f"{_gib(cuda.get('peak_reserved'))} | {_gib(cuda.get('nvml_used'))} | "
                         f"{_gib(data['budget_bytes'])} |")
     return rows
@@ -151,11 +184,11 @@ def memory_rows(folder: Path) -> list[str]:
 def estimate_rows(folder: Path) -> list[str]:
     rows = []
     for run in run_folders(folder, "vs_estimate.json"):
-        stage = run.name
+        stage = _cell(run.name)
         for p in json.loads((run / "vs_estimate.json").read_text())["phases"]:
             ratio = "-" if p["total_ratio"] is None else f"{p['total_ratio']:.2f}"
             alloc = p.get("peak_allocated_ratio")
-            rows.append(f"| {folder.name} | {stage} | {p['phase']} | {_gib(p.get('measured_peak_allocated'))} | "
+            rows.append(f"| {folder.name} | {stage} | {_cell(p['phase'])} | {_gib(p.get('measured_peak_allocated'))} | "
                         f"{_gib(p.get('predicted_peak_allocated'))} | {'-' if alloc is None else f'{alloc:.2f}'} | "
                         f"{_gib(p['measured_total'])} | {_gib(p['predicted_total'])} | {ratio} |")
     return rows
@@ -176,14 +209,14 @@ def decode_rows(folder: Path) -> list[str]:
     """Decode speed of each RL run's rollout (its last step: warm), against the bandwidth bound."""
     rows = []
     for run in run_folders(folder, "metrics.jsonl"):
-        stage, config_file = run.name, run / "config.json"
+        stage, config_file = _cell(run.name), run / "config.json"
         last = last_metrics(run / "metrics.jsonl")
         if not last or not config_file.is_file():
             continue
         stage_config = json.loads(config_file.read_text()).get("stage", {})
         fraction = last.get("perf/decode_bandwidth_fraction")
-        rows.append(f"| {folder.name} | {stage} | {stage_config.get('rollout_micro_batch_size')} | "
-                    f"{stage_config.get('max_new_tokens')} | {last['perf/decode_tokens_per_s']:.0f} | "
+        rows.append(f"| {folder.name} | {stage} | {_cell(stage_config.get('rollout_micro_batch_size'))} | "
+                    f"{_cell(stage_config.get('max_new_tokens'))} | {last['perf/decode_tokens_per_s']:.0f} | "
                     f"{'-' if fraction is None else f'{fraction:.0%}'} |")
     return rows
 
@@ -193,8 +226,8 @@ def decode_path_rows(folder: Path) -> list[str]:
     rows = []
     for run in run_folders(folder, "decode.json"):
         for r in json.loads((run / "decode.json").read_text())["rows"]:
-            rows.append(f"| {folder.name} | {run.name} | {r['path']} | {r.get('weights', 'quantized')} | "
-                        f"{r['batch']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | "
+            rows.append(f"| {folder.name} | {_cell(run.name)} | {_cell(r['path'])} | "
+                        f"{_cell(r.get('weights', 'quantized'))} | {int(r['batch'])} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | "
                         f"{r['bandwidth_fraction']:.1%} | {r['first_call_s']:.1f} |")
     return rows
 
@@ -213,7 +246,7 @@ def trl_rows(folder: Path) -> list[str]:
             continue
         summary = side.get("summary") or {}
         step = summary.get("step_s")
-        rows.append(f"| {folder.name} | {name} | {side['status']} | {'-' if step is None else f'{step:.1f}'} | "
+        rows.append(f"| {folder.name} | {name} | {_cell(side['status'])} | {'-' if step is None else f'{step:.1f}'} | "
                     f"{_gib(summary.get('peak_reserved_bytes'))} |")
     return rows
 
@@ -264,7 +297,10 @@ def update_readme(readme: Path, results: Path) -> None:
         raise InputError(f"{readme}: no {START} ... {END} section to regenerate")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    write_atomic(readme, head + readme_section(results) + tail)
+    section = readme_section(results)
+    if section.count(START) != 1 or section.count(END) != 1:  # cells are escaped (`_cell`): a last guard
+        raise InputError(f"{readme}: the generated section would hold a second {START} or {END}; nothing written")
+    write_atomic(readme, head + section + tail)
 
 
 def main(argv: Optional[list[str]] = None) -> list[Path]:
