@@ -188,7 +188,8 @@ def test_the_lock_is_released_when_a_run_ends_and_when_it_fails(tmp_path, fresh_
 @pytest.mark.parametrize("failure, reason", [
     (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
     (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"), "a file write failed"),
-], ids=["oserror", "torch-zip-writer"])
+    (RuntimeError("basic_ios::clear: iostream error"), "a file write failed"),  # a 1 MiB tmpfs (issue 44)
+], ids=["oserror", "torch-zip-writer", "torch-iostream"])
 def test_a_full_disk_while_checkpointing_stops_in_one_line_and_keeps_the_previous_checkpoint(
         failure, reason, tmp_path, monkeypatch, capsys, fresh_accelerate_state):
     import trainer.sft as sft
@@ -212,6 +213,51 @@ def test_a_full_disk_while_checkpointing_stops_in_one_line_and_keeps_the_previou
     assert not (out / "checkpoint-0000004.tmp").exists() and not (out / "adapter").exists()
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-0000002"]
     verify_checkpoint(out / "checkpoint-0000002")
+
+
+def test_a_full_disk_at_the_lock_or_the_metrics_stops_in_one_line(tmp_path, monkeypatch, capsys,
+                                                                  fresh_accelerate_state):
+    """No room for the lock file's few bytes, or for a line of metrics.jsonl (2 KB / 8 KB free, issue 44): one
+    line naming the file, no traceback."""
+    import builtins
+
+    import trainer.engine.run_lock as run_lock
+    import trainer.sft as sft
+    from trainer.engine.run_lock import RunLock, RunLocked
+
+    class FullFile:
+        def __init__(self, file):
+            self.file = file
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def flush(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_open = run_lock._open_lock_file
+    (tmp_path / "locked").mkdir()
+    monkeypatch.setattr(run_lock, "_open_lock_file", lambda path, folder: FullFile(real_open(path, folder)))
+    with pytest.raises(RunLocked, match=r"--output_dir .*: cannot write its lock file .*run.lock \(No space left on "
+                                        r"device\)"):
+        RunLock.acquire(tmp_path / "locked")
+    monkeypatch.undo()
+
+    real_builtin_open = builtins.open
+
+    def full_metrics(file, mode="r", *args, **kwargs):
+        if str(file).endswith("metrics.jsonl") and "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_builtin_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_metrics)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        run(sft.main, sft_argv(out, "--max_steps", "2", "--save_every", "0"))
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert exit_info.value.code == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert lines[0].startswith(f"error: {out / 'metrics.jsonl'}: could not be written (No space left on device; ")
 
 
 def test_a_full_disk_while_saving_the_final_adapter_stops_in_one_line_and_leaves_no_half_adapter(

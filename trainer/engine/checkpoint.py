@@ -52,7 +52,7 @@ class SaveError(InputError):
 
 
 # torch.save reports a failed write (ENOSPC included) as a RuntimeError from its zip writer.
-_TORCH_WRITE_FAILURE = ("inline_container", "PytorchStreamWriter")
+_TORCH_WRITE_FAILURE = ("inline_container", "PytorchStreamWriter", "iostream error")
 
 
 def write_failure(exc: BaseException) -> Optional[str]:

@@ -115,10 +115,15 @@ class RunLock:
         if holder:
             logger.warning("--output_dir %s: taking over the lock of %s, which ended without releasing it",
                            folder, _who(holder))
-        self.file.seek(0)
-        self.file.truncate()
-        self.file.write(json.dumps({"host": host, "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
-        self.file.flush()
+        try:
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.write(json.dumps({"host": host, "pid": os.getpid(),
+                                        "started": time.strftime("%Y-%m-%d %H:%M:%S")}))
+            self.file.flush()
+        except OSError as exc:  # a full or read-only disk: before any of the run's work
+            raise RunLocked(f"--output_dir {folder}: cannot write its lock file {self.path} "
+                            f"({exc.strerror or exc}); free space, or pick another --output_dir") from None
 
     def release(self) -> None:
         """Remove the file, then drop the flock (closing it): a run waiting on the old file locks a fresh one."""
