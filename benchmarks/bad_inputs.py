@@ -34,6 +34,20 @@ PINNED_BY_TESTS = [
      "tests/test_export.py::test_an_out_folder_filled_while_exporting_is_left_as_it_is_and_refused_in_one_line"),
     ("2", "a kill during the final save leaves a `.adapter-XXXX` folder",
      "tests/test_lost_runs.py::test_a_kill_during_the_final_save_leaves_debris_the_next_run_removes"),
+    ("44.3", "a reward function that edits its arguments in place",
+     "tests/test_reward_functions.py::test_each_function_gets_its_own_copies_of_the_rows"),
+    ("44.4", "a reward function returning None for every row; a row every function leaves unscored",
+     "tests/test_reward_functions.py::test_a_grpo_step_with_unscored_responses_logs_finite_metrics"),
+    ("44.7", "no room for run.lock or a metrics.jsonl line; torch's iostream error on a tiny tmpfs",
+     "tests/test_lost_runs.py::test_a_full_disk_at_the_lock_or_the_metrics_stops_in_one_line"),
+    ("44.7", "export --out / evaluate --output_file on a read-only or full filesystem",
+     "tests/test_export.py::test_an_out_link_or_an_unwritable_place_is_refused_before_the_export_starts"),
+    ("44.10", "collect: a malformed memory.json, or an archive unpacking past 256 MiB",
+     "tests/test_gpu_kit.py::test_collect_refuses_a_malformed_results_file_before_writing_anything"),
+    ("44.11", "pipeline --overrides reward_fn=... reaching the SFT stage",
+     "tests/test_config_errors.py::test_a_pipeline_override_goes_only_to_the_stages_that_have_the_setting"),
+    ("44.11", "a run resumed after its reward file was edited",
+     "tests/test_reward_functions.py::test_a_run_resumed_after_its_reward_file_changed_says_so_once"),
 ]
 
 
@@ -216,6 +230,95 @@ CASES: list[tuple[str, str, Callable[[Scratch], list[str]]]] = [
                 str(s.root)]),
     ("3", "pipeline: --run_dir is a file",
      lambda s: ["-m", "trainer.pipeline", "--run_dir", rows_file(s.path("a-file.txt"), [])]),
+]
+
+
+def grpo(s: Scratch, *extra: str) -> list[str]:
+    return ["-m", "trainer.grpo", "--config", TINY_GRPO, "--output_dir", str(s.path("g44")), *QUICK, *extra]
+
+
+def rewarded(s: Scratch, name: str, code: str, *extra: str) -> list[str]:
+    """A tiny GRPO run scored by the function `f` of a file holding `code`."""
+    path = s.template(f"{name}.py", code.encode())
+    return grpo(s, "--scripted_reward", "null", "--reward_fn", f"{path}:f", *extra)
+
+
+def odd_lock(s: Scratch, kind: str) -> list[str]:
+    """An output folder whose run.lock is a link to a file outside it, a folder, or a FIFO."""
+    out = s.path(f"lock-{kind}")
+    out.mkdir()
+    lock = out / "run.lock"
+    if kind == "symlink":
+        (s.path("precious.txt")).write_text("keep me")
+        lock.symlink_to(s.path("precious.txt"))
+    elif kind == "folder":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    return ["-m", "trainer.sft", "--config", TINY_SFT, "--output_dir", str(out), *QUICK]
+
+
+def export_to_link(s: Scratch, dangling: bool) -> list[str]:
+    link = s.path("dangling-out" if dangling else "linked-out")
+    target = s.path("nowhere" if dangling else "empty-out")
+    if not dangling:
+        target.mkdir(exist_ok=True)
+    link.symlink_to(target)
+    return ["-m", "trainer.export", "--adapter", str(s.adapter()), "--out", str(link)]
+
+
+def yaml_file(s: Scratch, name: str, text: str) -> list[str]:
+    path = s.path(name)
+    path.write_text(text)
+    return ["-m", "trainer.sft", "--config", str(path), "--output_dir", str(s.path("yaml-run"))]
+
+
+ALIAS_BOMB = "\n".join(['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+                       + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 7)]
+                       + ["model:", "  lora_r: *a6", ""])
+
+# Issue 44: what a careless or unlucky user can still break (each also pinned by a test)
+CASES += [
+    ("44.1", "a reward of 1e308 (past float32)", lambda s: rewarded(s, "big", "def f(completions, **_):\n"
+                                                                      "    return [1e308] * len(completions)\n")),
+    ("44.1", "a reward of 10**400", lambda s: rewarded(s, "huge", "def f(completions, **_):\n"
+                                                          "    return [10 ** 400] * len(completions)\n")),
+    ("44.1", "--reward_weights 1e300", lambda s: rewarded(s, "weighted", "def f(completions, **_):\n"
+                                                              "    return [1.0] * len(completions)\n",
+                                                              "--reward_weights", "1e300")),
+    ("44.2", "sys.exit(0) inside a reward function", lambda s: rewarded(s, "exits", "import sys\n"
+                                                                         "def f(**_):\n    sys.exit(0)\n")),
+    ("44.2", "sys.exit(0) when its file is imported", lambda s: rewarded(s, "exits_early", "import sys\nsys.exit(0)\n")),
+    ("44.2", "a reward function that sleeps, --reward_timeout_s 2",
+     lambda s: rewarded(s, "sleeps", "import time\ndef f(**_):\n    time.sleep(600)\n", "--reward_timeout_s", "2")),
+    ("44.5", "GRPO --beta inf", lambda s: grpo(s, "--beta", "inf")),
+    ("44.5", "GRPO --missing_eos_penalty nan", lambda s: grpo(s, "--missing_eos_penalty", "nan")),
+    ("44.5", "GRPO --temperature 1e-30", lambda s: grpo(s, "--temperature", "1e-30")),
+    ("44.5", "PPO --init_kl_coef inf",
+     lambda s: ["-m", "trainer.ppo", "--config", TINY_PPO, "--output_dir", str(s.path("p44")), "--init_kl_coef", "inf"]),
+    ("44.5", "--memory_budget_gib inf", lambda s: sft(s, "--memory_budget_gib", "inf")),
+    ("44.5", "--model_seed 1e23", lambda s: sft(s, "--model_seed", "1e23")),
+    ("44.5", "--preset_overrides num_hidden_layers=-1", lambda s: sft(s, "--preset_overrides", "num_hidden_layers=-1")),
+    ("44.6", "run.lock is a link to a file outside the folder", lambda s: odd_lock(s, "symlink")),
+    ("44.6", "run.lock is a folder", lambda s: odd_lock(s, "folder")),
+    ("44.6", "run.lock is a FIFO", lambda s: odd_lock(s, "fifo")),
+    ("44.8", "export --out is a link to an empty folder", lambda s: export_to_link(s, dangling=False)),
+    ("44.8", "export --out is a dangling link", lambda s: export_to_link(s, dangling=True)),
+    ("44.9", "YAML: a 400-byte alias bomb", lambda s: yaml_file(s, "bomb.yaml", ALIAS_BOMB)),
+    ("44.9", "YAML: lists nested 20,000 deep",
+     lambda s: yaml_file(s, "deep.yaml", "model:\n  lora_r: " + "[" * 20000 + "]" * 20000 + "\n")),
+    ("44.9", "chat template repeating a string 10**8 times",
+     lambda s: chat_template(s, "repeat.jinja", b"{{ 'x' * 100000000 }}")),
+    ("44.10", "collect: manifest part demo, model smollm2-135m, device cpu",
+     lambda s: collect(s, "demo", {**GOOD_MANIFEST, "part": "demo", "model": "smollm2-135m", "smoke": False,
+                                   "device": "cpu"})),
+    ("44.10", "collect: a manifest nested 100,000 deep",
+     lambda s: collect(s, "deep", b'{"part": ' + b"[" * 100000 + b"]" * 100000 + b"}")),
+    ("44.11", "exact_match --max_new_tokens 5000 on a 1024-position model",
+     lambda s: ["-m", "trainer.evaluate", "exact_match", "--adapter", "none", "--model_name_or_path", "tiny-llama",
+                "--reward_fn", "benchmarks/arithmetic/rewards.py:correct", "--max_new_tokens", "5000", "--data",
+                rows_file(s.path("problems.jsonl"), [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)}
+                                                     for i in range(4)])]),
 ]
 
 

@@ -106,7 +106,8 @@ def test_a_float_setting_must_be_finite_and_in_its_range(where, name, value, pro
     module, _, cls = where.partition(":")
     with pytest.raises(UsageError) as raised:
         getattr(importlib.import_module(module), cls)(**{name: value})
-    assert str(raised.value) == f"--{name} {value!r}: {problem}"
+    shown = repr(value)
+    assert str(raised.value) == f"--{name} {shown if len(shown) <= 200 else shown[:200] + '...'}: {problem}"
 
 
 def test_a_preset_override_that_is_not_a_positive_size_is_one_line():

@@ -226,7 +226,7 @@ class FixedScores:
         self.scores, self.reference, self.seen = scores, reference, {}
 
     def score(self, model, input_ids, attention_mask, prompt_length, response_mask, examples=None,
-              adapter_scores=None):
+              adapter_scores=None, nan_unscored=False):
         return self(model, input_ids, attention_mask, prompt_length, response_mask), {}
 
     def __call__(self, model, input_ids, attention_mask, prompt_length, response_mask):

@@ -107,9 +107,6 @@ class RolloutArguments(Checked):
             raise UsageError(f"--min_new_tokens {self.min_new_tokens} exceeds --max_new_tokens {self.max_new_tokens}")
         if self.top_p == 0:
             raise UsageError("--top_p 0 keeps no token: use a value in (0, 1]")
-        if math.isinf(self.temperature):
-            raise UsageError("--temperature inf samples every token alike and scores them alike: the policy gets no "
-                             "gradient and can never learn; use a finite temperature (1.0 is usual)")
 
 
 def reward_functions(args: RolloutArguments) -> tuple[list[str], list[float]]:
