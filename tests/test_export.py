@@ -196,6 +196,33 @@ def test_an_out_link_or_an_unwritable_place_is_refused_before_the_export_starts(
     assert not (tmp_path / "new").exists() and not (tmp_path / "nowhere").exists() and not any(empty.iterdir())
 
 
+def test_a_disk_that_fills_while_exporting_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from transformers import PreTrainedModel
+
+    from foundation.cli import run
+    from trainer.config import ModelArguments
+    from trainer.export import main
+
+    args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", lora_r=4, lora_alpha=8,
+                          lora_dropout=0.0)
+    adapter, _ = saved_policy(tmp_path / "adapter", args)
+
+    def full(self, folder, *args, **kwargs):
+        (Path(folder) / "model.safetensors").write_bytes(b"\0" * 64)  # a part written, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    out = tmp_path / "exported"
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, ["--adapter", str(adapter), "--out", str(out)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert exit_info.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"error: --out {out}: could not be written (No space left on device; ")
+    assert not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".exported")] == []
+
+
 def test_an_out_folder_filled_while_exporting_is_left_as_it_is_and_refused_in_one_line(tmp_path, capsys,
                                                                                         monkeypatch):
     """--out was empty at the start; another program writes there while the base loads: the export is not
