@@ -93,6 +93,7 @@ NOT_FINITE = [  # (settings class, field, value, what the one line says): each p
     ("trainer.dpo:DPOArguments", "beta", math.inf, "must be a finite number"),
     ("trainer.dpo:DPOArguments", "beta", 1e30, "must be in [0.0001, 100]"),
     ("trainer.config:TrainArguments", "memory_budget_gib", math.inf, "must be a finite number"),
+    ("trainer.config:ModelArguments", "model_seed", 10 ** 23, "must be in [0, 9223372036854775807]"),
 ]
 
 

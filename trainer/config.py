@@ -98,7 +98,8 @@ class ModelArguments(Checked):
 
     RULES = {"quantization": one_of(*QUANTIZATIONS), "dtype": one_of("auto", *DTYPES),
              "attn_implementation": one_of("auto", "flash_attention_2", "sdpa", "eager"), "lora_r": at_least(1),
-             "lora_alpha": at_least(1), "lora_dropout": between(0, 1, high_open=True)}
+             "lora_alpha": at_least(1), "lora_dropout": between(0, 1, high_open=True),
+             "model_seed": between(0, 2**63 - 1)}  # what torch.manual_seed takes
 
 
 # trainer/data/formats.py
