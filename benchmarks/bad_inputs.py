@@ -344,7 +344,9 @@ def run_case(s: Scratch, build: Callable[[Scratch], list[str]]) -> dict:
     skipped = [line for line in (proc.stdout + proc.stderr).splitlines() if " skipped " in line]
     line = errors[-1] if errors else (skipped[-1].split(" ", 3)[-1] if skipped else "")
     command = " ".join(["python", *(a.replace(str(s.root), "$SCRATCH") if len(a) < 200 else a[:40] + "..." for a in argv)])
-    return {"command": command, "exit_code": proc.returncode, "line": line.replace(str(s.root), "$SCRATCH"),
+    shared = str(PROJECT_ROOT.parent / "shared")  # the data beside the checkout, as the repo's docs name it
+    line = line.replace(str(s.root), "$SCRATCH").replace(shared, "../shared")
+    return {"command": command, "exit_code": proc.returncode, "line": line,
             "one_line": len(errors) <= 1 and "Traceback" not in proc.stderr}
 
 
