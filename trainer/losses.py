@@ -253,21 +253,28 @@ def group_advantages(rewards: torch.Tensor, method: str = "grpo", scale_std: boo
     if method == "rloo" and rewards.shape[1] < 2:
         raise ValueError("rloo needs at least 2 responses per prompt (num_generations >= 2)")
     scored = ~torch.isnan(rewards)
-    count = scored.sum(dim=1, keepdim=True)
-    filled = torch.where(scored, rewards, 0.0)
-    first = filled.gather(1, scored.float().argmax(dim=1, keepdim=True))  # a scored reward of each group
+    count, mean, std = group_mean_std(rewards)
+    first = rewards.gather(1, scored.float().argmax(dim=1, keepdim=True))  # a scored reward of each group
     equal = torch.where(scored, rewards == first, True).all(dim=1, keepdim=True)
-    total = filled.sum(dim=1, keepdim=True)
     if method == "rloo":
+        total = torch.where(scored, rewards, 0.0).sum(dim=1, keepdim=True)
         advantages = rewards - (total - rewards) / (count - 1).clamp(min=1)
     else:
-        mean = total / count.clamp(min=1)
         advantages = rewards - mean
         if scale_std:
-            squares = torch.where(scored, (rewards - mean) ** 2, 0.0).sum(dim=1, keepdim=True)
-            variance = squares / (count - 1).clamp(min=1)
-            advantages = advantages / (variance.sqrt() + eps)
+            advantages = advantages / (std + eps)
     return torch.where(equal | (count < 2) | ~scored, 0.0, advantages)
+
+
+def group_mean_std(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(P, G) rewards -> (P, 1) count, mean and unbiased std of each group's rewards that are not NaN (the
+    responses a reward function scored); std 0 below two of them."""
+    scored = ~torch.isnan(rewards)
+    count = scored.sum(dim=1, keepdim=True)
+    mean = torch.where(scored, rewards, 0.0).sum(dim=1, keepdim=True) / count.clamp(min=1)
+    squares = torch.where(scored, (rewards - mean) ** 2, 0.0).sum(dim=1, keepdim=True)
+    std = torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), 0.0)
+    return count, mean, std
 
 
 def grpo_policy_loss(

@@ -137,7 +137,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     results = {}
     for name in stages_of(args):
         module, config, fixed = PIPELINE_STAGES[name]
-        own = {key: value for key, value in overrides.items() if key in stage_fields(module)}
+        takes = stage_fields(module)
+        own = {key: value for key, value in overrides.items() if key in takes}
         argv_stage = stage_argv(folder / config, run_dir / name, {**links[name], **own, **fixed})
         results[name] = run_stage(name, argv_stage, run_dir / name, module)
     from trainer.compare import compare_policies

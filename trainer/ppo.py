@@ -97,8 +97,8 @@ def train(ctx: RunContext, model, prompts, held_out, scorer: Scorer) -> PPOState
                                    ctx.accelerator, progress=targs.progress_bar) or {}
 
     def step(step_number: int, batches) -> StepResult:
-        scorer.trainer_state = TrainerState(global_step=step_number - 1, max_steps=targs.max_steps,
-                                            epoch=(step_number - 1) * args.rollout_batch_size / max(len(prompts), 1))
+        scorer.trainer_state = TrainerState.before_step(step_number, targs.max_steps, args.rollout_batch_size,
+                                                        len(prompts))
         return ppo_step(harness.engine, next(batches), args, state, scorer, tok.eos_token_id, tok.pad_token_id)
 
     harness = Harness(ctx, model, "ppo", [POLICY, VALUE], prompts, PromptCollator(tok.pad_token_id),

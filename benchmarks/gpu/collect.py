@@ -227,8 +227,8 @@ def decode_path_rows(folder: Path) -> list[str]:
     for run in run_folders(folder, "decode.json"):
         for r in json.loads((run / "decode.json").read_text())["rows"]:
             rows.append(f"| {folder.name} | {_cell(run.name)} | {_cell(r['path'])} | "
-                        f"{_cell(r.get('weights', 'quantized'))} | {int(r['batch'])} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | "
-                        f"{r['bandwidth_fraction']:.1%} | {r['first_call_s']:.1f} |")
+                        f"{_cell(r.get('weights', 'quantized'))} | {int(r['batch'])} | {r['ms_per_step']:.1f} | "
+                        f"{r['tokens_per_s']:.0f} | {r['bandwidth_fraction']:.1%} | {r['first_call_s']:.1f} |")
     return rows
 
 

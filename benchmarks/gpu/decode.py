@@ -128,10 +128,11 @@ def markdown(result: dict) -> str:
              f"- device copy bandwidth: {result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write); "
              f"bytes read per decode step: {result['bytes_per_decode_step'] / 2**30:.3f} GiB "
              f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in result['bytes_read_per_decode_step'].items())})", "",
-             "| path | weights | batch | decoded tokens/s | ms per step | whole generation s (best) | first call s | bound tokens/s "
-             "| fraction of bound |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| path | weights | batch | decoded tokens/s | ms per step | whole generation s (best) | first call s "
+             "| bound tokens/s | fraction of bound |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        lines.append(f"| {r['path']} | {r.get('weights', 'quantized')} | {r['batch']} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | "
+        lines.append(f"| {r['path']} | {r.get('weights', 'quantized')} | {r['batch']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['ms_per_step']:.2f} | "
                      f"{r['generate_s']:.3f} | {r['first_call_s']:.2f} | {r['bound_tokens_per_s']:.0f} "
                      f"| {r['bandwidth_fraction']:.1%} |")
     lines += ["", "Paths (the rollouts' --decode, trainer/model/decode.py): eager (a KV cache grown per step: the "

@@ -290,7 +290,10 @@ def run_steps(steps: list[Step], out: Path, deadline: float) -> None:
         except OSError as exc:  # nvidia-smi on a machine without it
             step.status = f"not available ({exc.strerror or exc})"
         step.seconds = time.time() - started
-        step.tail = log.read_text()[-3000:] if log.is_file() else ""
+        if log.is_file():  # the log and its tail name files from the repo root, never the machine's folders
+            text = log.read_text(errors="replace").replace(f"{ROOT}/", "")
+            log.write_text(text)
+            step.tail = text[-3000:]
         print(f"[{step.name}] {step.status} in {step.seconds:.0f} s", flush=True)
 
 

@@ -75,7 +75,8 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
             for items, times in ((left, right), (right, left)):
-                if isinstance(items, (str, list, tuple)) and isinstance(times, int) and len(items) * times > MAX_RENDERED:
+                repeated = isinstance(items, (str, list, tuple)) and isinstance(times, int)
+                if repeated and len(items) * times > MAX_RENDERED:
                     raise jinja2.exceptions.SecurityError(f"a repetition of {len(items) * times:,} items is past the "
                                                           f"limit of {MAX_RENDERED:,}")
         return super().call_binop(context, operator, left, right)

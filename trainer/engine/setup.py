@@ -221,8 +221,9 @@ def check_resume_config(ctx: RunContext) -> None:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InputError(f"{folder_config}: not valid JSON ({exc}); resume with --resume_config_check false "
                              "or start over with --resume no") from None
-    changes = resume_config_changes(saved, ctx.config())
-    warn_edited_rewards(saved, ctx.config())
+    now = ctx.config()
+    changes = resume_config_changes(saved, now)
+    warn_edited_rewards(saved, now)
     old_steps = (saved.get("train") or {}).get("max_steps")
     if old_steps not in (None, ctx.train_args.max_steps):
         logger.warning("max_steps %s -> %s: the learning-rate schedule is stretched to the new length, so the "

@@ -17,7 +17,7 @@ import torch
 
 from foundation.stages import POLICY
 from trainer.engine.harness import Engine, StepResult
-from trainer.losses import group_advantages, grpo_policy_loss, kl_penalty
+from trainer.losses import group_advantages, group_mean_std, grpo_policy_loss, kl_penalty
 from trainer.rl.rollout import Sampling, chunked, sample_in_chunks
 from trainer.rl.scoring import response_logprobs, rollout_scores, trimmed_to_longest_response
 from trainer.rl.update import Update, run_update
@@ -120,11 +120,12 @@ def grpo_step(engine: Engine, batch: dict[str, torch.Tensor], args, state: Group
     with phase("update"):
         metrics, all_finite, any_stepped = run_update(engine, state, update, size)
     update_s = time.perf_counter() - started
-    groups = rollout.scores.view(-1, args.num_generations)  # NaN: a response no reward function scored
-    spread = _nan_std(groups) if args.num_generations > 1 else torch.zeros(groups.shape[0])
+    # each prompt's spread of scores; a NaN score (a response no reward function scored) is left out
+    spread = group_mean_std(rollout.scores.view(-1, args.num_generations))[2]
     metrics.update({
         "reward": _nan_mean(rewards), "reward_std": _nan_mean(spread) if args.num_generations > 1 else 0.0,
-        "objective/scores": _nan_mean(rollout.scores), "frac_reward_unscored": rollout.scores.isnan().float().mean().item(),
+        "objective/scores": _nan_mean(rollout.scores),
+        "frac_reward_unscored": rollout.scores.isnan().float().mean().item(),
         "completions/mean_length": rollout.response_mask.sum(1).mean().item(),
         "completions/clipped_ratio": (~rollout.ended).float().mean().item(),
         "frac_reward_zero_std": (spread == 0).float().mean().item() if args.num_generations > 1 else 1.0,
@@ -141,15 +142,6 @@ def _nan_mean(values: torch.Tensor) -> float:
     """The mean of the scored values; 0.0 when none is (a metric is never NaN in metrics.jsonl)."""
     scored = values[~values.isnan()]
     return scored.mean().item() if scored.numel() else 0.0
-
-
-def _nan_std(groups: torch.Tensor) -> torch.Tensor:
-    """(P,) unbiased std of each group's scored rewards (0 below two)."""
-    scored = ~groups.isnan()
-    count = scored.sum(dim=1)
-    mean = torch.where(scored, groups, 0.0).sum(dim=1) / count.clamp(min=1)
-    squares = torch.where(scored, (groups - mean[:, None]) ** 2, 0.0).sum(dim=1)
-    return torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), 0.0)
 
 
 def _loss_units(rollout: GroupRollout, idx: torch.Tensor, normalisation: str):

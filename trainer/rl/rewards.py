@@ -285,6 +285,12 @@ class TrainerState:
     max_steps: int
     epoch: float
 
+    @classmethod
+    def before_step(cls, step_number: int, max_steps: int, prompts_per_step: int, prompts: int) -> "TrainerState":
+        """The state while step `step_number` (1, 2, ...) scores its rollout: the steps done, the epoch reached."""
+        done = step_number - 1
+        return cls(global_step=done, max_steps=max_steps, epoch=done * prompts_per_step / max(prompts, 1))
+
 
 class Scorer:
     """Scores whole responses: the `adapter`'s head (None: no reward adapter) plus the weighted reward functions."""
@@ -347,7 +353,8 @@ class Scorer:
                         ) -> list[list[Optional[float]]]:
         """Each reward function's checked values, one per row (None: does not apply), unweighted, in order."""
         kwargs, sources = self._arguments(input_ids, attention_mask, prompt_length, response_mask, examples)
-        return [_checked(f, _call(f, kwargs, sources, self.timeout_s), len(sources), sources) for f in self.functions]
+        return [_checked(f, _call(f, kwargs, sources, self.timeout_s), len(sources), sources)
+                for f in self.functions]
 
     def _arguments(self, input_ids, attention_mask, prompt_length, response_mask, examples
                    ) -> tuple[dict[str, list], list[str]]:
@@ -362,7 +369,8 @@ class Scorer:
             prompt_mask = attention_mask[:, :prompt_length] == 0
             decoded = tok.batch_decode(input_ids[:, :prompt_length].masked_fill(prompt_mask, tok.pad_token_id),
                                        skip_special_tokens=True)
-        state = {} if self.trainer_state is None else {"trainer_state": self.trainer_state}  # TRL's functions may name it
+        # TRL's functions may name `trainer_state`
+        state = {} if self.trainer_state is None else {"trainer_state": self.trainer_state}
         if examples is None:  # no dataset row at hand: no column besides the prompt
             return ({"prompts": decoded, "completions": texts, "completion_ids": completion_ids, **state},
                     [f"batch row {i}" for i in range(rows)])
