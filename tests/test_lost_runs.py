@@ -60,6 +60,19 @@ def error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("error: ")]
 
 
+def sft_error_line(capsys, out, *flags: str) -> str:
+    """Run the SFT stage in this process into `out`: it must end with exit code 1 and one error line, no
+    traceback; that line."""
+    import trainer.sft as sft
+
+    with pytest.raises(SystemExit) as exit_info:
+        run(sft.main, sft_argv(out, *flags))
+    err = capsys.readouterr().err
+    lines = error_lines(err)
+    assert exit_info.value.code == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
 def warnings_of(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
@@ -192,7 +205,6 @@ def test_the_lock_is_released_when_a_run_ends_and_when_it_fails(tmp_path, fresh_
 ], ids=["oserror", "torch-zip-writer", "torch-iostream"])
 def test_a_full_disk_while_checkpointing_stops_in_one_line_and_keeps_the_previous_checkpoint(
         failure, reason, tmp_path, monkeypatch, capsys, fresh_accelerate_state):
-    import trainer.sft as sft
 
     real_save = torch.save
 
@@ -203,13 +215,9 @@ def test_a_full_disk_while_checkpointing_stops_in_one_line_and_keeps_the_previou
 
     monkeypatch.setattr(torch, "save", full_disk_save)
     out = tmp_path / "run"
-    with pytest.raises(SystemExit) as exit_info:
-        run(sft.main, sft_argv(out, "--max_steps", "4", "--save_every", "2"))
-    err = capsys.readouterr().err
-    lines = error_lines(err)
-    assert exit_info.value.code == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    assert lines[0].startswith(f"error: {out / 'checkpoint-0000004'}: could not be written ({reason}; ")
-    assert "GiB free there); checkpoint-0000002 is intact; free space and rerun to resume" in lines[0]
+    line = sft_error_line(capsys, out, "--max_steps", "4", "--save_every", "2")
+    assert line.startswith(f"error: {out / 'checkpoint-0000004'}: could not be written ({reason}; ")
+    assert "GiB free there); checkpoint-0000002 is intact; free space and rerun to resume" in line
     assert not (out / "checkpoint-0000004.tmp").exists() and not (out / "adapter").exists()
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-0000002"]
     verify_checkpoint(out / "checkpoint-0000002")
@@ -222,7 +230,6 @@ def test_a_full_disk_at_the_lock_or_the_metrics_stops_in_one_line(tmp_path, monk
     import builtins
 
     import trainer.engine.run_lock as run_lock
-    import trainer.sft as sft
     from trainer.engine.run_lock import RunLock, RunLocked
 
     class FullFile:
@@ -252,18 +259,13 @@ def test_a_full_disk_at_the_lock_or_the_metrics_stops_in_one_line(tmp_path, monk
 
     monkeypatch.setattr(builtins, "open", full_metrics)
     out = tmp_path / "run"
-    with pytest.raises(SystemExit) as exit_info:
-        run(sft.main, sft_argv(out, "--max_steps", "2", "--save_every", "0"))
-    err = capsys.readouterr().err
-    lines = error_lines(err)
-    assert exit_info.value.code == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    assert lines[0].startswith(f"error: {out / 'metrics.jsonl'}: could not be written (No space left on device; ")
+    line = sft_error_line(capsys, out, "--max_steps", "2", "--save_every", "0")
+    assert line.startswith(f"error: {out / 'metrics.jsonl'}: could not be written (No space left on device; ")
 
 
 def test_a_full_disk_while_saving_the_final_adapter_stops_in_one_line_and_leaves_no_half_adapter(
         tmp_path, monkeypatch, capsys, fresh_accelerate_state):
     import foundation.files as files
-    import trainer.sft as sft
 
     real_fsync = files.fsync_tree
 
@@ -274,12 +276,8 @@ def test_a_full_disk_while_saving_the_final_adapter_stops_in_one_line_and_leaves
 
     monkeypatch.setattr(files, "fsync_tree", full_disk_fsync)
     out = tmp_path / "run"
-    with pytest.raises(SystemExit) as exit_info:
-        run(sft.main, sft_argv(out, "--max_steps", "1", "--save_every", "0"))
-    err = capsys.readouterr().err
-    lines = error_lines(err)
-    assert exit_info.value.code == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    assert lines[0].startswith(f"error: the final adapter in {out}: could not be written (No space left on device; ")
+    line = sft_error_line(capsys, out, "--max_steps", "1", "--save_every", "0")
+    assert line.startswith(f"error: the final adapter in {out}: could not be written (No space left on device; ")
     assert not [p for p in out.iterdir() if p.name.startswith((".adapter", "adapter"))]
 
 
@@ -321,31 +319,22 @@ def test_a_kill_during_the_final_save_leaves_debris_the_next_run_removes(tmp_pat
 ], ids=["overflowing", "nan"])
 def test_an_optimizer_step_that_breaks_the_weights_stops_the_run_before_anything_saves_them(
         extra, problem, tmp_path, capsys, fresh_accelerate_state):
-    import trainer.sft as sft
 
     out = tmp_path / "run"
-    with pytest.raises(SystemExit) as exit_info:
-        run(sft.main, sft_argv(out, "--max_steps", "3", "--save_every", "1", *extra))
-    err = capsys.readouterr().err
-    lines = error_lines(err)
-    assert exit_info.value.code == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    assert lines[0].startswith(f"error: step 1: the optimizer step left {problem}, with --learning_rate 1e+30")
+    line = sft_error_line(capsys, out, "--max_steps", "3", "--save_every", "1", *extra)
+    assert line.startswith(f"error: step 1: the optimizer step left {problem}, with --learning_rate 1e+30")
     assert not (out / "adapter").exists() and complete_checkpoints(out) == []
 
 
 def test_the_final_save_refuses_weights_that_are_not_finite_even_if_a_step_let_them_through(
         tmp_path, monkeypatch, capsys, fresh_accelerate_state):
-    import trainer.sft as sft
     from trainer.engine.harness import Engine
 
     monkeypatch.setattr(Engine, "check_parameters", lambda self: None)
     out = tmp_path / "run"
-    with pytest.raises(SystemExit) as exit_info:
-        run(sft.main, sft_argv(out, "--max_steps", "1", "--save_every", "0", "--learning_rate", "1e30",
-                               "--weight_decay", "1e10"))
-    lines = error_lines(capsys.readouterr().err)
-    assert exit_info.value.code == 1 and len(lines) == 1
-    assert lines[0] == f"error: the trained adapters hold NaN/inf trainable weights: not saved to {out / 'adapter'}"
+    line = sft_error_line(capsys, out, "--max_steps", "1", "--save_every", "0", "--learning_rate", "1e30",
+                          "--weight_decay", "1e10")
+    assert line == f"error: the trained adapters hold NaN/inf trainable weights: not saved to {out / 'adapter'}"
     assert not (out / "adapter").exists()
 
 
