@@ -18,6 +18,7 @@ from dataclasses import fields
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 NULL_WORDS = ("null", "None", "none", "~")
+AUTO = "auto"  # the value of a field the budget planner may choose (a class's PLANNED) left to it
 
 
 class UsageError(Exception):
@@ -101,6 +102,7 @@ class Checked:
     """Base of every argument dataclass: types and `RULES` are checked when an instance is made."""
 
     RULES: ClassVar[dict[str, Rule]] = {}
+    PLANNED: ClassVar[tuple[str, ...]] = ()  # fields a budget planner may choose where not given (`given`)
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -118,6 +120,49 @@ class Checked:
         """Rules between fields; raise UsageError."""
 
 
+# ---- which fields were given ----------------------------------------------------------------------
+
+def planned_fields(types: Sequence[type]) -> set[str]:
+    """The fields of `types` a budget planner may choose (each class's PLANNED): each defaults to auto."""
+    return {name for t in types for name in getattr(t, "PLANNED", ())}
+
+
+def given(settings) -> frozenset[str]:
+    """The fields a command line or config file set explicitly (`parse` records them); an object built in
+    code has every field set."""
+    recorded = getattr(settings, "_given", None)
+    return recorded if recorded is not None else frozenset(f.name for f in fields(settings))
+
+
+def _without_auto(argv: list[str], defaults: dict[str, Any], planned: set[str]) -> tuple[list[str], dict[str, Any]]:
+    """`--field auto` flags and `field: auto` config values of planned fields dropped (a flag's auto drops the
+    config's value too): those fields are left to the planner."""
+    kept, skip, auto = [], False, set()
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        name = name.replace("-", "_")  # --micro-batch-size is --micro_batch_size
+        if name in planned and (value == AUTO if eq else i + 1 < len(argv) and argv[i + 1] == AUTO):
+            skip, auto = not eq, auto | {name}
+            continue
+        kept.append(arg)
+    return kept, {k: v for k, v in defaults.items() if k not in auto and not (k in planned and v == AUTO)}
+
+
+class _Unset:
+    """A default no flag can produce: what is still it after parsing was not on the command line."""
+
+
+def _given_on_command_line(types: Sequence[type], argv: Sequence[str]) -> set[str]:
+    probe = parser_for(types)
+    unset = _Unset()
+    probe.set_defaults(**{f.name: unset for t in types for f in fields(t)})
+    namespace, _ = probe.parse_known_args(args=list(argv))
+    return {name for name, value in vars(namespace).items() if value is not unset}
+
+
 # ---- parsing --------------------------------------------------------------------------------------
 
 def parser_for(types: Sequence[type]):
@@ -133,12 +178,20 @@ def parser_for(types: Sequence[type]):
 def parse(types: Sequence[type], argv: Sequence[str], defaults: Optional[dict[str, Any]] = None,
           defaults_from: Optional[str] = None) -> tuple:
     """Instances of `types` from command-line `argv`, over `defaults` (a config file's values, named by
-    `defaults_from` in messages). Raises UsageError naming the flag or the config key at fault."""
+    `defaults_from` in messages). Raises UsageError naming the flag or the config key at fault.
+
+    A planned field (`planned_fields`) given as `auto` counts as not given; each instance records the
+    fields that were given (`given`), so a planner changes only the others."""
+    argv, defaults = _without_auto(list(argv), dict(defaults or {}), planned_fields(types))
     parser = parser_for(types)
     if defaults:
         parser.set_defaults(**defaults)
     try:
-        return tuple(parser.parse_args_into_dataclasses(args=list(argv)))
+        instances = tuple(parser.parse_args_into_dataclasses(args=list(argv)))
+        named = _given_on_command_line(types, argv) | set(defaults)
+        for obj in instances:
+            object.__setattr__(obj, "_given", frozenset(f.name for f in fields(obj) if f.name in named))
+        return instances
     except UsageError as exc:
         if not isinstance(exc, FieldError):
             raise

@@ -1,20 +1,23 @@
-"""The budget planner of the online RL stages (PPO, GRPO / RLOO): batch sizes and gradient checkpointing
-picked from the estimator and the memory budget, so a run uses the card instead of a guess.
+"""The budget planner of the online RL stages (PPO, GRPO / RLOO): batch sizes, gradient checkpointing, the
+offloads and the decode weights picked from the estimator and the memory budget, so a run uses the card
+instead of a guess. It chooses only the settings the run left auto (`planned`); a value given is kept.
 
-    plan_rl(shape, settings) -> Plan(rollout_micro_batch_size, micro_batch_size, gradient_checkpointing, ...)
+    plan_rl(shape, settings, planned=...) -> Plan(rollout_micro_batch_size, micro_batch_size, ...)
 
 Each choice is the largest whose estimated peak fits the budget less `margin`: first the rows per generate /
 score pass, then the update micro-batch, without checkpointing when that fits at least half of what
-checkpointing allows; where nothing fits, the same with the input embedding in host memory, then with the
-update's saved activations there, then with both. Then, where `generation_weights` is auto, a 4-bit base on
-CUDA decoding more than one row at a time gets the dense copy of its weights that still fits: resident, else
-made per rollout, else none. Nothing runs a model: the PPO update's OOM back-off stays the safety net.
+checkpointing allows (not with the activations offloaded: the estimate is then alike either way, while without
+checkpointing every saved tensor crosses to the host, not just each layer's input); where nothing fits, the
+same with the input embedding in host memory, then with the update's saved activations there, then with both.
+Then, where `generation_weights` is auto, a 4-bit base on CUDA decoding more than one row at a time gets the
+dense copy of its weights that still fits: resident, else made per rollout, else none. Nothing runs a model:
+the update's OOM back-off stays the safety net.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 from profiling import components as C
 from profiling.predict import EstimateArguments, estimate, offloaded_embedding
@@ -23,6 +26,8 @@ from profiling.shapes import ModelShape
 ROLLOUT_PHASES = ("generate", "score")
 UPDATE_PHASES = ("update", "optimizer_step")
 OFFLOADS = ("offload_embeddings", "offload_activations")  # tried alone in this order, then together
+# What the planner may choose; generation_weights is chosen where it is "auto" (a value of its own).
+PLANNABLE = ("rollout_micro_batch_size", "micro_batch_size", "gradient_checkpointing", *OFFLOADS)
 
 
 @dataclass(frozen=True)
@@ -39,15 +44,16 @@ class Plan:
     budget_bytes: int
     phases: tuple[tuple[str, int], ...]  # (phase, estimated total bytes)
 
+    planned: frozenset[str] = frozenset(PLANNABLE)  # the settings the planner chose; the others were given
+
     def table(self) -> str:
-        """The plan and the predicted peak per phase, as the log prints it at the start of a run."""
-        lines = [f"budget plan (estimate within {C.gib(self.usable_bytes)} of {C.gib(self.budget_bytes)} GiB):",
-                 f"  rollout_micro_batch_size {self.rollout_micro_batch_size}  micro_batch_size "
-                 f"{self.micro_batch_size}  gradient_checkpointing {str(self.gradient_checkpointing).lower()}"
-                 + ("  offload_embeddings true" if self.offload_embeddings else "")
-                 + ("  offload_activations true" if self.offload_activations else "")
-                 + (f"  generation_weights {self.generation_weights}" if self.generation_weights != "quantized"
-                    else "")]
+        """The plan, each setting marked set (given) or planned, and the predicted peak per phase, as the log
+        prints it at the start of a run."""
+        lines = [f"budget plan (estimate within {C.gib(self.usable_bytes)} of {C.gib(self.budget_bytes)} GiB):"]
+        for name in (*PLANNABLE, "generation_weights"):
+            value = getattr(self, name)
+            shown = str(value).lower() if isinstance(value, bool) else value
+            lines.append(f"  {name} {shown}  ({'planned' if name in self.planned else 'set'})")
         for phase, total in self.phases:
             mark = "  <- peak" if phase == self.peak_phase else ""
             lines.append(f"  {phase:<15} {C.gib(total):>7} GiB{mark}")
@@ -72,33 +78,36 @@ def _largest(shape: ModelShape, args: EstimateArguments, field: str, sizes: list
 
 
 def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float = 0.1,
-            may_offload: Sequence[str] = OFFLOADS) -> Optional[Plan]:
+            may_offload: Sequence[str] = OFFLOADS, planned: Collection[str] = PLANNABLE) -> Optional[Plan]:
     """The plan for a PPO or GRPO run (`args.stage`; EstimateArguments of the run) with minibatches of
-    `mini_batch_size` rows; None when not even one row per pass fits. Where nothing fits, the offloads the run
-    allows (`may_offload`, of OFFLOADS) are turned on, each alone in OFFLOADS' order and then together, until a
-    plan fits; an offload that would change nothing (a tied embedding, the CPU) is not tried."""
-    planned = args.generation_weights == "auto"
-    plan = _plan_rl(shape, args, mini_batch_size, margin)
-    allowed = [name for name in OFFLOADS if name in may_offload and not getattr(args, name)]
+    `mini_batch_size` rows; None when nothing fits with the settings given. Only the settings in `planned`
+    (of PLANNABLE) are chosen; the others keep their values in `args`. Where nothing fits, the offloads the
+    run allows (`may_offload`, planned ones) are turned on, each alone in OFFLOADS' order and then together,
+    until a plan fits; an offload that would change nothing (a tied embedding, the CPU) is not tried."""
+    planned = frozenset(planned) & frozenset(PLANNABLE)
+    plan = _plan_rl(shape, args, mini_batch_size, margin, planned)
+    allowed = [name for name in OFFLOADS if name in may_offload and name in planned and not getattr(args, name)]
     tries = [[name] for name in allowed] + ([allowed] if len(allowed) > 1 else [])
     for names in tries:
         if plan is not None:
             break
         offloaded = replace(args, **dict.fromkeys(names, True))
         if all(_moves_something(shape, offloaded.resolved(), name) for name in names):
-            plan = _plan_rl(shape, offloaded, mini_batch_size, margin)
-    if plan is None or not planned:
+            plan = _plan_rl(shape, offloaded, mini_batch_size, margin, planned)
+    if plan is None or args.generation_weights != "auto":
         return plan
     settled = replace(args, rollout_micro_batch_size=plan.rollout_micro_batch_size,
                       micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
                       offload_embeddings=plan.offload_embeddings, offload_activations=plan.offload_activations).resolved()
     if settled.quantization != "nf4" or settled.device != "cuda" or plan.rollout_micro_batch_size < 2:
-        return plan  # one row decodes through bitsandbytes' 4-bit kernel, which reads 4 bits a weight
+        return replace(plan, planned=plan.planned | {"generation_weights"})  # one row decodes through
+        # bitsandbytes' 4-bit kernel, which reads 4 bits a weight
     for weights in ("resident", "dequantized"):
         est = estimate(shape, replace(settled, generation_weights=weights))
         if all(p["total"] <= plan.usable_bytes for p in est["phases"]):
-            return _plan_of(replace(settled, generation_weights=weights), est, plan.usable_bytes)
-    return plan
+            return _plan_of(replace(settled, generation_weights=weights), est, plan.usable_bytes,
+                            plan.planned | {"generation_weights"})
+    return replace(plan, planned=plan.planned | {"generation_weights"})
 
 
 def _moves_something(shape: ModelShape, args: EstimateArguments, offload: str) -> bool:
@@ -107,33 +116,40 @@ def _moves_something(shape: ModelShape, args: EstimateArguments, offload: str) -
     return args.device == "cuda"
 
 
-def _plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float) -> Optional[Plan]:
+def _plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float,
+             planned: frozenset[str]) -> Optional[Plan]:
     args = args.resolved()
     if args.stage not in ("ppo", "grpo"):
         raise ValueError(f"the planner plans online RL stages (ppo, grpo), not {args.stage!r}")
     usable = int(args.budget_bytes * (1 - margin))
     total = args.rollout_batch_size * (args.num_generations if args.stage == "grpo" else 1)
-    rows = _largest(shape, args, "rollout_micro_batch_size", _divisors(total), ROLLOUT_PHASES, usable)
+    rows = _largest(shape, args, "rollout_micro_batch_size",
+                    _divisors(total) if "rollout_micro_batch_size" in planned else [args.rollout_micro_batch_size],
+                    ROLLOUT_PHASES, usable)
     if rows is None:
         return None
     args = replace(args, rollout_micro_batch_size=rows)
-    sizes = _divisors(mini_batch_size)
-    with_ckpt = _largest(shape, replace(args, gradient_checkpointing=True), "micro_batch_size", sizes, UPDATE_PHASES,
-                         usable)
-    without = _largest(shape, replace(args, gradient_checkpointing=False), "micro_batch_size", sizes, UPDATE_PHASES,
-                       usable)
-    if without is not None and (with_ckpt is None or 2 * without >= with_ckpt):
+    sizes = _divisors(mini_batch_size) if "micro_batch_size" in planned else [args.micro_batch_size]
+    checkpointing = (True, False) if "gradient_checkpointing" in planned else (args.gradient_checkpointing,)
+    fits = {ckpt: _largest(shape, replace(args, gradient_checkpointing=ckpt), "micro_batch_size", sizes,
+                           UPDATE_PHASES, usable) for ckpt in checkpointing}
+    with_ckpt, without = fits.get(True), fits.get(False)
+    # recomputation is worth it where it at least doubles the micro-batch, and always with the activations
+    # offloaded: without checkpointing every saved tensor crosses to the host (a cost the estimate leaves out)
+    if without is not None and (with_ckpt is None or (without > with_ckpt if args.offload_activations
+                                                      else 2 * without >= with_ckpt)):
         args = replace(args, gradient_checkpointing=False, micro_batch_size=without)
     elif with_ckpt is not None:
         args = replace(args, gradient_checkpointing=True, micro_batch_size=with_ckpt)
     else:
         return None
-    return _plan_of(args, estimate(shape, args), usable)
+    return _plan_of(args, estimate(shape, args), usable, planned)
 
 
-def _plan_of(args: EstimateArguments, est: dict, usable: int) -> Plan:
+def _plan_of(args: EstimateArguments, est: dict, usable: int, planned: frozenset[str]) -> Plan:
     return Plan(rollout_micro_batch_size=args.rollout_micro_batch_size, micro_batch_size=args.micro_batch_size,
                 gradient_checkpointing=args.gradient_checkpointing, offload_embeddings=args.offload_embeddings,
                 offload_activations=args.offload_activations, generation_weights=args.generation_weights,
                 peak_bytes=est["peak_bytes"], peak_phase=est["peak_phase"], usable_bytes=usable,
-                budget_bytes=args.budget_bytes, phases=tuple((p["phase"], p["total"]) for p in est["phases"]))
+                budget_bytes=args.budget_bytes, phases=tuple((p["phase"], p["total"]) for p in est["phases"]),
+                planned=planned)

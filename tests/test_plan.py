@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+
+from foundation.cli import UsageError
 
 from profiling import components as C
 from profiling.plan import OFFLOADS, plan_rl
 from profiling.predict import EstimateArguments, estimate
 from profiling.shapes import load_shape
+from trainer.config import parse_config
+from trainer.engine.setup import run_config
+from trainer.ppo import PPOArguments
 
 SEVEN_B = load_shape("llama-2-7b")
 # trainer/configs/llama2_7b/ppo.yaml's settings (NF4, bf16, paged 8-bit AdamW, LoRA r=16 all-linear)
@@ -80,31 +87,96 @@ def test_nothing_fits_gives_no_plan():
     assert plan_rl(SEVEN_B, replace(RECIPE, memory_budget_gib=3), mini_batch_size=8) is None
 
 
-def test_auto_fit_is_off_on_cpu_by_default_and_applies_the_plan_when_asked(tmp_path, capfd, fresh_accelerate_state):
+def test_auto_fit_is_off_on_cpu_by_default(tmp_path, capfd, fresh_accelerate_state):
     from trainer.engine.setup import start_run
     from trainer.ppo import PPOArguments
 
-    base = ["--config", "tests/configs/tiny_ppo.yaml", "--scripted_reward", "length:4",
-            "--rollout_micro_batch_size", "2", "--gradient_checkpointing", "true"]
-    ctx = start_run(PPOArguments, [*base, "--output_dir", str(tmp_path / "off")], stage="ppo")
-    assert ctx.stage_args.rollout_micro_batch_size == 2 and ctx.model_args.gradient_checkpointing is True
+    ctx = start_run(PPOArguments, ["--config", "tests/configs/tiny_ppo.yaml", "--rollout_micro_batch_size", "auto",
+                                   "--output_dir", str(tmp_path)], stage="ppo")
+    assert ctx.stage_args.rollout_micro_batch_size == 8  # auto, unplanned: the field's default
     assert ctx.stage_args.generation_weights == "auto"  # unplanned: decodes from the weights as they are
     assert "budget plan" not in "".join(capfd.readouterr())
-    ctx = start_run(PPOArguments, [*base, "--output_dir", str(tmp_path / "on"), "--auto_fit", "true"], stage="ppo")
-    logged = "".join(capfd.readouterr())
-    assert ctx.stage_args.rollout_micro_batch_size == ctx.stage_args.rollout_batch_size
-    assert ctx.model_args.gradient_checkpointing is False  # the tiny model's update fits without it
-    assert "budget plan" in logged and "<- peak" in logged
+
+
+# a simulated budget of 0.05 GiB: the tiny model's plan is every rollout row in one pass and the whole
+# minibatch per update micro-batch, without checkpointing
+PLANNING = ["--config", "tests/configs/tiny_ppo.yaml", "--auto_fit", "true", "--memory_budget_gib", "0.05"]
+
+
+def test_explicit_flags_survive_planning_and_the_same_flags_left_auto_are_planned(tmp_path, capfd,
+                                                                                  fresh_accelerate_state):
+    from trainer.engine.setup import start_run
+    from trainer.ppo import PPOArguments
+
+    given = start_run(PPOArguments, [*PLANNING, "--gradient_checkpointing", "true", "--micro_batch_size", "2",
+                                     "--output_dir", str(tmp_path / "given")], stage="ppo")
+    table = "".join(capfd.readouterr())
+    assert given.model_args.gradient_checkpointing is True and given.train_args.micro_batch_size == 2
+    assert "gradient_checkpointing true  (set)" in table and "micro_batch_size 2  (set)" in table
+    # the config's rollout_micro_batch_size 4 is given too
+    assert given.stage_args.rollout_micro_batch_size == 4 and "rollout_micro_batch_size 4  (set)" in table
+
+    auto = start_run(PPOArguments, [*PLANNING, "--gradient_checkpointing", "auto", "--micro_batch_size=auto",
+                                    "--rollout_micro_batch_size", "auto", "--output_dir", str(tmp_path / "auto")],
+                     stage="ppo")
+    table = "".join(capfd.readouterr())
+    assert auto.model_args.gradient_checkpointing is False and auto.train_args.micro_batch_size == 4
+    assert auto.stage_args.rollout_micro_batch_size == 8
+    assert "gradient_checkpointing false  (planned)" in table and "micro_batch_size 4  (planned)" in table
+    saved = json.loads((tmp_path / "auto" / "config.json").read_text())
+    assert saved["train"]["micro_batch_size"] == 4  # the run records what it runs with
+
+
+def test_an_explicit_value_that_does_not_fit_stops_the_run_naming_the_phase(tmp_path, fresh_accelerate_state):
+    from trainer.engine.budget import BudgetError
+    from trainer.engine.setup import start_run
+    from trainer.ppo import PPOArguments
+
+    with pytest.raises(BudgetError, match=r"estimated peak memory .* GiB \(phase 'score'\)"):
+        start_run(PPOArguments, [*PLANNING, "--memory_budget_gib", "0.04", "--rollout_micro_batch_size", "8",
+                                 "--output_dir", str(tmp_path)], stage="ppo")
+    assert not (tmp_path / "config.json").exists()  # stopped before anything was written
+
+
+def test_auto_in_a_config_file_leaves_the_field_to_the_planner(tmp_path, capfd, fresh_accelerate_state):
+    from trainer.engine.setup import start_run
+    from trainer.ppo import PPOArguments
+
+    config = tmp_path / "ppo.yaml"
+    config.write_text(Path("tests/configs/tiny_ppo.yaml").read_text().replace("micro_batch_size: 2",
+                                                                              "micro_batch_size: auto"))
+    ctx = start_run(PPOArguments, ["--config", str(config), *PLANNING[2:], "--output_dir", str(tmp_path / "run")],
+                    stage="ppo")
+    assert ctx.train_args.micro_batch_size == 4 and "micro_batch_size 4  (planned)" in "".join(capfd.readouterr())
 
 
 def test_grpo_applies_the_plan_when_asked(tmp_path, capfd, fresh_accelerate_state):
     from trainer.engine.setup import start_run
     from trainer.grpo import GRPOArguments
 
-    ctx = start_run(GRPOArguments, ["--config", "tests/configs/tiny_grpo.yaml", "--rollout_micro_batch_size", "2",
+    ctx = start_run(GRPOArguments, ["--config", "tests/configs/tiny_grpo.yaml", "--rollout_micro_batch_size", "auto",
                                     "--output_dir", str(tmp_path / "on"), "--auto_fit", "true"], stage="grpo")
     assert ctx.stage_args.rollout_micro_batch_size == 16  # 4 prompts x 4 responses in one pass
     assert "budget plan" in "".join(capfd.readouterr())
+
+
+def test_the_planner_keeps_the_settings_it_is_not_given_to_plan():
+    args = replace(RECIPE, memory_budget_gib=24, gradient_checkpointing=False, micro_batch_size=2)
+    plan = plan_rl(SEVEN_B, args, mini_batch_size=8, planned={"rollout_micro_batch_size"})
+    assert (plan.gradient_checkpointing, plan.micro_batch_size) == (False, 2)
+    assert "micro_batch_size 2  (set)" in plan.table() and "rollout_micro_batch_size 16  (planned)" in plan.table()
+    assert plan_rl(SEVEN_B, replace(args, micro_batch_size=64), mini_batch_size=64, planned=()) is None
+
+
+def test_with_the_activations_offloaded_the_planner_keeps_checkpointing():
+    # the estimate is alike with and without checkpointing then, but without it every saved tensor crosses
+    # to the host: the tie goes to checkpointing
+    args = replace(GRPO, memory_budget_gib=24, offload_activations=True)
+    alike = [estimate(SEVEN_B, replace(args, gradient_checkpointing=c, micro_batch_size=4))["peak_bytes"]
+             for c in (True, False)]
+    assert alike[0] == alike[1]
+    plan = plan_rl(SEVEN_B, args, mini_batch_size=8, planned={"micro_batch_size", "gradient_checkpointing"})
+    assert plan.gradient_checkpointing and plan.offload_activations
 
 
 QWEN_7B = load_shape("qwen2.5-7b")  # untied 152k x 3584 embedding: 1 GiB in bf16
@@ -178,8 +250,9 @@ def test_a_dense_copy_for_decoding_is_planned_where_auto_and_it_fits_never_past_
     auto = replace(GRPO, generation_weights="auto")
     plan = plan_rl(SEVEN_B, replace(auto, memory_budget_gib=24), mini_batch_size=8)
     assert plan.generation_weights == "dequantized" and "generation_weights dequantized" in plan.table()
-    assert plan == plan_rl(SEVEN_B, replace(GRPO, memory_budget_gib=24, generation_weights="dequantized"),
-                           mini_batch_size=8)  # the batch sizes are the quantized plan's
+    given = plan_rl(SEVEN_B, replace(GRPO, memory_budget_gib=24, generation_weights="dequantized"), mini_batch_size=8)
+    assert plan == replace(given, planned=given.planned | {"generation_weights"})  # the quantized plan's batches
+    assert "generation_weights dequantized  (set)" in given.table()
     assert plan.peak_bytes <= plan.usable_bytes
     resident = estimate(SEVEN_B, replace(GRPO, memory_budget_gib=24, generation_weights="resident",
                                          micro_batch_size=plan.micro_batch_size, gradient_checkpointing=False))
@@ -188,3 +261,33 @@ def test_a_dense_copy_for_decoding_is_planned_where_auto_and_it_fits_never_past_
     for args in (replace(auto, memory_budget_gib=20), replace(auto, rollout_batch_size=1, num_generations=1),
                  replace(auto, device="cpu"), replace(GRPO, generation_weights="quantized")):
         assert plan_rl(SEVEN_B, args, mini_batch_size=1).generation_weights == "quantized", args
+
+
+def test_a_finished_stage_is_reused_where_its_planned_settings_were_left_auto(tmp_path):
+    from trainer.pipeline import check_finished_stage
+
+    out = tmp_path / "ppo"
+    out.mkdir()
+    argv = ["--config", "tests/configs/tiny_ppo.yaml", "--micro_batch_size", "auto", "--generation_weights", "auto"]
+    saved = run_config(*parse_config(PPOArguments, [*argv, "--micro_batch_size", "4"]), resolved={})
+    saved["stage"]["generation_weights"] = "dequantized"  # what a plan picked
+    (out / "config.json").write_text(json.dumps(saved))
+    check_finished_stage("ppo", argv, out)  # left auto: the plan's values are not a change
+    with pytest.raises(UsageError, match=r"train.micro_batch_size: 4 -> 2"):
+        check_finished_stage("ppo", [*argv, "--micro_batch_size", "2"], out)
+
+
+@pytest.mark.parametrize("flags, given_fields", [
+    ([], {"micro_batch_size"}),  # the config sets it
+    (["--micro-batch-size", "auto"], set()), (["--micro_batch_size=auto"], set()),
+    (["--micro_batch_size", "3"], {"micro_batch_size"}),
+])
+def test_a_planned_field_is_given_unless_it_is_auto(flags, given_fields):
+    from foundation.cli import given
+
+    model, _, train, stage = parse_config(PPOArguments, ["--config", "tests/configs/tiny_ppo.yaml", *flags,
+                                                         "--no_gradient_checkpointing"])
+    assert given(train) & {"micro_batch_size"} == given_fields
+    assert "gradient_checkpointing" in given(model) and model.gradient_checkpointing is False
+    assert "generation_weights" not in given(stage)  # its default, auto
+    assert train.micro_batch_size == (3 if "3" in flags else 2 if not flags else 4)

@@ -29,6 +29,9 @@ HUB_DATASET = "Anthropic/hh-rlhf"
 DATA_ENV = "RLHF_DATA"
 CACHE_ENV = "RLHF_CACHE"
 BAD_ROW_POLICIES = ("skip", "error")
+# The help of a field the online RL stages' budget planner may choose (metadata {"planned": True}).
+PLANNED_HELP = ("{}. auto (the default unless a config sets it): PPO / GRPO with --auto_fit plan it from the memory "
+                "estimate; otherwise {}. A value you give is kept.")
 
 
 def cache_dir() -> Path:
@@ -62,16 +65,17 @@ class ModelArguments(Checked):
         default="auto",
         metadata={"help": "'flash_attention_2', 'sdpa', 'eager' or 'auto' (first that works, in that order)."},
     )
-    gradient_checkpointing: bool = field(default=True, metadata={"help": "Recompute activations in backward."})
-    offload_embeddings: bool = field(default=False, metadata={
-        "help": "Keep the input embedding in pinned host memory and send only each batch's rows to the GPU: "
-                "vocab x hidden x 2 bytes less on the card (1 GiB at Qwen2.5-7B). Untied embeddings, eager "
-                "decoding; the RL planner (--auto_fit) turns it on when nothing fits without it."})
-    offload_activations: bool = field(default=False, metadata={
-        "help": "Keep what a training pass saves for backward in pinned host memory until its backward (with "
-                "checkpointing: each layer's input, layers x tokens x hidden x 2 bytes) - trainer/model/offload.py. "
-                "CUDA; not with ZeRO-3 / FSDP or --compile_layers; the RL planner (--auto_fit) turns it on when "
-                "nothing fits without it."})
+    gradient_checkpointing: bool = field(default=True, metadata={"help": PLANNED_HELP.format(
+        "Recompute activations in backward", "true")})
+    offload_embeddings: bool = field(default=False, metadata={"help": PLANNED_HELP.format(
+        "Keep the input embedding in pinned host memory and send only each batch's rows to the GPU: vocab x hidden "
+        "x 2 bytes less on the card (1 GiB at Qwen2.5-7B). Untied embeddings, eager decoding; the planner turns it "
+        "on only when nothing fits without it", "false")})
+    offload_activations: bool = field(default=False, metadata={"help": PLANNED_HELP.format(
+        "Keep what a training pass saves for backward in pinned host memory until its backward (with "
+        "checkpointing: each layer's input, layers x tokens x hidden x 2 bytes) - trainer/model/offload.py. CUDA; "
+        "not with ZeRO-3 / FSDP or --compile_layers; the planner turns it on only when nothing fits without it",
+        "false")})
     compile_layers: bool = field(default=False, metadata={
         "help": "torch.compile each decoder layer, with its checkpoint, for the passes that train (trainer/model/"
                 "compiled.py): elementwise work fuses and per-op overhead goes; generation and scoring stay eager. "
@@ -96,6 +100,7 @@ class ModelArguments(Checked):
     )
     model_seed: int = field(default=0, metadata={"help": "Seed for random preset weights and fresh LoRA init."})
 
+    PLANNED = ("gradient_checkpointing", "offload_embeddings", "offload_activations")
     RULES = {"quantization": one_of(*QUANTIZATIONS), "dtype": one_of("auto", *DTYPES),
              "attn_implementation": one_of("auto", "flash_attention_2", "sdpa", "eager"), "lora_r": at_least(1),
              "lora_alpha": at_least(1), "lora_dropout": between(0, 1, high_open=True),
@@ -164,7 +169,8 @@ class TrainArguments(Checked):
     output_dir: str = field(default="runs/default", metadata={"help": "Run folder: checkpoints, adapters, logs."})
     seed: int = field(default=0, metadata={"help": "Seed for data order, dropout and initialisation."})
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps to train for."})
-    micro_batch_size: int = field(default=4, metadata={"help": "Rows per forward/backward on each device."})
+    micro_batch_size: int = field(default=4, metadata={"help": PLANNED_HELP.format(
+        "Rows per forward/backward on each device (PPO / GRPO: of the update)", "4")})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
     learning_rate: float = field(default=2e-4, metadata={"help": "Peak learning rate."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
@@ -216,6 +222,7 @@ class TrainArguments(Checked):
                                "bigger one with torch.cuda.set_per_process_memory_fraction); 0: no cap."})
     progress_bar: bool = field(default=True, metadata={"help": "Show a tqdm progress bar."})
 
+    PLANNED = ("micro_batch_size",)
     RULES = {"max_steps": at_least(1), "micro_batch_size": at_least(1), "gradient_accumulation_steps": at_least(1),
              "learning_rate": above(0), "weight_decay": at_least(0), "warmup_steps": at_least(0),
              "min_lr_ratio": between(0, 1), "max_grad_norm": at_least(0), "optimizer": one_of(*OPTIMIZER_NAMES),

@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Optional, Sequence
 
-from foundation.cli import UsageError, parse, parse_assignments, run
+from foundation.cli import UsageError, given, parse, parse_assignments, run
 from foundation.files import write_atomic
 from trainer.config import (PIPELINE_STAGES, RECIPES, DataArguments, PipelineArguments, load_yaml,
                             parse_config)
@@ -75,7 +75,11 @@ def check_finished_stage(name: str, argv: Sequence[str], out: Path, module: Opti
     saved_file = out / "config.json"
     if not saved_file.is_file():
         return
-    now = run_config(*parse_config(stage_module(module or name).ARGUMENTS, argv), resolved={})
+    settings = parse_config(stage_module(module or name).ARGUMENTS, argv)
+    now = run_config(*settings, resolved={})
+    for section, obj in zip(("model", "data", "train", "stage"), settings):
+        for planned in set(type(obj).PLANNED) - given(obj):  # left auto: the saved value is the plan's
+            now[section].pop(planned, None)
     changes = config_changes(json.loads(saved_file.read_text()), now, COSMETIC_FIELDS)
     if changes:
         raise UsageError(f"stage {name} in {out} was finished with other settings ({'; '.join(changes)}): rerun with "

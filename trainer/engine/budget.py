@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 
-from foundation.cli import UsageError
+from foundation.cli import UsageError, given
 from profiling import components as C
 from profiling.advice import advice_lines
-from profiling.plan import plan_rl
+from profiling.plan import PLANNABLE, plan_rl
 from profiling.predict import EstimateArguments, estimate, resolve_shape
 from trainer.engine.launch import deepspeed_config, offloads_optimizer, shards_parameters
 
@@ -58,7 +58,8 @@ def check_budget(stage: str, model_args, data_args, train_args, stage_args, acce
 
 def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, accelerator):
     """An online RL stage's budget plan (`profiling.plan`) applied to the run's settings, when `auto_fit`
-    is on (its default on CUDA): returns (model_args, train_args, stage_args), changed where the plan says;
+    is on (its default on CUDA): returns (model_args, train_args, stage_args) with the settings left auto
+    (not given on the command line or in the config: `foundation.cli.given`) as the plan chose them;
     `generation_weights` auto becomes the plan's pick (unplanned, it decodes from the weights as they are)."""
     from dataclasses import replace
 
@@ -69,10 +70,11 @@ def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, acc
     sharded = shards_parameters(accelerator)
     may_offload = ((("offload_embeddings",) if stage_args.decode == "eager" and not sharded else ())
                    + (("offload_activations",) if not sharded and not model_args.compile_layers else ()))
-    plan = plan_rl(resolve_shape(args), args, stage_args.mini_batch_size, may_offload=may_offload)
+    planned = set(PLANNABLE) - given(model_args) - given(train_args) - given(stage_args)
+    plan = plan_rl(resolve_shape(args), args, stage_args.mini_batch_size, may_offload=may_offload, planned=planned)
     if plan is None:
-        logger.warning("auto_fit: no batch sizes fit memory_budget_gib=%s; keeping the configured ones",
-                       train_args.memory_budget_gib)
+        logger.warning("auto_fit: nothing fits memory_budget_gib=%s with the settings given; keeping the "
+                       "configured ones", train_args.memory_budget_gib)
         return model_args, train_args, stage_args
     logger.info("%s", plan.table())
     return (replace(model_args, gradient_checkpointing=plan.gradient_checkpointing,

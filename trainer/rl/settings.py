@@ -14,6 +14,7 @@ from typing import Optional
 
 from foundation.cli import Checked, UsageError, above, at_least, between, one_of
 from foundation.stages import REWARD
+from trainer.config import PLANNED_HELP
 from trainer.model.decode import DECODE_PATHS, GENERATION_WEIGHTS
 from trainer.rl.rewards import (Scorer, builtin, check_spec, describe, load_reward_functions, parse_weights,
                                 source_hashes, split_specs)
@@ -65,12 +66,14 @@ class RolloutArguments(Checked):
     scripted_reward: Optional[str] = field(default=None, metadata={
         "help": "A built-in reward function, weight 1: keyword:WORD, length:N or chars:N (as in --reward_fn)."})
     rollout_batch_size: int = field(default=8, metadata={"help": "Prompts per step on each process."})
-    rollout_micro_batch_size: int = field(default=8, metadata={"help": "Rows per generation / scoring pass."})
+    rollout_micro_batch_size: int = field(default=8, metadata={"help": PLANNED_HELP.format(
+        "Rows per generation / scoring pass", "8")})
     mini_batch_size: int = field(default=4, metadata={"help": "Rows per optimizer step in the update."})
     auto_fit: Optional[bool] = field(default=None, metadata={
-        "help": "Plan rollout_micro_batch_size, micro_batch_size and gradient_checkpointing from the memory estimate "
-                "to use memory_budget_gib with a 10%% margin (profiling/plan.py), logged as a table at start. "
-                "Default: on with CUDA, off on CPU."})
+        "help": "Plan the settings left auto (rollout_micro_batch_size, micro_batch_size, gradient_checkpointing, "
+                "the offloads, generation_weights) from the memory estimate to use memory_budget_gib with a 10%% "
+                "margin (profiling/plan.py), logged as a table at start; a value you give is kept. Default: on "
+                "with CUDA, off on CPU."})
     decode: str = field(default="eager", metadata={
         "help": "How rollouts decode (trainer/model/decode.py): eager (a KV cache grown per step, each step run "
                 "eagerly) or compiled (a full-length KV cache and a torch.compile'd step, replayed as CUDA graphs on "
@@ -89,6 +92,7 @@ class RolloutArguments(Checked):
     eval_prompts: int = field(default=16, metadata={"help": "Held-out prompts for policy-vs-SFT evaluation."})
     eval_seed: int = field(default=1234, metadata={"help": "Sampling seed of evaluations (same samples each time)."})
 
+    PLANNED = ("rollout_micro_batch_size", "generation_weights")
     RULES = {"scripted_reward": _scripted_reward_rule, "reward_fn": _reward_fn_rule, "reward_timeout_s": above(0),
              "rollout_batch_size": at_least(1),
              "rollout_micro_batch_size": at_least(1), "mini_batch_size": at_least(1),
