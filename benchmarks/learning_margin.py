@@ -26,9 +26,10 @@ from foundation.provenance import PROJECT_ROOT, provenance
 CONFIGS = {"ppo": "tests/configs/smol_ppo_chars.yaml", "grpo": "tests/configs/smol_grpo_chars.yaml"}
 # The advantage function each stage's step calls, and how to negate its output.
 FLIPS = {
-    "ppo": "import dataclasses, trainer.rl.ppo_step as m; f = m.compute_advantages; "
+    "ppo": "import dataclasses, trainer.rl.algorithms.ppo as m; f = m.compute_advantages; "
            "m.compute_advantages = lambda *a: (lambda adv: dataclasses.replace(adv, advantages=-adv.advantages))(f(*a))",
-    "grpo": "import trainer.rl.grpo_step as m; f = m.group_advantages; m.group_advantages = lambda *a, **k: -f(*a, **k)",
+    "grpo": "import trainer.rl.algorithms.grpo as m; f = m.group_advantages; "
+            "m.group_advantages = lambda *a, **k: -f(*a, **k)",
 }
 RUNNER = "import sys, runpy; {flip}; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 

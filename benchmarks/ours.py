@@ -1,8 +1,8 @@
-"""Our side: `trainer.rl.ppo_step.ppo_step` - the very function `trainer/ppo.py` trains with - on ONE
+"""Our side: `trainer.rl.online.rl_step` with `PPO` - the very step `trainer/ppo.py` trains with - on ONE
 base carrying four LoRA adapters, set up as training sets it up (`Engine`), without the harness
 around it (no evaluation, logging or checkpoints). A step is timed as rollout (generate; policy,
 reward, reference and value passes; advantages) and update, split where the step enters its
-"update" phase.
+"update" phase (`trainer.engine.phases`, which the clock watches).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from trainer.data.tokenization import PromptExample
 from trainer.engine.harness import Engine
 from trainer.model.loading import resolve_precision
 from trainer.model.shared_base import build_shared_model, stage_specs
-from trainer.rl.ppo_step import PPOState, ppo_step
+from trainer.engine.phases import watching
+from trainer.rl.algorithms.ppo import PPO
+from trainer.rl.online import rl_step
 from trainer.rl.rewards import Scorer
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
                    "computed",
         "old log-probs": "from the logits each token was sampled from (no policy scoring pass)",
         "generation": f"through the LoRA layers, decode {args.ppo.decode}",
-        "step": "trainer.rl.ppo_step.ppo_step (the function trainer/ppo.py trains with)",
+        "step": "trainer.rl.online.rl_step with trainer.rl.algorithms.ppo.PPO (the step trainer/ppo.py trains with)",
     }
 
 
@@ -54,7 +56,7 @@ def build_model(args: Workload, vocab_size: int, device: torch.device, head_dirs
 
 
 class StepPhases:
-    """`phase(name)` for ppo_step: times each part, and closes the rollout lap where the update begins."""
+    """A phase watcher for rl_step: times each part, and closes the rollout lap where the update begins."""
 
     def __init__(self, clock: PhaseClock):
         self.clock, self.rollout = clock, None
@@ -85,7 +87,8 @@ def run_ours(args: Workload, prompts: list[list[int]], tokenizer, accelerator, p
     result.update(setup_s=setup.seconds, setup_peak=setup.peaks, resident_after_setup=probe.now())
 
     collate = PromptCollator(tokenizer.pad_token_id)
-    state = PPOState.start(args.ppo, args.micro_batch_size, args.seed)
+    algorithm = PPO(args.ppo)
+    state = algorithm.start(args.micro_batch_size, args.seed)
     scorer, phases = Scorer(), StepPhases(clock)
     counter = StepCounter(engine.optimizer)
     b = args.rollout_batch_size
@@ -93,8 +96,8 @@ def run_ours(args: Workload, prompts: list[list[int]], tokenizer, accelerator, p
         for i in range(args.total_steps):
             batch = collate([PromptExample(r, "bench") for r in prompts[i * b : (i + 1) * b]])
             clock.start()
-            out = ppo_step(engine, batch, args.ppo, state, scorer, tokenizer.eos_token_id,
-                           tokenizer.pad_token_id, phase=phases)
+            with watching(phases):
+                out = rl_step(engine, batch, algorithm, state, scorer, tokenizer.eos_token_id, tokenizer.pad_token_id)
             update_lap = clock.lap()
             result["steps"].append(step_record(
                 i + 1, i < args.warmup_runs, phases.rollout, update_lap, clock.parts,

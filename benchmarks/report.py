@@ -130,7 +130,7 @@ def render_markdown(report: dict) -> str:
         if "ppo_config" in side.get("setup", {}):
             lines.append(f"- PPOConfig: {side['setup']['ppo_config']}")
     lines += ["", "## What is timed", "",
-              "- ours: `trainer.rl.ppo_step.ppo_step`, the function `trainer/ppo.py` trains with; rollout = up to "
+              "- ours: `trainer.rl.online.rl_step` with `PPO`, the step `trainer/ppo.py` trains with; rollout = up to "
               "its update phase (generate; policy, reward, reference, value passes; advantages), update = the PPO "
               "epochs and the KL controller.",
               "- TRL: a step runs from one `on_step_end` callback to the next (the first from `on_train_begin`); "

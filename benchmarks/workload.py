@@ -2,7 +2,7 @@
 
 The settings are the trainer's own argument objects (ModelArguments, DataArguments, TrainArguments,
 PPOArguments) plus the few a benchmark adds (`PPOBenchArguments`), parsed by the same parser with
-benchmark defaults, so our side runs `ppo_step` with exactly the settings objects training uses.
+benchmark defaults, so our side runs `rl_step` with exactly the settings objects training uses.
 Every prompt has exactly `prompt_length` tokens and every response exactly `max_new_tokens`
 (min == max, no early stop), so each step of either side processes the same tensor shapes even
 though the two sides group prompts into batches differently.

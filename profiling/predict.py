@@ -309,7 +309,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
                 ("score", buffers, score_moments, 0),
                 ("update", *_training(shape, spec, mb * context, context, update_positions, {**buffers, **grads})),
                 step]
-    # PPO as trainer.rl.rollout / trainer.rl.ppo_step run it: generation and scoring in chunks of
+    # PPO as trainer.rl.rollout / trainer.rl.online run it: generation and scoring in chunks of
     # `rollout_micro_batch_size` rows. In the update, policy and value rows are one routed batch of two
     # trainable adapters: their layer inputs are kept, and a layer is recomputed for both.
     buffers = {C.ROLLOUT_BUFFERS: rollout_buffer_bytes(args)}

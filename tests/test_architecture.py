@@ -137,8 +137,8 @@ def test_no_stage_script_imports_another_or_the_pipeline():
 def test_the_checks_see_a_cycle_and_a_backwards_import_when_there_is_one(tmp_path):
     """The walkers above are not vacuous: a planted cycle is found, and so is a function-level import."""
     graph = import_graph()
-    assert graph["trainer.ppo"] >= {"trainer.rl.ppo_step", "trainer.engine.harness"}  # the graph is real
-    planted = {**graph, "trainer.rl.ppo_step": graph["trainer.rl.ppo_step"] | {"trainer.ppo"}}
+    assert graph["trainer.ppo"] >= {"trainer.rl.online", "trainer.rl.algorithms.ppo"}  # the graph is real
+    planted = {**graph, "trainer.rl.online": graph["trainer.rl.online"] | {"trainer.ppo"}}
     assert find_cycle(planted)[0] == find_cycle(planted)[-1]
     upward = {**graph, "trainer.model.loading": graph["trainer.model.loading"] | {"trainer.engine.launch"}}
     assert upward_imports(upward) == ["trainer.model.loading -> trainer.engine.launch"]
@@ -160,3 +160,38 @@ def test_one_table_says_which_adapters_each_stage_has():
     graph = import_graph()
     for reader in ("trainer.model.shared_base", "profiling.predict"):
         assert "foundation.stages" in graph[reader], reader
+
+
+def classes_in(folder: str) -> dict[str, list[ast.ClassDef]]:
+    """Every class defined under `folder`, by module."""
+    return {module_name(p): [n for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ClassDef)]
+            for p in (ROOT / folder).rglob("*.py")}
+
+
+def test_one_rollout_and_one_state_serve_every_online_rl_method():
+    """PPO, GRPO and RLOO share the rollout, the state carried between steps and the step itself."""
+    found = classes_in("trainer")
+    rollouts = sorted(f"{m}.{c.name}" for m, classes in found.items() for c in classes if c.name.endswith("Rollout"))
+    # what a run carries between steps: a class that loads a checkpoint's state (the KL controllers are
+    # parts of it)
+    states = sorted(f"{m}.{c.name}" for m, classes in found.items() if m.startswith("trainer.rl") for c in classes
+                    if any(isinstance(f, ast.FunctionDef) and f.name == "load_state_dict" for f in c.body))
+    assert rollouts == ["trainer.rl.rollout.Rollout"]
+    assert [s for s in states if not s.startswith("trainer.rl.kl_control.")] == ["trainer.rl.online.RLState"]
+
+
+# What a method's file may import: the losses, the rollout's shape, how a response is scored, the base it
+# subclasses, its KL controller and the ranks' mean - the maths and nothing of the plumbing.
+MATHS_IMPORTS = {"foundation.stages", "trainer.losses", "trainer.rl.rollout", "trainer.rl.scoring",
+                 "trainer.rl.online", "trainer.rl.kl_control", "trainer.engine.metrics"}
+
+
+def test_the_method_files_hold_their_maths_and_the_shared_step_the_plumbing():
+    graph = import_graph()
+    methods = [m for m in graph if m.startswith("trainer.rl.algorithms.")]
+    assert sorted(methods) == ["trainer.rl.algorithms.grpo", "trainer.rl.algorithms.ppo", "trainer.rl.algorithms.rloo"]
+    for module in methods:
+        assert graph[module] - MATHS_IMPORTS - set(methods) == set(), module
+    assert {"trainer.rl.rollout", "trainer.rl.update", "trainer.engine.phases"} <= graph["trainer.rl.online"]
+    for stage in ("trainer.ppo", "trainer.grpo"):  # the entry points train through the one path
+        assert "trainer.rl.online" in graph[stage] and "trainer.rl.update" not in graph[stage]

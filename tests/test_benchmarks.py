@@ -25,9 +25,10 @@ TINY = ["--model_name_or_path", "tiny-llama", "--lora_r", "4", "--lora_alpha", "
 def test_the_benchmark_times_the_very_ppo_step_training_runs():
     import benchmarks.ours
     import trainer.ppo
-    import trainer.rl.ppo_step
+    import trainer.rl.online
 
-    assert benchmarks.ours.ppo_step is trainer.ppo.ppo_step is trainer.rl.ppo_step.ppo_step
+    assert benchmarks.ours.rl_step is trainer.rl.online.rl_step  # what train_online steps with
+    assert benchmarks.ours.PPO is trainer.ppo.PPO
     args = Workload.parse(TINY)
     assert type(args.ppo) is trainer.ppo.PPOArguments  # training's own frozen settings object
     assert args.ppo.min_new_tokens == args.ppo.max_new_tokens == 6  # fixed-length responses

@@ -81,7 +81,9 @@ def test_a_ppo_step_on_cuda_moves_only_policy_value_and_value_head(tmp_path):
     from trainer.engine.launch import make_accelerator
     from trainer.model.shared_base import build_shared_model, stage_specs
     from trainer.ppo import PPOArguments
-    from trainer.rl.ppo_step import PPOState, ppo_step
+    from trainer.engine.phases import watching
+    from trainer.rl.algorithms.ppo import PPO
+    from trainer.rl.online import rl_step
     from trainer.rl.rewards import Scorer
 
     train_args = TrainArguments(output_dir=str(tmp_path), micro_batch_size=2, learning_rate=1e-2, warmup_steps=0,
@@ -95,10 +97,12 @@ def test_a_ppo_step_on_cuda_moves_only_policy_value_and_value_head(tmp_path):
     engine = Engine(model, train_args, accelerator, "ppo")
     args = PPOArguments(scripted_reward=None, rollout_batch_size=4, rollout_micro_batch_size=4, mini_batch_size=2,
                         max_new_tokens=6, min_new_tokens=6)
-    state = PPOState.start(args, 2, 0)
+    algorithm = PPO(args)
+    state = algorithm.start(2, 0)
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    result = ppo_step(engine, batch, args, state, Scorer(), eos_id=2, pad_id=0)
+    with watching(engine.recorder.phase):
+        result = rl_step(engine, batch, algorithm, state, Scorer(), eos_id=2, pad_id=0)
     assert result.stepped and all(torch.isfinite(torch.tensor(v)) for v in result.metrics.values())
     after = {name: model.adapter_state(name) for name in model.adapter_names}
     for name in ("reference", "reward"):
@@ -134,7 +138,7 @@ def test_old_logprobs_read_while_sampling_on_cuda_equal_a_policy_scoring_pass(tm
 
     def rollout():
         torch.manual_seed(0)
-        return make_rollout(model, ids, torch.ones_like(ids), args, Scorer(), eos_id=2, pad_id=0)
+        return make_rollout(model, ids, torch.ones_like(ids), args, Scorer(), eos_id=2, pad_id=0, value=True)
 
     from trainer.model.decode import _COMPILED, Sampling, decode as run_decode
 

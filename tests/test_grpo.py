@@ -77,9 +77,9 @@ def test_the_estimator_knows_the_critic_free_stage():
 def test_out_of_memory_in_the_grpo_update_retries_with_half_the_micro_batch(tmp_path, monkeypatch, capsys,
                                                                              fresh_accelerate_state):
     import trainer.grpo as grpo
-    import trainer.rl.grpo_step as grpo_step
+    import trainer.rl.algorithms.grpo as grpo_maths
 
-    real, seen = grpo_step.response_logprobs, []
+    real, seen = grpo_maths.response_logprobs, []
 
     def flaky(model, ids, *args, **kwargs):
         seen.append(ids.shape[0])
@@ -87,7 +87,7 @@ def test_out_of_memory_in_the_grpo_update_retries_with_half_the_micro_batch(tmp_
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real(model, ids, *args, **kwargs)
 
-    monkeypatch.setattr(grpo_step, "response_logprobs", flaky)
+    monkeypatch.setattr(grpo_maths, "response_logprobs", flaky)
     results = grpo.main(["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run")])
     assert results["update_micro_batch"] == 2
     assert seen[0] == 4 and set(seen[1:]) == {2}
@@ -99,15 +99,12 @@ def test_out_of_memory_in_the_grpo_update_retries_with_half_the_micro_batch(tmp_
 def test_grpo_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, fresh_accelerate_state):
     """The critic-free rollout reads the old log-probs while sampling, as PPO's does: what a policy scoring
     pass over the sampled rows gives, to fp32 tolerance; the reference's log-probs differ from them."""
-    from contextlib import nullcontext
-
     from trainer.data.collators import PromptCollator
     from trainer.data.tokenization import tokenize_prompts
     from trainer.engine.setup import start_run
     from trainer.grpo import GRPOArguments, build_model
+    from trainer.rl.rollout import Sampling, make_rollout
     from trainer.rl.settings import make_scorer
-    from trainer.rl.grpo_step import group_rollout
-    from trainer.rl.rollout import Sampling
     from trainer.rl.scoring import response_logprobs
 
     ctx = start_run(GRPOArguments, ["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"),
@@ -123,8 +120,8 @@ def test_grpo_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_p
     batch = PromptCollator(tok.pad_token_id)(prompts)
     scorer = make_scorer(ctx.stage_args, tok)
     torch.manual_seed(0)
-    sampled = group_rollout(model, batch["input_ids"], batch["attention_mask"], ctx.stage_args, scorer,
-                            tok.eos_token_id, tok.pad_token_id, lambda name: nullcontext())
+    sampled = make_rollout(model, batch["input_ids"], batch["attention_mask"], ctx.stage_args, scorer,
+                           tok.eos_token_id, tok.pad_token_id, group=ctx.stage_args.num_generations)
     model.eval()
     with torch.no_grad():
         scored, _ = response_logprobs(model, sampled.input_ids, sampled.attention_mask,
@@ -136,16 +133,18 @@ def test_grpo_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_p
 
 
 class FixedRolloutUpdate:
-    """GRPO updates (`grpo_step`, optimizer steps taken out) of one model over one fixed rollout of 2 prompts
+    """GRPO updates (`rl_step`, optimizer steps taken out) of one model over one fixed rollout of 2 prompts
     x 5 responses of unequal lengths: the gradient of each minibatch, for any batch settings."""
 
     LENGTHS = [1, 6, 2, 5, 3, 6, 1, 4, 2, 6]
 
     def __init__(self, tmp_path, monkeypatch):
-        import trainer.rl.grpo_step as grpo_step
+        import trainer.rl.algorithms.grpo as grpo_maths
+        import trainer.rl.online as online
         from trainer.engine.harness import Engine
         from trainer.engine.setup import start_run
         from trainer.grpo import GRPOArguments, build_model
+        from trainer.rl.rollout import Rollout
         from trainer.rl.scoring import response_logprobs
 
         ctx = start_run(GRPOArguments, ["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"),
@@ -164,11 +163,11 @@ class FixedRolloutUpdate:
             old, _ = response_logprobs(model, ids, att, 6, "policy")
             ref, _ = response_logprobs(model, ids, att, 6, "reference")
         scores = torch.tensor([0.0, 1.0, 3.0, -1.0, 0.5, 2.0, 2.0, -2.0, 1.0, 0.0])
-        self.rollout = grpo_step.GroupRollout(ids, att, mask, old * mask, ref * mask, scores,
-                                              torch.ones(10, dtype=torch.bool), 1.0)
-        monkeypatch.setattr(grpo_step, "group_rollout", lambda *a, **k: self.rollout)
+        self.rollout = Rollout(ids, att, mask, 6, old * mask, ref * mask, None, scores,
+                               torch.ones(10, dtype=torch.bool), torch.zeros_like(mask), group=5, generate_s=1.0)
+        monkeypatch.setattr(online, "make_rollout", lambda *a, **k: self.rollout)
         self.oom_at, self.failed = 0, []
-        real = grpo_step.response_logprobs
+        real = grpo_maths.response_logprobs
 
         def flaky(model, ids, *a, **k):
             if ids.shape[0] == self.oom_at and not self.failed:
@@ -176,7 +175,7 @@ class FixedRolloutUpdate:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
             return real(model, ids, *a, **k)
 
-        monkeypatch.setattr(grpo_step, "response_logprobs", flaky)
+        monkeypatch.setattr(grpo_maths, "response_logprobs", flaky)
         self.engine, self.grads = Engine(model, ctx.train_args, ctx.accelerator, "grpo"), []
 
         def no_step(finite=True):
@@ -190,16 +189,17 @@ class FixedRolloutUpdate:
     def gradients(self, normalisation: str, mini_batch: int, micro_batch: int, oom_at: int = 0
                   ) -> list[list[torch.Tensor]]:
         """One update's gradient per minibatch; a forward of `oom_at` rows runs out of memory once."""
-        from contextlib import nullcontext
         from dataclasses import replace
 
-        import trainer.rl.grpo_step as grpo_step
+        from trainer.rl.algorithms.grpo import GRPO
+        from trainer.rl.online import rl_step
 
         args = replace(self.ctx.stage_args, mini_batch_size=mini_batch, loss_normalisation=normalisation)
         self.oom_at, self.failed, self.grads = oom_at, [], []
-        state = grpo_step.GroupState(torch.Generator().manual_seed(3), micro_batch)
+        algorithm = GRPO(args)
+        state = algorithm.start(micro_batch, seed=3)
         batch = {"input_ids": self.rollout.input_ids[::5, :6], "attention_mask": self.rollout.attention_mask[::5, :6]}
-        grpo_step.grpo_step(self.engine, batch, args, state, None, 0, 0, lambda name, **k: nullcontext())
+        rl_step(self.engine, batch, algorithm, state, None, 0, 0)
         assert bool(self.failed) == bool(oom_at)
         assert state.micro_batch_size == (micro_batch // 2 if oom_at else micro_batch)
         return self.grads

@@ -96,7 +96,7 @@ def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_
     from conftest import compiled_calls
 
     from trainer.data.collators import PromptCollator
-    from trainer.rl.ppo_step import compute_advantages, micro_loss
+    from trainer.rl.algorithms.ppo import compute_advantages, micro_loss
     from trainer.rl.rollout import make_rollout
 
     trainer, model = build_trainer(tmp_path, stage_adapters, "--compile_layers", str(compiled).lower())
@@ -104,7 +104,7 @@ def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
     torch.manual_seed(0)
     rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
-                           trainer.eos_id, trainer.pad_id)
+                           trainer.eos_id, trainer.pad_id, value=True)
     assert rollout.input_ids.shape[1] == batch["input_ids"].shape[1] + rollout.response_length
     # policy and reference start from the same SFT weights: zero KL on every token
     torch.testing.assert_close(rollout.logprobs, rollout.ref_logprobs)
@@ -137,7 +137,7 @@ def test_a_bf16_rollout_sampled_at_a_temperature_starts_the_update_at_ratio_one(
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
     torch.manual_seed(0)
     rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(4), trainer.scorer,
-                           trainer.eos_id, trainer.pad_id)
+                           trainer.eos_id, trainer.pad_id, value=True)
     ids, mask, width = trimmed_to_longest_response(rollout.input_ids, rollout.attention_mask, rollout.response_mask)
     model.train()
     with torch.no_grad():
@@ -175,10 +175,10 @@ def test_ppo_steps_move_only_policy_value_and_value_head(tmp_path, stage_adapter
 
 def test_out_of_memory_in_the_update_retries_with_half_the_micro_batch(tmp_path, stage_adapters, capsys,
                                                                         fresh_accelerate_state):
-    import trainer.rl.ppo_step as ppo_step
+    import trainer.rl.algorithms.ppo as ppo
 
     trainer, model = build_trainer(tmp_path, stage_adapters, "--max_steps", "1", "--save_every", "0")
-    real = ppo_step.micro_loss
+    real = ppo.micro_loss
     seen = []
 
     def flaky(model, sub, advantages, returns, args, temperature):
@@ -187,11 +187,11 @@ def test_out_of_memory_in_the_update_retries_with_half_the_micro_batch(tmp_path,
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real(model, sub, advantages, returns, args, temperature)
 
-    ppo_step.micro_loss = flaky
+    ppo.micro_loss = flaky
     try:
         state = trainer.train()
     finally:
-        ppo_step.micro_loss = real
+        ppo.micro_loss = real
     assert state.micro_batch_size == 1
     assert seen[0] == 2 and set(seen[1:]) == {1}
     assert "retrying the minibatch with micro-batch 1" in capsys.readouterr().out
@@ -205,17 +205,18 @@ def test_out_of_memory_halving_of_an_odd_micro_batch_leaves_every_token_its_weig
     micro-batch of 5 ran out of memory, gets the gradient it gets in one micro-batch."""
     from dataclasses import replace
 
-    import trainer.rl.ppo_step as ppo_step
+    import trainer.rl.algorithms.ppo as ppo
     from trainer.data.collators import PromptCollator
     from trainer.engine.harness import Engine
-    from trainer.rl.ppo_step import PPOState, compute_advantages, ppo_update
+    from trainer.rl.algorithms.ppo import PPO, compute_advantages
+    from trainer.rl.online import rl_update
     from trainer.rl.rollout import make_rollout
 
     trainer, model = build_trainer(tmp_path, stage_adapters)
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:5])
     torch.manual_seed(0)
     rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(5), trainer.scorer,
-                           trainer.eos_id, trainer.pad_id)
+                           trainer.eos_id, trainer.pad_id, value=True)
     mask = (torch.arange(rollout.response_length) < torch.tensor([1, 6, 2, 5, 3])[:, None]).float()
     rollout = replace(rollout, response_mask=mask, logprobs=rollout.logprobs * mask,
                       ref_logprobs=rollout.ref_logprobs * mask, values=rollout.values * mask,
@@ -231,7 +232,7 @@ def test_out_of_memory_halving_of_an_odd_micro_batch_leaves_every_token_its_weig
         return False, True, 0.0
 
     monkeypatch.setattr(engine, "optimizer_step", no_step)
-    real, failed, oom = ppo_step.micro_loss, [], [False]
+    real, failed, oom = ppo.micro_loss, [], [False]
 
     def flaky(model, sub, *a, **k):
         if sub.input_ids.shape[0] == 5 and oom[0] and not failed:
@@ -239,11 +240,12 @@ def test_out_of_memory_halving_of_an_odd_micro_batch_leaves_every_token_its_weig
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real(model, sub, *a, **k)
 
-    monkeypatch.setattr(ppo_step, "micro_loss", flaky)
-    ppo_update(engine, rollout, adv, args, PPOState.start(args, 5, seed=3), 1.0)
+    monkeypatch.setattr(ppo, "micro_loss", flaky)
+    algorithm = PPO(args)
+    rl_update(engine, algorithm, rollout, adv, algorithm.start(5, seed=3), 1.0)
     oom[0] = True
-    state = PPOState.start(args, 5, seed=3)
-    ppo_update(engine, rollout, adv, args, state, 1.0)
+    state = algorithm.start(5, seed=3)
+    rl_update(engine, algorithm, rollout, adv, state, 1.0)
     assert failed and state.micro_batch_size == 2
     whole, halved = grads
     assert any(g.abs().max() > 0 for g in whole)
@@ -333,7 +335,7 @@ def test_truncated_sampling_is_scored_as_the_full_policy_and_said_once(tmp_path,
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:2])
     torch.manual_seed(0)
     rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
-                           trainer.eos_id, trainer.pad_id)
+                           trainer.eos_id, trainer.pad_id, value=True)
     with torch.no_grad():
         expected = _logprobs_at(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, "policy", 0.7)
     torch.testing.assert_close(rollout.logprobs, expected * rollout.response_mask, rtol=1e-4, atol=1e-5)
@@ -343,7 +345,7 @@ def test_ppo_turns_lora_dropout_off_so_the_first_ratio_is_one(tmp_path, stage_ad
                                                                fresh_accelerate_state):
     """A run started with lora_dropout > 0 (the ModelArguments default) still starts at ratio 1."""
     from trainer.data.collators import PromptCollator
-    from trainer.rl.ppo_step import compute_advantages, micro_loss
+    from trainer.rl.algorithms.ppo import compute_advantages, micro_loss
     from trainer.rl.rollout import make_rollout
 
     trainer, model = build_trainer(tmp_path, stage_adapters, "--lora_dropout", "0.05")
@@ -351,7 +353,7 @@ def test_ppo_turns_lora_dropout_off_so_the_first_ratio_is_one(tmp_path, stage_ad
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
     torch.manual_seed(0)
     rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(4), trainer.scorer,
-                           trainer.eos_id, trainer.pad_id)
+                           trainer.eos_id, trainer.pad_id, value=True)
     adv = compute_advantages(rollout, 0.05, trainer.args)
     model.train()
     _, stats = micro_loss(model, rollout, adv.advantages, adv.returns, trainer.args, 1.0)
@@ -377,7 +379,7 @@ def test_routed_passes_give_the_rollout_and_the_steps_that_one_pass_per_adapter_
         batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
         torch.manual_seed(0)
         rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
-                               trainer.eos_id, trainer.pad_id)
+                               trainer.eos_id, trainer.pad_id, value=True)
         trainer.train()
         ends[fused] = rollout, {name: model.adapter_state(name) for name in ("policy", "value")}
     (fused_rollout, fused_weights), (separate_rollout, separate_weights) = ends["true"], ends["false"]
@@ -418,7 +420,7 @@ def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, 
     def rollout(eos_id: int):
         torch.manual_seed(0)
         return make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(4), trainer.scorer,
-                            eos_id, trainer.pad_id)
+                            eos_id, trainer.pad_id, value=True)
 
     # The untrained policy seldom samples EOS: the token row 0 samples fourth stands in for it, so that
     # rows stop early (the samples up to there are the same: same seed, same model)

@@ -85,7 +85,7 @@ def test_ppo_rewards_advantages_and_returns_match_hand_computed_gae(estimator, w
     """`compute_advantages` on a rollout whose policy differs from its reference, gamma != lambda: the KL
     penalty -beta * kl on every token, the score on the last one, GAE with (gamma, lambda) in that order,
     returns = advantages + values, then advantages whitened over the valid tokens - every number by hand."""
-    from trainer.rl.ppo_step import compute_advantages
+    from trainer.rl.algorithms.ppo import compute_advantages
 
     beta, gamma, lam = 0.1, 0.9, 0.5
     args = SimpleNamespace(kl_estimator=estimator, whiten_rewards=whiten_rewards, gamma=gamma, lam=lam)
@@ -147,18 +147,19 @@ def full_length_rollout(ctx, model, rows: int = 4):
     torch.manual_seed(0)
     rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"],
                            replace(args, rollout_micro_batch_size=rows), make_scorer(args, tok), tok.eos_token_id,
-                           tok.pad_token_id)
+                           tok.pad_token_id, value=True)
     assert rollout.response_mask.sum() == rows * args.max_new_tokens
     return rollout
 
 
 def test_one_ppo_update_raises_positive_advantage_tokens_lowers_negative_ones_and_fits_the_values(
         tmp_path, fresh_accelerate_state):
-    """One optimizer step of `ppo_update` with advantages set by hand (+1 on two responses, -0.5 on the
+    """One optimizer step of PPO's update (`rl_update`) with advantages set by hand (+1 on two responses, -0.5 on the
     other two) and returns one above the rollout's values: the policy's log-probs of the +1 tokens rise
     and of the -0.5 tokens fall, the values move up towards the returns. And the minibatch, accumulated
     over two micro-batches, has the gradient (norm) and losses of the whole minibatch in one pass."""
-    from trainer.rl.ppo_step import Advantages, PPOState, micro_loss, ppo_update
+    from trainer.rl.algorithms.ppo import PPO, Advantages, micro_loss
+    from trainer.rl.online import rl_update
     from trainer.rl.scoring import response_values
 
     ctx, model, engine = ppo_engine(tmp_path, "--min_new_tokens", "6", "--learning_rate", "0.002")
@@ -179,8 +180,9 @@ def test_one_ppo_update_raises_positive_advantage_tokens_lowers_negative_ones_an
     norm = math.sqrt(sum(float(q.grad.double().pow(2).sum()) for q in engine.params if q.grad is not None))
     engine.optimizer.zero_grad(set_to_none=True)
 
-    state = PPOState.start(args, micro_batch_size=2, seed=0)
-    stats, finite, stepped = ppo_update(engine, rollout, adv, args, state, 1.0)
+    algorithm = PPO(args)
+    state = algorithm.start(micro_batch_size=2, seed=0)
+    stats, finite, stepped = rl_update(engine, algorithm, rollout, adv, state, 1.0)
     assert finite and stepped
     assert stats["policy/grad_norm"] == pytest.approx(norm, rel=1e-4)
     for key in ("loss/policy_avg", "loss/value_avg"):
@@ -200,17 +202,44 @@ def test_ppo_step_tracks_its_rollout_buffers_at_their_exact_bytes(tmp_path, fres
     """The memory report's rollout_buffers in PPO's update phase: the token ids (int64) and six fp32
     (B, R) series - log-probs, reference log-probs, values, advantages, returns, rewards."""
     from profiling import components as C
-    from trainer.rl.ppo_step import PPOState, ppo_step
+    from trainer.engine.phases import watching
+    from trainer.rl.algorithms.ppo import PPO
+    from trainer.rl.online import rl_step
     from trainer.rl.settings import make_scorer
 
     ctx, model, engine = ppo_engine(tmp_path, "--min_new_tokens", "6", "--profile_memory", "true")
     args, tok = replace(ctx.stage_args, rollout_batch_size=4, ppo_epochs=1), ctx.tokenizer
     batch = prompt_batch(ctx, 4)
-    state = PPOState.start(args, ctx.train_args.micro_batch_size, 0)
-    ppo_step(engine, batch, args, state, make_scorer(args, tok), tok.eos_token_id, tok.pad_token_id)
+    algorithm = PPO(args)
+    state = algorithm.start(ctx.train_args.micro_batch_size, 0)
+    with watching(engine.recorder.phase):
+        rl_step(engine, batch, algorithm, state, make_scorer(args, tok), tok.eos_token_id, tok.pad_token_id)
     rows, prompt, response = 4, batch["input_ids"].shape[1], args.max_new_tokens
     expected = rows * (prompt + response) * 8 + 6 * rows * response * 4
     assert engine.recorder.records[("ppo", "update")].components[C.ROLLOUT_BUFFERS] == expected
+
+
+def test_a_grpo_step_reports_its_rollout_buffers_and_saved_activations_as_ppo_does(tmp_path, fresh_accelerate_state):
+    """The same step records GRPO's memory as PPO's: rollout_buffers in the update phase at their exact bytes -
+    token ids (int64), the old and reference log-probs (fp32, rows x response) and one advantage and one reward
+    per response (fp32) - and the bytes the first update saves for backward."""
+    from profiling import components as C
+    from trainer.engine.phases import watching
+    from trainer.rl.algorithms.grpo import GRPO
+    from trainer.rl.online import rl_step
+
+    ctx, model, engine = grpo_context(tmp_path, "--min_new_tokens", "6", "--profile_memory", "true")
+    args, tok = ctx.stage_args, ctx.tokenizer
+    algorithm = GRPO(args)
+    batch = prompt_batch(ctx, 2)
+    with watching(engine.recorder.phase):
+        rl_step(engine, batch, algorithm, algorithm.start(ctx.train_args.micro_batch_size, 0),
+                FixedScores([1.0, 0.0, 2.0, 0.5] * 2), tok.eos_token_id, tok.pad_token_id)
+    rows, prompt, response = 2 * args.num_generations, batch["input_ids"].shape[1], args.max_new_tokens
+    update = engine.recorder.records[("grpo", "update")]
+    assert update.components[C.ROLLOUT_BUFFERS] == rows * (prompt + response) * 8 + 2 * rows * response * 4 + 2 * rows * 4
+    assert update.saved_for_backward and update.saved_for_backward > 0
+    assert {("grpo", "generate"), ("grpo", "score"), ("grpo", "optimizer_step")} <= set(engine.recorder.records)
 
 
 # ---------------------------------------------------------------- missing-EOS penalty
@@ -260,7 +289,7 @@ def test_ppo_rollout_subtracts_the_missing_eos_penalty_from_responses_without_eo
     def sample(eos=tok.eos_token_id):
         torch.manual_seed(0)
         return make_rollout(model, batch["input_ids"], batch["attention_mask"], args, FixedScores(scores), eos,
-                            tok.pad_token_id)
+                            tok.pad_token_id, value=True)
 
     p = batch["input_ids"].shape[1]
     eos = early_eos(sample, p)
@@ -281,9 +310,7 @@ def grpo_context(tmp_path, *extra):
 
 
 def test_grpo_rollout_subtracts_the_missing_eos_penalty_from_responses_without_eos(tmp_path, fresh_accelerate_state):
-    from contextlib import nullcontext
-
-    from trainer.rl.grpo_step import group_rollout
+    from trainer.rl.rollout import make_rollout
 
     ctx, model, _ = grpo_context(tmp_path, "--missing_eos_penalty", "1.5")
     batch, tok = prompt_batch(ctx, 2), ctx.tokenizer
@@ -291,8 +318,8 @@ def test_grpo_rollout_subtracts_the_missing_eos_penalty_from_responses_without_e
 
     def sample(eos=tok.eos_token_id):
         torch.manual_seed(0)
-        return group_rollout(model, batch["input_ids"], batch["attention_mask"], ctx.stage_args, FixedScores(scores),
-                             eos, tok.pad_token_id, lambda name: nullcontext())
+        return make_rollout(model, batch["input_ids"], batch["attention_mask"], ctx.stage_args, FixedScores(scores),
+                            eos, tok.pad_token_id, group=ctx.stage_args.num_generations, nan_unscored=True)
 
     p = batch["input_ids"].shape[1]
     eos = early_eos(sample, p)
@@ -304,21 +331,30 @@ def test_grpo_rollout_subtracts_the_missing_eos_penalty_from_responses_without_e
 
 
 def group_rollout_of(scores, logprobs=None, ref_logprobs=None):
-    from trainer.rl.grpo_step import GroupRollout
+    from trainer.rl.rollout import Rollout
 
     rows = len(scores)
     logprobs = torch.zeros(rows, 2) if logprobs is None else torch.tensor(logprobs)
-    return GroupRollout(input_ids=torch.zeros(rows, 4, dtype=torch.long), attention_mask=torch.ones(rows, 4),
-                        response_mask=torch.ones(rows, 2), logprobs=logprobs,
-                        ref_logprobs=None if ref_logprobs is None else torch.tensor(ref_logprobs),
-                        scores=torch.tensor(scores), ended=torch.ones(rows, dtype=torch.bool), generate_s=0.0)
+    return Rollout(input_ids=torch.zeros(rows, 4, dtype=torch.long), attention_mask=torch.ones(rows, 4),
+                   response_mask=torch.ones(rows, 2), prompt_length=2, logprobs=logprobs,
+                   ref_logprobs=None if ref_logprobs is None else torch.tensor(ref_logprobs), values=None,
+                   scores=torch.tensor(scores), ended=torch.ones(rows, dtype=torch.bool),
+                   entropy=torch.zeros(rows, 2), group=4)
+
+
+def rollout_advantages(rollout, args):
+    """(advantages, rewards) of GRPO's or RLOO's maths (`args.advantage`)."""
+    from trainer.rl.algorithms.grpo import GRPO
+    from trainer.rl.algorithms.rloo import RLOO
+
+    algorithm = (RLOO if args.advantage == "rloo" else GRPO)(SimpleNamespace(epochs=1, **vars(args)))
+    adv = algorithm.advantages(rollout, algorithm.start(1, 0))
+    return adv.advantages, adv.rewards
 
 
 def test_grpo_advantages_are_group_z_scores_with_a_std_other_than_one():
     """GRPO's advantage is (r - group mean) / (group std + 1e-4), the std unbiased: groups whose std is
     2.94 and 1.73 (a std of 1 would hide a missing division); with scale_rewards false only the mean goes."""
-    from trainer.rl.grpo_step import rollout_advantages
-
     scores = [1.0, 3.0, 4.0, 8.0, 2.0, 2.0, 5.0, 5.0]
     expected, centred = [], []
     for group in (scores[:4], scores[4:]):
@@ -340,8 +376,6 @@ def replace_ns(ns: SimpleNamespace, **changes) -> SimpleNamespace:
 
 def test_rloo_advantages_take_the_kl_off_the_reward_then_the_other_responses_mean():
     """RLOO: r - beta * (summed k1 KL of the response), then minus the mean of the group's other rewards."""
-    from trainer.rl.grpo_step import rollout_advantages
-
     scores = [1.0, 3.0, 4.0, 8.0]
     logp = [[-1.0, -2.0], [-0.5, -0.5], [-3.0, -1.0], [-0.2, -0.1]]
     ref = [[-1.5, -1.0], [-0.5, -0.9], [-2.0, -2.0], [-0.2, -0.4]]
@@ -355,17 +389,20 @@ def test_rloo_advantages_take_the_kl_off_the_reward_then_the_other_responses_mea
 
 
 def grpo_one_step(tmp_path, scores, *extra):
-    """One grpo_step (2 prompts x 4 responses, all full length, one optimizer step) scored `scores`:
+    """One GRPO step (2 prompts x 4 responses, all full length, one optimizer step) scored `scores`:
     (the step's metrics, the scorer with what it saw, the model)."""
-    from trainer.rl.grpo_step import GroupState, grpo_step
+    from trainer.engine.phases import watching
+    from trainer.rl.algorithms.grpo import GRPO
+    from trainer.rl.online import rl_step
 
     ctx, model, engine = grpo_context(tmp_path, "--min_new_tokens", "6", "--learning_rate", "0.002", *extra)
     args, tok = ctx.stage_args, ctx.tokenizer
     scorer = FixedScores(scores, reference=args.beta > 0)
-    state = GroupState(torch.Generator().manual_seed(0), ctx.train_args.micro_batch_size)
+    algorithm = GRPO(args)
+    state = algorithm.start(ctx.train_args.micro_batch_size, 0)
     torch.manual_seed(0)
-    result = grpo_step(engine, prompt_batch(ctx, 2), args, state, scorer, tok.eos_token_id, tok.pad_token_id,
-                       phase=engine.recorder.phase)
+    with watching(engine.recorder.phase):
+        result = rl_step(engine, prompt_batch(ctx, 2), algorithm, state, scorer, tok.eos_token_id, tok.pad_token_id)
     assert result.finite and result.stepped
     assert scorer.seen["response_mask"].sum() == 8 * args.max_new_tokens
     return result.metrics, scorer, model

@@ -99,8 +99,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                    "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}
         return StepOutput(loss, metrics, tokens=int(batch["attention_mask"].sum()))
 
-    def evaluate() -> dict[str, float]:
-        return implicit_reward_accuracy(harness.engine.model, held_out, collate, args, targs.eval_batch_size,
+    def evaluate(engine) -> dict[str, float]:
+        return implicit_reward_accuracy(engine.model, held_out, collate, args, targs.eval_batch_size,
                                         ctx.accelerator, targs.eval_batches, targs.progress_bar)
 
     harness = Harness(ctx, model, "dpo", [POLICY], train, collate, targs.micro_batch_size, evaluate,

@@ -1,6 +1,6 @@
 """Critic-free online RL on ONE shared base: GRPO or RLOO, no value model.
 
-Each step (`trainer.rl.grpo_step.grpo_step`) samples `num_generations` responses per prompt, scores them,
+Each step (`trainer.rl.online.rl_step` with `trainer.rl.algorithms`' GRPO or RLOO) samples `num_generations` responses per prompt, scores them,
 turns each group's rewards into advantages (GRPO: z-scores; RLOO: leave-one-out) and takes clipped ratio
 steps, the KL to the reference a k3 loss term (GRPO) or a reward penalty (RLOO).
 
@@ -13,19 +13,16 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-import torch
-
 from foundation.cli import UsageError, at_least, one_of, run
 from foundation.stages import POLICY, REFERENCE, REWARD
-from trainer.data.collators import PromptCollator
 from trainer.data.tokenization import tokenize_prompts
-from trainer.engine.harness import Harness, StepResult
 from trainer.engine.setup import RunContext, finish_stage, require_rows, start_run
 from trainer.losses import GROUP_ADVANTAGES, LOSS_NORMALISATIONS
 from trainer.model.shared_base import build_shared_model, stage_specs
-from trainer.rl.grpo_step import GroupState, grpo_step
-from trainer.rl.policy_eval import policy_vs_reference
-from trainer.rl.rewards import Scorer, TrainerState
+from trainer.rl.algorithms.grpo import GRPO
+from trainer.rl.algorithms.rloo import RLOO
+from trainer.rl.online import RLState, train_online
+from trainer.rl.rewards import Scorer
 from trainer.rl.settings import RolloutArguments, make_scorer, require_scorer, warn_if_learning_unlikely
 
 logger = logging.getLogger(__name__)
@@ -91,34 +88,16 @@ def build_model(ctx: RunContext):
                               quant_storage=ctx.quant_storage(model_args))
 
 
-def train(ctx: RunContext, model, prompts, held_out, scorer: Scorer) -> GroupState:
-    args, targs, tok = ctx.stage_args, ctx.train_args, ctx.tokenizer
-    state = GroupState(torch.Generator().manual_seed(targs.seed), targs.micro_batch_size)
+LOG_KEYS = ["reward", "reward_std", "kl", "clip_ratio", "completions/mean_length", "perf/rollout_s", "perf/update_s"]
 
-    def evaluate() -> dict[str, float]:
-        if REFERENCE not in model.adapter_names:  # beta 0: no reference to compare with
-            return {}
-        return policy_vs_reference(harness.engine.raw, held_out, args, scorer, tok.eos_token_id, tok.pad_token_id,
-                                   ctx.accelerator, progress=targs.progress_bar) or {}
 
-    def step(step_number: int, batches) -> StepResult:
-        scorer.trainer_state = TrainerState.before_step(step_number, targs.max_steps, args.rollout_batch_size,
-                                                        len(prompts))
-        return grpo_step(harness.engine, next(batches), args, state, scorer, tok.eos_token_id, tok.pad_token_id)
-
-    rows = args.rollout_batch_size * args.num_generations
-    harness = Harness(ctx, model, "grpo", [POLICY], prompts, PromptCollator(tok.pad_token_id),
-                      args.rollout_batch_size, evaluate, extra_state=state,
-                      accumulation_steps=args.mini_batch_size // targs.micro_batch_size,
-                      log_keys=["reward", "reward_std", "kl", "clip_ratio", "completions/mean_length",
-                                "perf/rollout_s", "perf/update_s"])
+def train(ctx: RunContext, model, prompts, held_out, scorer: Scorer) -> RLState:
+    """Run GRPO or RLOO (`--advantage`) on `model` for train_args.max_steps steps; returns the state it ended in."""
+    args = ctx.stage_args
     logger.info("%s: %d prompts x %d responses = %d rows per step", args.advantage, args.rollout_batch_size,
-                args.num_generations, rows)
-    harness.train(step)
-    if state.micro_batch_size != targs.micro_batch_size:
-        logger.warning("the update settled on micro-batch %d (asked for %d) after running out of memory",
-                       state.micro_batch_size, targs.micro_batch_size)
-    return state
+                args.num_generations, args.rollout_batch_size * args.num_generations)
+    algorithm = RLOO(args) if args.advantage == "rloo" else GRPO(args)
+    return train_online(ctx, "grpo", model, algorithm, [POLICY], prompts, held_out, scorer, LOG_KEYS)
 
 
 def main(argv: Optional[list[str]] = None) -> dict:

@@ -1,9 +1,9 @@
 """PPO on ONE shared 4-bit base: policy, reference, value and reward are LoRA adapters.
 
-Each step (`trainer.rl.ppo_step.ppo_step`) samples with `policy`, scores with `reward` and / or reward
-functions (`--reward_fn`), takes the KL to `reference` and values from `value`, computes GAE advantages,
-runs clipped policy and value updates and adapts the KL coefficient; every `eval_every` steps the policy
-and SFT answer held-out prompts.
+Each step (`trainer.rl.online.rl_step` with `trainer.rl.algorithms.ppo.PPO`) samples with `policy`, scores
+with `reward` and / or reward functions (`--reward_fn`), takes the KL to `reference` and values from `value`,
+computes GAE advantages, runs clipped policy and value updates and adapts the KL coefficient; every
+`eval_every` steps the policy and SFT answer held-out prompts.
 
     accelerate launch trainer/ppo.py --config trainer/configs/ppo.yaml [--field value ...]
 """
@@ -16,15 +16,13 @@ from typing import Optional
 
 from foundation.cli import UsageError, above, at_least, between, one_of, run
 from foundation.stages import POLICY, REFERENCE, REWARD, VALUE
-from trainer.data.collators import PromptCollator
 from trainer.data.tokenization import tokenize_prompts
-from trainer.engine.harness import Harness, StepResult
 from trainer.engine.setup import RunContext, finish_stage, require_rows, start_run
 from trainer.losses import KL_ESTIMATORS
 from trainer.model.shared_base import build_shared_model, stage_specs
-from trainer.rl.policy_eval import policy_vs_reference
-from trainer.rl.ppo_step import PPOState, ppo_step
-from trainer.rl.rewards import Scorer, TrainerState
+from trainer.rl.algorithms.ppo import PPO
+from trainer.rl.online import RLState, train_online
+from trainer.rl.rewards import Scorer
 from trainer.rl.settings import RolloutArguments, make_scorer, require_scorer, warn_if_learning_unlikely
 
 logger = logging.getLogger(__name__)
@@ -87,31 +85,13 @@ def build_model(ctx: RunContext):
 ARGUMENTS = PPOArguments  # the `stage:` section of this stage's config
 
 
-def train(ctx: RunContext, model, prompts, held_out, scorer: Scorer) -> PPOState:
+LOG_KEYS = ["objective/scores", "objective/kl", "objective/kl_coef", "policy/clipfrac_avg", "val/response_length",
+            "perf/rollout_s", "perf/generate_tokens_per_s", "perf/update_s", "perf/peak_gb"]
+
+
+def train(ctx: RunContext, model, prompts, held_out, scorer: Scorer) -> RLState:
     """Run PPO on `model` for train_args.max_steps steps in the harness; returns the state it ended in."""
-    args, targs, tok = ctx.stage_args, ctx.train_args, ctx.tokenizer
-    state = PPOState.start(args, targs.micro_batch_size, targs.seed)
-
-    def evaluate() -> dict[str, float]:
-        return policy_vs_reference(harness.engine.raw, held_out, args, scorer, tok.eos_token_id, tok.pad_token_id,
-                                   ctx.accelerator, progress=targs.progress_bar) or {}
-
-    def step(step_number: int, batches) -> StepResult:
-        scorer.trainer_state = TrainerState.before_step(step_number, targs.max_steps, args.rollout_batch_size,
-                                                        len(prompts))
-        return ppo_step(harness.engine, next(batches), args, state, scorer, tok.eos_token_id, tok.pad_token_id)
-
-    harness = Harness(ctx, model, "ppo", [POLICY, VALUE], prompts, PromptCollator(tok.pad_token_id),
-                      args.rollout_batch_size, evaluate, extra_state=state,
-                      accumulation_steps=args.mini_batch_size // targs.micro_batch_size,
-                      log_keys=["objective/scores", "objective/kl", "objective/kl_coef", "policy/clipfrac_avg",
-                                "val/response_length", "perf/rollout_s", "perf/generate_tokens_per_s",
-                                "perf/update_s", "perf/peak_gb"])
-    harness.train(step)
-    if state.micro_batch_size != targs.micro_batch_size:
-        logger.warning("the update settled on micro-batch %d (asked for %d) after running out of memory",
-                       state.micro_batch_size, targs.micro_batch_size)
-    return state
+    return train_online(ctx, "ppo", model, PPO(ctx.stage_args), [POLICY, VALUE], prompts, held_out, scorer, LOG_KEYS)
 
 
 def main(argv: Optional[list[str]] = None) -> dict:

@@ -81,8 +81,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         return StepOutput(loss, {"accuracy": stats["accuracy"], "margin": stats["margin"]},
                           tokens=int(batch["attention_mask"].sum()))
 
-    def evaluate() -> dict[str, float]:
-        return reward_accuracy(harness.engine.model, held_out, collate, targs.eval_batch_size, ctx.accelerator,
+    def evaluate(engine) -> dict[str, float]:
+        return reward_accuracy(engine.model, held_out, collate, targs.eval_batch_size, ctx.accelerator,
                                max_batches=targs.eval_batches, progress=targs.progress_bar)
 
     harness = Harness(ctx, model, "reward", [REWARD], train, collate, targs.micro_batch_size, evaluate,

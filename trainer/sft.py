@@ -93,8 +93,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         loss_sum, _ = completion_nll(harness.engine.model, batch, POLICY)
         return StepOutput(step_mean_share(loss_sum, normaliser), tokens=int(batch["attention_mask"].sum()))
 
-    def evaluate() -> dict[str, float]:
-        return completion_perplexity(harness.engine.model, held_out, collate, targs.eval_batch_size, ctx.accelerator,
+    def evaluate(engine) -> dict[str, float]:
+        return completion_perplexity(engine.model, held_out, collate, targs.eval_batch_size, ctx.accelerator,
                                      max_batches=targs.eval_batches, progress=targs.progress_bar)
 
     harness = Harness(ctx, model, "sft", [POLICY], train, collate, targs.micro_batch_size, evaluate,

@@ -5,7 +5,8 @@ DeepSpeed wrappers, memory recorder) and `optimizer_step()` (clip, NaN check, st
 `Harness` runs an engine for `max_steps` around a stage's step body (step number, batch stream ->
 `StepResult`): resume, progress, metrics, evaluation and checkpoint cadence, and the NaN/inf policy (a
 non-finite step is skipped, `max_bad_steps` in a row stop the run, a non-finite weight stops it at once).
-Step bodies: `supervised_step(engine, compute_loss)` for SFT, reward and DPO; `trainer.rl.ppo_step` for PPO.
+Step bodies: `supervised_step(engine, compute_loss)` for SFT, reward and DPO; `trainer.rl.online.rl_step` for
+PPO, GRPO and RLOO.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from trainer.engine.metrics import (
     unusable_weights,
 )
 from trainer.engine.optim import build_loop_optimizer, schedule_for
+from trainer.engine.phases import phase, watching
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +152,7 @@ class Engine:
         norm_finite = all_finite(self.accelerator, norm)
         scaled = self.accelerator.scaler is not None  # fp16 AMP: the scaler decides, and must update
         if norm_finite or scaled:
-            with self.recorder.phase("optimizer_step"):
+            with phase("optimizer_step"):
                 self.optimizer.step()
         stepped = norm_finite and not (scaled and self.optimizer.step_was_skipped)
         self.optimizer.zero_grad(set_to_none=True)
@@ -176,7 +178,7 @@ class Harness:
     """Runs `engine` for train_args.max_steps optimizer steps around a stage's step body (see the module doc)."""
 
     def __init__(self, ctx, model, stage: str, adapters: list[str], dataset, collate: Callable, batch_size: int,
-                 evaluate: Callable[[], dict[str, float]], log_keys: list[str], extra_state: Optional[Stateful] = None,
+                 evaluate: Callable[["Engine"], dict[str, float]], log_keys: list[str], extra_state: Optional[Stateful] = None,
                  accumulation_steps: Optional[int] = None, length_window: int = 0):
         self.ctx, self.args, self.accelerator = ctx, ctx.train_args, ctx.accelerator
         self.stage, self.adapters, self.evaluate_fn, self.log_keys = stage, adapters, evaluate, log_keys
@@ -191,7 +193,12 @@ class Harness:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def train(self, step_body: StepBody) -> dict[str, float]:
-        """Run the steps; returns the last evaluation."""
+        """Run the steps, the memory recorder watching their phases (`trainer.engine.phases`); returns the last
+        evaluation."""
+        with watching(self.engine.recorder.phase):
+            return self._train(step_body)
+
+    def _train(self, step_body: StepBody) -> dict[str, float]:
         from tqdm.auto import tqdm
 
         args, acc, engine = self.args, self.accelerator, self.engine
@@ -285,8 +292,8 @@ class Harness:
     def _evaluate(self, step: int) -> dict[str, float]:
         model, acc = self.engine.model, self.accelerator
         model.eval()
-        with self.engine.recorder.phase("evaluate"), torch.no_grad(), acc.autocast():
-            results = self.evaluate_fn()
+        with phase("evaluate"), torch.no_grad(), acc.autocast():
+            results = self.evaluate_fn(self.engine)
         metrics = {f"eval/{k}": float(v) for k, v in results.items()}
         if metrics:
             self.metrics_log.write(step, metrics)
@@ -320,7 +327,7 @@ def supervised_step(engine: Engine, compute_loss: Callable[[dict, float], StepOu
         lr = engine.scheduler.get_last_lr()[0]
         micro_batches = [next(batches) for _ in range(accumulation_steps)]
         normaliser = engine.step_units(sum(units(batch) for batch in micro_batches)) / divisor
-        with engine.recorder.phase("forward_backward", count_saved=first[0]):
+        with phase("forward_backward", count_saved=first[0]):
             for batch in micro_batches:
                 with engine.micro_batch():
                     out = compute_loss(batch, normaliser)

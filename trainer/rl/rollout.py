@@ -1,18 +1,17 @@
-"""PPO experience: generate with `policy`, then score the same tokens with every other adapter.
+"""Experience for every online-RL method: sample G responses per prompt with `policy`, then score the same
+tokens with every other adapter the method needs.
 
-All passes run on the ONE shared base: `policy` samples (KV cache on, left-padded prompts), then
-under `torch.no_grad` the `reference` log-probs of the response tokens, the `value` adapter's
-per-token values and the scorer's score of each response (the `reward` adapter and / or reward
-functions, `trainer.rl.rewards`), every pass through `trainer.rl.scoring`. Those passes are ONE routed pass of the base
-(`SharedBaseModel.fused`): each base layer runs once for all adapters. The policy's own ("old")
-log-probs come from the logits it sampled from (`trainer.model.decode`): no scoring pass needs the policy.
+All passes run on the ONE shared base: `policy` samples (KV cache on, left-padded prompts, `trainer.model.decode`),
+then under `torch.no_grad` the `reference` log-probs of the response tokens, the `value` adapter's per-token
+values (PPO) and the reward adapter's score, as ONE routed pass of the base (`trainer.rl.scoring`: each base
+layer runs once for all adapters); reward functions (`trainer.rl.rewards`) add theirs. The policy's own ("old")
+log-probs come from the logits it sampled from: no scoring pass needs the policy.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
 from typing import Callable, Optional, Sequence
 
@@ -20,6 +19,7 @@ import torch
 
 from foundation.stages import POLICY
 from profiling.decode import sync
+from trainer.engine.phases import phase
 from trainer.model.decode import Sampling, decode
 from trainer.rl.rewards import Scorer
 from trainer.rl.scoring import rollout_scores
@@ -29,24 +29,34 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Rollout:
-    """One batch of experience. Prompts are left-padded to `prompt_length`; responses right-padded."""
+    """One batch of experience: `group` responses per prompt, on consecutive rows. Prompts are left-padded to
+    `prompt_length`; responses right-padded; every per-token series is 0 after each row's EOS."""
 
     input_ids: torch.Tensor  # (B, P + R) prompt then response
     attention_mask: torch.Tensor  # (B, P + R)
-    response_mask: torch.Tensor  # (B, R) 1 on response tokens up to and including EOS
+    response_mask: torch.Tensor  # (B, R) float: 1 on response tokens up to and including EOS
     prompt_length: int
     logprobs: torch.Tensor  # (B, R) policy log-probs when sampled (the "old" policy)
-    ref_logprobs: torch.Tensor  # (B, R) reference (frozen SFT) log-probs
-    values: torch.Tensor  # (B, R) value of the state before each response token
+    ref_logprobs: Optional[torch.Tensor]  # (B, R) reference (frozen SFT) log-probs; None without a KL term
+    values: Optional[torch.Tensor]  # (B, R) value of the state before each response token; None without a critic
     scores: torch.Tensor  # (B,) score of each whole response: reward adapter + weighted reward functions
     ended: torch.Tensor  # (B,) bool: the response reached EOS
     entropy: torch.Tensor  # (B, R) policy entropy per response position (metrics only)
+    group: int = 1  # responses per prompt
     generate_s: float = 0.0  # wall time of the generation (prefill and decode), device synchronised
     reward_metrics: dict = field(default_factory=dict)  # rewards/NAME/mean and /std of each reward function
 
     @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
     def response_length(self) -> int:
         return self.response_mask.shape[1]
+
+    def buffers(self) -> list[torch.Tensor]:
+        """What the update holds for backward-free reading: the token ids and the per-token series it reads."""
+        return [t for t in (self.input_ids, self.logprobs, self.ref_logprobs, self.values) if t is not None]
 
     def select(self, index: torch.Tensor) -> "Rollout":
         """Rows `index` of every per-row tensor (minibatching)."""
@@ -126,26 +136,30 @@ def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
 
 @torch.no_grad()
 def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, args, scorer: Scorer, eos_id: int,
-                 pad_id: int, phase=None, examples: Optional[Sequence] = None) -> Rollout:
-    """Generate, then score with reference / value / reward, `args.rollout_micro_batch_size` rows at a time
+                 pad_id: int, *, group: int = 1, reference: bool = True, value: bool = False,
+                 nan_unscored: bool = False, examples: Optional[Sequence] = None) -> Rollout:
+    """Sample `group` responses per prompt, then score them, `args.rollout_micro_batch_size` rows at a time
     (`args`: the rollout settings, `trainer.rl.settings.RolloutArguments`: sampling, rows per pass, the
-    missing-EOS penalty). `examples` are the prompts' dataset rows, whose columns the reward functions read.
+    missing-EOS penalty). `reference` / `value`: whether the scoring pass reads those adapters. `examples` are
+    the prompts' dataset rows, whose columns the reward functions read; a response no function scored is 0, or
+    NaN with `nan_unscored`.
 
     The policy's log-probs and entropy are read from the logits it sampled from (phase "generate"); the
     reference, value and reward passes run as ONE routed pass of the base per micro-batch (phase "score").
-    `phase` is an optional context-manager factory (`phase("generate")`): the memory recorder's, or a
-    benchmark's clock.
     """
-    phase = phase or (lambda name: nullcontext())
     was_training = model.training
     model.eval()  # no dropout: these log-probs and values are the fixed "old" ones of the update
     try:
-        return _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, phase, examples)
+        return _make_rollout(model, prompt_ids.repeat_interleave(group, dim=0),
+                             prompt_mask.repeat_interleave(group, dim=0), args, scorer, eos_id, pad_id, group,
+                             reference, value, nan_unscored,
+                             None if examples is None else [e for e in examples for _ in range(group)])
     finally:
         model.train(was_training)
 
 
-def _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, phase, examples) -> Rollout:
+def _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, group, reference, value,
+                  nan_unscored, examples) -> Rollout:
     sampling, rows = Sampling.of(args), args.rollout_micro_batch_size
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
     with phase("generate"):
@@ -155,28 +169,22 @@ def _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, 
         sync(prompt_ids.device)
         generate_s = time.perf_counter() - started
     input_ids, attention_mask, response_mask = samples.input_ids, samples.attention_mask, samples.response_mask
-    with phase("score"):
+    with phase("score"):  # nothing to pass when neither reference, value nor reward adapter is asked for
         ref_logprobs, values, adapter_scores = chunked(
-            lambda i, m, r: rollout_scores(model, i, m, r, sampling.scoring_temperature, reference=True, value=True,
-                                           reward_adapter=scorer.adapter),
+            lambda i, m, r: rollout_scores(model, i, m, r, sampling.scoring_temperature, reference=reference,
+                                           value=value, reward_adapter=scorer.adapter),
             rows, batch, input_ids, attention_mask, response_mask)
         scores, reward_metrics = scorer.score(model, input_ids, attention_mask, prompt_length, response_mask,
-                                              examples, adapter_scores)
-    return _finish(samples, prompt_length, ref_logprobs, values, scores, args.missing_eos_penalty, generate_s,
-                   reward_metrics)
-
-
-def _finish(samples: Samples, prompt_length: int, ref_logprobs, values, scores, missing_eos_penalty,
-            generate_s, reward_metrics: dict) -> Rollout:
-    """The rollout with the missing-EOS penalty applied and every per-token tensor 0 after each row's EOS."""
-    ended, response_mask = samples.ended, samples.response_mask
-    if missing_eos_penalty is not None:
-        scores = torch.where(ended, scores, scores - missing_eos_penalty)
+                                              examples, adapter_scores, nan_unscored=nan_unscored)
+    if args.missing_eos_penalty is not None:
+        scores = torch.where(samples.ended, scores, scores - args.missing_eos_penalty)
     fmask = response_mask.float()
-    return Rollout(input_ids=samples.input_ids, attention_mask=samples.attention_mask, response_mask=fmask,
-                   prompt_length=prompt_length, logprobs=samples.logprobs * fmask, ref_logprobs=ref_logprobs * fmask,
-                   values=values.float() * fmask, scores=scores.float(), ended=ended,
-                   entropy=samples.entropy * fmask, generate_s=generate_s, reward_metrics=reward_metrics)
+    return Rollout(input_ids=input_ids, attention_mask=attention_mask, response_mask=fmask,
+                   prompt_length=prompt_length, logprobs=samples.logprobs * fmask,
+                   ref_logprobs=None if ref_logprobs is None else ref_logprobs * fmask,
+                   values=None if values is None else values.float() * fmask, scores=scores.float(),
+                   ended=samples.ended, entropy=samples.entropy * fmask, group=group, generate_s=generate_s,
+                   reward_metrics=reward_metrics)
 
 
 def _pad_right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
