@@ -145,7 +145,7 @@ def test_first_compares_with_trl_on_the_same_work_and_measures_decode(smoke):
     # One optimizer step per minibatch for ours; TRL 1.12 accumulates over the whole rollout: one per epoch.
     assert report["sides"]["ours"]["summary"]["optimizer_steps"] == 2 * 2
     assert report["sides"]["trl"]["summary"]["optimizer_steps"] == 2
-    assert "ppo_step" in report["sides"]["ours"]["setup"]["step"]
+    assert "trainer.rl.online.rl_step" in report["sides"]["ours"]["setup"]["step"]
     # Decode at the rollout's batch is the seed PPO run's own (no model built for it alone): every step's.
     metrics = [json.loads(line) for line in (unpacked / "first" / "ppo" / "metrics.jsonl").read_text().splitlines()]
     decoded = [r["perf/decode_tokens_per_s"] for r in metrics if "perf/decode_tokens_per_s" in r]
