@@ -103,6 +103,8 @@ class Checked:
 
     RULES: ClassVar[dict[str, Rule]] = {}
     PLANNED: ClassVar[tuple[str, ...]] = ()  # fields a budget planner may choose where not given (`given`)
+    SECTION: ClassVar[str] = ""  # the --help section of the fields this class declares (HELP_SECTIONS)
+    IN_SECTION: ClassVar[dict[str, str]] = {}  # fields of this class shown in another section
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -165,6 +167,19 @@ def _given_on_command_line(types: Sequence[type], argv: Sequence[str]) -> set[st
 
 # ---- parsing --------------------------------------------------------------------------------------
 
+HELP_SECTIONS = ("model", "data", "training", "memory", "rollout", "method")  # --help's sections, in order
+
+
+def section_of(cls: type, name: str) -> str:
+    """Field `name`'s --help section: an IN_SECTION entry, else the SECTION of the class that declares it
+    ("method" for a stage's own class, which sets none)."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__.get("IN_SECTION", {}):
+            return klass.__dict__["IN_SECTION"][name]
+    declaring = next(k for k in cls.__mro__ if name in k.__dict__.get("__annotations__", {}))
+    return declaring.__dict__.get("SECTION") or "method"
+
+
 def parser_for(types: Sequence[type]):
     from transformers import HfArgumentParser
 
@@ -172,7 +187,24 @@ def parser_for(types: Sequence[type]):
         def error(self, message: str):  # argparse would print the whole usage (dozens of flags) first
             raise UsageError(message)
 
-    return Parser(list(types))
+    parser = Parser(list(types))
+    if any(getattr(t, "SECTION", "") for t in types):
+        _group_by_section(parser, types)
+    return parser
+
+
+def _group_by_section(parser, types: Sequence[type]) -> None:
+    """--help in HELP_SECTIONS (model, data, training, memory, rollout, method) rather than one flat list."""
+    sections = {f.name: section_of(t, f.name) for t in types for f in fields(t)}
+    groups = {name: parser.add_argument_group(name) for name in HELP_SECTIONS}
+    for action in list(parser._actions):
+        section = sections.get(action.dest)
+        if section is None:
+            continue  # --help itself
+        for group in parser._action_groups:
+            if action in group._group_actions:
+                group._group_actions.remove(action)
+        groups[section]._group_actions.append(action)
 
 
 def parse(types: Sequence[type], argv: Sequence[str], defaults: Optional[dict[str, Any]] = None,

@@ -195,3 +195,17 @@ def test_the_method_files_hold_their_maths_and_the_shared_step_the_plumbing():
     assert {"trainer.rl.rollout", "trainer.rl.update", "trainer.engine.phases"} <= graph["trainer.rl.online"]
     for stage in ("trainer.ppo", "trainer.grpo"):  # the entry points train through the one path
         assert "trainer.rl.online" in graph[stage] and "trainer.rl.update" not in graph[stage]
+
+
+def test_docs_code_map_names_real_files_at_most_four_a_flag_and_its_declaration_first():
+    """docs/code.md's flag table: every file it names exists, a row crosses at most four files, and the
+    flag is declared (a field of that name) in the row's first file."""
+    import re
+
+    rows = [line for line in (ROOT / "docs" / "code.md").read_text().splitlines() if line.startswith("| `--")]
+    assert len(rows) >= 8
+    for row in rows:
+        files = list(dict.fromkeys(re.findall(r"`((?:trainer|profiling|foundation)/[\w/]+\.py)`", row)))
+        assert files and len(files) <= 4 and all((ROOT / f).is_file() for f in files), row
+        flag = re.match(r"\| `--(\w+)", row).group(1)
+        assert re.search(rf"^    {flag}: ", (ROOT / files[0]).read_text(), re.MULTILINE), (flag, files[0])

@@ -171,3 +171,32 @@ def test_a_pipeline_override_goes_only_to_the_stages_that_have_the_setting(tmp_p
     with pytest.raises(UsageError, match=r"--overrides beta_max: no stage of this pipeline \(sft, reward, ppo\) has"):
         trainer.pipeline.main(["--run_dir", str(tmp_path / "run2"), "--overrides", "beta_max=1,max_steps=2"])
     assert not ran
+
+
+def test_help_lists_each_stage_s_flags_by_section_in_order():
+    """--help reads as TRL's configs do: model, data, training, memory, rollout, method; each flag in one."""
+    from foundation.cli import HELP_SECTIONS, parser_for
+    from trainer.config import DataArguments, ModelArguments, TrainArguments
+    from trainer.dpo import DPOArguments
+    from trainer.ppo import PPOArguments
+
+    def sections(stage_cls) -> dict[str, list[str]]:
+        text = parser_for([ModelArguments, DataArguments, TrainArguments, stage_cls]).format_help()
+        out, current = {}, None
+        for line in text.splitlines():
+            if line.rstrip(":") in HELP_SECTIONS and line.endswith(":"):
+                current = out.setdefault(line[:-1], [])
+            elif current is not None and line.startswith("  --"):
+                current.append(line.split()[0])
+        return out
+
+    ppo = sections(PPOArguments)
+    assert list(ppo) == list(HELP_SECTIONS)
+    assert {"--gradient_checkpointing", "--micro_batch_size", "--rollout_micro_batch_size", "--optimizer",
+            "--generation_weights", "--quantization"} <= set(ppo["memory"])
+    assert {"--temperature", "--max_new_tokens", "--reward_fn"} <= set(ppo["rollout"])
+    assert {"--ppo_epochs", "--cliprange", "--init_kl_coef"} <= set(ppo["method"])
+    assert "--lora_r" in ppo["model"] and "--dataset" in ppo["data"] and "--learning_rate" in ppo["training"]
+    flags = [flag for names in ppo.values() for flag in names]
+    assert len(flags) == len(set(flags))  # each flag once
+    assert list(sections(DPOArguments)) == ["model", "data", "training", "memory", "method"]  # no rollout

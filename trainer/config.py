@@ -101,6 +101,9 @@ class ModelArguments(Checked):
     model_seed: int = field(default=0, metadata={"help": "Seed for random preset weights and fresh LoRA init."})
 
     PLANNED = ("gradient_checkpointing", "offload_embeddings", "offload_activations")
+    SECTION = "model"
+    IN_SECTION = dict.fromkeys(("quantization", "gradient_checkpointing", "offload_embeddings", "offload_activations",
+                                "compile_layers"), "memory")
     RULES = {"quantization": one_of(*QUANTIZATIONS), "dtype": one_of("auto", *DTYPES),
              "attn_implementation": one_of("auto", "flash_attention_2", "sdpa", "eager"), "lora_r": at_least(1),
              "lora_alpha": at_least(1), "lora_dropout": between(0, 1, high_open=True),
@@ -150,6 +153,7 @@ class DataArguments(Checked):
     ppo_size: int = field(default=20000, metadata={"help": "Prompts for PPO."})
     split_seed: int = field(default=0, metadata={"help": "Seed of the deterministic prompt-disjoint split."})
 
+    SECTION = "data"
     RULES = {"on_bad_row": one_of(*BAD_ROW_POLICIES), "data_format": one_of(*DATA_FORMATS),
              "chat_template": lambda name, value: None if value in ("auto", "none") or Path(value).is_file() else
              "must be auto, none, or an existing Jinja template file",
@@ -223,6 +227,9 @@ class TrainArguments(Checked):
     progress_bar: bool = field(default=True, metadata={"help": "Show a tqdm progress bar."})
 
     PLANNED = ("micro_batch_size",)
+    SECTION = "training"
+    IN_SECTION = dict.fromkeys(("micro_batch_size", "optimizer", "profile_memory", "memory_budget_gib", "check_budget",
+                                "simulate_gpu_gib"), "memory")
     RULES = {"max_steps": at_least(1), "micro_batch_size": at_least(1), "gradient_accumulation_steps": at_least(1),
              "learning_rate": above(0), "weight_decay": at_least(0), "warmup_steps": at_least(0),
              "min_lr_ratio": between(0, 1), "max_grad_norm": at_least(0), "optimizer": one_of(*OPTIMIZER_NAMES),

@@ -14,7 +14,8 @@ from profiling import components as C
 from profiling.advice import advice_lines
 from profiling.plan import PLANNABLE, plan_rl
 from profiling.predict import EstimateArguments, estimate, resolve_shape
-from trainer.engine.launch import deepspeed_config, offloads_optimizer, shards_parameters
+from trainer.engine.launch import deepspeed_config, offloads_optimizer
+from trainer.engine.memory_options import MemoryOptions
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +68,7 @@ def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, acc
     if not on:  # nothing planned: generation_weights auto decodes from the weights as they are
         return model_args, train_args, stage_args
     args = estimate_arguments(stage, model_args, data_args, train_args, stage_args, accelerator)
-    sharded = shards_parameters(accelerator)
-    may_offload = ((("offload_embeddings",) if stage_args.decode == "eager" and not sharded else ())
-                   + (("offload_activations",) if not sharded and not model_args.compile_layers else ()))
+    may_offload = MemoryOptions.of(model_args, train_args, stage_args).may_offload(accelerator)
     planned = set(PLANNABLE) - given(model_args) - given(train_args) - given(stage_args)
     plan = plan_rl(resolve_shape(args), args, stage_args.mini_batch_size, may_offload=may_offload, planned=planned)
     if plan is None:

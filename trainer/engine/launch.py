@@ -209,23 +209,12 @@ def describe_engine(model) -> Optional[str]:
             f"clipping at {model.gradient_clipping()}, {model.world_size} ranks")
 
 
-def check_launch(accelerator, stage: Optional[str], compile_layers: bool = False,
-                 offload_embeddings: bool = False, offload_activations: bool = False) -> None:
-    """Refuse, at start and in one line, the launch modes a stage (or --compile_layers,
-    --offload_embeddings, --offload_activations) cannot run under."""
+def check_launch(accelerator, stage: Optional[str]) -> None:
+    """Refuse, at start and in one line, the launch modes a stage cannot run under (the memory options'
+    own rules: `trainer.engine.memory_options`)."""
     if not shards_parameters(accelerator):
         return
     mode = "FSDP" if is_fsdp(accelerator) else "DeepSpeed ZeRO-3"
-    if offload_embeddings:
-        raise LaunchError(f"--offload_embeddings is not supported under {mode}, which partitions the embedding "
-                          "across ranks already; drop --offload_embeddings")
-    if offload_activations:
-        raise LaunchError(f"--offload_activations is not supported under {mode}: the weights it gathers would be "
-                          "taken for activations and copied to the host; drop --offload_activations")
-    if compile_layers:
-        raise LaunchError(f"--compile_layers is not supported under {mode}: its module hooks, which gather the "
-                          "partitioned weights, would run inside the compiled decoder layers (untested); drop "
-                          "--compile_layers")
     if stage not in MULTI_ADAPTER_STAGES:
         return
     what = ("generates with and switches its adapters on" if stage in ("ppo", "grpo")

@@ -29,6 +29,7 @@ from trainer.engine.checkpoint import (
 )
 from trainer.engine.harness import TrainingDiverged
 from trainer.engine.launch import check_launch, is_deepspeed, make_accelerator, quant_storage_for, setup_logging
+from trainer.engine.memory_options import MemoryOptions
 from trainer.engine.metrics import eval_history, largest_weight, unusable_weights
 from trainer.engine.run_lock import RunLock, RunLocked
 from trainer.model.adapter_fit import BASE_MODEL_FILE, base_identity, saved_base
@@ -261,14 +262,8 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     model_args, data_args, train_args, stage_args = parse_config(stage_args_cls, sys.argv[1:] if argv is None else argv)
     accelerator = make_accelerator(train_args)
     setup_logging(accelerator)
-    check_launch(accelerator, stage, model_args.compile_layers, model_args.offload_embeddings,
-                 model_args.offload_activations)
-    if model_args.offload_activations and model_args.compile_layers:
-        raise UsageError("--offload_activations and --compile_layers do not combine: compiled layers do not run "
-                         "saved-tensor hooks; drop one")
-    if model_args.offload_embeddings and getattr(stage_args, "decode", "eager") != "eager":
-        raise UsageError(f"--offload_embeddings needs --decode eager: each decode step looks its token's row up "
-                         f"in host memory, which a {stage_args.decode} decode step cannot capture")
+    check_launch(accelerator, stage)
+    MemoryOptions.of(model_args, train_args, stage_args).check(accelerator)
     check_output_dir(Path(train_args.output_dir))
     lock = lock_output_dir(accelerator, Path(train_args.output_dir))
     set_seed(train_args.seed)

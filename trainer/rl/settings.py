@@ -93,6 +93,9 @@ class RolloutArguments(Checked):
     eval_seed: int = field(default=1234, metadata={"help": "Sampling seed of evaluations (same samples each time)."})
 
     PLANNED = ("rollout_micro_batch_size", "generation_weights")
+    SECTION = "rollout"
+    IN_SECTION = {**dict.fromkeys(("rollout_micro_batch_size", "auto_fit", "decode", "generation_weights"), "memory"),
+                  "cliprange": "method"}
     RULES = {"scripted_reward": _scripted_reward_rule, "reward_fn": _reward_fn_rule, "reward_timeout_s": above(0),
              "rollout_batch_size": at_least(1),
              "rollout_micro_batch_size": at_least(1), "mini_batch_size": at_least(1),

@@ -1,0 +1,64 @@
+"""A run's memory options in one object, checked once at start against the launch.
+
+    options = MemoryOptions.of(model_args, train_args, stage_args)
+    options.check(accelerator)                 # one line for a combination that cannot run
+    options.may_offload(accelerator)           # what the budget planner may turn on
+
+The options: gradient checkpointing, the two host offloads (input embedding, saved activations), compiled
+decoder layers, the rollouts' decode path and decode weights (PPO, GRPO) and the optimizer (paged 8-bit on
+CUDA by default). What each cannot run with - ZeRO-3 / FSDP, each other - stops the run before anything
+loads; one that cannot take effect on this device (an offload on the CPU, a tied embedding) is said in one
+line where the model loads (`trainer.model.loading`, `trainer.model.shared_base`) and changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.engine.launch import LaunchError, is_fsdp, shards_parameters
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    gradient_checkpointing: bool
+    offload_embeddings: bool
+    offload_activations: bool
+    compile_layers: bool
+    optimizer: str
+    decode: str = "eager"  # PPO, GRPO: the rollouts' decode path
+    generation_weights: str = "quantized"  # PPO, GRPO: what a 4-bit base decodes from
+
+    @classmethod
+    def of(cls, model_args, train_args, stage_args) -> "MemoryOptions":
+        return cls(model_args.gradient_checkpointing, model_args.offload_embeddings, model_args.offload_activations,
+                   model_args.compile_layers, train_args.optimizer, getattr(stage_args, "decode", "eager"),
+                   getattr(stage_args, "generation_weights", "quantized"))
+
+    def check(self, accelerator) -> None:
+        """Refuse, in one line, what cannot run together or under this launch (ZeRO-3 / FSDP shard the base)."""
+        if shards_parameters(accelerator):
+            mode = "FSDP" if is_fsdp(accelerator) else "DeepSpeed ZeRO-3"
+            if self.offload_embeddings:
+                raise LaunchError(f"--offload_embeddings is not supported under {mode}, which partitions the "
+                                  "embedding across ranks already; drop --offload_embeddings")
+            if self.offload_activations:
+                raise LaunchError(f"--offload_activations is not supported under {mode}: the weights it gathers "
+                                  "would be taken for activations and copied to the host; drop --offload_activations")
+            if self.compile_layers:
+                raise LaunchError(f"--compile_layers is not supported under {mode}: its module hooks, which gather "
+                                  "the partitioned weights, would run inside the compiled decoder layers (untested); "
+                                  "drop --compile_layers")
+        if self.offload_activations and self.compile_layers:
+            raise LaunchError("--offload_activations and --compile_layers do not combine: compiled layers do not "
+                              "run saved-tensor hooks; drop one")
+        if self.offload_embeddings and self.decode != "eager":
+            raise LaunchError(f"--offload_embeddings needs --decode eager: each decode step looks its token's row "
+                              f"up in host memory, which a {self.decode} decode step cannot capture")
+
+    def may_offload(self, accelerator) -> tuple[str, ...]:
+        """The offloads a budget plan may turn on under this launch: neither where the base is sharded, the
+        embedding only with eager decoding, the activations not through compiled layers."""
+        if shards_parameters(accelerator):
+            return ()
+        return ((("offload_embeddings",) if self.decode == "eager" else ())
+                + (("offload_activations",) if not self.compile_layers else ()))
