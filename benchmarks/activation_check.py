@@ -100,8 +100,7 @@ def estimate_for(run_dir: Path, stage: str) -> dict:
     """The estimate of the run's own saved settings on the CPU (online RL turns LoRA dropout off)."""
     config = json.loads((run_dir / "config.json").read_text())
     sections = [SimpleNamespace(**config.get(k, {})) for k in ("model", "data", "train", "stage")]
-    extra = {"lora_dropout": 0.0} if stage in ("ppo", "grpo") else {}
-    args = EstimateArguments.of_run(*sections, stage=stage, device="cpu", **extra)
+    args = EstimateArguments.of_run(*sections, stage=stage, device="cpu")
     return estimate(resolve_shape(args), args)
 
 

@@ -60,7 +60,7 @@ def seed_ppo_arguments() -> EstimateArguments:
 
     sections = parse_config(PPOArguments, ["--config", str(PROJECT_ROOT / SEED_PPO_CONFIG),
                                            "--model_name_or_path", "llama-2-7b"])
-    return EstimateArguments.of_run(*sections, stage="ppo", device="cuda", lora_dropout=0.0,
+    return EstimateArguments.of_run(*sections, stage="ppo", device="cuda",
                                     cuda_context_gib=CUDA_CONTEXT_GIB)
 
 

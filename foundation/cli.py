@@ -196,7 +196,8 @@ def parser_for(types: Sequence[type]):
 def _group_by_section(parser, types: Sequence[type]) -> None:
     """--help in HELP_SECTIONS (model, data, training, memory, rollout, method) rather than one flat list."""
     sections = {f.name: section_of(t, f.name) for t in types for f in fields(t)}
-    groups = {name: parser.add_argument_group(name) for name in HELP_SECTIONS}
+    names = list(HELP_SECTIONS) + sorted(set(sections.values()) - set(HELP_SECTIONS))
+    groups = {name: parser.add_argument_group(name) for name in names}
     for action in list(parser._actions):
         section = sections.get(action.dest)
         if section is None:

@@ -1,11 +1,11 @@
 """Predict device memory per component and phase for a stage, before running it (the command line).
 
     python -m profiling.estimate --model llama-2-7b --stage ppo [--micro_batch_size 4 ...]
+    python -m profiling.estimate --config trainer/configs/llama2_7b/ppo.yaml --stage ppo
 
 Prints the table (components down, phases across), the peak against the budget, what to change when it
-does not fit (`python -m benchmarks.seed` sets seed 000's breakdown beside ours). The flags are the stage scripts' own
-(`--micro_batch_size`, `--max_new_tokens`, ...; the older `--micro_batch`, `--generation_length`, ...
-still work). `profiling.predict` holds the estimator itself.
+does not fit (`python -m benchmarks.seed` sets seed 000's breakdown beside ours). The settings are the stage
+scripts' own, with their defaults, as flags or a stage's config file. `profiling.predict` holds the estimator.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import sys
 from dataclasses import replace
 from typing import Optional
 
-from foundation.cli import parse, run
+from foundation.cli import given, parse, run
+from foundation.settings import DataArguments, ModelArguments, TrainArguments, config_flag, load_yaml
 from foundation.files import write_atomic
 from foundation.provenance import provenance
 from profiling import components as C
 from profiling.advice import advice_lines
+from profiling.plan import PLANNABLE, planned_settings
 from profiling.predict import EstimateArguments, estimate, resolve_shape
 from profiling.report import markdown_table, write_reports
 
@@ -47,13 +49,29 @@ def families_table(args: EstimateArguments) -> str:
     return "\n".join(head + rows)
 
 
+def parse_estimate(argv: list[str]) -> EstimateArguments:
+    """The flags, over a stage's config file (`--config`): its model, data and train sections whole, and of
+    its stage section the settings a run's memory depends on (its method's own are left out)."""
+    config_path, argv = config_flag(argv)
+    sections = {"model": ModelArguments, "data": DataArguments, "train": TrainArguments, "stage": EstimateArguments}
+    defaults = load_yaml(config_path, sections, beside=("stage",)) if config_path else {}
+    (args,) = parse([EstimateArguments], argv, defaults, config_path)
+    return args
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    (args,) = parse([EstimateArguments], argv)
+    args = parse_estimate(argv)
     if args.models:
         print(families_table(args))
         return 0
     shape = resolve_shape(args)
+    planned = set(PLANNABLE) - given(args)
+    auto_fit = args.auto_fit if args.auto_fit is not None else args.device == "cuda"
+    if args.stage in ("ppo", "grpo") and auto_fit and planned:  # what the run plans at its start
+        args, plan = planned_settings(shape, args, planned)
+        print(plan.table() if plan else f"auto_fit: nothing fits memory_budget_gib={args.memory_budget_gib} with "
+              "the settings given; the settings left auto are estimated at their defaults")
     est = estimate(shape, args)
     used = args.resolved()
     command = "python -m profiling.estimate " + " ".join(shlex.quote(a) for a in argv)

@@ -110,6 +110,29 @@ def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, ma
     return replace(plan, planned=plan.planned | {"generation_weights"})
 
 
+def offloads_allowed(decode: str, compile_layers: bool, sharded: bool = False) -> tuple[str, ...]:
+    """The offloads a plan may turn on: neither where ZeRO-3 / FSDP shard the base, the embedding only with
+    eager decoding (a compiled decode step cannot look rows up in host memory), the activations not through
+    compiled layers (they run no saved-tensor hooks)."""
+    if sharded:
+        return ()
+    return (("offload_embeddings",) if decode == "eager" else ()) + (("offload_activations",) if not compile_layers
+                                                                     else ())
+
+
+def planned_settings(shape: ModelShape, args: EstimateArguments, planned: Collection[str]) -> tuple[
+        EstimateArguments, Optional[Plan]]:
+    """(the settings with the plan's choices, the plan) of a PPO or GRPO estimate whose `planned` settings were
+    left auto, as the run plans them at its start on CUDA; the settings as they are where nothing fits."""
+    plan = plan_rl(shape, args, args.mini_batch_size, planned=planned,
+                   may_offload=offloads_allowed(args.decode, args.compile_layers))
+    if plan is None:
+        return args, None
+    return replace(args, rollout_micro_batch_size=plan.rollout_micro_batch_size, micro_batch_size=plan.micro_batch_size,
+                   gradient_checkpointing=plan.gradient_checkpointing, offload_embeddings=plan.offload_embeddings,
+                   offload_activations=plan.offload_activations, generation_weights=plan.generation_weights), plan
+
+
 def _moves_something(shape: ModelShape, args: EstimateArguments, offload: str) -> bool:
     if offload == "offload_embeddings":
         return offloaded_embedding(shape, args)

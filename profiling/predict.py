@@ -2,8 +2,9 @@
 
 Resident components are exact closed forms (`profiling.shapes`, `profiling.optimizers`); activations, logits
 and KV cache follow `profiling.activations`; allocator overhead and the CUDA context are flags. The output
-uses the recorder's JSON layout, so `python -m profiling.report` renders it like a measured run. Settings
-carry the stage scripts' field names: a stage hands over its arguments as they are (`EstimateArguments.of_run`).
+uses the recorder's JSON layout, so `python -m profiling.report` renders it like a measured run. The settings
+are the run's own (`EstimateArguments` derives from its argument classes): a stage hands over its arguments
+as they are (`EstimateArguments.of_run`), and a stage's config file reads the same (`profiling.estimate --config`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional
 
-from foundation.cli import Checked, UsageError, above, at_least, between, one_of
+from foundation.cli import UsageError, at_least, one_of
+from foundation.settings import (
+    DataArguments, GRPOArguments, ModelArguments, PPOArguments, RolloutArguments, TrainArguments, training_lora_dropout,
+)
 from foundation.stages import REFERENCE, REWARD, STAGES, Slot, stage_adapters
 from profiling import activations as A
 from profiling import components as C
@@ -20,22 +24,13 @@ from profiling.optimizers import OPTIMIZERS, gradient_bytes, optimizer_bytes, st
 from profiling.shapes import DTYPE_BYTES, ModelShape, base_bytes, head_tensor_sizes, load_shape, lora_tensor_sizes
 
 
-def _alias(*names: str, **kwargs) -> Any:
-    """A field that also answers to the estimator's older flag names (the README's commands)."""
-    metadata = kwargs.pop("metadata", {})
-    return field(metadata={**metadata, "aliases": [f"--{n}" for n in names]}, **kwargs)
+@dataclass(frozen=True)
+class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArguments, GRPOArguments):
+    """A run's own settings - every field of its model, data, training and online-RL sections, with the run's
+    defaults (`foundation.settings`) - plus what only an estimate needs: the stage, the device, shape
+    overrides, and what the estimate assumes beside the allocator's own figures."""
 
-
-@dataclass
-class EstimateArguments(Checked):
-    """Model, stage and run settings to estimate; defaults are the seed recipe's QLoRA settings."""
-
-    model_name_or_path: Optional[str] = _alias("model", default=None, metadata={
-        "help": "Preset (tiny-llama, llama-2-7b, llama-2-13b, llama-3.1-8b, qwen2.5-7b, mistral-7b), 'smollm2-135m', "
-                "or an HF folder with config.json; "
-                "or give the shape flags."})
     stage: str = field(default="ppo", metadata={"help": "sft, reward, ppo, dpo or grpo."})
-    beta: float = field(default=0.04, metadata={"help": "GRPO's KL weight; 0: no reference adapter (trainer/grpo.py)."})
     reward_model: bool = field(default=True, metadata={
         "help": "PPO, GRPO: scored by the reward adapter and head; false: by reward functions (--scripted_reward), "
                 "no reward adapter, head or pass."})
@@ -47,44 +42,7 @@ class EstimateArguments(Checked):
     head_dim: Optional[int] = None
     vocab_size: Optional[int] = None
     tie_word_embeddings: Optional[bool] = None
-    preset_overrides: Optional[str] = field(default=None, metadata={"help": "As in ModelArguments."})
-    quantization: str = field(default="nf4", metadata={"help": "nf4 (double quant), none, or auto (nf4 on cuda)."})
-    dtype: str = field(default="bfloat16", metadata={"help": "Compute dtype: bfloat16, float16, float32 or auto."})
-    lora_r: int = 16
-    lora_target_modules: str = field(default="all-linear", metadata={"help": "'all-linear' or q_proj,v_proj,..."})
-    lora_dropout: float = 0.05
-    optimizer: str = field(default="paged_adamw_8bit", metadata={"help": ", ".join(("auto",) + OPTIMIZERS)})
-    gradient_checkpointing: bool = True
-    offload_embeddings: bool = field(default=False, metadata={
-        "help": "The input embedding in host memory (as ModelArguments): off the GPU where untied, on CUDA."})
-    offload_activations: bool = field(default=False, metadata={
-        "help": "What training passes keep for backward in host memory (as ModelArguments), on CUDA."})
-    decode: str = field(default="eager", metadata={
-        "help": "PPO, GRPO: the rollouts' decode path (as the stages' --decode); compiled keeps a full-length KV "
-                "cache in every phase."})
-    generation_weights: str = field(default="quantized", metadata={
-        "help": "PPO, GRPO: what a 4-bit base decodes from (as the stages' --generation_weights): quantized, "
-                "dequantized (a dense copy through the generate phase) or resident (that copy in every phase); "
-                "auto estimates as quantized."})
-    attn_implementation: str = field(default="sdpa", metadata={"help": "sdpa, flash_attention_2 or eager."})
-    share_pair_prompts: bool = field(default=True, metadata={
-        "help": "Reward and DPO: one row per pair, prompt once (as the stages' --share_pair_prompts): rows twice "
-                "max_length long, with a (rows, 1, T, T) pair mask; flash-attention keeps two rows per pair."})
-    micro_batch_size: int = _alias("micro_batch", "micro-batch", default=4, metadata={
-        "help": "Sequences (sft) or pairs (reward, dpo) per micro-batch; PPO's update micro-batch."})
-    max_length: int = field(default=512, metadata={"help": "Sequence length for sft, reward and dpo."})
-    max_prompt_length: int = _alias("prompt_length", default=256, metadata={"help": "PPO prompt tokens."})
-    max_new_tokens: int = _alias("generation_length", default=128, metadata={"help": "PPO generated tokens."})
-    rollout_batch_size: int = _alias("rollout_batch", default=64, metadata={
-        "help": "PPO prompts per rollout (sizes the rollout buffers)."})
-    rollout_micro_batch_size: Optional[int] = _alias("generation_batch", default=None, metadata={
-        "help": "PPO rows per generate / scoring pass (default: the micro-batch)."})
-    num_generations: int = field(default=1, metadata={"help": "GRPO: responses per prompt."})
-    mixed_precision: str = field(default="auto", metadata={
-        "help": "As the stages' --mixed_precision: training under autocast (auto: bf16 on cuda, no on cpu)."})
     device: str = field(default="cuda", metadata={"help": "cuda, or cpu (fp32 dropout masks, step counters on device)."})
-    memory_budget_gib: float = _alias("budget_gib", "budget-gib", default=24.0, metadata={
-        "help": "Device budget in GiB (2^30 bytes)."})
     cuda_context_gib: float = field(default=0.5, metadata={"help": "Assumed memory outside the allocator."})
     allocator_overhead: float = field(default=0.05, metadata={"help": "Assumed reserved-minus-allocated, as a "
                                       "fraction of allocated."})
@@ -94,18 +52,19 @@ class EstimateArguments(Checked):
     json: Optional[str] = field(default=None, metadata={"help": "Write the estimate as JSON to this file."})
     out_dir: Optional[str] = field(default=None, metadata={"help": "Write estimate.json/.md/.png here."})
 
-    RULES = {"stage": one_of(*STAGES), "beta": at_least(0), "quantization": one_of(*resolve.QUANTIZATIONS),
-             "dtype": one_of("auto", *resolve.DTYPES), "optimizer": one_of("auto", *OPTIMIZERS),
-             "device": one_of("cuda", "cpu"), "lora_r": at_least(1), "lora_dropout": between(0, 1, high_open=True),
-             "attn_implementation": one_of("sdpa", "flash_attention_2", "eager", "auto"),
-             "generation_weights": one_of("auto", *resolve.GENERATION_WEIGHTS), "decode": one_of("eager", "compiled"),
-             "micro_batch_size": at_least(1), "max_length": at_least(2), "max_prompt_length": at_least(1),
-             "max_new_tokens": at_least(1), "rollout_batch_size": at_least(1), "rollout_micro_batch_size": at_least(1),
-             "num_generations": at_least(1),
-             "mixed_precision": one_of("auto", "no", "bf16", "fp16"), "memory_budget_gib": above(0), "cuda_context_gib": at_least(0),
-             "allocator_overhead": at_least(0), "vocab_size": at_least(1), "hidden_size": at_least(1),
-             "intermediate_size": at_least(1), "num_layers": at_least(1), "num_heads": at_least(1),
-             "num_kv_heads": at_least(1), "head_dim": at_least(1)}
+    SECTION = "estimate"
+    PLANNED = (*ModelArguments.PLANNED, *TrainArguments.PLANNED, *PPOArguments.PLANNED)
+    # the run's rules; the optimizer may also be DeepSpeed's offloaded one, which only the launch says
+    RULES = {**ModelArguments.RULES, **DataArguments.RULES, **TrainArguments.RULES, **PPOArguments.RULES,
+             **GRPOArguments.RULES, "optimizer": one_of("auto", *OPTIMIZERS), "stage": one_of(*STAGES),
+             "device": one_of("cuda", "cpu"), "cuda_context_gib": at_least(0), "allocator_overhead": at_least(0),
+             "vocab_size": at_least(1), "hidden_size": at_least(1), "intermediate_size": at_least(1),
+             "num_layers": at_least(1), "num_heads": at_least(1), "num_kv_heads": at_least(1), "head_dim": at_least(1)}
+
+    def check(self) -> None:
+        """The run's checks between fields; GRPO's own only for a GRPO estimate."""
+        DataArguments.check(self)
+        (GRPOArguments if self.stage == "grpo" else RolloutArguments).check(self)
 
     @property
     def budget_bytes(self) -> int:
@@ -133,6 +92,7 @@ class EstimateArguments(Checked):
         nf4 = resolve.four_bit(self.quantization, self.device)
         weights = self.generation_weights if nf4 and self.stage in ("ppo", "grpo") else "quantized"
         return replace(self, quantization="nf4" if nf4 else "none",
+                       lora_dropout=training_lora_dropout(self.stage, self.lora_dropout),
                        generation_weights="quantized" if weights == "auto" else weights,
                        dtype=resolve.compute_dtype(self.dtype, self.device, nf4),
                        optimizer=self.optimizer if self.optimizer == "deepspeed_zero2_offload"
@@ -165,9 +125,9 @@ def resolve_shape(args: EstimateArguments) -> ModelShape:
     """The model's shape from --model_name_or_path, with any explicit shape flag overriding it."""
     flags = {k: getattr(args, k) for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                                            "num_kv_heads", "head_dim", "vocab_size", "tie_word_embeddings")}
-    if args.model_name_or_path is None:
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "vocab_size")
-                   if flags[k] is None]
+    core = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "vocab_size")
+    if args.model_name_or_path is None or all(flags[k] is not None for k in core):  # the shape itself, no model
+        missing = [k for k in core if flags[k] is None]
         if missing:
             raise UsageError(f"without --model, give the shape: missing --{', --'.join(missing)}")
         heads = flags["num_heads"]

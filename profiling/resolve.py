@@ -7,13 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-QUANTIZATIONS = ("auto", "nf4", "none")
-# What a 4-bit base decodes from (the online RL stages' --generation_weights; "auto": the planner picks)
-GENERATION_WEIGHTS = ("quantized", "dequantized", "resident")
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-          "float32": "float32", "fp32": "float32"}
-OPTIMIZER_NAMES = ("auto", "paged_adamw_8bit", "adamw_8bit", "adamw_torch")
-
+from foundation.settings import DTYPES, GENERATION_WEIGHTS, OPTIMIZER_NAMES, QUANTIZATIONS  # noqa: F401
 
 def bitsandbytes_unavailable_reason() -> Optional[str]:
     """None when bitsandbytes imports here, else a one-line reason."""

@@ -62,8 +62,9 @@ def test_the_estimator_knows_the_critic_free_stage():
 
     shape = load_shape("llama-2-7b")
     grpo = estimate(shape, EstimateArguments(stage="grpo", rollout_batch_size=16, num_generations=4,
-                                             rollout_micro_batch_size=16))
-    ppo = estimate(shape, EstimateArguments(stage="ppo", rollout_batch_size=16, rollout_micro_batch_size=16))
+                                             rollout_micro_batch_size=16, max_new_tokens=128))
+    ppo = estimate(shape, EstimateArguments(stage="ppo", rollout_batch_size=16, rollout_micro_batch_size=16,
+                                            max_new_tokens=128))
     assert [p["phase"] for p in grpo["phases"]] == ["generate", "score", "update", "optimizer_step"]
     g, p = ({x["phase"]: x["components"] for x in e["phases"]} for e in (grpo, ppo))
     assert "adapter/value" not in g["update"] and "adapter/value" in p["update"]

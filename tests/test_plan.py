@@ -20,8 +20,8 @@ from trainer.ppo import PPOArguments
 
 SEVEN_B = load_shape("llama-2-7b")
 # trainer/configs/llama2_7b/ppo.yaml's settings (NF4, bf16, paged 8-bit AdamW, LoRA r=16 all-linear)
-RECIPE = EstimateArguments(stage="ppo", rollout_batch_size=16, rollout_micro_batch_size=16, micro_batch_size=4,
-                           max_prompt_length=256, max_new_tokens=128, lora_dropout=0.0)
+RECIPE = EstimateArguments(stage="ppo", quantization="nf4", rollout_batch_size=16, rollout_micro_batch_size=16,
+                           micro_batch_size=4, max_prompt_length=256, max_new_tokens=128, lora_dropout=0.0)
 
 
 @pytest.mark.parametrize("budget, rollout_rows, micro, checkpointing", [
@@ -258,9 +258,12 @@ def test_a_dense_copy_for_decoding_is_planned_where_auto_and_it_fits_never_past_
                                          micro_batch_size=plan.micro_batch_size, gradient_checkpointing=False))
     assert resident["peak_bytes"] > plan.usable_bytes  # the resident copy would not fit
     assert plan_rl(SEVEN_B, replace(auto, memory_budget_gib=48), mini_batch_size=8).generation_weights == "resident"
-    for args in (replace(auto, memory_budget_gib=20), replace(auto, rollout_batch_size=1, num_generations=1),
-                 replace(auto, device="cpu"), replace(GRPO, generation_weights="quantized")):
+    for args in (replace(auto, memory_budget_gib=20), replace(auto, device="cpu"),
+                 replace(GRPO, generation_weights="quantized")):
         assert plan_rl(SEVEN_B, args, mini_batch_size=1).generation_weights == "quantized", args
+    one_row = plan_rl(SEVEN_B, replace(auto, rollout_micro_batch_size=1), mini_batch_size=1,
+                      planned={"micro_batch_size", "gradient_checkpointing"})
+    assert one_row.rollout_micro_batch_size == 1 and one_row.generation_weights == "quantized"
 
 
 def test_a_finished_stage_is_reused_where_its_planned_settings_were_left_auto(tmp_path):

@@ -4,6 +4,8 @@ hand-computed Llama-2-7B numbers, and its CLI runs."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -212,9 +214,9 @@ def test_ppo_s_routed_passes_hold_every_adapter_s_rows_at_once():
     head = A.head_logprobs_training(shape, spec, mb * args.max_new_tokens)
     assert layer > head and phases["update"][act] == kept + layer and phases["update"][logits] == 0
     assert peaks["update"][logits] == head
-    # sampling keeps one step's logits (bf16, 4 rows x 32000) and the pick's four fp32 buffers of their size
+    # sampling keeps one step's logits (bf16, rows x 32000) and the pick's four fp32 buffers of their size
     # (measured: tests/test_decode.py)
-    assert peaks["generate"][logits] == 4 * 32000 * (2 + 4 * 4)
+    assert peaks["generate"][logits] == rows * 32000 * (2 + 4 * 4)
 
 
 @pytest.mark.parametrize("stage", ["reward", "dpo"])
@@ -345,3 +347,63 @@ def test_the_compiled_decode_keeps_its_full_length_kv_cache_in_every_phase():
         assert phase["components"][C.KV_CACHE] == kept, name
         assert eager[name]["components"].get(C.KV_CACHE, 0) == (
             A.kv_cache(shape, spec, 16, 328) + A.kv_cache_growth(shape, spec, 16, 328) if name == "generate" else 0)
+
+
+RUN_CLASSES = ("ModelArguments", "DataArguments", "TrainArguments", "RolloutArguments", "PPOArguments",
+               "GRPOArguments")
+
+
+def test_the_estimator_declares_none_of_the_run_s_settings_and_reads_them_all():
+    """One owner per setting: EstimateArguments derives from the run's argument classes; what it declares
+    itself (the stage, the device, shape overrides, assumptions) no run class declares."""
+    import dataclasses
+
+    import foundation.settings as settings
+    from trainer.dpo import DPOArguments
+    from trainer.reward import RewardArguments
+    from trainer.sft import SFTArguments
+
+    run = {f.name for name in RUN_CLASSES for f in dataclasses.fields(getattr(settings, name))}
+    own = set(EstimateArguments.__dict__["__annotations__"])
+    stage_own = {f.name for cls in (SFTArguments, RewardArguments, DPOArguments) for f in dataclasses.fields(cls)}
+    assert own and not own & (run | stage_own - {"beta"}), own & run
+    assert run <= {f.name for f in dataclasses.fields(EstimateArguments)}
+    for name in RUN_CLASSES:  # and with the run's defaults
+        for f in dataclasses.fields(getattr(settings, name)):
+            assert getattr(EstimateArguments(), f.name) == getattr(getattr(settings, name)(), f.name), f.name
+
+
+def test_a_renamed_run_setting_is_the_estimator_s_under_its_new_name(tmp_path):
+    """Rename rollout_batch_size in the run's settings (a copy of the tree): the estimator's field is renamed
+    with it, and a run's value reaches the estimate under the new name - no stale copy with its own default."""
+    for package in ("foundation", "profiling"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    source = tmp_path / "foundation" / "settings.py"
+    text = source.read_text()
+    assert text.count("    rollout_batch_size: int = field(") == 1
+    source.write_text(text.replace("rollout_batch_size", "prompts_per_step"))
+    probe = ("import dataclasses, types; from profiling.predict import EstimateArguments as E; "
+             "names = {f.name for f in dataclasses.fields(E)}; "
+             "assert 'prompts_per_step' in names and 'rollout_batch_size' not in names, names; "
+             "run = types.SimpleNamespace(prompts_per_step=3); "
+             "print(E.of_run(run, stage='ppo').prompts_per_step)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "3"
+
+
+def test_the_estimator_reads_a_stage_s_config_file_and_plans_what_it_leaves_auto(capsys):
+    """`python -m profiling.estimate --config` reads the recipe the run reads: its settings, and the plan a
+    CUDA run makes of those it leaves auto (the 7B recipe's batch sizes and checkpointing)."""
+    from profiling.estimate import main, parse_estimate
+
+    argv = ["--config", "trainer/configs/llama2_7b/ppo.yaml", "--stage", "ppo", "--model_name_or_path", "llama-2-7b"]
+    args = parse_estimate(argv)
+    assert (args.rollout_batch_size, args.mini_batch_size, args.max_new_tokens, args.lora_dropout) == (16, 8, 128, 0.0)
+    assert args.quantization == "nf4" and args.memory_budget_gib == 24
+    main([*argv, "--json", os.devnull])
+    out = capsys.readouterr().out
+    assert "budget plan" in out and "micro_batch_size 8  (planned)" in out
+    main([*argv, "--micro_batch_size", "2"])
+    assert "micro_batch_size 2  (set)" in capsys.readouterr().out

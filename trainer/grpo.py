@@ -10,59 +10,22 @@ steps, the KL to the reference a k3 loss term (GRPO) or a reward penalty (RLOO).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional
 
-from foundation.cli import UsageError, at_least, one_of, run
+from foundation.cli import UsageError, run
+from foundation.settings import GRPOArguments, training_lora_dropout
 from foundation.stages import POLICY, REFERENCE, REWARD
 from trainer.data.tokenization import tokenize_prompts
 from trainer.engine.setup import RunContext, finish_stage, require_rows, start_run
-from trainer.losses import GROUP_ADVANTAGES, LOSS_NORMALISATIONS
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.algorithms.grpo import GRPO
 from trainer.rl.algorithms.rloo import RLOO
 from trainer.rl.online import RLState, train_online
 from trainer.rl.rewards import Scorer
-from trainer.rl.settings import RolloutArguments, make_scorer, require_scorer, warn_if_learning_unlikely
+from trainer.rl.settings import make_scorer, require_scorer, warn_if_learning_unlikely
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GRPOArguments(RolloutArguments):
-    """The shared rollout settings (`rollout_batch_size` counts prompts; minibatches and micro-batches
-    count responses), plus the critic-free ones."""
-
-    advantage: str = field(default="grpo", metadata={"help": "grpo (group z-scores) or rloo (leave-one-out baseline)."})
-    num_generations: int = field(default=4, metadata={"help": "Responses sampled per prompt (a group)."})
-    scale_rewards: bool = field(default=True, metadata={"help": "GRPO: divide by the group's std (false: Dr. GRPO)."})
-    beta: float = field(default=0.04, metadata={"help": "KL weight: a k3 loss term (grpo) or a reward penalty (rloo); "
-                                                "0 skips the reference pass."})
-    epochs: int = field(default=1, metadata={"help": "Passes over each rollout (TRL's num_iterations)."})
-    loss_normalisation: str = field(default="token", metadata={
-        "help": "token (sum over the minibatch's tokens / their count on all ranks, DAPO, TRL's default: every "
-                "token weighs the same), sequence (each response's mean, then the mean: short responses weigh "
-                "more per token), fixed (sum / (rows x max_new_tokens), Dr. GRPO)."})
-
-    RULES = {**RolloutArguments.RULES, "advantage": one_of(*GROUP_ADVANTAGES), "num_generations": at_least(1),
-             "beta": at_least(0), "epochs": at_least(1), "loss_normalisation": one_of(*LOSS_NORMALISATIONS)}
-
-    def check(self) -> None:
-        """Refuse what can never produce a gradient: an advantage is a reward against its prompt group's others,
-        so a group of one, or of responses all alike (deterministic sampling), scores 0 everywhere."""
-        super().check()
-        if self.advantage == "rloo" and self.num_generations < 2:
-            raise UsageError("--advantage rloo needs --num_generations of at least 2 (a leave-one-out baseline)")
-        if self.num_generations < 2:
-            raise UsageError(f"--num_generations {self.num_generations}: GRPO compares each response with the others "
-                             "sampled for its prompt, so one alone has advantage 0 and nothing is learned; use at "
-                             "least 2")
-        deterministic = ("--temperature 0 (greedy)" if self.temperature == 0 else
-                         "--top_k 1" if self.top_k == 1 else None)
-        if deterministic:
-            raise UsageError(f"{deterministic} samples the {self.num_generations} responses of a prompt alike: their "
-                             "rewards tie, every advantage is 0 and nothing is learned; sample with a temperature "
-                             "above 0 (1.0 is usual) and top_k 0 or above 1")
 
 
 def check_settings(args: GRPOArguments, micro: int) -> None:
@@ -78,9 +41,9 @@ def build_model(ctx: RunContext):
     """Policy and reference from the SFT adapter, the reward adapter + head (if scored by it); LoRA
     dropout off, as in PPO (old log-probs are taken in eval mode)."""
     model_args, args = ctx.model_args, ctx.stage_args
-    if model_args.lora_dropout:
+    if training_lora_dropout("grpo", model_args.lora_dropout) != model_args.lora_dropout:
         logger.info("GRPO trains without LoRA dropout: lora_dropout %s -> 0", model_args.lora_dropout)
-        model_args = replace(model_args, lora_dropout=0.0)
+        model_args = replace(model_args, lora_dropout=training_lora_dropout("grpo", model_args.lora_dropout))
     sources = {POLICY: args.sft_adapter, REFERENCE: args.sft_adapter, REWARD: args.reward_adapter}
     without = ((REWARD,) if args.reward_adapter is None else ()) + ((REFERENCE,) if args.beta == 0 else ())
     specs = stage_specs("grpo", sources, without=without)

@@ -11,8 +11,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from foundation.settings import GROUP_ADVANTAGES, KL_ESTIMATORS, LOSS_NORMALISATIONS
+
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 # ---------------------------------------------------------------- masked statistics
@@ -231,8 +232,6 @@ def last_token_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return values.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
-GROUP_ADVANTAGES = ("grpo", "rloo")
-LOSS_NORMALISATIONS = ("sequence", "token", "fixed")
 
 
 def group_advantages(rewards: torch.Tensor, method: str = "grpo", scale_std: bool = True,

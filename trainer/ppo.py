@@ -11,43 +11,21 @@ computes GAE advantages, runs clipped policy and value updates and adapts the KL
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional
 
-from foundation.cli import UsageError, above, at_least, between, one_of, run
+from foundation.cli import UsageError, run
+from foundation.settings import PPOArguments, training_lora_dropout
 from foundation.stages import POLICY, REFERENCE, REWARD, VALUE
 from trainer.data.tokenization import tokenize_prompts
 from trainer.engine.setup import RunContext, finish_stage, require_rows, start_run
-from trainer.losses import KL_ESTIMATORS
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.algorithms.ppo import PPO
 from trainer.rl.online import RLState, train_online
 from trainer.rl.rewards import Scorer
-from trainer.rl.settings import RolloutArguments, make_scorer, require_scorer, warn_if_learning_unlikely
+from trainer.rl.settings import make_scorer, require_scorer, warn_if_learning_unlikely
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PPOArguments(RolloutArguments):
-    """The shared rollout settings plus PPO's own: the value model, GAE, the KL penalty and its controller."""
-
-    ppo_epochs: int = field(default=2, metadata={"help": "Passes over each rollout batch."})
-    kl_estimator: str = field(default="k1", metadata={"help": "'k1' (log-ratio), 'k2' or 'k3' (unbiased, non-negative)."})
-    init_kl_coef: float = field(default=0.05, metadata={"help": "KL penalty beta (initial, if adaptive)."})
-    adaptive_kl: bool = field(default=False, metadata={"help": "Adapt beta toward target_kl (Ziegler et al.)."})
-    target_kl: float = field(default=6.0, metadata={"help": "Target KL per response for the adaptive controller."})
-    kl_horizon: int = field(default=10000, metadata={"help": "Adaptive controller horizon (rollouts)."})
-    gamma: float = field(default=1.0, metadata={"help": "Discount."})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
-    cliprange_value: float = field(default=0.2, metadata={"help": "Value clip around the rollout values."})
-    vf_coef: float = field(default=0.1, metadata={"help": "Value loss weight."})
-    entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus weight."})
-    whiten_rewards: bool = field(default=False, metadata={"help": "Whiten per-token rewards before GAE."})
-
-    RULES = {**RolloutArguments.RULES, "ppo_epochs": at_least(1), "kl_estimator": one_of(*KL_ESTIMATORS),
-             "init_kl_coef": at_least(0), "target_kl": above(0), "kl_horizon": at_least(1), "gamma": between(0, 1),
-             "lam": between(0, 1), "cliprange_value": above(0), "vf_coef": at_least(0), "entropy_coef": at_least(0)}
 
 
 def check_settings(args: PPOArguments, micro: int) -> None:
@@ -72,9 +50,9 @@ def build_model(ctx: RunContext):
     """The four adapters on one base, with LoRA dropout off: rollout log-probs are taken in eval mode, so
     dropout in the update would make the first policy ratio differ from 1."""
     model_args, args = ctx.model_args, ctx.stage_args
-    if model_args.lora_dropout:
+    if training_lora_dropout("ppo", model_args.lora_dropout) != model_args.lora_dropout:
         logger.info("PPO trains without LoRA dropout: lora_dropout %s -> 0", model_args.lora_dropout)
-        model_args = replace(model_args, lora_dropout=0.0)
+        model_args = replace(model_args, lora_dropout=training_lora_dropout("ppo", model_args.lora_dropout))
     sources = {POLICY: args.sft_adapter, REFERENCE: args.sft_adapter, VALUE: args.reward_adapter,
                REWARD: args.reward_adapter}
     specs = stage_specs("ppo", sources, without=(REWARD,) if args.reward_adapter is None else ())

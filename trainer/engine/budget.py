@@ -35,8 +35,6 @@ def estimate_arguments(stage: str, model_args, data_args, train_args, stage_args
     extra = {"stage": stage, "device": "cuda" if device == "cuda" else "cpu"}
     if offloads_optimizer(deepspeed_config(accelerator)):
         extra["optimizer"] = "deepspeed_zero2_offload"
-    if stage in ("ppo", "grpo"):
-        extra["lora_dropout"] = 0.0  # online RL turns LoRA dropout off (trainer/ppo.py, trainer/grpo.py: build_model)
     return EstimateArguments.of_run(model_args, data_args, train_args, stage_args, **extra)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from profiling.plan import offloads_allowed
 from trainer.engine.launch import LaunchError, is_fsdp, shards_parameters
 
 
@@ -56,9 +57,5 @@ class MemoryOptions:
                               f"up in host memory, which a {self.decode} decode step cannot capture")
 
     def may_offload(self, accelerator) -> tuple[str, ...]:
-        """The offloads a budget plan may turn on under this launch: neither where the base is sharded, the
-        embedding only with eager decoding, the activations not through compiled layers."""
-        if shards_parameters(accelerator):
-            return ()
-        return ((("offload_embeddings",) if self.decode == "eager" else ())
-                + (("offload_activations",) if not self.compile_layers else ()))
+        """The offloads a budget plan may turn on under this launch (`profiling.plan.offloads_allowed`)."""
+        return offloads_allowed(self.decode, self.compile_layers, shards_parameters(accelerator))

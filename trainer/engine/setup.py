@@ -18,6 +18,7 @@ import torch
 from accelerate.utils import set_seed
 
 from foundation.cli import FieldError, InputError, UsageError
+from foundation.settings import split_specs
 from foundation.files import write_atomic
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
 from trainer.data.formats import parser_for
@@ -35,6 +36,7 @@ from trainer.engine.run_lock import RunLock, RunLocked
 from trainer.model.adapter_fit import BASE_MODEL_FILE, base_identity, saved_base
 from trainer.model.loading import load_tokenizer, max_positions, precision_record, resolve_precision
 from trainer.model.shared_base import check_adapter_folder
+from trainer.rl.rewards import source_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +179,7 @@ RESUME_SAFE_FIELDS = {"train": COSMETIC_FIELDS["train"] | {"max_steps", "eval_ev
 
 def reward_sources(stage_args) -> dict[str, Any]:
     """{"reward_files": {file or module: hash}} of a stage scored by reward functions, else {}."""
-    sources = stage_args.reward_sources() if hasattr(stage_args, "reward_sources") else {}
+    sources = source_hashes(split_specs(getattr(stage_args, "reward_fn", None)))
     return {"reward_files": sources} if sources else {}
 
 

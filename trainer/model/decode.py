@@ -33,12 +33,11 @@ from torch import nn
 from foundation.cli import UsageError
 from foundation.stages import POLICY
 from profiling.decode import sync
-from profiling.resolve import GENERATION_WEIGHTS  # noqa: F401  (the choices, one owner: the estimator reads them too)
+from foundation.settings import DECODE_PATHS, GENERATION_WEIGHTS  # noqa: F401  (the choices: declared once)
 from profiling.tensors import HELD_GENERATION_WEIGHTS
 
 logger = logging.getLogger(__name__)
 
-DECODE_PATHS = ("eager", "compiled")
 CHECK_EVERY = 8  # decode steps between two reads of "has every row ended?" on the host
 CACHE_ROUND = 128  # a compiled path's KV cache length is rounded up to this: one graph serves many prompts
 

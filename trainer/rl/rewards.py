@@ -30,12 +30,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from foundation.cli import UsageError
+from foundation.settings import BUILTINS, check_builtin, check_spec, split_specs  # noqa: F401  (evaluate.py reads split_specs here)
 from foundation.stages import REWARD
 from trainer.rl.scoring import sequence_scores
 
 logger = logging.getLogger(__name__)
 
-BUILTINS = ("keyword", "length", "chars")
 RESERVED = ("prompts", "completions", "completion_ids")  # the call's own arguments: a column cannot replace them
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # scores are float32 tensors: a reward must fit one
 
@@ -61,51 +61,14 @@ def _text(completion) -> str:
 def builtin(spec: str, flag: str = "--reward_fn") -> RewardFunction:
     """`keyword:WORD` (1 when WORD is in the response, any case), `length:N` (-|tokens - N| / N, the EOS
     counted) or `chars:N` (-|characters - N| / N of the decoded text), as a reward function."""
-    kind, _, arg = spec.partition(":")
-    if kind not in BUILTINS or not arg:
-        raise UsageError(f"{flag} {spec!r}: use keyword:WORD, length:N or chars:N")
+    kind, arg = check_builtin(spec, flag)
     if kind == "keyword":
         word = arg.lower()
         return RewardFunction(kind, lambda completions, **_: [float(word in _text(c).lower()) for c in completions])
-    if not arg.isdigit() or int(arg) < 1:
-        raise UsageError(f"{flag} {spec!r}: N must be a whole number of at least 1")
     n = int(arg)
     if kind == "length":
         return RewardFunction(kind, lambda completion_ids, **_: [-abs(len(ids) - n) / n for ids in completion_ids])
     return RewardFunction(kind, lambda completions, **_: [-abs(len(_text(c)) - n) / n for c in completions])
-
-
-# ---- the settings ----------------------------------------------------------------------------------
-
-def split_specs(text: Optional[str]) -> list[str]:
-    return [part.strip() for part in (text or "").split(",") if part.strip()]
-
-
-def check_spec(spec: str) -> None:
-    """A UsageError unless `spec` reads as a built-in, `PATH.py:NAME` or `package.module:NAME` (not imported)."""
-    if spec.partition(":")[0] in BUILTINS:  # a built-in wins over a module of its name (the standard `keyword`)
-        builtin(spec)
-        return
-    target, sep, name = spec.rpartition(":")
-    dotted = all(part.isidentifier() for part in target.split("."))
-    if not sep or not name.isidentifier() or not (target.endswith(".py") or dotted):
-        raise UsageError(f"--reward_fn {spec!r}: use PATH.py:NAME, package.module:NAME, keyword:WORD, length:N or "
-                         "chars:N (several: comma-separated)")
-
-
-def parse_weights(text: Optional[str], count: int) -> list[float]:
-    """The --reward_weights of `count` functions (1 each when unset)."""
-    if not text:
-        return [1.0] * count
-    try:
-        weights = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--reward_weights {text!r}: use comma-separated numbers, one per --reward_fn") from None
-    if len(weights) != count:
-        raise UsageError(f"--reward_weights {text!r}: {len(weights)} weights for {count} reward functions")
-    if not all(math.isfinite(w) for w in weights):
-        raise UsageError(f"--reward_weights {text!r}: every weight must be a finite number")
-    return weights
 
 
 def _module_of(target: str, spec: str):
