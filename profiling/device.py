@@ -82,6 +82,44 @@ def read_nvml(device: Optional[torch.device] = None) -> NvmlReading:
         pynvml.nvmlShutdown()
 
 
+def warm_up(device: torch.device) -> None:
+    """Start CUDA on `device` with cuBLAS in it (one small bf16 matmul): what every run holds from its first
+    step on, so that `cuda_context_bytes` reads it at start."""
+    torch.cuda.init()
+    x = torch.ones(64, 64, device=device, dtype=torch.bfloat16)
+    (x @ x).sum().item()
+    del x
+
+
+def cuda_context_bytes(device: torch.device) -> tuple[Optional[int], Optional[str]]:
+    """(bytes this process holds on `device` outside PyTorch's allocator - its CUDA context, loaded kernels,
+    library workspaces: NVML's figure for this process less what the allocator reserved, None) or (None, why
+    NVML cannot say: no GPU, no pynvml, or process ids a container hides from it)."""
+    import os
+
+    reason = cuda_unavailable_reason(device)
+    if reason:
+        return None, reason
+    try:
+        import pynvml
+    except ImportError:
+        return None, "pynvml is not installed (pip install nvidia-ml-py)"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return None, f"NVML cannot start ({exc})"
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(_nvml_index(device))
+        mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid()]
+    except pynvml.NVMLError as exc:
+        return None, f"NVML query failed ({exc})"
+    finally:
+        pynvml.nvmlShutdown()
+    if not mine or mine[0] is None:
+        return None, "NVML lists no memory for this process (its process ids are the host's, not this container's)"
+    return max(0, int(mine[0]) - torch.cuda.memory_reserved(device)), None
+
+
 def _nvml_index(device: Optional[torch.device]) -> int:
     """NVML numbers devices physically; CUDA_VISIBLE_DEVICES renumbers them for torch."""
     import os

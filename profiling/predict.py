@@ -338,8 +338,8 @@ def assumptions(args: EstimateArguments) -> list[str]:
         "step's logits",
         "each phase is shown at its peak moment: a pass's layers and its LM head never peak together, so a "
         "term that peaks at another moment reads 0 there (its own peak: `term_peaks` in the JSON)",
-        f"allocator_overhead and cuda_context are assumptions ({args.allocator_overhead:.0%} of allocated, "
-        f"{args.cuda_context_gib} GiB) until a GPU run measures them",
+        f"allocator_overhead is an assumption ({args.allocator_overhead:.0%} of allocated); cuda_context "
+        f"({args.cuda_context_gib:.3g} GiB) is measured at a run's start where NVML reads it, else assumed",
         "optimizer_states are the steady state after the first step; gradients are fp32 LoRA/head gradients",
     ]
     if args.stage in ("ppo", "grpo"):

@@ -530,3 +530,16 @@ def test_compiled_layers_are_refused_where_the_base_is_sharded(kind, config):
     with pytest.raises(LaunchError, match="^--compile_layers is not supported under .*drop --compile_layers$"):
         options.check(fake_accelerator(kind, config))
     options.check(fake_accelerator("deepspeed", ZERO2_OFFLOAD))  # ZeRO-2: allowed
+
+
+def test_on_cuda_the_allocator_grows_segments_in_place_unless_the_user_chose(monkeypatch):
+    from trainer.engine.launch import ALLOC_CONF, EXPANDABLE_SEGMENTS, set_allocator_defaults
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    env = {}
+    assert set_allocator_defaults(env) == EXPANDABLE_SEGMENTS and env == {ALLOC_CONF: EXPANDABLE_SEGMENTS}
+    chosen = {ALLOC_CONF: "max_split_size_mb:128"}
+    assert set_allocator_defaults(chosen) is None and chosen == {ALLOC_CONF: "max_split_size_mb:128"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cpu = {}
+    assert set_allocator_defaults(cpu) is None and cpu == {}

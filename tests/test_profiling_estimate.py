@@ -407,3 +407,64 @@ def test_the_estimator_reads_a_stage_s_config_file_and_plans_what_it_leaves_auto
     assert "budget plan" in out and "micro_batch_size 8  (planned)" in out
     main([*argv, "--micro_batch_size", "2"])
     assert "micro_batch_size 2  (set)" in capsys.readouterr().out
+
+
+class FakeNvml:
+    """pynvml's calls cuda_context_bytes makes, with this process holding `used` bytes by NVML's count."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, pid: int, used):
+        self.pid, self.used = pid, used
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return index
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(pid=self.pid + 1, usedGpuMemory=10 * 2**30),
+                SimpleNamespace(pid=self.pid, usedGpuMemory=self.used)]
+
+
+def test_the_cuda_context_is_nvml_s_figure_for_this_process_less_the_allocator_s(monkeypatch):
+    from profiling import device as D
+
+    monkeypatch.setattr(D, "cuda_unavailable_reason", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2**30)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(os.getpid(), 3 * 2**30 + 2**29))
+    assert D.cuda_context_bytes(cuda) == (2**30 + 2**30 + 2**29, None)  # 3.5 GiB used, 1 GiB the allocator's
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(os.getpid() + 7, 3 * 2**30))  # a container's other pid
+    measured, why = D.cuda_context_bytes(cuda)
+    assert measured is None and "process ids" in why
+    monkeypatch.undo()
+    measured, why = D.cuda_context_bytes(torch.device("cpu"))
+    assert measured is None and "not CUDA" in why
+
+
+def test_a_cuda_run_s_budget_check_estimates_with_the_context_it_measured(monkeypatch):
+    from types import SimpleNamespace
+
+    import trainer.engine.budget as budget
+    from trainer.config import DataArguments, ModelArguments, TrainArguments
+    from trainer.ppo import PPOArguments
+
+    monkeypatch.setattr(budget, "warm_up", lambda device: None)
+    monkeypatch.setattr(budget, "cuda_context_bytes", lambda device: (int(1.4 * 2**30), None))
+    budget.cuda_context_gib.cache_clear()
+    cuda = SimpleNamespace(device=torch.device("cuda", 0), distributed_type="NO")
+    args = budget.estimate_arguments("ppo", ModelArguments(), DataArguments(), TrainArguments(), PPOArguments(), cuda)
+    assert args.cuda_context_gib == pytest.approx(1.4)
+    monkeypatch.setattr(budget, "cuda_context_bytes", lambda device: (None, "no NVML here"))
+    budget.cuda_context_gib.cache_clear()
+    args = budget.estimate_arguments("ppo", ModelArguments(), DataArguments(), TrainArguments(), PPOArguments(), cuda)
+    assert args.cuda_context_gib == EstimateArguments().cuda_context_gib  # the assumption, said in the log
+    budget.cuda_context_gib.cache_clear()

@@ -7,11 +7,14 @@ running out of memory an hour in.
 
 from __future__ import annotations
 
+import functools
 import logging
+from typing import Optional
 
 from foundation.cli import UsageError, given
 from profiling import components as C
 from profiling.advice import advice_lines
+from profiling.device import cuda_context_bytes, warm_up
 from profiling.plan import PLANNABLE, plan_rl
 from profiling.predict import EstimateArguments, estimate, resolve_shape
 from trainer.engine.launch import deepspeed_config, offloads_optimizer
@@ -27,15 +30,33 @@ class BudgetError(UsageError):
 def estimate_arguments(stage: str, model_args, data_args, train_args, stage_args, accelerator) -> EstimateArguments:
     """The stage's settings as the estimator reads them (the same field names), on this run's device.
 
-    Two facts only the launch knows are added: the device, and DeepSpeed's optimizer offload (the
-    optimizer states then live in host RAM). Precision and 'auto' settings resolve by the same rule
+    Facts only the launch knows are added: the device, the CUDA context it holds (measured), and DeepSpeed's
+    optimizer offload (the optimizer states then live in host RAM). Precision and 'auto' settings resolve by the same rule
     the model loading uses (`profiling.resolve`).
     """
     device = accelerator.device.type
     extra = {"stage": stage, "device": "cuda" if device == "cuda" else "cpu"}
+    if device == "cuda":
+        context = cuda_context_gib(accelerator.device)
+        if context is not None:
+            extra["cuda_context_gib"] = context
     if offloads_optimizer(deepspeed_config(accelerator)):
         extra["optimizer"] = "deepspeed_zero2_offload"
     return EstimateArguments.of_run(model_args, data_args, train_args, stage_args, **extra)
+
+
+@functools.cache
+def cuda_context_gib(device) -> Optional[float]:
+    """The CUDA context this process holds on `device`, measured once at start (`profiling.device`); None,
+    said in one line, where NVML cannot read it: the estimate then assumes EstimateArguments' default."""
+    warm_up(device)
+    measured, why = cuda_context_bytes(device)
+    if measured is None:
+        logger.info("cuda_context: %s; the estimate assumes %s GiB", why, EstimateArguments().cuda_context_gib)
+        return None
+    logger.info("cuda_context: %s GiB measured on %s (NVML for this process, less the allocator's)",
+                C.gib(measured), device)
+    return measured / C.GIB
 
 
 def check_budget(stage: str, model_args, data_args, train_args, stage_args, accelerator) -> dict:

@@ -102,11 +102,26 @@ def resolve_mixed_precision(name: str) -> str:
     return "no"
 
 
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def set_allocator_defaults(environ=os.environ) -> Optional[str]:
+    """On CUDA, unless PYTORCH_CUDA_ALLOC_CONF is set: PyTorch's caching allocator grows its segments in place
+    (expandable_segments), so what it reserves stays close to what the run allocates and a card holds what
+    the memory report counts. Before the allocator starts (the first CUDA allocation). Returns what it set."""
+    if ALLOC_CONF in environ or not torch.cuda.is_available():
+        return None
+    environ[ALLOC_CONF] = EXPANDABLE_SEGMENTS
+    return EXPANDABLE_SEGMENTS
+
+
 def make_accelerator(args):
     """The Accelerator for a stage (TrainArguments `args`): accumulation, precision, trackers. Make it first."""
     from accelerate import Accelerator
     from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
+    set_allocator_defaults()  # before anything allocates on the device (start_run logs it)
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise warn on every import
     out = Path(args.output_dir)

@@ -29,7 +29,9 @@ from trainer.engine.checkpoint import (
     set_aside_previous_run,
 )
 from trainer.engine.harness import TrainingDiverged
-from trainer.engine.launch import check_launch, is_deepspeed, make_accelerator, quant_storage_for, setup_logging
+from trainer.engine.launch import (
+    ALLOC_CONF, check_launch, is_deepspeed, make_accelerator, quant_storage_for, set_allocator_defaults, setup_logging,
+)
 from trainer.engine.memory_options import MemoryOptions
 from trainer.engine.metrics import eval_history, largest_weight, unusable_weights
 from trainer.engine.run_lock import RunLock, RunLocked
@@ -262,8 +264,12 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     import sys
 
     model_args, data_args, train_args, stage_args = parse_config(stage_args_cls, sys.argv[1:] if argv is None else argv)
+    allocator = set_allocator_defaults()
     accelerator = make_accelerator(train_args)
     setup_logging(accelerator)
+    if allocator:
+        logger.info("%s=%s: the CUDA allocator grows segments in place (set %s to choose otherwise)", ALLOC_CONF,
+                    allocator, ALLOC_CONF)
     check_launch(accelerator, stage)
     MemoryOptions.of(model_args, train_args, stage_args).check(accelerator)
     check_output_dir(Path(train_args.output_dir))
