@@ -288,3 +288,35 @@ def test_trl_grpo_recipe_keeps_each_label_and_estimates_trl_s_recipe_with_the_po
     assert both["peak_gib"] < offloaded["peak_gib"] and both["peak_phase"] == "update"
     readme = (tmp_path / "README.md").read_text()
     assert "## before" in readme and "## after" in readme and "goal <= 8.9 GiB" in readme
+
+
+GRPO_TINY = ["--model_name_or_path", "tiny-llama", "--max_new_tokens", "4", "--num_generations", "2",
+             "--rollout_batch_size", "2", "--mini_batch_size", "4", "--micro_batch_size", "2",
+             "--rollout_micro_batch_size", "4", "--prompt_length", "16", "--lora_r", "4", "--lora_alpha", "8",
+             "--scripted_reward", "chars:8"]
+
+
+def test_grpo_vs_trl_runs_our_grpo_stage_and_trl_s_trainer_on_the_same_rows(tmp_path):
+    """The smoke run of benchmarks.grpo_vs_trl (one process, the CPU): both sides take one optimizer step a
+    step on 2 prompts x 2 completions, ours through the GRPO stage's own model and step; the report holds
+    each side's figures, the ratios, and no GPU figure."""
+    from benchmarks.grpo_vs_trl import GRPOWorkload, main
+
+    args = GRPOWorkload.parse(GRPO_TINY)
+    assert (args.beta, args.gradient_checkpointing, args.lora_dropout, args.min_new_tokens) == (0.0, True, 0.0, 4)
+    assert GRPOWorkload.parse([]).lora_r == 32 and GRPOWorkload.parse([]).num_generations == 8  # TRL's recipe
+    report = main([*GRPO_TINY, "--isolate", "false", "--out_dir", str(tmp_path)])
+    for name in ("ours", "trl"):
+        side = report["sides"][name]
+        assert side["status"] == "ok", side["error"]
+        assert [s["warmup"] for s in side["steps"]] == [True, False]
+        assert [s["optimizer_steps"] for s in side["steps"]] == [1, 1]
+        summary = side["summary"]
+        assert summary["step_s"] > 0 and summary["rollout_s"] > 0 and summary["update_s"] > 0
+        assert summary["peak_allocated_bytes"] is None and summary["peak_rss_bytes"] > 0  # no CUDA here
+    assert report["sides"]["trl"]["setup"]["grpo_config"]["generation_batch_size"] == 4  # the same 4 rows
+    assert report["sides"]["ours"]["setup"]["step"].startswith("trainer.rl.online.rl_step")
+    assert report["ratios"]["step_s_ours_over_trl"] > 0 and report["ratios"]["peak_reserved_bytes_ours_over_trl"] is None
+    text = (tmp_path / "grpo_vs_trl.md").read_text()
+    assert "TRL GRPOTrainer" in text and "git revision" in text
+    assert json.loads((tmp_path / "grpo_vs_trl.json").read_text())["kind"] == "grpo_vs_trl"

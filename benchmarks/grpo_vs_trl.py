@@ -1,0 +1,366 @@
+"""Our GRPO step against TRL's GRPOTrainer on the same work - TRL's QLoRA GRPO recipe by default.
+
+    python -m benchmarks.grpo_vs_trl --model_name_or_path qwen2.5-7b          # the recipe, on a GPU
+    python -m benchmarks.grpo_vs_trl --model_name_or_path tiny-llama --max_new_tokens 8 ...   # a smoke run
+
+Both sides: the same base (NF4 where CUDA has bitsandbytes), LoRA r=32 on every linear layer, no dropout,
+paged 8-bit AdamW on CUDA, gradient checkpointing, beta 0 (no reference pass), the same reward function
+(`--scripted_reward`, TRL's calling convention), `num_generations` completions of exactly `max_new_tokens`
+tokens for each of `rollout_batch_size` hh-rlhf prompts of `prompt_length` tokens (TRL tokenizes the text
+again), one optimizer step per generation. Ours is the GRPO stage's own model and step
+(`trainer.grpo.build_model`, `trainer.rl.online.rl_step`); TRL's is its `GRPOTrainer.train()`. Each side runs in
+a process of its own: `warmup_runs` steps, then `steps` measured; per side the step, rollout and update time,
+peak allocated and reserved, and the device's NVML reading. Writes grpo_vs_trl.json / .md into `out_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional, Sequence
+
+import torch
+
+from benchmarks.measure import MemoryProbe, PhaseClock, StepCounter, release_memory, step_record
+from benchmarks.ours import StepPhases
+from benchmarks.workload import fixed_length_prompts, lora_targets
+from foundation.cli import Checked, at_least, parse, run
+from foundation.settings import DataArguments, GRPOArguments, ModelArguments, TrainArguments
+
+logger = logging.getLogger("benchmarks.grpo_vs_trl")
+ROOT = Path(__file__).resolve().parent.parent
+SIDES = {"ours": "ours (one base, GRPO stage)", "trl": "TRL GRPOTrainer"}
+# TRL's QLoRA GRPO recipe (benchmarks/trl_grpo_recipe.py), and a benchmark's fixed-length, log-free run
+RECIPE = {"model_name_or_path": "qwen2.5-7b", "lora_r": 32, "lora_alpha": 64, "lora_dropout": 0.0,
+          "gradient_checkpointing": True, "beta": 0.0, "num_generations": 8, "rollout_batch_size": 1,
+          "mini_batch_size": 8, "micro_batch_size": 8, "rollout_micro_batch_size": 8, "max_new_tokens": 256,
+          "scripted_reward": "chars:200", "learning_rate": 1e-5, "warmup_steps": 0, "min_lr_ratio": 1.0,
+          "report_to": "none", "progress_bar": False, "eval_prompts": 0, "check_budget": False, "auto_fit": False}
+
+
+@dataclass
+class GRPOBenchArguments(Checked):
+    """What this benchmark adds to the training settings."""
+
+    prompt_length: int = field(default=128, metadata={"help": "Every prompt has exactly this many tokens."})
+    steps: int = field(default=1, metadata={"help": "Measured steps per side."})
+    warmup_runs: int = field(default=1, metadata={"help": "Steps run first and left out of the figures."})
+    sides: str = field(default="ours,trl", metadata={"help": "Which sides to run, in this order: ours, trl."})
+    isolate: bool = field(default=True, metadata={"help": "Each side in a fresh Python process of its own."})
+    out_dir: Optional[str] = field(default=None, metadata={"help": "Default benchmarks/results/grpo_vs_trl-MODEL-DEVICE."})
+    side_run_out: Optional[str] = field(default=None, metadata={
+        "help": "Internal (what --isolate runs): run the one side of --sides, write its record here, exit."})
+
+    RULES = {"prompt_length": at_least(2), "steps": at_least(1), "warmup_runs": at_least(0),
+             "sides": lambda name, value: None if value and set(value.split(",")) <= set(SIDES)
+             else f"must be some of {', '.join(SIDES)}, comma-separated"}
+
+
+@dataclass(frozen=True)
+class GRPOWorkload:
+    """The settings objects of one run (training's own, with the recipe's values) and the benchmark's."""
+
+    model: ModelArguments
+    data: DataArguments
+    train: TrainArguments
+    grpo: GRPOArguments
+    bench: GRPOBenchArguments
+
+    def __getattr__(self, name: str) -> Any:  # w.prompt_length, w.num_generations: the part that has it
+        for part in ("model", "data", "train", "grpo", "bench"):
+            obj = object.__getattribute__(self, part)
+            if hasattr(obj, name):
+                return getattr(obj, name)
+        raise AttributeError(name)
+
+    @classmethod
+    def parse(cls, argv: Sequence[str]) -> "GRPOWorkload":
+        model, data, train, grpo, bench = parse([ModelArguments, DataArguments, TrainArguments, GRPOArguments,
+                                                 GRPOBenchArguments], argv, RECIPE)
+        return cls(model, replace(data, max_prompt_length=bench.prompt_length), train,
+                   replace(grpo, min_new_tokens=grpo.max_new_tokens), bench)
+
+    @property
+    def total_steps(self) -> int:
+        return self.bench.warmup_runs + self.bench.steps
+
+    @property
+    def rows(self) -> int:
+        return self.grpo.rollout_batch_size * self.grpo.num_generations
+
+    def tokens(self) -> dict[str, int]:
+        return {"generated": self.rows * self.grpo.max_new_tokens,
+                "update": self.rows * (self.bench.prompt_length + self.grpo.max_new_tokens)}
+
+
+def run_ours(args: GRPOWorkload, prompts: list[list[int]], tokenizer, accelerator, probe: MemoryProbe,
+             result: dict) -> None:
+    """The GRPO stage's model, step and state (`trainer.grpo`, `trainer.rl.online`) without its harness."""
+    from trainer.data.collators import PromptCollator
+    from trainer.data.tokenization import PromptExample
+    from trainer.engine.harness import Engine
+    from trainer.engine.phases import watching
+    from trainer.grpo import build_model
+    from trainer.rl.algorithms.grpo import GRPO
+    from trainer.rl.online import rl_step
+    from trainer.rl.settings import make_scorer
+
+    clock = PhaseClock(probe)
+    clock.start()
+    ctx = SimpleNamespace(model_args=args.model, stage_args=args.grpo, tokenizer=tokenizer, accelerator=accelerator,
+                          quant_storage=lambda model_args: torch.uint8)
+    model = build_model(ctx)
+    engine = Engine(model, args.train, accelerator, "grpo", accumulation_steps=args.mini_batch_size // args.micro_batch_size)
+    setup = clock.lap()
+    result["setup"] = {"model": f"ONE {args.model_name_or_path} base, adapters {', '.join(model.adapter_names)}",
+                       "trainable_parameters": sum(p.numel() for p in model.trainable_parameters()),
+                       "step": "trainer.rl.online.rl_step with trainer.rl.algorithms.grpo.GRPO"}
+    result.update(setup_s=setup.seconds, setup_peak=setup.peaks)
+    algorithm, scorer = GRPO(args.grpo), make_scorer(args.grpo, tokenizer)
+    state = algorithm.start(args.micro_batch_size, args.seed)
+    phases, counter, b = StepPhases(clock), StepCounter(engine.optimizer), args.rollout_batch_size
+    collate = PromptCollator(tokenizer.pad_token_id)
+    try:
+        for i in range(args.total_steps):
+            batch = collate([PromptExample(p, "bench") for p in prompts[i * b : (i + 1) * b]])
+            clock.start()
+            with watching(phases):
+                out = rl_step(engine, batch, algorithm, state, scorer, tokenizer.eos_token_id, tokenizer.pad_token_id)
+            update = clock.lap()
+            result["steps"].append(step_record(i + 1, i < args.warmup_runs, phases.rollout, update, clock.parts,
+                                               optimizer_steps=counter.take()))
+            result["metrics"] = {k: float(v) for k, v in out.metrics.items()}
+    finally:
+        counter.remove()
+        accelerator.free_memory()
+
+
+def run_trl(args: GRPOWorkload, prompts: list[list[int]], tokenizer, accelerator, probe: MemoryProbe,
+            result: dict) -> None:
+    """TRL's GRPOTrainer on the same base and rows: a step from its `on_step_begin` to `on_step_end`, the
+    rollout up to the end of its `_generate_and_score_completions`."""
+    import datasets
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer.engine.optim import resolve_optimizer_name
+    from trainer.model.loading import load_base_model
+    from trainer.rl.rewards import builtin
+
+    device = accelerator.device
+    clock = PhaseClock(probe)
+    clock.start()
+    policy = load_base_model(args.model, vocab_size=len(tokenizer), device=device, checkpointing=False)
+    reward = builtin(args.scripted_reward, "--scripted_reward")
+    laps: dict[str, Any] = {}
+    steps = result["steps"]
+
+    class StepEvents(TrainerCallback):
+        def on_train_begin(self, *_a, optimizer=None, **_k):
+            laps["counter"] = StepCounter(optimizer)  # the Trainer makes its optimizer inside train()
+
+        def on_step_begin(self, *_a, **_k):
+            clock.start()
+
+        def on_step_end(self, *_a, **_k):
+            update = clock.lap()
+            steps.append(step_record(len(steps) + 1, len(steps) < args.warmup_runs, laps.pop("rollout"), update,
+                                     clock.parts, optimizer_steps=laps["counter"].take()))
+
+    mixed = accelerator.mixed_precision
+    out = tempfile.mkdtemp(prefix="trl-grpo-")
+    config = GRPOConfig(
+        output_dir=out, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, seed=args.seed,
+        bf16=mixed == "bf16", fp16=mixed == "fp16", use_cpu=device.type == "cpu",
+        optim=resolve_optimizer_name(args.optimizer, device, quiet=True), learning_rate=args.learning_rate,
+        lr_scheduler_type="constant", weight_decay=0.0, gradient_checkpointing=args.gradient_checkpointing,
+        per_device_train_batch_size=args.micro_batch_size, gradient_accumulation_steps=args.rows // args.micro_batch_size,
+        num_generations=args.num_generations, max_completion_length=args.max_new_tokens, beta=args.beta,
+        temperature=args.temperature, epsilon=args.cliprange, num_iterations=args.epochs, max_steps=args.total_steps,
+        generation_kwargs={"min_new_tokens": args.max_new_tokens}, log_completions=False)
+    peft_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                             target_modules=lora_targets(args.lora_target_modules), bias="none", task_type="CAUSAL_LM")
+    texts = [tokenizer.decode(p) for p in prompts]
+    trainer = GRPOTrainer(model=policy, reward_funcs=[reward.fn], args=config, processing_class=tokenizer,
+                          train_dataset=datasets.Dataset.from_dict({"prompt": texts}), peft_config=peft_config,
+                          callbacks=[StepEvents()])
+    del policy
+    trainer.remove_callback(PrinterCallback)
+    setup = clock.lap()
+    result["setup"] = {"model": f"{args.model_name_or_path} with a LoRA adapter (peft), GRPOTrainer",
+                       "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+                       "grpo_config": {k: getattr(config, k) for k in (
+                           "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
+                           "generation_batch_size", "steps_per_generation", "max_completion_length", "beta",
+                           "loss_type", "optim", "gradient_checkpointing", "bf16")}}
+    result.update(setup_s=setup.seconds, setup_peak=setup.peaks)
+    generate = trainer._generate_and_score_completions
+
+    def timed_rollout(*a, **k):
+        with clock.subphase("generate"):
+            out_ = generate(*a, **k)
+        laps["rollout"] = clock.lap()
+        return out_
+
+    trainer._generate_and_score_completions = timed_rollout
+    try:
+        trainer.train()
+    finally:
+        if "counter" in laps:
+            laps["counter"].remove()
+        trainer.accelerator.free_memory()
+        trainer.model = trainer.optimizer = None
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def run_side(name: str, args: GRPOWorkload, prompts, tokenizer, accelerator, probe: MemoryProbe) -> dict:
+    """One side's record: setup, steps, the step metrics (ours), status and the device's NVML maximum."""
+    from accelerate.utils import set_seed
+
+    result: dict[str, Any] = {"side": name, "label": SIDES[name], "status": "ok", "error": None, "steps": [],
+                              "setup": {}}
+    release_memory()
+    set_seed(args.seed)
+    try:
+        (run_ours if name == "ours" else run_trl)(args, prompts, tokenizer, accelerator, probe, result)
+    except torch.OutOfMemoryError as exc:
+        result.update(status="out_of_memory", error=f"{type(exc).__name__}: {str(exc)[:500]}")
+    except Exception as exc:  # a broken side still leaves the other side's figures
+        result.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:500]}")
+        logger.exception("%s failed", name)
+    result["nvml_used_max_bytes"], probe.nvml_max = probe.nvml_max, None
+    release_memory()
+    return result
+
+
+def run_isolated(name: str, argv: list[str]) -> dict:
+    """`run_side` in a fresh Python process: nothing one side leaves behind slows or fills the other."""
+    with tempfile.TemporaryDirectory(prefix="grpo-bench-side-") as folder:
+        record = Path(folder) / "side.json"
+        own = ("--sides", "--side_run_out", "--isolate")
+        command = [sys.executable, "-m", "benchmarks.grpo_vs_trl", *_without(argv, own), "--sides", name,
+                   "--isolate", "false", "--side_run_out", str(record)]
+        code = subprocess.run(command, cwd=ROOT).returncode
+        if code == 0 and record.exists():
+            return json.loads(record.read_text())
+    return {"side": name, "label": SIDES[name], "status": "failed", "steps": [], "setup": {},
+            "error": f"its process exited with status {code} before writing its record"}
+
+
+def _without(argv: list[str], names: Sequence[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif arg.split("=", 1)[0] not in names:
+            out.append(arg)
+    return out
+
+
+def summarize(side: dict) -> dict[str, Optional[float]]:
+    """Means over the measured steps; peaks over every step (model loading left out)."""
+    measured = [s for s in side["steps"] if not s["warmup"]]
+    out: dict[str, Optional[float]] = {}
+    for key in ("step_s", "rollout_s", "update_s", "generate_s", "optimizer_steps"):
+        values = [s[key] for s in measured if s.get(key) is not None]
+        out[key] = statistics.fmean(values) if values else None
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes"):
+        values = [s["peak"][key] for s in side["steps"] if s["peak"].get(key) is not None]
+        out[key] = max(values) if values else None
+    out["nvml_used_max_bytes"] = side.get("nvml_used_max_bytes")
+    return out
+
+
+def ratios(ours: dict, trl: dict) -> dict[str, Optional[float]]:
+    """Ours over TRL's (below 1: ours is faster or lighter): the issue's goals read these."""
+    def over(key: str) -> Optional[float]:
+        a, b = ours.get(key), trl.get(key)
+        return a / b if a and b else None
+
+    return {f"{key}_ours_over_trl": over(key) for key in ("step_s", "rollout_s", "update_s", "peak_allocated_bytes",
+                                                           "peak_reserved_bytes", "nvml_used_max_bytes")}
+
+
+def markdown(report: dict) -> str:
+    gib = lambda v: f"{v / 2**30:.2f}" if v else "-"  # noqa: E731
+    sec = lambda v: f"{v:.2f}" if v else "-"  # noqa: E731
+    lines = [f"# GRPO step: ours vs TRL's GRPOTrainer ({report['settings']['model_name_or_path']}, "
+             f"{report['device_name']})", "", f"- command: `{report['command']}`",
+             f"- git revision: `{report['git_revision']}`, date {report['date']}",
+             f"- work: {report['tokens_per_step']['generated']} generated tokens per step "
+             f"({report['settings']['rollout_batch_size']} prompts x {report['settings']['num_generations']}); "
+             f"{report['alloc_conf'] or 'PYTORCH_CUDA_ALLOC_CONF unset'}", "",
+             "| side | status | step s | rollout s | update s | peak allocated GiB | peak reserved GiB | "
+             "device used GiB (NVML) | peak RSS GiB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for side in report["sides"].values():
+        s = side["summary"]
+        lines.append(f"| {side['label']} | {side['status']} | {sec(s['step_s'])} | {sec(s['rollout_s'])} | "
+                     f"{sec(s['update_s'])} | {gib(s['peak_allocated_bytes'])} | {gib(s['peak_reserved_bytes'])} | "
+                     f"{gib(s['nvml_used_max_bytes'])} | {gib(s['peak_rss_bytes'])} |")
+    if report.get("ratios"):
+        lines += ["", "Ours over TRL's: " + ", ".join(f"{k.removesuffix('_ours_over_trl')} {v:.2f}x"
+                                                       for k, v in report["ratios"].items() if v)]
+    errors = [f"- {s['label']}: {s['error']}" for s in report["sides"].values() if s.get("error")]
+    return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    import os
+
+    from foundation.files import write_atomic
+    from foundation.provenance import provenance, relative_command
+    from trainer.engine.launch import ALLOC_CONF, make_accelerator
+    from trainer.model.loading import load_tokenizer
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = GRPOWorkload.parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    scratch = tempfile.mkdtemp(prefix="grpo-bench-")
+    try:
+        accelerator = make_accelerator(replace(args.train, output_dir=scratch))  # sets the allocator's defaults
+        device, probe = accelerator.device, MemoryProbe(accelerator.device)
+        sides = args.sides.split(",")
+        if args.isolate and not args.side_run_out:
+            records = {name: run_isolated(name, argv) for name in sides}
+        else:
+            tokenizer = load_tokenizer(args.model_name_or_path, args.preset_overrides, args.tokenizer_name_or_path)
+            prompts = fixed_length_prompts(args, tokenizer, args.total_steps * args.rollout_batch_size)
+            records = {name: run_side(name, args, prompts, tokenizer, accelerator, probe) for name in sides}
+            if args.side_run_out:
+                Path(args.side_run_out).write_text(json.dumps(records[sides[0]], default=str))
+                return records[sides[0]]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    for record in records.values():
+        record["summary"] = summarize(record)
+    command = "python -m benchmarks.grpo_vs_trl " + relative_command(argv)
+    report = {"kind": "grpo_vs_trl", **provenance(device, command), "alloc_conf": os.environ.get(ALLOC_CONF),
+              "settings": {k: v for part in ("model", "data", "train", "grpo", "bench")
+                           for k, v in asdict(getattr(args, part)).items()},
+              "tokens_per_step": args.tokens(), "sides": records}
+    if {"ours", "trl"} <= set(records):
+        report["ratios"] = ratios(records["ours"]["summary"], records["trl"]["summary"])
+    out = Path(args.out_dir) if args.out_dir else ROOT / "benchmarks" / "results" / \
+        f"grpo_vs_trl-{args.model_name_or_path}-{device.type}"
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "grpo_vs_trl.json", json.dumps(report, indent=2, default=str) + "\n")
+    write_atomic(out / "grpo_vs_trl.md", markdown(report))
+    logger.info("wrote %s", out / "grpo_vs_trl.md")
+    return report
+
+
+if __name__ == "__main__":
+    run(main)
