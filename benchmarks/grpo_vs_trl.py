@@ -322,6 +322,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     from foundation.files import write_atomic
     from foundation.provenance import provenance, relative_command
     from trainer.engine.launch import ALLOC_CONF, make_accelerator
+    from trainer.engine.setup import simulate_gpu_memory
     from trainer.model.loading import load_tokenizer
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -336,6 +337,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         if args.isolate and not args.side_run_out:
             records = {name: run_isolated(name, argv) for name in sides}
         else:
+            simulate_gpu_memory(args.simulate_gpu_gib, device)  # the same cap for each side
             tokenizer = load_tokenizer(args.model_name_or_path, args.preset_overrides, args.tokenizer_name_or_path)
             prompts = fixed_length_prompts(args, tokenizer, args.total_steps * args.rollout_batch_size)
             records = {name: run_side(name, args, prompts, tokenizer, accelerator, probe) for name in sides}
@@ -350,6 +352,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     report = {"kind": "grpo_vs_trl", **provenance(device, command), "alloc_conf": os.environ.get(ALLOC_CONF),
               "settings": {k: v for part in ("model", "data", "train", "grpo", "bench")
                            for k, v in asdict(getattr(args, part)).items()},
+              "simulated_gpu_gib": args.simulate_gpu_gib if device.type == "cuda" else None,
               "tokens_per_step": args.tokens(), "sides": records}
     if {"ours", "trl"} <= set(records):
         report["ratios"] = ratios(records["ours"]["summary"], records["trl"]["summary"])
