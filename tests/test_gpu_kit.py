@@ -516,3 +516,26 @@ def test_the_plan_table_in_the_kit_readme_is_the_generated_one_and_the_first_cal
     assert BUDGET_S["first"] + WHEELS_S + PACK_S <= CALL_LIMIT_S
     # the PPO memory figures come before the TRL comparison, and fit the budget by the plan
     assert sum(first[s] for s in FIRST_STEPS[: FIRST_STEPS.index("vs-estimate") + 1]) < BUDGET_S["first"]
+
+
+def test_the_grpo_vs_trl_part_runs_trl_s_recipe_on_both_sides_then_the_seed_ppo_under_12_gb(tmp_path):
+    """The part after speed: TRL's QLoRA GRPO recipe on ours and on TRL's GRPOTrainer under the 24 GB cap, then
+    the seed PPO recipe's two steps under a 12 GB cap (its budget check at 12 too); collect tabulates it."""
+    from benchmarks.gpu.collect import grpo_trl_rows
+    from benchmarks.gpu.parts import BUDGET_S, PARTS, PartArguments, steps_for
+
+    assert PARTS.index("grpo_vs_trl") == PARTS.index("speed") + 1 and BUDGET_S["grpo_vs_trl"] <= 480
+    steps = steps_for(PartArguments(part="grpo_vs_trl", out=str(tmp_path)), tmp_path)
+    assert [s.name for s in steps] == ["grpo_vs_trl", "sft+reward", "ppo-12gb"]
+    bench = steps[0].argv
+    assert bench[1:3] == ["-m", "benchmarks.grpo_vs_trl"]
+    assert bench[bench.index("--model_name_or_path") + 1] == "qwen2.5-7b" and "--simulate_gpu_gib" in bench
+    ppo = steps[2].argv
+
+    def last(flag: str) -> str:  # argparse keeps a flag's last value
+        return ppo[len(ppo) - 1 - ppo[::-1].index(flag) + 1]
+
+    assert last("--simulate_gpu_gib") == "12" and last("--memory_budget_gib") == "12" and "trainer/ppo.py" in ppo
+    smoke = ROOT / "benchmarks" / "results" / "grpo_vs_trl-tiny-llama-smoke"
+    rows = grpo_trl_rows(smoke)
+    assert len(rows) == 3 and "| ours | ok |" in rows[0] and "| trl | ok |" in rows[1] and "ours / TRL" in rows[2]

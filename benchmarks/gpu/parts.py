@@ -25,17 +25,18 @@ from foundation.cli import Checked, UsageError, at_least, one_of, parse, run
 from foundation.files import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-PARTS = ("first", "check", "memory", "speed", "ladder", "stages", "grpo_recipe")
+PARTS = ("first", "check", "memory", "speed", "grpo_vs_trl", "ladder", "stages", "grpo_recipe")
 # Seconds of steps; the wheel install and packing come on top: each part fits one 8-minute call.
-BUDGET_S = {"first": 420, "check": 180, "memory": 420, "speed": 420, "ladder": 420, "stages": 420,
-            "grpo_recipe": 420}
+BUDGET_S = {"first": 420, "check": 180, "memory": 420, "speed": 420, "grpo_vs_trl": 420, "ladder": 420,
+            "stages": 420, "grpo_recipe": 420}
 CUT = "cut"  # the part's budget ran out before (or while) the step ran: a step never measured, not a result
 STOP_MARGIN_S = 15  # what a step given a stop time keeps for writing its files before the part's deadline
 
 
 @dataclass
 class PartArguments(Checked):
-    part: str = field(default="first", metadata={"help": "first, check, memory, grpo_recipe, speed, ladder or stages."})
+    part: str = field(default="first", metadata={
+        "help": "first, check, memory, grpo_recipe, speed, grpo_vs_trl, ladder or stages."})
     out: str = field(default="gpu-out", metadata={"help": "Folder the part writes into (then packed by run.sh)."})
     smoke: bool = field(default=False, metadata={"help": "Same code paths on the CPU with the tiny preset."})
     data: str = field(default=".data/hh-rlhf", metadata={"help": "hh-rlhf rows carried to the GPU machine."})
@@ -220,6 +221,29 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                       Step("decode-batches", [*decode, "--batches", "1,64", *sizes,
                                               "--out_dir", str(out / "decode-batches")])]
         return steps
+    if args.part == "grpo_vs_trl":  # TRL's QLoRA GRPO recipe on ours and on TRL's GRPOTrainer, same cap; then
+        # the seed PPO recipe under a 12 GB cap: does the smallest card the estimator allows hold it?
+        work = (["--model_name_or_path", "tiny-llama", "--quantization", "nf4", "--dtype", "float32",
+                 "--mixed_precision", "no", "--optimizer", "adamw_8bit", "--lora_r", "4", "--lora_alpha", "8",
+                 "--max_new_tokens", "4", "--num_generations", "2", "--rollout_batch_size", "2",
+                 "--mini_batch_size", "4", "--micro_batch_size", "2", "--rollout_micro_batch_size", "4",
+                 "--prompt_length", "16"] if args.smoke else
+                ["--model_name_or_path", "qwen2.5-7b", "--quantization", "nf4", "--dtype", "bfloat16",
+                 "--tokenizer_name_or_path", args.tokenizer, "--attn_implementation", "sdpa", *cap_flags(args)])
+        ppo = ["--sft_adapter", str(out / "sft" / "adapter"), "--reward_adapter", str(out / "reward" / "adapter"),
+               "--eval_prompts", "0", "--min_new_tokens", "8" if args.smoke else "128"]
+        if args.smoke:
+            ppo += ["--max_new_tokens", "8", "--rollout_batch_size", "4", "--rollout_micro_batch_size", "4",
+                    "--mini_batch_size", "2"]
+        sft = stage_run(args, "sft", out, "--max_steps", "1")
+        reward = stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"), "--max_steps", "1")
+        return [Step("grpo_vs_trl", [python(), "-m", "benchmarks.grpo_vs_trl", *work, *data_flags(args),
+                                     "--out_dir", str(out / "grpo_vs_trl")]),
+                Step("sft+reward", [python(), "-m", "benchmarks.gpu.in_one_process", "sft", *sft[2:], "::",
+                                    "reward", *reward[2:]]),
+                Step("ppo-12gb", stage_run(args, "ppo", out, *ppo, "--max_steps", "2",
+                                           *([] if args.smoke else ["--simulate_gpu_gib", "12"]),
+                                           "--memory_budget_gib", "12"))]
     if args.part == "grpo_recipe":  # TRL's published QLoRA GRPO recipe, under the 24 GB cap, against the estimator
         # then with the input embedding and the update's kept activations in host memory
         offloads = ("--offload_embeddings", "true", "--offload_activations", "true")

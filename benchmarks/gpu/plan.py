@@ -112,6 +112,14 @@ def predicted(part: str) -> dict[str, float]:
                 "grpo-compiled": process + COMPILE_S + 2 * step_seconds(grpo, load_shape("qwen2.5-7b")),
                 "ppo_compiled": 2 * START_S + 4 * BUILD_S + COMPILE_S + 4 * step_seconds(bench_ppo, shape),
                 "decode-batches": process + decode(1) + decode(64)}
+    if part == "grpo_vs_trl":  # TRL's recipe on both sides (each its own build, a warm-up and a step), then the
+        # seed PPO recipe's SFT and reward steps and 2 PPO steps under a 12 GB cap
+        from profiling.shapes import load_shape
+
+        grpo = 2 * step_seconds(Work(rows=8, prompt=256, new=256, epochs=1, scoring_adapters=0), load_shape("qwen2.5-7b"))
+        return {"grpo_vs_trl": 2 * (process + grpo),
+                "sft+reward": START_S + 2 * BUILD_S + step_seconds(sft_step, shape) + step_seconds(reward_step, shape),
+                "ppo-12gb": process + 2 * step_seconds(seed_ppo, shape)}
     if part == "grpo_recipe":  # TRL's recipe on Qwen2.5-7B shapes: 8 completions of 256 tokens, r=32
         from profiling.shapes import load_shape
 
@@ -164,7 +172,7 @@ def plan_table() -> str:
              f"7B NF4 build (guesses until a GPU manifest replaces them). Each call adds ~{WHEELS_S} s of wheel "
              f"install and ~{PACK_S} s of packing; the machine's start (1-3 minutes) comes before it.", "",
              "| call | step | smoke s (CPU) | GPU s predicted | GPU s measured |", "|---|---|---:|---:|---:|"]
-    for part in ("first", "memory", "grpo_recipe", "speed", "stages", "ladder", "check"):
+    for part in ("first", "memory", "grpo_recipe", "speed", "grpo_vs_trl", "stages", "ladder", "check"):
         guess = predicted(part)
         smoke_steps = (smoke.get(part) or {}).get("steps") or {}
         gpu_steps = (gpu.get(part) or {}).get("steps") or {}

@@ -2,7 +2,7 @@
 # The GPU kit, on the GPU machine: run one or more parts and pack each into ONE archive under $OUT.
 #
 #   benchmarks/gpu/run.sh [--smoke] [--budget_s N] PART [PART ...]
-#       PART: first | check | memory | grpo_recipe | speed | ladder | stages   (first: the headline figures)
+#       PART: first | check | memory | grpo_recipe | speed | grpo_vs_trl | ladder | stages   (first: the headline figures)
 #
 # On the GPU machine (no index, no hub): installs the carried wheels (.whl/, from prepare.sh) into
 # /tmp/site first. --smoke runs the same code paths on the CPU with the tiny preset (what CI runs).
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../.."
 smoke=() budget=()
 if [[ ${1:-} == --smoke ]]; then smoke=(--smoke true); shift; fi
 if [[ ${1:-} == --budget_s ]]; then budget=(--budget_s "${2:?--budget_s needs seconds}"); shift 2; fi
-[[ $# -ge 1 ]] || { echo "usage: benchmarks/gpu/run.sh [--smoke] [--budget_s N] first|check|memory|grpo_recipe|speed|ladder|stages ..." >&2; exit 2; }
+[[ $# -ge 1 ]] || { echo "usage: benchmarks/gpu/run.sh [--smoke] [--budget_s N] first|check|memory|grpo_recipe|speed|grpo_vs_trl|ladder|stages ..." >&2; exit 2; }
 OUT=${OUT:-$PWD/.gpu-out}
 mkdir -p "$OUT"
 # The project's venv where there is one (development machines, CI); the GPU machine's own python3 there.
