@@ -31,7 +31,8 @@ import torch
 
 from benchmarks.measure import MemoryProbe, PhaseClock, StepCounter, release_memory, step_record
 from benchmarks.ours import StepPhases
-from benchmarks.workload import fixed_length_prompts, lora_targets
+from benchmarks.processes import without_options
+from benchmarks.workload import fixed_length_prompts, lora_targets, part_attribute
 from foundation.cli import Checked, at_least, parse, run
 from foundation.settings import DataArguments, GRPOArguments, ModelArguments, TrainArguments
 
@@ -75,11 +76,7 @@ class GRPOWorkload:
     bench: GRPOBenchArguments
 
     def __getattr__(self, name: str) -> Any:  # w.prompt_length, w.num_generations: the part that has it
-        for part in ("model", "data", "train", "grpo", "bench"):
-            obj = object.__getattribute__(self, part)
-            if hasattr(obj, name):
-                return getattr(obj, name)
-        raise AttributeError(name)
+        return part_attribute(self, name)
 
     @classmethod
     def parse(cls, argv: Sequence[str]) -> "GRPOWorkload":
@@ -248,25 +245,13 @@ def run_isolated(name: str, argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="grpo-bench-side-") as folder:
         record = Path(folder) / "side.json"
         own = ("--sides", "--side_run_out", "--isolate")
-        command = [sys.executable, "-m", "benchmarks.grpo_vs_trl", *_without(argv, own), "--sides", name,
+        command = [sys.executable, "-m", "benchmarks.grpo_vs_trl", *without_options(argv, own), "--sides", name,
                    "--isolate", "false", "--side_run_out", str(record)]
         code = subprocess.run(command, cwd=ROOT).returncode
         if code == 0 and record.exists():
             return json.loads(record.read_text())
     return {"side": name, "label": SIDES[name], "status": "failed", "steps": [], "setup": {},
             "error": f"its process exited with status {code} before writing its record"}
-
-
-def _without(argv: list[str], names: Sequence[str]) -> list[str]:
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in names:
-            skip = True
-        elif arg.split("=", 1)[0] not in names:
-            out.append(arg)
-    return out
 
 
 def summarize(side: dict) -> dict[str, Optional[float]]:

@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from benchmarks.measure import MemoryProbe, release_memory
-from benchmarks.processes import run_stoppable
+from benchmarks.processes import run_stoppable, without_options
 from benchmarks.workload import (
     TRL_SIDES, Workload, export_tokenizer, fixed_length_prompts, head_weights, hidden_size, load_bench_tokenizer,
     trl_batch_settings, write_heads,
@@ -151,19 +151,6 @@ def run_side_isolated(name: str, argv: list[str], stop_at: float = 0.0) -> dict:
         if code == 0 and record.exists():
             return json.loads(record.read_text())
     return record_of("failed", f"its process exited with status {code} before writing its record")
-
-
-def without_options(argv: list[str], names: Sequence[str]) -> list[str]:
-    """`argv` less the options `names` and their values (`--name value` or `--name=value`)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in names:
-            skip = True
-        elif arg.split("=", 1)[0] not in names:
-            out.append(arg)
-    return out
 
 
 def compiled_graphs() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from typing import Optional
+from typing import Optional, Sequence
 
 
 def run_stoppable(argv: list[str], timeout: Optional[float], **popen) -> Optional[int]:
@@ -19,3 +19,16 @@ def run_stoppable(argv: list[str], timeout: Optional[float], **popen) -> Optiona
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return None
+
+
+def without_options(argv: list[str], names: Sequence[str]) -> list[str]:
+    """`argv` less the options `names` and their values (`--name value` or `--name=value`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif arg.split("=", 1)[0] not in names:
+            out.append(arg)
+    return out

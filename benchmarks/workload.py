@@ -11,7 +11,7 @@ though the two sides group prompts into batches differently.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -83,6 +83,15 @@ TRL_SIDES = ("trl", "trl_compiled")
 SIDES = ("ours", *TRL_SIDES, *ABLATIONS)
 
 
+def part_attribute(workload, name: str) -> Any:
+    """`name` read from the first of a workload's parts (its dataclass fields, in order) that has it."""
+    for f in fields(workload):
+        obj = object.__getattribute__(workload, f.name)
+        if hasattr(obj, name):
+            return getattr(obj, name)
+    raise AttributeError(name)
+
+
 @dataclass(frozen=True)
 class Workload:
     """One PPO workload, run by our trainer and by TRL's PPOTrainer in the same process.
@@ -98,11 +107,7 @@ class Workload:
     bench: PPOBenchArguments
 
     def __getattr__(self, name: str) -> Any:
-        for part in ("model", "data", "train", "ppo", "bench"):
-            obj = object.__getattribute__(self, part)
-            if hasattr(obj, name):
-                return getattr(obj, name)
-        raise AttributeError(name)
+        return part_attribute(self, name)
 
     @classmethod
     def parse(cls, argv: Sequence[str]) -> "Workload":
