@@ -306,7 +306,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     from foundation.files import write_atomic
     from foundation.provenance import provenance, relative_command
-    from trainer.engine.launch import ALLOC_CONF, make_accelerator
+    from trainer.engine.launch import ALLOC_CONF, make_accelerator, set_allocator_defaults
     from trainer.engine.setup import simulate_gpu_memory
     from trainer.model.loading import load_tokenizer
 
@@ -315,13 +315,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stdout, force=True)
     scratch = tempfile.mkdtemp(prefix="grpo-bench-")
+    sides = args.sides.split(",")
     try:
-        accelerator = make_accelerator(replace(args.train, output_dir=scratch))  # sets the allocator's defaults
-        device, probe = accelerator.device, MemoryProbe(accelerator.device)
-        sides = args.sides.split(",")
-        if args.isolate and not args.side_run_out:
+        if args.isolate and not args.side_run_out:  # the parent starts no CUDA context: NVML sees each side alone
+            set_allocator_defaults()  # the sides' processes inherit it
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
             records = {name: run_isolated(name, argv) for name in sides}
         else:
+            accelerator = make_accelerator(replace(args.train, output_dir=scratch))  # the allocator's defaults too
+            device, probe = accelerator.device, MemoryProbe(accelerator.device)
             simulate_gpu_memory(args.simulate_gpu_gib, device)  # the same cap for each side
             tokenizer = load_tokenizer(args.model_name_or_path, args.preset_overrides, args.tokenizer_name_or_path)
             prompts = fixed_length_prompts(args, tokenizer, args.total_steps * args.rollout_batch_size)
