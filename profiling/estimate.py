@@ -17,12 +17,12 @@ from dataclasses import replace
 from typing import Optional
 
 from foundation.cli import given, parse, run
-from foundation.settings import DataArguments, ModelArguments, TrainArguments, config_flag, load_yaml
+from foundation.settings import ONLINE_RL_STAGES, DataArguments, ModelArguments, TrainArguments, config_flag, load_yaml
 from foundation.files import write_atomic
 from foundation.provenance import provenance
 from profiling import components as C
 from profiling.advice import advice_lines
-from profiling.plan import PLANNABLE, planned_settings
+from profiling.plan import PLANNABLE, auto_fit_on, planned_settings
 from profiling.predict import EstimateArguments, estimate, resolve_shape
 from profiling.report import markdown_table, write_reports
 
@@ -67,8 +67,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     shape = resolve_shape(args)
     planned = set(PLANNABLE) - given(args)
-    auto_fit = args.auto_fit if args.auto_fit is not None else args.device == "cuda"
-    if args.stage in ("ppo", "grpo") and auto_fit and planned:  # what the run plans at its start
+    if args.stage in ONLINE_RL_STAGES and auto_fit_on(args.auto_fit, args.device) and planned:  # what the run plans at its start
         args, plan = planned_settings(shape, args, planned)
         print(plan.table() if plan else f"auto_fit: nothing fits memory_budget_gib={args.memory_budget_gib} with "
               "the settings given; the settings left auto are estimated at their defaults")

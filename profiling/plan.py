@@ -46,12 +46,15 @@ class Plan:
 
     planned: frozenset[str] = frozenset(PLANNABLE)  # the settings the planner chose; the others were given
 
+    def settings(self) -> dict:
+        """The values of the settings a plan holds (PLANNABLE and generation_weights), by field name."""
+        return {name: getattr(self, name) for name in (*PLANNABLE, "generation_weights")}
+
     def table(self) -> str:
         """The plan, each setting marked set (given) or planned, and the predicted peak per phase, as the log
         prints it at the start of a run."""
         lines = [f"budget plan (estimate within {C.gib(self.usable_bytes)} of {C.gib(self.budget_bytes)} GiB):"]
-        for name in (*PLANNABLE, "generation_weights"):
-            value = getattr(self, name)
+        for name, value in self.settings().items():
             shown = str(value).lower() if isinstance(value, bool) else value
             lines.append(f"  {name} {shown}  ({'planned' if name in self.planned else 'set'})")
         for phase, total in self.phases:
@@ -96,18 +99,20 @@ def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, ma
             plan = _plan_rl(shape, offloaded, mini_batch_size, margin, planned)
     if plan is None or args.generation_weights != "auto":
         return plan
-    settled = replace(args, rollout_micro_batch_size=plan.rollout_micro_batch_size,
-                      micro_batch_size=plan.micro_batch_size, gradient_checkpointing=plan.gradient_checkpointing,
-                      offload_embeddings=plan.offload_embeddings, offload_activations=plan.offload_activations).resolved()
+    plan = replace(plan, planned=plan.planned | {"generation_weights"})
+    settled = replace(args, **{name: getattr(plan, name) for name in PLANNABLE}).resolved()
     if settled.quantization != "nf4" or settled.device != "cuda" or plan.rollout_micro_batch_size < 2:
-        return replace(plan, planned=plan.planned | {"generation_weights"})  # one row decodes through
-        # bitsandbytes' 4-bit kernel, which reads 4 bits a weight
+        return plan  # one row decodes through bitsandbytes' 4-bit kernel, which reads 4 bits a weight
     for weights in ("resident", "dequantized"):
         est = estimate(shape, replace(settled, generation_weights=weights))
         if all(p["total"] <= plan.usable_bytes for p in est["phases"]):
-            return _plan_of(replace(settled, generation_weights=weights), est, plan.usable_bytes,
-                            plan.planned | {"generation_weights"})
-    return replace(plan, planned=plan.planned | {"generation_weights"})
+            return _plan_of(replace(settled, generation_weights=weights), est, plan.usable_bytes, plan.planned)
+    return plan
+
+
+def auto_fit_on(auto_fit: Optional[bool], device: str) -> bool:
+    """--auto_fit as a run reads it: its value where given, else on with CUDA and off on the CPU."""
+    return auto_fit if auto_fit is not None else device == "cuda"
 
 
 def offloads_allowed(decode: str, compile_layers: bool, sharded: bool = False) -> tuple[str, ...]:
@@ -128,9 +133,7 @@ def planned_settings(shape: ModelShape, args: EstimateArguments, planned: Collec
                    may_offload=offloads_allowed(args.decode, args.compile_layers))
     if plan is None:
         return args, None
-    return replace(args, rollout_micro_batch_size=plan.rollout_micro_batch_size, micro_batch_size=plan.micro_batch_size,
-                   gradient_checkpointing=plan.gradient_checkpointing, offload_embeddings=plan.offload_embeddings,
-                   offload_activations=plan.offload_activations, generation_weights=plan.generation_weights), plan
+    return replace(args, **plan.settings()), plan
 
 
 def _moves_something(shape: ModelShape, args: EstimateArguments, offload: str) -> bool:

@@ -97,7 +97,6 @@ class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArgume
                        dtype=resolve.compute_dtype(self.dtype, self.device, nf4),
                        optimizer=self.optimizer if self.optimizer == "deepspeed_zero2_offload"
                        else resolve.optimizer(self.optimizer, self.device),
-                       rollout_micro_batch_size=self.rollout_micro_batch_size or self.micro_batch_size,
                        mixed_precision=self.autocast_dtype)
 
     @property

@@ -525,8 +525,7 @@ def test_compiled_layers_are_refused_where_the_base_is_sharded(kind, config):
     from trainer.engine.launch import LaunchError
     from trainer.engine.memory_options import MemoryOptions
 
-    options = MemoryOptions(gradient_checkpointing=True, offload_embeddings=False, offload_activations=False,
-                            compile_layers=True, optimizer="auto")
+    options = MemoryOptions(offload_embeddings=False, offload_activations=False, compile_layers=True)
     with pytest.raises(LaunchError, match="^--compile_layers is not supported under .*drop --compile_layers$"):
         options.check(fake_accelerator(kind, config))
     options.check(fake_accelerator("deepspeed", ZERO2_OFFLOAD))  # ZeRO-2: allowed

@@ -15,7 +15,7 @@ from foundation.cli import UsageError, given
 from profiling import components as C
 from profiling.advice import advice_lines
 from profiling.device import cuda_context_bytes, warm_up
-from profiling.plan import PLANNABLE, plan_rl
+from profiling.plan import PLANNABLE, auto_fit_on, plan_rl
 from profiling.predict import EstimateArguments, estimate, resolve_shape
 from trainer.engine.launch import deepspeed_config, offloads_optimizer
 from trainer.engine.memory_options import MemoryOptions
@@ -83,11 +83,10 @@ def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, acc
     `generation_weights` auto becomes the plan's pick (unplanned, it decodes from the weights as they are)."""
     from dataclasses import replace
 
-    on = stage_args.auto_fit if stage_args.auto_fit is not None else accelerator.device.type == "cuda"
-    if not on:  # nothing planned: generation_weights auto decodes from the weights as they are
+    if not auto_fit_on(stage_args.auto_fit, accelerator.device.type):  # nothing planned: generation_weights auto decodes from the weights as they are
         return model_args, train_args, stage_args
     args = estimate_arguments(stage, model_args, data_args, train_args, stage_args, accelerator)
-    may_offload = MemoryOptions.of(model_args, train_args, stage_args).may_offload(accelerator)
+    may_offload = MemoryOptions.of(model_args, stage_args).may_offload(accelerator)
     planned = set(PLANNABLE) - given(model_args) - given(train_args) - given(stage_args)
     plan = plan_rl(resolve_shape(args), args, stage_args.mini_batch_size, may_offload=may_offload, planned=planned)
     if plan is None:

@@ -1,14 +1,14 @@
 """A run's memory options in one object, checked once at start against the launch.
 
-    options = MemoryOptions.of(model_args, train_args, stage_args)
+    options = MemoryOptions.of(model_args, stage_args)
     options.check(accelerator)                 # one line for a combination that cannot run
     options.may_offload(accelerator)           # what the budget planner may turn on
 
-The options: gradient checkpointing, the two host offloads (input embedding, saved activations), compiled
-decoder layers, the rollouts' decode path and decode weights (PPO, GRPO) and the optimizer (paged 8-bit on
-CUDA by default). What each cannot run with - ZeRO-3 / FSDP, each other - stops the run before anything
-loads; one that cannot take effect on this device (an offload on the CPU, a tied embedding) is said in one
-line where the model loads (`trainer.model.loading`, `trainer.model.shared_base`) and changes nothing.
+The options that constrain each other or the launch: the two host offloads (input embedding, saved
+activations), compiled decoder layers and the rollouts' decode path (PPO, GRPO). What each cannot run with -
+ZeRO-3 / FSDP, each other - stops the run before anything loads; one that cannot take effect on this device
+(an offload on the CPU, a tied embedding) is said in one line where the model loads (`trainer.model.loading`,
+`trainer.model.shared_base`) and changes nothing.
 """
 
 from __future__ import annotations
@@ -21,19 +21,15 @@ from trainer.engine.launch import LaunchError, is_fsdp, shards_parameters
 
 @dataclass(frozen=True)
 class MemoryOptions:
-    gradient_checkpointing: bool
     offload_embeddings: bool
     offload_activations: bool
     compile_layers: bool
-    optimizer: str
     decode: str = "eager"  # PPO, GRPO: the rollouts' decode path
-    generation_weights: str = "quantized"  # PPO, GRPO: what a 4-bit base decodes from
 
     @classmethod
-    def of(cls, model_args, train_args, stage_args) -> "MemoryOptions":
-        return cls(model_args.gradient_checkpointing, model_args.offload_embeddings, model_args.offload_activations,
-                   model_args.compile_layers, train_args.optimizer, getattr(stage_args, "decode", "eager"),
-                   getattr(stage_args, "generation_weights", "quantized"))
+    def of(cls, model_args, stage_args) -> "MemoryOptions":
+        return cls(model_args.offload_embeddings, model_args.offload_activations, model_args.compile_layers,
+                   getattr(stage_args, "decode", "eager"))
 
     def check(self, accelerator) -> None:
         """Refuse, in one line, what cannot run together or under this launch (ZeRO-3 / FSDP shard the base)."""

@@ -271,7 +271,7 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
         logger.info("%s=%s: the CUDA allocator grows segments in place (set %s to choose otherwise)", ALLOC_CONF,
                     allocator, ALLOC_CONF)
     check_launch(accelerator, stage)
-    MemoryOptions.of(model_args, train_args, stage_args).check(accelerator)
+    MemoryOptions.of(model_args, stage_args).check(accelerator)
     check_output_dir(Path(train_args.output_dir))
     lock = lock_output_dir(accelerator, Path(train_args.output_dir))
     set_seed(train_args.seed)
