@@ -10,18 +10,16 @@ steps, the KL to the reference a k3 loss term (GRPO) or a reward penalty (RLOO).
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Optional
 
 from foundation.cli import UsageError, run
-from foundation.settings import GRPOArguments, training_lora_dropout
+from foundation.settings import GRPOArguments
 from foundation.stages import POLICY, REFERENCE, REWARD
 from trainer.data.tokenization import tokenize_prompts
 from trainer.engine.setup import RunContext, finish_stage, require_rows, start_run
-from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.algorithms.grpo import GRPO
 from trainer.rl.algorithms.rloo import RLOO
-from trainer.rl.online import RLState, train_online
+from trainer.rl.online import RLState, build_online_model, train_online
 from trainer.rl.rewards import Scorer
 from trainer.rl.settings import make_scorer, require_scorer, warn_if_learning_unlikely
 
@@ -40,15 +38,10 @@ def check_settings(args: GRPOArguments, micro: int) -> None:
 def build_model(ctx: RunContext):
     """Policy and reference from the SFT adapter, the reward adapter + head (if scored by it); LoRA
     dropout off, as in PPO (old log-probs are taken in eval mode)."""
-    model_args, args = ctx.model_args, ctx.stage_args
-    if training_lora_dropout("grpo", model_args.lora_dropout) != model_args.lora_dropout:
-        logger.info("GRPO trains without LoRA dropout: lora_dropout %s -> 0", model_args.lora_dropout)
-        model_args = replace(model_args, lora_dropout=training_lora_dropout("grpo", model_args.lora_dropout))
+    args = ctx.stage_args
     sources = {POLICY: args.sft_adapter, REFERENCE: args.sft_adapter, REWARD: args.reward_adapter}
     without = ((REWARD,) if args.reward_adapter is None else ()) + ((REFERENCE,) if args.beta == 0 else ())
-    specs = stage_specs("grpo", sources, without=without)
-    return build_shared_model(model_args, specs, vocab_size=len(ctx.tokenizer), device=ctx.accelerator.device,
-                              quant_storage=ctx.quant_storage(model_args))
+    return build_online_model(ctx, "grpo", sources, without=without)
 
 
 LOG_KEYS = ["reward", "reward_std", "kl", "clip_ratio", "completions/mean_length", "perf/rollout_s", "perf/update_s"]

@@ -11,17 +11,15 @@ computes GAE advantages, runs clipped policy and value updates and adapts the KL
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Optional
 
 from foundation.cli import UsageError, run
-from foundation.settings import PPOArguments, training_lora_dropout
+from foundation.settings import PPOArguments
 from foundation.stages import POLICY, REFERENCE, REWARD, VALUE
 from trainer.data.tokenization import tokenize_prompts
 from trainer.engine.setup import RunContext, finish_stage, require_rows, start_run
-from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.algorithms.ppo import PPO
-from trainer.rl.online import RLState, train_online
+from trainer.rl.online import RLState, build_online_model, train_online
 from trainer.rl.rewards import Scorer
 from trainer.rl.settings import make_scorer, require_scorer, warn_if_learning_unlikely
 
@@ -49,15 +47,10 @@ def check_settings(args: PPOArguments, micro: int) -> None:
 def build_model(ctx: RunContext):
     """The four adapters on one base, with LoRA dropout off: rollout log-probs are taken in eval mode, so
     dropout in the update would make the first policy ratio differ from 1."""
-    model_args, args = ctx.model_args, ctx.stage_args
-    if training_lora_dropout("ppo", model_args.lora_dropout) != model_args.lora_dropout:
-        logger.info("PPO trains without LoRA dropout: lora_dropout %s -> 0", model_args.lora_dropout)
-        model_args = replace(model_args, lora_dropout=training_lora_dropout("ppo", model_args.lora_dropout))
+    args = ctx.stage_args
     sources = {POLICY: args.sft_adapter, REFERENCE: args.sft_adapter, VALUE: args.reward_adapter,
                REWARD: args.reward_adapter}
-    specs = stage_specs("ppo", sources, without=(REWARD,) if args.reward_adapter is None else ())
-    return build_shared_model(model_args, specs, vocab_size=len(ctx.tokenizer), device=ctx.accelerator.device,
-                              quant_storage=ctx.quant_storage(model_args))
+    return build_online_model(ctx, "ppo", sources, without=(REWARD,) if args.reward_adapter is None else ())
 
 
 ARGUMENTS = PPOArguments  # the `stage:` section of this stage's config

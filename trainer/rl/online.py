@@ -16,18 +16,20 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
 
 from foundation.cli import UsageError
+from foundation.settings import training_lora_dropout
 from foundation.stages import REFERENCE
 from profiling.decode import bandwidth_fraction, bytes_per_decode_step, copy_bandwidth
 from trainer.data.collators import PromptCollator
 from trainer.engine.harness import Engine, Harness, StepResult
 from trainer.engine.phases import phase
 from trainer.model.decode import Sampling
+from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.kl_control import KLController
 from trainer.rl.policy_eval import policy_vs_reference
 from trainer.rl.rewards import Scorer, TrainerState
@@ -158,6 +160,19 @@ def decode_metrics(model, rollout: Rollout, rows_per_call: int, state: RLState) 
         out["perf/decode_bandwidth_fraction"] = bandwidth_fraction(tokens_per_s, min(rows_per_call, rollout.rows),
                                                                    step_bytes, bandwidth)
     return out
+
+
+def build_online_model(ctx, stage: str, sources: dict[str, Optional[str]], without: tuple[str, ...] = ()):
+    """Stage `stage`'s adapters (`foundation.stages`, from the folders in `sources`, less `without`) on one base,
+    trained without LoRA dropout (`training_lora_dropout`, said in one line where the settings had some)."""
+    model_args = ctx.model_args
+    dropout = training_lora_dropout(stage, model_args.lora_dropout)
+    if dropout != model_args.lora_dropout:
+        logger.info("%s trains without LoRA dropout: lora_dropout %s -> %g", stage.upper(), model_args.lora_dropout,
+                    dropout)
+        model_args = replace(model_args, lora_dropout=dropout)
+    return build_shared_model(model_args, stage_specs(stage, sources, without=without), vocab_size=len(ctx.tokenizer),
+                              device=ctx.accelerator.device, quant_storage=ctx.quant_storage(model_args))
 
 
 def train_online(ctx, stage: str, model, algorithm: Algorithm, adapters: list[str], prompts, held_out,
