@@ -7,7 +7,7 @@ on a machine without a GPU, and none of them invents a figure.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -59,25 +59,33 @@ class NvmlReading:
 
 def read_nvml(device: Optional[torch.device] = None) -> NvmlReading:
     """Device-wide used/total bytes from NVML, or the reason NVML cannot be read here."""
+    def query(pynvml, handle):
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        name = pynvml.nvmlDeviceGetName(handle)
+        return int(info.used), int(info.total), name.decode() if isinstance(name, bytes) else name
+
+    figures, reason = _nvml(device, query)
+    return NvmlReading(*(figures or (None, None, None)), reason)
+
+
+def _nvml(device: Optional[torch.device], query: Callable) -> tuple[Any, Optional[str]]:
+    """(query(pynvml, the device's NVML handle), None), or (None, why NVML cannot be read here)."""
     try:
         import pynvml
     except ImportError:
-        return NvmlReading(None, None, None, "pynvml is not installed (pip install nvidia-ml-py)")
+        return None, "pynvml is not installed (pip install nvidia-ml-py)"
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError_LibraryNotFound:
-        return NvmlReading(None, None, None, "NVML library not found (no NVIDIA driver on this machine)")
+        return None, "NVML library not found (no NVIDIA driver on this machine)"
     except pynvml.NVMLError_DriverNotLoaded:
-        return NvmlReading(None, None, None, "NVIDIA driver not loaded (NVML cannot start)")
+        return None, "NVIDIA driver not loaded (NVML cannot start)"
+    except pynvml.NVMLError as exc:
+        return None, f"NVML cannot start ({exc})"
     try:
-        index = _nvml_index(device)
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-        name = pynvml.nvmlDeviceGetName(handle)
-        name = name.decode() if isinstance(name, bytes) else name
-        return NvmlReading(int(info.used), int(info.total), name, None)
+        return query(pynvml, pynvml.nvmlDeviceGetHandleByIndex(_nvml_index(device))), None
     except pynvml.NVMLError as exc:  # e.g. no device at that index, insufficient permissions
-        return NvmlReading(None, None, None, f"NVML query failed: {exc}")
+        return None, f"NVML query failed: {exc}"
     finally:
         pynvml.nvmlShutdown()
 
@@ -100,21 +108,10 @@ def cuda_context_bytes(device: torch.device) -> tuple[Optional[int], Optional[st
     reason = cuda_unavailable_reason(device)
     if reason:
         return None, reason
-    try:
-        import pynvml
-    except ImportError:
-        return None, "pynvml is not installed (pip install nvidia-ml-py)"
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        return None, f"NVML cannot start ({exc})"
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(_nvml_index(device))
-        mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid()]
-    except pynvml.NVMLError as exc:
-        return None, f"NVML query failed ({exc})"
-    finally:
-        pynvml.nvmlShutdown()
+    mine, reason = _nvml(device, lambda pynvml, handle: [
+        p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid()])
+    if reason:
+        return None, reason
     if not mine or mine[0] is None:
         return None, "NVML lists no memory for this process (its process ids are the host's, not this container's)"
     return max(0, int(mine[0]) - torch.cuda.memory_reserved(device)), None
