@@ -43,12 +43,12 @@ class GRPO(Algorithm):
 
     def advantages(self, rollout: Rollout, state: RLState) -> GroupAdvantages:
         rewards = self.rewards(rollout)
-        groups = rewards.view(-1, self.group)
+        groups = rewards.view(-1, rollout.group)
         return GroupAdvantages(group_advantages(groups, self.kind, self.args.scale_rewards).flatten(), rewards)
 
     def metrics(self, rollout: Rollout, adv: GroupAdvantages, state: RLState) -> dict[str, float]:
         """TRL's GRPOTrainer names; each prompt's spread of scores leaves a NaN (unscored) response out."""
-        spread = group_mean_std(rollout.scores.view(-1, self.group))[2]
+        spread = group_mean_std(rollout.scores.view(-1, rollout.group))[2]
         mask = rollout.response_mask
         metrics = {"reward": _nan_mean(adv.rewards), "reward_std": _nan_mean(spread),
                    "objective/scores": _nan_mean(rollout.scores),
