@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import torch
 
 from benchmarks.measure import MemoryProbe, PhaseClock, StepCounter, release_memory, step_record
 from benchmarks.ours import StepPhases
+from benchmarks.ppo_vs_trl import summarize
 from benchmarks.processes import without_options
 from benchmarks.workload import fixed_length_prompts, lora_targets, part_attribute
 from foundation.cli import Checked, at_least, parse, run
@@ -254,20 +254,6 @@ def run_isolated(name: str, argv: list[str]) -> dict:
             "error": f"its process exited with status {code} before writing its record"}
 
 
-def summarize(side: dict) -> dict[str, Optional[float]]:
-    """Means over the measured steps; peaks over every step (model loading left out)."""
-    measured = [s for s in side["steps"] if not s["warmup"]]
-    out: dict[str, Optional[float]] = {}
-    for key in ("step_s", "rollout_s", "update_s", "generate_s", "optimizer_steps"):
-        values = [s[key] for s in measured if s.get(key) is not None]
-        out[key] = statistics.fmean(values) if values else None
-    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "peak_rss_bytes"):
-        values = [s["peak"][key] for s in side["steps"] if s["peak"].get(key) is not None]
-        out[key] = max(values) if values else None
-    out["nvml_used_max_bytes"] = side.get("nvml_used_max_bytes")
-    return out
-
-
 def ratios(ours: dict, trl: dict) -> dict[str, Optional[float]]:
     """Ours over TRL's (below 1: ours is faster or lighter): the issue's goals read these."""
     def over(key: str) -> Optional[float]:
@@ -291,9 +277,10 @@ def markdown(report: dict) -> str:
              "device used GiB (NVML) | peak RSS GiB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for side in report["sides"].values():
         s = side["summary"]
-        lines.append(f"| {side['label']} | {side['status']} | {sec(s['step_s'])} | {sec(s['rollout_s'])} | "
-                     f"{sec(s['update_s'])} | {gib(s['peak_allocated_bytes'])} | {gib(s['peak_reserved_bytes'])} | "
-                     f"{gib(s['nvml_used_max_bytes'])} | {gib(s['peak_rss_bytes'])} |")
+        lines.append(f"| {side['label']} | {side['status']} | {sec(s.get('step_s'))} | {sec(s.get('rollout_s'))} | "
+                     f"{sec(s.get('update_s'))} | {gib(s.get('peak_allocated_bytes'))} | "
+                     f"{gib(s.get('peak_reserved_bytes'))} | {gib(s.get('nvml_used_max_bytes'))} | "
+                     f"{gib(s.get('peak_rss_bytes'))} |")
     if report.get("ratios"):
         lines += ["", "Ours over TRL's: " + ", ".join(f"{k.removesuffix('_ours_over_trl')} {v:.2f}x"
                                                        for k, v in report["ratios"].items() if v)]
@@ -334,7 +321,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     for record in records.values():
-        record["summary"] = summarize(record)
+        record["summary"] = summarize(record, args.tokens())
     command = "python -m benchmarks.grpo_vs_trl " + relative_command(argv)
     report = {"kind": "grpo_vs_trl", **provenance(device, command), "alloc_conf": os.environ.get(ALLOC_CONF),
               "settings": {k: v for part in ("model", "data", "train", "grpo", "bench")
