@@ -32,7 +32,10 @@ TRL_GRPO_FLAGS = ["--model_name_or_path", "qwen2.5-7b", "--stage", "grpo", "--be
                   "--rollout_batch_size", "1", "--num_generations", "8", "--max_new_tokens", "256",
                   "--micro_batch_size", "8", "--rollout_micro_batch_size", "8", "--lora_r", "32",
                   "--lora_dropout", "0", "--optimizer", "paged_adamw_8bit", "--gradient_checkpointing", "true",
-                  "--attn_implementation", "sdpa", "--cuda_context_gib", str(CUDA_CONTEXT_GIB)]
+                  "--attn_implementation", "sdpa", "--cuda_context_gib", str(CUDA_CONTEXT_GIB),
+                  # eager decoding in every variant: the offloaded embedding decodes eagerly, so the variants
+                  # differ by the offloads alone
+                  "--decode", "eager"]
 TRL_RECIPES = {"trl_grpo_prompt256": TRL_GRPO_FLAGS + ["--max_prompt_length", "256"],
                "trl_grpo_prompt128": TRL_GRPO_FLAGS + ["--max_prompt_length", "128"],
                # what the planner adds where the budget needs it: the input embedding in host memory, the

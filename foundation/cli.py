@@ -102,7 +102,7 @@ class Checked:
     """Base of every argument dataclass: types and `RULES` are checked when an instance is made."""
 
     RULES: ClassVar[dict[str, Rule]] = {}
-    PLANNED: ClassVar[tuple[str, ...]] = ()  # fields a budget planner may choose where not given (`given`)
+    PLANNED: ClassVar[tuple[str, ...]] = ()  # fields a run settles at start where not given (`given`): planner, device
     SECTION: ClassVar[str] = ""  # the --help section of the fields this class declares (HELP_SECTIONS)
     IN_SECTION: ClassVar[dict[str, str]] = {}  # fields of this class shown in another section
 

@@ -29,6 +29,7 @@ DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp1
           "float32": "float32", "fp32": "float32"}
 OPTIMIZER_NAMES = ("auto", "paged_adamw_8bit", "adamw_8bit", "adamw_torch")
 DECODE_PATHS = ("eager", "compiled")  # trainer/model/decode.py
+DECODE_CHOICES = ("auto", *DECODE_PATHS)  # --decode: auto is compiled on CUDA (profiling.resolve.decode_path)
 KL_ESTIMATORS = ("k1", "k2", "k3")  # trainer/losses.py
 GROUP_ADVANTAGES = ("grpo", "rloo")
 LOSS_NORMALISATIONS = ("sequence", "token", "fixed")
@@ -360,10 +361,11 @@ class RolloutArguments(Checked):
                 "the offloads, generation_weights) from the memory estimate to use memory_budget_gib with a 10%% "
                 "margin (profiling/plan.py), logged as a table at start; a value you give is kept. Default: on "
                 "with CUDA, off on CPU."})
-    decode: str = field(default="eager", metadata={
+    decode: str = field(default="auto", metadata={
         "help": "How rollouts decode (trainer/model/decode.py): eager (a KV cache grown per step, each step run "
-                "eagerly) or compiled (a full-length KV cache and a torch.compile'd step, replayed as CUDA graphs on "
-                "CUDA; the first rollout pays the compilation)."})
+                "eagerly), compiled (a full-length KV cache and a torch.compile'd step, replayed as CUDA graphs on "
+                "CUDA; the first rollout pays the compilation), or auto: compiled on CUDA, eager on the CPU, with "
+                "the input embedding in host memory, or under ZeRO-3 / FSDP."})
     generation_weights: str = field(default="auto", metadata={
         "help": "What a 4-bit base decodes from: quantized (its 4-bit weights), dequantized (a dense copy made for "
                 "each rollout, freed after), resident (that copy kept), or auto (the budget planner's pick, "
@@ -378,7 +380,7 @@ class RolloutArguments(Checked):
     eval_prompts: int = field(default=16, metadata={"help": "Held-out prompts for policy-vs-SFT evaluation."})
     eval_seed: int = field(default=1234, metadata={"help": "Sampling seed of evaluations (same samples each time)."})
 
-    PLANNED = ("rollout_micro_batch_size", "generation_weights")
+    PLANNED = ("rollout_micro_batch_size", "generation_weights", "decode")  # decode: settled by the device
     SECTION = "rollout"
     IN_SECTION = {**dict.fromkeys(("rollout_micro_batch_size", "auto_fit", "decode", "generation_weights"), "memory"),
                   "cliprange": "method"}
@@ -386,7 +388,7 @@ class RolloutArguments(Checked):
              "rollout_batch_size": at_least(1),
              "rollout_micro_batch_size": at_least(1), "mini_batch_size": at_least(1),
              "max_new_tokens": at_least(1), "min_new_tokens": at_least(0), "temperature": _temperature_rule,
-             "top_k": at_least(0), "top_p": between(0, 1), "decode": one_of(*DECODE_PATHS),
+             "top_k": at_least(0), "top_p": between(0, 1), "decode": one_of(*DECODE_CHOICES),
              "generation_weights": one_of("auto", *GENERATION_WEIGHTS),
              "cliprange": above(0), "eval_prompts": at_least(0)}
 

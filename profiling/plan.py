@@ -9,6 +9,9 @@ score pass, then the update micro-batch, without checkpointing when that fits at
 checkpointing allows (not with the activations offloaded: the estimate is then alike either way, while without
 checkpointing every saved tensor crosses to the host, not just each layer's input); where nothing fits, the
 same with the input embedding in host memory, then with the update's saved activations there, then with both.
+Where `decode` is auto on CUDA, all this is done with the compiled decode step (its full-length KV cache held
+in every phase; no embedding offload, which a captured step cannot read) and with eager decoding: the compiled
+plan wins where it keeps at least half the rows per generate pass.
 Then, where `generation_weights` is auto, a 4-bit base on CUDA decoding more than one row at a time gets the
 dense copy of its weights that still fits: resident, else made per rollout, else none. Nothing runs a model:
 the update's OOM back-off stays the safety net.
@@ -38,6 +41,7 @@ class Plan:
     offload_embeddings: bool
     offload_activations: bool
     generation_weights: str  # what decoding reads: quantized, dequantized or resident (trainer.model.decode)
+    decode: str  # the rollouts' decode path: eager or compiled (trainer.model.decode)
     peak_bytes: int
     peak_phase: str
     usable_bytes: int
@@ -47,8 +51,8 @@ class Plan:
     planned: frozenset[str] = frozenset(PLANNABLE)  # the settings the planner chose; the others were given
 
     def settings(self) -> dict:
-        """The values of the settings a plan holds (PLANNABLE and generation_weights), by field name."""
-        return {name: getattr(self, name) for name in (*PLANNABLE, "generation_weights")}
+        """The values of the settings a plan holds (PLANNABLE, generation_weights, decode), by field name."""
+        return {name: getattr(self, name) for name in (*PLANNABLE, "generation_weights", "decode")}
 
     def table(self) -> str:
         """The plan, each setting marked set (given) or planned, and the predicted peak per phase, as the log
@@ -88,6 +92,35 @@ def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, ma
     run allows (`may_offload`, planned ones) are turned on, each alone in OFFLOADS' order and then together,
     until a plan fits; an offload that would change nothing (a tied embedding, the CPU) is not tried."""
     planned = frozenset(planned) & frozenset(PLANNABLE)
+    if args.decode == "auto" and args.device == "cuda" and not args.offload_embeddings:
+        # the compiled step (no embedding offload: a captured step cannot look rows up in host memory) where a
+        # plan with its resident KV cache keeps at least half the rows per pass eager decoding gets: a compiled
+        # step is several times faster at the same rows (benchmarks/results/speed-*), not at a quarter of them
+        compiled = _with_offloads(shape, replace(args, decode="compiled"), mini_batch_size, margin,
+                                  [name for name in may_offload if name != "offload_embeddings"], planned)
+        eager = _with_offloads(shape, replace(args, decode="eager"), mini_batch_size, margin, may_offload, planned)
+        plan = compiled if compiled is not None and (
+            eager is None or 2 * compiled.rollout_micro_batch_size >= eager.rollout_micro_batch_size) else eager
+        plan = plan and replace(plan, planned=plan.planned | {"decode"})
+    else:
+        plan = _with_offloads(shape, args, mini_batch_size, margin, may_offload, planned)
+    if plan is None or args.generation_weights != "auto":
+        return plan
+    plan = replace(plan, planned=plan.planned | {"generation_weights"})
+    settled = replace(args, decode=plan.decode, **{name: getattr(plan, name) for name in PLANNABLE}).resolved()
+    if settled.quantization != "nf4" or settled.device != "cuda" or plan.rollout_micro_batch_size < 2:
+        return plan  # one row decodes through bitsandbytes' 4-bit kernel, which reads 4 bits a weight
+    for weights in ("resident", "dequantized"):
+        est = estimate(shape, replace(settled, generation_weights=weights))
+        if all(p["total"] <= plan.usable_bytes for p in est["phases"]):
+            return _plan_of(replace(settled, generation_weights=weights), est, plan.usable_bytes, plan.planned)
+    return plan
+
+
+def _with_offloads(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float,
+                   may_offload: Sequence[str], planned: frozenset[str]) -> Optional[Plan]:
+    """The plan with the settings given; where nothing fits, with the offloads allowed and planned turned on,
+    each alone in OFFLOADS' order, then together (one that moves nothing is not tried)."""
     plan = _plan_rl(shape, args, mini_batch_size, margin, planned)
     allowed = [name for name in OFFLOADS if name in may_offload and name in planned and not getattr(args, name)]
     tries = [[name] for name in allowed] + ([allowed] if len(allowed) > 1 else [])
@@ -97,16 +130,6 @@ def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, ma
         offloaded = replace(args, **dict.fromkeys(names, True))
         if all(_moves_something(shape, offloaded.resolved(), name) for name in names):
             plan = _plan_rl(shape, offloaded, mini_batch_size, margin, planned)
-    if plan is None or args.generation_weights != "auto":
-        return plan
-    plan = replace(plan, planned=plan.planned | {"generation_weights"})
-    settled = replace(args, **{name: getattr(plan, name) for name in PLANNABLE}).resolved()
-    if settled.quantization != "nf4" or settled.device != "cuda" or plan.rollout_micro_batch_size < 2:
-        return plan  # one row decodes through bitsandbytes' 4-bit kernel, which reads 4 bits a weight
-    for weights in ("resident", "dequantized"):
-        est = estimate(shape, replace(settled, generation_weights=weights))
-        if all(p["total"] <= plan.usable_bytes for p in est["phases"]):
-            return _plan_of(replace(settled, generation_weights=weights), est, plan.usable_bytes, plan.planned)
     return plan
 
 
@@ -117,12 +140,13 @@ def auto_fit_on(auto_fit: Optional[bool], device: str) -> bool:
 
 def offloads_allowed(decode: str, compile_layers: bool, sharded: bool = False) -> tuple[str, ...]:
     """The offloads a plan may turn on: neither where ZeRO-3 / FSDP shard the base, the embedding only with
-    eager decoding (a compiled decode step cannot look rows up in host memory), the activations not through
+    eager decoding, given or auto (a compiled decode step cannot look rows up in host memory; auto then decodes
+    eagerly), the activations not through
     compiled layers (they run no saved-tensor hooks)."""
     if sharded:
         return ()
-    return (("offload_embeddings",) if decode == "eager" else ()) + (("offload_activations",) if not compile_layers
-                                                                     else ())
+    return (("offload_embeddings",) if decode != "compiled" else ()) + (
+        ("offload_activations",) if not compile_layers else ())
 
 
 def planned_settings(shape: ModelShape, args: EstimateArguments, planned: Collection[str]) -> tuple[
@@ -176,6 +200,7 @@ def _plan_of(args: EstimateArguments, est: dict, usable: int, planned: frozenset
     return Plan(rollout_micro_batch_size=args.rollout_micro_batch_size, micro_batch_size=args.micro_batch_size,
                 gradient_checkpointing=args.gradient_checkpointing, offload_embeddings=args.offload_embeddings,
                 offload_activations=args.offload_activations, generation_weights=args.generation_weights,
+                decode=args.decode,
                 peak_bytes=est["peak_bytes"], peak_phase=est["peak_phase"], usable_bytes=usable,
                 budget_bytes=args.budget_bytes, phases=tuple((p["phase"], p["total"]) for p in est["phases"]),
                 planned=planned)

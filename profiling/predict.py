@@ -94,6 +94,7 @@ class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArgume
         return replace(self, quantization="nf4" if nf4 else "none",
                        lora_dropout=training_lora_dropout(self.stage, self.lora_dropout),
                        generation_weights="quantized" if weights == "auto" else weights,
+                       decode=resolve.decode_path(self.decode, self.device, self.offload_embeddings),
                        dtype=resolve.compute_dtype(self.dtype, self.device, nf4),
                        optimizer=self.optimizer if self.optimizer == "deepspeed_zero2_offload"
                        else resolve.optimizer(self.optimizer, self.device),

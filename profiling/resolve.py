@@ -1,5 +1,5 @@
-"""What the 'auto' settings become on a device: the one rule for quantization, compute dtype and
-optimizer, used alike by the trainer (what it loads), the estimator (what it predicts) and the
+"""What the 'auto' settings become on a device: the one rule for quantization, compute dtype, optimizer
+and the rollouts' decode path, used alike by the trainer (what it loads), the estimator (what it predicts) and the
 benchmarks (what both sides of a comparison run with).
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from foundation.settings import DTYPES, GENERATION_WEIGHTS, OPTIMIZER_NAMES, QUANTIZATIONS  # noqa: F401
+from foundation.settings import DECODE_CHOICES, DTYPES, GENERATION_WEIGHTS, OPTIMIZER_NAMES, QUANTIZATIONS  # noqa: F401
 
 def bitsandbytes_unavailable_reason() -> Optional[str]:
     """None when bitsandbytes imports here, else a one-line reason."""
@@ -59,3 +59,14 @@ def optimizer(name: str, device_type: str, bnb_ok: bool = True) -> str:
     if name == "paged_adamw_8bit" and device_type != "cuda":
         return "adamw_8bit"
     return name
+
+
+def decode_path(decode: str, device_type: str, offload_embeddings: bool = False, sharded: bool = False) -> str:
+    """--decode 'auto': compiled on CUDA, where capturing each step as CUDA graphs removes the per-token launch
+    overhead that dominates decoding; eager on the CPU (nothing to capture), with the input embedding in host
+    memory (a captured step cannot look rows up there) and under ZeRO-3 / FSDP (their gather hooks)."""
+    if decode not in DECODE_CHOICES:
+        raise ValueError(f"unknown decode path '{decode}': use {', '.join(DECODE_CHOICES)}")
+    if decode != "auto":
+        return decode
+    return "compiled" if device_type == "cuda" and not offload_embeddings and not sharded else "eager"

@@ -119,7 +119,8 @@ def test_draws_follow_the_truncated_distribution_and_greedy_takes_the_argmax():
 
 def test_a_decode_path_outside_the_loop_s_is_refused_by_name():
     assert check_path("compiled") == "compiled"
-    with pytest.raises(UsageError, match="--decode 'static': must be one of eager, compiled"):
+    assert check_path("auto", "cuda") == "compiled" and check_path("auto", "cpu") == check_path("auto", "cuda", True) == "eager"
+    with pytest.raises(UsageError, match="--decode 'static': must be one of auto, eager, compiled"):
         check_path("static")
 
 
@@ -258,3 +259,37 @@ def test_a_model_without_4bit_layers_decodes_as_it_is_with_a_dense_copy_asked(ti
                      VOCAB + 1, 0)
     assert torch.equal(got.tokens, decode(tiny, ids, mask, greedy(4), VOCAB + 1, 0).tokens)
     assert "no 4-bit layer to dequantize" in caplog.text
+
+
+def test_a_rollout_makes_one_copy_and_records_it_as_generation_weights_in_generate(tiny_nf4, monkeypatch):
+    """`dequantized` over a rollout of several chunks: one copy for the whole generate phase (not one per
+    chunk), recorded as its own component there at the estimator's size, not inside the KV cache's transient;
+    freed before the score phase."""
+    from profiling import components as C
+    from profiling.predict import generation_weight_bytes
+    from profiling.recorder import MemoryRecorder
+    from profiling.shapes import load_shape
+    from trainer.engine.phases import watching
+    from trainer.model import decode as decode_module
+    from trainer.rl.rewards import Scorer
+    from trainer.rl.rollout import make_rollout
+    from trainer.rl.settings import RolloutArguments
+
+    made = []
+
+    class Counted(decode_module.DequantizedLinear):
+        def __init__(self, layer):
+            super().__init__(layer)
+            made.append(layer)
+
+    monkeypatch.setattr(decode_module, "DequantizedLinear", Counted)
+    ids, mask = batch(b=4, t=6)
+    args = RolloutArguments(max_new_tokens=3, min_new_tokens=3, rollout_micro_batch_size=2,
+                            generation_weights="dequantized")
+    recorder = MemoryRecorder("grpo", model=tiny_nf4)
+    with watching(recorder.phase):
+        make_rollout(tiny_nf4, ids, mask, args, Scorer(adapter=None), eos_id=1, pad_id=0, reference=False)
+    assert len(made) == len(four_bit_layers(tiny_nf4))  # two chunks, one copy
+    generate = recorder.records[("grpo", "generate")].components
+    assert generate[C.GENERATION_WEIGHTS] == generation_weight_bytes(load_shape("tiny-llama", VOCAB), 2)
+    assert C.GENERATION_WEIGHTS not in recorder.records[("grpo", "score")].components

@@ -531,6 +531,33 @@ def test_compiled_layers_are_refused_where_the_base_is_sharded(kind, config):
     options.check(fake_accelerator("deepspeed", ZERO2_OFFLOAD))  # ZeRO-2: allowed
 
 
+def test_decode_auto_is_compiled_on_cuda_and_eager_where_a_captured_step_cannot_run(caplog):
+    """--decode auto: compiled on CUDA; eager on the CPU, with the embedding in host memory, under ZeRO-3 /
+    FSDP; a path given is kept. The run says what auto chose, in one line."""
+    import logging
+
+    from trainer.engine.memory_options import MemoryOptions
+
+    def on(kind, config=None, device="cuda"):
+        accelerator = fake_accelerator(kind, config)
+        accelerator.device = torch.device(device)
+        return accelerator
+
+    def path(decode="auto", offload_embeddings=False, accelerator=None):
+        options = MemoryOptions(offload_embeddings, offload_activations=False, compile_layers=False, decode=decode)
+        options.check(accelerator or on("ddp"))
+        return options.decode_path(accelerator or on("ddp"))
+
+    with caplog.at_level(logging.INFO, logger="trainer.engine.memory_options"):
+        assert path() == "compiled"
+    assert "decode auto: compiled (CUDA" in caplog.text
+    assert path(accelerator=on("ddp", device="cpu")) == "eager"
+    assert path(offload_embeddings=True) == "eager"
+    assert path(accelerator=on("deepspeed", ZERO3)) == path(accelerator=on("fsdp")) == "eager"
+    assert path(accelerator=on("deepspeed", ZERO2_OFFLOAD)) == "compiled"
+    assert path("eager") == "eager" and path("compiled", accelerator=on("ddp", device="cpu")) == "compiled"
+
+
 def test_on_cuda_the_allocator_grows_segments_in_place_unless_the_user_chose(monkeypatch):
     from trainer.engine.launch import ALLOC_CONF, EXPANDABLE_SEGMENTS, set_allocator_defaults
 

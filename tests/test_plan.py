@@ -11,7 +11,7 @@ import pytest
 from foundation.cli import UsageError
 
 from profiling import components as C
-from profiling.plan import OFFLOADS, plan_rl
+from profiling.plan import OFFLOADS, offloads_allowed, plan_rl
 from profiling.predict import EstimateArguments, estimate
 from profiling.shapes import load_shape
 from trainer.config import parse_config
@@ -20,8 +20,10 @@ from trainer.ppo import PPOArguments
 
 SEVEN_B = load_shape("llama-2-7b")
 # trainer/configs/llama2_7b/ppo.yaml's settings (NF4, bf16, paged 8-bit AdamW, LoRA r=16 all-linear)
+# decoding eagerly: the rules below hold for either path; test_decode_auto_* plans the path
 RECIPE = EstimateArguments(stage="ppo", quantization="nf4", rollout_batch_size=16, rollout_micro_batch_size=16,
-                           micro_batch_size=4, max_prompt_length=256, max_new_tokens=128, lora_dropout=0.0)
+                           micro_batch_size=4, max_prompt_length=256, max_new_tokens=128, lora_dropout=0.0,
+                           decode="eager")
 
 
 @pytest.mark.parametrize("budget, rollout_rows, micro, checkpointing", [
@@ -95,6 +97,7 @@ def test_auto_fit_is_off_on_cpu_by_default(tmp_path, capfd, fresh_accelerate_sta
                                    "--output_dir", str(tmp_path)], stage="ppo")
     assert ctx.stage_args.rollout_micro_batch_size == 8  # auto, unplanned: the field's default
     assert ctx.stage_args.generation_weights == "auto"  # unplanned: decodes from the weights as they are
+    assert ctx.stage_args.decode == "eager"  # auto, on the CPU
     assert "budget plan" not in "".join(capfd.readouterr())
 
 
@@ -193,7 +196,7 @@ def test_offloaded_embeddings_leave_the_card_only_where_untied_and_on_cuda():
     on_cpu = replace(TRL_GRPO, device="cpu", quantization="none", dtype="float32")
     assert estimate(QWEN_7B, on_cpu)["phases"] == estimate(QWEN_7B, replace(on_cpu, offload_embeddings=True))["phases"]
     tied = load_shape("smollm2-135m")
-    small = replace(TRL_GRPO, model_name_or_path="smollm2-135m")
+    small = replace(TRL_GRPO, model_name_or_path="smollm2-135m", decode="eager")  # auto: eager once offloaded
     assert tied.tie_word_embeddings
     assert estimate(tied, small)["phases"] == estimate(tied, replace(small, offload_embeddings=True))["phases"]
 
@@ -294,3 +297,32 @@ def test_a_planned_field_is_given_unless_it_is_auto(flags, given_fields):
     assert "gradient_checkpointing" in given(model) and model.gradient_checkpointing is False
     assert "generation_weights" not in given(stage)  # its default, auto
     assert train.micro_batch_size == (3 if "3" in flags else 2 if not flags else 4)
+
+
+def test_decode_auto_plans_the_compiled_step_where_it_keeps_half_the_rows_else_eager():
+    """--decode auto on CUDA: the compiled step with its resident KV cache where the plan keeps at least half
+    the rows per generate pass eager decoding gets (the 24 GB recipe: all of them), marked planned; eager where
+    a compiled plan does not fit, and on the CPU; a path given is kept."""
+    auto = replace(GRPO, decode="auto", generation_weights="quantized")
+    plan = plan_rl(SEVEN_B, replace(auto, memory_budget_gib=24), mini_batch_size=8)
+    assert plan.decode == "compiled" and "decode" in plan.planned and "decode compiled  (planned)" in plan.table()
+    compiled_kv = estimate(SEVEN_B, replace(auto, memory_budget_gib=24, **plan.settings()))
+    assert plan.phases == tuple((p["phase"], p["total"]) for p in compiled_kv["phases"])
+    assert all(C.KV_CACHE in p["components"] for p in compiled_kv["phases"])  # held in every phase
+    budgets = {}
+    for budget in [x / 4 for x in range(20, 40)]:
+        picks = {d: plan_rl(SEVEN_B, replace(auto, memory_budget_gib=budget, decode=d), mini_batch_size=8,
+                            may_offload=offloads_allowed(d, compile_layers=False)) for d in ("compiled", "eager")}
+        chosen = plan_rl(SEVEN_B, replace(auto, memory_budget_gib=budget), mini_batch_size=8)
+        if picks["eager"] is None:
+            assert chosen is None or chosen.decode == "compiled"
+            continue
+        halves = picks["compiled"] is not None and (
+            2 * picks["compiled"].rollout_micro_batch_size >= picks["eager"].rollout_micro_batch_size)
+        assert chosen.decode == ("compiled" if halves else "eager"), budget
+        assert not (chosen.decode == "compiled" and chosen.offload_embeddings)
+        budgets[chosen.decode] = budget
+    assert set(budgets) == {"compiled", "eager"}  # both happen between 5 and 10 GB
+    assert plan_rl(SEVEN_B, replace(auto, memory_budget_gib=24, decode="eager"), mini_batch_size=8).decode == "eager"
+    assert plan_rl(load_shape("tiny-llama"), replace(auto, model_name_or_path="tiny-llama", device="cpu",
+                                                     quantization="none"), mini_batch_size=8).decode == "eager"

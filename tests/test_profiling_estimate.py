@@ -334,12 +334,17 @@ def test_a_dense_copy_of_the_4bit_weights_weighs_on_the_generate_phase_or_on_eve
 
 def test_the_compiled_decode_keeps_its_full_length_kv_cache_in_every_phase():
     """--decode compiled keeps one static KV cache per batch size between rollouts (trainer.model.decode):
-    prompt + new tokens rounded up to 128 positions, in every phase; eager decoding's grows in generate only."""
+    prompt + new tokens rounded up to 128 positions, in every phase; eager decoding's grows in generate only.
+    auto is compiled on CUDA, eager on the CPU and with the embedding in host memory (profiling.resolve)."""
     shape = load_shape("llama-2-7b")
     args = EstimateArguments(stage="ppo", rollout_batch_size=16, rollout_micro_batch_size=16,
                              max_prompt_length=200, max_new_tokens=128)
-    eager = {p["phase"]: p for p in estimate(shape, args)["phases"]}
+    eager = {p["phase"]: p for p in estimate(shape, replace(args, decode="eager"))["phases"]}
     compiled = {p["phase"]: p for p in estimate(shape, replace(args, decode="compiled"))["phases"]}
+    assert {p["phase"]: p for p in estimate(shape, replace(args, decode="auto"))["phases"]} == compiled
+    assert estimate(shape, replace(args, offload_embeddings=True)) == estimate(
+        shape, replace(args, offload_embeddings=True, decode="eager"))
+    assert replace(args, device="cpu").resolved().decode == "eager"
     spec = forward_spec(args.resolved(), 2)
     kept = A.compiled_kv_cache(shape, spec, 16, 328)
     assert kept == A.kv_cache(shape, spec, 16, 384)

@@ -13,11 +13,12 @@ from typing import Optional
 
 from foundation.cli import UsageError, given
 from profiling import components as C
+from profiling import resolve
 from profiling.advice import advice_lines
 from profiling.device import cuda_context_bytes, warm_up
 from profiling.plan import PLANNABLE, auto_fit_on, plan_rl
 from profiling.predict import EstimateArguments, estimate, resolve_shape
-from trainer.engine.launch import deepspeed_config, offloads_optimizer
+from trainer.engine.launch import deepspeed_config, offloads_optimizer, shards_parameters
 from trainer.engine.memory_options import MemoryOptions
 
 logger = logging.getLogger(__name__)
@@ -80,13 +81,16 @@ def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, acc
     """An online RL stage's budget plan (`profiling.plan`) applied to the run's settings, when `auto_fit`
     is on (its default on CUDA): returns (model_args, train_args, stage_args) with the settings left auto
     (not given on the command line or in the config: `foundation.cli.given`) as the plan chose them;
-    `generation_weights` auto becomes the plan's pick (unplanned, it decodes from the weights as they are)."""
+    `generation_weights` and `decode` auto become the plan's picks (unplanned, the weights as they are and
+    `MemoryOptions.decode_path`'s rule)."""
     from dataclasses import replace
 
     if not auto_fit_on(stage_args.auto_fit, accelerator.device.type):  # nothing planned: generation_weights auto decodes from the weights as they are
         return model_args, train_args, stage_args
     args = estimate_arguments(stage, model_args, data_args, train_args, stage_args, accelerator)
     may_offload = MemoryOptions.of(model_args, stage_args).may_offload(accelerator)
+    if shards_parameters(accelerator):  # no compiled decode step to plan for (`MemoryOptions.decode_path`)
+        args = replace(args, decode=resolve.decode_path(args.decode, "cuda", sharded=True))
     planned = set(PLANNABLE) - given(model_args) - given(train_args) - given(stage_args)
     plan = plan_rl(resolve_shape(args), args, stage_args.mini_batch_size, may_offload=may_offload, planned=planned)
     if plan is None:
@@ -97,6 +101,6 @@ def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, acc
     return (replace(model_args, gradient_checkpointing=plan.gradient_checkpointing,
                     offload_embeddings=plan.offload_embeddings, offload_activations=plan.offload_activations),
             replace(train_args, micro_batch_size=plan.micro_batch_size),
-            replace(stage_args, rollout_micro_batch_size=plan.rollout_micro_batch_size,
+            replace(stage_args, rollout_micro_batch_size=plan.rollout_micro_batch_size, decode=plan.decode,
                     generation_weights=plan.generation_weights if stage_args.generation_weights == "auto"
                     else stage_args.generation_weights))

@@ -13,10 +13,14 @@ ZeRO-3 / FSDP, each other - stops the run before anything loads; one that cannot
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+from profiling import resolve
 from profiling.plan import offloads_allowed
 from trainer.engine.launch import LaunchError, is_fsdp, shards_parameters
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -24,12 +28,25 @@ class MemoryOptions:
     offload_embeddings: bool
     offload_activations: bool
     compile_layers: bool
-    decode: str = "eager"  # PPO, GRPO: the rollouts' decode path
+    decode: str = "eager"  # PPO, GRPO: the rollouts' decode path (auto until `decode_path` settles it)
 
     @classmethod
     def of(cls, model_args, stage_args) -> "MemoryOptions":
         return cls(model_args.offload_embeddings, model_args.offload_activations, model_args.compile_layers,
                    getattr(stage_args, "decode", "eager"))
+
+    def decode_path(self, accelerator) -> str:
+        """--decode as this run decodes (`profiling.resolve.decode_path`: auto is compiled on CUDA), said in
+        one line where auto chose."""
+        path = resolve.decode_path(self.decode, accelerator.device.type, self.offload_embeddings,
+                                   shards_parameters(accelerator))
+        if self.decode == "auto":
+            why = ("CUDA: each decode step replayed as CUDA graphs; the first rollout compiles it"
+                   if path == "compiled" else "eager decoding on " + (
+                       "the CPU" if accelerator.device.type != "cuda" else
+                       "ZeRO-3 / FSDP" if shards_parameters(accelerator) else "an embedding in host memory"))
+            logger.info("decode auto: %s (%s)", path, why)
+        return path
 
     def check(self, accelerator) -> None:
         """Refuse, in one line, what cannot run together or under this launch (ZeRO-3 / FSDP shard the base)."""
@@ -48,7 +65,7 @@ class MemoryOptions:
         if self.offload_activations and self.compile_layers:
             raise LaunchError("--offload_activations and --compile_layers do not combine: compiled layers do not "
                               "run saved-tensor hooks; drop one")
-        if self.offload_embeddings and self.decode != "eager":
+        if self.offload_embeddings and self.decode == "compiled":
             raise LaunchError(f"--offload_embeddings needs --decode eager: each decode step looks its token's row "
                               f"up in host memory, which a {self.decode} decode step cannot capture")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -283,6 +283,7 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     if stage in ("ppo", "grpo"):
         model_args, train_args, stage_args = fit_to_budget(stage, model_args, data_args, train_args, stage_args,
                                                            accelerator)
+        stage_args = replace(stage_args, decode=MemoryOptions.of(model_args, stage_args).decode_path(accelerator))
     if stage is not None and train_args.check_budget:
         check_budget(stage, model_args, data_args, train_args, stage_args, accelerator)
     splits, report = load_splits(data_args, parser_for(data_args, tokenizer))

@@ -23,7 +23,7 @@ import logging
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Iterator
 
 import torch
@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from foundation.cli import UsageError
+from foundation.settings import DECODE_CHOICES, DECODE_PATHS, GENERATION_WEIGHTS  # noqa: F401  (declared once)
 from foundation.stages import POLICY
+from profiling import resolve
 from profiling.decode import sync
-from foundation.settings import DECODE_PATHS, GENERATION_WEIGHTS  # noqa: F401  (the choices: declared once)
 from profiling.tensors import HELD_GENERATION_WEIGHTS
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class Sampling:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    decode: str = "eager"  # DECODE_PATHS
+    decode: str = "eager"  # DECODE_CHOICES (auto: settled where it decodes, `check_path`)
     generation_weights: str = "quantized"  # GENERATION_WEIGHTS ("auto": quantized, where no planner chose)
 
     @classmethod
@@ -112,10 +113,12 @@ def truncated(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return scores
 
 
-def check_path(decode: str) -> str:
-    if decode not in DECODE_PATHS:
-        raise UsageError(f"--decode {decode!r}: must be one of {', '.join(DECODE_PATHS)}")
-    return decode
+def check_path(decode: str, device_type: str = "cpu", embedding_on_host: bool = False) -> str:
+    """The path to decode on: the one given, or auto settled by `profiling.resolve.decode_path`'s rule (a run
+    settles auto at its start; this serves models driven from code)."""
+    if decode not in DECODE_CHOICES:
+        raise UsageError(f"--decode {decode!r}: must be one of {', '.join(DECODE_CHOICES)}")
+    return resolve.decode_path(decode, device_type, offload_embeddings=embedding_on_host)
 
 
 class _Compiled:
@@ -181,6 +184,7 @@ def _four_bit_layers(causal_lm: nn.Module) -> list[tuple[nn.Module, str, nn.Modu
 
 
 _RESIDENT: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+_SWAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models decoding from a copy now
 _said: set[str] = set()
 
 
@@ -188,8 +192,12 @@ _said: set[str] = set()
 def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
     """The body decodes from dense copies of the 4-bit layers (`dequantized`: made here and freed after;
     `resident`: made once, kept), swapped in place of each layer and swapped back after, also on errors;
-    `quantized` (or "auto" left unplanned) changes nothing. A model with no 4-bit layer has nothing to copy:
-    said once."""
+    `quantized` (or "auto" left unplanned) changes nothing. Nested in an outer one (a rollout's generate phase
+    holding one copy for all its chunks), it changes nothing either. A model with no 4-bit layer has nothing
+    to copy: said once."""
+    if causal_lm in _SWAPPED:
+        yield
+        return
     layers = [] if choice in ("quantized", "auto") else _four_bit_layers(causal_lm)
     if not layers:
         if choice not in ("quantized", "auto") and choice not in _said:
@@ -205,9 +213,11 @@ def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
     setattr(causal_lm, HELD_GENERATION_WEIGHTS, [dense.dense for *_, dense in swaps])
     for parent, name, _, dense in swaps:
         setattr(parent, name, dense)
+    _SWAPPED.add(causal_lm)
     try:
         yield
     finally:
+        _SWAPPED.discard(causal_lm)
         for parent, name, layer, _ in swaps:
             setattr(parent, name, layer)
         if causal_lm not in _RESIDENT:  # the per-rollout copy goes with `swaps`
@@ -225,7 +235,9 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling:
            pad_id: int, adapter: str = POLICY) -> Decoded:
     """Sample up to `sampling.max_new_tokens` tokens after each left-padded prompt under `adapter`, in eval mode
     (no dropout); the train mode and active adapter are restored after."""
-    check_path(sampling.decode)
+    device = prompt_ids.device
+    on_host = model.causal_lm.get_input_embeddings().weight.device != device
+    sampling = replace(sampling, decode=check_path(sampling.decode, device.type, on_host))
     was_training = model.training
     model.eval()
     try:

@@ -20,7 +20,7 @@ import torch
 from foundation.stages import POLICY
 from profiling.decode import sync
 from trainer.engine.phases import phase
-from trainer.model.decode import Sampling, decode
+from trainer.model.decode import Sampling, decode, generation_weights
 from trainer.rl.rewards import Scorer
 from trainer.rl.scoring import rollout_scores
 
@@ -162,7 +162,9 @@ def _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, 
                   nan_unscored, examples) -> Rollout:
     sampling, rows = Sampling.of(args), args.rollout_micro_batch_size
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
-    with phase("generate"):
+    # One copy of the generation weights for every chunk, made before the phase's entry count: the memory
+    # record shows it as its own component, not inside the KV cache's transient peak.
+    with generation_weights(model.causal_lm, sampling.generation_weights), phase("generate"):
         sync(prompt_ids.device)
         started = time.perf_counter()
         samples = sample_in_chunks(model, prompt_ids, prompt_mask, sampling, eos_id, pad_id, rows, with_logprobs=True)
