@@ -35,7 +35,7 @@ from foundation.cli import run
 logger = logging.getLogger("benchmarks.ppo_vs_trl")
 ROOT = Path(__file__).resolve().parent.parent
 SIDE_NAMES = {"ours": "ours (one base, 4 adapters)", "trl": "TRL 1.12 PPOTrainer",
-              "ours_compiled": "ours, ablation: static KV cache and compiled decode step (--decode compiled)",
+              "ours_eager_decode": "ours, ablation: each decode step run eagerly (--decode eager)",
               "ours_eager": "ours, ablation: decoder layers not compiled (--compile_layers false)",
               "trl_compiled": "TRL 1.12 PPOTrainer, its models' decoder layers compiled as --compile_layers compiles ours"}
 

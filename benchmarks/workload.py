@@ -49,8 +49,8 @@ class PPOBenchArguments(Checked):
     steps: int = field(default=2, metadata={"help": "Measured PPO steps per side."})
     warmup_runs: int = field(default=1, metadata={"help": "Steps run first and left out of the figures."})
     sides: str = field(default="ours,trl", metadata={
-        "help": "Which sides to run, in this order: ours, trl, and the ablations of ours: ours_compiled (--decode "
-                "compiled), ours_eager (--compile_layers false); and trl_compiled (TRL with its models' decoder "
+        "help": "Which sides to run, in this order: ours, trl, and the ablations of ours: ours_eager_decode "
+                "(--decode eager), ours_eager (--compile_layers false); and trl_compiled (TRL with its models' decoder "
                 "layers compiled as --compile_layers compiles ours)."})
     rounds: int = field(default=1, metadata={
         "help": "Run every side this many times, the order of --sides reversed every other round (ours,trl then "
@@ -76,7 +76,7 @@ class PPOBenchArguments(Checked):
 
 
 # Our side's ablations: the settings each changes, by part (model: ModelArguments, ppo: PPOArguments).
-ABLATIONS = {"ours_compiled": {"ppo": {"decode": "compiled"}}, "ours_eager": {"model": {"compile_layers": False}}}
+ABLATIONS = {"ours_eager_decode": {"ppo": {"decode": "eager"}}, "ours_eager": {"model": {"compile_layers": False}}}
 # TRL's side with its three models' decoder layers compiled as --compile_layers compiles ours (TRL's PPO
 # loop itself compiles nothing): what TRL would gain from it.
 TRL_SIDES = ("trl", "trl_compiled")

@@ -162,7 +162,7 @@ def test_rounds_alternate_the_order_and_pool_every_rounds_measured_steps():
     from benchmarks.ppo_vs_trl import merge_round, round_orders, summarize
 
     assert round_orders(["ours", "trl"], 3) == [["ours", "trl"], ["trl", "ours"], ["ours", "trl"]]
-    assert round_orders(["ours", "trl", "ours_compiled"], 2)[1] == ["ours_compiled", "trl", "ours"]
+    assert round_orders(["ours", "trl", "ours_eager_decode"], 2)[1] == ["ours_eager_decode", "trl", "ours"]
     tokens = {"generated": 10, "update": 100}
     # round 1: warm-up 9 s, then 2 s and 4 s; round 2 (started 1 GiB higher): warm-up, then 6 s
     side = merge_round(None, _run([9.0, 2.0, 4.0], 1 << 30, [3 << 30, 3 << 30, 3 << 30]), 1)
@@ -206,9 +206,9 @@ def test_decode_times_each_decode_path_on_the_same_rows(tmp_path):
 
 def test_ablations_change_the_model_or_ppo_setting_they_name_and_the_report_shows_each_variant():
     args = Workload.parse([*TINY, "--compile_layers", "true"])
-    eager, compiled = args.ablation("ours_eager"), args.ablation("ours_compiled")
+    eager, eager_decode = args.ablation("ours_eager"), args.ablation("ours_eager_decode")
     assert eager.model.compile_layers is False and eager.ppo == args.ppo
-    assert compiled.ppo.decode == "compiled" and compiled.model == args.model
+    assert eager_decode.ppo.decode == "eager" and eager_decode.model == args.model
     assert args.ablation("trl_compiled") == args.ablation("trl") == args
     report = _report("cpu")
     slower = {**report["sides"]["ours"], "summary": {**report["sides"]["ours"]["summary"], "step_s": 3.0},

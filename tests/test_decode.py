@@ -293,3 +293,65 @@ def test_a_rollout_makes_one_copy_and_records_it_as_generation_weights_in_genera
     generate = recorder.records[("grpo", "generate")].components
     assert generate[C.GENERATION_WEIGHTS] == generation_weight_bytes(load_shape("tiny-llama", VOCAB), 2)
     assert C.GENERATION_WEIGHTS not in recorder.records[("grpo", "score")].components
+
+
+def test_a_decode_step_from_the_dense_copy_reads_the_copy_in_place_of_the_4bit_weights(tiny_nf4):
+    """The bandwidth bound of a step decoding from `dequantized` / `resident` weights counts the dense copy's
+    bytes (the estimator's size) instead of the 4-bit weights and their constants; the rest is read alike."""
+    from profiling import components as C
+    from profiling.decode import bytes_per_decode_step
+    from profiling.predict import generation_weight_bytes
+    from profiling.shapes import load_shape
+
+    quantized = bytes_per_decode_step(tiny_nf4)
+    for weights in ("dequantized", "resident"):
+        dense = bytes_per_decode_step(tiny_nf4, weights=weights)
+        assert dense[C.GENERATION_WEIGHTS] == generation_weight_bytes(load_shape("tiny-llama", VOCAB), 2)
+        assert "base_weights" not in dense and "base_quant_constants" not in dense
+        assert {k: v for k, v in dense.items() if k != C.GENERATION_WEIGHTS} == {
+            k: v for k, v in quantized.items() if not k.startswith("base_")}
+    assert quantized["base_weights"] * 4 == dense[C.GENERATION_WEIGHTS]  # 4 bits a weight against 16
+
+
+def test_a_per_rollout_copy_is_gone_when_the_rollout_ends(tiny_nf4, monkeypatch):
+    """`dequantized`: nothing holds the dense copy once decoding is done (on CUDA its blocks then go back to
+    the device: tests/test_gpu.py), while `resident` keeps it."""
+    import gc
+    import weakref
+
+    from trainer.model import decode as decode_module
+    from trainer.model.decode import drop_resident_weights
+
+    copies = []
+
+    class Watched(decode_module.DequantizedLinear):
+        def __init__(self, layer):
+            super().__init__(layer)
+            copies.append(weakref.ref(self.dense))
+
+    monkeypatch.setattr(decode_module, "DequantizedLinear", Watched)
+    ids, mask = batch(b=2, t=6)
+    decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=2, generation_weights="dequantized"), 1, 0)
+    gc.collect()
+    assert copies and all(ref() is None for ref in copies)
+    copies.clear()
+    decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=2, generation_weights="resident"), 1, 0)
+    assert copies and all(ref() is not None for ref in copies)
+    drop_resident_weights(tiny_nf4.causal_lm)
+
+
+def test_fewer_rows_than_a_compiled_batch_decode_in_its_graph_and_cache(tiny):
+    """--decode compiled with fewer rows than a batch size it has compiled for (a rollout's last chunk, an
+    evaluation's last batch): the rows ride in that batch's graph and KV cache (no new compilation, no second
+    cache the estimate does not price), the added rows start as ended, and the tokens are the eager loop's."""
+    from trainer.model.decode import _COMPILED
+
+    ids, mask = batch(b=5, t=8)
+    decode(tiny, ids, mask, greedy(5, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    kept = dict(_COMPILED[tiny.causal_lm].caches)
+    got = decode(tiny, ids[1:], mask[1:], greedy(5, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    assert _COMPILED[tiny.causal_lm].caches.keys() == kept.keys() and 5 in kept and 4 not in kept
+    want = decode(tiny, ids[1:], mask[1:], greedy(5), eos_id=VOCAB + 1, pad_id=0)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.ended, want.ended)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-4, atol=1e-4)
+    assert got.tokens.shape == (4, 5) and got.logprobs.shape == got.entropy.shape == (4, 5)

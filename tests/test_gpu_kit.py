@@ -282,36 +282,29 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
     assert text.count("| speed-llama-2-7b-nvidia-h100 | decode") == len(decoded) > 0
 
 
-def test_the_speed_part_times_each_decode_path_then_the_recipes_with_the_compiled_one(tmp_path):
-    """The speed part: decode alone at the recipes' 16 rows on every path, from the 4-bit weights and from a
-    dense copy (one build); TRL's GRPO recipe with the compiled decode step; on the GPU only, the first call's
-    PPO work, ours with the compiled decode step against TRL on the same model, data, cap and work flags as the
-    first call's comparison; last, decode at 1 and 64 rows."""
+def test_the_speed_part_runs_the_recipes_as_the_stages_decode_then_each_decode_path(tmp_path):
+    """The speed part: TRL's GRPO recipe as the stage runs it (--decode and --generation_weights left to the
+    planner) and its memory against the estimate; on the GPU only, the first call's PPO comparison with TRL
+    (ours decoding as the stage does); then decode alone at the recipes' 16 rows on every path, from the 4-bit
+    weights and from a dense copy (one build); last, decode at 1 and 64 rows."""
     from benchmarks.gpu.parts import PartArguments, grpo_recipe_run, steps_for
     from trainer.model.decode import DECODE_PATHS
 
     smoke = steps_for(PartArguments(part="speed", out=str(tmp_path), smoke=True), tmp_path)
-    assert [s.name for s in smoke] == ["decode", "grpo-compiled"]  # ppo_vs_trl: tested by the first call
+    assert [s.name for s in smoke] == ["grpo", "vs-estimate", "decode"]  # ppo_vs_trl: tested by the first call
     steps = steps_for(PartArguments(part="speed", out=str(tmp_path)), tmp_path, deadline=1000.0)
-    assert [s.name for s in steps] == ["decode", "grpo-compiled", "ppo_compiled", "decode-batches"]
-    for step, batches in ((steps[0], "16"), (steps[-1], "1,64")):
+    assert [s.name for s in steps] == ["grpo", "vs-estimate", "ppo_vs_trl", "decode", "decode-batches"]
+    for step, batches in ((steps[3], "16"), (steps[4], "1,64")):
         argv = step.argv
         assert sorted(argv[argv.index("--paths") + 1].split(",")) == sorted(DECODE_PATHS)
         assert argv[argv.index("--weights") + 1] == "dequantized,quantized"
         assert argv[argv.index("--batches") + 1] == batches
-    recipe = grpo_recipe_run(PartArguments(part="grpo_recipe", out=str(tmp_path)), tmp_path, "grpo_compiled")
-    assert steps[1].argv == [*recipe, "--decode", "compiled"]
+    recipe = grpo_recipe_run(PartArguments(part="grpo_recipe", out=str(tmp_path)), tmp_path, "grpo")
+    assert steps[0].argv == recipe and "--decode" not in recipe and "--generation_weights" not in recipe
+    assert steps[1].argv[-1] == str(tmp_path / "grpo")
     main = next(s for s in steps_for(PartArguments(part="first", out=str(tmp_path)), tmp_path, 1000.0)
                 if s.name == "ppo_vs_trl").argv
-    compiled = steps[2].argv
-    assert compiled[compiled.index("--sides") + 1] == "ours_compiled,trl"
-    assert compiled[compiled.index("--stop_at") + 1] == main[main.index("--stop_at") + 1] == "985"
-
-    def work(argv):  # every flag before --out_dir but the sides
-        head = argv[:argv.index("--out_dir")]
-        return head[:head.index("--sides")] + head[head.index("--sides") + 2:]
-
-    assert work(compiled) == work(main)  # the same model, data, cap and work flags
+    assert steps[2].argv[:steps[2].argv.index("--out_dir")] == main[:main.index("--out_dir")]  # the same work
 
 
 def test_the_grpo_recipe_part_runs_trl_s_recipe_with_the_policy_adapter_alone(smoke):
@@ -539,3 +532,64 @@ def test_the_grpo_vs_trl_part_runs_trl_s_recipe_on_both_sides_then_the_seed_ppo_
     smoke = ROOT / "benchmarks" / "results" / "grpo_vs_trl-tiny-llama-smoke"
     rows = grpo_trl_rows(smoke)
     assert len(rows) == 3 and "| ours | ok |" in rows[0] and "| trl | ok |" in rows[1] and "ours / TRL" in rows[2]
+
+
+def test_collect_keeps_an_earlier_run_s_results_of_a_step_the_new_run_did_not_finish(lab, tmp_path):
+    """A part run whose budget cut a step: the step's finished results from the earlier collected run stay
+    (latest finished run of each benchmark), named under provenance.json's `kept` with their revision; a step
+    the new run finished replaces the earlier one; a chain of cut runs keeps them still."""
+    from benchmarks.gpu.collect import main
+
+    results, readme, _ = lab
+
+    def archive(name, statuses, revision):
+        steps = [{"name": step, "status": status, "seconds": 1.0,
+                  "argv": ["python", "-m", "x", "--out_dir", f".gpu-work/memory/{step}"]}
+                 for step, status in statuses.items()]
+        extra = [(f"memory/{step}/result.json", json.dumps({"rev": revision}).encode(), {})
+                 for step, status in statuses.items() if status == "ok"]
+        extra += [(f"memory/logs/{step}.log", f"{step} {status} {revision}".encode(), {})
+                  for step, status in statuses.items()]
+        return part_archive(tmp_path / name, {**GOOD_MANIFEST, "git_revision": revision, "date": revision,
+                                               "steps": steps}, extra)
+
+    def collect(path):
+        return main([str(path), "--results_dir", str(results), "--readme", str(readme)])[0]
+
+    collect(archive("a.tar.gz", {"decode": "ok", "grpo": "ok"}, "rev1"))
+    folder = collect(archive("b.tar.gz", {"decode": "cut", "grpo": "ok"}, "rev2"))
+    assert json.loads((folder / "decode" / "result.json").read_text()) == {"rev": "rev1"}
+    assert json.loads((folder / "grpo" / "result.json").read_text()) == {"rev": "rev2"}
+    info = json.loads((folder / "provenance.json").read_text())
+    assert info["kept"] == {"decode": {"folder": "decode", "git_revision": "rev1", "date": "rev1"}}
+    assert info["steps"]["decode"]["status"] == "cut"
+    assert (folder / "logs" / "decode.log").read_text() == "decode cut rev2"
+    assert (folder / "logs" / "decode.kept.log").read_text() == "decode ok rev1"
+    folder = collect(archive("c.tar.gz", {"decode": "failed", "grpo": "cut"}, "rev3"))
+    info = json.loads((folder / "provenance.json").read_text())
+    assert {k: v["git_revision"] for k, v in info["kept"].items()} == {"decode": "rev1", "grpo": "rev2"}
+    folder = collect(archive("d.tar.gz", {"decode": "ok", "grpo": "ok"}, "rev4"))
+    assert "kept" not in json.loads((folder / "provenance.json").read_text())
+
+
+def test_vs_estimate_estimates_with_the_cuda_context_the_run_measured(tmp_path):
+    """On CUDA the comparison's estimate takes the run's own measured CUDA context (its smallest per phase),
+    as the run's start-up estimate does, not the 0.5 GiB assumed where nothing was measured."""
+    from benchmarks.gpu.vs_estimate import predicted_for
+    from profiling import components as C
+
+    run = tmp_path / "ppo"
+    shutil.copytree(ROOT / "benchmarks" / "results" / "memory-tiny-llama-smoke" / "ppo", run)
+    memory = json.loads((run / "memory.json").read_text())
+    memory["device"] = "cuda:0"
+    for i, phase in enumerate(memory["phases"]):
+        phase["components"][C.CUDA_CONTEXT] = int((1.4 + 0.01 * i) * C.GIB)
+    (run / "memory.json").write_text(json.dumps(memory))
+    _, predicted = predicted_for(run)
+    assert [p["components"][C.CUDA_CONTEXT] for p in predicted["phases"]] == pytest.approx(
+        [int(1.4 * C.GIB)] * len(predicted["phases"]), abs=2)
+    for phase in memory["phases"]:
+        phase["components"][C.CUDA_CONTEXT] = None
+    (run / "memory.json").write_text(json.dumps(memory))
+    _, predicted = predicted_for(run)
+    assert {p["components"][C.CUDA_CONTEXT] for p in predicted["phases"]} == {int(0.5 * C.GIB)}

@@ -135,10 +135,67 @@ def unpack(archive: Path, results: Path) -> Path:
                                                     "driver", "date", "command", "git_revision", "host", "versions", "seconds",
                                                     "budget_s")}
         provenance.update(archive=archive.name, steps=step_summary(manifest, archive))
+        earlier = finished_steps(target)
         with atomic_folder(target) as folder:
             shutil.copytree(source, folder, dirs_exist_ok=True)
+            kept = keep_finished(earlier, target, manifest, folder)
+            if kept:
+                provenance["kept"] = kept
             (folder / "provenance.json").write_text(json.dumps(provenance, indent=2))
     return target
+
+
+def step_folder(step: dict) -> Optional[str]:
+    """The folder a step wrote its results to, relative to its part's folder (its --out_dir / --output_dir)."""
+    argv = step.get("argv") if isinstance(step.get("argv"), list) else []
+    for flag in ("--out_dir", "--output_dir"):
+        if flag in argv[:-1]:
+            name = PurePosixPath(str(argv[argv.index(flag) + 1])).name
+            return name if NAME.fullmatch(name) and ".." not in name else None
+    return None
+
+
+def finished_steps(target: Path) -> dict[str, dict]:
+    """The steps an earlier copy of a part's folder holds finished results of: {step: {folder, git_revision,
+    date}}, from its manifest (status ok) and the steps it kept itself."""
+    try:
+        manifest = json.loads((target / "manifest.json").read_text())
+        kept = json.loads((target / "provenance.json").read_text()).get("kept") or {}
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return {}
+    finished = {name: info for name, info in kept.items() if isinstance(info, dict)}
+    for step in manifest.get("steps") or []:
+        if isinstance(step, dict) and step.get("status") == "ok" and step_folder(step):
+            finished[step["name"]] = {"folder": step_folder(step), "git_revision": manifest.get("git_revision"),
+                                      "date": manifest.get("date")}
+    return finished
+
+
+def keep_finished(earlier: dict[str, dict], target: Path, manifest: dict, folder: Path) -> dict[str, dict]:
+    """The results of steps this run did not finish (cut by its budget, failed) that an earlier run had,
+    copied into the new folder in place of what the unfinished step left: `benchmarks/results/` keeps the
+    latest finished run of each benchmark. Each kept folder's files carry their own revision and date;
+    provenance.json names them under `kept`, and the earlier log is beside the new one as STEP.kept.log."""
+    kept = {}
+    for step in manifest.get("steps") or []:
+        name = step.get("name") if isinstance(step, dict) else None
+        info = earlier.get(name)
+        if step.get("status") == "ok" or info is None:
+            continue
+        sub_folder = info.get("folder")
+        if not isinstance(sub_folder, str) or not NAME.fullmatch(sub_folder) or ".." in sub_folder:
+            continue
+        source = target / sub_folder
+        if not source.is_dir():
+            continue
+        shutil.rmtree(folder / sub_folder, ignore_errors=True)  # what the unfinished step left (the log keeps it)
+        shutil.copytree(source, folder / sub_folder)
+        log = target / "logs" / f"{name}.log"
+        if log.is_file():
+            (folder / "logs").mkdir(exist_ok=True)
+            shutil.copy2(log, folder / "logs" / f"{name}.kept.log")
+        kept[name] = info
+    return kept
 
 
 def _cell(value) -> str:

@@ -90,13 +90,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     bandwidth = copy_bandwidth(device, args.copy_gib)
     read = bytes_per_decode_step(model)
     step_bytes = sum(read.values())
+    # the bound of each weights choice: a dense copy is read in place of the 4-bit weights
+    reads = {w: bytes_per_decode_step(model, weights=w) for w in args.weights.split(",")}
     rows = []
     generator = torch.Generator().manual_seed(0)
     for batch in batch_sizes(args.batches):
         ids = torch.randint(3, vocab, (batch, args.prompt_tokens), generator=generator).to(device)
         mask = torch.ones_like(ids)
-        bound = batch * bandwidth / step_bytes
         for path, weights in [(p, w) for w in args.weights.split(",") for p in args.paths.split(",")]:
+            bound = batch * bandwidth / sum(reads[weights].values())
             if weights == "dequantized":  # the copy is made before the timing, and kept (resident)
                 decode(model, ids[:, :1], mask[:, :1], Sampling(max_new_tokens=1, generation_weights="resident"), 0, 0)
             first, full = time_generation(model, ids, args.new_tokens, args.repeats, path, weights)
@@ -114,7 +116,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     result = {**provenance(device, "python -m benchmarks.gpu.decode " + relative_command(argv)),
               "kind": "decode", "model": asdict(model_args), "settings": asdict(args),
               "copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_decode_step": read,
-              "bytes_per_decode_step": step_bytes, "rows": rows}
+              "bytes_per_decode_step": step_bytes, "bytes_read_per_decode_step_by_weights": reads, "rows": rows}
     out = Path(args.out_dir)
     write_atomic(out / "decode.json", json.dumps(result, indent=2))
     write_atomic(out / "decode.md", markdown(result))
@@ -125,9 +127,11 @@ def markdown(result: dict) -> str:
     lines = [f"# Decode throughput: {result['model']['model_name_or_path']} ({result['model']['quantization']})", "",
              f"- device: {result['device_name']}; date {result['date']}; git `{result['git_revision']}`",
              f"- command: `{result['command']}`",
-             f"- device copy bandwidth: {result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write); "
-             f"bytes read per decode step: {result['bytes_per_decode_step'] / 2**30:.3f} GiB "
-             f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in result['bytes_read_per_decode_step'].items())})", "",
+             f"- device copy bandwidth: {result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write)",
+             *(f"- bytes read per decode step from {weights} weights: {sum(read.values()) / 2**30:.3f} GiB "
+               f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in read.items())})"
+               for weights, read in result.get("bytes_read_per_decode_step_by_weights",
+                                               {"quantized": result["bytes_read_per_decode_step"]}).items()), "",
              "| path | weights | batch | decoded tokens/s | ms per step | whole generation s (best) | first call s "
              "| bound tokens/s | fraction of bound |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:

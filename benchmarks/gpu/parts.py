@@ -204,22 +204,25 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                 Step("grpo", stage_run(args, "grpo", out, *grpo, "--max_steps", "2")),
                 Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate",
                                      *(str(out / s) for s in ("sft", "reward", "ppo", "grpo"))])]
-    if args.part == "speed":  # what the decode paths and weights buy, alone, in TRL's GRPO recipe, and in PPO vs TRL
+    if args.part == "speed":  # the rollouts as the stages run them (--decode and --generation_weights auto, the
+        # planner's picks) in TRL's GRPO recipe and in the first call's PPO work against TRL; then decode alone
+        # on each path from each weights choice. A step the budget cuts keeps its last finished results (collect).
         decode = [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), "--paths", "compiled,eager",
                   "--weights", "dequantized,quantized"]
         sizes = (["--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05"] if args.smoke
                  else ["--prompt_tokens", "128", "--new_tokens", "64"])
-        steps = [Step("decode", [*decode, "--batches", "4" if args.smoke else "16", *sizes,
-                                 "--out_dir", str(out / "decode")]),
-                 Step("grpo-compiled", grpo_recipe_run(args, out, "grpo_compiled", "--decode", "compiled"))]
-        if not args.smoke:  # the first call's PPO work, ours with the compiled decode step against TRL; other batches
-            steps += [Step("ppo_compiled", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),
-                                            *data_flags(args), *cap_flags(args), *ppo_work(args), "--sides",
-                                            "ours_compiled,trl",
-                                            "--stop_at", f"{max(deadline - STOP_MARGIN_S, 0):.0f}",
-                                            "--out_dir", str(out / "ppo_compiled")]),
-                      Step("decode-batches", [*decode, "--batches", "1,64", *sizes,
-                                              "--out_dir", str(out / "decode-batches")])]
+        steps = [Step("grpo", grpo_recipe_run(args, out, "grpo")),
+                 Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "grpo")])]
+        if not args.smoke:  # ppo_vs_trl: the first call's smoke runs it
+            steps.append(Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),
+                                             *data_flags(args), *cap_flags(args), *ppo_work(args), "--sides", "ours,trl",
+                                             "--stop_at", f"{max(deadline - STOP_MARGIN_S, 0):.0f}",
+                                             "--out_dir", str(out / "ppo_vs_trl")]))
+        steps.append(Step("decode", [*decode, "--batches", "4" if args.smoke else "16", *sizes,
+                                     "--out_dir", str(out / "decode")]))
+        if not args.smoke:
+            steps.append(Step("decode-batches", [*decode, "--batches", "1,64", *sizes,
+                                                 "--out_dir", str(out / "decode-batches")]))
         return steps
     if args.part == "grpo_vs_trl":  # TRL's QLoRA GRPO recipe on ours and on TRL's GRPOTrainer, same cap; then
         # the seed PPO recipe under a 12 GB cap: does the smallest card the estimator allows hold it?

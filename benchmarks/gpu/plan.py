@@ -99,8 +99,8 @@ def predicted(part: str) -> dict[str, float]:
                 "ppo": process + 3 * step_seconds(seed_ppo, shape),
                 "grpo": process + 2 * step_seconds(Work(rows=16, prompt=256, new=128, epochs=1, scoring_adapters=3), shape),
                 "vs-estimate": START_S}
-    if part == "speed":  # decode on both paths from both weights (each timed twice and warmed up, prefill apart;
-        # the compiled path compiles once per batch size and weights), TRL's GRPO recipe compiled, PPO vs TRL
+    if part == "speed":  # TRL's GRPO recipe and PPO vs TRL, ours compiling its decode step; decode on both paths
+        # from both weights (each timed twice and warmed up, prefill apart; compiled once per batch and weights)
         def decode(rows: int) -> float:
             per_token = decode_step_bytes(shape) / (BANDWIDTH * DECODE_FRACTION)
             return 2 * (2 * (3 * 64 * per_token + 3 * step_seconds(Work(rows=rows, prompt=128), shape)) + COMPILE_S)
@@ -108,10 +108,10 @@ def predicted(part: str) -> dict[str, float]:
         from profiling.shapes import load_shape
 
         grpo = Work(rows=8, prompt=256, new=256, epochs=1, scoring_adapters=0)
-        return {"decode": process + decode(16),
-                "grpo-compiled": process + COMPILE_S + 2 * step_seconds(grpo, load_shape("qwen2.5-7b")),
-                "ppo_compiled": 2 * START_S + 4 * BUILD_S + COMPILE_S + 4 * step_seconds(bench_ppo, shape),
-                "decode-batches": process + decode(1) + decode(64)}
+        return {"grpo": process + COMPILE_S + 2 * step_seconds(grpo, load_shape("qwen2.5-7b")),
+                "vs-estimate": START_S,
+                "ppo_vs_trl": 2 * START_S + 4 * BUILD_S + COMPILE_S + 4 * step_seconds(bench_ppo, shape),
+                "decode": process + decode(16), "decode-batches": process + decode(1) + decode(64)}
     if part == "grpo_vs_trl":  # TRL's recipe on both sides (each its own build, a warm-up and a step), then the
         # seed PPO recipe's SFT and reward steps and 2 PPO steps under a 12 GB cap
         from profiling.shapes import load_shape

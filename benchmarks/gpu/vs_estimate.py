@@ -24,7 +24,8 @@ TARGET = (0.85, 1.15)
 
 
 def predicted_for(run_dir: Path) -> tuple[dict, dict]:
-    """(the run's memory.json, the estimate of the run's saved settings on its device)."""
+    """(the run's memory.json, the estimate of the run's saved settings on its device, with the CUDA context the
+    run measured: its smallest per phase, as a run measures it at its start for its own estimate)."""
     config_file, memory_file = run_dir / "config.json", run_dir / "memory.json"
     for path in (config_file, memory_file):
         if not path.is_file():
@@ -33,7 +34,10 @@ def predicted_for(run_dir: Path) -> tuple[dict, dict]:
     stage = memory["phases"][0]["stage"] if memory["phases"] else "sft"
     device = "cuda" if str(memory.get("device", "")).startswith("cuda") else "cpu"
     sections = [SimpleNamespace(**config.get(k, {})) for k in ("model", "data", "train", "stage")]
-    args = EstimateArguments.of_run(*sections, stage=stage, device=device)
+    contexts = [p["components"].get(C.CUDA_CONTEXT) for p in memory["phases"]]
+    measured = min((c for c in contexts if isinstance(c, (int, float)) and c > 0), default=None)
+    extra = {"cuda_context_gib": measured / C.GIB} if device == "cuda" and measured is not None else {}
+    args = EstimateArguments.of_run(*sections, stage=stage, device=device, **extra)
     return memory, estimate(resolve_shape(args), args)
 
 

@@ -131,6 +131,11 @@ class _Compiled:
         self.step = torch.compile(_step, mode=mode, fullgraph=False)
         self.caches: dict[int, tuple[int, object]] = {}
 
+    def rows_for(self, batch: int) -> int:
+        """The batch size to decode `batch` rows at: the smallest one with a cache already that holds them (its
+        compiled step and its cache serve them), else `batch` itself."""
+        return min((rows for rows in self.caches if rows >= batch), default=batch)
+
     def cache(self, causal_lm, batch: int, length: int):
         from transformers import StaticCache
 
@@ -190,8 +195,9 @@ _said: set[str] = set()
 
 @contextmanager
 def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
-    """The body decodes from dense copies of the 4-bit layers (`dequantized`: made here and freed after;
-    `resident`: made once, kept), swapped in place of each layer and swapped back after, also on errors;
+    """The body decodes from dense copies of the 4-bit layers (`dequantized`: made here and freed after, its
+    cached blocks handed back to the device so that later phases' device memory is theirs; `resident`: made
+    once, kept), swapped in place of each layer and swapped back after, also on errors;
     `quantized` (or "auto" left unplanned) changes nothing. Nested in an outer one (a rollout's generate phase
     holding one copy for all its chunks), it changes nothing either. A model with no 4-bit layer has nothing
     to copy: said once."""
@@ -222,6 +228,10 @@ def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
             setattr(parent, name, layer)
         if causal_lm not in _RESIDENT:  # the per-rollout copy goes with `swaps`
             setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
+            device = swaps[0][3].dense.device
+            del swaps, dense
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def drop_resident_weights(causal_lm: nn.Module) -> None:
@@ -253,8 +263,13 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
     batch, prompt_length = prompt_ids.shape
     new, device = sampling.max_new_tokens, prompt_ids.device
     first_call, started = False, time.perf_counter()
+    live = batch  # rows asked for; a compiled step's batch may add rows that start as ended
     if sampling.decode == "compiled":
         compiled = _COMPILED.get(causal_lm) or _COMPILED.setdefault(causal_lm, _Compiled(causal_lm))
+        batch = compiled.rows_for(batch)
+        if batch > live:  # fewer rows than a compiled batch (a last chunk, an evaluation): no new graph or cache
+            prompt_ids = torch.cat([prompt_ids, prompt_ids[:1].expand(batch - live, -1)])
+            prompt_mask = torch.cat([prompt_mask, prompt_mask[:1].expand(batch - live, -1)])
         first_call = batch not in compiled.caches
         length, cache = compiled.cache(causal_lm, batch, prompt_length + new)
         step = compiled.step
@@ -270,7 +285,7 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
     tokens, logprobs, entropy = pick_tokens(logits, sampling, eos_id, bar_eos=sampling.min_new_tokens > 0)
     out = Decoded(torch.full((batch, new), pad_id, dtype=torch.long, device=device),
                   torch.zeros(batch, new, device=device), torch.zeros(batch, new, device=device),
-                  torch.zeros(batch, dtype=torch.bool, device=device))
+                  torch.arange(batch, device=device) >= live)
     positions = positions[:, -1:] + 1
     cache_position = cache_position[-1:] + 1
     steps = new
@@ -292,4 +307,5 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
         logger.info("decode compiled for %d rows: the first decode took %.1f s, compilation%s included (once per "
                     "batch size)", batch, time.perf_counter() - started,
                     " and CUDA graph capture" if device.type == "cuda" else "")
-    return Decoded(out.tokens[:, :steps], out.logprobs[:, :steps], out.entropy[:, :steps], out.ended)
+    return Decoded(out.tokens[:live, :steps], out.logprobs[:live, :steps], out.entropy[:live, :steps],
+                   out.ended[:live])

@@ -127,7 +127,7 @@ def rl_step(engine: Engine, batch: dict[str, torch.Tensor], algorithm: Algorithm
 
     algorithm.after_update(metrics, state, acc)
     metrics.update(stats)
-    metrics.update(decode_metrics(raw, rollout, args.rollout_micro_batch_size, state))
+    metrics.update(decode_metrics(raw, rollout, args.rollout_micro_batch_size, state, args.generation_weights))
     metrics.update({"lr": lr, "perf/rollout_s": rollout_s, "perf/update_s": update_s,
                     "perf/generate_tokens_per_s": rollout.response_mask.sum().item() / max(rollout_s, 1e-9),
                     "perf/update_tokens_per_s": rollout.attention_mask.sum().item() * algorithm.epochs
@@ -146,16 +146,17 @@ def rl_update(engine: Engine, algorithm: Algorithm, rollout: Rollout, adv, state
     return run_update(engine, state, update, rollout.rows)
 
 
-def decode_metrics(model, rollout: Rollout, rows_per_call: int, state: RLState) -> dict[str, float]:
+def decode_metrics(model, rollout: Rollout, rows_per_call: int, state: RLState,
+                   weights: str = "quantized") -> dict[str, float]:
     """Decoded positions per second of the rollout's generation (prefill included), and on CUDA that
-    speed over the bandwidth bound (rows decoded together x copy bandwidth / bytes one step reads;
-    the bandwidth is measured once per run by a device copy)."""
+    speed over the bandwidth bound (rows decoded together x copy bandwidth / bytes one step reads from
+    `weights`, --generation_weights; the bandwidth is measured once per run by a device copy)."""
     tokens_per_s = rollout.rows * rollout.response_length / max(rollout.generate_s, 1e-9)
     out = {"perf/decode_tokens_per_s": tokens_per_s}
     device = rollout.input_ids.device
     if device.type == "cuda":
         if state.decode_bound is None:
-            state.decode_bound = (copy_bandwidth(device), sum(bytes_per_decode_step(model).values()))
+            state.decode_bound = (copy_bandwidth(device), sum(bytes_per_decode_step(model, weights=weights).values()))
         bandwidth, step_bytes = state.decode_bound
         out["perf/decode_bandwidth_fraction"] = bandwidth_fraction(tokens_per_s, min(rows_per_call, rollout.rows),
                                                                    step_bytes, bandwidth)
