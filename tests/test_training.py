@@ -219,13 +219,16 @@ def test_resuming_under_other_data_settings_is_refused_naming_the_fields(uninter
     assert json.loads((out / "config.json").read_text())["data"]["max_length"] == 96  # nothing overwritten
 
 
-def test_resume_config_check_lets_run_length_and_evaluation_settings_change():
+def test_resume_config_check_lets_run_length_evaluation_and_decoding_settings_change():
+    """Run length, evaluation, and how rollouts decode (the path and the weights decoded from: speed only, as
+    on another card the planner may choose otherwise) may change on resume; what is trained may not."""
     from trainer.engine.setup import resume_config_changes
 
     saved = {"train": {"max_steps": 8, "eval_every": 4, "seed": 0}, "data": {"max_length": 96},
-             "stage": {"eval_prompts": 8, "beta": 0.1}}
+             "stage": {"eval_prompts": 8, "beta": 0.1, "decode": "compiled", "generation_weights": "resident"}}
     longer = {"train": {"max_steps": 20, "eval_every": 10, "seed": 0, "resume_config_check": True},
-              "data": {"max_length": 96}, "stage": {"eval_prompts": 32, "beta": 0.1}}
+              "data": {"max_length": 96},
+              "stage": {"eval_prompts": 32, "beta": 0.1, "decode": "eager", "generation_weights": "quantized"}}
     assert resume_config_changes(saved, longer) == []
     other = {"train": {"max_steps": 8, "eval_every": 4, "seed": 1}, "data": {"max_length": 96},
              "stage": {"eval_prompts": 8, "beta": 0.2}}

@@ -176,6 +176,8 @@ COSMETIC_FIELDS = {
 # A resumed run may also lengthen itself and evaluate or save differently.
 RESUME_SAFE_FIELDS = {"train": COSMETIC_FIELDS["train"] | {"max_steps", "eval_every", "eval_batches",
                                                            "eval_batch_size", "save_every"},
+                      # how rollouts decode: speed, not what is sampled (the same distribution and log-probs)
+                      "stage": {"decode", "generation_weights"},
                       "resolved": {"reward_files"}}  # an edited reward file is said (warn_edited_rewards), not refused
 
 
