@@ -186,7 +186,8 @@ def test_a_dense_copy_of_the_nf4_weights_decodes_as_the_4bit_layers_do_on_cuda(d
 
 def test_a_per_rollout_dense_copy_hands_its_blocks_back_to_the_device(monkeypatch):
     """--generation_weights dequantized on CUDA: once decoding is done the copy is freed and the allocator's
-    cached blocks go back to the device (later phases' device memory is their own); resident keeps the copy."""
+    cached blocks go back to the device (later phases' device memory is their own), but not for a model that
+    decodes through CUDA graphs (recorded with the copy's addresses); resident keeps the copy."""
     from trainer.model.decode import Sampling, decode as run_decode, drop_resident_weights
     from trainer.model.shared_base import build_shared_model, stage_specs
 
@@ -201,6 +202,10 @@ def test_a_per_rollout_dense_copy_hands_its_blocks_back_to_the_device(monkeypatc
     run_decode(model, ids, torch.ones_like(ids), Sampling(max_new_tokens=4, generation_weights="resident"), 2, 0)
     assert len(released) == 1
     drop_resident_weights(model.causal_lm)
+    # a model decoding through CUDA graphs keeps the blocks: its next copy lands where the graphs read
+    compiled = Sampling(max_new_tokens=4, generation_weights="dequantized", decode="compiled")
+    run_decode(model, ids, torch.ones_like(ids), compiled, 2, 0)
+    assert len(released) == 1
 
 
 def test_the_recorder_fills_its_cuda_allocator_and_nvml_fields():

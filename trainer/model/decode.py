@@ -196,8 +196,10 @@ _said: set[str] = set()
 @contextmanager
 def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
     """The body decodes from dense copies of the 4-bit layers (`dequantized`: made here and freed after, its
-    cached blocks handed back to the device so that later phases' device memory is theirs; `resident`: made
-    once, kept), swapped in place of each layer and swapped back after, also on errors;
+    cached blocks handed back to the device so that later phases' device memory is theirs, unless the model
+    decodes through CUDA graphs, which were recorded with the copy's addresses: the allocator's cache gives
+    the next copy the same ones; `resident`: made once, kept), swapped in place of each layer and swapped
+    back after, also on errors;
     `quantized` (or "auto" left unplanned) changes nothing. Nested in an outer one (a rollout's generate phase
     holding one copy for all its chunks), it changes nothing either. A model with no 4-bit layer has nothing
     to copy: said once."""
@@ -230,7 +232,7 @@ def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
             setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
             device = swaps[0][3].dense.device
             del swaps, dense
-            if device.type == "cuda":
+            if device.type == "cuda" and causal_lm not in _COMPILED:
                 torch.cuda.empty_cache()
 
 
