@@ -473,3 +473,24 @@ def test_a_cuda_run_s_budget_check_estimates_with_the_context_it_measured(monkey
     args = budget.estimate_arguments("ppo", ModelArguments(), DataArguments(), TrainArguments(), PPOArguments(), cuda)
     assert args.cuda_context_gib == EstimateArguments().cuda_context_gib  # the assumption, said in the log
     budget.cuda_context_gib.cache_clear()
+
+
+def test_a_per_rollout_copy_decoded_by_a_compiled_step_stays_cached_in_every_phase():
+    """--generation_weights dequantized with --decode compiled on CUDA: the freed copy's blocks stay in the
+    allocator's cache (its CUDA graphs read their addresses), so each other phase's device memory is the
+    generate phase's reserved bytes: the difference is that phase's allocator overhead; its allocations are
+    unchanged. Eagerly decoded, the blocks go back to the device after the rollout."""
+    shape = load_shape("qwen2.5-7b")
+    args = EstimateArguments(model_name_or_path="qwen2.5-7b", stage="grpo", beta=0.0, reward_model=False,
+                             rollout_batch_size=1, num_generations=8, max_new_tokens=256, max_prompt_length=256,
+                             micro_batch_size=8, rollout_micro_batch_size=8, generation_weights="dequantized")
+    compiled = {p["phase"]: p for p in estimate(shape, replace(args, decode="compiled"))["phases"]}
+    eager = {p["phase"]: p for p in estimate(shape, replace(args, decode="eager"))["phases"]}
+    generate = compiled["generate"]
+    reserved = generate["peak_allocated"] + generate["components"][C.ALLOCATOR_OVERHEAD]
+    for name, phase in compiled.items():
+        assert phase["peak_allocated"] + phase["components"][C.ALLOCATOR_OVERHEAD] == reserved, name
+        assert phase["total"] == C.total(phase["components"]) == generate["total"]
+    assert eager["score"]["total"] < eager["generate"]["total"] and eager["update"]["total"] < eager["generate"]["total"]
+    resident = estimate(shape, replace(args, decode="compiled", generation_weights="quantized"))["phases"]
+    assert len({p["total"] for p in resident}) > 1  # nothing held over without a per-rollout copy

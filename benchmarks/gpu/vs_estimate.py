@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
 from foundation.cli import InputError, argument_parser, run
 from foundation.files import write_atomic
+from foundation.provenance import git_revision
 from profiling import components as C
 from profiling.predict import EstimateArguments, estimate, resolve_shape
 
@@ -68,7 +70,9 @@ def compare(run_dir: Path) -> dict:
     result = {"run": run_dir.name, "stage": est["phases"][0]["stage"], "device": memory.get("device"),
               "device_name": memory.get("device_name"), "date": memory.get("date"),
               "git_revision": memory.get("git_revision"), "command": memory.get("command"),
-              "estimate_settings": est["config"]["settings"], "phases": phases, "target": list(TARGET),
+              "estimate_settings": est["config"]["settings"], "estimate_git_revision": git_revision(),
+              "estimate_date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "phases": phases, "target": list(TARGET),
               "all_within_target": bool(within) and all(TARGET[0] <= r <= TARGET[1] for r in within)}
     write_atomic(run_dir / "vs_estimate.json", json.dumps(result, indent=2))
     write_atomic(run_dir / "vs_estimate.md", markdown(result))
@@ -87,8 +91,9 @@ def markdown(result: dict) -> str:
     lines = [f"# Measured vs estimated memory: {result['stage']} ({result['run']})", "",
              f"- measured on {result['device_name']} (`{result['device']}`), {result['date']}, git "
              f"`{result['git_revision']}`", f"- run command: `{result['command']}`",
-             f"- estimate: `profiling.predict` on the run's own saved settings; target ratio "
-             f"{TARGET[0]}-{TARGET[1]}", "", "| phase | measured GiB | estimated GiB | ratio | peak allocated, "
+             f"- estimate: `profiling.predict` on the run's own saved settings (git "
+             f"`{result.get('estimate_git_revision', result['git_revision'])}`, {result.get('estimate_date', result['date'])}); "
+             f"target ratio {TARGET[0]}-{TARGET[1]}", "", "| phase | measured GiB | estimated GiB | ratio | peak allocated, "
              "measured / estimated GiB | ratio |", "|---|---:|---:|---:|---:|---:|"]
     for p in result["phases"]:
         lines.append(f"| {p['phase']} | {_gib(p['measured_total'])} | {_gib(p['predicted_total'])} | "
