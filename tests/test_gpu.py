@@ -184,30 +184,6 @@ def test_a_dense_copy_of_the_nf4_weights_decodes_as_the_4bit_layers_do_on_cuda(d
         torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-3)
 
 
-def test_a_per_rollout_dense_copy_hands_its_blocks_back_to_the_device(monkeypatch):
-    """--generation_weights dequantized on CUDA: once decoding is done the copy is freed and the allocator's
-    cached blocks go back to the device (later phases' device memory is their own), but not for a model that
-    decodes through CUDA graphs (recorded with the copy's addresses); resident keeps the copy."""
-    from trainer.model.decode import Sampling, decode as run_decode, drop_resident_weights
-    from trainer.model.shared_base import build_shared_model, stage_specs
-
-    model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
-    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
-    released = []
-    real = torch.cuda.empty_cache
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (released.append(torch.cuda.memory_allocated()), real()))
-    before = torch.cuda.memory_allocated()
-    run_decode(model, ids, torch.ones_like(ids), Sampling(max_new_tokens=4, generation_weights="dequantized"), 2, 0)
-    assert len(released) == 1 and released[0] <= before + 2**20  # the copy was gone when the cache was emptied
-    run_decode(model, ids, torch.ones_like(ids), Sampling(max_new_tokens=4, generation_weights="resident"), 2, 0)
-    assert len(released) == 1
-    drop_resident_weights(model.causal_lm)
-    # a model decoding through CUDA graphs keeps the blocks: its next copy lands where the graphs read
-    compiled = Sampling(max_new_tokens=4, generation_weights="dequantized", decode="compiled")
-    run_decode(model, ids, torch.ones_like(ids), compiled, 2, 0)
-    assert len(released) == 1
-
-
 def test_the_recorder_fills_its_cuda_allocator_and_nvml_fields():
     from profiling import components as C
     from profiling.recorder import MemoryRecorder

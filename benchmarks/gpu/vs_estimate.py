@@ -4,7 +4,9 @@
 
 For each run folder (config.json and memory.json from `--profile_memory true`) the estimator runs on
 the run's own saved settings, and each component of each phase is set beside it with the ratio
-measured / predicted (the target: 0.85-1.15). Writes vs_estimate.json and vs_estimate.md there.
+measured / predicted (the target: 0.85-1.15). A phase's whole figure is the device memory it holds: the
+allocator's reserved bytes and the CUDA context, against the estimate's `device_total` (the peak phase's,
+which the caching allocator keeps reserved through every phase). Writes vs_estimate.json and vs_estimate.md.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ def compare(run_dir: Path) -> dict:
             rows.append({"component": component, "measured": m, "predicted": p, "ratio": _ratio(m, p)})
         cuda = phase.get("cuda") or {}
         measured_total = C.total(phase["components"])
+        device = guess.get("device_total", guess["total"])  # the allocator keeps the peak phase's blocks
         phases.append({"phase": phase["phase"], "components": rows, "measured_total": measured_total,
-                       "predicted_total": guess["total"], "total_ratio": _ratio(measured_total, guess["total"]),
+                       "predicted_total": device, "total_ratio": _ratio(measured_total, device),
                        "measured_peak_allocated": cuda.get("peak_allocated"),
                        "predicted_peak_allocated": guess.get("peak_allocated"),
                        "peak_allocated_ratio": _ratio(cuda.get("peak_allocated"), guess.get("peak_allocated"))})
@@ -93,7 +96,7 @@ def markdown(result: dict) -> str:
              f"`{result['git_revision']}`", f"- run command: `{result['command']}`",
              f"- estimate: `profiling.predict` on the run's own saved settings (git "
              f"`{result.get('estimate_git_revision', result['git_revision'])}`, {result.get('estimate_date', result['date'])}); "
-             f"target ratio {TARGET[0]}-{TARGET[1]}", "", "| phase | measured GiB | estimated GiB | ratio | peak allocated, "
+             f"target ratio {TARGET[0]}-{TARGET[1]}", "", "| phase | device memory, measured GiB | estimated GiB | ratio | peak allocated, "
              "measured / estimated GiB | ratio |", "|---|---:|---:|---:|---:|---:|"]
     for p in result["phases"]:
         lines.append(f"| {p['phase']} | {_gib(p['measured_total'])} | {_gib(p['predicted_total'])} | "

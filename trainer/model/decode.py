@@ -196,10 +196,9 @@ _said: set[str] = set()
 @contextmanager
 def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
     """The body decodes from dense copies of the 4-bit layers (`dequantized`: made here and freed after, its
-    cached blocks handed back to the device so that later phases' device memory is theirs, unless the model
-    decodes through CUDA graphs, which were recorded with the copy's addresses: the allocator's cache gives
-    the next copy the same ones; `resident`: made once, kept), swapped in place of each layer and swapped
-    back after, also on errors;
+    blocks left in the allocator's cache for the next rollout's copy, so a compiled step's CUDA graphs read
+    the addresses they were recorded with; `resident`: made once, kept), swapped in place of each layer and
+    swapped back after, also on errors;
     `quantized` (or "auto" left unplanned) changes nothing. Nested in an outer one (a rollout's generate phase
     holding one copy for all its chunks), it changes nothing either. A model with no 4-bit layer has nothing
     to copy: said once."""
@@ -230,10 +229,6 @@ def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
             setattr(parent, name, layer)
         if causal_lm not in _RESIDENT:  # the per-rollout copy goes with `swaps`
             setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
-            device = swaps[0][3].dense.device
-            del swaps, dense
-            if device.type == "cuda" and causal_lm not in _COMPILED:
-                torch.cuda.empty_cache()
 
 
 def drop_resident_weights(causal_lm: nn.Module) -> None:
