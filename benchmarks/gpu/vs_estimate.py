@@ -49,7 +49,8 @@ def _ratio(measured: Optional[float], predicted: Optional[float]) -> Optional[fl
     return measured / predicted if measured is not None and predicted else None
 
 
-def compare(run_dir: Path) -> dict:
+def compare(run_dir: Path, revision: Optional[str] = None) -> dict:
+    """The comparison of one run folder, written there; `revision` is the estimator's (default: now)."""
     memory, est = predicted_for(run_dir)
     predicted = {p["phase"]: p for p in est["phases"]}
     phases = []
@@ -73,7 +74,7 @@ def compare(run_dir: Path) -> dict:
     result = {"run": run_dir.name, "stage": est["phases"][0]["stage"], "device": memory.get("device"),
               "device_name": memory.get("device_name"), "date": memory.get("date"),
               "git_revision": memory.get("git_revision"), "command": memory.get("command"),
-              "estimate_settings": est["config"]["settings"], "estimate_git_revision": git_revision(),
+              "estimate_settings": est["config"]["settings"], "estimate_git_revision": revision or git_revision(),
               "estimate_date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "phases": phases, "target": list(TARGET),
               "all_within_target": bool(within) and all(TARGET[0] <= r <= TARGET[1] for r in within)}
@@ -114,7 +115,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     parser = argument_parser("python -m benchmarks.gpu.vs_estimate", __doc__.splitlines()[0])
     parser.add_argument("run_dirs", nargs="+", type=Path)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    results = [compare(d) for d in args.run_dirs]
+    revision = git_revision()  # before any file is written: the files written would make the tree dirty
+    results = [compare(d, revision) for d in args.run_dirs]
     for r in results:
         print(f"{r['run']}: " + ", ".join(f"{p['phase']} {_r(p['total_ratio'])}" for p in r["phases"]))
     return results
