@@ -35,7 +35,7 @@ DECODE_FRACTION = 0.05  # NF4 decoding at batch 16, of the bound: dequantised pe
 MFU = 0.2  # training and scoring FLOPs, of the bf16 peak (NF4 dequantised per matmul, LoRA, checkpointing)
 WHEELS_S, PACK_S = 45, 10  # run.sh's wheel install before the part, its archive after
 GPU_TESTS_S = 40  # the first call's subset of tests/test_gpu.py: small models, a few seconds each
-COMPILE_S = 60  # torch.compile of a 7B decode step or decoder layer, the first call
+COMPILE_S = 86  # torch.compile of a 7B decode step or decoder layer, the first call (speed-*/decode: first call s)
 
 
 @dataclass
@@ -88,16 +88,17 @@ def predicted(part: str) -> dict[str, float]:
     sft_step = Work(train_tokens=4 * 4 * 512)  # micro-batch 4 x 4 accumulation x 512 tokens
     reward_step = Work(train_tokens=2 * 4 * 4 * 512)  # pairs: two sequences each
     process = START_S + BUILD_S
+    rl = process + COMPILE_S  # a PPO or GRPO process on CUDA compiles its decode step (--decode auto)
     if part == "first":
         return {"gpu-tests": START_S + GPU_TESTS_S,
                 "sft+reward": START_S + 2 * BUILD_S + step_seconds(sft_step, shape) + step_seconds(reward_step, shape),
-                "ppo": process + 2 * step_seconds(seed_ppo, shape), "vs-estimate": START_S,
+                "ppo": rl + 2 * step_seconds(seed_ppo, shape), "vs-estimate": START_S,
                 # TRL's side builds policy, value and reward models: three 7B builds; its step taken as ours
-                "ppo_vs_trl": 2 * START_S + 4 * BUILD_S + 4 * step_seconds(bench_ppo, shape)}
+                "ppo_vs_trl": 2 * START_S + 4 * BUILD_S + COMPILE_S + 4 * step_seconds(bench_ppo, shape)}
     if part == "memory":
         return {"sft": process + 3 * step_seconds(sft_step, shape), "reward": process + 3 * step_seconds(reward_step, shape),
-                "ppo": process + 3 * step_seconds(seed_ppo, shape),
-                "grpo": process + 2 * step_seconds(Work(rows=16, prompt=256, new=128, epochs=1, scoring_adapters=3), shape),
+                "ppo": rl + 3 * step_seconds(seed_ppo, shape),
+                "grpo": rl + 2 * step_seconds(Work(rows=16, prompt=256, new=128, epochs=1, scoring_adapters=3), shape),
                 "vs-estimate": START_S}
     if part == "speed":  # TRL's GRPO recipe and PPO vs TRL, ours compiling its decode step; decode on both paths
         # from both weights (each timed twice and warmed up, prefill apart; compiled once per batch and weights)
@@ -117,15 +118,16 @@ def predicted(part: str) -> dict[str, float]:
         from profiling.shapes import load_shape
 
         grpo = 2 * step_seconds(Work(rows=8, prompt=256, new=256, epochs=1, scoring_adapters=0), load_shape("qwen2.5-7b"))
-        return {"grpo_vs_trl": 2 * (process + grpo),
+        return {"grpo_vs_trl": 2 * (process + grpo) + COMPILE_S,  # ours compiles its decode step
                 "sft+reward": START_S + 2 * BUILD_S + step_seconds(sft_step, shape) + step_seconds(reward_step, shape),
-                "ppo-12gb": process + 2 * step_seconds(seed_ppo, shape)}
+                "ppo-12gb": rl + 2 * step_seconds(seed_ppo, shape)}
     if part == "grpo_recipe":  # TRL's recipe on Qwen2.5-7B shapes: 8 completions of 256 tokens, r=32
         from profiling.shapes import load_shape
 
         qwen = load_shape("qwen2.5-7b")
         grpo = process + 2 * step_seconds(Work(rows=8, prompt=256, new=256, epochs=1, scoring_adapters=0), qwen)
-        return {"grpo": grpo, "vs-estimate": START_S, "grpo-offload": grpo, "vs-estimate-offload": START_S}
+        # the embedding offloaded decodes eagerly: nothing to compile
+        return {"grpo": grpo + COMPILE_S, "vs-estimate": START_S, "grpo-offload": grpo, "vs-estimate-offload": START_S}
     if part == "stages":  # 3 steps and a warm-up of 4 x 2 rows at 512 tokens, each side its own build
         tokens = 4 * 2 * 512
         work = {"sft": Work(train_tokens=tokens), "reward": Work(train_tokens=2 * tokens),
