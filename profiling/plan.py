@@ -140,9 +140,8 @@ def auto_fit_on(auto_fit: Optional[bool], device: str) -> bool:
 
 def offloads_allowed(decode: str, compile_layers: bool, sharded: bool = False) -> tuple[str, ...]:
     """The offloads a plan may turn on: neither where ZeRO-3 / FSDP shard the base, the embedding only with
-    eager decoding, given or auto (a compiled decode step cannot look rows up in host memory; auto then decodes
-    eagerly), the activations not through
-    compiled layers (they run no saved-tensor hooks)."""
+    eager decoding, given or auto (a compiled decode step cannot look rows up in host memory; auto then
+    decodes eagerly), the activations not through compiled layers (they run no saved-tensor hooks)."""
     if sharded:
         return ()
     return (("offload_embeddings",) if decode != "compiled" else ()) + (
