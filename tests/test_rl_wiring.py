@@ -521,3 +521,16 @@ def test_dpo_step_margin_loss_and_gradient_match_an_independent_chosen_minus_rej
     pc_after, pr_after = scored("policy")
     gap_before = sum(a - b for a, b in zip(pc, pr))
     assert sum(a - b for a, b in zip(pc_after, pr_after)) > gap_before
+
+
+def test_a_mixed_precision_rollout_starts_the_update_at_ratio_one(tmp_path, fresh_accelerate_state):
+    """With --mixed_precision bf16 the update's passes run under autocast (fp32 LoRA weights multiplied in
+    bf16); the rollout's sampling and scoring passes run under the same autocast, so the one minibatch of a
+    one-epoch GRPO step sees its old log-probs again before it steps: ratio 1, nothing clipped (outside
+    autocast the LoRA products were fp32 and the first ratios moved by up to a few percent)."""
+    metrics, _, model = grpo_one_step(tmp_path, [1.0, 0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 2.0], "--beta", "0",
+                                      "--mixed_precision", "bf16", "--dtype", "bfloat16")
+    assert model.causal_lm.dtype == torch.bfloat16
+    assert {p.dtype for p in model.trainable_parameters()} == {torch.float32}
+    assert metrics["clip_ratio"] == 0.0
+    assert metrics["ratio"] == pytest.approx(1.0, abs=1e-4)  # 1.0019 with the rollout outside autocast

@@ -106,10 +106,13 @@ def rl_step(engine: Engine, batch: dict[str, torch.Tensor], algorithm: Algorithm
     acc, raw, args = engine.accelerator, engine.raw, algorithm.args
     started = time.perf_counter()
     # Generation and the no-grad scoring passes go around the DDP / DeepSpeed wrapper (DDP has no
-    # generate, and no gradient sync is wanted there); the update goes through it.
-    rollout = make_rollout(raw, batch["input_ids"].to(acc.device), batch["attention_mask"].to(acc.device), args,
-                           scorer, eos_id, pad_id, group=algorithm.group, reference=algorithm.reference,
-                           value=algorithm.value, nan_unscored=algorithm.nan_unscored, examples=batch.get("examples"))
+    # generate, and no gradient sync is wanted there); the update goes through it. Both run under the run's
+    # autocast: the old log-probs come from the products the update's first forward computes again.
+    with acc.autocast():
+        rollout = make_rollout(raw, batch["input_ids"].to(acc.device), batch["attention_mask"].to(acc.device), args,
+                               scorer, eos_id, pad_id, group=algorithm.group, reference=algorithm.reference,
+                               value=algorithm.value, nan_unscored=algorithm.nan_unscored,
+                               examples=batch.get("examples"))
     adv = algorithm.advantages(rollout, state)
     metrics = algorithm.metrics(rollout, adv, state)
     rollout_s = time.perf_counter() - started
