@@ -29,11 +29,11 @@ from typing import Any, Optional, Sequence
 import torch
 
 from benchmarks.measure import MemoryProbe, PhaseClock, StepCounter, release_memory, step_record
-from benchmarks.ours import StepPhases
+from benchmarks.ours import run_steps
 from benchmarks.ppo_vs_trl import summarize
 from benchmarks.processes import without_options
-from benchmarks.workload import fixed_length_prompts, lora_targets, part_attribute
-from foundation.cli import Checked, at_least, parse, run
+from benchmarks.workload import fixed_length_prompts, lora_targets, parse_parts, part_attribute
+from foundation.cli import Checked, at_least, run
 from foundation.settings import DataArguments, GRPOArguments, ModelArguments, TrainArguments
 
 logger = logging.getLogger("benchmarks.grpo_vs_trl")
@@ -80,10 +80,7 @@ class GRPOWorkload:
 
     @classmethod
     def parse(cls, argv: Sequence[str]) -> "GRPOWorkload":
-        model, data, train, grpo, bench = parse([ModelArguments, DataArguments, TrainArguments, GRPOArguments,
-                                                 GRPOBenchArguments], argv, RECIPE)
-        return cls(model, replace(data, max_prompt_length=bench.prompt_length), train,
-                   replace(grpo, min_new_tokens=grpo.max_new_tokens), bench)
+        return cls(*parse_parts(GRPOArguments, GRPOBenchArguments, argv, RECIPE))
 
     @property
     def total_steps(self) -> int:
@@ -101,13 +98,9 @@ class GRPOWorkload:
 def run_ours(args: GRPOWorkload, prompts: list[list[int]], tokenizer, accelerator, probe: MemoryProbe,
              result: dict) -> None:
     """The GRPO stage's model, step and state (`trainer.grpo`, `trainer.rl.online`) without its harness."""
-    from trainer.data.collators import PromptCollator
-    from trainer.data.tokenization import PromptExample
     from trainer.engine.harness import Engine
-    from trainer.engine.phases import watching
     from trainer.grpo import build_model
     from trainer.rl.algorithms.grpo import GRPO
-    from trainer.rl.online import rl_step
     from trainer.rl.settings import make_scorer
 
     clock = PhaseClock(probe)
@@ -121,23 +114,7 @@ def run_ours(args: GRPOWorkload, prompts: list[list[int]], tokenizer, accelerato
                        "trainable_parameters": sum(p.numel() for p in model.trainable_parameters()),
                        "step": "trainer.rl.online.rl_step with trainer.rl.algorithms.grpo.GRPO"}
     result.update(setup_s=setup.seconds, setup_peak=setup.peaks)
-    algorithm, scorer = GRPO(args.grpo), make_scorer(args.grpo, tokenizer)
-    state = algorithm.start(args.micro_batch_size, args.seed)
-    phases, counter, b = StepPhases(clock), StepCounter(engine.optimizer), args.rollout_batch_size
-    collate = PromptCollator(tokenizer.pad_token_id)
-    try:
-        for i in range(args.total_steps):
-            batch = collate([PromptExample(p, "bench") for p in prompts[i * b : (i + 1) * b]])
-            clock.start()
-            with watching(phases):
-                out = rl_step(engine, batch, algorithm, state, scorer, tokenizer.eos_token_id, tokenizer.pad_token_id)
-            update = clock.lap()
-            result["steps"].append(step_record(i + 1, i < args.warmup_runs, phases.rollout, update, clock.parts,
-                                               optimizer_steps=counter.take()))
-            result["metrics"] = {k: float(v) for k, v in out.metrics.items()}
-    finally:
-        counter.remove()
-        accelerator.free_memory()
+    run_steps(engine, GRPO(args.grpo), make_scorer(args.grpo, tokenizer), args, prompts, tokenizer, clock, result)
 
 
 def run_trl(args: GRPOWorkload, prompts: list[list[int]], tokenizer, accelerator, probe: MemoryProbe,

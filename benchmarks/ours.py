@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from typing import Any, Callable
 
 import torch
 
@@ -86,12 +87,20 @@ def run_ours(args: Workload, prompts: list[list[int]], tokenizer, accelerator, p
         if model.compiled_parts else "none")
     result.update(setup_s=setup.seconds, setup_peak=setup.peaks, resident_after_setup=probe.now())
 
+    run_steps(engine, PPO(args.ppo), Scorer(), args, prompts, tokenizer, clock, result,
+              lambda state: {"response_tokens": args.tokens()["generated"], "update_micro_batch": state.micro_batch_size})
+
+
+def run_steps(engine: Engine, algorithm, scorer, args, prompts: list[list[int]], tokenizer, clock: PhaseClock,
+              result: dict, record: Callable[[Any], dict] = lambda state: {}) -> None:
+    """`args.total_steps` steps of `algorithm` through `rl_step` (the stage's own step) on `args.rollout_batch_size`
+    prompts each, the first `args.warmup_runs` marked warm-up: each step's rollout and update laps, parts and
+    optimizer steps (and what `record` adds from the algorithm's state) appended to result["steps"] as they
+    come, the last step's metrics in result["metrics"]. Accelerate's references to the model and optimizer
+    are dropped after, also on errors."""
     collate = PromptCollator(tokenizer.pad_token_id)
-    algorithm = PPO(args.ppo)
     state = algorithm.start(args.micro_batch_size, args.seed)
-    scorer, phases = Scorer(), StepPhases(clock)
-    counter = StepCounter(engine.optimizer)
-    b = args.rollout_batch_size
+    phases, counter, b = StepPhases(clock), StepCounter(engine.optimizer), args.rollout_batch_size
     try:
         for i in range(args.total_steps):
             batch = collate([PromptExample(r, "bench") for r in prompts[i * b : (i + 1) * b]])
@@ -99,13 +108,11 @@ def run_ours(args: Workload, prompts: list[list[int]], tokenizer, accelerator, p
             with watching(phases):
                 out = rl_step(engine, batch, algorithm, state, scorer, tokenizer.eos_token_id, tokenizer.pad_token_id)
             update_lap = clock.lap()
-            result["steps"].append(step_record(
-                i + 1, i < args.warmup_runs, phases.rollout, update_lap, clock.parts,
-                optimizer_steps=counter.take(), response_tokens=args.tokens()["generated"],
-                update_micro_batch=state.micro_batch_size))
+            result["steps"].append(step_record(i + 1, i < args.warmup_runs, phases.rollout, update_lap, clock.parts,
+                                               optimizer_steps=counter.take(), **record(state)))
             result["metrics"] = {k: float(v) for k, v in out.metrics.items()}
             logger.info("ours step %d: rollout %.2fs, update %.2fs", i + 1, phases.rollout.seconds,
                         update_lap.seconds)
     finally:
         counter.remove()
-        accelerator.free_memory()  # drops accelerate's references to the model and optimizer
+        engine.accelerator.free_memory()

@@ -92,6 +92,15 @@ def part_attribute(workload, name: str) -> Any:
     raise AttributeError(name)
 
 
+def parse_parts(stage_class: type, bench_class: type, argv: Sequence[str], defaults: dict) -> tuple:
+    """(model, data, train, stage, bench) settings of an online RL comparison: prompts of exactly the bench's
+    prompt_length tokens, responses of a fixed length (min_new_tokens = max_new_tokens)."""
+    model, data, train, stage, bench = parse([ModelArguments, DataArguments, TrainArguments, stage_class,
+                                              bench_class], argv, defaults)
+    return (model, replace(data, max_prompt_length=bench.prompt_length), train,
+            replace(stage, min_new_tokens=stage.max_new_tokens), bench)
+
+
 @dataclass(frozen=True)
 class Workload:
     """One PPO workload, run by our trainer and by TRL's PPOTrainer in the same process.
@@ -111,11 +120,7 @@ class Workload:
 
     @classmethod
     def parse(cls, argv: Sequence[str]) -> "Workload":
-        model, data, train, ppo, bench = parse([ModelArguments, DataArguments, TrainArguments, PPOArguments,
-                                                PPOBenchArguments], argv, BENCH_DEFAULTS)
-        # Fixed-length responses; prompts of exactly prompt_length tokens.
-        return cls(model, replace(data, max_prompt_length=bench.prompt_length), train,
-                   replace(ppo, min_new_tokens=ppo.max_new_tokens), bench)
+        return cls(*parse_parts(PPOArguments, PPOBenchArguments, argv, BENCH_DEFAULTS))
 
     def ablation(self, side: str) -> "Workload":
         """This workload with the settings of ablation `side` (itself for ours and TRL's sides)."""
