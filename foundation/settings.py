@@ -358,9 +358,9 @@ class RolloutArguments(Checked):
     mini_batch_size: int = field(default=4, metadata={"help": "Rows per optimizer step in the update."})
     auto_fit: Optional[bool] = field(default=None, metadata={
         "help": "Plan the settings left auto (rollout_micro_batch_size, micro_batch_size, gradient_checkpointing, "
-                "the offloads, generation_weights) from the memory estimate to use memory_budget_gib with a 10%% "
-                "margin (profiling/plan.py), logged as a table at start; a value you give is kept. Default: on "
-                "with CUDA, off on CPU."})
+                "the offloads, generation_weights, decode) from the memory estimate to use memory_budget_gib with "
+                "a 10%% margin (profiling/plan.py), logged as a table at start; a value you give is kept. Default: "
+                "on with CUDA, off on CPU."})
     decode: str = field(default="auto", metadata={
         "help": "How rollouts decode (trainer/model/decode.py): eager (a KV cache grown per step, each step run "
                 "eagerly), compiled (a full-length KV cache and a torch.compile'd step, replayed as CUDA graphs on "

@@ -85,7 +85,7 @@ def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, acc
     `MemoryOptions.decode_path`'s rule)."""
     from dataclasses import replace
 
-    if not auto_fit_on(stage_args.auto_fit, accelerator.device.type):  # nothing planned: generation_weights auto decodes from the weights as they are
+    if not auto_fit_on(stage_args.auto_fit, accelerator.device.type):  # nothing planned (see the docstring)
         return model_args, train_args, stage_args
     args = estimate_arguments(stage, model_args, data_args, train_args, stage_args, accelerator)
     may_offload = MemoryOptions.of(model_args, stage_args).may_offload(accelerator)

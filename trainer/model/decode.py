@@ -198,10 +198,9 @@ def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
     """The body decodes from dense copies of the 4-bit layers (`dequantized`: made here and freed after, its
     blocks left in the allocator's cache for the next rollout's copy, so a compiled step's CUDA graphs read
     the addresses they were recorded with; `resident`: made once, kept), swapped in place of each layer and
-    swapped back after, also on errors;
-    `quantized` (or "auto" left unplanned) changes nothing. Nested in an outer one (a rollout's generate phase
-    holding one copy for all its chunks), it changes nothing either. A model with no 4-bit layer has nothing
-    to copy: said once."""
+    swapped back after, also on errors; `quantized` (or "auto" left unplanned) changes nothing. Nested in an
+    outer one (a rollout's generate phase holding one copy for all its chunks), it changes nothing either. A
+    model with no 4-bit layer has nothing to copy: said once."""
     if causal_lm in _SWAPPED:
         yield
         return
