@@ -232,8 +232,6 @@ def last_token_values(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return values.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
-
-
 def group_advantages(rewards: torch.Tensor, method: str = "grpo", scale_std: bool = True,
                      eps: float = 1e-4) -> torch.Tensor:
     """(P, G) rewards of G responses to each of P prompts -> (P, G) advantages, one per response.
