@@ -1,6 +1,6 @@
 """What PPO and GRPO do at start with the settings they share (`foundation.settings.RolloutArguments`:
 adapters, reward functions, rollout sizes, sampling, clipping, evaluation): the scorer, the checks that need
-it, the warning for unlikely learning, the record of the reward functions' sources.
+it, the warning for unlikely learning.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import logging
 from foundation.cli import UsageError
 from foundation.settings import RolloutArguments, parse_weights, split_specs
 from foundation.stages import REWARD
-from trainer.rl.rewards import Scorer, describe, load_reward_functions, source_hashes
+from trainer.rl.rewards import Scorer, describe, load_reward_functions
 
-__all__ = ["RolloutArguments", "make_scorer", "require_scorer", "reward_sources", "warn_if_learning_unlikely"]
+__all__ = ["RolloutArguments", "make_scorer", "require_scorer", "warn_if_learning_unlikely"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +26,6 @@ def reward_functions(args: RolloutArguments) -> tuple[list[str], list[float]]:
     if args.scripted_reward:
         specs, weights = specs + [args.scripted_reward], weights + [1.0]
     return specs, weights
-
-
-def reward_sources(args: RolloutArguments) -> dict[str, str]:
-    """The files and modules the reward functions come from, each with a hash of its source."""
-    return source_hashes(split_specs(args.reward_fn))
 
 
 def require_scorer(args: RolloutArguments, stage: str) -> None:
