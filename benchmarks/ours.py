@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 
+from benchmarks.kernels import profile_step
 from benchmarks.measure import MemoryProbe, PhaseClock, StepCounter, step_record
 from benchmarks.workload import Workload
 from trainer.data.collators import PromptCollator
@@ -88,16 +90,19 @@ def run_ours(args: Workload, prompts: list[list[int]], tokenizer, accelerator, p
     result.update(setup_s=setup.seconds, setup_peak=setup.peaks, resident_after_setup=probe.now())
 
     run_steps(engine, PPO(args.ppo), Scorer(), args, prompts, tokenizer, clock, result,
-              lambda state: {"response_tokens": args.tokens()["generated"], "update_micro_batch": state.micro_batch_size})
+              lambda state: {"response_tokens": args.tokens()["generated"], "update_micro_batch": state.micro_batch_size},
+              args.bench.kernel_profile)
 
 
 def run_steps(engine: Engine, algorithm, scorer, args, prompts: list[list[int]], tokenizer, clock: PhaseClock,
-              result: dict, record: Callable[[Any], dict] = lambda state: {}) -> None:
+              result: dict, record: Callable[[Any], dict] = lambda state: {},
+              kernel_profile: Optional[str] = None) -> None:
     """`args.total_steps` steps of `algorithm` through `rl_step` (the stage's own step) on `args.rollout_batch_size`
     prompts each, the first `args.warmup_runs` marked warm-up: each step's rollout and update laps, parts and
     optimizer steps (and what `record` adds from the algorithm's state) appended to result["steps"] as they
-    come, the last step's metrics in result["metrics"]. Accelerate's references to the model and optimizer
-    are dropped after, also on errors."""
+    come, the last step's metrics in result["metrics"]. With `kernel_profile` (a folder) one more step on the
+    first prompts runs under the profiler (`benchmarks.kernels`). Accelerate's references to the model and
+    optimizer are dropped after, also on errors."""
     collate = PromptCollator(tokenizer.pad_token_id)
     state = algorithm.start(args.micro_batch_size, args.seed)
     phases, counter, b = StepPhases(clock), StepCounter(engine.optimizer), args.rollout_batch_size
@@ -113,6 +118,11 @@ def run_steps(engine: Engine, algorithm, scorer, args, prompts: list[list[int]],
             result["metrics"] = {k: float(v) for k, v in out.metrics.items()}
             logger.info("ours step %d: rollout %.2fs, update %.2fs", i + 1, phases.rollout.seconds,
                         update_lap.seconds)
+        if kernel_profile:
+            batch = collate([PromptExample(r, "bench") for r in prompts[:b]])
+            profile_step(lambda: rl_step(engine, batch, algorithm, state, scorer, tokenizer.eos_token_id,
+                                         tokenizer.pad_token_id),
+                         engine.accelerator.device, Path(kernel_profile), f"{type(algorithm).__name__} step, ours")
     finally:
         counter.remove()
         engine.accelerator.free_memory()

@@ -67,6 +67,9 @@ class PPOBenchArguments(Checked):
     side_run_out: Optional[str] = field(default=None, metadata={
         "help": "Internal (what --isolate runs): run the one side of --sides once, write its record to this JSON "
                 "file and exit."})
+    kernel_profile: Optional[str] = field(default=None, metadata={
+        "help": "After our side's measured steps, run one more under torch.profiler and write where its time "
+                "went (phases' wall and device time, the ops with the most device time) to this folder."})
     export_tokenizer: Optional[str] = field(default=None, metadata={
         "help": "Only write the tokenizer of --model_name_or_path into this folder (for --tokenizer_name_or_path) "
                 "and exit."})
