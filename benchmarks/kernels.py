@@ -1,9 +1,12 @@
-"""Where one step's time goes: the step run once more under `torch.profiler`, its phases' wall-clock time
-beside the device time their kernels took (a phase whose device is idle most of its wall time is
-launch-bound, one whose device is busy is compute- or bandwidth-bound), and the ops ranked by their own
-device time (CPU time where there is no CUDA device). Writes kernels.json and kernels.md to a folder.
+"""Where one step's time goes: the step run once more with the phases named (by default scoring and the
+update) each under `torch.profiler`: every phase's wall-clock time, beside the device time its kernels
+took for the profiled ones (a phase whose device idles most of its wall time is launch-bound; one whose
+device is busy is compute- or bandwidth-bound), and the profiled phases' ops ranked by their own device
+time (CPU time where there is no CUDA device). Writes kernels.json and kernels.md to a folder.
 
-The profiled step is an extra one, never one of the measured steps: the profiler slows what it watches.
+The profiled step is an extra one, never one of the measured steps: the profiler slows what it watches. Only
+the phases named are profiled because a rollout's thousands of decode steps make the profiler's own
+bookkeeping outlast the step (minutes at 7B); the decode benchmark measures decoding.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -20,22 +23,6 @@ from trainer.engine.phases import watching
 
 TOP_OPS = 40
 MARK = "phase:"  # the profiler ranges around each phase carry this prefix
-
-
-class PhaseRanges:
-    """A phase watcher: each phase a named profiler range, its wall-clock seconds summed by name."""
-
-    def __init__(self, sync: Callable[[], None]):
-        self.sync, self.wall = sync, {}
-
-    @contextmanager
-    def __call__(self, name: str, **_options):
-        self.sync()
-        start = time.perf_counter()
-        with torch.profiler.record_function(MARK + name):
-            yield
-        self.sync()
-        self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - start
 
 
 def _self_time(event, on_device: bool) -> float:
@@ -52,33 +39,77 @@ def _total_time(event, on_device: bool) -> float:
     return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
 
 
-def profile_step(step: Callable[[], Any], device: torch.device, out_dir: Path, title: str) -> dict:
-    """Run `step` once under the profiler and write where its time went (kernels.json, kernels.md)."""
-    on_device = device.type == "cuda"
-    sync = torch.cuda.synchronize if on_device else (lambda: None)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if on_device:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    ranges = PhaseRanges(sync)
-    sync()
+class PhaseProfiler:
+    """A phase watcher: every phase's wall-clock seconds summed by name; each outermost phase named in
+    `profiled` runs under a profiler session of its own, nested phases marked as ranges inside it, and
+    the session's ops and ranges are summed by name."""
+
+    def __init__(self, device: torch.device, profiled: Iterable[str]):
+        self.on_device = device.type == "cuda"
+        self.sync = torch.cuda.synchronize if self.on_device else (lambda: None)
+        self.activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.on_device:
+            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiled, self.active = set(profiled), None
+        self.wall: dict[str, float] = {}
+        self.ranges: dict[str, float] = {}  # phase -> its ops' time (seconds), profiled phases only
+        self.ops: dict[str, dict] = {}
+        self.overhead_s = 0.0  # the profiler's own starts, stops and bookkeeping, left out of the wall times
+
+    @contextmanager
+    def __call__(self, name: str, **_options):
+        self.sync()
+        session, opened = None, time.perf_counter()
+        if self.active is None and name in self.profiled:
+            session = torch.profiler.profile(activities=self.activities)
+            session.__enter__()
+            self.active = name
+        start = time.perf_counter()
+        self.overhead_s += start - opened
+        try:
+            with torch.profiler.record_function(MARK + name):
+                yield
+        finally:
+            self.sync()
+            end = time.perf_counter()
+            self.wall[name] = self.wall.get(name, 0.0) + end - start
+            if session is not None:
+                session.__exit__(None, None, None)
+                self.active = None
+                self._add(session.key_averages())
+            self.overhead_s += time.perf_counter() - end
+
+    def _add(self, events) -> None:
+        for e in events:
+            if e.key.startswith(MARK):
+                phase = e.key.removeprefix(MARK)
+                self.ranges[phase] = self.ranges.get(phase, 0.0) + _total_time(e, self.on_device) / 1e6
+                continue
+            op = self.ops.setdefault(e.key, {"op": e.key, "calls": 0, "self_s": 0.0, "self_cpu_s": 0.0})
+            op["calls"] += e.count
+            op["self_s"] += _self_time(e, self.on_device) / 1e6
+            op["self_cpu_s"] += e.self_cpu_time_total / 1e6
+
+
+def profile_step(step: Callable[[], Any], device: torch.device, out_dir: Path, title: str,
+                 phases: Iterable[str] = ("score", "update")) -> dict:
+    """Run `step` once, the phases named under the profiler, and write where its time went."""
+    watcher = PhaseProfiler(device, phases)
+    watcher.sync()
     start = time.perf_counter()
-    with torch.profiler.profile(activities=activities) as prof, watching(ranges):
+    with watching(watcher):
         step()
-        sync()
-    wall = time.perf_counter() - start
-    events = prof.key_averages()
-    clock = "device" if on_device else "cpu"
-    phases = [{"phase": e.key.removeprefix(MARK), "wall_s": ranges.wall.get(e.key.removeprefix(MARK)),
-               f"{clock}_s": _total_time(e, on_device) / 1e6, "calls": e.count}
-              for e in events if e.key.startswith(MARK)]
-    ops = [e for e in events if not e.key.startswith(MARK)]
-    busy = sum(_self_time(e, on_device) for e in ops) / 1e6
-    ranked = sorted(ops, key=lambda e: _self_time(e, on_device), reverse=True)[:TOP_OPS]
+        watcher.sync()
+    wall = time.perf_counter() - start - watcher.overhead_s
+    clock = "device" if watcher.on_device else "cpu"
+    ops = sorted(watcher.ops.values(), key=lambda op: op["self_s"], reverse=True)
     report = {
-        "title": title, "device": torch.cuda.get_device_name(device) if on_device else "cpu", "clock": clock,
-        "wall_s": wall, f"{clock}_busy_s": busy, "phases": sorted(phases, key=lambda p: -(p["wall_s"] or 0.0)),
-        "ops": [{"op": e.key, "calls": e.count, f"self_{clock}_s": _self_time(e, on_device) / 1e6,
-                 "self_cpu_s": e.self_cpu_time_total / 1e6} for e in ranked],
+        "title": title, "device": torch.cuda.get_device_name(device) if watcher.on_device else "cpu",
+        "clock": clock, "wall_s": wall, "profiler_overhead_s": watcher.overhead_s, "profiled_phases": sorted(watcher.profiled),
+        "busy_s": sum(op["self_s"] for op in ops),
+        "phases": [{"phase": name, "wall_s": seconds, "ops_s": watcher.ranges.get(name)}
+                   for name, seconds in sorted(watcher.wall.items(), key=lambda item: -item[1])],
+        "ops": ops[:TOP_OPS],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "kernels.json").write_text(json.dumps(report, indent=2))
@@ -87,23 +118,24 @@ def profile_step(step: Callable[[], Any], device: torch.device, out_dir: Path, t
 
 
 def render(report: dict) -> str:
-    clock = report["clock"]
-    busy = report[f"{clock}_busy_s"]
+    clock, busy = report["clock"], report["busy_s"]
     lines = [f"# Where one step's time went: {report['title']}", "",
-             f"- device: {report['device']}; one step run under torch.profiler after the measured ones "
-             "(the profiler slows it: read shares, not seconds)",
-             f"- wall-clock {report['wall_s']:.3f} s; {clock} busy (ops' own time summed) {busy:.3f} s", "",
+             f"- device: {report['device']}; one step run after the measured ones, its "
+             f"{', '.join(report['profiled_phases'])} phase(s) under torch.profiler (which slows them: read "
+             "shares, not seconds)",
+             f"- wall-clock {report['wall_s']:.3f} s (the profiler's starts, stops and bookkeeping, "
+             f"{report['profiler_overhead_s']:.3f} s, left out); {clock} busy in the profiled phases (ops' own time summed) "
+             f"{busy:.3f} s", "",
              f"| phase | wall s | {clock} s (its ops) | {clock} busy |", "|---|---:|---:|---:|"]
     for p in report["phases"]:
-        wall = p["wall_s"]
-        share = "-" if not wall else f"{p[f'{clock}_s'] / wall:.0%}"
-        lines.append(f"| {p['phase']} | {'-' if wall is None else f'{wall:.3f}'} | {p[f'{clock}_s']:.3f} | {share} |")
-    lines += ["", f"The {len(report['ops'])} ops with the most {clock} time of their own:", "",
+        ops_s = p["ops_s"]
+        share = "-" if ops_s is None or not p["wall_s"] else f"{ops_s / p['wall_s']:.0%}"
+        lines.append(f"| {p['phase']} | {p['wall_s']:.3f} | {'-' if ops_s is None else f'{ops_s:.3f}'} | {share} |")
+    lines += ["", f"The {len(report['ops'])} ops of the profiled phases with the most {clock} time of their own:", "",
               f"| op | calls | own {clock} s | share of busy | own CPU s |", "|---|---:|---:|---:|---:|"]
     for op in report["ops"]:
-        own = op[f"self_{clock}_s"]
         name = " ".join(op["op"].split()).replace("|", "\\|")
         name = name if len(name) <= 90 else name[:90] + "..."
-        lines.append(f"| `{name}` | {op['calls']} | {own:.4f} | {own / busy:.1%} | {op['self_cpu_s']:.4f} |"
-                     if busy else f"| `{name}` | {op['calls']} | {own:.4f} | - | {op['self_cpu_s']:.4f} |")
+        share = f"{op['self_s'] / busy:.1%}" if busy else "-"
+        lines.append(f"| `{name}` | {op['calls']} | {op['self_s']:.4f} | {share} | {op['self_cpu_s']:.4f} |")
     return "\n".join(lines) + "\n"

@@ -205,7 +205,8 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                 Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate",
                                      *(str(out / s) for s in ("sft", "reward", "ppo", "grpo"))])]
     if args.part == "speed":  # the rollouts as the stages run them (--decode and --generation_weights auto, the
-        # planner's picks) in TRL's GRPO recipe and in the first call's PPO work against TRL; then decode alone
+        # planner's picks) in TRL's GRPO recipe and in the first call's PPO work against TRL (our side's scoring
+        # and update profiled in one more step: where the rest of the step goes); then decode alone
         # on each path from each weights choice. A step the budget cuts keeps its last finished results (collect).
         decode = [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), "--paths", "compiled,eager",
                   "--weights", "dequantized,quantized"]
@@ -217,6 +218,7 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
             steps.append(Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),
                                              *data_flags(args), *cap_flags(args), *ppo_work(args), "--sides", "ours,trl",
                                              "--stop_at", f"{max(deadline - STOP_MARGIN_S, 0):.0f}",
+                                             "--kernel_profile", str(out / "ppo_vs_trl" / "ours_kernels"),
                                              "--out_dir", str(out / "ppo_vs_trl")]))
         steps.append(Step("decode", [*decode, "--batches", "4" if args.smoke else "16", *sizes,
                                      "--out_dir", str(out / "decode")]))
