@@ -190,16 +190,15 @@ def test_markdown_lists_each_rounds_ratio_when_there_are_several():
 
 def test_decode_times_each_decode_path_on_the_same_rows(tmp_path):
     """benchmarks.gpu.decode --paths --weights: one row per (path, weights, batch), each timing the rollouts'
-    decode loop."""
+    decode loop (compiled_whole: the compiled step without decoder-layer regions, beside it)."""
     from benchmarks.gpu.decode import main as decode
 
     result = decode(["--model_name_or_path", "tiny-llama", "--batches", "2", "--prompt_tokens", "4", "--new_tokens",
-                     "3", "--repeats", "1", "--copy_gib", "0.01", "--paths", "eager,compiled", "--weights",
-                     "quantized,dequantized",
-                     "--out_dir", str(tmp_path)])
+                     "3", "--repeats", "1", "--copy_gib", "0.01", "--paths", "eager,compiled,compiled_whole",
+                     "--weights", "quantized,dequantized", "--out_dir", str(tmp_path)])
     assert [(r["path"], r["weights"], r["batch"]) for r in result["rows"]] == [
-        ("eager", "quantized", 2), ("compiled", "quantized", 2), ("eager", "dequantized", 2),
-        ("compiled", "dequantized", 2)]
+        (path, weights, 2) for weights in ("quantized", "dequantized")
+        for path in ("eager", "compiled", "compiled_whole")]
     assert all(r["tokens_per_s"] > 0 and r["first_call_s"] > 0 for r in result["rows"])
     assert "| compiled | dequantized | 2 |" in (tmp_path / "decode.md").read_text()
 

@@ -148,6 +148,60 @@ def test_the_compiled_step_decodes_the_eager_tokens_and_log_probs_and_keeps_its_
     assert torch.equal(again.tokens, decode(tiny, ids[:, 2:], mask[:, 2:], greedy(6), VOCAB + 1, 0).tokens)
 
 
+def test_the_compiled_step_compiles_its_decoder_layers_as_one_reused_region(tiny):
+    """The compiled step marks every decoder layer's forward as one nested compile region (compiled once,
+    stamped out for the others); the mark is a no-op outside a compile (the eager and training passes) and
+    comes off where the step compiles whole. A layer whose forward is replaced already (--compile_layers)
+    keeps it."""
+    from trainer.model.decode import _COMPILED, compile_anew, layer_regions
+
+    ids, mask = batch(b=2, t=8)
+    decode(tiny, ids, mask, greedy(4, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    layers = list(tiny.causal_lm.model.layers)
+    assert _COMPILED[tiny.causal_lm].regions == len(layers) == 2
+    assert all("forward" in vars(layer) for layer in layers)
+    eager = decode(tiny, ids, mask, greedy(4), eos_id=VOCAB + 1, pad_id=0)  # through the marked forwards
+    compile_anew(tiny.causal_lm, regions=False)
+    assert all("forward" not in vars(layer) for layer in layers) and _COMPILED[tiny.causal_lm].regions == 0
+    whole = decode(tiny, ids, mask, greedy(4, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    assert torch.equal(whole.tokens, eager.tokens)
+    own = layers[0].forward = lambda *a, **k: None  # as --compile_layers replaces it
+    try:
+        assert layer_regions(tiny.causal_lm, True) == 1 and layers[0].forward is own
+    finally:
+        del layers[0].forward
+        compile_anew(tiny.causal_lm)
+
+
+def test_decoder_layer_regions_that_do_not_compile_fall_back_to_the_whole_step(tiny, monkeypatch, caplog):
+    """Where the regions fail to compile (a torch without their support for a layer), the rollout compiles its
+    step whole, says so in one line and decodes the same tokens."""
+    import torch._dynamo.exc
+
+    from trainer.model import decode as module
+
+    def failing_region(forward):
+        def marked(*args, **kwargs):
+            raise torch._dynamo.exc.TorchDynamoException("regions unsupported here")
+        return marked
+
+    module.layer_regions(tiny.causal_lm, False)  # the real marks off before the failing ones go on
+    monkeypatch.setattr(torch.compiler, "nested_compile_region", failing_region)
+    monkeypatch.setattr(module, "_REGIONS", {})
+    ids, mask = batch(b=2, t=8)
+    want = decode(tiny, ids, mask, greedy(5), eos_id=VOCAB + 1, pad_id=0)
+    module.compile_anew(tiny.causal_lm)
+    try:
+        with caplog.at_level("WARNING", logger="trainer.model.decode"):
+            got = decode(tiny, ids, mask, greedy(5, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+        assert torch.equal(got.tokens, want.tokens) and module._COMPILED[tiny.causal_lm].regions == 0
+        assert "did not compile as one reused region (TorchDynamoException: regions unsupported here)" in caplog.text
+    finally:
+        module.layer_regions(tiny.causal_lm, False)
+        monkeypatch.undo()
+        module.compile_anew(tiny.causal_lm)
+
+
 def test_decoding_runs_the_policy_in_eval_mode_and_restores_train_mode(sft_adapter):
     args, sft_dir, _ = sft_adapter
     model = perturbed_ppo_model(args, sft_dir)

@@ -6,8 +6,9 @@ A decode step reads every weight once whatever the batch, so the bound at batch 
 bytes read per step (`profiling.decode`; the bandwidth from a device copy in the same run). Decode time
 is generating N tokens less generating one (the prefill). `--paths eager,compiled` times the rollouts'
 `--decode` paths (`trainer.model.decode`) on the same rows, each path's first call (compilation) apart from
-the best repeat; `--weights quantized,dequantized` also times each path decoding from a dense copy of the
-4-bit weights (`--generation_weights`). The bound is the 4-bit weights' bytes in every row.
+the best repeat (`compiled_whole`: the compiled step without its decoder-layer regions); `--weights
+quantized,dequantized` also times each path decoding from a dense copy of the 4-bit weights
+(`--generation_weights`). The bound counts the bytes each weights choice reads.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from foundation.files import write_atomic
 from foundation.provenance import provenance, relative_command
 from profiling.decode import bytes_per_decode_step, copy_bandwidth, sync
 from trainer.config import ModelArguments
-from trainer.model.decode import DECODE_PATHS, Sampling, decode, drop_resident_weights
+from trainer.model.decode import DECODE_PATHS, Sampling, compile_anew, decode, drop_resident_weights
+
+# The compiled path with its step compiled whole (no decoder-layer regions): a comparison, not a --decode choice.
+WHOLE = "compiled_whole"
 
 
 @dataclass
@@ -37,14 +41,15 @@ class DecodeArguments(Checked):
     repeats: int = field(default=2, metadata={"help": "Timed generations per batch size (best kept)."})
     copy_gib: float = field(default=1.0, metadata={"help": "Size of the bandwidth-measuring copy, GiB."})
     paths: str = field(default="eager", metadata={
-        "help": "Decode paths to time, comma-separated: eager, compiled (the rollouts' --decode)."})
+        "help": "Decode paths to time, comma-separated: eager, compiled (the rollouts' --decode), compiled_whole "
+                "(compiled without decoder-layer regions: the step compiled whole)."})
     weights: str = field(default="quantized", metadata={
         "help": "What the base decodes from, comma-separated: quantized, dequantized (--generation_weights)."})
     out_dir: str = field(default="decode", metadata={"help": "Folder for decode.json and decode.md."})
 
     RULES = {"prompt_tokens": at_least(1), "new_tokens": at_least(2), "repeats": at_least(1), "copy_gib": above(0),
-             "paths": lambda name, value: (None if set(value.split(",")) <= set(DECODE_PATHS)
-                                           else f"use some of {', '.join(DECODE_PATHS)}"),
+             "paths": lambda name, value: (None if set(value.split(",")) <= {*DECODE_PATHS, WHOLE}
+                                           else f"use some of {', '.join((*DECODE_PATHS, WHOLE))}"),
              "weights": lambda name, value: (None if set(value.split(",")) <= {"quantized", "dequantized"}
                                              else "use some of quantized, dequantized")}
 
@@ -65,7 +70,8 @@ def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, pat
     sampled as rollouts sample (temperature 1) on decode path `path` from `weights`: the first call warms kernels
     and caches up (and compiles, on the compiled path). A dequantized copy is made once, outside the timing."""
     mask = torch.ones_like(ids)
-    sampling = Sampling(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=1.0, decode=path,
+    sampling = Sampling(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=1.0,
+                        decode="compiled" if path == WHOLE else path,
                         generation_weights="resident" if weights == "dequantized" else weights)
     times = []
     for _ in range(repeats + 1):
@@ -101,6 +107,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
             bound = batch * bandwidth / sum(reads[weights].values())
             if weights == "dequantized":  # the copy is made before the timing, and kept (resident)
                 decode(model, ids[:, :1], mask[:, :1], Sampling(max_new_tokens=1, generation_weights="resident"), 0, 0)
+            if path in ("compiled", WHOLE):  # each compiled row compiles anew: its first call is its own
+                compile_anew(model.causal_lm, regions=path == "compiled")
             first, full = time_generation(model, ids, args.new_tokens, args.repeats, path, weights)
             _, prefill = time_generation(model, ids, 1, args.repeats, path, weights)
             decode_s = max(full - prefill, 1e-9)
@@ -140,7 +148,8 @@ def markdown(result: dict) -> str:
                      f"{r['generate_s']:.3f} | {r['first_call_s']:.2f} | {r['bound_tokens_per_s']:.0f} "
                      f"| {r['bandwidth_fraction']:.1%} |")
     lines += ["", "Paths (the rollouts' --decode, trainer/model/decode.py): eager (a KV cache grown per step: the "
-              "default), compiled (a full-length KV cache and a torch.compile'd step, CUDA graphs on CUDA). Weights "
+              "default), compiled (a full-length KV cache and a torch.compile'd step, CUDA graphs on CUDA, its decoder "
+              "layers compiled once as one reused region), compiled_whole (the same step compiled whole). Weights "
               "(--generation_weights): quantized (the 4-bit weights), dequantized (a dense copy made before the "
               "timing). First call: compilation and warm-up, left out of the other columns."]
     return "\n".join(lines) + "\n"

@@ -206,10 +206,9 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                                      *(str(out / s) for s in ("sft", "reward", "ppo", "grpo"))])]
     if args.part == "speed":  # the rollouts as the stages run them (--decode and --generation_weights auto, the
         # planner's picks) in TRL's GRPO recipe and in the first call's PPO work against TRL (our side's scoring
-        # and update profiled in one more step: where the rest of the step goes); then decode alone
-        # on each path from each weights choice. A step the budget cuts keeps its last finished results (collect).
-        decode = [python(), "-m", "benchmarks.gpu.decode", *model_flags(args), "--paths", "compiled,eager",
-                  "--weights", "dequantized,quantized"]
+        # and update profiled in one more step: where the rest of the step goes); then decode alone. A step the
+        # budget cuts keeps its last finished results (collect).
+        decode = [python(), "-m", "benchmarks.gpu.decode", *model_flags(args)]
         sizes = (["--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05"] if args.smoke
                  else ["--prompt_tokens", "128", "--new_tokens", "64"])
         steps = [Step("grpo", grpo_recipe_run(args, out, "grpo")),
@@ -220,11 +219,13 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                                              "--stop_at", f"{max(deadline - STOP_MARGIN_S, 0):.0f}",
                                              "--kernel_profile", str(out / "ppo_vs_trl" / "ours_kernels"),
                                              "--out_dir", str(out / "ppo_vs_trl")]))
-        steps.append(Step("decode", [*decode, "--batches", "4" if args.smoke else "16", *sizes,
-                                     "--out_dir", str(out / "decode")]))
+        # the compiled step with its decoder layers as one region and compiled whole, from each weights choice
+        # (eager: measured at 60b44b7 and f9fb2bd, far behind); then the planner's usual pick at 1 and 64 rows
+        steps.append(Step("decode", [*decode, "--paths", "compiled,compiled_whole", "--weights", "dequantized,quantized",
+                                     "--batches", "4" if args.smoke else "16", *sizes, "--out_dir", str(out / "decode")]))
         if not args.smoke:
-            steps.append(Step("decode-batches", [*decode, "--batches", "1,64", *sizes,
-                                                 "--out_dir", str(out / "decode-batches")]))
+            steps.append(Step("decode-batches", [*decode, "--paths", "compiled", "--weights", "dequantized",
+                                                 "--batches", "1,64", *sizes, "--out_dir", str(out / "decode-batches")]))
         return steps
     if args.part == "grpo_vs_trl":  # TRL's QLoRA GRPO recipe on ours and on TRL's GRPOTrainer, same cap; then
         # the seed PPO recipe under a 12 GB cap: does the smallest card the estimator allows hold it?
