@@ -180,3 +180,24 @@ def test_online_rl_with_an_absent_earlier_stage_names_it_and_the_command_that_ma
     assert "python -m trainer.pipeline" in line
     assert f"trainer/sft.py --config trainer/configs/sft.yaml --output_dir {sft.parent}" in line
     assert "Traceback" not in proc.stderr and not (tmp_path / "sft").exists()
+
+
+def test_a_stage_run_in_process_leaves_no_model_behind_for_the_next(shared_data, tmp_path):
+    """The pipeline runs its stages in one process: a finished stage's model (held in reference cycles) is freed
+    before the next stage builds its own, not whenever the garbage collector next runs (on a GPU the reward
+    stage measured the SFT stage's 4-bit base beside its own)."""
+    import gc
+
+    from trainer.config import PIPELINE_STAGES
+    from trainer.model.shared_base import SharedBaseModel
+    from trainer.pipeline import run_stage
+
+    others = {id(o) for o in gc.get_objects() if isinstance(o, SharedBaseModel)}  # other tests' fixtures
+    module, _, fixed = PIPELINE_STAGES["sft"]
+    out = tmp_path / "sft"
+    run_stage("sft", ["--config", str(ROOT / "tests" / "configs" / "tiny_sft.yaml"), "--output_dir", str(out),
+                      "--dataset", str(shared_data), "--max_steps", "1", "--save_every", "0", "--eval_every", "0",
+                      *(a for key, value in fixed.items() for a in (f"--{key}", value))], out, module)
+    assert (out / "results.json").is_file()
+    assert not [o for o in gc.get_objects() if isinstance(o, SharedBaseModel) and id(o) not in others]
+
