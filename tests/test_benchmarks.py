@@ -195,12 +195,16 @@ def test_decode_times_each_decode_path_on_the_same_rows(tmp_path):
 
     result = decode(["--model_name_or_path", "tiny-llama", "--batches", "2", "--prompt_tokens", "4", "--new_tokens",
                      "3", "--repeats", "1", "--copy_gib", "0.01", "--paths", "eager,compiled,compiled_whole",
-                     "--weights", "quantized,dequantized", "--out_dir", str(tmp_path)])
+                     "--weights", "quantized,dequantized", "--out_dir", str(tmp_path),
+                     "--kernel_profile", str(tmp_path / "kernels")])
     assert [(r["path"], r["weights"], r["batch"]) for r in result["rows"]] == [
         (path, weights, 2) for weights in ("quantized", "dequantized")
         for path in ("eager", "compiled", "compiled_whole")]
     assert all(r["tokens_per_s"] > 0 and r["first_call_s"] > 0 for r in result["rows"])
     assert "| compiled | dequantized | 2 |" in (tmp_path / "decode.md").read_text()
+    profile = json.loads((tmp_path / "kernels" / "kernels.json").read_text())  # the first row's, decoded again
+    assert profile["title"].startswith("decode, eager from quantized weights, 2 rows")
+    assert profile["profiled_phases"] == ["generate"] and profile["ops"] and profile["busy_s"] > 0
 
 
 def test_ablations_change_the_model_or_ppo_setting_they_name_and_the_report_shows_each_variant():

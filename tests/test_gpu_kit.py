@@ -303,6 +303,7 @@ def test_the_speed_part_runs_the_recipes_as_the_stages_decode_then_each_decode_p
         assert argv[argv.index("--paths") + 1] == paths and set(paths.split(",")) - {WHOLE} <= set(DECODE_PATHS)
         assert argv[argv.index("--weights") + 1] == weights
         assert argv[argv.index("--batches") + 1] == batches
+    assert steps[3].argv[-2:] == ["--kernel_profile", str(tmp_path / "decode" / "kernels")]
     recipe = grpo_recipe_run(PartArguments(part="grpo_recipe", out=str(tmp_path)), tmp_path, "grpo")
     assert steps[0].argv == recipe and "--decode" not in recipe and "--generation_weights" not in recipe
     assert steps[1].argv[-1] == str(tmp_path / "grpo")

@@ -22,12 +22,16 @@ from typing import Optional
 
 import torch
 
+from benchmarks.kernels import profile_step
 from foundation.cli import Checked, UsageError, above, at_least, parse, run
 from foundation.files import write_atomic
 from foundation.provenance import provenance, relative_command
 from profiling.decode import bytes_per_decode_step, copy_bandwidth, sync
 from trainer.config import ModelArguments
+from trainer.engine.phases import phase
 from trainer.model.decode import DECODE_PATHS, Sampling, compile_anew, decode, drop_resident_weights
+
+PROFILE_TOKENS = 8  # tokens of the profiled decode: a prefill and a few steps show where a step's time goes
 
 # The compiled path with its step compiled whole (no decoder-layer regions): a comparison, not a --decode choice.
 WHOLE = "compiled_whole"
@@ -46,6 +50,9 @@ class DecodeArguments(Checked):
     weights: str = field(default="quantized", metadata={
         "help": "What the base decodes from, comma-separated: quantized, dequantized (--generation_weights)."})
     out_dir: str = field(default="decode", metadata={"help": "Folder for decode.json and decode.md."})
+    kernel_profile: Optional[str] = field(default=None, metadata={
+        "help": f"After the first row, decode its rows {PROFILE_TOKENS} tokens more under torch.profiler and write "
+                "where the time went (benchmarks.kernels) to this folder."})
 
     RULES = {"prompt_tokens": at_least(1), "new_tokens": at_least(2), "repeats": at_least(1), "copy_gib": above(0),
              "paths": lambda name, value: (None if set(value.split(",")) <= {*DECODE_PATHS, WHOLE}
@@ -64,15 +71,19 @@ def batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def rollout_sampling(new_tokens: int, path: str, weights: str) -> Sampling:
+    """Exactly `new_tokens` tokens sampled as rollouts sample (temperature 1) on `path` from `weights`."""
+    return Sampling(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=1.0,
+                    decode="compiled" if path == WHOLE else path,
+                    generation_weights="resident" if weights == "dequantized" else weights)
+
+
 def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, path: str,
                     weights: str = "quantized") -> tuple[float, float]:
     """(first call's, best later call's) wall time of decoding exactly `new_tokens` tokens for the rows of `ids`,
     sampled as rollouts sample (temperature 1) on decode path `path` from `weights`: the first call warms kernels
     and caches up (and compiles, on the compiled path). A dequantized copy is made once, outside the timing."""
-    mask = torch.ones_like(ids)
-    sampling = Sampling(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=1.0,
-                        decode="compiled" if path == WHOLE else path,
-                        generation_weights="resident" if weights == "dequantized" else weights)
+    mask, sampling = torch.ones_like(ids), rollout_sampling(new_tokens, path, weights)
     times = []
     for _ in range(repeats + 1):
         sync(ids.device)
@@ -120,6 +131,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
             print(f"{path}, {weights}, batch {batch}: {tokens_per_s:.1f} tokens/s, {rows[-1]['ms_per_step']:.1f} ms "
                   f"per step, {rows[-1]['bandwidth_fraction']:.1%} of the bandwidth bound ({bound:.0f} tokens/s); "
                   f"first call {first:.2f} s", flush=True)
+            if args.kernel_profile and len(rows) == 1:  # the first row, warm: where a decode step's time goes
+                sampling = rollout_sampling(PROFILE_TOKENS, path, weights)
+
+                def generate():
+                    with phase("generate"):
+                        decode(model, ids, mask, sampling, eos_id=0, pad_id=0)
+
+                profile_step(generate, device, Path(args.kernel_profile),
+                             f"decode, {path} from {weights} weights, {batch} rows x {PROFILE_TOKENS} tokens",
+                             phases=("generate",))
         drop_resident_weights(model.causal_lm)
     result = {**provenance(device, "python -m benchmarks.gpu.decode " + relative_command(argv)),
               "kind": "decode", "model": asdict(model_args), "settings": asdict(args),
