@@ -277,7 +277,7 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
     update_readme(readme, results)
     text = readme.read_text()
     assert "| grpo_recipe-llama-2-7b-nvidia-h100 | grpo | update |" in text
-    assert "| grpo_recipe-llama-2-7b-nvidia-h100 | grpo_offload | update |" in text
+    assert "| grpo_recipe-llama-2-7b-nvidia-h100 | grpo_8gb | update |" in text
     decoded = json.loads(next(speed.glob("*/decode.json")).read_text())["rows"]
     assert text.count("| speed-llama-2-7b-nvidia-h100 | decode") == len(decoded) > 0
     assert "| speed-llama-2-7b-nvidia-h100 | grpo | update |" in text  # the speed part's GRPO run: memory, estimate
@@ -325,17 +325,20 @@ def test_the_grpo_recipe_part_runs_trl_s_recipe_with_the_policy_adapter_alone(sm
     memory = json.loads((unpacked / "grpo_recipe" / "grpo" / "memory.json").read_text())
     assert {k for p in memory["phases"] for k in p["components"] if k.startswith("adapter")} == {"adapter/policy"}
     assert json.loads((unpacked / "grpo_recipe" / "grpo" / "vs_estimate.json").read_text())["phases"]
-    assert json.loads((unpacked / "grpo_recipe" / "grpo_offload" / "vs_estimate.json").read_text())["phases"]
-    run, _, offloaded, _ = steps_for(PartArguments(part="grpo_recipe", out=str(unpacked)), unpacked)  # on the GPU
+    assert json.loads((unpacked / "grpo_recipe" / "grpo_8gb" / "vs_estimate.json").read_text())["phases"]
+    run, _, small, _ = steps_for(PartArguments(part="grpo_recipe", out=str(unpacked)), unpacked)  # on the GPU
     flags = run.argv
     for flag, value in (("--model_name_or_path", "qwen2.5-7b"), ("--lora_r", "32"), ("--num_generations", "8"),
                         ("--max_new_tokens", "256"), ("--micro_batch_size", "8"), ("--beta", "0"),
                         ("--optimizer", "paged_adamw_8bit"), ("--simulate_gpu_gib", "24")):
         assert flags[flags.index(flag) + 1] == value, flag
-    # the same run again with both offloads: the estimator's 7.75 GiB recipe
-    extra = offloaded.argv[len(flags):]
-    assert [a.replace("grpo_offload", "grpo") for a in offloaded.argv[:len(flags)]] == flags
-    assert extra == ["--offload_embeddings", "true", "--offload_activations", "true"]
+    # the same recipe under an 8 GB cap and budget, its micro-batches (and offloads) left to the planner
+    planned = ("--micro_batch_size", "8", "--rollout_micro_batch_size", "8")
+    at = flags.index("--micro_batch_size")
+    assert flags[at:at + 4] == list(planned)
+    same = flags[:at] + flags[at + 4:]
+    assert [a.replace("grpo_8gb", "grpo") for a in small.argv[:len(same)]] == same
+    assert small.argv[len(same):] == ["--simulate_gpu_gib", "8", "--memory_budget_gib", "8"]
 
 
 # ---- collect: archives and manifests it refuses ---------------------------------------------------

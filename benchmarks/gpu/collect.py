@@ -219,7 +219,7 @@ def gpu_folders(results: Path, part: str) -> list[Path]:
 
 
 def run_folders(folder: Path, file: str) -> list[Path]:
-    """A result's run folders that hold FILE: the stages in pipeline order, then the rest (e.g. `grpo_offload`)."""
+    """A result's run folders that hold FILE: the stages in pipeline order, then the rest (e.g. `grpo_8gb`)."""
     order = {"sft": 0, "reward": 1, "ppo": 2, "grpo": 3}
     runs = [path.parent for path in folder.glob(f"*/{file}")]
     return sorted(runs, key=lambda run: (order.get(run.name, len(order)), run.name))
