@@ -51,11 +51,16 @@ def families_table(args: EstimateArguments) -> str:
 
 def parse_estimate(argv: list[str]) -> EstimateArguments:
     """The flags, over a stage's config file (`--config`): its model, data and train sections whole, and of
-    its stage section the settings a run's memory depends on (its method's own are left out)."""
+    its stage section the settings a run's memory depends on (its method's own are left out). A reward
+    adapter named (or `--reward_adapter null`) says whether a reward model is loaded, as in the run."""
     config_path, argv = config_flag(argv)
     sections = {"model": ModelArguments, "data": DataArguments, "train": TrainArguments, "stage": EstimateArguments}
     defaults = load_yaml(config_path, sections, beside=("stage",)) if config_path else {}
     (args,) = parse([EstimateArguments], argv, defaults, config_path)
+    named = given(args)
+    if "reward_adapter" in named and "reward_model" not in named:  # as a run reads it (`EstimateArguments.of_run`)
+        (args,) = parse([EstimateArguments], argv, {**defaults, "reward_model": args.reward_adapter is not None},
+                        config_path)
     return args
 
 

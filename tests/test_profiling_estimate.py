@@ -312,6 +312,18 @@ def test_of_run_reads_beta_and_the_scorer_off_a_run_s_settings():
     assert (kept.beta, predict.roles(kept)) == (0.04, ["policy", "reference", "reward"])
 
 
+def test_the_estimate_command_reads_the_scorer_off_the_reward_adapter_named_as_a_run_does():
+    """`python -m profiling.estimate --config grpo.yaml --reward_adapter null` estimates what that run loads: no
+    reward adapter (the config's names one: it is loaded); --reward_model says so outright and wins."""
+    from profiling.estimate import parse_estimate
+
+    config = ["--config", str(ROOT / "trainer" / "configs" / "llama2_7b" / "grpo.yaml"), "--stage", "grpo"]
+    assert "reward" in predict.roles(parse_estimate(config))
+    assert "reward" not in predict.roles(parse_estimate([*config, "--reward_adapter", "null"]))
+    assert "reward" in predict.roles(parse_estimate([*config, "--reward_adapter", "null", "--reward_model", "true"]))
+    assert parse_estimate(["--stage", "ppo"]).reward_model  # nothing named: the usual PPO, a reward model
+
+
 def test_a_dense_copy_of_the_4bit_weights_weighs_on_the_generate_phase_or_on_every_phase():
     """generation_weights: `dequantized` holds the copy (every linear layer in the compute dtype) through the
     generate phase only, `resident` in every phase; a base not in 4 bits, or auto, has none."""
