@@ -184,6 +184,25 @@ def test_a_dense_copy_of_the_nf4_weights_decodes_as_the_4bit_layers_do_on_cuda(d
         torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("weights", ["quantized", "resident"])
+def test_the_compiled_step_compiles_its_layers_as_one_region_on_cuda_as_the_whole_step_decodes(weights):
+    """On CUDA (CUDA graphs, NF4 or its dense copy) the decoder layers compile as one reused region without
+    falling back to the whole step, and decode the whole step's greedy tokens."""
+    from trainer.model.decode import _COMPILED, Sampling, compile_anew, decode as run_decode, drop_resident_weights
+    from trainer.model.shared_base import build_shared_model, stage_specs
+
+    model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
+    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
+    sampling = Sampling(max_new_tokens=8, temperature=0, decode="compiled", generation_weights=weights)
+    regions = run_decode(model, ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
+    assert _COMPILED[model.causal_lm].regions == len(model.causal_lm.model.layers)
+    compile_anew(model.causal_lm, regions=False)
+    whole = run_decode(model, ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
+    drop_resident_weights(model.causal_lm)
+    assert torch.equal(regions.tokens, whole.tokens)
+    torch.testing.assert_close(regions.logprobs, whole.logprobs, rtol=0, atol=2e-2)
+
+
 def test_the_recorder_fills_its_cuda_allocator_and_nvml_fields():
     from profiling import components as C
     from profiling.recorder import MemoryRecorder

@@ -129,8 +129,8 @@ _REGIONS: dict[type, object] = {}  # a decoder layer class -> its forward marked
 def layer_regions(causal_lm: nn.Module, on: bool) -> int:
     """Mark (`on`) or unmark every decoder layer's forward as one nested compile region
     (`torch.compiler.nested_compile_region`, one per layer class): the compiled step then traces and compiles
-    one layer and stamps its code out for the others instead of compiling each anew (a 32-layer step compiles
-    in about half the time on the CPU). Outside a compile the mark is a no-op. A layer whose forward is
+    one layer and stamps its code out for the others instead of compiling each anew. Outside a compile the
+    mark is a no-op. A layer whose forward is
     replaced already (--compile_layers) keeps it; where torch has no such regions nothing is marked. Returns
     how many layers are marked."""
     from transformers.modeling_layers import GradientCheckpointingLayer
