@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from benchmarks.measure import MemoryProbe, PhaseClock, StepCounter, release_memory, step_record
-from benchmarks.ours import run_steps
+from benchmarks.ours import as_the_stage_plans, run_steps
 from benchmarks.ppo_vs_trl import summarize
 from benchmarks.processes import without_options
 from benchmarks.workload import fixed_length_prompts, lora_targets, parse_parts, part_attribute
@@ -97,12 +97,14 @@ class GRPOWorkload:
 
 def run_ours(args: GRPOWorkload, prompts: list[list[int]], tokenizer, accelerator, probe: MemoryProbe,
              result: dict) -> None:
-    """The GRPO stage's model, step and state (`trainer.grpo`, `trainer.rl.online`) without its harness."""
+    """The GRPO stage's model, step and state (`trainer.grpo`, `trainer.rl.online`) without its harness, its
+    settings left auto planned as the stage plans them."""
     from trainer.engine.harness import Engine
     from trainer.grpo import build_model
     from trainer.rl.algorithms.grpo import GRPO
     from trainer.rl.settings import make_scorer
 
+    args = as_the_stage_plans("grpo", args, accelerator)
     clock = PhaseClock(probe)
     clock.start()
     ctx = SimpleNamespace(model_args=args.model, stage_args=args.grpo, tokenizer=tokenizer, accelerator=accelerator,
@@ -112,7 +114,9 @@ def run_ours(args: GRPOWorkload, prompts: list[list[int]], tokenizer, accelerato
     setup = clock.lap()
     result["setup"] = {"model": f"ONE {args.model_name_or_path} base, adapters {', '.join(model.adapter_names)}",
                        "trainable_parameters": sum(p.numel() for p in model.trainable_parameters()),
-                       "step": "trainer.rl.online.rl_step with trainer.rl.algorithms.grpo.GRPO"}
+                       "step": "trainer.rl.online.rl_step with trainer.rl.algorithms.grpo.GRPO",
+                       "generation": f"decode {args.grpo.decode}, from {args.grpo.generation_weights} weights (as the "
+                                     "stage's budget plan picks them)"}
     result.update(setup_s=setup.seconds, setup_peak=setup.peaks)
     run_steps(engine, GRPO(args.grpo), make_scorer(args.grpo, tokenizer), args, prompts, tokenizer, clock, result)
 

@@ -45,9 +45,25 @@ def describe(args: Workload, four_bit: bool, optimizer_name: str) -> dict:
                    "adapter), and one for policy + value in the update; only the response positions' outputs are "
                    "computed",
         "old log-probs": "from the logits each token was sampled from (no policy scoring pass)",
-        "generation": f"through the LoRA layers, decode {args.ppo.decode}",
+        "generation": f"through the LoRA layers, decode {args.ppo.decode}, from {args.ppo.generation_weights} "
+                      "weights (as the stage's budget plan picks them)",
         "step": "trainer.rl.online.rl_step with trainer.rl.algorithms.ppo.PPO (the step trainer/ppo.py trains with)",
     }
+
+
+def as_the_stage_plans(stage: str, args, accelerator):
+    """The workload with its decode path and generation weights, where its command leaves them auto, as the
+    stage's budget plan picks them at its start (`trainer.engine.budget.fit_to_budget`, on with CUDA): our
+    side decodes as a run of the stage does. The work itself (micro-batches, checkpointing, offloads) stays
+    as the command fixes it for both sides."""
+    from dataclasses import replace
+
+    from trainer.engine.budget import fit_to_budget
+
+    # nothing of PLANNABLE planned: the plan then only settles decode and generation_weights where they are auto
+    model, train, stage_args = fit_to_budget(stage, args.model, args.data, args.train, getattr(args, stage), accelerator,
+                                             plannable=frozenset())
+    return replace(args, model=model, train=train, **{stage: stage_args})
 
 
 def build_model(args: Workload, vocab_size: int, device: torch.device, head_dirs: dict[str, str]):
@@ -76,6 +92,7 @@ def run_ours(args: Workload, prompts: list[list[int]], tokenizer, accelerator, p
              head_dirs: dict[str, str], result: dict) -> None:
     """Fill `result` (setup, steps) in place, so a failure part-way keeps what was measured."""
     device = accelerator.device
+    args = as_the_stage_plans("ppo", args, accelerator)
     clock = PhaseClock(probe)
     clock.start()
     model = build_model(args, len(tokenizer), device, head_dirs)

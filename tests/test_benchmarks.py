@@ -34,6 +34,27 @@ def test_the_benchmark_times_the_very_ppo_step_training_runs():
     assert args.ppo.min_new_tokens == args.ppo.max_new_tokens == 6  # fixed-length responses
 
 
+def test_our_side_plans_what_the_command_leaves_auto_as_the_stage_does():
+    """Our side decodes as a run of the stage does: the settings the benchmark's command leaves auto (decode
+    path, generation weights) go through the stage's budget plan (on with CUDA; here asked for), the ones it
+    gives stay as given, so both sides do the same work."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from benchmarks.ours import as_the_stage_plans
+
+    cpu = SimpleNamespace(device=torch.device("cpu"), distributed_type=DistributedType.NO, state=SimpleNamespace())
+    args = Workload.parse([*TINY, "--auto_fit", "true"])
+    assert (args.ppo.decode, args.ppo.generation_weights) == ("auto", "auto")
+    planned = as_the_stage_plans("ppo", args, cpu)
+    assert planned.ppo.decode in ("eager", "compiled") and planned.ppo.generation_weights != "auto"
+    assert (planned.micro_batch_size, planned.rollout_micro_batch_size, planned.model.gradient_checkpointing) == (
+        args.micro_batch_size, args.rollout_micro_batch_size, args.model.gradient_checkpointing)
+    unplanned = as_the_stage_plans("ppo", Workload.parse(TINY), cpu)
+    assert unplanned.ppo.decode == "auto"  # auto_fit off: as the stage on the CPU, nothing planned
+
+
 def test_trl_batch_settings_reproduce_our_rollout_minibatch_and_micro_batch_sizes():
     args = Workload.parse(["--rollout_batch_size", "64", "--rollout_micro_batch_size", "16", "--mini_batch_size",
                            "16", "--micro_batch_size", "4", "--ppo_epochs", "3"])

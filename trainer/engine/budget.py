@@ -77,12 +77,13 @@ def check_budget(stage: str, model_args, data_args, train_args, stage_args, acce
         "(check_budget: false skips this check): " + " ".join(line.strip() for line in lines))
 
 
-def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, accelerator):
+def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, accelerator,
+                  plannable: frozenset[str] = frozenset(PLANNABLE)):
     """An online RL stage's budget plan (`profiling.plan`) applied to the run's settings, when `auto_fit`
-    is on (its default on CUDA): returns (model_args, train_args, stage_args) with the settings left auto
-    (not given on the command line or in the config: `foundation.cli.given`) as the plan chose them;
-    `generation_weights` and `decode` auto become the plan's picks (unplanned, the weights as they are and
-    `MemoryOptions.decode_path`'s rule)."""
+    is on (its default on CUDA): returns (model_args, train_args, stage_args) with the settings of
+    `plannable` left auto (not given on the command line or in the config: `foundation.cli.given`) as the
+    plan chose them; `generation_weights` and `decode` auto become the plan's picks (unplanned, the weights as
+    they are and `MemoryOptions.decode_path`'s rule)."""
     from dataclasses import replace
 
     if not auto_fit_on(stage_args.auto_fit, accelerator.device.type):  # nothing planned (see the docstring)
@@ -91,7 +92,7 @@ def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, acc
     may_offload = MemoryOptions.of(model_args, stage_args).may_offload(accelerator)
     if shards_parameters(accelerator):  # no compiled decode step to plan for (`MemoryOptions.decode_path`)
         args = replace(args, decode=resolve.decode_path(args.decode, "cuda", sharded=True))
-    planned = set(PLANNABLE) - given(model_args) - given(train_args) - given(stage_args)
+    planned = set(plannable) - given(model_args) - given(train_args) - given(stage_args)
     plan = plan_rl(resolve_shape(args), args, stage_args.mini_batch_size, may_offload=may_offload, planned=planned)
     if plan is None:
         logger.warning("auto_fit: nothing fits memory_budget_gib=%s with the settings given; keeping the "
