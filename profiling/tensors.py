@@ -150,13 +150,16 @@ def model_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, str]
 # A module attribute listing the dense copies of 4-bit weights a decode reads (trainer.model.decode): counted
 # as generation_weights, before the walk meets them as buffers of the layers they stand in for.
 HELD_GENERATION_WEIGHTS = "held_generation_weights"
+# Likewise the copies of an adapter's LoRA weights in the autocast dtype that a decode multiplies by.
+HELD_DECODE_LORA = "held_decode_lora"
 
 
 def add_model(ledger: TensorLedger, model: nn.Module, gradients: bool = True) -> None:
     """Weights, quantization constants, adapters and heads of `model`; then their .grad tensors."""
     for module in model.modules():
-        for tensor in getattr(module, HELD_GENERATION_WEIGHTS, None) or ():
-            ledger.add(C.GENERATION_WEIGHTS, tensor)
+        for held in (HELD_GENERATION_WEIGHTS, HELD_DECODE_LORA):
+            for tensor in getattr(module, held, None) or ():
+                ledger.add(C.GENERATION_WEIGHTS, tensor)
     params = list(model_parameters(model))
     for _, param, component in params:
         ledger.add(component, param)

@@ -202,6 +202,53 @@ def test_decoder_layer_regions_that_do_not_compile_fall_back_to_the_whole_step(t
         module.compile_anew(tiny.causal_lm)
 
 
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_under_autocast_the_lora_products_multiply_copies_in_its_dtype_to_the_same_tokens(path, monkeypatch):
+    """Under bf16 autocast (a run's mixed precision) a decode multiplies copies of the policy's LoRA weights
+    in bf16, the values autocast would cast them to at every step: the same tokens and log-probs come out. A
+    compiled decode keeps its copies (its CUDA graphs read fixed addresses) and refreshes them in place when
+    the weights change; an eager one frees them. Scoring passes never read them."""
+    from contextlib import nullcontext
+
+    from profiling.tensors import HELD_DECODE_LORA
+    from trainer.model import decode as module
+
+    torch.manual_seed(0)
+    tiny = build_shared_model(tiny_args(dtype="bfloat16"), [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
+    with torch.no_grad():
+        for p in tiny.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    assert {p.dtype for p in tiny.trainable_parameters()} == {torch.float32}  # trained in fp32, multiplied in bf16
+    ids, mask = batch(b=2, t=8)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return decode(tiny, ids, mask, greedy(6, path), eos_id=VOCAB + 1, pad_id=0)
+
+    got = run()
+    held = getattr(tiny.causal_lm, HELD_DECODE_LORA)
+    layers = [layer for layer in tiny.lora_layers if "policy" in layer.lora_A]
+    assert not any(getattr(layer, "lora_compute_copies", None) for layer in layers)  # only while decoding
+    if path == "eager":
+        assert held == []
+    else:
+        assert len(held) == 2 * len(layers) and {t.dtype for t in held} == {torch.bfloat16}
+        first = layers[0].lora_A["policy"].weight
+        with torch.no_grad():
+            first.add_(0.5)
+        address = held[0].data_ptr()
+        run()
+        assert held[0].data_ptr() == address and torch.equal(held[0], first.detach().to(torch.bfloat16))
+        with torch.no_grad():
+            first.sub_(0.5)
+        got = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "lora_compute_copies", lambda *args, **kwargs: nullcontext())
+        want = run()
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0)
+
+
 def test_decoding_runs_the_policy_in_eval_mode_and_restores_train_mode(sft_adapter):
     args, sft_dir, _ = sft_adapter
     model = perturbed_ppo_model(args, sft_dir)

@@ -203,6 +203,33 @@ def test_the_compiled_step_compiles_its_layers_as_one_region_on_cuda_as_the_whol
     torch.testing.assert_close(regions.logprobs, whole.logprobs, rtol=0, atol=2e-2)
 
 
+@pytest.mark.parametrize("decode", ["eager", "compiled"])
+def test_under_bf16_autocast_on_cuda_the_lora_copies_decode_the_tokens_autocast_s_casts_give(decode, monkeypatch):
+    """A rollout on CUDA runs under the run's bf16 autocast: the decode multiplies bf16 copies of the policy's
+    LoRA weights (kept for the compiled step's CUDA graphs) and samples what autocast's per-step casts give."""
+    from contextlib import nullcontext
+
+    from trainer.model import decode as module
+    from trainer.model.shared_base import build_shared_model, stage_specs
+
+    model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
+    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
+    sampling = module.Sampling(max_new_tokens=8, temperature=0, decode=decode, generation_weights="resident")
+
+    def run():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return module.decode(model, ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
+
+    got = run()
+    assert (module._LORA_COPIES.get(model) is not None) == (decode == "compiled")
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "lora_compute_copies", lambda *args, **kwargs: nullcontext())
+        want = run()
+    module.drop_resident_weights(model.causal_lm)
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-3)
+
+
 def test_the_recorder_fills_its_cuda_allocator_and_nvml_fields():
     from profiling import components as C
     from profiling.recorder import MemoryRecorder

@@ -330,7 +330,8 @@ def test_a_dense_copy_of_the_4bit_weights_weighs_on_the_generate_phase_or_on_eve
     from profiling.predict import generation_weight_bytes
 
     shape = load_shape("llama-2-7b")
-    args = EstimateArguments(stage="grpo", rollout_batch_size=4, num_generations=4, rollout_micro_batch_size=16)
+    args = EstimateArguments(stage="grpo", rollout_batch_size=4, num_generations=4, rollout_micro_batch_size=16,
+                             mixed_precision="no")  # no LoRA copies in the autocast dtype (the test below)
     copy = generation_weight_bytes(shape, 2)
     assert copy == shape.linear_params() * 2 and 12 < copy / 2**30 < 12.2
     phases = {w: {p["phase"]: p for p in estimate(shape, replace(args, generation_weights=w))["phases"]}
@@ -342,6 +343,25 @@ def test_a_dense_copy_of_the_4bit_weights_weighs_on_the_generate_phase_or_on_eve
         assert phases["auto"][name] == phase
     none = estimate(shape, replace(args, quantization="none", generation_weights="resident"))
     assert all(C.GENERATION_WEIGHTS not in p["components"] for p in none["phases"])
+
+
+def test_the_policy_s_lora_copy_in_the_autocast_dtype_weighs_on_every_phase_compiled_else_on_generate():
+    """Under mixed precision a decode multiplies a bf16 copy of the policy's LoRA weights
+    (trainer.model.decode.lora_compute_copies): kept between rollouts by the compiled step, held through
+    generate by the eager one; none without autocast."""
+    from profiling.predict import decode_lora_bytes
+    from profiling.shapes import lora_tensor_sizes
+
+    shape = load_shape("llama-2-7b")
+    args = EstimateArguments(stage="grpo", rollout_batch_size=4, num_generations=4, rollout_micro_batch_size=16,
+                             generation_weights="quantized", mixed_precision="bf16")
+    lora = decode_lora_bytes(shape, args)
+    assert lora == 2 * sum(lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules)) > 0
+    for decode, held_in in (("compiled", {"generate", "score", "update", "optimizer_step"}), ("eager", {"generate"})):
+        phases = estimate(shape, replace(args, decode=decode))["phases"]
+        assert {p["phase"] for p in phases if p["components"].get(C.GENERATION_WEIGHTS) == lora} == held_in, decode
+    none = estimate(shape, replace(args, mixed_precision="no"))["phases"]
+    assert all(C.GENERATION_WEIGHTS not in p["components"] for p in none)
 
 
 def test_the_compiled_decode_keeps_its_full_length_kv_cache_in_every_phase():

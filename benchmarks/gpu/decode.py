@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -28,6 +29,7 @@ from foundation.files import write_atomic
 from foundation.provenance import provenance, relative_command
 from profiling.decode import bytes_per_decode_step, copy_bandwidth, sync
 from trainer.config import ModelArguments
+from trainer.engine.launch import resolve_mixed_precision
 from trainer.engine.phases import phase
 from trainer.model.decode import DECODE_PATHS, Sampling, compile_anew, decode, drop_resident_weights
 
@@ -78,6 +80,15 @@ def rollout_sampling(new_tokens: int, path: str, weights: str) -> Sampling:
                     generation_weights="resident" if weights == "dequantized" else weights)
 
 
+def run_autocast(device: torch.device):
+    """The autocast a run's rollouts decode under: its mixed precision as `--mixed_precision auto` resolves
+    it (bf16 on CUDA, none on the CPU), so the LoRA products are computed as in training."""
+    precision = resolve_mixed_precision("auto")
+    if precision == "no":
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
 def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, path: str,
                     weights: str = "quantized") -> tuple[float, float]:
     """(first call's, best later call's) wall time of decoding exactly `new_tokens` tokens for the rows of `ids`,
@@ -88,7 +99,8 @@ def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, pat
     for _ in range(repeats + 1):
         sync(ids.device)
         started = time.perf_counter()
-        decode(model, ids, mask, sampling, eos_id=0, pad_id=0)
+        with run_autocast(ids.device):
+            decode(model, ids, mask, sampling, eos_id=0, pad_id=0)
         sync(ids.device)
         times.append(time.perf_counter() - started)
     return times[0], min(times[1:])
@@ -117,7 +129,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         for path, weights in [(p, w) for w in args.weights.split(",") for p in args.paths.split(",")]:
             bound = batch * bandwidth / sum(reads[weights].values())
             if weights == "dequantized":  # the copy is made before the timing, and kept (resident)
-                decode(model, ids[:, :1], mask[:, :1], Sampling(max_new_tokens=1, generation_weights="resident"), 0, 0)
+                with run_autocast(device):
+                    decode(model, ids[:, :1], mask[:, :1], Sampling(max_new_tokens=1, generation_weights="resident"),
+                           0, 0)
             if path in ("compiled", WHOLE):  # each compiled row compiles anew: its first call is its own
                 compile_anew(model.causal_lm, regions=path == "compiled")
             first, full = time_generation(model, ids, args.new_tokens, args.repeats, path, weights)
@@ -135,7 +149,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 sampling = rollout_sampling(PROFILE_TOKENS, path, weights)
 
                 def generate():
-                    with phase("generate"):
+                    with phase("generate"), run_autocast(device):
                         decode(model, ids, mask, sampling, eos_id=0, pad_id=0)
 
                 profile_step(generate, device, Path(args.kernel_profile),
@@ -144,6 +158,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         drop_resident_weights(model.causal_lm)
     result = {**provenance(device, "python -m benchmarks.gpu.decode " + relative_command(argv)),
               "kind": "decode", "model": asdict(model_args), "settings": asdict(args),
+              "mixed_precision": resolve_mixed_precision("auto"),
               "copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_decode_step": read,
               "bytes_per_decode_step": step_bytes, "bytes_read_per_decode_step_by_weights": reads, "rows": rows}
     out = Path(args.out_dir)
@@ -156,7 +171,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Decode throughput: {result['model']['model_name_or_path']} ({result['model']['quantization']})", "",
              f"- device: {result['device_name']}; date {result['date']}; git `{result['git_revision']}`",
              f"- command: `{result['command']}`",
-             f"- device copy bandwidth: {result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write)",
+             f"- device copy bandwidth: {result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write); "
+             f"decoded under the mixed precision a run uses: {result.get('mixed_precision', 'no')}",
              *(f"- bytes read per decode step from {weights} weights: {sum(read.values()) / 2**30:.3f} GiB "
                f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in read.items())})"
                for weights, read in result.get("bytes_read_per_decode_step_by_weights",

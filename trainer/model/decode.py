@@ -26,7 +26,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from types import MethodType
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,8 @@ from foundation.settings import DECODE_CHOICES, DECODE_PATHS, GENERATION_WEIGHTS
 from foundation.stages import POLICY
 from profiling import resolve
 from profiling.decode import sync
-from profiling.tensors import HELD_GENERATION_WEIGHTS
+from profiling.tensors import HELD_DECODE_LORA, HELD_GENERATION_WEIGHTS
+from trainer.model.routing import COMPUTE_COPIES
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +286,62 @@ def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
             setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
 
 
+_LORA_COPIES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _dense(weight: torch.Tensor) -> bool:
+    """A whole weight on this process: not a ZeRO-3 partition or a DTensor shard."""
+    return type(weight.data) is torch.Tensor and weight.numel() > 0 and not hasattr(weight, "ds_id")
+
+
+@contextmanager
+def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> Iterator[None]:
+    """The body's LoRA products of `adapter` multiply copies of its weights in the autocast dtype the rollout
+    computes in (bf16 under mixed precision): the very values autocast casts the fp32 weights to at every step
+    (two small kernels per LoRA layer and step), cast once per decode. `keep` (a compiled step, whose CUDA
+    graphs read fixed addresses): made once per model, adapter and dtype and refreshed in place; else made
+    here and freed after. Without autocast, or with weights in its dtype already, nothing changes."""
+    if not torch.is_autocast_enabled(device_type):
+        yield
+        return
+    dtype = torch.get_autocast_dtype(device_type)
+    layers = [layer for layer in model.lora_layers if adapter in getattr(layer, "lora_A", {})
+              and layer.lora_A[adapter].weight.dtype != dtype and _dense(layer.lora_A[adapter].weight)]
+    if not layers:
+        yield
+        return
+    held = _LORA_COPIES.setdefault(model, {}) if keep else {}
+    copies = held.get((adapter, dtype))
+    with torch.no_grad():
+        if copies is None:
+            copies = held[(adapter, dtype)] = [
+                tuple(m.weight.detach().to(dtype) for m in (layer.lora_A[adapter], layer.lora_B[adapter]))
+                for layer in layers]
+        else:
+            for layer, (a, b) in zip(layers, copies):
+                a.copy_(layer.lora_A[adapter].weight)
+                b.copy_(layer.lora_B[adapter].weight)
+    for layer, pair in zip(layers, copies):
+        if getattr(layer, COMPUTE_COPIES, None) is None:
+            setattr(layer, COMPUTE_COPIES, {})
+        getattr(layer, COMPUTE_COPIES)[adapter] = pair
+    _list_copies(model, () if keep else copies)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            getattr(layer, COMPUTE_COPIES).pop(adapter, None)
+        if not keep:
+            _list_copies(model)
+
+
+def _list_copies(model, passing: Sequence[tuple] = ()) -> None:
+    """Name the LoRA copies alive - the kept ones, and `passing` while a decode holds them - where the memory
+    recorder counts them (as generation_weights)."""
+    kept = [pair for pairs in _LORA_COPIES.get(model, {}).values() for pair in pairs]
+    setattr(model.causal_lm, HELD_DECODE_LORA, [t for pair in (*kept, *passing) for t in pair])
+
+
 def drop_resident_weights(causal_lm: nn.Module) -> None:
     """Free a model's resident dense copies (the next `resident` decode makes them again)."""
     _RESIDENT.pop(causal_lm, None)
@@ -302,7 +359,8 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling:
     was_training = model.training
     model.eval()
     try:
-        with model.use_adapter(adapter), generation_weights(model.causal_lm, sampling.generation_weights):
+        with model.use_adapter(adapter), generation_weights(model.causal_lm, sampling.generation_weights), \
+                lora_compute_copies(model, adapter, device.type, keep=sampling.decode == "compiled"):
             try:
                 return _decode(model.causal_lm, prompt_ids, prompt_mask, sampling, eos_id, pad_id)
             except compile_errors() as exc:

@@ -13,10 +13,15 @@ import logging
 from typing import Optional, Sequence, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
+
+# A LoRA layer attribute: adapter -> (A, B) weight copies in the compute dtype that no-grad passes multiply by
+# instead (trainer.model.decode.lora_compute_copies holds them while a decode runs).
+COMPUTE_COPIES = "lora_compute_copies"
 
 # A routed batch: (adapter, rows) per group, in batch order. The groups' rows go through the base as
 # ONE batch, each group through its own LoRA weights (`Routing.fused`).
@@ -138,8 +143,14 @@ def _with_lora(layer, name: str, x: torch.Tensor, out: torch.Tensor) -> Optional
     pass under its adapter gives."""
     if name not in layer.lora_A:
         return None
-    lora_a = layer.lora_A[name]
-    delta = layer.lora_B[name](lora_a(layer.lora_dropout[name](x.to(lora_a.weight.dtype)))) * layer.scaling[name]
+    copies = getattr(layer, COMPUTE_COPIES, None)
+    pair = copies.get(name) if copies and not torch.is_grad_enabled() else None
+    if pair is not None:  # a decode's copies in the autocast dtype: the products autocast would give, no casts
+        a, b = pair
+        delta = F.linear(F.linear(layer.lora_dropout[name](x.to(a.dtype)), a), b) * layer.scaling[name]
+    else:
+        lora_a = layer.lora_A[name]
+        delta = layer.lora_B[name](lora_a(layer.lora_dropout[name](x.to(lora_a.weight.dtype)))) * layer.scaling[name]
     if type(layer).__module__.endswith(".bnb"):
         delta = delta.to(out.dtype)
     return out.add_(delta) if not torch.is_grad_enabled() else (out + delta).to(out.dtype)

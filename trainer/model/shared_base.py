@@ -155,6 +155,11 @@ class SharedBaseModel(Outputs, Routing, nn.Module):
         model._activate(specs[0].name)
         return model
 
+    @property
+    def lora_layers(self) -> list[nn.Module]:
+        """peft's adapter layers on the base (each holds every adapter's weights)."""
+        return self._tuner_layers
+
     def _collect_tuner_layers(self) -> list[nn.Module]:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
