@@ -286,9 +286,8 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
 def test_the_speed_part_runs_the_recipes_as_the_stages_decode_then_each_decode_path(tmp_path):
     """The speed part: TRL's GRPO recipe as the stage runs it (--decode and --generation_weights left to the
     planner) and its memory against the estimate; on the GPU only, the first call's PPO comparison with TRL
-    (ours decoding as the stage does); then decode alone at the recipes' 16 rows, the compiled step with its
-    layer regions and compiled whole, from the 4-bit weights and from a dense copy (one build); last, the
-    compiled step from the copy at 1 and 64 rows."""
+    (ours decoding as the stage does); then decode alone at the recipes' 16 rows, the compiled step from a
+    dense copy with its layer regions and compiled whole (one build); last, the same at 1 and 64 rows."""
     from benchmarks.gpu.decode import WHOLE
     from benchmarks.gpu.parts import PartArguments, grpo_recipe_run, steps_for
     from trainer.model.decode import DECODE_PATHS
@@ -297,7 +296,7 @@ def test_the_speed_part_runs_the_recipes_as_the_stages_decode_then_each_decode_p
     assert [s.name for s in smoke] == ["grpo", "vs-estimate", "decode"]  # ppo_vs_trl: tested by the first call
     steps = steps_for(PartArguments(part="speed", out=str(tmp_path)), tmp_path, deadline=1000.0)
     assert [s.name for s in steps] == ["grpo", "vs-estimate", "ppo_vs_trl", "decode", "decode-batches"]
-    for step, batches, paths, weights in ((steps[3], "16", "compiled,compiled_whole", "dequantized,quantized"),
+    for step, batches, paths, weights in ((steps[3], "16", "compiled,compiled_whole", "dequantized"),
                                           (steps[4], "1,64", "compiled", "dequantized")):
         argv = step.argv
         assert argv[argv.index("--paths") + 1] == paths and set(paths.split(",")) - {WHOLE} <= set(DECODE_PATHS)

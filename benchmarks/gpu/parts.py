@@ -221,10 +221,10 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                                              "--stop_at", f"{max(deadline - STOP_MARGIN_S, 0):.0f}",
                                              "--kernel_profile", str(out / "ppo_vs_trl" / "ours_kernels"),
                                              "--out_dir", str(out / "ppo_vs_trl")]))
-        # the compiled step with its decoder layers as one region and compiled whole, from each weights choice
-        # (eager: measured at 60b44b7 and f9fb2bd, far behind), the first profiled; then the planner's usual
-        # pick at 1 and 64 rows
-        steps.append(Step("decode", [*decode, "--paths", "compiled,compiled_whole", "--weights", "dequantized,quantized",
+        # the compiled step from the dense copy (the planner's pick where it fits) with its decoder layers as one
+        # region and compiled whole, the first profiled (eager and the 4-bit weights: measured at 60b44b7 and
+        # f9fb2bd, far behind); then the same at 1 and 64 rows
+        steps.append(Step("decode", [*decode, "--paths", "compiled,compiled_whole", "--weights", "dequantized",
                                      "--batches", "4" if args.smoke else "16", *sizes, "--out_dir", str(out / "decode"),
                                      "--kernel_profile", str(out / "decode" / "kernels")]))
         if not args.smoke:

@@ -101,7 +101,7 @@ def predicted(part: str) -> dict[str, float]:
                 "grpo": rl + 2 * step_seconds(Work(rows=16, prompt=256, new=128, epochs=1, scoring_adapters=3), shape),
                 "vs-estimate": START_S}
     if part == "speed":  # TRL's GRPO recipe and PPO vs TRL, ours compiling its decode step; decode at 16 rows
-        # compiled two ways from both weights, then one way at 1 and 64 rows (each row timed twice and warmed
+        # compiled two ways from the dense copy, then one way at 1 and 64 rows (each row timed twice and warmed
         # up, prefill apart, and compiled anew)
         def decode(rows: int, timed: int) -> float:
             per_token = decode_step_bytes(shape) / (BANDWIDTH * DECODE_FRACTION)
@@ -113,7 +113,7 @@ def predicted(part: str) -> dict[str, float]:
         return {"grpo": process + COMPILE_S + 2 * step_seconds(grpo, load_shape("qwen2.5-7b")),
                 "vs-estimate": START_S,
                 "ppo_vs_trl": 2 * START_S + 4 * BUILD_S + COMPILE_S + 4 * step_seconds(bench_ppo, shape),
-                "decode": process + decode(16, 4), "decode-batches": process + decode(1, 1) + decode(64, 1)}
+                "decode": process + decode(16, 2), "decode-batches": process + decode(1, 1) + decode(64, 1)}
     if part == "grpo_vs_trl":  # TRL's recipe on both sides (each its own build, a warm-up and a step), then the
         # seed PPO recipe's SFT and reward steps and 2 PPO steps under a 12 GB cap
         from profiling.shapes import load_shape
