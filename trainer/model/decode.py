@@ -317,6 +317,10 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
             copies = held[(adapter, dtype)] = [
                 tuple(m.weight.detach().to(dtype) for m in (layer.lora_A[adapter], layer.lora_B[adapter]))
                 for layer in layers]
+            if keep:  # static inputs of the compiled step, as parameters are: its CUDA graphs read them in place
+                for pair in copies:
+                    for tensor in pair:
+                        torch._dynamo.mark_static_address(tensor)
         else:
             for layer, (a, b) in zip(layers, copies):
                 a.copy_(layer.lora_A[adapter].weight)
