@@ -475,6 +475,35 @@ def test_a_fused_policy_and_value_pass_backpropagates_as_two_passes_do(sft_adapt
     assert all(p.grad is None or p.grad.abs().sum() == 0 for p, a in model._lora_params if a in ("reference", "reward"))
 
 
+def test_under_autocast_the_lora_input_skips_its_fp32_round_trip_and_nothing_changes(monkeypatch):
+    """Under bf16 autocast a LoRA layer's bf16 input is no longer cast to the adapter's fp32 and back (two
+    kernels per layer and pass): a fused policy and value pass gives the same outputs and gradients, bit for
+    bit, as with the round trip."""
+    from trainer.model import routing
+
+    torch.manual_seed(0)
+    model = build_shared_model(tiny_args(dtype="bfloat16", lora_dropout=0.0),
+                               [AdapterSpec("policy", trainable=True), AdapterSpec("value", trainable=True, head=True)],
+                               vocab_size=VOCAB)
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.train()
+    ids, mask = batch(b=3)
+    runs = []
+    for round_trip in (False, True):
+        if round_trip:
+            monkeypatch.setattr(routing, "_in_autocast_dtype", lambda x: False)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, values = model.fused(ids, mask, ("policy", "value"), ("logits", "scores"), keep_last=5)
+            (logits.float().log_softmax(-1)[..., 0].sum() + values.float().pow(2).sum()).backward()
+        runs.append([logits, values, *(p.grad.clone() for p in model.trainable_parameters() if p.grad is not None)])
+    assert len(runs[0]) > 2 and len(runs[0]) == len(runs[1])
+    for got, want in zip(*runs):
+        assert torch.equal(got, want)
+
+
 ROUTES = {"equal groups": ((("policy", 3), ("value", 3), ("reward", 3)), (3, 3, 3)),
           "unequal groups": ((("policy", 2), ("reference", 1), ("value", 3)), (2, 1, 3))}
 

@@ -149,8 +149,17 @@ def _with_lora(layer, name: str, x: torch.Tensor, out: torch.Tensor) -> Optional
         a, b = pair
         delta = F.linear(F.linear(layer.lora_dropout[name](x.to(a.dtype)), a), b) * layer.scaling[name]
     else:
-        lora_a = layer.lora_A[name]
-        delta = layer.lora_B[name](lora_a(layer.lora_dropout[name](x.to(lora_a.weight.dtype)))) * layer.scaling[name]
+        lora_a, dropout = layer.lora_A[name], layer.lora_dropout[name]
+        if not (_in_autocast_dtype(x) and (isinstance(dropout, nn.Identity) or not dropout.training)):
+            x = x.to(lora_a.weight.dtype)  # under autocast a round trip to fp32 and back: two kernels, same values
+        delta = layer.lora_B[name](lora_a(dropout(x))) * layer.scaling[name]
     if type(layer).__module__.endswith(".bnb"):
         delta = delta.to(out.dtype)
     return out.add_(delta) if not torch.is_grad_enabled() else (out + delta).to(out.dtype)
+
+
+def _in_autocast_dtype(x: torch.Tensor) -> bool:
+    """Whether autocast is on for `x`'s device and `x` is in its dtype already (what it casts a matmul's inputs to)."""
+    kind = x.device.type
+    return torch.is_autocast_enabled(kind) and x.dtype == torch.get_autocast_dtype(kind)
+
