@@ -300,8 +300,9 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
     computes in (bf16 under mixed precision): the very values autocast casts the fp32 weights to at every step
     (two small kernels per LoRA layer and step), cast once per decode. `keep` (a compiled step, whose CUDA
     graphs read fixed addresses): made once per model, adapter and dtype and refreshed in place; else made
-    here and freed after. Without autocast, or with weights in its dtype already, nothing changes."""
-    if not torch.is_autocast_enabled(device_type):
+    here and freed after. Without autocast, with weights in its dtype already, or where peft's own layers add
+    the LoRA outputs (a model that cannot route: `trainer.model.routing`), nothing changes."""
+    if not torch.is_autocast_enabled(device_type) or not getattr(model, "routable", False):
         yield
         return
     dtype = torch.get_autocast_dtype(device_type)
