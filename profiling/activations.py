@@ -51,20 +51,28 @@ def layer_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) ->
     h, a, r = shape.hidden_size, spec.dtype_bytes, spec.lora_rank
     norms = 2 * (4 * h + 4)
     targets = lora_targets(shape, spec.lora_targets)
-    if spec.casts_lora:  # autocast's compute-dtype copy of each LoRA layer's (dropped) fp32 input, and the mask
-        mask = _mask_bytes(spec) if spec.lora_dropout else 0
-        inputs = sum((mask + a) * n_in for _, n_in, _ in targets)
+    if spec.casts_lora and spec.lora_dropout:  # autocast's compute-dtype copy of each LoRA layer's dropped fp32
+        # input, and the mask
+        inputs = sum((_mask_bytes(spec) + a) * n_in for _, n_in, _ in targets)
         return norms + inputs + sum(a * r for _ in targets) + _attention_and_mlp(shape, spec, seq_len)
+    if spec.casts_lora:  # no dropout: the compute-dtype input goes in as it is (trainer.model.routing)
+        return norms + _shared_inputs(shape, spec, a) + sum(a * r for _ in targets) + _attention_and_mlp(
+            shape, spec, seq_len)
     if spec.lora_dropout:  # each LoRA layer's own dropped copy of its input, and the mask
         inputs = sum((_mask_bytes(spec) + LORA_BYTES) * n_in for _, n_in, _ in targets)
-    elif a == LORA_BYTES:  # the input itself, saved once by the LoRA layers that read it (q, k, v; gate, up);
-        # o_proj's is the attention kernel's output, which it saves already (`attention` below)
-        read = {(SHARED_INPUT.get(name, name), n_in) for name, n_in, _ in targets}
-        inputs = LORA_BYTES * sum(n_in for group, n_in in read if not (group == "o_proj" and spec.attention != "eager"))
+    elif a == LORA_BYTES:  # the input itself
+        inputs = _shared_inputs(shape, spec, LORA_BYTES)
     else:  # each LoRA layer's own cast of its input to the LoRA weights' dtype
         inputs = LORA_BYTES * sum(n_in for _, n_in, _ in targets)
     lora = inputs + sum(LORA_BYTES * r for _ in targets)
     return norms + lora + _attention_and_mlp(shape, spec, seq_len)
+
+
+def _shared_inputs(shape: ModelShape, spec: ForwardSpec, width: int) -> int:
+    """LoRA inputs saved as they are: once by the layers that read the same tensor (q, k, v; gate, up), and
+    none for o_proj, whose input is the attention kernel's output, saved already (`_attention_and_mlp`)."""
+    read = {(SHARED_INPUT.get(name, name), n_in) for name, n_in, _ in lora_targets(shape, spec.lora_targets)}
+    return width * sum(n_in for group, n_in in read if not (group == "o_proj" and spec.attention != "eager"))
 
 
 def _attention_and_mlp(shape: ModelShape, spec: ForwardSpec, seq_len: int) -> int:

@@ -222,6 +222,9 @@ def test_decode_times_each_decode_path_on_the_same_rows(tmp_path):
         (path, weights, 2) for weights in ("quantized", "dequantized")
         for path in ("eager", "compiled", "compiled_whole")]
     assert all(r["tokens_per_s"] > 0 and r["first_call_s"] > 0 for r in result["rows"])
+    assert result["rows_planned"] == len(result["rows"]) and "stopped before" not in (tmp_path / "decode.md").read_text()
+    from benchmarks.gpu.decode import markdown  # a run stopped part-way: its finished rows, said so
+    assert "- rows: 2 of 6: the run stopped before the rest" in markdown({**result, "rows": result["rows"][:2]})
     assert "| compiled | dequantized | 2 |" in (tmp_path / "decode.md").read_text()
     profile = json.loads((tmp_path / "kernels" / "kernels.json").read_text())  # the first row's, decoded again
     assert profile["title"].startswith("decode, eager from quantized weights, 2 rows")

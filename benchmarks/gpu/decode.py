@@ -122,6 +122,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     # the bound of each weights choice: a dense copy is read in place of the 4-bit weights
     reads = {w: bytes_per_decode_step(model, weights=w) for w in args.weights.split(",")}
     rows = []
+    planned = len(batch_sizes(args.batches)) * len(args.paths.split(",")) * len(args.weights.split(","))
+    result = {**provenance(device, "python -m benchmarks.gpu.decode " + relative_command(argv)),
+              "kind": "decode", "model": asdict(model_args), "settings": asdict(args),
+              "mixed_precision": resolve_mixed_precision("auto"),
+              "copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_decode_step": read,
+              "bytes_per_decode_step": step_bytes, "bytes_read_per_decode_step_by_weights": reads, "rows": rows,
+              "rows_planned": planned}
+    out = Path(args.out_dir)
     generator = torch.Generator().manual_seed(0)
     for batch in batch_sizes(args.batches):
         ids = torch.randint(3, vocab, (batch, args.prompt_tokens), generator=generator).to(device)
@@ -145,6 +153,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             print(f"{path}, {weights}, batch {batch}: {tokens_per_s:.1f} tokens/s, {rows[-1]['ms_per_step']:.1f} ms "
                   f"per step, {rows[-1]['bandwidth_fraction']:.1%} of the bandwidth bound ({bound:.0f} tokens/s); "
                   f"first call {first:.2f} s", flush=True)
+            write_result(result, out)  # after every row: a run stopped part-way keeps the rows it finished
             if args.kernel_profile and len(rows) == 1:  # the first row, warm: where a decode step's time goes
                 sampling = rollout_sampling(PROFILE_TOKENS, path, weights)
 
@@ -156,15 +165,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
                              f"decode, {path} from {weights} weights, {batch} rows x {PROFILE_TOKENS} tokens",
                              phases=("generate",))
         drop_resident_weights(model.causal_lm)
-    result = {**provenance(device, "python -m benchmarks.gpu.decode " + relative_command(argv)),
-              "kind": "decode", "model": asdict(model_args), "settings": asdict(args),
-              "mixed_precision": resolve_mixed_precision("auto"),
-              "copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_decode_step": read,
-              "bytes_per_decode_step": step_bytes, "bytes_read_per_decode_step_by_weights": reads, "rows": rows}
-    out = Path(args.out_dir)
+    write_result(result, out)
+    return result
+
+
+def write_result(result: dict, out: Path) -> None:
     write_atomic(out / "decode.json", json.dumps(result, indent=2))
     write_atomic(out / "decode.md", markdown(result))
-    return result
 
 
 def markdown(result: dict) -> str:
@@ -173,6 +180,8 @@ def markdown(result: dict) -> str:
              f"- command: `{result['command']}`",
              f"- device copy bandwidth: {result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write); "
              f"decoded under the mixed precision a run uses: {result.get('mixed_precision', 'no')}",
+             *([f"- rows: {len(result['rows'])} of {result['rows_planned']}: the run stopped before the rest"]
+               if len(result["rows"]) < result.get("rows_planned", 0) else []),
              *(f"- bytes read per decode step from {weights} weights: {sum(read.values()) / 2**30:.3f} GiB "
                f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in read.items())})"
                for weights, read in result.get("bytes_read_per_decode_step_by_weights",
