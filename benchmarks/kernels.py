@@ -6,7 +6,7 @@ time (CPU time where there is no CUDA device). Writes kernels.json and kernels.m
 
 The profiled step is an extra one, never one of the measured steps: the profiler slows what it watches. Only
 the phases named are profiled because a rollout's thousands of decode steps make the profiler's own
-bookkeeping outlast the step (minutes at 7B); the decode benchmark measures decoding.
+bookkeeping outlast the step at 7B; the decode benchmark profiles decoding.
 """
 
 from __future__ import annotations

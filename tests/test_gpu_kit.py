@@ -279,8 +279,9 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
     assert "| grpo_recipe-llama-2-7b-nvidia-h100 | grpo | update |" in text
     assert "| grpo_recipe-llama-2-7b-nvidia-h100 | grpo_8gb | update |" in text
     decoded = json.loads(next(speed.glob("*/decode.json")).read_text())["rows"]
-    assert text.count("| speed-llama-2-7b-nvidia-h100 | decode") == len(decoded) > 0
+    assert text.count("| speed-llama-2-7b-nvidia-h100 | decode |") == len(decoded) > 0
     assert "| speed-llama-2-7b-nvidia-h100 | grpo | update |" in text  # the speed part's GRPO run: memory, estimate
+    assert "| speed-llama-2-7b-nvidia-h100 | decode/kernels | generate |" in text  # its decode profile
 
 
 def test_the_speed_part_runs_the_recipes_as_the_stages_decode_then_each_decode_path(tmp_path):

@@ -107,7 +107,7 @@ def read_manifest(archive: Path, folder: Path) -> tuple[Path, dict]:
 def check_tables(folder: Path, archive: Path) -> None:
     """Every file of the part that docs/gpu-results.md tabulates is read as the tables read it, before anything
     is written: a malformed one is one InputError naming it, never a traceback in this or a later collect."""
-    for rows in (memory_rows, estimate_rows, decode_rows, decode_path_rows, trl_rows):
+    for rows in (memory_rows, estimate_rows, decode_rows, decode_path_rows, trl_rows, kernel_rows):
         try:
             rows(folder)
         except (ValueError, TypeError, KeyError, AttributeError, IndexError, RecursionError, OSError) as exc:
@@ -289,6 +289,23 @@ def decode_path_rows(folder: Path) -> list[str]:
     return rows
 
 
+def kernel_rows(folder: Path) -> list[str]:
+    """The kernel profiles of a result (`benchmarks.kernels`): each profiled phase's wall time beside its ops'
+    device time, and the op with the most device time of its own."""
+    rows = []
+    for path in sorted(folder.glob("**/kernels.json")):
+        report = json.loads(path.read_text())
+        clock, ops = report["clock"], report.get("ops") or []
+        top = f"{_cell(ops[0]['op'])} ({ops[0]['self_s'] / report['busy_s']:.0%})" if ops and report["busy_s"] else "-"
+        for p in report["phases"]:
+            if p.get("ops_s") is None:
+                continue
+            busy = f"{p['ops_s'] / p['wall_s']:.0%}" if p["wall_s"] else "-"
+            rows.append(f"| {folder.name} | {_cell(path.parent.relative_to(folder))} | {_cell(p['phase'])} | "
+                        f"{p['wall_s']:.3f} | {p['ops_s']:.3f} | {busy} | {clock} | {top} |")
+    return rows
+
+
 def trl_rows(folder: Path) -> list[str]:
     """One PPO step of ours against TRL's on the same work: each side's status, step time and peak."""
     path = folder / "ppo_vs_trl" / "ppo_vs_trl.json"
@@ -363,6 +380,12 @@ def readme_section(results: Path) -> str:
                   "batch, against the bandwidth bound; first call (warm-up, compilation) apart:", "",
                   "| result | run | path | weights | batch | ms per step | tokens/s | of the bound | first call s |",
                   "|---|---|---|---|---:|---:|---:|---:|---:|", *paths]
+    kernels = [row for folder in gpu_folders(results, "speed") for row in kernel_rows(folder)]
+    if kernels:
+        lines += ["", "Where the time went (`benchmarks.kernels`: one extra step or decode under torch.profiler, which "
+                  "slows it; a phase whose device is busy a small share of its wall time is launch-bound):", "",
+                  "| result | profile | phase | wall s | its ops s | busy | clock | top op (share of busy) |",
+                  "|---|---|---|---:|---:|---:|---|---|", *kernels]
     trl = [row for folder in folders for row in trl_rows(folder)]
     if trl:
         lines += ["", "One PPO step on the same 7B work, ours against TRL 1.12 (a side the budget cut has no figure):",
