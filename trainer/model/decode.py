@@ -15,7 +15,9 @@ graphs read them where they are.
 Weights (`--generation_weights`): a 4-bit base is frozen, so its linear weights can be dequantized once
 (bitsandbytes' `dequantize_4bit`, the very values its training forward multiplies by) and each step reads
 one dense matrix per layer instead of dequantizing it again: `dequantized` builds that copy for each
-rollout and frees it after, `resident` keeps it, `quantized` decodes from the 4-bit weights.
+rollout and frees it after, `resident` keeps it, `quantized` decodes from the 4-bit weights. Under the run's
+mixed precision the LoRA products likewise multiply copies of the adapter's weights in the autocast dtype,
+made once per decode (`lora_compute_copies`), not cast again at every step.
 """
 
 from __future__ import annotations
@@ -286,6 +288,12 @@ def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
             setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
 
 
+def drop_resident_weights(causal_lm: nn.Module) -> None:
+    """Free a model's resident dense copies (the next `resident` decode makes them again)."""
+    _RESIDENT.pop(causal_lm, None)
+    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
+
+
 _LORA_COPIES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -345,12 +353,6 @@ def _list_copies(model, passing: Sequence[tuple] = ()) -> None:
     recorder counts them (as generation_weights)."""
     kept = [pair for pairs in _LORA_COPIES.get(model, {}).values() for pair in pairs]
     setattr(model.causal_lm, HELD_DECODE_LORA, [t for pair in (*kept, *passing) for t in pair])
-
-
-def drop_resident_weights(causal_lm: nn.Module) -> None:
-    """Free a model's resident dense copies (the next `resident` decode makes them again)."""
-    _RESIDENT.pop(causal_lm, None)
-    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
 
 
 @torch.no_grad()
