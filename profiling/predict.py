@@ -158,8 +158,9 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
             trainable += lora + (head_tensor_sizes(shape) if slot.head else [])
     if args.generation_weights == "resident":
         parts[C.GENERATION_WEIGHTS] = generation_weight_bytes(shape, a)
-    if args.decode == "compiled" and decode_lora_bytes(shape, args):  # kept for the compiled step's graphs
-        parts[C.GENERATION_WEIGHTS] = parts.get(C.GENERATION_WEIGHTS, 0) + decode_lora_bytes(shape, args)
+    lora_copies = decode_lora_bytes(shape, args)
+    if args.decode == "compiled" and lora_copies:  # kept for the compiled step's graphs
+        parts[C.GENERATION_WEIGHTS] = parts.get(C.GENERATION_WEIGHTS, 0) + lora_copies
     if args.decode == "compiled" and args.stage in ("ppo", "grpo"):
         parts[C.KV_CACHE] = A.compiled_kv_cache(shape, forward_spec(args, a), args.rollout_micro_batch_size,
                                                 args.max_prompt_length + args.max_new_tokens)
@@ -265,8 +266,9 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
         C.KV_CACHE: A.kv_cache(shape, spec, rows, context) + A.kv_cache_growth(shape, spec, rows, context)}
     if args.generation_weights == "dequantized":  # made for the rollout's decoding, freed before scoring
         generate_held[C.GENERATION_WEIGHTS] = generation_weight_bytes(shape, spec.dtype_bytes)
-    if args.decode != "compiled" and decode_lora_bytes(shape, args):  # the LoRA copies: this decode's only
-        generate_held[C.GENERATION_WEIGHTS] = generate_held.get(C.GENERATION_WEIGHTS, 0) + decode_lora_bytes(shape, args)
+    lora_copies = decode_lora_bytes(shape, args)
+    if args.decode != "compiled" and lora_copies:  # the LoRA copies: this decode's only
+        generate_held[C.GENERATION_WEIGHTS] = generate_held.get(C.GENERATION_WEIGHTS, 0) + lora_copies
     generate_moments = [{C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
                                                              args.max_prompt_length)}, {C.LOGITS: step_logits}]
     groups = len(adapters(args)) - 1  # the policy's log-probs come from sampling

@@ -133,9 +133,8 @@ def layer_regions(causal_lm: nn.Module, on: bool) -> int:
     """Mark (`on`) or unmark every decoder layer's forward as one nested compile region
     (`torch.compiler.nested_compile_region`, one per layer class): the compiled step then traces and compiles
     one layer and stamps its code out for the others instead of compiling each anew. Outside a compile the
-    mark is a no-op. A layer whose forward is
-    replaced already (--compile_layers) keeps it; where torch has no such regions nothing is marked. Returns
-    how many layers are marked."""
+    mark is a no-op. A layer whose forward is replaced already (--compile_layers) keeps it; where torch has
+    no such regions nothing is marked. Returns how many layers are marked."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     region = getattr(torch.compiler, "nested_compile_region", None)
