@@ -28,6 +28,20 @@ def tiny_args(**kw):
     return ModelArguments(**values)
 
 
+def assert_same_greedy(got, want, atol: float) -> None:
+    """Two greedy decodes of the same rows by differently fused kernels agree: in each row the tokens up to
+    the first that differs, the log-probs before it and the entropies up to it (same prefix, same
+    distribution) within `atol`; at that token each path took its own maximum, so the two picks' log-probs
+    tie within `atol`. A random tiny model's top tokens lie closer than bf16 rounding, so such a tie can
+    happen; a wrong pass moves every distribution and fails all three."""
+    for row in range(want.tokens.shape[0]):
+        differ = (got.tokens[row] != want.tokens[row]).nonzero()
+        first = int(differ[0]) if len(differ) else want.tokens.shape[1]
+        close = dict(rtol=0, atol=atol, msg=lambda m: f"row {row}, first differing token {first}: {m}")
+        torch.testing.assert_close(got.logprobs[row, :first + 1], want.logprobs[row, :first + 1], **close)
+        torch.testing.assert_close(got.entropy[row, :first + 1], want.entropy[row, :first + 1], **close)
+
+
 def test_nf4_linear_forward_and_backward_on_cuda_match_bf16():
     """bitsandbytes' 4-bit matmul against the same weights dequantized, in bf16: outputs and input
     gradients agree to NF4's rounding of the weights (compared with the dequantized weights: exact maths)."""
@@ -146,8 +160,8 @@ def test_old_logprobs_read_while_sampling_on_cuda_equal_a_policy_scoring_pass(tm
     sampled = rollout()
     assert (model.causal_lm in _COMPILED) == (decode == "compiled")
     greedy = [run_decode(model, ids, torch.ones_like(ids), Sampling(max_new_tokens=8, temperature=0, decode=path),
-                         eos_id=2, pad_id=0).tokens for path in ("eager", decode)]
-    assert torch.equal(greedy[0], greedy[1])
+                         eos_id=2, pad_id=0) for path in ("eager", decode)]
+    assert_same_greedy(greedy[1], greedy[0], atol=2e-2)
     with torch.no_grad():
         scored, entropy = response_logprobs(model, sampled.input_ids, sampled.attention_mask, sampled.response_length,
                                             "policy", 0.7, with_entropy=True)
@@ -159,12 +173,14 @@ def test_old_logprobs_read_while_sampling_on_cuda_equal_a_policy_scoring_pass(tm
 
 @pytest.mark.parametrize("decode", ["eager", "compiled"])
 def test_a_dense_copy_of_the_nf4_weights_decodes_as_the_4bit_layers_do_on_cuda(decode):
-    """--generation_weights on CUDA: decoding 4 rows from the dense copy gives the tokens and log-probs of
-    decoding from the NF4 weights (bitsandbytes dequantizes for rows > 1 too); a resident copy serves the
-    next rollout, compiled as CUDA graphs, and the model holds its 4-bit layers again after each."""
+    """--generation_weights on CUDA: a dense copy multiplies the values the training forward multiplies
+    (bitsandbytes dequantizes the NF4 weight when a gradient is wanted; without one it runs its fused 4-bit
+    kernel, which rounds differently), so decoding 4 rows from it gives the tokens of decoding from the NF4
+    weights and their log-probs to bf16 rounding; a resident copy serves the next rollout, compiled as CUDA
+    graphs, and the model holds its 4-bit layers again after each."""
     from bitsandbytes.nn import Linear4bit
 
-    from trainer.model.decode import Sampling, decode as run_decode, drop_resident_weights
+    from trainer.model.decode import DequantizedLinear, Sampling, decode as run_decode, drop_resident_weights
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
@@ -181,13 +197,17 @@ def test_a_dense_copy_of_the_nf4_weights_decodes_as_the_4bit_layers_do_on_cuda(d
     want = runs["quantized"][0]
     for got in (runs["dequantized"][0], *runs["resident"]):
         assert torch.equal(got.tokens, want.tokens)
-        torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-3)
+        torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=2e-2)
+    for got in runs["resident"]:
+        torch.testing.assert_close(got.logprobs, runs["dequantized"][0].logprobs, rtol=0, atol=0)
+    x = torch.randn(3, layers[0].in_features, device=cuda(), dtype=torch.bfloat16, requires_grad=True)
+    torch.testing.assert_close(DequantizedLinear(layers[0])(x), layers[0](x))  # bf16's default tolerances
 
 
 @pytest.mark.parametrize("weights", ["quantized", "resident"])
 def test_the_compiled_step_compiles_its_layers_as_one_region_on_cuda_as_the_whole_step_decodes(weights):
     """On CUDA (CUDA graphs, NF4 or its dense copy) the decoder layers compile as one reused region without
-    falling back to the whole step, and decode the whole step's greedy tokens."""
+    falling back to the whole step, and decode what the whole step decodes (`assert_same_greedy`)."""
     from trainer.model.decode import _COMPILED, Sampling, compile_anew, decode as run_decode, drop_resident_weights
     from trainer.model.shared_base import build_shared_model, stage_specs
 
@@ -199,8 +219,7 @@ def test_the_compiled_step_compiles_its_layers_as_one_region_on_cuda_as_the_whol
     compile_anew(model.causal_lm, regions=False)
     whole = run_decode(model, ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
     drop_resident_weights(model.causal_lm)
-    assert torch.equal(regions.tokens, whole.tokens)
-    torch.testing.assert_close(regions.logprobs, whole.logprobs, rtol=0, atol=2e-2)
+    assert_same_greedy(regions, whole, atol=2e-2)
 
 
 @pytest.mark.parametrize("decode", ["eager", "compiled"])
@@ -297,9 +316,10 @@ def test_fp16_loss_scaling_skips_an_overflow_step_and_trains_on(tmp_path):
 
 
 def test_offloaded_activations_on_cuda_lower_the_peak_by_the_kept_inputs_and_keep_the_gradients():
-    """--offload_activations on CUDA: a checkpointed training pass's peak allocated drops by about what the
-    estimator says checkpointing keeps (each layer's input, the final norm's), less one layer's input back;
-    the gradients agree with the pass that kept them on the card."""
+    """--offload_activations on CUDA: every input checkpointing keeps goes to the host (each layer's, the
+    final norm's), and a checkpointed training pass's peak allocated drops by about the other layers' inputs:
+    the peak is the first layer the backward recomputes, by which time the final norm's input is freed in both
+    passes and that layer's own input is back on the card. The gradients agree with the pass that kept them."""
     from trainer.model.offload import SavedToHost
     from trainer.model.shared_base import AdapterSpec, build_shared_model
 
@@ -324,6 +344,6 @@ def test_offloaded_activations_on_cuda_lower_the_peak_by_the_kept_inputs_and_kee
     moved_peak, moved_grads = run(offloader.hooks())
     inputs = b * t * (layers * 2 * h + 4 * h + 4)  # bf16 layer inputs, the final norm's fp32 input and rsqrt
     assert offloader.bytes >= inputs
-    assert kept_peak - moved_peak > 0.8 * (inputs - b * t * 2 * h), (kept_peak, moved_peak)
+    assert kept_peak - moved_peak > 0.8 * (layers - 1) * b * t * 2 * h, (kept_peak, moved_peak)
     for x, y in zip(kept_grads, moved_grads):
         torch.testing.assert_close(x, y, rtol=1e-2, atol=1e-3)
