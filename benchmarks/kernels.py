@@ -33,12 +33,6 @@ def _self_time(event, on_device: bool) -> float:
     return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
 
 
-def _total_time(event, on_device: bool) -> float:
-    if not on_device:
-        return event.cpu_time_total
-    return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
-
-
 class PhaseProfiler:
     """A phase watcher: every phase's wall-clock seconds summed by name; each outermost phase named in
     `profiled` runs under a profiler session of its own, nested phases marked as ranges inside it, and
@@ -52,7 +46,7 @@ class PhaseProfiler:
             self.activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.profiled, self.active = set(profiled), None
         self.wall: dict[str, float] = {}
-        self.ranges: dict[str, float] = {}  # phase -> its ops' time (seconds), profiled phases only
+        self.busy: dict[str, float] = {}  # profiled phase -> seconds its kernels ran (`_busy`)
         self.ops: dict[str, dict] = {}
         self.overhead_s = 0.0  # the profiler's own starts, stops and bookkeeping, left out of the wall times
 
@@ -77,13 +71,23 @@ class PhaseProfiler:
                 session.__exit__(None, None, None)
                 self.active = None
                 self._add(session.key_averages())
+                self.busy[name] = self.busy.get(name, 0.0) + self._busy(session.events())
             self.overhead_s += time.perf_counter() - end
+
+    def _busy(self, events) -> float:
+        """Seconds the device ran kernels in one session (the CPU's own op time where there is no device):
+        each kernel once. Summing ops' own device time would count every kernel twice (the op that launched
+        it and the kernel itself), and a range's device time takes in the annotation the profiler marks it
+        with on the device."""
+        if not self.on_device:
+            return sum(e.self_cpu_time_total for e in events if not e.name.startswith(MARK)) / 1e6
+        kernels = (e for e in events if e.device_type != torch.autograd.DeviceType.CPU
+                   and not getattr(e, "is_user_annotation", False) and not e.name.startswith(MARK))
+        return sum(e.time_range.elapsed_us() for e in kernels) / 1e6
 
     def _add(self, events) -> None:
         for e in events:
-            if e.key.startswith(MARK):
-                phase = e.key.removeprefix(MARK)
-                self.ranges[phase] = self.ranges.get(phase, 0.0) + _total_time(e, self.on_device) / 1e6
+            if e.key.startswith(MARK) or getattr(e, "is_user_annotation", False):
                 continue
             op = self.ops.setdefault(e.key, {"op": e.key, "calls": 0, "self_s": 0.0, "self_cpu_s": 0.0})
             op["calls"] += e.count
@@ -106,8 +110,8 @@ def profile_step(step: Callable[[], Any], device: torch.device, out_dir: Path, t
     report = {
         "title": title, "device": torch.cuda.get_device_name(device) if watcher.on_device else "cpu",
         "clock": clock, "wall_s": wall, "profiler_overhead_s": watcher.overhead_s, "profiled_phases": sorted(watcher.profiled),
-        "busy_s": sum(op["self_s"] for op in ops),
-        "phases": [{"phase": name, "wall_s": seconds, "ops_s": watcher.ranges.get(name)}
+        "busy_s": sum(watcher.busy.values()),
+        "phases": [{"phase": name, "wall_s": seconds, "ops_s": watcher.busy.get(name)}
                    for name, seconds in sorted(watcher.wall.items(), key=lambda item: -item[1])],
         "ops": ops[:TOP_OPS],
     }
@@ -124,14 +128,16 @@ def render(report: dict) -> str:
              f"{', '.join(report['profiled_phases'])} phase(s) under torch.profiler (which slows them: read "
              "shares, not seconds)",
              f"- wall-clock {report['wall_s']:.3f} s (the profiler's starts, stops and bookkeeping, "
-             f"{report['profiler_overhead_s']:.3f} s, left out); {clock} busy in the profiled phases (ops' own time summed) "
-             f"{busy:.3f} s", "",
-             f"| phase | wall s | {clock} s (its ops) | {clock} busy |", "|---|---:|---:|---:|"]
+             f"{report['profiler_overhead_s']:.3f} s, left out); {clock} busy in the profiled phases (each kernel "
+             f"once) {busy:.3f} s", "",
+             f"| phase | wall s | {clock} s (its kernels; nested phases in their outer one's) | {clock} busy |",
+             "|---|---:|---:|---:|"]
     for p in report["phases"]:
         ops_s = p["ops_s"]
         share = "-" if ops_s is None or not p["wall_s"] else f"{ops_s / p['wall_s']:.0%}"
         lines.append(f"| {p['phase']} | {p['wall_s']:.3f} | {'-' if ops_s is None else f'{ops_s:.3f}'} | {share} |")
-    lines += ["", f"The {len(report['ops'])} ops of the profiled phases with the most {clock} time of their own:", "",
+    lines += ["", f"The {len(report['ops'])} ops of the profiled phases with the most {clock} time of their own (an "
+              "op's own device time is that of the kernels it launched, which are listed too):", "",
               f"| op | calls | own {clock} s | share of busy | own CPU s |", "|---|---:|---:|---:|---:|"]
     for op in report["ops"]:
         name = " ".join(op["op"].split()).replace("|", "\\|")

@@ -99,10 +99,10 @@ def pytest_collection_modifyitems(items):
 @contextmanager
 def compiled_calls(monkeypatch):
     """Yields a list that gets one entry per call into a --compile_layers part's compiled forward (what
-    `trainer.model.compiled._CompiledWithGrad` dispatches while autograd records)."""
-    from trainer.model.compiled import _CompiledWithGrad
+    `trainer.model.compiled.CompiledLayer` dispatches while autograd records)."""
+    from trainer.model.compiled import CompiledLayer
 
-    calls, original = [], _CompiledWithGrad.__call__
+    calls, original = [], CompiledLayer.__call__
 
     def counted(self, *args, **kwargs):
         if torch.is_grad_enabled():
@@ -110,5 +110,5 @@ def compiled_calls(monkeypatch):
         return original(self, *args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(_CompiledWithGrad, "__call__", counted)
+        patch.setattr(CompiledLayer, "__call__", counted)
         yield calls

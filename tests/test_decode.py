@@ -173,6 +173,27 @@ def test_the_compiled_step_compiles_its_decoder_layers_as_one_reused_region(tiny
         compile_anew(tiny.causal_lm)
 
 
+def test_with_compile_layers_the_compiled_step_marks_the_no_grad_forward_of_each_compiled_layer():
+    """--compile_layers replaces every decoder layer's forward; a compiled decode marks their no-grad forward
+    (the one it runs) as the reused region and decodes the eager tokens; compiled whole, the mark comes off."""
+    from trainer.model.compiled import CompiledLayer
+    from trainer.model.decode import _COMPILED, _REGIONS, compile_anew
+
+    torch.manual_seed(0)
+    model = build_shared_model(tiny_args(compile_layers=True), [AdapterSpec("policy", trainable=True)],
+                               vocab_size=VOCAB)
+    layers = list(model.causal_lm.model.layers)
+    assert model.compiled_parts == len(layers) and all(isinstance(vars(x)["forward"], CompiledLayer) for x in layers)
+    ids, mask = batch(b=2, t=8)
+    eager = decode(model, ids, mask, greedy(4), eos_id=VOCAB + 1, pad_id=0)
+    regions = decode(model, ids, mask, greedy(4, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    assert _COMPILED[model.causal_lm].regions == len(layers)
+    assert all(vars(x)["forward"].eager is _REGIONS[type(x)] for x in layers)
+    assert torch.equal(regions.tokens, eager.tokens)
+    compile_anew(model.causal_lm, regions=False)
+    assert all(vars(x)["forward"].eager is type(x).forward for x in layers)
+
+
 def test_decoder_layer_regions_that_do_not_compile_fall_back_to_the_whole_step(tiny, monkeypatch, caplog):
     """Where the regions fail to compile (a torch without their support for a layer), the rollout compiles its
     step whole, says so in one line and decodes the same tokens."""

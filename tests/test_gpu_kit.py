@@ -286,33 +286,30 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
 
 def test_the_speed_part_runs_the_recipes_as_the_stages_decode_then_each_decode_path(tmp_path):
     """The speed part: TRL's GRPO recipe as the stage runs it (--decode and --generation_weights left to the
-    planner) and its memory against the estimate; on the GPU only, the first call's PPO comparison with TRL
-    (ours decoding as the stage does); then decode alone at the recipes' 16 rows, the compiled step from a
-    dense copy with its layer regions and compiled whole (one build); last, the same at 1 and 64 rows."""
-    from benchmarks.gpu.decode import WHOLE
+    planner) and its memory against the estimate; decode alone, the compiled step from a dense copy at the
+    recipes' 16 rows, 1 and 64 (one build); on the GPU only, the first call's PPO comparison with TRL (ours
+    decoding as the stage does), ours without and with its layers compiled for the update."""
     from benchmarks.gpu.parts import PartArguments, grpo_recipe_run, steps_for
     from trainer.model.decode import DECODE_PATHS
 
     smoke = steps_for(PartArguments(part="speed", out=str(tmp_path), smoke=True), tmp_path)
     assert [s.name for s in smoke] == ["grpo", "vs-estimate", "decode"]  # ppo_vs_trl: tested by the first call
     steps = steps_for(PartArguments(part="speed", out=str(tmp_path)), tmp_path, deadline=1000.0)
-    assert [s.name for s in steps] == ["grpo", "vs-estimate", "ppo_vs_trl", "decode", "decode-batches"]
-    for step, batches, paths, weights in ((steps[3], "16", "compiled,compiled_whole", "dequantized"),
-                                          (steps[4], "1,64", "compiled", "dequantized")):
-        argv = step.argv
-        assert argv[argv.index("--paths") + 1] == paths and set(paths.split(",")) - {WHOLE} <= set(DECODE_PATHS)
-        assert argv[argv.index("--weights") + 1] == weights
-        assert argv[argv.index("--batches") + 1] == batches
-    assert steps[3].argv[-2:] == ["--kernel_profile", str(tmp_path / "decode" / "kernels")]
+    assert [s.name for s in steps] == ["grpo", "vs-estimate", "decode", "ppo_vs_trl"]
+    argv = steps[2].argv
+    assert argv[argv.index("--paths") + 1] == "compiled" and "compiled" in DECODE_PATHS
+    assert argv[argv.index("--weights") + 1] == "dequantized"
+    assert argv[argv.index("--batches") + 1] == "16,1,64"
     recipe = grpo_recipe_run(PartArguments(part="grpo_recipe", out=str(tmp_path)), tmp_path, "grpo")
     assert steps[0].argv == recipe and "--decode" not in recipe and "--generation_weights" not in recipe
     assert steps[1].argv[-1] == str(tmp_path / "grpo")
     main = next(s for s in steps_for(PartArguments(part="first", out=str(tmp_path)), tmp_path, 1000.0)
                 if s.name == "ppo_vs_trl").argv
-    speed = steps[2].argv
-    at = speed.index("--kernel_profile")  # our side's scoring and update profiled in one more step
-    assert speed[at + 1] == str(tmp_path / "ppo_vs_trl" / "ours_kernels")
-    speed = speed[:at] + speed[at + 2:]
+    speed = steps[3].argv
+    at = speed.index("--compile_layers")  # ours compiled for the update, beside ours_eager and TRL
+    assert speed[at:at + 4] == ["--compile_layers", "true", "--sides", "ours_eager,ours,trl"]
+    speed = speed[:at] + speed[at + 4:]
+    main = main[:main.index("--sides")] + main[main.index("--sides") + 2:]
     assert speed[:speed.index("--out_dir")] == main[:main.index("--out_dir")]  # the same work
 
 

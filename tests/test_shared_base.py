@@ -579,7 +579,7 @@ COMPILED_PASSES = [(("policy", "value"), ("logits", "scores")), ("value", "score
 
 def train_passes(model, ids, mask, monkeypatch, passes=COMPILED_PASSES):
     """Each pass's outputs and trainable gradients (forward + backward in train mode), and how many layer
-    calls went through `_CompiledWithGrad` and through the layer forward compiled alone."""
+    calls went through `CompiledLayer` and through the layer forward compiled alone."""
     from conftest import compiled_calls
 
     model.train()

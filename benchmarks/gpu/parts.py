@@ -207,29 +207,25 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                 Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate",
                                      *(str(out / s) for s in ("sft", "reward", "ppo", "grpo"))])]
     if args.part == "speed":  # the rollouts as the stages run them (--decode and --generation_weights auto, the
-        # planner's picks) in TRL's GRPO recipe and in the first call's PPO work against TRL (our side's scoring
-        # and update profiled in one more step: where the rest of the step goes); then decode alone. A step the
-        # budget cuts keeps its last finished results (collect).
+        # planner's picks) in TRL's GRPO recipe; decode alone; then the first call's PPO work against TRL, ours
+        # without and with its decoder layers compiled for the update (--compile_layers). A step the budget
+        # cuts keeps its last finished results (collect).
         decode = [python(), "-m", "benchmarks.gpu.decode", *model_flags(args)]
         sizes = (["--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05"] if args.smoke
                  else ["--prompt_tokens", "128", "--new_tokens", "64"])
+        # decode: the compiled step from the dense copy (the planner's pick where it fits), its decoder layers as
+        # one region, at 16, 1 and 64 rows in one build (eager, the 4-bit weights and the step compiled whole:
+        # measured at 60b44b7, f9fb2bd and 76ae41a, behind)
         steps = [Step("grpo", grpo_recipe_run(args, out, "grpo")),
-                 Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "grpo")])]
+                 Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "grpo")]),
+                 Step("decode", [*decode, "--paths", "compiled", "--weights", "dequantized",
+                                 "--batches", "4" if args.smoke else "16,1,64", *sizes, "--out_dir", str(out / "decode")])]
         if not args.smoke:  # ppo_vs_trl: the first call's smoke runs it
             steps.append(Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),
-                                             *data_flags(args), *cap_flags(args), *ppo_work(args), "--sides", "ours,trl",
+                                             *data_flags(args), *cap_flags(args), *ppo_work(args),
+                                             "--compile_layers", "true", "--sides", "ours_eager,ours,trl",
                                              "--stop_at", f"{max(deadline - STOP_MARGIN_S, 0):.0f}",
-                                             "--kernel_profile", str(out / "ppo_vs_trl" / "ours_kernels"),
                                              "--out_dir", str(out / "ppo_vs_trl")]))
-        # the compiled step from the dense copy (the planner's pick where it fits) with its decoder layers as one
-        # region and compiled whole, the first profiled (eager and the 4-bit weights: measured at 60b44b7 and
-        # f9fb2bd, far behind); then the same at 1 and 64 rows
-        steps.append(Step("decode", [*decode, "--paths", "compiled,compiled_whole", "--weights", "dequantized",
-                                     "--batches", "4" if args.smoke else "16", *sizes, "--out_dir", str(out / "decode"),
-                                     "--kernel_profile", str(out / "decode" / "kernels")]))
-        if not args.smoke:
-            steps.append(Step("decode-batches", [*decode, "--paths", "compiled", "--weights", "dequantized",
-                                                 "--batches", "1,64", *sizes, "--out_dir", str(out / "decode-batches")]))
         return steps
     if args.part == "grpo_vs_trl":  # TRL's QLoRA GRPO recipe on ours and on TRL's GRPOTrainer, same cap; then
         # the seed PPO recipe under a 12 GB cap: does the smallest card the estimator allows hold it?

@@ -22,7 +22,7 @@ def compile_layers(model) -> int:
     No-grad passes (generation, scoring, evaluation) stay eager: decoding would compile one variant per KV-cache
     length. 0, with a one-line reason, where no compiler backend is present.
 
-    A checkpointed layer compiles with its checkpoint (`_CompiledWithGrad`), so the compiled backward skips
+    A checkpointed layer compiles with its checkpoint (`CompiledLayer`), so the compiled backward skips
     recomputing what it never reads. Each adapter route and micro-batch size compiles its own variant; a layer
     that cannot compile whole (a graph break, torch's variant limit) compiles inside eager checkpointing with
     the shared base's `context_fn`, and past the limit runs eagerly: slower, still correct."""
@@ -45,7 +45,7 @@ def compile_layers(model) -> int:
     count = 0
     for layer in model.modules():
         if isinstance(layer, GradientCheckpointingLayer):
-            layer.forward = _CompiledWithGrad(layer)
+            layer.forward = CompiledLayer(layer)
             count += 1
     logger.info("compiled %d decoder layers for the passes that train (torch.compile, dynamic shapes); "
                 "the first update compiles them", count)
@@ -72,7 +72,7 @@ def _checkpointed(forward, layer, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(forward, layer, *args, use_reentrant=False, **kwargs)
 
 
-class _CompiledWithGrad:
+class CompiledLayer:
     """A decoder layer's forward while autograd records: compiled with its checkpoint where the layer
     checkpoints (else its own forward in transformers' eager checkpoint, `compile_layers`), its own forward
     compiled where it does not, and transformers' eager forward without autograd. It holds its layer: a
@@ -80,7 +80,9 @@ class _CompiledWithGrad:
 
     def __init__(self, layer: torch.nn.Module):
         self.layer = layer
-        self.eager = type(layer).forward  # transformers' checkpointing wrapper around the layer's own forward
+        # transformers' checkpointing wrapper around the layer's own forward, run without autograd: a compiled decode
+        # marks it as a nested compile region (trainer.model.decode.layer_regions)
+        self.eager = type(layer).forward
         self.own = inspect.unwrap(self.eager)
         self.compiled = torch.compile(self.own, dynamic=True)
         self.compiled_checkpointed = torch.compile(_checkpointed, dynamic=True, fullgraph=True)

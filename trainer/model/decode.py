@@ -133,20 +133,29 @@ def layer_regions(causal_lm: nn.Module, on: bool) -> int:
     """Mark (`on`) or unmark every decoder layer's forward as one nested compile region
     (`torch.compiler.nested_compile_region`, one per layer class): the compiled step then traces and compiles
     one layer and stamps its code out for the others instead of compiling each anew. Outside a compile the
-    mark is a no-op. A layer whose forward is replaced already (--compile_layers) keeps it; where torch has
-    no such regions nothing is marked. Returns how many layers are marked."""
+    mark is a no-op. A layer compiled for training (--compile_layers) is marked in its no-grad forward, the
+    one a decode runs; a layer whose forward is replaced otherwise keeps it; where torch has no such regions
+    nothing is marked. Returns how many layers are marked."""
     from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from trainer.model.compiled import CompiledLayer
 
     region = getattr(torch.compiler, "nested_compile_region", None)
     marked = 0
     for layer in causal_lm.modules():
         if not isinstance(layer, GradientCheckpointingLayer):
             continue
-        own = vars(layer).get("forward")
-        ours = isinstance(own, MethodType) and own.__func__ is _REGIONS.get(type(layer))
-        if on and region is not None and (own is None or ours):
-            cls = type(layer)
-            layer.forward = MethodType(_REGIONS.get(cls) or _REGIONS.setdefault(cls, region(cls.forward)), layer)
+        cls, own = type(layer), vars(layer).get("forward")
+        mark = on and region is not None
+        if mark and cls not in _REGIONS:
+            _REGIONS[cls] = region(cls.forward)
+        if isinstance(own, CompiledLayer):
+            own.eager = _REGIONS[cls] if mark else cls.forward
+            marked += mark
+            continue
+        ours = isinstance(own, MethodType) and own.__func__ is _REGIONS.get(cls)
+        if mark and (own is None or ours):
+            layer.forward = MethodType(_REGIONS[cls], layer)
             marked += 1
         elif not on and ours:
             del layer.forward
