@@ -152,6 +152,10 @@ def model_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, str]
 HELD_GENERATION_WEIGHTS = "held_generation_weights"
 # Likewise the copies of an adapter's LoRA weights in the autocast dtype that a decode multiplies by.
 HELD_DECODE_LORA = "held_decode_lora"
+# The 4-bit layers a decode's dense copies stand in for while it runs: out of the module tree, still held.
+HELD_SWAPPED_OUT = "held_swapped_out"
+# The KV caches a compiled decode keeps between rollouts (its CUDA graphs read their addresses).
+HELD_KV_CACHE = "held_kv_cache"
 
 
 def add_model(ledger: TensorLedger, model: nn.Module, gradients: bool = True) -> None:
@@ -160,7 +164,10 @@ def add_model(ledger: TensorLedger, model: nn.Module, gradients: bool = True) ->
         for held in (HELD_GENERATION_WEIGHTS, HELD_DECODE_LORA):
             for tensor in getattr(module, held, None) or ():
                 ledger.add(C.GENERATION_WEIGHTS, tensor)
-    params = list(model_parameters(model))
+        for tensor in getattr(module, HELD_KV_CACHE, None) or ():
+            ledger.add(C.KV_CACHE, tensor)
+    swapped_out = [layer for module in model.modules() for layer in getattr(module, HELD_SWAPPED_OUT, None) or ()]
+    params = [*model_parameters(model), *(p for layer in swapped_out for p in model_parameters(layer))]
     for _, param, component in params:
         ledger.add(component, param)
         if _is_4bit(param):

@@ -173,6 +173,29 @@ def test_the_compiled_step_compiles_its_decoder_layers_as_one_reused_region(tiny
         compile_anew(tiny.causal_lm)
 
 
+def test_a_memory_record_counts_the_caches_the_compiled_step_keeps_as_kv_cache(tiny):
+    """The compiled step keeps one full-length cache per batch size between rollouts: a memory record's walk
+    counts its keys and values as kv_cache (in every phase, as the estimator does), none before it exists."""
+    from profiling import components as C
+    from profiling.tensors import TensorLedger, add_model
+    from trainer.model.decode import _COMPILED, compile_anew
+
+    def kv_bytes():
+        ledger = TensorLedger()
+        add_model(ledger, tiny)
+        return ledger.components().get(C.KV_CACHE, 0)
+
+    compile_anew(tiny.causal_lm)
+    assert kv_bytes() == 0
+    ids, mask = batch(b=2, t=8)
+    decode(tiny, ids, mask, greedy(4, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    config = tiny.causal_lm.config
+    (length, _), = _COMPILED[tiny.causal_lm].caches.values()
+    head_dim = config.hidden_size // config.num_attention_heads
+    size = next(tiny.causal_lm.parameters()).element_size()
+    assert kv_bytes() == config.num_hidden_layers * 2 * 2 * config.num_key_value_heads * length * head_dim * size > 0
+
+
 def test_with_compile_layers_the_compiled_step_marks_the_no_grad_forward_of_each_compiled_layer():
     """--compile_layers replaces every decoder layer's forward; a compiled decode marks their no-grad forward
     (the one it runs) as the reused region and decodes the eager tokens; compiled whole, the mark comes off."""
@@ -350,13 +373,25 @@ def test_a_dense_copy_of_the_4bit_weights_decodes_the_same_tokens_and_log_probs(
 
 
 def test_the_recorder_counts_the_copy_as_generation_weights_at_the_estimator_s_size(tiny_nf4):
-    """The dense copy is its own component in a memory record, and its bytes are the estimator's."""
+    """The dense copy is its own component in a memory record, and its bytes are the estimator's; while it
+    stands in for the 4-bit layers, their weights still count as the base's."""
     from profiling import components as C
     from profiling.predict import generation_weight_bytes
     from profiling.shapes import load_shape
     from profiling.tensors import TensorLedger, add_model
-    from trainer.model.decode import drop_resident_weights
+    from trainer.model.decode import drop_resident_weights, generation_weights
 
+    def components():
+        ledger = TensorLedger()
+        add_model(ledger, tiny_nf4)
+        return ledger.components()
+
+    outside = components()
+    with generation_weights(tiny_nf4.causal_lm, "dequantized"):
+        inside = components()
+    assert inside[C.GENERATION_WEIGHTS] > 0
+    assert {c: inside[c] for c in outside} == outside
+    assert components() == outside
     ids, mask = batch(b=2, t=6)
     decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=2, generation_weights="resident"), 1, 0)
     ledger = TensorLedger()

@@ -39,7 +39,7 @@ from foundation.settings import DECODE_CHOICES, DECODE_PATHS, GENERATION_WEIGHTS
 from foundation.stages import POLICY
 from profiling import resolve
 from profiling.decode import sync
-from profiling.tensors import HELD_DECODE_LORA, HELD_GENERATION_WEIGHTS
+from profiling.tensors import HELD_DECODE_LORA, HELD_GENERATION_WEIGHTS, HELD_KV_CACHE, HELD_SWAPPED_OUT
 from trainer.model.routing import COMPUTE_COPIES
 
 logger = logging.getLogger(__name__)
@@ -173,6 +173,14 @@ class _Compiled:
         self.regions = layer_regions(causal_lm, regions)
         self.step = torch.compile(_step, mode=mode, fullgraph=False)
         self.caches: dict[int, tuple[int, object]] = {}
+        setattr(causal_lm, HELD_KV_CACHE, self)  # a memory record counts the caches as kv_cache in every phase
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        """The kept caches' key and value tensors."""
+        for _, cache in self.caches.values():
+            for layer in getattr(cache, "layers", ()):
+                yield from (t for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                            if isinstance(t, torch.Tensor))
 
     def describe(self) -> str:
         return (f"{self.regions} decoder layers compiled as one reused region" if self.regions
@@ -283,6 +291,7 @@ def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
         if choice == "resident":
             _RESIDENT[causal_lm] = swaps
     setattr(causal_lm, HELD_GENERATION_WEIGHTS, [dense.dense for *_, dense in swaps])
+    setattr(causal_lm, HELD_SWAPPED_OUT, [layer for _, _, layer, _ in swaps])  # a memory record still counts them
     for parent, name, _, dense in swaps:
         setattr(parent, name, dense)
     _SWAPPED.add(causal_lm)
@@ -292,6 +301,7 @@ def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
         _SWAPPED.discard(causal_lm)
         for parent, name, layer, _ in swaps:
             setattr(parent, name, layer)
+        setattr(causal_lm, HELD_SWAPPED_OUT, [])
         if causal_lm not in _RESIDENT:  # the per-rollout copy goes with `swaps`
             setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
 
