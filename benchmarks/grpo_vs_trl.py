@@ -38,7 +38,10 @@ from foundation.settings import DataArguments, GRPOArguments, ModelArguments, Tr
 
 logger = logging.getLogger("benchmarks.grpo_vs_trl")
 ROOT = Path(__file__).resolve().parent.parent
-SIDES = {"ours": "ours (one base, GRPO stage)", "trl": "TRL GRPOTrainer"}
+SIDES = {"ours": "ours (one base, GRPO stage)",
+         "ours_4bit": "ours, decoding from the 4-bit weights (--generation_weights quantized)",
+         "trl": "TRL GRPOTrainer"}
+OURS = ("ours", "ours_4bit")
 # TRL's QLoRA GRPO recipe (benchmarks/trl_grpo_recipe.py), and a benchmark's fixed-length, log-free run
 RECIPE = {"model_name_or_path": "qwen2.5-7b", "lora_r": 32, "lora_alpha": 64, "lora_dropout": 0.0,
           "gradient_checkpointing": True, "beta": 0.0, "num_generations": 8, "rollout_batch_size": 1,
@@ -54,7 +57,9 @@ class GRPOBenchArguments(Checked):
     prompt_length: int = field(default=128, metadata={"help": "Every prompt has exactly this many tokens."})
     steps: int = field(default=1, metadata={"help": "Measured steps per side."})
     warmup_runs: int = field(default=1, metadata={"help": "Steps run first and left out of the figures."})
-    sides: str = field(default="ours,trl", metadata={"help": "Which sides to run, in this order: ours, trl."})
+    sides: str = field(default="ours,trl", metadata={
+        "help": "Which sides to run, in this order: ours (its settings as the stage plans them), ours_4bit (the "
+                "same, decoding from the 4-bit weights: less memory, slower rollouts), trl."})
     isolate: bool = field(default=True, metadata={"help": "Each side in a fresh Python process of its own."})
     out_dir: Optional[str] = field(default=None, metadata={"help": "Default benchmarks/results/grpo_vs_trl-MODEL-DEVICE."})
     side_run_out: Optional[str] = field(default=None, metadata={
@@ -98,7 +103,9 @@ class GRPOWorkload:
 def run_ours(args: GRPOWorkload, prompts: list[list[int]], tokenizer, accelerator, probe: MemoryProbe,
              result: dict) -> None:
     """The GRPO stage's model, step and state (`trainer.grpo`, `trainer.rl.online`) without its harness, its
-    settings left auto planned as the stage plans them."""
+    settings left auto planned as the stage plans them (`ours_4bit`: decoding from the 4-bit weights)."""
+    if result["side"] == "ours_4bit":
+        args = replace(args, grpo=replace(args.grpo, generation_weights="quantized"))
     from trainer.engine.harness import Engine
     from trainer.grpo import build_model
     from trainer.rl.algorithms.grpo import GRPO
@@ -210,7 +217,7 @@ def run_side(name: str, args: GRPOWorkload, prompts, tokenizer, accelerator, pro
     release_memory()
     set_seed(args.seed)
     try:
-        (run_ours if name == "ours" else run_trl)(args, prompts, tokenizer, accelerator, probe, result)
+        (run_ours if name in OURS else run_trl)(args, prompts, tokenizer, accelerator, probe, result)
     except torch.OutOfMemoryError as exc:
         result.update(status="out_of_memory", error=f"{type(exc).__name__}: {str(exc)[:500]}")
     except Exception as exc:  # a broken side still leaves the other side's figures
@@ -235,14 +242,17 @@ def run_isolated(name: str, argv: list[str]) -> dict:
             "error": f"its process exited with status {code} before writing its record"}
 
 
-def ratios(ours: dict, trl: dict) -> dict[str, Optional[float]]:
-    """Ours over TRL's (below 1: ours is faster or lighter): the issue's goals read these."""
+RATIO_KEYS = ("step_s", "rollout_s", "update_s", "peak_allocated_bytes", "peak_reserved_bytes", "nvml_used_max_bytes")
+
+
+def ratios(ours: dict, trl: dict, side: str = "ours") -> dict[str, Optional[float]]:
+    """Our side's figures over TRL's (below 1: ours is faster or lighter), keyed KEY_SIDE_over_trl: the issue's
+    goals read these."""
     def over(key: str) -> Optional[float]:
         a, b = ours.get(key), trl.get(key)
         return a / b if a and b else None
 
-    return {f"{key}_ours_over_trl": over(key) for key in ("step_s", "rollout_s", "update_s", "peak_allocated_bytes",
-                                                           "peak_reserved_bytes", "nvml_used_max_bytes")}
+    return {f"{key}_{side}_over_trl": over(key) for key in RATIO_KEYS}
 
 
 def markdown(report: dict) -> str:
@@ -262,9 +272,12 @@ def markdown(report: dict) -> str:
                      f"{sec(s.get('update_s'))} | {gib(s.get('peak_allocated_bytes'))} | "
                      f"{gib(s.get('peak_reserved_bytes'))} | {gib(s.get('nvml_used_max_bytes'))} | "
                      f"{gib(s.get('peak_rss_bytes'))} |")
-    if report.get("ratios"):
-        lines += ["", "Ours over TRL's: " + ", ".join(f"{k.removesuffix('_ours_over_trl')} {v:.2f}x"
-                                                       for k, v in report["ratios"].items() if v)]
+    found = report.get("ratios") or {}
+    for side in OURS:
+        over = [f"{key.removesuffix('_s').removesuffix('_bytes')} {found[f'{key}_{side}_over_trl']:.2f}x"
+                for key in RATIO_KEYS if found.get(f"{key}_{side}_over_trl")]
+        if over:
+            lines += ["", f"{report['sides'][side]['label']} over TRL's: " + ", ".join(over)]
     errors = [f"- {s['label']}: {s['error']}" for s in report["sides"].values() if s.get("error")]
     return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
 
@@ -309,8 +322,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
                            for k, v in asdict(getattr(args, part)).items()},
               "simulated_gpu_gib": args.simulate_gpu_gib if device.type == "cuda" else None,
               "tokens_per_step": args.tokens(), "sides": records}
-    if {"ours", "trl"} <= set(records):
-        report["ratios"] = ratios(records["ours"]["summary"], records["trl"]["summary"])
+    if "trl" in records:
+        report["ratios"] = {k: v for side in OURS if side in records
+                            for k, v in ratios(records[side]["summary"], records["trl"]["summary"], side).items()}
     out = Path(args.out_dir) if args.out_dir else ROOT / "benchmarks" / "results" / \
         f"grpo_vs_trl-{args.model_name_or_path}-{device.type}"
     out.mkdir(parents=True, exist_ok=True)

@@ -324,16 +324,16 @@ GRPO_TINY = ["--model_name_or_path", "tiny-llama", "--max_new_tokens", "4", "--n
 
 
 def test_grpo_vs_trl_runs_our_grpo_stage_and_trl_s_trainer_on_the_same_rows(tmp_path):
-    """The smoke run of benchmarks.grpo_vs_trl (one process, the CPU): both sides take one optimizer step a
-    step on 2 prompts x 2 completions, ours through the GRPO stage's own model and step; the report holds
-    each side's figures, the ratios, and no GPU figure."""
+    """The smoke run of benchmarks.grpo_vs_trl (one process, the CPU): every side takes one optimizer step a
+    step on 2 prompts x 2 completions, ours through the GRPO stage's own model and step (ours_4bit decoding
+    from the 4-bit weights); the report holds each side's figures, each of ours over TRL's, and no GPU figure."""
     from benchmarks.grpo_vs_trl import GRPOWorkload, main
 
     args = GRPOWorkload.parse(GRPO_TINY)
     assert (args.beta, args.gradient_checkpointing, args.lora_dropout, args.min_new_tokens) == (0.0, True, 0.0, 4)
     assert GRPOWorkload.parse([]).lora_r == 32 and GRPOWorkload.parse([]).num_generations == 8  # TRL's recipe
-    report = main([*GRPO_TINY, "--isolate", "false", "--out_dir", str(tmp_path)])
-    for name in ("ours", "trl"):
+    report = main([*GRPO_TINY, "--isolate", "false", "--sides", "ours,ours_4bit,trl", "--out_dir", str(tmp_path)])
+    for name in ("ours", "ours_4bit", "trl"):
         side = report["sides"][name]
         assert side["status"] == "ok", side["error"]
         assert [s["warmup"] for s in side["steps"]] == [True, False]
@@ -343,9 +343,14 @@ def test_grpo_vs_trl_runs_our_grpo_stage_and_trl_s_trainer_on_the_same_rows(tmp_
         assert summary["peak_allocated_bytes"] is None and summary["peak_rss_bytes"] > 0  # no CUDA here
     assert report["sides"]["trl"]["setup"]["grpo_config"]["generation_batch_size"] == 4  # the same 4 rows
     assert report["sides"]["ours"]["setup"]["step"].startswith("trainer.rl.online.rl_step")
-    assert report["ratios"]["step_s_ours_over_trl"] > 0 and report["ratios"]["peak_reserved_bytes_ours_over_trl"] is None
+    assert report["sides"]["ours_4bit"]["setup"]["generation"].endswith("from quantized weights (as the stage's "
+                                                                         "budget plan picks them)")
+    for side in ("ours", "ours_4bit"):
+        assert report["ratios"][f"step_s_{side}_over_trl"] > 0
+        assert report["ratios"][f"peak_reserved_bytes_{side}_over_trl"] is None
     text = (tmp_path / "grpo_vs_trl.md").read_text()
     assert "TRL GRPOTrainer" in text and "git revision" in text
+    assert "\nours, decoding from the 4-bit weights (--generation_weights quantized) over TRL's: step " in text
     assert json.loads((tmp_path / "grpo_vs_trl.json").read_text())["kind"] == "grpo_vs_trl"
 
 

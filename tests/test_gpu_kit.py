@@ -521,8 +521,9 @@ def test_the_plan_table_in_the_kit_readme_is_the_generated_one_and_the_first_cal
 
 
 def test_the_grpo_vs_trl_part_runs_trl_s_recipe_on_both_sides_then_the_seed_ppo_under_12_gb(tmp_path):
-    """The part after speed: TRL's QLoRA GRPO recipe on ours and on TRL's GRPOTrainer under the 24 GB cap, then
-    the seed PPO recipe's two steps under a 12 GB cap (its budget check at 12 too); collect tabulates it."""
+    """The part after speed: TRL's QLoRA GRPO recipe on ours (as the stage plans it, and decoding from the
+    4-bit weights) and on TRL's GRPOTrainer under the 24 GB cap, then the seed PPO recipe's two steps under a
+    12 GB cap (its budget check at 12 too); collect tabulates it, each of ours over TRL's."""
     from benchmarks.gpu.collect import grpo_trl_rows
     from benchmarks.gpu.parts import BUDGET_S, PARTS, PartArguments, steps_for
 
@@ -532,6 +533,7 @@ def test_the_grpo_vs_trl_part_runs_trl_s_recipe_on_both_sides_then_the_seed_ppo_
     bench = steps[0].argv
     assert bench[1:3] == ["-m", "benchmarks.grpo_vs_trl"]
     assert bench[bench.index("--model_name_or_path") + 1] == "qwen2.5-7b" and "--simulate_gpu_gib" in bench
+    assert bench[bench.index("--sides") + 1] == "ours,ours_4bit,trl"
     ppo = steps[2].argv
 
     def last(flag: str) -> str:  # argparse keeps a flag's last value
@@ -540,7 +542,10 @@ def test_the_grpo_vs_trl_part_runs_trl_s_recipe_on_both_sides_then_the_seed_ppo_
     assert last("--simulate_gpu_gib") == "12" and last("--memory_budget_gib") == "12" and "trainer/ppo.py" in ppo
     smoke = ROOT / "benchmarks" / "results" / "grpo_vs_trl-tiny-llama-smoke"
     rows = grpo_trl_rows(smoke)
-    assert len(rows) == 3 and "| ours | ok |" in rows[0] and "| trl | ok |" in rows[1] and "ours / TRL" in rows[2]
+    sides = json.loads((smoke / "grpo_vs_trl" / "grpo_vs_trl.json").read_text())["sides"]
+    ours = [side for side in ("ours", "ours_4bit") if side in sides]
+    assert [row.split(" | ")[1] for row in rows] == [*sides, *(f"{side} / TRL" for side in ours)]
+    assert all(row.split(" | ")[2] == "ok" for row in rows[:len(sides)])
 
 
 def test_collect_keeps_an_earlier_run_s_results_of_a_step_the_new_run_did_not_finish(lab, tmp_path):

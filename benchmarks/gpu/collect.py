@@ -339,12 +339,13 @@ def grpo_trl_rows(folder: Path) -> list[str]:
         rows.append(f"| {folder.name} | {_cell(name)} | {_cell(side.get('status'))} | {times} | "
                     f"{_gib(s.get('peak_allocated_bytes'))} | {_gib(s.get('peak_reserved_bytes'))} | "
                     f"{_gib(s.get('nvml_used_max_bytes'))} |")
-    ratios = {k.removesuffix("_ours_over_trl"): v for k, v in (report.get("ratios") or {}).items() if v}
-    if ratios:
-        rows.append(f"| {folder.name} | ours / TRL | | " + " | ".join(
-            f"{ratios[k]:.2f}x" if k in ratios else "-" for k in ("step_s", "rollout_s", "update_s",
-                                                                 "peak_allocated_bytes", "peak_reserved_bytes",
-                                                                 "nvml_used_max_bytes")) + " |")
+    found = report.get("ratios") or {}
+    keys = ("step_s", "rollout_s", "update_s", "peak_allocated_bytes", "peak_reserved_bytes", "nvml_used_max_bytes")
+    for side in ("ours", "ours_4bit"):  # each of ours over TRL's (benchmarks.grpo_vs_trl.ratios' keys)
+        ratios = {k: found.get(f"{k}_{side}_over_trl") for k in keys}
+        if any(ratios.values()):
+            rows.append(f"| {folder.name} | {side} / TRL | | " + " | ".join(
+                f"{ratios[k]:.2f}x" if ratios[k] else "-" for k in keys) + " |")
     return rows
 
 

@@ -244,7 +244,7 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
         sft = stage_run(args, "sft", out, "--max_steps", "1")
         reward = stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"), "--max_steps", "1")
         return [Step("grpo_vs_trl", [python(), "-m", "benchmarks.grpo_vs_trl", *work, *data_flags(args),
-                                     "--out_dir", str(out / "grpo_vs_trl")]),
+                                     "--sides", "ours,ours_4bit,trl", "--out_dir", str(out / "grpo_vs_trl")]),
                 Step("sft+reward", [python(), "-m", "benchmarks.gpu.in_one_process", "sft", *sft[2:], "::",
                                     "reward", *reward[2:]]),
                 Step("ppo-12gb", stage_run(args, "ppo", out, *ppo, "--max_steps", "2",

@@ -114,12 +114,12 @@ def predicted(part: str) -> dict[str, float]:
                 "vs-estimate": START_S,
                 "decode": process + decode(16, 1) + decode(1, 1) + decode(64, 1),
                 "ppo_vs_trl": 3 * START_S + 5 * BUILD_S + 3 * COMPILE_S + 6 * step_seconds(bench_ppo, shape)}
-    if part == "grpo_vs_trl":  # TRL's recipe on both sides (each its own build, a warm-up and a step), then the
+    if part == "grpo_vs_trl":  # TRL's recipe on three sides (each its own build, a warm-up and a step), then the
         # seed PPO recipe's SFT and reward steps and 2 PPO steps under a 12 GB cap
         from profiling.shapes import load_shape
 
         grpo = 2 * step_seconds(Work(rows=8, prompt=256, new=256, epochs=1, scoring_adapters=0), load_shape("qwen2.5-7b"))
-        return {"grpo_vs_trl": 2 * (process + grpo) + COMPILE_S,  # ours compiles its decode step
+        return {"grpo_vs_trl": 3 * (process + grpo) + 2 * COMPILE_S,  # ours twice, each compiling its decode step
                 "sft+reward": START_S + 2 * BUILD_S + step_seconds(sft_step, shape) + step_seconds(reward_step, shape),
                 "ppo-12gb": rl + 2 * step_seconds(seed_ppo, shape)}
     if part == "grpo_recipe":  # TRL's recipe on Qwen2.5-7B shapes: 8 completions of 256 tokens, r=32
