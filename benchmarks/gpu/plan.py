@@ -101,7 +101,7 @@ def predicted(part: str) -> dict[str, float]:
                 "grpo": rl + 2 * step_seconds(Work(rows=16, prompt=256, new=128, epochs=1, scoring_adapters=3), shape),
                 "vs-estimate": START_S}
     if part == "speed":  # TRL's GRPO recipe and PPO vs TRL, ours compiling its decode step (and its layers for
-        # the update on one side); decode compiled from the dense copy at 16, 1 and 64 rows (each row timed
+        # the update on one side); decode compiled from the dense copy at 16 and 1 rows (each row timed
         # twice and warmed up, prefill apart, and compiled anew)
         def decode(rows: int, timed: int) -> float:
             per_token = decode_step_bytes(shape) / (BANDWIDTH * DECODE_FRACTION)
@@ -112,7 +112,7 @@ def predicted(part: str) -> dict[str, float]:
         grpo = Work(rows=8, prompt=256, new=256, epochs=1, scoring_adapters=0)
         return {"grpo": process + COMPILE_S + 2 * step_seconds(grpo, load_shape("qwen2.5-7b")),
                 "vs-estimate": START_S,
-                "decode": process + decode(16, 1) + decode(1, 1) + decode(64, 1),
+                "decode": process + decode(16, 1) + decode(1, 1),
                 "ppo_vs_trl": 3 * START_S + 5 * BUILD_S + 3 * COMPILE_S + 6 * step_seconds(bench_ppo, shape)}
     if part == "grpo_vs_trl":  # TRL's recipe on three sides (each its own build, a warm-up and a step), then the
         # seed PPO recipe's SFT and reward steps and 2 PPO steps under a 12 GB cap
