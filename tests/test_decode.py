@@ -512,3 +512,73 @@ def test_fewer_rows_than_a_compiled_batch_decode_in_its_graph_and_cache(tiny):
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.ended, want.ended)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-4, atol=1e-4)
     assert got.tokens.shape == (4, 5) and got.logprobs.shape == got.entropy.shape == (4, 5)
+
+
+def test_single_token_attention_on_grouped_kv_heads_equals_transformers_sdpa_without_repeating_them():
+    """One query token on a grouped-query layer: the query heads folded onto their KV heads give transformers'
+    sdpa output (which repeats the KV heads) for a boolean and an additive mask shared by the heads, and
+    none; a longer query goes to transformers' sdpa itself."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from trainer.model.attention import single_token_gqa
+
+    torch.manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    key, value = torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
+    allowed = torch.rand(2, 1, 1, 11) > 0.3
+    allowed[..., 0] = True
+    additive = torch.zeros(2, 1, 1, 11).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    for mask in (allowed, additive, None):
+        query = torch.randn(2, 6, 1, 8)
+        got, _ = single_token_gqa(module, query, key, value, mask, scaling=0.3)
+        want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+        assert got.shape == want.shape == (2, 1, 6, 8)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    query = torch.randn(2, 6, 11, 8)
+    torch.testing.assert_close(single_token_gqa(module, query, key, value, None, scaling=0.3)[0],
+                               sdpa_attention_forward(module, query, key, value, None, scaling=0.3)[0])
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_decoding_a_grouped_query_model_folds_each_step_s_heads_and_decodes_the_same(tiny, path, monkeypatch):
+    """tiny-llama has 4 query heads on 2 KV heads: every decode step of every layer runs the folded attention,
+    the model is back on sdpa after, and the greedy tokens and their log-probs are those of transformers' sdpa."""
+    from contextlib import nullcontext
+
+    from trainer.model import attention, decode as module
+
+    config = tiny.causal_lm.config
+    assert config.num_key_value_heads < config.num_attention_heads and config._attn_implementation == "sdpa"
+    calls = []
+    original = attention.single_token_gqa
+
+    def counted(mod, query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return original(mod, query, *args, **kwargs)
+
+    delegated = []
+    sdpa = attention._sdpa()
+    monkeypatch.setattr(attention, "_sdpa", lambda: lambda mod, query, *a, **k: delegated.append(query.shape[2])
+                        or sdpa(mod, query, *a, **k))
+    monkeypatch.setattr(attention, "single_token_gqa", counted)
+    monkeypatch.setitem(__import__("transformers").AttentionInterface._global_mapping, attention.SINGLE_TOKEN_GQA,
+                        counted)
+    ids, mask = batch(b=3, t=7)
+    sampling = greedy(5, path, min_new=5)  # greedy: the compiled step's random draws differ between two compiles
+    module.compile_anew(tiny.causal_lm)
+    got = decode(tiny, ids, mask, sampling, eos_id=1, pad_id=0)
+    assert config._attn_implementation == "sdpa"
+    layers = config.num_hidden_layers
+    assert calls[:layers] == [7] * layers and set(calls[layers:]) == {1}  # prefill, then one token a step
+    assert delegated == [7] * layers  # only the prefill goes to transformers' sdpa
+    if path == "eager":
+        assert len(calls) == layers * 5
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "folded_gqa", lambda causal_lm: nullcontext())
+        module.compile_anew(tiny.causal_lm)
+        want = decode(tiny, ids, mask, sampling, eos_id=1, pad_id=0)
+    module.compile_anew(tiny.causal_lm)
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)

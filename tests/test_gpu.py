@@ -347,3 +347,29 @@ def test_offloaded_activations_on_cuda_lower_the_peak_by_the_kept_inputs_and_kee
     assert kept_peak - moved_peak > 0.8 * (layers - 1) * b * t * 2 * h, (kept_peak, moved_peak)
     for x, y in zip(kept_grads, moved_grads):
         torch.testing.assert_close(x, y, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("decode", ["eager", "compiled"])
+def test_on_cuda_a_grouped_query_model_decodes_with_its_heads_folded_as_with_repeated_kv_heads(decode, monkeypatch):
+    """tiny-llama's 4 query heads on 2 KV heads, NF4, CUDA (graphs when compiled): each step's query heads
+    folded onto their KV heads decode what transformers' sdpa, repeating the KV heads, decodes."""
+    from contextlib import nullcontext
+
+    from trainer.model import decode as module
+    from trainer.model.shared_base import build_shared_model, stage_specs
+
+    model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
+    assert model.causal_lm.config.num_key_value_heads < model.causal_lm.config.num_attention_heads
+    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
+    sampling = module.Sampling(max_new_tokens=8, temperature=0, decode=decode)
+
+    def run():
+        module.compile_anew(model.causal_lm)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return module.decode(model, ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
+
+    folded = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "folded_gqa", lambda causal_lm: nullcontext())
+        repeated = run()
+    assert_same_greedy(folded, repeated, atol=2e-2)

@@ -40,6 +40,7 @@ from foundation.stages import POLICY
 from profiling import resolve
 from profiling.decode import sync
 from profiling.tensors import HELD_DECODE_LORA, HELD_GENERATION_WEIGHTS, HELD_KV_CACHE, HELD_SWAPPED_OUT
+from trainer.model.attention import folded_gqa
 from trainer.model.routing import COMPUTE_COPIES
 
 logger = logging.getLogger(__name__)
@@ -385,7 +386,8 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling:
     model.eval()
     try:
         with model.use_adapter(adapter), generation_weights(model.causal_lm, sampling.generation_weights), \
-                lora_compute_copies(model, adapter, device.type, keep=sampling.decode == "compiled"):
+                lora_compute_copies(model, adapter, device.type, keep=sampling.decode == "compiled"), \
+                folded_gqa(model.causal_lm):
             try:
                 return _decode(model.causal_lm, prompt_ids, prompt_mask, sampling, eos_id, pad_id)
             except compile_errors() as exc:
