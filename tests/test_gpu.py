@@ -373,3 +373,41 @@ def test_on_cuda_a_grouped_query_model_decodes_with_its_heads_folded_as_with_rep
         patch.setattr(module, "folded_gqa", lambda causal_lm: nullcontext())
         repeated = run()
     assert_same_greedy(folded, repeated, atol=2e-2)
+
+
+def test_on_cuda_nf4_decoder_layers_compile_with_their_checkpoint_and_train_as_the_eager_ones(monkeypatch):
+    """--compile_layers on CUDA with NF4 and bf16 autocast, the way the update runs: a routed training pass
+    (policy logits and value scores) goes through every decoder layer compiled whole with its checkpoint (no
+    fallback), and gives the eager pass's outputs and LoRA gradients to bf16 rounding."""
+    from conftest import compiled_calls
+
+    from trainer.model.compiled import compile_layers
+    from trainer.model.shared_base import AdapterSpec, build_shared_model
+
+    specs = [AdapterSpec("policy", trainable=True), AdapterSpec("value", trainable=True, head=True)]
+    model = build_shared_model(tiny_args(), specs, vocab_size=VOCAB, device=cuda()).train()
+    with torch.no_grad():  # B != 0: the adapters act
+        for p in model.trainable_parameters():
+            p.normal_(0, 0.05, generator=torch.Generator(cuda()).manual_seed(p.numel()))
+    ids = torch.randint(3, VOCAB, (4, 32), device=cuda(), generator=torch.Generator(cuda()).manual_seed(0))
+
+    def train_pass():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits, scores = model(ids, torch.ones_like(ids), adapter=("policy", "value"), output=("logits", "scores"),
+                                   keep_last=16)
+            loss = logits.float().log_softmax(-1).mean() + scores.float().pow(2).mean()
+        loss.backward()
+        return [logits.float(), scores.float()], [p.grad.float().clone() for p in model.trainable_parameters()]
+
+    eager = train_pass()
+    layers = len(model.causal_lm.model.layers)
+    assert compile_layers(model.causal_lm) == layers
+    with compiled_calls(monkeypatch) as calls:
+        train_pass()  # compiles
+        compiled = train_pass()
+    assert len(calls) == 2 * layers
+    assert all(m.forward.whole for m in model.modules() if hasattr(m.forward, "whole"))
+    for got, want in zip([*compiled[0], *compiled[1]], [*eager[0], *eager[1]], strict=True):
+        assert want.abs().max() > 0
+        assert (got - want).norm() <= 2e-2 * want.norm(), ((got - want).norm(), want.norm())
