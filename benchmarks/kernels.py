@@ -79,10 +79,10 @@ class PhaseProfiler:
         each kernel once. Summing ops' own device time would count every kernel twice (the op that launched
         it and the kernel itself), and a range's device time takes in the annotation the profiler marks it
         with on the device."""
+        ops = [e for e in events if not getattr(e, "is_user_annotation", False) and not e.name.startswith(MARK)]
         if not self.on_device:
-            return sum(e.self_cpu_time_total for e in events if not e.name.startswith(MARK)) / 1e6
-        kernels = (e for e in events if e.device_type != torch.autograd.DeviceType.CPU
-                   and not getattr(e, "is_user_annotation", False) and not e.name.startswith(MARK))
+            return sum(e.self_cpu_time_total for e in ops) / 1e6
+        kernels = (e for e in ops if e.device_type != torch.autograd.DeviceType.CPU)
         return sum(e.time_range.elapsed_us() for e in kernels) / 1e6
 
     def _add(self, events) -> None:

@@ -563,6 +563,7 @@ def test_decoding_a_grouped_query_model_folds_each_step_s_heads_and_decodes_the_
     monkeypatch.setattr(attention, "_sdpa", lambda: lambda mod, query, *a, **k: delegated.append(query.shape[2])
                         or sdpa(mod, query, *a, **k))
     monkeypatch.setattr(attention, "single_token_gqa", counted)
+    assert attention._registered()  # registered first: the patch below then restores the real entry after
     monkeypatch.setitem(__import__("transformers").AttentionInterface._global_mapping, attention.SINGLE_TOKEN_GQA,
                         counted)
     ids, mask = batch(b=3, t=7)

@@ -198,8 +198,8 @@ def test_a_dense_copy_of_the_nf4_weights_decodes_as_the_4bit_layers_do_on_cuda(d
     for got in (runs["dequantized"][0], *runs["resident"]):
         assert torch.equal(got.tokens, want.tokens)
         torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=2e-2)
-    for got in runs["resident"]:
-        torch.testing.assert_close(got.logprobs, runs["dequantized"][0].logprobs, rtol=0, atol=0)
+    for got in runs["resident"]:  # the same values in a copy made once or per rollout
+        torch.testing.assert_close(got.logprobs, runs["dequantized"][0].logprobs, rtol=0, atol=1e-5)
     x = torch.randn(3, layers[0].in_features, device=cuda(), dtype=torch.bfloat16, requires_grad=True)
     torch.testing.assert_close(DequantizedLinear(layers[0])(x), layers[0](x))  # bf16's default tolerances
 
@@ -375,6 +375,29 @@ def test_on_cuda_a_grouped_query_model_decodes_with_its_heads_folded_as_with_rep
     assert_same_greedy(folded, repeated, atol=2e-2)
 
 
+def test_on_cuda_in_bf16_single_token_attention_folded_onto_kv_heads_equals_sdpa_over_repeated_kv_heads():
+    """The folded attention itself on CUDA in bf16 (7 query heads per KV head, as Qwen2.5-7B), a boolean
+    mask shared by the heads: sdpa over the KV heads repeated gives the same output to bf16 rounding."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from trainer.model.attention import single_token_gqa
+
+    g = torch.Generator(cuda()).manual_seed(0)
+    query = torch.randn(8, 28, 1, 128, device=cuda(), dtype=torch.bfloat16, generator=g)
+    key, value = (torch.randn(8, 4, 512, 128, device=cuda(), dtype=torch.bfloat16, generator=g) for _ in range(2))
+    mask = torch.rand(8, 1, 1, 512, device=cuda(), generator=g) > 0.4
+    got, _ = single_token_gqa(SimpleNamespace(num_key_value_groups=7, training=False), query, key, value, mask,
+                              scaling=128 ** -0.5)
+    want = F.scaled_dot_product_attention(query, key.repeat_interleave(7, dim=1), value.repeat_interleave(7, dim=1),
+                                          attn_mask=mask, scale=128 ** -0.5).transpose(1, 2)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
+    wrong = single_token_gqa(SimpleNamespace(num_key_value_groups=7, training=False), query.flip(1), key, value, mask,
+                             scaling=128 ** -0.5)[0]
+    assert (wrong.float() - want.float()).abs().max() > 0.05  # the comparison tells heads on the wrong KV head
+
+
 def test_on_cuda_nf4_decoder_layers_compile_with_their_checkpoint_and_train_as_the_eager_ones(monkeypatch):
     """--compile_layers on CUDA with NF4 and bf16 autocast, the way the update runs: a routed training pass
     (policy logits and value scores) goes through every decoder layer compiled whole with its checkpoint (no
@@ -398,7 +421,8 @@ def test_on_cuda_nf4_decoder_layers_compile_with_their_checkpoint_and_train_as_t
                                    keep_last=16)
             loss = logits.float().log_softmax(-1).mean() + scores.float().pow(2).mean()
         loss.backward()
-        return [logits.float(), scores.float()], [p.grad.float().clone() for p in model.trainable_parameters()]
+        return [logits.float(), scores.float()], [p.grad.float().clone() for p in model.trainable_parameters()
+                                                  if p.grad is not None]
 
     eager = train_pass()
     layers = len(model.causal_lm.model.layers)
@@ -406,7 +430,7 @@ def test_on_cuda_nf4_decoder_layers_compile_with_their_checkpoint_and_train_as_t
     with compiled_calls(monkeypatch) as calls:
         train_pass()  # compiles
         compiled = train_pass()
-    assert len(calls) == 2 * layers
+    assert len(calls) == 2 * layers and len(compiled[1]) == len(eager[1]) > 0
     assert all(m.forward.whole for m in model.modules() if hasattr(m.forward, "whole"))
     for got, want in zip([*compiled[0], *compiled[1]], [*eager[0], *eager[1]], strict=True):
         assert want.abs().max() > 0

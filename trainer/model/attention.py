@@ -42,7 +42,7 @@ def single_token_gqa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     out = F.scaled_dot_product_attention(query.reshape(batch, heads // group, group, dim), key, value,
                                          attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=False)
-    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 def _registered() -> bool:
@@ -53,8 +53,9 @@ def _registered() -> bool:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     except ImportError:
         return False
-    if SINGLE_TOKEN_GQA not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+    if SINGLE_TOKEN_GQA not in AttentionInterface._global_mapping:
         AttentionInterface.register(SINGLE_TOKEN_GQA, single_token_gqa)
+    if SINGLE_TOKEN_GQA not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         AttentionMaskInterface.register(SINGLE_TOKEN_GQA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     return True
 
