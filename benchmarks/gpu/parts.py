@@ -27,7 +27,7 @@ from foundation.files import write_atomic
 ROOT = Path(__file__).resolve().parent.parent.parent
 PARTS = ("first", "check", "memory", "speed", "grpo_vs_trl", "ladder", "stages", "grpo_recipe")
 # Seconds of steps; the wheel install and packing come on top: each part fits one 8-minute call.
-BUDGET_S = {"first": 420, "check": 180, "memory": 420, "speed": 420, "grpo_vs_trl": 420, "ladder": 420,
+BUDGET_S = {"first": 420, "check": 240, "memory": 420, "speed": 420, "grpo_vs_trl": 420, "ladder": 420,
             "stages": 420, "grpo_recipe": 420}
 CUT = "cut"  # the part's budget ran out before (or while) the step ran: a step never measured, not a result
 STOP_MARGIN_S = 15  # what a step given a stop time keeps for writing its files before the part's deadline
@@ -42,7 +42,7 @@ class PartArguments(Checked):
     data: str = field(default=".data/hh-rlhf", metadata={"help": "hh-rlhf rows carried to the GPU machine."})
     tokenizer: str = field(default=".data/tokenizer", metadata={"help": "Exported tokenizer (prepare.sh)."})
     budget_s: int = field(default=0, metadata={"help": "Seconds the whole part may take; 0: the part's own "
-                                               "(check 180, the others 420: with the wheel install and "
+                                               "(check 240, the others 420: with the wheel install and "
                                                "packing, a call of at most 8 minutes)."})
 
     RULES = {"part": one_of(*PARTS), "budget_s": at_least(0)}
