@@ -646,6 +646,28 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
     assert torch.equal(sequences[0], sequences[1])
 
 
+def test_compiled_layers_compile_one_graph_for_all_their_layers(monkeypatch):
+    """Every LoRA layer's forward is one function bound to its layer, so torch.compile traces the decoder layers
+    alike: a routed training pass through 6 compiled layers compiles one graph, no layer recompiles (an
+    object per layer, guarded by its identity, compiled each layer anew until torch's variant limit)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from trainer.model.routing import _routed_forward
+
+    torch._dynamo.reset()
+    model = build_shared_model(tiny_args(checkpointing=True, lora_dropout=0.0, compile_layers=True,
+                                         preset_overrides="num_hidden_layers=6"),
+                               [AdapterSpec("policy", trainable=True), AdapterSpec("value", trainable=True, head=True)],
+                               vocab_size=VOCAB).train()
+    assert all(layer.forward.__func__ is _routed_forward for layer in model.lora_layers)
+    ids, mask = batch(b=4, t=12)
+    before = counters["stats"]["unique_graphs"]
+    train_passes(model, ids, mask, monkeypatch, passes=[(("policy", "value"), ("logits", "scores"))])
+    assert model.compiled_parts == 6 and counters["stats"]["unique_graphs"] - before == 1
+    assert all(m.forward.whole for m in model.modules() if hasattr(m.forward, "whole"))
+
+
 def test_compiled_layers_that_cannot_compile_with_their_checkpoint_stay_exact(sft_adapter, monkeypatch, caplog):
     """Where a checkpointed layer does not compile whole - past torch's variant limit (here 1), or a graph
     break - its forward compiles inside transformers' eager checkpoint (and past the limit there too, runs

@@ -8,8 +8,8 @@ dequantization of the base is paid once instead of once per adapter. `SharedBase
 
 from __future__ import annotations
 
-import functools
 import logging
+from types import MethodType
 from typing import Optional, Sequence, Union
 
 import torch
@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 # A LoRA layer attribute: adapter -> (A, B) weight copies in the compute dtype that no-grad passes multiply by
 # instead (trainer.model.decode.lora_compute_copies holds them while a decode runs).
 COMPUTE_COPIES = "lora_compute_copies"
+ROUTER = "_routing_model"  # a LoRA layer's __dict__ entry: the model whose route its forward follows
 
 # A routed batch: (adapter, rows) per group, in batch order. The groups' rows go through the base as
 # ONE batch, each group through its own LoRA weights (`Routing.fused`).
@@ -47,16 +48,10 @@ class Routing:
         if plain:
             for layer in self._tuner_layers:
                 layer._active_adapter = []  # what peft's set_adapter assigns (peft 0.21); the switching tests pin it
-                layer.forward = functools.partial(self._routed_forward, layer)
+                # in the instance's __dict__: an nn.Module attribute would make this model a submodule of its layer
+                layer.__dict__[ROUTER] = self
+                layer.forward = MethodType(_routed_forward, layer)
         return plain
-
-    def _routed_forward(self, layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        """A LoRA layer's forward: its base layer, then `_add_routed_lora`. In place of peft's, which would add
-        nothing (no active adapter) but still copy the 4-bit output and check its arguments, per layer and per
-        decode step, where decoding is bound by such per-call work."""
-        output = layer.base_layer(x, *args, **kwargs)
-        added = self._add_routed_lora(layer, x, output)
-        return output if added is None else added
 
     def _add_routed_lora(self, layer, x: torch.Tensor, output: torch.Tensor) -> Optional[torch.Tensor]:
         """`output` is the base layer's; add to each group's rows the LoRA output of that group's adapter -
@@ -133,6 +128,17 @@ class Routing:
         """What `fused` gives, from one pass per adapter: where routing cannot run, and what tests compare with."""
         passes = {"logits": self.logits, "hidden": self.hidden_states, "scores": self.scores}
         return tuple(passes[o](input_ids, attention_mask, a, keep_last) for a, o in zip(adapters, outputs))
+
+
+def _routed_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A LoRA layer's forward: its base layer, then its model's `_add_routed_lora`. In place of peft's, which
+    would add nothing (no active adapter) but still copy the 4-bit output and check its arguments, per layer and
+    per decode step, where decoding is bound by such per-call work. One function bound to each layer, not an
+    object per layer: torch.compile then traces every layer's call alike (an object per layer is guarded by
+    its identity, and compiled layers would compile once per layer)."""
+    output = layer.base_layer(x, *args, **kwargs)
+    added = layer.__dict__[ROUTER]._add_routed_lora(layer, x, output)
+    return output if added is None else added
 
 
 def _with_lora(layer, name: str, x: torch.Tensor, out: torch.Tensor) -> Optional[torch.Tensor]:
