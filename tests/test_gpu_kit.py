@@ -281,7 +281,19 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
     decoded = json.loads(next(speed.glob("*/decode.json")).read_text())["rows"]
     assert text.count("| speed-llama-2-7b-nvidia-h100 | decode |") == len(decoded) > 0
     assert "| speed-llama-2-7b-nvidia-h100 | grpo | update |" in text  # the speed part's GRPO run: memory, estimate
-    assert "| speed-llama-2-7b-nvidia-h100 | decode/kernels | generate |" in text  # its decode profile
+    # a kernel profile (`--kernel_profile`, here of a CPU step) beside a result is tabulated with it
+    import torch
+
+    from benchmarks.kernels import profile_step
+    from trainer.engine.phases import phase
+
+    def step():
+        with phase("generate"):
+            torch.ones(8, 8) @ torch.ones(8, 8)
+
+    profile_step(step, torch.device("cpu"), speed / "decode" / "kernels", "a step", phases=("generate",))
+    update_readme(readme, results)
+    assert "| speed-llama-2-7b-nvidia-h100 | decode/kernels | generate |" in readme.read_text()
 
 
 def test_the_speed_part_runs_the_recipes_as_the_stages_decode_then_each_decode_path(tmp_path):
