@@ -51,21 +51,14 @@ def layer_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) ->
     h, a, r = shape.hidden_size, spec.dtype_bytes, spec.lora_rank
     norms = 2 * (4 * h + 4)
     targets = lora_targets(shape, spec.lora_targets)
-    if spec.casts_lora and spec.lora_dropout:  # autocast's compute-dtype copy of each LoRA layer's dropped fp32
-        # input, and the mask
-        inputs = sum((_mask_bytes(spec) + a) * n_in for _, n_in, _ in targets)
-        return norms + inputs + sum(a * r for _ in targets) + _attention_and_mlp(shape, spec, seq_len)
-    if spec.casts_lora:  # no dropout: the compute-dtype input goes in as it is (trainer.model.routing)
-        return norms + _shared_inputs(shape, spec, a) + sum(a * r for _ in targets) + _attention_and_mlp(
-            shape, spec, seq_len)
+    width = a if spec.casts_lora else LORA_BYTES  # what the LoRA products compute in: autocast's dtype, or fp32
     if spec.lora_dropout:  # each LoRA layer's own dropped copy of its input, and the mask
-        inputs = sum((_mask_bytes(spec) + LORA_BYTES) * n_in for _, n_in, _ in targets)
-    elif a == LORA_BYTES:  # the input itself
-        inputs = _shared_inputs(shape, spec, LORA_BYTES)
+        inputs = sum((_mask_bytes(spec) + width) * n_in for _, n_in, _ in targets)
+    elif spec.casts_lora or a == LORA_BYTES:  # the input itself, in its dtype already (trainer.model.routing)
+        inputs = _shared_inputs(shape, spec, width)
     else:  # each LoRA layer's own cast of its input to the LoRA weights' dtype
         inputs = LORA_BYTES * sum(n_in for _, n_in, _ in targets)
-    lora = inputs + sum(LORA_BYTES * r for _ in targets)
-    return norms + lora + _attention_and_mlp(shape, spec, seq_len)
+    return norms + inputs + sum(width * r for _ in targets) + _attention_and_mlp(shape, spec, seq_len)
 
 
 def _shared_inputs(shape: ModelShape, spec: ForwardSpec, width: int) -> int:

@@ -160,13 +160,14 @@ HELD_KV_CACHE = "held_kv_cache"
 
 def add_model(ledger: TensorLedger, model: nn.Module, gradients: bool = True) -> None:
     """Weights, quantization constants, adapters and heads of `model`; then their .grad tensors."""
+    swapped_out = []
     for module in model.modules():
         for held in (HELD_GENERATION_WEIGHTS, HELD_DECODE_LORA):
             for tensor in getattr(module, held, None) or ():
                 ledger.add(C.GENERATION_WEIGHTS, tensor)
         for tensor in getattr(module, HELD_KV_CACHE, None) or ():
             ledger.add(C.KV_CACHE, tensor)
-    swapped_out = [layer for module in model.modules() for layer in getattr(module, HELD_SWAPPED_OUT, None) or ()]
+        swapped_out += getattr(module, HELD_SWAPPED_OUT, None) or ()
     params = [*model_parameters(model), *(p for layer in swapped_out for p in model_parameters(layer))]
     for _, param, component in params:
         ledger.add(component, param)

@@ -168,4 +168,3 @@ def _in_autocast_dtype(x: torch.Tensor) -> bool:
     """Whether autocast is on for `x`'s device and `x` is in its dtype already (what it casts a matmul's inputs to)."""
     kind = x.device.type
     return torch.is_autocast_enabled(kind) and x.dtype == torch.get_autocast_dtype(kind)
-
