@@ -92,9 +92,10 @@ def _all_layers_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: i
 def layer_backward_temporaries_per_token(shape: ModelShape, spec: ForwardSpec) -> int:
     """Gradients alive inside one layer's backward (approximate): the MLP's, the largest ones - at down_proj's
     backward the input's gradient through the base weight, through the LoRA path and their sum, and where the
-    compute dtype is narrower than the LoRA weights the LoRA path's fp32 gradient before its cast back."""
+    compute dtype is narrower than the LoRA weights the LoRA path's fp32 gradient before its cast back. (The
+    LoRA scaling multiplies rank-wide outputs, trainer.model.routing: no scaled copy of the output's gradient.)"""
     i, a = shape.intermediate_size, spec.dtype_bytes
-    return (3 * a + (LORA_BYTES if a < LORA_BYTES else 0)) * i + 4 * shape.hidden_size
+    return (3 * a + (LORA_BYTES if a < LORA_BYTES else 0)) * i
 
 
 def dequantized_weight_bytes(shape: ModelShape, spec: ForwardSpec) -> int:
@@ -166,8 +167,10 @@ def head_inputs(shape: ModelShape, spec: ForwardSpec, tokens: int, positions: in
 
 
 def lora_weight_casts(shape: ModelShape, spec: ForwardSpec, adapters: int = 1) -> int:
-    """Autocast's compute-dtype copies of the trainable LoRA weights: cached from their first use in the
-    forward until autocast exits after the backward (none without autocast or in fp32)."""
+    """Autocast's compute-dtype copies of the trainable LoRA weights (none without autocast or in fp32). One
+    adapter's are cached from their first use in the forward until autocast exits after the backward; a
+    routed pass of several multiplies their stacked weights (trainer.model.routing), no leaves autocast
+    caches: each layer's casts are made anew and saved with its other tensors (`training_parts`)."""
     if not spec.casts_lora:
         return 0
     return adapters * spec.dtype_bytes * sum(lora_tensor_sizes(shape, spec.lora_rank, spec.lora_targets))
@@ -188,6 +191,8 @@ def training_parts(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: i
     saved = tokens * layer_saved_per_token(shape, spec, seq_len)
     if spec.checkpointing:
         kept, layer = tokens * (L * a * h + 4 * h + 4), saved + temporaries  # the final norm is not checkpointed
+        if adapters > 1:  # routed: the casts of the layer recomputed, not all layers' cached
+            layer, casts = layer + casts // L, 0
     else:
         kept, layer = tokens * _all_layers_saved_per_token(shape, spec, seq_len), temporaries
     if not spec.offload:

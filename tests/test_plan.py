@@ -38,7 +38,7 @@ def test_the_7b_recipe_plan_at_24_16_and_12_gb(budget, rollout_rows, micro, chec
 
 
 # (the scoring pass holds reference, value and reward rows: the policy's old log-probs come from sampling)
-@pytest.mark.parametrize("budget, rollout_rows, micro", [(24, 64, 16), (16, 32, 16), (12, 16, 8), (8, 8, 2)])
+@pytest.mark.parametrize("budget, rollout_rows, micro", [(24, 64, 16), (16, 32, 16), (12, 16, 8), (8, 8, 4)])
 def test_a_64_prompt_rollout_is_split_to_what_each_budget_holds(budget, rollout_rows, micro):
     args = replace(RECIPE, rollout_batch_size=64, memory_budget_gib=budget)
     plan = plan_rl(SEVEN_B, args, mini_batch_size=16)

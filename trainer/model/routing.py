@@ -55,20 +55,24 @@ class Routing:
 
     def _add_routed_lora(self, layer, x: torch.Tensor, output: torch.Tensor) -> Optional[torch.Tensor]:
         """`output` is the base layer's; add to each group's rows the LoRA output of that group's adapter -
-        one group of all rows for a single active adapter. None (nothing to add) in `base_only` or while
-        peft's adapters are disabled or merged."""
+        one group of all rows for a single active adapter. None (nothing to add) in `base_only`, while peft's
+        adapters are disabled or merged, or where the layer holds none of the adapters asked for."""
         route = self._route
         if self._base_only or layer.disable_adapters or layer.merged or (route is None and self._single is None):
             return None
-        if route is None:  # one adapter, all rows (every decode step): no split, no route to check
-            return _with_lora(layer, self._single, x, output)
-        if x.shape[0] != sum(rows for _, rows in route):
-            raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {sum(r for _, r in route)}")
-        sizes, pieces = [rows for _, rows in route], []
-        for (name, _), xs, out in zip(route, x.split(sizes), output.split(sizes)):
-            added = _with_lora(layer, name, xs, out)
-            pieces.append(out if added is None else added)
-        return output if not torch.is_grad_enabled() else pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if route is None:  # one adapter, all rows (every decode step)
+            if self._single not in layer.lora_A:
+                return None
+            return _add_lora(layer, (self._single,), layer.scaling[self._single], x, output)
+        if x.shape[0] != self._route_rows:
+            raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {self._route_rows}")
+        names = tuple(name for name in self._route_names if name in layer.lora_A)
+        if not names:
+            return None
+        if len(self._route_names) == 1:  # one group: a single adapter's pass
+            return _add_lora(layer, names, layer.scaling[names[0]], x, output)
+        scales = self._route_scales[(names, tuple(layer.scaling[n] for n in names), x.device)]
+        return _add_lora(layer, names, scales, x, output, route)
 
     def _route_to(self, route: Route) -> None:
         if not self.routable:
@@ -78,6 +82,40 @@ class Routing:
             if name not in self.specs:
                 raise KeyError(f"no adapter '{name}' on this model (have {self.adapter_names})")
         self._route = route
+        self._route_names = tuple(dict.fromkeys(name for name, _ in route))
+        self._route_rows = sum(rows for _, rows in route)
+        if len(self._route_names) > 1:
+            self._route_scales = self._scales_of(route)
+
+    def _scales_of(self, route: Route) -> dict:
+        """For each kind of LoRA layer (the route's adapters on it, their scalings, its device): the factor that
+        scales each row's LoRA-A outputs, (rows, 1, ranks summed) - the group's scaling on its adapter's columns,
+        0 on the others'. Made once per route and device and kept (a checkpointed backward routes again per layer)."""
+        cached = (route, self._lora_params[0][0].device)
+        kept = self._scales_by_route.get(cached)
+        if kept is not None:
+            return kept
+        if len(self._scales_by_route) >= 16:  # routes differ by rows only: a few per run
+            self._scales_by_route.clear()
+        scales = self._scales_by_route[cached] = {}
+        for layer in self._tuner_layers:
+            names = tuple(name for name in self._route_names if name in layer.lora_A)
+            if not names:
+                continue
+            device = layer.lora_A[names[0]].weight.device
+            key = (names, tuple(layer.scaling[n] for n in names), device)
+            if key in scales:
+                continue
+            ranks = [layer.lora_A[n].weight.shape[0] for n in names]
+            table = torch.zeros(self._route_rows, 1, sum(ranks))
+            start = 0
+            for name, rows in route:
+                if name in names:
+                    col = sum(ranks[: names.index(name)])
+                    table[start : start + rows, :, col : col + ranks[names.index(name)]] = layer.scaling[name]
+                start += rows
+            scales[key] = table.to(device)
+        return scales
 
     def fused(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, adapters: Sequence[str],
               outputs: Sequence[str], keep_last: int = 0) -> tuple[torch.Tensor, ...]:
@@ -141,27 +179,51 @@ def _routed_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return output if added is None else added
 
 
-def _with_lora(layer, name: str, x: torch.Tensor, out: torch.Tensor) -> Optional[torch.Tensor]:
-    """`out` (the base layer's output for rows `x`) plus adapter `name`'s LoRA output; None where the layer has
-    no such adapter. Without autograd (scoring, decoding) added into `out` in place, no copy. Rounded as
-    peft's own layer rounds (its bitsandbytes layers cast the LoRA output to the result's dtype before
-    adding; the plain one adds in the wider dtype, then casts), so a routed pass gives each group what a
-    pass under its adapter gives."""
-    if name not in layer.lora_A:
-        return None
+def _add_lora(layer, names: tuple[str, ...], scale, x: torch.Tensor, out: torch.Tensor,
+              groups: Optional[Route] = None) -> torch.Tensor:
+    """`out` (the base layer's output for rows `x`) plus the LoRA outputs of adapters `names`: one adapter's with
+    its scaling (a number), or the row `groups`' adapters' from ONE pair of matmuls over their stacked weights,
+    `scale` (rows, 1, ranks) keeping each row's own adapter's LoRA-A columns, scaled, and zeroing the rest: per
+    layer the same few kernels for any number of groups, where a loop over groups launches them per group.
+    Without autograd (scoring, decoding) added into `out` in place, no copy. Cast as peft's own layers cast
+    (its bitsandbytes layers cast the LoRA output to the result's dtype before adding; the plain one adds in
+    the wider dtype, then casts); the scaling multiplies the rank-wide products, not the output."""
     copies = getattr(layer, COMPUTE_COPIES, None)
-    pair = copies.get(name) if copies and not torch.is_grad_enabled() else None
+    pair = copies.get(names[0]) if copies and groups is None and not torch.is_grad_enabled() else None
     if pair is not None:  # a decode's copies in the autocast dtype: the products autocast would give, no casts
         a, b = pair
-        delta = F.linear(F.linear(layer.lora_dropout[name](x.to(a.dtype)), a), b) * layer.scaling[name]
+        x = layer.lora_dropout[names[0]](x.to(a.dtype))
+    elif groups is None:
+        a, b = layer.lora_A[names[0]].weight, layer.lora_B[names[0]].weight
+        x = _lora_input(layer, ((names[0], x.shape[0]),), x)
     else:
-        lora_a, dropout = layer.lora_A[name], layer.lora_dropout[name]
-        if not (_in_autocast_dtype(x) and (isinstance(dropout, nn.Identity) or not dropout.training)):
-            x = x.to(lora_a.weight.dtype)  # under autocast a round trip to fp32 and back: two kernels, same values
-        delta = layer.lora_B[name](lora_a(dropout(x))) * layer.scaling[name]
+        a = torch.cat([layer.lora_A[n].weight for n in names])
+        b = torch.cat([layer.lora_B[n].weight for n in names], dim=1)
+        x = _lora_input(layer, groups, x)
+    delta = F.linear(F.linear(x, a).mul_(scale), b)  # in place: a matmul keeps its input for backward, not its output
     if type(layer).__module__.endswith(".bnb"):
         delta = delta.to(out.dtype)
     return out.add_(delta) if not torch.is_grad_enabled() else (out + delta).to(out.dtype)
+
+
+def _lora_input(layer, groups: Route, x: torch.Tensor) -> torch.Tensor:
+    """What the LoRA-A matmul reads: `x`, through each group's own LoRA dropout where one is active (training
+    with dropout), in the LoRA weights' dtype - or, under autocast without dropout, as it is (a cast to fp32
+    and autocast's back would be two kernels and the same values)."""
+    active = [name in layer.lora_dropout and not _inert(layer.lora_dropout[name]) for name, _ in groups]
+    if not any(active) and _in_autocast_dtype(x):
+        return x
+    x = x.to(next(iter(layer.lora_A.values())).weight.dtype)
+    if len(groups) == 1:
+        return layer.lora_dropout[groups[0][0]](x)
+    if not any(active):
+        return x
+    pieces = x.split([rows for _, rows in groups])
+    return torch.cat([layer.lora_dropout[name](xs) if on else xs for (name, _), xs, on in zip(groups, pieces, active)])
+
+
+def _inert(dropout: nn.Module) -> bool:
+    return isinstance(dropout, nn.Identity) or not dropout.training
 
 
 def _in_autocast_dtype(x: torch.Tensor) -> bool:

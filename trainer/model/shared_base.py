@@ -103,6 +103,10 @@ class SharedBaseModel(Outputs, Routing, nn.Module):
         self._lora_params = self._collect_lora_params()
         self._tuner_layers = self._collect_tuner_layers()
         self._route: Optional[Route] = None
+        self._route_names: tuple[str, ...] = ()  # the route's adapters, in order
+        self._route_rows = 0
+        self._route_scales: dict = {}  # `Routing._scales_of` the route
+        self._scales_by_route: dict = {}  # (route, device) -> its scales, kept for the passes that route again
         self._single: Optional[str] = None  # on a routable model: the one adapter whose LoRA outputs the layers add
         self._base_only = False  # `base_only`: no adapter adds anything
         self._fallbacks_logged: set[str] = set()  # why `fused` ran one pass per adapter, said once each
