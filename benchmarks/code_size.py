@@ -16,17 +16,14 @@ import os
 import re
 import subprocess
 import sys
-import tarfile
-import tempfile
-from io import BytesIO
 from pathlib import Path
 from typing import Optional
 
+from benchmarks.processes import ROOT, revision_tree
 from foundation.cli import argument_parser, run
 from foundation.files import write_atomic
 from foundation.provenance import provenance
 
-ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("trainer", "profiling", "foundation", "benchmarks", "tests")
 LONG_DOCSTRING = 8
 
@@ -55,13 +52,7 @@ def settings(tree: Path, script: str) -> Optional[int]:
 
 
 def figures(revision: str) -> dict:
-    sha = subprocess.run(["git", "rev-parse", "--short", revision], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=ROOT, capture_output=True, check=True).stdout
-    with tempfile.TemporaryDirectory(prefix="code-size-") as scratch:
-        tree = Path(scratch)
-        with tarfile.open(fileobj=BytesIO(archive)) as tar:
-            tar.extractall(tree, filter="data")
+    with revision_tree(revision) as (sha, tree):
         lines = {f: sum(len(p.read_text().splitlines()) for p in python_files(tree, f)) for f in FOLDERS}
         code = [p for f in FOLDERS[:4] for p in python_files(tree, f)]
         results = tree / "benchmarks" / "results"

@@ -1,11 +1,31 @@
-"""A command run in a session of its own, stopped with all its children when its time runs out."""
+"""A command run in a session of its own, stopped with all its children when its time runs out; a git
+revision's tree to run commands in."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
-from typing import Optional, Sequence
+import tarfile
+import tempfile
+from contextlib import contextmanager
+from io import BytesIO
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def revision_tree(revision: str) -> Iterator[tuple[str, Path]]:
+    """(short sha, scratch folder holding the revision's files, from `git archive`): the working tree untouched."""
+    sha = subprocess.run(["git", "rev-parse", "--short", revision], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=ROOT, capture_output=True, check=True).stdout
+    with tempfile.TemporaryDirectory(prefix=f"rev-{sha}-") as scratch:
+        with tarfile.open(fileobj=BytesIO(archive)) as tar:
+            tar.extractall(scratch, filter="data")
+        yield sha, Path(scratch)
 
 
 def run_stoppable(argv: list[str], timeout: Optional[float], **popen) -> Optional[int]:

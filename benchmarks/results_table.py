@@ -212,10 +212,19 @@ def code_size(folder: Path, result: dict) -> Row:
                f"{first['ppo_settings']} -> {last['ppo_settings']}", *_when(result), _report(folder))
 
 
+def launches(folder: Path, result: dict) -> Row:
+    first, last = result["revisions"][0]["per_layer"], result["revisions"][-1]["per_layer"]
+    revisions = " -> ".join(f"`{r['revision']}`" for r in (result["revisions"][0], result["revisions"][-1]))
+    figures = ", ".join(f"{label} {first[key]} -> {last[key]}" for key, label in
+                        (("ppo_update", "PPO update"), ("ppo_scoring", "PPO scoring"), ("grpo_update", "GRPO update")))
+    return Row((7, 1), "operations launched per decoder layer (`benchmarks.launches`)", revisions,
+               figures, *_when(result), _report(folder))
+
+
 def probe(folder: Path) -> Row:
     result = _load(folder / "result.json")
     if "revisions" in result:
-        return code_size(folder, result)
+        return launches(folder, result) if "per_layer" in result["revisions"][0] else code_size(folder, result)
     if isinstance(result.get("runs"), dict):
         return trl_grpo_recipe(folder, result)
     if "runs" in result:

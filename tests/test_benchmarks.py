@@ -383,3 +383,17 @@ def test_kernel_profile_profiles_the_phases_named_and_ranks_their_ops(tmp_path):
     assert json.loads((tmp_path / "kernels.json").read_text()) == report
     text = (tmp_path / "kernels.md").read_text()
     assert "| `aten::mm` | 1 |" in text and "| generate |" in text and "aten::sin" not in text
+
+
+def test_launches_counts_each_pass_per_layer_at_a_revision_and_a_routed_pass_launches_alike_for_any_groups(tmp_path):
+    """`benchmarks.launches` at HEAD: operations per decoder layer of each RL pass, written as JSON and a table;
+    PPO's scoring (3 row groups) launches what GRPO's (2) does, and an update launches more than a scoring."""
+    from benchmarks.launches import PASSES, main
+
+    data = main(["HEAD", "--out_dir", str(tmp_path)])
+    counts = data["revisions"][0]["per_layer"]
+    assert set(counts) == set(PASSES) and all(n > 0 for n in counts.values())
+    assert counts["ppo_scoring"] == counts["grpo_scoring"] < counts["grpo_update"] < counts["ppo_update"]
+    assert json.loads((tmp_path / "result.json").read_text()) == data
+    text = (tmp_path / "README.md").read_text()
+    assert f"`{data['revisions'][0]['revision']}`" in text and f"| {counts['ppo_update']} |" in text

@@ -1,0 +1,119 @@
+"""Operations launched per decoder layer by the passes RL training runs, at one or more git revisions.
+
+    python -m benchmarks.launches d5725ff~1 HEAD      # writes benchmarks/results/launches/
+
+An eager pass on a GPU launches a kernel per operation and pays host time for each (Python, dispatcher,
+autograd): where kernels are short, as in the PPO update of a 7B model in 4-bit, that host time is the pass's
+time. This counts the operations torch dispatches (views left out), forward, checkpoint recompute and backward,
+per decoder layer: the difference between a 4-layer and a 2-layer Llama of the `tiny-llama` shape divided by
+two, so the count is what every layer of a 7B Llama adds. On the CPU, in bf16 under autocast, LoRA r 4 on
+every linear layer, gradient checkpointing on, no dropout (PPO's and GRPO's update); the base in bf16, not
+4-bit (bitsandbytes' CPU kernels are not CUDA's). A proxy for host time per pass, not a time.
+
+Each revision runs from its own `git archive` tree, in a process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+from benchmarks.processes import ROOT, revision_tree
+from foundation.cli import argument_parser, run
+from foundation.files import write_atomic
+from foundation.provenance import provenance
+
+# What a revision's own code runs: the passes through public calls every revision has.
+COUNTING = r'''
+import json, sys, tempfile
+from pathlib import Path
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from trainer.config import ModelArguments
+from trainer.model.shared_base import HEAD_FILE, AdapterSpec, ScalarHead, build_shared_model
+
+class Count(TorchDispatchMode):
+    launched = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.launched += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+def counts(layers, head):
+    args = ModelArguments(model_name_or_path="tiny-llama", preset_overrides=f"num_hidden_layers={layers}",
+                          dtype="bfloat16", gradient_checkpointing=True, lora_r=4, lora_alpha=8, lora_dropout=0.0)
+    specs = [AdapterSpec("policy", trainable=True), AdapterSpec("reference"),
+             AdapterSpec("value", trainable=True, head=True), AdapterSpec("reward", head=True, head_from=head)]
+    torch.manual_seed(0)
+    model = build_shared_model(args, specs, vocab_size=512).train()
+    ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    passes = {"ppo_update": (("policy", "value"), ("logits", "scores"), True),
+              "grpo_update": (("policy",), ("logits",), True),
+              "ppo_scoring": (("reference", "value", "reward"), ("logits", "scores", "scores"), False),
+              "grpo_scoring": (("reference", "reward"), ("logits", "scores"), False)}
+    out = {}
+    for name, (adapters, outputs, grad) in passes.items():
+        def one_pass():
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad):
+                results = model.fused(ids, mask, adapters, outputs, keep_last=9)
+                if grad:
+                    sum(r.float().pow(2).mean() for r in results).backward()
+        one_pass()  # first pass of a route: what is made once
+        with Count() as count:
+            one_pass()
+        out[name] = count.launched
+    return out
+
+folder = Path(tempfile.mkdtemp())
+ScalarHead(64).save(folder / HEAD_FILE)
+two, four = counts(2, str(folder)), counts(4, str(folder))
+print(json.dumps({name: (four[name] - two[name]) // 2 for name in two}))
+'''
+
+PASSES = {"ppo_update": "PPO update: policy and value rows, one routed pass, forward + recompute + backward",
+          "grpo_update": "GRPO update: policy rows, forward + recompute + backward",
+          "ppo_scoring": "PPO scoring: reference, value and reward rows, one routed pass, no grad",
+          "grpo_scoring": "GRPO scoring: reference and reward rows, one routed pass, no grad"}
+
+
+def figures(revision: str) -> dict:
+    with revision_tree(revision) as (sha, tree):
+        done = subprocess.run([sys.executable, "-c", COUNTING], cwd=tree, capture_output=True, text=True,
+                              timeout=600, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin",
+                                                "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"counting at {sha} failed: {done.stderr.strip()[-2000:]}")
+    return {"revision": sha, "per_layer": json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def markdown(data: dict) -> str:
+    runs = data["revisions"]
+    lines = ["# Operations launched per decoder layer", "", f"- date: {data['date']}; git `{data['git_revision']}`",
+             f"- command: `{data['command']}`", f"- versions: torch {data['versions'].get('torch')}, "
+             f"transformers {data['versions'].get('transformers')}, peft {data['versions'].get('peft')}",
+             "- what: " + " ".join(__doc__.split("\n\n")[2].split()), "",
+             "| pass | " + " | ".join(f"`{r['revision']}`" for r in runs) + " |", "|---|" + "---:|" * len(runs)]
+    for key, label in PASSES.items():
+        lines.append(f"| {label} | " + " | ".join(str(r["per_layer"].get(key, "-")) for r in runs) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    parser = argument_parser("python -m benchmarks.launches", __doc__.splitlines()[0])
+    parser.add_argument("revisions", nargs="+", help="git revisions, oldest first")
+    parser.add_argument("--out_dir", type=Path, default=ROOT / "benchmarks" / "results" / "launches")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.launches " + " ".join(args.revisions)
+    data = {**provenance(command=command), "revisions": [figures(r) for r in args.revisions]}
+    write_atomic(args.out_dir / "result.json", json.dumps(data, indent=2) + "\n")
+    write_atomic(args.out_dir / "README.md", markdown(data))
+    print(markdown(data))
+    return data
+
+
+if __name__ == "__main__":
+    run(main)
