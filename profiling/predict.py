@@ -157,7 +157,7 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
         if slot.trainable:
             trainable += lora + (head_tensor_sizes(shape) if slot.head else [])
     if args.generation_weights == "resident":
-        parts[C.GENERATION_WEIGHTS] = generation_weight_bytes(shape, a)
+        parts[C.GENERATION_WEIGHTS] = generation_weight_bytes(shape, a, args)
     lora_copies = decode_lora_bytes(shape, args)
     if args.decode == "compiled" and lora_copies:  # kept for the compiled step's graphs
         parts[C.GENERATION_WEIGHTS] = parts.get(C.GENERATION_WEIGHTS, 0) + lora_copies
@@ -177,9 +177,13 @@ def decode_lora_bytes(shape: ModelShape, args: EstimateArguments) -> int:
     return 2 * sum(lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules))
 
 
-def generation_weight_bytes(shape: ModelShape, dtype_bytes: int) -> int:
-    """The dense copy of every 4-bit linear layer in the compute dtype (trainer.model.decode.generation_weights)."""
-    return shape.linear_params() * dtype_bytes
+def generation_weight_bytes(shape: ModelShape, dtype_bytes: int, args: Optional[EstimateArguments] = None) -> int:
+    """The dense copy of every 4-bit linear layer in the compute dtype (trainer.model.decode.generation_weights);
+    with `args` of a run that decodes under mixed precision, also the rows under each LoRA target's matrix
+    that hold the policy's LoRA-A weights (trainer.model.decode.DequantizedLinear)."""
+    rows = 0 if args is None or not decode_lora_bytes(shape, args) else \
+        sum(lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules)[::2])
+    return (shape.linear_params() + rows) * dtype_bytes
 
 
 def offloaded_embedding(shape: ModelShape, args: EstimateArguments) -> bool:
@@ -265,7 +269,7 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     generate_held = {} if args.decode == "compiled" else {
         C.KV_CACHE: A.kv_cache(shape, spec, rows, context) + A.kv_cache_growth(shape, spec, rows, context)}
     if args.generation_weights == "dequantized":  # made for the rollout's decoding, freed before scoring
-        generate_held[C.GENERATION_WEIGHTS] = generation_weight_bytes(shape, spec.dtype_bytes)
+        generate_held[C.GENERATION_WEIGHTS] = generation_weight_bytes(shape, spec.dtype_bytes, args)
     lora_copies = decode_lora_bytes(shape, args)
     if args.decode != "compiled" and lora_copies:  # the LoRA copies: this decode's only
         generate_held[C.GENERATION_WEIGHTS] = generate_held.get(C.GENERATION_WEIGHTS, 0) + lora_copies

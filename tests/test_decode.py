@@ -372,6 +372,50 @@ def test_a_dense_copy_of_the_4bit_weights_decodes_the_same_tokens_and_log_probs(
         assert held == [] and tiny_nf4.causal_lm not in _RESIDENT
 
 
+def test_under_autocast_the_dense_copy_gives_the_lora_a_products_of_the_decoded_adapter_in_its_own_matmul(
+        tiny_nf4, monkeypatch):
+    """Under autocast in the copy's dtype (mixed precision, a GPU's default) each 4-bit base of a LoRA layer is
+    copied with the decoded adapter's LoRA-A weights as extra rows: one matmul gives the base output and the
+    LoRA-A products, one matmul per LoRA layer and token fewer. The same tokens and log-probs, to bf16
+    rounding, as with a matmul of their own; after the decode no copy gives them any more."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import trainer.model.decode as decode_module
+
+    class Matmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+            return func(*args, **(kwargs or {}))
+
+    made = []
+
+    class Made(decode_module.DequantizedLinear):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(decode_module, "DequantizedLinear", Made)
+    ids, mask = batch(b=3, t=8)
+    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8, generation_weights="dequantized")
+
+    def run():
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16), Matmuls() as matmuls:
+            return decode(tiny_nf4, ids, mask, sampling, 1, 0), matmuls.count
+
+    (fused, fused_matmuls), copies = run(), list(made)
+    monkeypatch.setattr(decode_module, "_rows_for", lambda *a: 0)
+    apart, apart_matmuls = run()
+    lora_layers = len(tiny_nf4.lora_layers)
+    assert sorted(c.lora_rank for c in copies) == [4] * lora_layers  # every base is a LoRA layer's, rank 4
+    assert all(c.rows_for is None for c in copies)
+    assert apart_matmuls - fused_matmuls == lora_layers * 6  # the prefill and 5 steps
+    assert torch.equal(fused.tokens, apart.tokens)
+    torch.testing.assert_close(fused.logprobs, apart.logprobs, rtol=0, atol=2e-2)
+
+
 def test_the_recorder_counts_the_copy_as_generation_weights_at_the_estimator_s_size(tiny_nf4):
     """The dense copy is its own component in a memory record, and its bytes are the estimator's; while it
     stands in for the 4-bit layers, their weights still count as the base's."""
@@ -435,8 +479,8 @@ def test_a_rollout_makes_one_copy_and_records_it_as_generation_weights_in_genera
     made = []
 
     class Counted(decode_module.DequantizedLinear):
-        def __init__(self, layer):
-            super().__init__(layer)
+        def __init__(self, layer, *rows):
+            super().__init__(layer, *rows)
             made.append(layer)
 
     monkeypatch.setattr(decode_module, "DequantizedLinear", Counted)
@@ -482,9 +526,9 @@ def test_a_per_rollout_copy_is_gone_when_the_rollout_ends(tiny_nf4, monkeypatch)
     copies = []
 
     class Watched(decode_module.DequantizedLinear):
-        def __init__(self, layer):
-            super().__init__(layer)
-            copies.append(weakref.ref(self.dense))
+        def __init__(self, *args):
+            super().__init__(*args)
+            copies.append(weakref.ref(self.weight))
 
     monkeypatch.setattr(decode_module, "DequantizedLinear", Watched)
     ids, mask = batch(b=2, t=6)

@@ -204,6 +204,49 @@ def test_a_dense_copy_of_the_nf4_weights_decodes_as_the_4bit_layers_do_on_cuda(d
     torch.testing.assert_close(DequantizedLinear(layers[0])(x), layers[0](x))  # bf16's default tolerances
 
 
+def test_on_cuda_under_autocast_the_dense_copy_s_lora_a_rows_decode_as_a_matmul_of_their_own(monkeypatch):
+    """The run's bf16 autocast, a resident dense copy with the policy's LoRA-A rows (one matmul per LoRA layer
+    and token for the base and LoRA-A products), decoded compiled as CUDA graphs twice (the rows refreshed in
+    place between rollouts, the policy moved in between): what the same decode gives with the LoRA-A
+    products from their own matmul (`assert_same_greedy`)."""
+    import trainer.model.decode as decode_module
+    from trainer.model.decode import Sampling, decode as run_decode, drop_resident_weights
+    from trainer.model.shared_base import build_shared_model, stage_specs
+
+    model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
+    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
+    sampling = Sampling(max_new_tokens=8, min_new_tokens=8, temperature=0, decode="compiled",
+                        generation_weights="resident")
+
+    def rollouts():
+        out = []
+        for shift in (0.0, 0.05):
+            with torch.no_grad():  # B != 0, then the policy after an update
+                for p in model.trainable_parameters():
+                    p.normal_(shift, 0.05, generator=torch.Generator(cuda()).manual_seed(p.numel()))
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out.append(run_decode(model, ids, torch.ones_like(ids), sampling, 2, 0))
+        drop_resident_weights(model.causal_lm)
+        return out
+
+    made = []
+
+    class Made(decode_module.DequantizedLinear):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(decode_module, "DequantizedLinear", Made)
+    fused = rollouts()
+    assert made and all(m.lora_rank == 8 and m.rows_for is None for m in made)
+    monkeypatch.setattr(decode_module, "_rows_for", lambda *a: 0)
+    decode_module.compile_anew(model.causal_lm)
+    apart = rollouts()
+    for got, want in zip(fused, apart):
+        assert_same_greedy(got, want, atol=2e-2)
+    assert not torch.equal(fused[0].tokens, fused[1].tokens) or not torch.equal(fused[0].logprobs, fused[1].logprobs)
+
+
 @pytest.mark.parametrize("weights", ["quantized", "resident"])
 def test_the_compiled_step_compiles_its_layers_as_one_region_on_cuda_as_the_whole_step_decodes(weights):
     """On CUDA (CUDA graphs, NF4 or its dense copy) the decoder layers compile as one reused region without

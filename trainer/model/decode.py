@@ -17,7 +17,9 @@ Weights (`--generation_weights`): a 4-bit base is frozen, so its linear weights 
 one dense matrix per layer instead of dequantizing it again: `dequantized` builds that copy for each
 rollout and frees it after, `resident` keeps it, `quantized` decodes from the 4-bit weights. Under the run's
 mixed precision the LoRA products likewise multiply copies of the adapter's weights in the autocast dtype,
-made once per decode (`lora_compute_copies`), not cast again at every step.
+made once per decode (`lora_compute_copies`), not cast again at every step, and a dense copy holds the
+adapter's LoRA-A weights as extra rows: one matmul per layer and token gives the base output and the LoRA-A
+products.
 """
 
 from __future__ import annotations
@@ -237,20 +239,38 @@ def _step(causal_lm, tokens, positions, cache_position, mask, cache, sampling: S
 class DequantizedLinear(nn.Module):
     """A bitsandbytes 4-bit linear layer as one dense matrix in its compute dtype: `dequantize_4bit` of its
     weight, multiplied as its own forward multiplies a batch of tokens (input cast to the compute dtype,
-    output back to the input's), so the same values come out."""
+    output back to the input's), so the same values come out.
 
-    def __init__(self, layer: nn.Module):
+    `lora_rank` > 0 leaves that many rows under the matrix for the LoRA-A weights of the adapter a decode
+    multiplies (`lora_rows`): while they are filled (`rows_for` names the adapter) one matmul gives the base
+    output and the LoRA-A products side by side, the last `lora_rank` columns, where a separate small matmul
+    would launch for each (a split-K GEMM and its reduction on a GPU, per layer and token)."""
+
+    def __init__(self, layer: nn.Module, lora_rank: int = 0):
         import bitsandbytes.functional as bnbf
 
         super().__init__()
         dtype = layer.compute_dtype or layer.weight.quant_state.dtype
+        dense = bnbf.dequantize_4bit(layer.weight.data, layer.weight.quant_state).to(dtype)
+        self.out_features, self.lora_rank, self.rows_for = dense.shape[0], lora_rank, None
+        if lora_rank:
+            dense = torch.cat([dense, dense.new_zeros(lora_rank, dense.shape[1])])
         # buffers, so that a compiled step reads them as inputs rather than baking them in
-        self.register_buffer("dense", bnbf.dequantize_4bit(layer.weight.data, layer.weight.quant_state).to(dtype),
-                             persistent=False)
-        self.register_buffer("bias", None if layer.bias is None else layer.bias.detach().to(dtype), persistent=False)
+        self.register_buffer("weight", dense, persistent=False)
+        bias = None if layer.bias is None else layer.bias.detach().to(dtype)
+        self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("rows_bias", None if bias is None or not lora_rank else
+                             torch.cat([bias, bias.new_zeros(lora_rank)]), persistent=False)
+
+    @property
+    def dense(self) -> torch.Tensor:
+        """The dequantized matrix (without the LoRA rows)."""
+        return self.weight[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.dense.dtype), self.dense, self.bias).to(x.dtype)
+        if self.rows_for is not None:  # (..., out_features + lora_rank): `trainer.model.routing` splits them
+            return F.linear(x.to(self.weight.dtype), self.weight, self.rows_bias).to(x.dtype)
+        return F.linear(x.to(self.weight.dtype), self.dense, self.bias).to(x.dtype)
 
 
 def _four_bit_layers(causal_lm: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -269,13 +289,14 @@ _said: set[str] = set()
 
 
 @contextmanager
-def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
+def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY) -> Iterator[None]:
     """The body decodes from dense copies of the 4-bit layers (`dequantized`: made here and freed after, its
     blocks left in the allocator's cache for the next rollout's copy, so a compiled step's CUDA graphs read
     the addresses they were recorded with; `resident`: made once, kept), swapped in place of each layer and
     swapped back after, also on errors; `quantized` (or "auto" left unplanned) changes nothing. Nested in an
     outer one (a rollout's generate phase holding one copy for all its chunks), it changes nothing either. A
-    model with no 4-bit layer has nothing to copy: said once."""
+    model with no 4-bit layer has nothing to copy: said once. Under autocast in the copies' dtype each copy
+    has rows for `adapter`'s LoRA-A weights (`DequantizedLinear`, filled by `lora_compute_copies`)."""
     if causal_lm in _SWAPPED:
         yield
         return
@@ -288,10 +309,11 @@ def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
         return
     swaps = _RESIDENT.get(causal_lm)
     if swaps is None:
-        swaps = [(parent, name, layer, DequantizedLinear(layer)) for parent, name, layer in layers]
+        swaps = [(parent, name, layer, DequantizedLinear(layer, _rows_for(parent, layer, adapter)))
+                 for parent, name, layer in layers]
         if choice == "resident":
             _RESIDENT[causal_lm] = swaps
-    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [dense.dense for *_, dense in swaps])
+    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [dense.weight for *_, dense in swaps])
     setattr(causal_lm, HELD_SWAPPED_OUT, [layer for _, _, layer, _ in swaps])  # a memory record still counts them
     for parent, name, _, dense in swaps:
         setattr(parent, name, dense)
@@ -305,6 +327,20 @@ def generation_weights(causal_lm: nn.Module, choice: str) -> Iterator[None]:
         setattr(causal_lm, HELD_SWAPPED_OUT, [])
         if causal_lm not in _RESIDENT:  # the per-rollout copy goes with `swaps`
             setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
+
+
+def _rows_for(parent: nn.Module, layer: nn.Module, adapter: str) -> int:
+    """The LoRA-A rows a dense copy of `layer` makes room for: `adapter`'s rank where `parent` is its LoRA layer
+    and its products are made in the copy's dtype (autocast, the weights' fp32 being cast to it), else none."""
+    if getattr(parent, "base_layer", None) is not layer or adapter not in getattr(parent, "lora_A", {}):
+        return 0
+    lora_a = parent.lora_A[adapter]
+    if not _dense(lora_a.weight):
+        return 0
+    device = lora_a.weight.device.type
+    dtype = layer.compute_dtype or layer.weight.quant_state.dtype
+    on = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == dtype != lora_a.weight.dtype
+    return lora_a.weight.shape[0] if on else 0
 
 
 def drop_resident_weights(causal_lm: nn.Module) -> None:
@@ -327,7 +363,8 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
     computes in (bf16 under mixed precision): the very values autocast casts the fp32 weights to at every step
     (two small kernels per LoRA layer and step), cast once per decode. `keep` (a compiled step, whose CUDA
     graphs read fixed addresses): made once per model, adapter and dtype and refreshed in place; else made
-    here and freed after. Without autocast, with weights in its dtype already, or where peft's own layers add
+    here and freed after. A dense copy of the base layer with room for them gets the A copy in its rows
+    (`DequantizedLinear`). Without autocast, with weights in its dtype already, or where peft's own layers add
     the LoRA outputs (a model that cannot route: `trainer.model.routing`), nothing changes."""
     if not torch.is_autocast_enabled(device_type) or not getattr(model, "routable", False):
         yield
@@ -353,16 +390,25 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
             for layer, (a, b) in zip(layers, copies):
                 a.copy_(layer.lora_A[adapter].weight)
                 b.copy_(layer.lora_B[adapter].weight)
+    rows = []  # dense copies with room for this adapter's LoRA-A rows: filled, one matmul gives both products
     for layer, pair in zip(layers, copies):
         if getattr(layer, COMPUTE_COPIES, None) is None:
             setattr(layer, COMPUTE_COPIES, {})
         getattr(layer, COMPUTE_COPIES)[adapter] = pair
+        base = layer.base_layer
+        if isinstance(base, DequantizedLinear) and base.lora_rank == pair[0].shape[0] and base.weight.dtype == dtype:
+            with torch.no_grad():
+                base.weight[base.out_features :].copy_(pair[0])
+            base.rows_for = adapter
+            rows.append(base)
     _list_copies(model, () if keep else copies)
     try:
         yield
     finally:
         for layer in layers:
             getattr(layer, COMPUTE_COPIES).pop(adapter, None)
+        for base in rows:
+            base.rows_for = None
         if not keep:
             _list_copies(model)
 
@@ -385,7 +431,7 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling:
     was_training = model.training
     model.eval()
     try:
-        with model.use_adapter(adapter), generation_weights(model.causal_lm, sampling.generation_weights), \
+        with model.use_adapter(adapter), generation_weights(model.causal_lm, sampling.generation_weights, adapter), \
                 lora_compute_copies(model, adapter, device.type, keep=sampling.decode == "compiled"), \
                 folded_gqa(model.causal_lm):
             try:

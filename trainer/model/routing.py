@@ -53,17 +53,22 @@ class Routing:
                 layer.forward = MethodType(_routed_forward, layer)
         return plain
 
-    def _add_routed_lora(self, layer, x: torch.Tensor, output: torch.Tensor) -> Optional[torch.Tensor]:
+    def _add_routed_lora(self, layer, x: torch.Tensor, output: torch.Tensor,
+                         products: Optional[tuple[str, torch.Tensor]] = None) -> Optional[torch.Tensor]:
         """`output` is the base layer's; add to each group's rows the LoRA output of that group's adapter -
         one group of all rows for a single active adapter. None (nothing to add) in `base_only`, while peft's
-        adapters are disabled or merged, or where the layer holds none of the adapters asked for."""
+        adapters are disabled or merged, or where the layer holds none of the adapters asked for. `products`:
+        (adapter, its LoRA-A products) where the base layer gave them, `output` then a view beside them."""
         route = self._route
         if self._base_only or layer.disable_adapters or layer.merged or (route is None and self._single is None):
             return None
+        if products is not None and (route is not None or products[0] != self._single):
+            output, products = output.contiguous(), None  # products of another adapter: the usual way
         if route is None:  # one adapter, all rows (every decode step)
             if self._single not in layer.lora_A:
                 return None
-            return _add_lora(layer, (self._single,), layer.scaling[self._single], x, output)
+            return _add_lora(layer, (self._single,), layer.scaling[self._single], x, output,
+                             hidden=None if products is None else products[1])
         if x.shape[0] != self._route_rows:
             raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {self._route_rows}")
         names = tuple(name for name in self._route_names if name in layer.lora_A)
@@ -173,21 +178,34 @@ def _routed_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     would add nothing (no active adapter) but still copy the 4-bit output and check its arguments, per layer and
     per decode step, where decoding is bound by such per-call work. One function bound to each layer, not an
     object per layer: torch.compile then traces every layer's call alike (an object per layer is guarded by
-    its identity, and compiled layers would compile once per layer)."""
-    output = layer.base_layer(x, *args, **kwargs)
-    added = layer.__dict__[ROUTER]._add_routed_lora(layer, x, output)
-    return output if added is None else added
+    its identity, and compiled layers would compile once per layer). A decode's dense copy of the base layer
+    may give an adapter's LoRA-A products beside its output (`trainer.model.decode.DequantizedLinear`)."""
+    base = layer.base_layer
+    output = base(x, *args, **kwargs)
+    products = None
+    if getattr(base, "rows_for", None) is not None:
+        output, hidden = output.split([base.out_features, base.lora_rank], dim=-1)
+        products = (base.rows_for, hidden)
+    added = layer.__dict__[ROUTER]._add_routed_lora(layer, x, output, products)
+    if added is None:
+        return output if products is None else output.contiguous()
+    return added
 
 
 def _add_lora(layer, names: tuple[str, ...], scale, x: torch.Tensor, out: torch.Tensor,
-              groups: Optional[Route] = None) -> torch.Tensor:
+              groups: Optional[Route] = None, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`out` (the base layer's output for rows `x`) plus the LoRA outputs of adapters `names`: one adapter's with
     its scaling (a number), or the row `groups`' adapters' from ONE pair of matmuls over their stacked weights,
     `scale` (rows, 1, ranks) keeping each row's own adapter's LoRA-A columns, scaled, and zeroing the rest: per
     layer the same few kernels for any number of groups, where a loop over groups launches them per group.
     Without autograd (scoring, decoding) added into `out` in place, no copy. Cast as peft's own layers cast
     (its bitsandbytes layers cast the LoRA output to the result's dtype before adding; the plain one adds in
-    the wider dtype, then casts); the scaling multiplies the rank-wide products, not the output."""
+    the wider dtype, then casts); the scaling multiplies the rank-wide products, not the output. `hidden`: one
+    adapter's LoRA-A products made already, beside `out` in one tensor (a decode's dense copy, no autograd):
+    the sum is then a new, contiguous tensor."""
+    if hidden is not None:
+        delta = F.linear(hidden.mul_(scale), getattr(layer, COMPUTE_COPIES)[names[0]][1])
+        return out + delta.to(out.dtype)
     copies = getattr(layer, COMPUTE_COPIES, None)
     pair = copies.get(names[0]) if copies and groups is None and not torch.is_grad_enabled() else None
     if pair is not None:  # a decode's copies in the autocast dtype: the products autocast would give, no casts
