@@ -11,7 +11,6 @@ result folders.
 from __future__ import annotations
 
 import ast
-import json
 import os
 import re
 import subprocess
@@ -19,10 +18,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.processes import ROOT, revision_tree
-from foundation.cli import argument_parser, run
-from foundation.files import write_atomic
-from foundation.provenance import provenance
+from benchmarks.processes import main_at_revisions, revision_tree
+from foundation.cli import run
 
 FOLDERS = ("trainer", "profiling", "foundation", "benchmarks", "tests")
 LONG_DOCSTRING = 8
@@ -79,16 +76,7 @@ def markdown(data: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    parser = argument_parser("python -m benchmarks.code_size", __doc__.splitlines()[0])
-    parser.add_argument("revisions", nargs="+", help="git revisions, oldest first")
-    parser.add_argument("--out_dir", type=Path, default=ROOT / "benchmarks" / "results" / "code_size")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    command = "python -m benchmarks.code_size " + " ".join(args.revisions)
-    data = {**provenance(command=command), "revisions": [figures(r) for r in args.revisions]}
-    write_atomic(args.out_dir / "result.json", json.dumps(data, indent=2) + "\n")
-    write_atomic(args.out_dir / "README.md", markdown(data))
-    print(markdown(data))
-    return data
+    return main_at_revisions("code_size", __doc__, figures, markdown, argv)
 
 
 if __name__ == "__main__":

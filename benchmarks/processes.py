@@ -11,7 +11,7 @@ import tempfile
 from contextlib import contextmanager
 from io import BytesIO
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,6 +26,29 @@ def revision_tree(revision: str) -> Iterator[tuple[str, Path]]:
         with tarfile.open(fileobj=BytesIO(archive)) as tar:
             tar.extractall(scratch, filter="data")
         yield sha, Path(scratch)
+
+
+def main_at_revisions(name: str, doc: str, figures: Callable[[str], dict], markdown: Callable[[dict], str],
+                      argv: Optional[list[str]]) -> dict:
+    """The command line of a benchmark run at git revisions (`python -m benchmarks.NAME REV ...`): `figures`
+    of each, written to benchmarks/results/NAME/ (result.json, and README.md from `markdown`) and printed."""
+    import json
+    import sys
+
+    from foundation.cli import argument_parser
+    from foundation.files import write_atomic
+    from foundation.provenance import provenance
+
+    parser = argument_parser(f"python -m benchmarks.{name}", doc.splitlines()[0])
+    parser.add_argument("revisions", nargs="+", help="git revisions, oldest first")
+    parser.add_argument("--out_dir", type=Path, default=ROOT / "benchmarks" / "results" / name)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    command = f"python -m benchmarks.{name} " + " ".join(args.revisions)
+    data = {**provenance(command=command), "revisions": [figures(r) for r in args.revisions]}
+    write_atomic(args.out_dir / "result.json", json.dumps(data, indent=2) + "\n")
+    write_atomic(args.out_dir / "README.md", markdown(data))
+    print(markdown(data))
+    return data
 
 
 def run_stoppable(argv: list[str], timeout: Optional[float], **popen) -> Optional[int]:

@@ -84,6 +84,21 @@ def saved_head(folder: Path, hidden_size: int, seed: int = 0) -> str:
     return str(folder)
 
 
+def dense_copies_made(monkeypatch) -> list:
+    """Every dense copy of a 4-bit layer (`trainer.model.decode.DequantizedLinear`) made from now on, in order."""
+    from trainer.model import decode
+
+    made = []
+
+    class Made(decode.DequantizedLinear):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(decode, "DequantizedLinear", Made)
+    return made
+
+
 # The slowest files first: `make test` hands whole files to two workers in collection order, so a long
 # file that starts last would run on alone while the other worker idles.
 SLOW_FIRST = ("test_ppo_learning.py", "test_distributed.py", "test_gpu_kit.py", "test_resume.py",

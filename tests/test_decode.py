@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import dense_copies_made
 from test_shared_base import VOCAB, batch, perturbed_ppo_model, sft_adapter, tiny_args  # noqa: F401 (fixture)
 
 from foundation.cli import UsageError
@@ -389,14 +390,7 @@ def test_under_autocast_the_dense_copy_gives_the_lora_a_products_of_the_decoded_
             self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
             return func(*args, **(kwargs or {}))
 
-    made = []
-
-    class Made(decode_module.DequantizedLinear):
-        def __init__(self, *args):
-            super().__init__(*args)
-            made.append(self)
-
-    monkeypatch.setattr(decode_module, "DequantizedLinear", Made)
+    made = dense_copies_made(monkeypatch)
     ids, mask = batch(b=3, t=8)
     sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8, generation_weights="dequantized")
 
@@ -471,19 +465,11 @@ def test_a_rollout_makes_one_copy_and_records_it_as_generation_weights_in_genera
     from profiling.recorder import MemoryRecorder
     from profiling.shapes import load_shape
     from trainer.engine.phases import watching
-    from trainer.model import decode as decode_module
     from trainer.rl.rewards import Scorer
     from trainer.rl.rollout import make_rollout
     from trainer.rl.settings import RolloutArguments
 
-    made = []
-
-    class Counted(decode_module.DequantizedLinear):
-        def __init__(self, layer, *rows):
-            super().__init__(layer, *rows)
-            made.append(layer)
-
-    monkeypatch.setattr(decode_module, "DequantizedLinear", Counted)
+    made = dense_copies_made(monkeypatch)
     ids, mask = batch(b=4, t=6)
     args = RolloutArguments(max_new_tokens=3, min_new_tokens=3, rollout_micro_batch_size=2,
                             generation_weights="dequantized")

@@ -209,6 +209,8 @@ def test_on_cuda_under_autocast_the_dense_copy_s_lora_a_rows_decode_as_a_matmul_
     and token for the base and LoRA-A products), decoded compiled as CUDA graphs twice (the rows refreshed in
     place between rollouts, the policy moved in between): what the same decode gives with the LoRA-A
     products from their own matmul (`assert_same_greedy`)."""
+    from conftest import dense_copies_made
+
     import trainer.model.decode as decode_module
     from trainer.model.decode import Sampling, decode as run_decode, drop_resident_weights
     from trainer.model.shared_base import build_shared_model, stage_specs
@@ -229,14 +231,7 @@ def test_on_cuda_under_autocast_the_dense_copy_s_lora_a_rows_decode_as_a_matmul_
         drop_resident_weights(model.causal_lm)
         return out
 
-    made = []
-
-    class Made(decode_module.DequantizedLinear):
-        def __init__(self, *args):
-            super().__init__(*args)
-            made.append(self)
-
-    monkeypatch.setattr(decode_module, "DequantizedLinear", Made)
+    made = dense_copies_made(monkeypatch)
     fused = rollouts()
     assert made and all(m.lora_rank == 8 and m.rows_for is None for m in made)
     monkeypatch.setattr(decode_module, "_rows_for", lambda *a: 0)
