@@ -8,7 +8,9 @@ time. This counts the operations torch dispatches (views left out), forward, che
 per decoder layer: the difference between a 4-layer and a 2-layer Llama of the `tiny-llama` shape divided by
 two, so the count is what every layer of a 7B Llama adds. On the CPU, in bf16 under autocast, LoRA r 4 on
 every linear layer, gradient checkpointing on, no dropout (PPO's and GRPO's update); the base in bf16, not
-4-bit (bitsandbytes' CPU kernels are not CUDA's). A proxy for host time per pass, not a time.
+4-bit (bitsandbytes' CPU kernels are not CUDA's), except for decoding, which reads a dense copy of 4-bit
+weights (`--generation_weights dequantized`). A proxy for host time per pass, not a time; on a GPU a matmul
+may launch more than one kernel (a split-K GEMM and its reduction).
 
 Each revision runs from its own `git archive` tree, in a process of its own.
 """
@@ -65,16 +67,35 @@ def counts(layers, head):
         out[name] = count.launched
     return out
 
+def decode_counts(layers):
+    from trainer.model.decode import Sampling, decode
+    args = ModelArguments(model_name_or_path="tiny-llama", preset_overrides=f"num_hidden_layers={layers}",
+                          quantization="nf4", lora_r=4, lora_alpha=8, lora_dropout=0.0)
+    torch.manual_seed(0)
+    model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=512)
+    ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
+    sampling = Sampling(max_new_tokens=TOKENS, min_new_tokens=TOKENS, temperature=0, decode="eager",
+                        generation_weights="dequantized")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        decode(model, ids, torch.ones_like(ids), sampling, 1, 0)
+        with Count() as count:
+            decode(model, ids, torch.ones_like(ids), sampling, 1, 0)
+    return count.launched
+
+TOKENS = 8  # the prompt's forward and 7 steps
 folder = Path(tempfile.mkdtemp())
 ScalarHead(64).save(folder / HEAD_FILE)
 two, four = counts(2, str(folder)), counts(4, str(folder))
-print(json.dumps({name: (four[name] - two[name]) // 2 for name in two}))
+per_layer = {name: (four[name] - two[name]) // 2 for name in two}
+per_layer["decode_token"] = (decode_counts(4) - decode_counts(2)) // (2 * TOKENS)
+print(json.dumps(per_layer))
 '''
 
 PASSES = {"ppo_update": "PPO update: policy and value rows, one routed pass, forward + recompute + backward",
           "grpo_update": "GRPO update: policy rows, forward + recompute + backward",
           "ppo_scoring": "PPO scoring: reference, value and reward rows, one routed pass, no grad",
-          "grpo_scoring": "GRPO scoring: reference and reward rows, one routed pass, no grad"}
+          "grpo_scoring": "GRPO scoring: reference and reward rows, one routed pass, no grad",
+          "decode_token": "decoding: one forward per token from the dense copy of a 4-bit base, 4 rows, eager"}
 
 
 def figures(revision: str) -> dict:
