@@ -46,8 +46,9 @@ def _mask_bytes(spec: ForwardSpec) -> int:
     return 1 if spec.device == "cuda" else LORA_BYTES
 
 
-def layer_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) -> int:
-    """Bytes one decoder layer saves for backward, per token, with a trainable adapter active."""
+def layer_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int, groups: int = 1) -> int:
+    """Bytes one decoder layer saves for backward, per token, with a trainable adapter active; in a routed pass of
+    `groups` adapters each token's LoRA-A products span all their ranks (trainer.model.routing)."""
     h, a, r = shape.hidden_size, spec.dtype_bytes, spec.lora_rank
     norms = 2 * (4 * h + 4)
     targets = lora_targets(shape, spec.lora_targets)
@@ -58,7 +59,7 @@ def layer_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) ->
         inputs = _shared_inputs(shape, spec, width)
     else:  # each LoRA layer's own cast of its input to the LoRA weights' dtype
         inputs = LORA_BYTES * sum(n_in for _, n_in, _ in targets)
-    return norms + inputs + sum(width * r for _ in targets) + _attention_and_mlp(shape, spec, seq_len)
+    return norms + inputs + sum(width * r * groups for _ in targets) + _attention_and_mlp(shape, spec, seq_len)
 
 
 def _shared_inputs(shape: ModelShape, spec: ForwardSpec, width: int) -> int:
@@ -83,9 +84,10 @@ def first_layer_savings_per_token(shape: ModelShape, spec: ForwardSpec) -> int:
     return 4 * shape.hidden_size + 4 + (_mask_bytes(spec) * masks if spec.lora_dropout else 0)
 
 
-def _all_layers_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) -> int:
+def _all_layers_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int, groups: int = 1) -> int:
     """Every layer's saved tensors, the final RMSNorm's fp32 input and RoPE's cos/sin, per token."""
-    return (shape.num_layers * layer_saved_per_token(shape, spec, seq_len) - first_layer_savings_per_token(shape, spec)
+    return (shape.num_layers * layer_saved_per_token(shape, spec, seq_len, groups)
+            - first_layer_savings_per_token(shape, spec)
             + 4 * shape.hidden_size + 4 + 2 * spec.dtype_bytes * shape.head_dim)
 
 
@@ -167,13 +169,17 @@ def head_inputs(shape: ModelShape, spec: ForwardSpec, tokens: int, positions: in
 
 
 def lora_weight_casts(shape: ModelShape, spec: ForwardSpec, adapters: int = 1) -> int:
-    """Autocast's compute-dtype copies of the trainable LoRA weights (none without autocast or in fp32). One
-    adapter's are cached from their first use in the forward until autocast exits after the backward; a
-    routed pass of several multiplies their stacked weights (trainer.model.routing), no leaves autocast
-    caches: each layer's casts are made anew and saved with its other tensors (`training_parts`)."""
+    """The LoRA weights' copies a training pass holds. One adapter's: autocast's compute-dtype casts, cached from
+    their first use in the forward until autocast exits after the backward (none without autocast or in fp32).
+    A routed pass of several multiplies their stacked weights (trainer.model.routing), which every layer's
+    matmuls save, in the compute dtype under autocast, else in fp32: all layers' at once without
+    checkpointing, one layer's at a time with it (`training_parts`)."""
+    if adapters > 1:
+        return adapters * (spec.dtype_bytes if spec.casts_lora else LORA_BYTES) * \
+            sum(lora_tensor_sizes(shape, spec.lora_rank, spec.lora_targets))
     if not spec.casts_lora:
         return 0
-    return adapters * spec.dtype_bytes * sum(lora_tensor_sizes(shape, spec.lora_rank, spec.lora_targets))
+    return spec.dtype_bytes * sum(lora_tensor_sizes(shape, spec.lora_rank, spec.lora_targets))
 
 
 def training_parts(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int,
@@ -188,13 +194,13 @@ def training_parts(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: i
     L, h, a = shape.num_layers, shape.hidden_size, spec.dtype_bytes
     casts = lora_weight_casts(shape, spec, adapters)
     temporaries = tokens * layer_backward_temporaries_per_token(shape, spec) + dequantized_weight_bytes(shape, spec)
-    saved = tokens * layer_saved_per_token(shape, spec, seq_len)
+    saved = tokens * layer_saved_per_token(shape, spec, seq_len, adapters)
     if spec.checkpointing:
         kept, layer = tokens * (L * a * h + 4 * h + 4), saved + temporaries  # the final norm is not checkpointed
-        if adapters > 1:  # routed: the casts of the layer recomputed, not all layers' cached
+        if adapters > 1:  # routed: the stacked weights of the layer recomputed, not all layers'
             layer, casts = layer + casts // L, 0
     else:
-        kept, layer = tokens * _all_layers_saved_per_token(shape, spec, seq_len), temporaries
+        kept, layer = tokens * _all_layers_saved_per_token(shape, spec, seq_len, adapters), temporaries
     if not spec.offload:
         return kept + casts, layer, 0
     # back on the device: one layer's input (the head's hidden states first), without checkpointing its saves
