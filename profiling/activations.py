@@ -92,12 +92,13 @@ def _all_layers_saved_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: i
 
 
 def layer_backward_temporaries_per_token(shape: ModelShape, spec: ForwardSpec) -> int:
-    """Gradients alive inside one layer's backward (approximate): the MLP's, the largest ones - at down_proj's
-    backward the input's gradient through the base weight, through the LoRA path and their sum, and where the
-    compute dtype is narrower than the LoRA weights the LoRA path's fp32 gradient before its cast back. (The
-    LoRA scaling multiplies rank-wide outputs, trainer.model.routing: no scaled copy of the output's gradient.)"""
+    """Gradients alive inside one layer's backward, beyond its saved tensors (approximate): the MLP's, the largest
+    ones - at down_proj's backward the input's gradient through the base weight, through the LoRA path and their
+    sum, by when down_proj's saved input is freed (three tensors of its size for one), and where the compute
+    dtype is narrower than the LoRA weights the LoRA path's fp32 gradient before its cast back. (The LoRA
+    scaling multiplies rank-wide outputs, trainer.model.routing: no scaled copy of the output's gradient.)"""
     i, a = shape.intermediate_size, spec.dtype_bytes
-    return (3 * a + (LORA_BYTES if a < LORA_BYTES else 0)) * i
+    return (2 * a + (LORA_BYTES if a < LORA_BYTES else 0)) * i
 
 
 def dequantized_weight_bytes(shape: ModelShape, spec: ForwardSpec) -> int:
