@@ -171,10 +171,12 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
 
 def decode_lora_bytes(shape: ModelShape, args: EstimateArguments) -> int:
     """The policy's LoRA weights copied into the autocast dtype for a rollout's decoding
-    (trainer.model.decode.lora_compute_copies); none without mixed precision."""
+    (trainer.model.decode.lora_compute_copies): lora_B, and lora_A unless a dense copy of the base holds it
+    (`generation_weight_bytes`); none without mixed precision."""
     if args.stage not in ("ppo", "grpo") or args.autocast_dtype not in ("bf16", "fp16"):
         return 0
-    return 2 * sum(lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules))
+    sizes = lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules)
+    return 2 * sum(sizes[1::2] if args.generation_weights in ("resident", "dequantized") else sizes)
 
 
 def generation_weight_bytes(shape: ModelShape, dtype_bytes: int, args: Optional[EstimateArguments] = None) -> int:
@@ -273,7 +275,9 @@ def _transient_phases(shape: ModelShape, args: EstimateArguments, spec: A.Forwar
     lora_copies = decode_lora_bytes(shape, args)
     if args.decode != "compiled" and lora_copies:  # the LoRA copies: this decode's only
         generate_held[C.GENERATION_WEIGHTS] = generate_held.get(C.GENERATION_WEIGHTS, 0) + lora_copies
-    generate_moments = [{C.ACTIVATIONS: A.nograd_activations(shape, spec, rows * args.max_prompt_length,
+    # the prompt's forward reads the dense copy where there is one: no 4-bit weight dequantized on the way
+    prefill = replace(spec, nf4=spec.nf4 and args.generation_weights not in ("resident", "dequantized"))
+    generate_moments = [{C.ACTIVATIONS: A.nograd_activations(shape, prefill, rows * args.max_prompt_length,
                                                              args.max_prompt_length)}, {C.LOGITS: step_logits}]
     groups = len(adapters(args)) - 1  # the policy's log-probs come from sampling
     # The scoring pass runs every adapter but the policy; only the reference gives log-probs (beta 0 and
@@ -315,7 +319,9 @@ def estimate(shape: ModelShape, args: EstimateArguments) -> dict:
     for name, held, moments, host in _transient_phases(shape, args, spec, res["trainable"]):
         # the components at the phase's peak moment; each term's own peak in the phase beside them
         term_peaks = {k: max(_merged(held, m).get(k, 0) for m in moments) for k in _merged(held, *moments)}
-        comps = {**res["components"], **dict.fromkeys(term_peaks, 0), **_merged(held, max(moments, key=C.total))}
+        # a phase's own bytes add to the resident ones (generation_weights: a rollout's dense copy beside the
+        # compiled step's kept LoRA copies, or an eager decode's LoRA copies beside a resident dense copy)
+        comps = _merged(res["components"], dict.fromkeys(term_peaks, 0), held, max(moments, key=C.total))
         allocated = C.total(comps)
         comps[C.ALLOCATOR_OVERHEAD] = int(args.allocator_overhead * allocated)
         comps[C.CUDA_CONTEXT] = int(args.cuda_context_gib * C.GIB) if args.device == "cuda" else 0

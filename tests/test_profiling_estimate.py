@@ -326,7 +326,8 @@ def test_the_estimate_command_reads_the_scorer_off_the_reward_adapter_named_as_a
 
 def test_a_dense_copy_of_the_4bit_weights_weighs_on_the_generate_phase_or_on_every_phase():
     """generation_weights: `dequantized` holds the copy (every linear layer in the compute dtype) through the
-    generate phase only, `resident` in every phase; a base not in 4 bits, or auto, has none."""
+    generate phase only, `resident` in every phase; a base not in 4 bits, or auto, has none. With a copy the
+    prompt's forward dequantizes no 4-bit weight."""
     from profiling.predict import generation_weight_bytes
 
     shape = load_shape("llama-2-7b")
@@ -338,7 +339,8 @@ def test_a_dense_copy_of_the_4bit_weights_weighs_on_the_generate_phase_or_on_eve
               for w in ("quantized", "dequantized", "resident", "auto")}
     for name, phase in phases["quantized"].items():
         grown = phases["dequantized"][name]["peak_allocated"] - phase["peak_allocated"]
-        assert grown == (copy if name == "generate" else 0), name
+        dequantized = 2 * max(a * b for _, a, b in shape.linears())  # the prefill's, when it is the phase's peak
+        assert grown == (copy - dequantized if name == "generate" else 0), name
         assert phases["resident"][name]["components"][C.GENERATION_WEIGHTS] == copy
         assert phases["auto"][name] == phase
     none = estimate(shape, replace(args, quantization="none", generation_weights="resident"))
@@ -519,3 +521,22 @@ def test_every_phase_holds_the_peak_phase_s_device_memory():
     assert {p["device_total"] for p in est["phases"]} == {est["peak_bytes"]}
     assert len({p["total"] for p in est["phases"]}) == len(est["phases"])
     assert next(p for p in est["phases"] if p["phase"] == est["peak_phase"])["total"] == est["peak_bytes"]
+
+
+@pytest.mark.parametrize("decode, weights", [("compiled", "dequantized"), ("eager", "resident")])
+def test_a_dense_copy_holds_the_policy_s_lora_a_and_adds_to_the_lora_copies_decoding_holds(decode, weights):
+    """Under mixed precision a dense copy has rows for the policy's LoRA-A (trainer.model.decode.DequantizedLinear)
+    and a decode copies lora_B alone; in generate the copy adds to those copies, whichever phase holds which
+    (the compiled step keeps its copies in every phase, a resident copy is in every phase)."""
+    from profiling.predict import decode_lora_bytes, generation_weight_bytes
+    from profiling.shapes import lora_tensor_sizes
+
+    shape = load_shape("llama-2-7b")
+    args = EstimateArguments(stage="grpo", rollout_batch_size=4, num_generations=4, rollout_micro_batch_size=16,
+                             generation_weights=weights, decode=decode, mixed_precision="bf16")
+    sizes = lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules)
+    copy, lora = generation_weight_bytes(shape, 2, args), decode_lora_bytes(shape, args)
+    assert copy == 2 * (shape.linear_params() + sum(sizes[::2])) and lora == 2 * sum(sizes[1::2]) > 0
+    held = {p["phase"]: p["components"].get(C.GENERATION_WEIGHTS, 0) for p in estimate(shape, args)["phases"]}
+    assert held["generate"] == copy + lora
+    assert held["score"] == (lora if decode == "compiled" else copy)

@@ -363,9 +363,10 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
     computes in (bf16 under mixed precision): the very values autocast casts the fp32 weights to at every step
     (two small kernels per LoRA layer and step), cast once per decode. `keep` (a compiled step, whose CUDA
     graphs read fixed addresses): made once per model, adapter and dtype and refreshed in place; else made
-    here and freed after. A dense copy of the base layer with room for them gets the A copy in its rows
-    (`DequantizedLinear`). Without autocast, with weights in its dtype already, or where peft's own layers add
-    the LoRA outputs (a model that cannot route: `trainer.model.routing`), nothing changes."""
+    here and freed after. A dense copy of the base layer with room for it holds the A copy in its rows
+    (`DequantizedLinear`), none of its own. Without autocast, with weights in its dtype already, or where
+    peft's own layers add the LoRA outputs (a model that cannot route: `trainer.model.routing`), nothing
+    changes."""
     if not torch.is_autocast_enabled(device_type) or not getattr(model, "routable", False):
         yield
         return
@@ -375,49 +376,50 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
     if not layers:
         yield
         return
+    rows = [_rows_of(layer.base_layer, layer.lora_A[adapter].weight.shape[0], dtype) for layer in layers]
     held = _LORA_COPIES.setdefault(model, {}) if keep else {}
-    copies = held.get((adapter, dtype))
+    copies = held.setdefault((adapter, dtype), [[None, None] for _ in layers])
     with torch.no_grad():
-        if copies is None:
-            copies = held[(adapter, dtype)] = [
-                tuple(m.weight.detach().to(dtype) for m in (layer.lora_A[adapter], layer.lora_B[adapter]))
-                for layer in layers]
-            if keep:  # static inputs of the compiled step, as parameters are: its CUDA graphs read them in place
-                for pair in copies:
-                    for tensor in pair:
-                        torch._dynamo.mark_static_address(tensor)
-        else:
-            for layer, (a, b) in zip(layers, copies):
-                a.copy_(layer.lora_A[adapter].weight)
-                b.copy_(layer.lora_B[adapter].weight)
-    rows = []  # dense copies with room for this adapter's LoRA-A rows: filled, one matmul gives both products
-    for layer, pair in zip(layers, copies):
+        for layer, pair, room in zip(layers, copies, rows):
+            for i, source in enumerate((layer.lora_A[adapter].weight, layer.lora_B[adapter].weight)):
+                if i == 0 and room is not None:  # the dense copy holds A: no copy of its own
+                    room.copy_(source)
+                elif pair[i] is None:
+                    pair[i] = source.detach().to(dtype)
+                    if keep:  # static inputs of the compiled step, as parameters are: its CUDA graphs read them in place
+                        torch._dynamo.mark_static_address(pair[i])
+                else:
+                    pair[i].copy_(source)
+    for layer, pair, room in zip(layers, copies, rows):
         if getattr(layer, COMPUTE_COPIES, None) is None:
             setattr(layer, COMPUTE_COPIES, {})
-        getattr(layer, COMPUTE_COPIES)[adapter] = pair
-        base = layer.base_layer
-        if isinstance(base, DequantizedLinear) and base.lora_rank == pair[0].shape[0] and base.weight.dtype == dtype:
-            with torch.no_grad():
-                base.weight[base.out_features :].copy_(pair[0])
-            base.rows_for = adapter
-            rows.append(base)
+        getattr(layer, COMPUTE_COPIES)[adapter] = (pair[0] if room is None else room, pair[1])
+        if room is not None:
+            layer.base_layer.rows_for = adapter
     _list_copies(model, () if keep else copies)
     try:
         yield
     finally:
-        for layer in layers:
+        for layer, room in zip(layers, rows):
             getattr(layer, COMPUTE_COPIES).pop(adapter, None)
-        for base in rows:
-            base.rows_for = None
+            if room is not None:
+                layer.base_layer.rows_for = None
         if not keep:
             _list_copies(model)
+
+
+def _rows_of(base: nn.Module, rank: int, dtype: torch.dtype):
+    """The rows of a decode's dense copy `base` that can hold a rank-`rank` LoRA-A in `dtype`, or None."""
+    if isinstance(base, DequantizedLinear) and base.lora_rank == rank and base.weight.dtype == dtype:
+        return base.weight[base.out_features :]
+    return None
 
 
 def _list_copies(model, passing: Sequence[tuple] = ()) -> None:
     """Name the LoRA copies alive - the kept ones, and `passing` while a decode holds them - where the memory
     recorder counts them (as generation_weights)."""
     kept = [pair for pairs in _LORA_COPIES.get(model, {}).values() for pair in pairs]
-    setattr(model.causal_lm, HELD_DECODE_LORA, [t for pair in (*kept, *passing) for t in pair])
+    setattr(model.causal_lm, HELD_DECODE_LORA, [t for pair in (*kept, *passing) for t in pair if t is not None])
 
 
 @torch.no_grad()
