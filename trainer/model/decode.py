@@ -242,21 +242,22 @@ class DequantizedLinear(nn.Module):
     output back to the input's), so the same values come out.
 
     `lora_rank` > 0 leaves that many rows under the matrix for the LoRA-A weights of the adapter a decode
-    multiplies (`lora_rows`): while they are filled (`rows_for` names the adapter) one matmul gives the base
-    output and the LoRA-A products side by side, the last `lora_rank` columns, where a separate small matmul
-    would launch for each (a split-K GEMM and its reduction on a GPU, per layer and token)."""
+    multiplies (`lora_compute_copies` fills them): while `rows_for` names that adapter one matmul gives the
+    base output and the LoRA-A products side by side, the last `lora_rank` columns, where a separate small
+    matmul would launch for each (a split-K GEMM and its reduction on a GPU, per layer and token)."""
 
     def __init__(self, layer: nn.Module, lora_rank: int = 0):
         import bitsandbytes.functional as bnbf
 
         super().__init__()
-        dtype = layer.compute_dtype or layer.weight.quant_state.dtype
-        dense = bnbf.dequantize_4bit(layer.weight.data, layer.weight.quant_state).to(dtype)
-        self.out_features, self.lora_rank, self.rows_for = dense.shape[0], lora_rank, None
-        if lora_rank:
-            dense = torch.cat([dense, dense.new_zeros(lora_rank, dense.shape[1])])
+        state = layer.weight.quant_state
+        dtype = layer.compute_dtype or state.dtype
+        (self.out_features, in_features), self.lora_rank, self.rows_for = state.shape, lora_rank, None
+        weight = torch.empty(self.out_features + lora_rank, in_features, dtype=dtype, device=layer.weight.device)
+        weight[self.out_features :].zero_()
+        weight[: self.out_features] = bnbf.dequantize_4bit(layer.weight.data, state)  # its CPU ops have no out=
         # buffers, so that a compiled step reads them as inputs rather than baking them in
-        self.register_buffer("weight", dense, persistent=False)
+        self.register_buffer("weight", weight, persistent=False)
         bias = None if layer.bias is None else layer.bias.detach().to(dtype)
         self.register_buffer("bias", bias, persistent=False)
         self.register_buffer("rows_bias", None if bias is None or not lora_rank else
