@@ -111,10 +111,11 @@ def dequantized_weight_bytes(shape: ModelShape, spec: ForwardSpec) -> int:
 def nograd_layer_per_token(shape: ModelShape, spec: ForwardSpec, seq_len: int) -> int:
     """Peak temporaries of one layer in a forward without autograd (approximate): the residual
     stream plus the larger of the attention block and the MLP block, with their fp32 norm copy
-    and the LoRA input's fp32 cast (none in fp32)."""
+    and the LoRA input's fp32 cast (none in fp32, nor under autocast, where the input goes into the LoRA
+    matmuls as it is: trainer.model.routing)."""
     h, i, a = shape.hidden_size, shape.intermediate_size, spec.dtype_bytes
     n_h, n_kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    cast = LORA_BYTES if a < LORA_BYTES else 0  # in fp32 the LoRA input is the input itself
+    cast = LORA_BYTES if a < LORA_BYTES and not spec.autocast else 0
     attention = 4 * h + a * (h + 2 * n_h * d + 2 * n_kv * d) + cast * h
     if spec.attention == "eager":
         attention += 6 * n_h * seq_len
