@@ -169,11 +169,16 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
     return {"components": parts, "trainable": trainable, "optimizer": opt, "dtype_bytes": a}
 
 
+def _decodes_under_autocast(args: EstimateArguments) -> bool:
+    """Whether the run's rollouts decode under mixed precision (trainer.model.decode.lora_compute_copies)."""
+    return args.stage in ("ppo", "grpo") and args.autocast_dtype in ("bf16", "fp16")
+
+
 def decode_lora_bytes(shape: ModelShape, args: EstimateArguments) -> int:
     """The policy's LoRA weights copied into the autocast dtype for a rollout's decoding
     (trainer.model.decode.lora_compute_copies): lora_B, and lora_A unless a dense copy of the base holds it
     (`generation_weight_bytes`); none without mixed precision."""
-    if args.stage not in ("ppo", "grpo") or args.autocast_dtype not in ("bf16", "fp16"):
+    if not _decodes_under_autocast(args):
         return 0
     sizes = lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules)
     return 2 * sum(sizes[1::2] if args.generation_weights in ("resident", "dequantized") else sizes)
@@ -183,7 +188,7 @@ def generation_weight_bytes(shape: ModelShape, dtype_bytes: int, args: Optional[
     """The dense copy of every 4-bit linear layer in the compute dtype (trainer.model.decode.generation_weights);
     with `args` of a run that decodes under mixed precision, also the rows under each LoRA target's matrix
     that hold the policy's LoRA-A weights (trainer.model.decode.DequantizedLinear)."""
-    rows = 0 if args is None or not decode_lora_bytes(shape, args) else \
+    rows = 0 if args is None or not _decodes_under_autocast(args) else \
         sum(lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules)[::2])
     return (shape.linear_params() + rows) * dtype_bytes
 

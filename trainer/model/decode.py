@@ -380,17 +380,22 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
     rows = [_rows_of(layer.base_layer, layer.lora_A[adapter].weight.shape[0], dtype) for layer in layers]
     held = _LORA_COPIES.setdefault(model, {}) if keep else {}
     copies = held.setdefault((adapter, dtype), [[None, None] for _ in layers])
+    def refreshed(copy, source: torch.Tensor) -> torch.Tensor:
+        if copy is None:
+            copy = source.detach().to(dtype)
+            if keep:  # static inputs of the compiled step, as parameters are: its CUDA graphs read them in place
+                torch._dynamo.mark_static_address(copy)
+        else:
+            copy.copy_(source)
+        return copy
+
     with torch.no_grad():
         for layer, pair, room in zip(layers, copies, rows):
-            for i, source in enumerate((layer.lora_A[adapter].weight, layer.lora_B[adapter].weight)):
-                if i == 0 and room is not None:  # the dense copy holds A: no copy of its own
-                    room.copy_(source)
-                elif pair[i] is None:
-                    pair[i] = source.detach().to(dtype)
-                    if keep:  # static inputs of the compiled step, as parameters are: its CUDA graphs read them in place
-                        torch._dynamo.mark_static_address(pair[i])
-                else:
-                    pair[i].copy_(source)
+            if room is not None:  # the dense copy holds A: no copy of its own
+                room.copy_(layer.lora_A[adapter].weight)
+            else:
+                pair[0] = refreshed(pair[0], layer.lora_A[adapter].weight)
+            pair[1] = refreshed(pair[1], layer.lora_B[adapter].weight)
     for layer, pair, room in zip(layers, copies, rows):
         if getattr(layer, COMPUTE_COPIES, None) is None:
             setattr(layer, COMPUTE_COPIES, {})

@@ -111,13 +111,15 @@ class Routing:
             key = (names, tuple(layer.scaling[n] for n in names), device)
             if key in scales:
                 continue
-            ranks = [layer.lora_A[n].weight.shape[0] for n in names]
-            table = torch.zeros(self._route_rows, 1, sum(ranks))
+            columns, end = {}, 0  # each adapter's LoRA-A columns in the stacked product
+            for name in names:
+                columns[name] = slice(end, end + layer.lora_A[name].weight.shape[0])
+                end = columns[name].stop
+            table = torch.zeros(self._route_rows, 1, end)
             start = 0
             for name, rows in route:
-                if name in names:
-                    col = sum(ranks[: names.index(name)])
-                    table[start : start + rows, :, col : col + ranks[names.index(name)]] = layer.scaling[name]
+                if name in columns:
+                    table[start : start + rows, :, columns[name]] = layer.scaling[name]
                 start += rows
             scales[key] = table.to(device)
         return scales
@@ -182,10 +184,10 @@ def _routed_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     may give an adapter's LoRA-A products beside its output (`trainer.model.decode.DequantizedLinear`)."""
     base = layer.base_layer
     output = base(x, *args, **kwargs)
-    products = None
-    if getattr(base, "rows_for", None) is not None:
+    products, rows_for = None, base.__dict__.get("rows_for")  # a dict lookup: a missing attribute raises inside
+    if rows_for is not None:
         output, hidden = output.split([base.out_features, base.lora_rank], dim=-1)
-        products = (base.rows_for, hidden)
+        products = (rows_for, hidden)
     added = layer.__dict__[ROUTER]._add_routed_lora(layer, x, output, products)
     if added is None:
         return output if products is None else output.contiguous()
