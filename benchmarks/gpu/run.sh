@@ -22,6 +22,16 @@ PY=${PYTHON:-python3}
 if [[ ${#smoke[@]} -eq 0 && -d .whl ]]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
+  # the project's pins of what the image has in other versions (prepare.sh: benchmarks/gpu/wheels.py), ahead of
+  # the image's own; where they do not import with the image's other libraries, the image's own run instead
+  if ls .whl/pinned/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/pinned .whl/pinned/*.whl
+    if PYTHONPATH=/tmp/pinned:$PYTHONPATH "$PY" -c "import transformers, peft, tokenizers; from transformers import AutoModelForCausalLM" 2>/tmp/pinned.err; then
+      export PYTHONPATH=/tmp/pinned:$PYTHONPATH
+    else
+      echo "the pinned wheels in .whl/pinned do not import here ($(tail -1 /tmp/pinned.err)); the image's own versions run" >&2
+    fi
+  fi
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
