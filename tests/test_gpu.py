@@ -173,11 +173,11 @@ def test_old_logprobs_read_while_sampling_on_cuda_equal_a_policy_scoring_pass(tm
 
 @pytest.mark.parametrize("decode", ["eager", "compiled"])
 def test_a_dense_copy_of_the_nf4_weights_decodes_as_the_4bit_layers_do_on_cuda(decode):
-    """--generation_weights on CUDA: a dense copy multiplies the values the training forward multiplies
-    (bitsandbytes dequantizes the NF4 weight when a gradient is wanted; without one it runs its fused 4-bit
-    kernel, which rounds differently), so decoding 4 rows from it gives the tokens of decoding from the NF4
-    weights and their log-probs to bf16 rounding; a resident copy serves the next rollout, compiled as CUDA
-    graphs, and the model holds its 4-bit layers again after each."""
+    """--generation_weights on CUDA: a dense copy multiplies the values bitsandbytes' 4-bit matmul multiplies
+    where it dequantizes the NF4 weight (past 1536 rows, on any GPU; for fewer it picks fused kernels per
+    architecture, which sum in another order), so decoding 4 rows from it gives the tokens of decoding from
+    the NF4 weights and their log-probs to bf16 rounding; a resident copy serves the next rollout, compiled
+    as CUDA graphs, and the model holds its 4-bit layers again after each."""
     from bitsandbytes.nn import Linear4bit
 
     from trainer.model.decode import DequantizedLinear, Sampling, decode as run_decode, drop_resident_weights
@@ -200,8 +200,8 @@ def test_a_dense_copy_of_the_nf4_weights_decodes_as_the_4bit_layers_do_on_cuda(d
         torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=2e-2)
     for got in runs["resident"]:  # the same values in a copy made once or per rollout
         torch.testing.assert_close(got.logprobs, runs["dequantized"][0].logprobs, rtol=0, atol=1e-5)
-    x = torch.randn(3, layers[0].in_features, device=cuda(), dtype=torch.bfloat16, requires_grad=True)
-    torch.testing.assert_close(DequantizedLinear(layers[0])(x), layers[0](x))  # bf16's default tolerances
+    x = torch.randn(2048, layers[0].in_features, device=cuda(), dtype=torch.bfloat16, requires_grad=True)
+    assert torch.equal(DequantizedLinear(layers[0])(x), layers[0](x))  # bitsandbytes: dequantize, F.linear
 
 
 def test_on_cuda_under_autocast_the_dense_copy_s_lora_a_rows_decode_as_a_matmul_of_their_own(monkeypatch):
@@ -262,7 +262,9 @@ def test_the_compiled_step_compiles_its_layers_as_one_region_on_cuda_as_the_whol
 @pytest.mark.parametrize("decode", ["eager", "compiled"])
 def test_under_bf16_autocast_on_cuda_the_lora_copies_decode_the_tokens_autocast_s_casts_give(decode, monkeypatch):
     """A rollout on CUDA runs under the run's bf16 autocast: the decode multiplies bf16 copies of the policy's
-    LoRA weights (kept for the compiled step's CUDA graphs) and samples what autocast's per-step casts give."""
+    LoRA weights (kept for the compiled step's CUDA graphs; the LoRA-A ones as rows of the dense copy, whose
+    one matmul sums in another order than a matmul of their own) and samples the tokens autocast's per-step
+    casts give, their log-probs to bf16 rounding."""
     from contextlib import nullcontext
 
     from trainer.model import decode as module
@@ -283,7 +285,7 @@ def test_under_bf16_autocast_on_cuda_the_lora_copies_decode_the_tokens_autocast_
         want = run()
     module.drop_resident_weights(model.causal_lm)
     assert torch.equal(got.tokens, want.tokens)
-    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-3)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=2e-2)
 
 
 def test_the_recorder_fills_its_cuda_allocator_and_nvml_fields():
@@ -356,7 +358,9 @@ def test_offloaded_activations_on_cuda_lower_the_peak_by_the_kept_inputs_and_kee
     """--offload_activations on CUDA: every input checkpointing keeps goes to the host (each layer's, the
     final norm's), and a checkpointed training pass's peak allocated drops by about the other layers' inputs:
     the peak is the first layer the backward recomputes, by which time the final norm's input is freed in both
-    passes and that layer's own input is back on the card. The gradients agree with the pass that kept them."""
+    passes and that layer's own input is back on the card. The gradients agree with the pass that kept them
+    to bf16 rounding (the attention's backward on CUDA sums in no fixed order, so two runs differ that much
+    anyway; an input brought back wrong would be off by its whole size)."""
     from trainer.model.offload import SavedToHost
     from trainer.model.shared_base import AdapterSpec, build_shared_model
 
@@ -382,8 +386,9 @@ def test_offloaded_activations_on_cuda_lower_the_peak_by_the_kept_inputs_and_kee
     inputs = b * t * (layers * 2 * h + 4 * h + 4)  # bf16 layer inputs, the final norm's fp32 input and rsqrt
     assert offloader.bytes >= inputs
     assert kept_peak - moved_peak > 0.8 * (layers - 1) * b * t * 2 * h, (kept_peak, moved_peak)
+    assert any(y.norm() > 0 for y in kept_grads)
     for x, y in zip(kept_grads, moved_grads):
-        torch.testing.assert_close(x, y, rtol=1e-2, atol=1e-3)
+        assert (x - y).norm() <= 1e-2 * y.norm(), ((x - y).norm(), y.norm())
 
 
 @pytest.mark.parametrize("decode", ["eager", "compiled"])
