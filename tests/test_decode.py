@@ -283,7 +283,8 @@ def test_under_autocast_the_lora_products_multiply_copies_in_its_dtype_to_the_sa
             first.add_(0.5)
         address = held[0].data_ptr()
         run()
-        assert held[0].data_ptr() == address and torch.equal(held[0], first.detach().to(torch.bfloat16))
+        scaling = layers[0].scaling["policy"]  # LoRA-A copied scaled: no step scales its products
+        assert held[0].data_ptr() == address and torch.equal(held[0], (first.detach() * scaling).to(torch.bfloat16))
         with torch.no_grad():
             first.sub_(0.5)
         got = run()
@@ -292,6 +293,45 @@ def test_under_autocast_the_lora_products_multiply_copies_in_its_dtype_to_the_sa
         want = run()
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0)
+
+
+def test_under_autocast_the_lora_a_copies_hold_the_scaling_so_no_step_multiplies_by_it(monkeypatch):
+    """The copies a decode multiplies hold LoRA-A times the adapter's scaling: per LoRA layer and token one
+    multiplication fewer than scaling the products, and, the scaling a power of two (alpha/r = 2 here), the
+    same tokens and log-probs bit for bit."""
+    from contextlib import nullcontext
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer.model import decode as module
+
+    class Multiplications(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func._schema.name in ("aten::mul", "aten::mul_")
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    tiny = build_shared_model(tiny_args(dtype="bfloat16"), [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
+    with torch.no_grad():
+        for p in tiny.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    layers = [layer for layer in tiny.lora_layers if "policy" in layer.lora_A]
+    assert {layer.scaling["policy"] for layer in layers} == {2.0}
+    ids, mask = batch(b=2, t=8)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16), Multiplications() as counted:
+            return decode(tiny, ids, mask, greedy(6, "eager"), eos_id=VOCAB + 1, pad_id=0), counted.count
+
+    got, multiplications = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "lora_compute_copies", lambda *args, **kwargs: nullcontext())
+        want, scaled_apart = run()
+    # scaling the products at the prefill and 5 steps, against scaling each LoRA-A copy once per decode
+    assert scaled_apart - multiplications == len(layers) * 6 - len(layers)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
 
 
 def test_decoding_runs_the_policy_in_eval_mode_and_restores_train_mode(sft_adapter):

@@ -361,8 +361,10 @@ def _dense(weight: torch.Tensor) -> bool:
 @contextmanager
 def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> Iterator[None]:
     """The body's LoRA products of `adapter` multiply copies of its weights in the autocast dtype the rollout
-    computes in (bf16 under mixed precision): the very values autocast casts the fp32 weights to at every step
-    (two small kernels per LoRA layer and step), cast once per decode. `keep` (a compiled step, whose CUDA
+    computes in (bf16 under mixed precision), cast once per decode where autocast would cast the fp32 weights
+    at every step (two small kernels per LoRA layer and step); the LoRA-A copy holds the weights times the
+    adapter's scaling, so no step scales the products (a kernel per LoRA layer and step; the same values where
+    the scaling is a power of two, alpha/r's usual case, else to the copy's rounding). `keep` (a compiled step, whose CUDA
     graphs read fixed addresses): made once per model, adapter and dtype and refreshed in place; else made
     here and freed after. A dense copy of the base layer with room for it holds the A copy in its rows
     (`DequantizedLinear`), none of its own. Without autocast, with weights in its dtype already, or where
@@ -382,7 +384,7 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
     copies = held.setdefault((adapter, dtype), [[None, None] for _ in layers])
     def refreshed(copy, source: torch.Tensor) -> torch.Tensor:
         if copy is None:
-            copy = source.detach().to(dtype)
+            copy = source.to(dtype)
             if keep:  # static inputs of the compiled step, as parameters are: its CUDA graphs read them in place
                 torch._dynamo.mark_static_address(copy)
         else:
@@ -391,10 +393,11 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
 
     with torch.no_grad():
         for layer, pair, room in zip(layers, copies, rows):
+            scaled_a = layer.lora_A[adapter].weight * layer.scaling[adapter]
             if room is not None:  # the dense copy holds A: no copy of its own
-                room.copy_(layer.lora_A[adapter].weight)
+                room.copy_(scaled_a)
             else:
-                pair[0] = refreshed(pair[0], layer.lora_A[adapter].weight)
+                pair[0] = refreshed(pair[0], scaled_a)
             pair[1] = refreshed(pair[1], layer.lora_B[adapter].weight)
     for layer, pair, room in zip(layers, copies, rows):
         if getattr(layer, COMPUTE_COPIES, None) is None:

@@ -202,18 +202,20 @@ def _add_lora(layer, names: tuple[str, ...], scale, x: torch.Tensor, out: torch.
     layer the same few kernels for any number of groups, where a loop over groups launches them per group.
     Without autograd (scoring, decoding) added into `out` in place, no copy. Cast as peft's own layers cast
     (its bitsandbytes layers cast the LoRA output to the result's dtype before adding; the plain one adds in
-    the wider dtype, then casts); the scaling multiplies the rank-wide products, not the output. `hidden`: one
-    adapter's LoRA-A products made already, beside `out` in one tensor (a decode's dense copy, no autograd):
-    the sum is then a new, contiguous tensor."""
+    the wider dtype, then casts); the scaling multiplies the rank-wide products, not the output. A decode's
+    copies (`trainer.model.decode.lora_compute_copies`) hold LoRA-A scaled already. `hidden`: one adapter's
+    LoRA-A products made already, beside `out` in one tensor (a decode's dense copy, no autograd): the sum is
+    then a new, contiguous tensor."""
     if hidden is not None:
-        delta = F.linear(hidden.mul_(scale), getattr(layer, COMPUTE_COPIES)[names[0]][1])
+        delta = F.linear(hidden, getattr(layer, COMPUTE_COPIES)[names[0]][1])
         return out + delta.to(out.dtype)
     copies = getattr(layer, COMPUTE_COPIES, None)
     pair = copies.get(names[0]) if copies and groups is None and not torch.is_grad_enabled() else None
     if pair is not None:  # a decode's copies in the autocast dtype: the products autocast would give, no casts
         a, b = pair
         x = layer.lora_dropout[names[0]](x.to(a.dtype))
-    elif groups is None:
+        return out.add_(F.linear(F.linear(x, a), b).to(out.dtype))
+    if groups is None:
         a, b = layer.lora_A[names[0]].weight, layer.lora_B[names[0]].weight
         x = _lora_input(layer, ((names[0], x.shape[0]),), x)
     else:
