@@ -25,12 +25,14 @@ def hf_greedy(model, ids, mask, new_tokens, eos_id, pad_id, min_new_tokens=0):
 
 @pytest.fixture(scope="module")
 def tiny():
+    """A policy that changes the base, in eval mode (as a decode runs it): its scoring passes see no LoRA dropout,
+    whichever test runs first."""
     torch.manual_seed(0)
     model = build_shared_model(tiny_args(), [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
     with torch.no_grad():
         for p in model.trainable_parameters():
             p.add_(torch.randn_like(p) * 0.3)
-    return model
+    return model.eval()
 
 
 def greedy(new, path="eager", min_new=0):
@@ -63,11 +65,21 @@ def test_every_row_ended_stops_the_loop_at_the_next_check_and_pads_after_eos(tin
     assert full.tokens.shape[1] == CHECK_EVERY and bool(full.ended.all())
 
 
-def test_min_new_tokens_bars_eos_until_then_as_generate_does(tiny):
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_min_new_tokens_bars_eos_until_then_as_generate_does(tiny, path):
+    """EOS barred for the first min_new_tokens, as transformers' generate bars it; a compiled decode compiles
+    its step once for the steps on both sides of min_new_tokens (the bar is a tensor, not a guarded flag)."""
+    from torch._dynamo.utils import counters
+
+    from trainer.model.decode import compile_anew
+
     ids, mask = batch(b=3, t=7)
     eos = int(hf_greedy(tiny, ids, mask, 1, eos_id=VOCAB + 1, pad_id=0)[0, 0])  # row 0's first greedy token
     want = hf_greedy(tiny, ids, mask, 6, eos_id=eos, pad_id=0, min_new_tokens=4)
-    got = decode(tiny, ids, mask, greedy(6, min_new=4), eos_id=eos, pad_id=0)
+    compile_anew(tiny.causal_lm)
+    compiled_before = counters["stats"]["unique_graphs"]
+    got = decode(tiny, ids, mask, greedy(6, path, min_new=4), eos_id=eos, pad_id=0)
+    assert counters["stats"]["unique_graphs"] - compiled_before == (path == "compiled")
     assert torch.equal(got.tokens[:, :want.shape[1]], want)
     assert (got.tokens[:, :4] != eos).all()
 

@@ -30,7 +30,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from types import MethodType
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -84,11 +84,12 @@ class Decoded:
     ended: torch.Tensor  # (B,) bool: the row emitted EOS
 
 
-def pick_tokens(logits: torch.Tensor, sampling: Sampling, eos_id: int, bar_eos: bool
+def pick_tokens(logits: torch.Tensor, sampling: Sampling, eos_id: int, bar_eos: Union[bool, torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(B,) tokens drawn from (B, V) logits, and their (B,) log-probs and entropies at the scoring temperature.
 
-    The draw sees EOS barred (before `min_new_tokens`), then temperature, top-k and top-p, as transformers'
+    The draw sees EOS barred (before `min_new_tokens`; a 0-dim bool tensor in a decode's steps, so that one
+    compiled step serves the steps on both sides of it), then temperature, top-k and top-p, as transformers'
     processors apply them; the log-prob and entropy see none of the masks. Drawn as a race, argmax of
     log p - log Exp(1) (a draw from p), so the step stays on the device; greedy at temperature 0. Three
     (B, V) fp32 buffers at most beside the logits, four while the entropy is summed."""
@@ -98,7 +99,9 @@ def pick_tokens(logits: torch.Tensor, sampling: Sampling, eos_id: int, bar_eos: 
     logp = scaled.log_softmax(-1)
     entropy = -(logp.exp() * logp).sum(-1)
     masked = scaled  # from here on the draw's scores, masked in place
-    if bar_eos:
+    if isinstance(bar_eos, torch.Tensor):
+        masked[:, eos_id].masked_fill_(bar_eos, float("-inf"))
+    elif bar_eos:
         masked[:, eos_id] = float("-inf")
     if sampling.temperature:
         masked = truncated(masked, sampling.top_k, sampling.top_p)
@@ -229,7 +232,7 @@ def compile_anew(causal_lm: nn.Module, regions: bool = True) -> None:
 
 
 def _step(causal_lm, tokens, positions, cache_position, mask, cache, sampling: Sampling, eos_id: int,
-          bar_eos: bool):
+          bar_eos: torch.Tensor):
     """One decode step: the last tokens through the model, the next ones picked from its logits."""
     logits = causal_lm(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
                        cache_position=cache_position, use_cache=True).logits[:, -1]
@@ -484,7 +487,10 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
     logits = causal_lm(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions,
                        past_key_values=cache, cache_position=cache_position, use_cache=True,
                        logits_to_keep=1).logits[:, -1]
-    tokens, logprobs, entropy = pick_tokens(logits, sampling, eos_id, bar_eos=sampling.min_new_tokens > 0)
+    # EOS barred before min_new_tokens: a tensor, so that a compiled step compiles once for both sides of it
+    barred, free = ((torch.ones((), dtype=torch.bool, device=device), torch.zeros((), dtype=torch.bool, device=device))
+                    if sampling.min_new_tokens > 0 else (False, False))
+    tokens, logprobs, entropy = pick_tokens(logits, sampling, eos_id, barred)
     out = Decoded(torch.full((batch, new), pad_id, dtype=torch.long, device=device),
                   torch.zeros(batch, new, device=device), torch.zeros(batch, new, device=device),
                   torch.arange(batch, device=device) >= live)
@@ -502,7 +508,7 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
         if sampling.decode == "compiled" and device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # this step's inputs are copies: the last replay's may go
         tokens, logprobs, entropy = step(causal_lm, tokens[:, None], positions, cache_position, step_mask, cache,
-                                         sampling, eos_id, t + 1 < sampling.min_new_tokens)
+                                         sampling, eos_id, barred if t + 1 < sampling.min_new_tokens else free)
         positions, cache_position = positions + 1, cache_position + 1
     if first_call:
         sync(device)
