@@ -232,7 +232,7 @@ def compile_anew(causal_lm: nn.Module, regions: bool = True) -> None:
 
 
 def _step(causal_lm, tokens, positions, cache_position, mask, cache, sampling: Sampling, eos_id: int,
-          bar_eos: torch.Tensor):
+          bar_eos: Union[bool, torch.Tensor]):
     """One decode step: the last tokens through the model, the next ones picked from its logits."""
     logits = causal_lm(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
                        cache_position=cache_position, use_cache=True).logits[:, -1]
@@ -367,9 +367,9 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
     computes in (bf16 under mixed precision), cast once per decode where autocast would cast the fp32 weights
     at every step (two small kernels per LoRA layer and step); the LoRA-A copy holds the weights times the
     adapter's scaling, so no step scales the products (a kernel per LoRA layer and step; the same values where
-    the scaling is a power of two, alpha/r's usual case, else to the copy's rounding). `keep` (a compiled step, whose CUDA
-    graphs read fixed addresses): made once per model, adapter and dtype and refreshed in place; else made
-    here and freed after. A dense copy of the base layer with room for it holds the A copy in its rows
+    the scaling is a power of two, alpha/r's usual case, else to the copy's rounding). `keep` (a compiled
+    step, whose CUDA graphs read fixed addresses): made once per model, adapter and dtype and refreshed in
+    place; else made here and freed after. A dense copy of the base layer with room for it holds the A copy in its rows
     (`DequantizedLinear`), none of its own. Without autocast, with weights in its dtype already, or where
     peft's own layers add the LoRA outputs (a model that cannot route: `trainer.model.routing`), nothing
     changes."""
