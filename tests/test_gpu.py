@@ -259,6 +259,29 @@ def test_the_compiled_step_compiles_its_layers_as_one_region_on_cuda_as_the_whol
     assert_same_greedy(regions, whole, atol=2e-2)
 
 
+def test_on_cuda_the_compiled_step_serves_the_steps_before_and_after_min_new_tokens_as_one_graph():
+    """EOS barred for 3 of 6 tokens: the compiled step (CUDA graphs) compiles once, its bar a tensor copied in
+    per replay, and decodes the eager loop's tokens (`assert_same_greedy`), none of the first 3 EOS."""
+    from torch._dynamo.utils import counters
+
+    from trainer.model.decode import Sampling, compile_anew, decode as run_decode
+    from trainer.model.shared_base import build_shared_model, stage_specs
+
+    model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
+    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
+    greedy = dict(max_new_tokens=6, min_new_tokens=3, temperature=0)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eos = int(run_decode(model, ids, torch.ones_like(ids), Sampling(max_new_tokens=1, temperature=0), 0, 0)
+                  .tokens[0, 0])  # row 0's first greedy token: barred, the rows must pick another
+        eager = run_decode(model, ids, torch.ones_like(ids), Sampling(**greedy), eos, 0)
+        compile_anew(model.causal_lm)
+        graphs = counters["stats"]["unique_graphs"]
+        compiled = run_decode(model, ids, torch.ones_like(ids), Sampling(**greedy, decode="compiled"), eos, 0)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert (compiled.tokens[:, :3] != eos).all()
+    assert_same_greedy(compiled, eager, atol=2e-2)
+
+
 @pytest.mark.parametrize("decode", ["eager", "compiled"])
 def test_under_bf16_autocast_on_cuda_the_lora_copies_decode_the_tokens_autocast_s_casts_give(decode, monkeypatch):
     """A rollout on CUDA runs under the run's bf16 autocast: the decode multiplies bf16 copies of the policy's
