@@ -173,13 +173,17 @@ def test_a_side_out_of_time_is_recorded_as_cut_not_as_a_result(tmp_path):
 
 
 def test_decode_measures_tokens_per_second_against_the_bandwidth_bound(tmp_path):
-    """The decode benchmark the speed part runs at batch 1, 16 and 64 (here: the tiny preset on the CPU)."""
+    """The decode benchmark the speed part runs (here: the tiny preset on the CPU), eager and compiled; a
+    compiled first call's time is told apart by torch.compile's own timers (an eager one compiles nothing)."""
     from benchmarks.gpu.decode import main
 
     result = main(["--model_name_or_path", "tiny-llama", "--quantization", "nf4", "--batches", "2", "--prompt_tokens",
-                   "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05", "--out_dir", str(tmp_path)])
-    assert [r["batch"] for r in result["rows"]] == [2]
+                   "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05", "--paths", "eager,compiled",
+                   "--out_dir", str(tmp_path)])
+    assert [(r["path"], r["batch"]) for r in result["rows"]] == [("eager", 2), ("compiled", 2)]
     assert all(r["tokens_per_s"] > 0 and 0 < r["bandwidth_fraction"] < 1 for r in result["rows"])
+    eager, compiled = (r["first_call_compile_s"] for r in result["rows"])
+    assert eager == {} and 0 < compiled["_compile.compile_inner"] <= result["rows"][1]["first_call_s"]
     assert result["bytes_per_decode_step"] > result["bytes_read_per_decode_step"]["base_weights"] > 0
     assert (tmp_path / "decode.md").is_file()
 

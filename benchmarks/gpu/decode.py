@@ -34,6 +34,7 @@ from trainer.engine.phases import phase
 from trainer.model.decode import DECODE_PATHS, Sampling, compile_anew, decode, drop_resident_weights
 
 PROFILE_TOKENS = 8  # tokens of the profiled decode: a prefill and a few steps show where a step's time goes
+FIRST_CALL_PHASE_S = 0.5  # compile phases of a first call worth listing
 
 # The compiled path with its step compiled whole (no decoder-layer regions): a comparison, not a --decode choice.
 WHOLE = "compiled_whole"
@@ -89,6 +90,14 @@ def run_autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
+def compile_seconds() -> dict[str, float]:
+    """torch.compile's own timers so far in this process, seconds by phase (dynamo's `compile_times`)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    return {name: float(value) for name, value in zip(names, values)}
+
+
 def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, path: str,
                     weights: str = "quantized") -> tuple[float, float]:
     """(first call's, best later call's) wall time of decoding exactly `new_tokens` tokens for the rows of `ids`,
@@ -142,12 +151,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
                            0, 0)
             if path in ("compiled", WHOLE):  # each compiled row compiles anew: its first call is its own
                 compile_anew(model.causal_lm, regions=path == "compiled")
+            compiled_before = compile_seconds()
             first, full = time_generation(model, ids, args.new_tokens, args.repeats, path, weights)
+            first_call_compile = {name: round(spent - compiled_before.get(name, 0.0), 2)
+                                  for name, spent in compile_seconds().items()
+                                  if spent - compiled_before.get(name, 0.0) >= FIRST_CALL_PHASE_S}
             _, prefill = time_generation(model, ids, 1, args.repeats, path, weights)
             decode_s = max(full - prefill, 1e-9)
             tokens_per_s = batch * (args.new_tokens - 1) / decode_s
             rows.append({"path": path, "weights": weights, "batch": batch, "decode_s": decode_s, "generate_s": full,
-                         "first_call_s": first, "prefill_s": prefill, "tokens_per_s": tokens_per_s,
+                         "first_call_s": first, "first_call_compile_s": first_call_compile, "prefill_s": prefill, "tokens_per_s": tokens_per_s,
                          "bound_tokens_per_s": bound, "bandwidth_fraction": tokens_per_s / bound,
                          "ms_per_step": 1e3 * decode_s / (args.new_tokens - 1)})
             print(f"{path}, {weights}, batch {batch}: {tokens_per_s:.1f} tokens/s, {rows[-1]['ms_per_step']:.1f} ms "
@@ -193,6 +206,13 @@ def markdown(result: dict) -> str:
                      f"{r['ms_per_step']:.2f} | "
                      f"{r['generate_s']:.3f} | {r['first_call_s']:.2f} | {r['bound_tokens_per_s']:.0f} "
                      f"| {r['bandwidth_fraction']:.1%} |")
+    timed = [r for r in result["rows"] if r.get("first_call_compile_s")]
+    if timed:
+        lines.append("")
+    for r in timed:
+        phases = sorted(r["first_call_compile_s"].items(), key=lambda item: -item[1])
+        lines.append(f"- first call, {r['path']} at {r['batch']} rows, torch.compile's own timers (s; phases nest; "
+                     f"{FIRST_CALL_PHASE_S} s or more): " + ", ".join(f"`{k}` {v:.2f}" for k, v in phases))
     lines += ["", "Paths (the rollouts' --decode, trainer/model/decode.py): eager (a KV cache grown per step: the "
               "default), compiled (a full-length KV cache and a torch.compile'd step, CUDA graphs on CUDA, its decoder "
               "layers compiled once as one reused region), compiled_whole (the same step compiled whole). Weights "
