@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+from foundation.settings import ONLINE_RL_STAGES
 from profiling import components as C
 from profiling.predict import estimate
 from profiling.shapes import ModelShape
@@ -30,14 +31,17 @@ def candidates(args) -> list[tuple[str, object]]:
         out.append(("gradient checkpointing on", replace(args, gradient_checkpointing=True)))
     if args.optimizer == "adamw_torch":
         out.append(("optimizer adamw_torch -> paged_adamw_8bit", replace(args, optimizer="paged_adamw_8bit")))
-    if args.stage == "ppo":
+    if args.stage in ONLINE_RL_STAGES:
         rows = args.rollout_micro_batch_size or args.micro_batch_size
         if rows > 1:
             out.append((f"rollout_micro_batch_size {rows} -> {_halve(rows)} (generate and score fewer rows at once)",
                         replace(args, rollout_micro_batch_size=_halve(rows))))
         if args.max_new_tokens > 16:
-            out.append((f"max_new_tokens {args.max_new_tokens} -> {_halve(args.max_new_tokens)}",
-                        replace(args, max_new_tokens=_halve(args.max_new_tokens))))
+            new = _halve(args.max_new_tokens)
+            at_least = min(args.min_new_tokens, new)  # never above the new maximum
+            lowered = f", min_new_tokens {args.min_new_tokens} -> {at_least}" if at_least != args.min_new_tokens else ""
+            out.append((f"max_new_tokens {args.max_new_tokens} -> {new}{lowered}",
+                        replace(args, max_new_tokens=new, min_new_tokens=at_least)))
         if args.max_prompt_length > 16:
             out.append((f"max_prompt_length {args.max_prompt_length} -> {_halve(args.max_prompt_length)}",
                         replace(args, max_prompt_length=_halve(args.max_prompt_length))))

@@ -153,6 +153,24 @@ def test_over_budget_estimate_suggests_changes_and_a_plan_that_fits(llama7b):
     assert estimate(llama7b, fitted)["fits"]
 
 
+@pytest.mark.parametrize("stage", ["ppo", "grpo"])
+def test_an_online_rl_run_over_budget_is_told_its_rollout_changes_with_min_new_tokens_kept_valid(llama7b, stage):
+    """PPO and GRPO alike are offered fewer rows per rollout pass and shorter responses; halving max_new_tokens
+    below min_new_tokens (a fixed-length recipe) lowers min_new_tokens with it, not a settings error."""
+    from profiling.advice import advice_lines
+
+    args = EstimateArguments(model_name_or_path="llama-2-7b", stage=stage, memory_budget_gib=8, max_new_tokens=128,
+                             min_new_tokens=128, rollout_micro_batch_size=16)
+    est = estimate(llama7b, args)
+    assert not est["fits"]
+    lines, rows = advice_lines(llama7b, args, est)
+    changes = [row["change"] for row in rows]
+    assert "max_new_tokens 128 -> 64, min_new_tokens 128 -> 64" in changes
+    assert any(change.startswith("rollout_micro_batch_size 16 -> 8") for change in changes)
+    assert not any(change.startswith("max_length") for change in changes)
+    assert lines[0].startswith("over budget by")
+
+
 def test_shape_from_a_config_folder_and_from_flags(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 3, "num_attention_heads": 4,
