@@ -153,14 +153,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 compile_anew(model.causal_lm, regions=path == "compiled")
             compiled_before = compile_seconds()
             first, full = time_generation(model, ids, args.new_tokens, args.repeats, path, weights)
-            first_call_compile = {name: round(spent - compiled_before.get(name, 0.0), 2)
-                                  for name, spent in compile_seconds().items()
-                                  if spent - compiled_before.get(name, 0.0) >= FIRST_CALL_PHASE_S}
+            spent = {name: seconds - compiled_before.get(name, 0.0) for name, seconds in compile_seconds().items()}
+            first_call_compile = {name: round(s, 2) for name, s in spent.items() if s >= FIRST_CALL_PHASE_S}
             _, prefill = time_generation(model, ids, 1, args.repeats, path, weights)
             decode_s = max(full - prefill, 1e-9)
             tokens_per_s = batch * (args.new_tokens - 1) / decode_s
             rows.append({"path": path, "weights": weights, "batch": batch, "decode_s": decode_s, "generate_s": full,
-                         "first_call_s": first, "first_call_compile_s": first_call_compile, "prefill_s": prefill, "tokens_per_s": tokens_per_s,
+                         "first_call_s": first, "first_call_compile_s": first_call_compile, "prefill_s": prefill,
+                         "tokens_per_s": tokens_per_s,
                          "bound_tokens_per_s": bound, "bandwidth_fraction": tokens_per_s / bound,
                          "ms_per_step": 1e3 * decode_s / (args.new_tokens - 1)})
             print(f"{path}, {weights}, batch {batch}: {tokens_per_s:.1f} tokens/s, {rows[-1]['ms_per_step']:.1f} ms "

@@ -385,6 +385,7 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
     rows = [_rows_of(layer.base_layer, layer.lora_A[adapter].weight.shape[0], dtype) for layer in layers]
     held = _LORA_COPIES.setdefault(model, {}) if keep else {}
     copies = held.setdefault((adapter, dtype), [[None, None] for _ in layers])
+
     def refreshed(copy, source: torch.Tensor) -> torch.Tensor:
         if copy is None:
             copy = source.to(dtype)
