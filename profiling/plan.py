@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Collection, Optional, Sequence
 
+from foundation.settings import ONLINE_RL_STAGES
 from profiling import components as C
 from profiling.predict import EstimateArguments, estimate, offloaded_embedding
 from profiling.shapes import ModelShape
@@ -168,7 +169,7 @@ def _moves_something(shape: ModelShape, args: EstimateArguments, offload: str) -
 def _plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float,
              planned: frozenset[str]) -> Optional[Plan]:
     args = args.resolved()
-    if args.stage not in ("ppo", "grpo"):
+    if args.stage not in ONLINE_RL_STAGES:
         raise ValueError(f"the planner plans online RL stages (ppo, grpo), not {args.stage!r}")
     usable = int(args.budget_bytes * (1 - margin))
     total = args.rollout_batch_size * (args.num_generations if args.stage == "grpo" else 1)

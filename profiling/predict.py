@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from foundation.cli import UsageError, at_least, one_of
 from foundation.settings import (
-    DataArguments, GRPOArguments, ModelArguments, PPOArguments, RolloutArguments, TrainArguments, training_lora_dropout,
+    ONLINE_RL_STAGES, DataArguments, GRPOArguments, ModelArguments, PPOArguments, RolloutArguments, TrainArguments,
+    training_lora_dropout,
 )
 from foundation.stages import REFERENCE, REWARD, STAGES, Slot, stage_adapters
 from profiling import activations as A
@@ -90,7 +91,7 @@ class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArgume
     def resolved(self) -> "EstimateArguments":
         """The settings with 'auto' turned into what it means on `device` (profiling.resolve's rule)."""
         nf4 = resolve.four_bit(self.quantization, self.device)
-        weights = self.generation_weights if nf4 and self.stage in ("ppo", "grpo") else "quantized"
+        weights = self.generation_weights if nf4 and self.stage in ONLINE_RL_STAGES else "quantized"
         return replace(self, quantization="nf4" if nf4 else "none",
                        lora_dropout=training_lora_dropout(self.stage, self.lora_dropout),
                        generation_weights="quantized" if weights == "auto" else weights,
@@ -111,7 +112,7 @@ class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArgume
 def adapters(args: EstimateArguments) -> list[Slot]:
     """The adapters a run of the stage puts on the base, as trainer/ppo.py and trainer/grpo.py build them: no
     reward adapter when reward functions score (PPO, GRPO), no reference when GRPO's beta is 0."""
-    online = args.stage in ("ppo", "grpo")
+    online = args.stage in ONLINE_RL_STAGES
     without = ((REWARD,) if online and not args.reward_model else ()) + (
         (REFERENCE,) if args.stage == "grpo" and args.beta == 0 else ())
     return stage_adapters(args.stage, without)
@@ -161,7 +162,7 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
     lora_copies = decode_lora_bytes(shape, args)
     if args.decode == "compiled" and lora_copies:  # kept for the compiled step's graphs
         parts[C.GENERATION_WEIGHTS] = parts.get(C.GENERATION_WEIGHTS, 0) + lora_copies
-    if args.decode == "compiled" and args.stage in ("ppo", "grpo"):
+    if args.decode == "compiled" and args.stage in ONLINE_RL_STAGES:
         parts[C.KV_CACHE] = A.compiled_kv_cache(shape, forward_spec(args, a), args.rollout_micro_batch_size,
                                                 args.max_prompt_length + args.max_new_tokens)
     opt = optimizer_bytes(trainable, args.optimizer, args.device)
@@ -171,7 +172,7 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
 
 def _decodes_under_autocast(args: EstimateArguments) -> bool:
     """Whether the run's rollouts decode under mixed precision (trainer.model.decode.lora_compute_copies)."""
-    return args.stage in ("ppo", "grpo") and args.autocast_dtype in ("bf16", "fp16")
+    return args.stage in ONLINE_RL_STAGES and args.autocast_dtype in ("bf16", "fp16")
 
 
 def decode_lora_bytes(shape: ModelShape, args: EstimateArguments) -> int:
@@ -376,7 +377,7 @@ def assumptions(args: EstimateArguments) -> list[str]:
         f"({args.cuda_context_gib:.3g} GiB) is measured at a run's start where NVML reads it, else assumed",
         "optimizer_states are the steady state after the first step; gradients are fp32 LoRA/head gradients",
     ]
-    if args.stage in ("ppo", "grpo"):
+    if args.stage in ONLINE_RL_STAGES:
         notes.append(f"adapters on the base: {', '.join(roles(args))}"
                      + ("" if args.reward_model else "; scores from reward functions (no reward adapter or pass)")
                      + ("; beta 0: no reference adapter or pass" if REFERENCE not in roles(args) else ""))

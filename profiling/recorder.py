@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from foundation.settings import ONLINE_RL_STAGES
 from profiling import components as C
 from profiling import device as D
 from profiling.live import LiveFigures, LiveTimeline, vocabulary_size
@@ -79,7 +80,7 @@ class MemoryRecorder:
         self.device = D.normalize(device or _device_of(model))
         self.gpu_reason = D.cuda_unavailable_reason(self.device)
         # Tensors alive at phase entry that nothing walked owns: in PPO, the rollout being processed.
-        self.resident_label = resident_label or (C.ROLLOUT_BUFFERS if stage in ("ppo", "grpo") else C.OTHER_TENSORS)
+        self.resident_label = resident_label or (C.ROLLOUT_BUFFERS if stage in ONLINE_RL_STAGES else C.OTHER_TENSORS)
         self.records: dict[tuple[str, str], PhaseRecord] = {}
         self.extra: dict[str, object] = {}
         self._open: list[dict] = []  # the phases entered and not yet left, outermost first

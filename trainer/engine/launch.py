@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from foundation.cli import UsageError
+from foundation.settings import ONLINE_RL_STAGES
 
 # Stages that switch adapters on one base inside a step (DPO: policy/reference; PPO: all four) and,
 # for PPO, generate with it.
@@ -232,7 +233,7 @@ def check_launch(accelerator, stage: Optional[str]) -> None:
     mode = "FSDP" if is_fsdp(accelerator) else "DeepSpeed ZeRO-3"
     if stage not in MULTI_ADAPTER_STAGES:
         return
-    what = ("generates with and switches its adapters on" if stage in ("ppo", "grpo")
+    what = ("generates with and switches its adapters on" if stage in ONLINE_RL_STAGES
             else "switches policy/reference adapters on")
     raise LaunchError(
         f"{stage} under {mode} is not supported: it {what} one base whose weights {mode} partitions across "

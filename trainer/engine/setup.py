@@ -18,7 +18,7 @@ import torch
 from accelerate.utils import set_seed
 
 from foundation.cli import FieldError, InputError, UsageError
-from foundation.settings import split_specs
+from foundation.settings import ONLINE_RL_STAGES, split_specs
 from foundation.files import write_atomic
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
 from trainer.data.formats import parser_for
@@ -141,7 +141,7 @@ def check_positions(stage: Optional[str], model_args, data_args, stage_args, voc
     if positions is None:
         return
     where = f"the {positions} positions of {model_args.model_name_or_path} (max_position_embeddings)"
-    if stage in ("ppo", "grpo"):
+    if stage in ONLINE_RL_STAGES:
         longest = data_args.max_prompt_length + stage_args.max_new_tokens
         if longest > positions:
             raise UsageError(f"--max_prompt_length {data_args.max_prompt_length} + --max_new_tokens "
@@ -282,7 +282,7 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
                                model_args.tokenizer_name_or_path)
     check_positions(stage, model_args, data_args, stage_args, len(tokenizer))
-    if stage in ("ppo", "grpo"):
+    if stage in ONLINE_RL_STAGES:
         model_args, train_args, stage_args = fit_to_budget(stage, model_args, data_args, train_args, stage_args,
                                                            accelerator)
         stage_args = replace(stage_args, decode=MemoryOptions.of(model_args, stage_args).decode_path(accelerator))
