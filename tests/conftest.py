@@ -84,6 +84,21 @@ def saved_head(folder: Path, hidden_size: int, seed: int = 0) -> str:
     return str(folder)
 
 
+def dispatch_counter(counted):
+    """A TorchDispatchMode that counts, in `.count`, the operations torch dispatches inside it for which
+    `counted(func)` is true (func: the aten overload)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += bool(counted(func))
+            return func(*args, **(kwargs or {}))
+
+    return Counter()
+
+
 def dense_copies_made(monkeypatch) -> list:
     """Every dense copy of a 4-bit layer (`trainer.model.decode.DequantizedLinear`) made from now on, in order."""
     from trainer.model import decode

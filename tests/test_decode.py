@@ -316,16 +316,9 @@ def test_under_autocast_the_lora_a_copies_hold_the_scaling_so_no_step_multiplies
     same tokens and log-probs bit for bit."""
     from contextlib import nullcontext
 
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from conftest import dispatch_counter
 
     from trainer.model import decode as module
-
-    class Multiplications(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func._schema.name in ("aten::mul", "aten::mul_")
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     tiny = build_shared_model(tiny_args(dtype="bfloat16"), [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
@@ -337,7 +330,8 @@ def test_under_autocast_the_lora_a_copies_hold_the_scaling_so_no_step_multiplies
     ids, mask = batch(b=2, t=8)
 
     def run():
-        with torch.autocast("cpu", dtype=torch.bfloat16), Multiplications() as counted:
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                dispatch_counter(lambda func: func._schema.name in ("aten::mul", "aten::mul_")) as counted:
             return decode(tiny, ids, mask, greedy(6, "eager"), eos_id=VOCAB + 1, pad_id=0), counted.count
 
     got, multiplications = run()
@@ -434,16 +428,12 @@ def test_under_autocast_the_dense_copy_gives_the_lora_a_products_of_the_decoded_
     copied with the decoded adapter's LoRA-A weights as extra rows: one matmul gives the base output and the
     LoRA-A products, one matmul per LoRA layer and token fewer. The same tokens and log-probs, to bf16
     rounding, as with a matmul of their own; after the decode no copy gives them any more."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from conftest import dispatch_counter
 
     import trainer.model.decode as decode_module
 
-    class Matmuls(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-            return func(*args, **(kwargs or {}))
+    def matmuls():
+        return dispatch_counter(lambda func: func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
 
     made = dense_copies_made(monkeypatch)
     ids, mask = batch(b=3, t=8)
@@ -451,8 +441,8 @@ def test_under_autocast_the_dense_copy_gives_the_lora_a_products_of_the_decoded_
 
     def run():
         torch.manual_seed(5)
-        with torch.autocast("cpu", dtype=torch.bfloat16), Matmuls() as matmuls:
-            return decode(tiny_nf4, ids, mask, sampling, 1, 0), matmuls.count
+        with torch.autocast("cpu", dtype=torch.bfloat16), matmuls() as counted:
+            return decode(tiny_nf4, ids, mask, sampling, 1, 0), counted.count
 
     (fused, fused_matmuls), copies = run(), list(made)
     monkeypatch.setattr(decode_module, "_rows_for", lambda *a: 0)

@@ -580,14 +580,10 @@ def test_a_routed_pass_launches_as_many_operations_for_three_groups_as_for_two(s
     """The routed LoRA layers multiply every group's rows by all the groups' stacked weights at once: the
     operations launched per pass (what a GPU pays per layer in host time) do not grow with the groups, where a
     loop over groups launched each layer's LoRA products once per group."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from conftest import dispatch_counter
 
-    class Count(TorchDispatchMode):
-        launched = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.launched += not func.is_view
-            return func(*args, **(kwargs or {}))
+    def launched():  # the operations a pass launches: views launch nothing
+        return dispatch_counter(lambda func: not func.is_view)
 
     args, sft_dir, _ = sft_adapter
     model = perturbed_ppo_model(tiny_args(args.quantization, lora_dropout=0.0), sft_dir)
@@ -598,14 +594,14 @@ def test_a_routed_pass_launches_as_many_operations_for_three_groups_as_for_two(s
                   (("policy", 1), ("reference", 2), ("value", 1), ("reward", 2))]:
         with torch.no_grad():
             model.hidden_states(ids, mask, route)  # the route's first pass makes its scales (`Routing._scales_of`)
-            with Count() as count:
+            with launched() as count:
                 model.hidden_states(ids, mask, route)
-        counts.append(count.launched)
-    with torch.no_grad(), Count() as one:
+        counts.append(count.count)
+    with torch.no_grad(), launched() as one:
         model.hidden_states(ids, mask, "policy")
     assert counts[0] == counts[1] == counts[2]
     # beside one adapter's pass, per LoRA layer: the two stacks of the weights
-    assert counts[0] - one.launched == 2 * len(model.lora_layers)
+    assert counts[0] - one.count == 2 * len(model.lora_layers)
 
 
 def test_base_only_runs_the_frozen_base_and_leaves_switching_and_trainability_alone(sft_adapter):
