@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 CHECK_EVERY = 8  # decode steps between two reads of "has every row ended?" on the host
 CACHE_ROUND = 128  # a compiled path's KV cache length is rounded up to this: one graph serves many prompts
+UNROLL_BELOW = 8  # inductor's own unroll_reductions_threshold: sums shorter than this become pointwise code
 
 
 @dataclass(frozen=True)
@@ -175,9 +176,15 @@ class _Compiled:
     (`layer_regions`), else the step is compiled whole."""
 
     def __init__(self, causal_lm, regions: bool = True):
+        import torch._inductor
+
         mode = "reduce-overhead" if next(causal_lm.parameters()).device.type == "cuda" else None
         self.regions = layer_regions(causal_lm, regions)
-        self.step = torch.compile(_step, mode=mode, fullgraph=False)
+        # a LoRA-B product is a rank-wide sum (`trainer.model.routing`): unrolled into the kernel reading it
+        ranks = [a.weight.shape[0] for m in causal_lm.modules() for a in getattr(m, "lora_A", {}).values()]
+        options = {**(torch._inductor.list_mode_options(mode) if mode else {}),
+                   "unroll_reductions_threshold": max([UNROLL_BELOW, *(r + 1 for r in ranks)])}
+        self.step = torch.compile(_step, options=options, fullgraph=False)
         self.caches: dict[int, tuple[int, object]] = {}
         setattr(causal_lm, HELD_KV_CACHE, self)  # a memory record counts the caches as kv_cache in every phase
 

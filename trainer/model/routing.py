@@ -207,14 +207,14 @@ def _add_lora(layer, names: tuple[str, ...], scale, x: torch.Tensor, out: torch.
     LoRA-A products made already, beside `out` in one tensor (a decode's dense copy, no autograd): the sum is
     then a new, contiguous tensor."""
     if hidden is not None:
-        delta = F.linear(hidden, getattr(layer, COMPUTE_COPIES)[names[0]][1])
+        delta = _times_lora_b(hidden, getattr(layer, COMPUTE_COPIES)[names[0]][1])
         return out + delta.to(out.dtype)
     copies = getattr(layer, COMPUTE_COPIES, None)
     pair = copies.get(names[0]) if copies and groups is None and not torch.is_grad_enabled() else None
     if pair is not None:  # a decode's copies in the autocast dtype: the products autocast would give, no casts
         a, b = pair
         x = layer.lora_dropout[names[0]](x.to(a.dtype))
-        return out.add_(F.linear(F.linear(x, a), b).to(out.dtype))
+        return out.add_(_times_lora_b(F.linear(x, a), b).to(out.dtype))
     if groups is None:
         a, b = layer.lora_A[names[0]].weight, layer.lora_B[names[0]].weight
         x = _lora_input(layer, ((names[0], x.shape[0]),), x)
@@ -226,6 +226,16 @@ def _add_lora(layer, names: tuple[str, ...], scale, x: torch.Tensor, out: torch.
     if type(layer).__module__.endswith(".bnb"):
         delta = delta.to(out.dtype)
     return out.add_(delta) if not torch.is_grad_enabled() else (out + delta).to(out.dtype)
+
+
+def _times_lora_b(products: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A decode's LoRA-A `products` (..., r) times its LoRA-B copy `b` (out, r). Being compiled (a compiled decode
+    step), written as the rank-wide sum it is, which the compiler unrolls into the kernel that reads the result
+    (`trainer.model.decode` lets it unroll sums as long as a rank): no matmul of its own, where a GPU would
+    launch a small GEMM per LoRA layer and token. The same bytes read; fp32 sums rounded once. Eager, a matmul."""
+    if torch.compiler.is_compiling():
+        return (products.unsqueeze(-2) * b).sum(-1)
+    return F.linear(products, b)
 
 
 def _lora_input(layer, groups: Route, x: torch.Tensor) -> torch.Tensor:
