@@ -10,7 +10,9 @@ two, so the count is what every layer of a 7B Llama adds. On the CPU, in bf16 un
 every linear layer, gradient checkpointing on, no dropout (PPO's and GRPO's update); the base in bf16, not
 4-bit (bitsandbytes' CPU kernels are not CUDA's), except for decoding, which reads a dense copy of 4-bit
 weights (`--generation_weights dequantized`). A proxy for host time per pass, not a time; on a GPU a matmul
-may launch more than one kernel (a split-K GEMM and its reduction).
+may launch more than one kernel (a split-K GEMM and its reduction). A compiled decode step replays CUDA graphs
+with no host time per operation, but each kernel in them still costs the GPU a launch: its count is the matmuls
+of the step's graph after inductor's passes (pointwise work fuses around them), also per decoder layer.
 
 Each revision runs from its own `git archive` tree, in a process of its own.
 """
@@ -82,12 +84,35 @@ def decode_counts(layers):
             decode(model, ids, torch.ones_like(ids), sampling, 1, 0)
     return count.launched
 
+def compiled_matmuls(layers):
+    """Matmuls in the compiled decode step's graphs, after inductor's own graph passes (each an extern GEMM
+    launched on a GPU); compiled whole, so every layer is in its graph."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+    from trainer.model.decode import Sampling, compile_anew, decode
+    args = ModelArguments(model_name_or_path="tiny-llama", preset_overrides=f"num_hidden_layers={layers}",
+                          quantization="nf4", lora_r=4, lora_alpha=8, lora_dropout=0.0)
+    torch.manual_seed(0)
+    model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=512)
+    ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
+    sampling = Sampling(max_new_tokens=4, min_new_tokens=4, temperature=0, decode="compiled",
+                        generation_weights="dequantized")
+    matmuls = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
+    seen = []
+    torch._dynamo.reset()
+    compile_anew(model.causal_lm, regions=False)
+    count = lambda graph: seen.append(sum(n.op == "call_function" and str(n.target) in matmuls for n in graph.nodes))
+    with inductor_config.patch(post_grad_custom_post_pass=count), torch.autocast("cpu", dtype=torch.bfloat16):
+        decode(model, ids, torch.ones_like(ids), sampling, 1, 0)
+    return sum(seen)
+
 TOKENS = 8  # the prompt's forward and 7 steps
 folder = Path(tempfile.mkdtemp())
 ScalarHead(64).save(folder / HEAD_FILE)
 two, four = counts(2, str(folder)), counts(4, str(folder))
 per_layer = {name: (four[name] - two[name]) // 2 for name in two}
 per_layer["decode_token"] = (decode_counts(4) - decode_counts(2)) // (2 * TOKENS)
+per_layer["compiled_decode_matmuls"] = (compiled_matmuls(4) - compiled_matmuls(2)) // 2
 print(json.dumps(per_layer))
 '''
 
@@ -95,7 +120,9 @@ PASSES = {"ppo_update": "PPO update: policy and value rows, one routed pass, for
           "grpo_update": "GRPO update: policy rows, forward + recompute + backward",
           "ppo_scoring": "PPO scoring: reference, value and reward rows, one routed pass, no grad",
           "grpo_scoring": "GRPO scoring: reference and reward rows, one routed pass, no grad",
-          "decode_token": "decoding: one forward per token from the dense copy of a 4-bit base, 4 rows, eager"}
+          "decode_token": "decoding: one forward per token from the dense copy of a 4-bit base, 4 rows, eager",
+          "compiled_decode_matmuls": "decoding, compiled (`--decode compiled`): matmuls in the step's graph, each a "
+                                     "GEMM launched per token on a GPU (the same copy and rows)"}
 
 
 def figures(revision: str) -> dict:
