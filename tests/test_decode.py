@@ -289,7 +289,7 @@ def test_under_autocast_the_lora_products_multiply_copies_in_its_dtype_to_the_sa
     got = run()
     held = getattr(tiny.causal_lm, HELD_DECODE_LORA)
     layers = [layer for layer in tiny.lora_layers if "policy" in layer.lora_A]
-    assert not any(getattr(layer, "lora_compute_copies", None) for layer in layers)  # only while decoding
+    assert not any("decode_lora_copies" in vars(layer) for layer in layers)  # only while decoding
     if path == "eager":
         assert held == []
     else:
@@ -467,7 +467,7 @@ def test_the_compiled_step_multiplies_lora_b_without_a_matmul(weights, monkeypat
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
-    from trainer.model import routing
+    from trainer.model import decode as module
 
     torch.manual_seed(0)
     model = build_shared_model(tiny_args("nf4"), [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
@@ -493,7 +493,7 @@ def test_the_compiled_step_multiplies_lora_b_without_a_matmul(weights, monkeypat
             return decode(model, ids, mask, sampling, 1, 0), sum(seen)
 
     summed, summed_matmuls = run()
-    monkeypatch.setattr(routing, "_times_lora_b", lambda products, b: torch.nn.functional.linear(products, b))
+    monkeypatch.setattr(module, "_times_lora_b", lambda products, b: torch.nn.functional.linear(products, b))
     matmul, matmul_matmuls = run()
     layers = len(model.causal_lm.model.layers)  # compiled once, as one region: one layer's LoRA layers
     assert summed_matmuls == 0 and matmul_matmuls == len(model.lora_layers) // layers == 7

@@ -43,7 +43,6 @@ from profiling import resolve
 from profiling.decode import sync
 from profiling.tensors import HELD_DECODE_LORA, HELD_GENERATION_WEIGHTS, HELD_KV_CACHE, HELD_SWAPPED_OUT
 from trainer.model.attention import folded_gqa
-from trainer.model.routing import COMPUTE_COPIES
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +179,7 @@ class _Compiled:
 
         mode = "reduce-overhead" if next(causal_lm.parameters()).device.type == "cuda" else None
         self.regions = layer_regions(causal_lm, regions)
-        # a LoRA-B product is a rank-wide sum (`trainer.model.routing`): unrolled into the kernel reading it
+        # a LoRA-B product is a rank-wide sum (`_times_lora_b`): unrolled into the kernel reading it
         ranks = [a.weight.shape[0] for m in causal_lm.modules() for a in getattr(m, "lora_A", {}).values()]
         options = {**(torch._inductor.list_mode_options(mode) if mode else {}),
                    "unroll_reductions_threshold": max([UNROLL_BELOW, *(r + 1 for r in ranks)])}
@@ -361,6 +360,7 @@ def drop_resident_weights(causal_lm: nn.Module) -> None:
 
 
 _LORA_COPIES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+COPIES_IN_USE = "decode_lora_copies"  # a LoRA layer's __dict__ entry while a decode multiplies copies: (A or None, B)
 
 
 def _dense(weight: torch.Tensor) -> bool:
@@ -377,9 +377,9 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
     the scaling is a power of two, alpha/r's usual case, else to the copy's rounding). `keep` (a compiled
     step, whose CUDA graphs read fixed addresses): made once per model, adapter and dtype and refreshed in
     place; else made here and freed after. A dense copy of the base layer with room for it holds the A copy in its rows
-    (`DequantizedLinear`), none of its own. Without autocast, with weights in its dtype already, or where
-    peft's own layers add the LoRA outputs (a model that cannot route: `trainer.model.routing`), nothing
-    changes."""
+    (`DequantizedLinear`), none of its own. Meanwhile those LoRA layers run `_copies_forward` in place of the
+    routed one. Without autocast, with weights in its dtype already, or where peft's own layers add the LoRA
+    outputs (a model that cannot route: `trainer.model.routing`), nothing changes."""
     if not torch.is_autocast_enabled(device_type) or not getattr(model, "routable", False):
         yield
         return
@@ -410,22 +410,48 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
             else:
                 pair[0] = refreshed(pair[0], scaled_a)
             pair[1] = refreshed(pair[1], layer.lora_B[adapter].weight)
+    routed = [layer.__dict__.get("forward") for layer in layers]
     for layer, pair, room in zip(layers, copies, rows):
-        if getattr(layer, COMPUTE_COPIES, None) is None:
-            setattr(layer, COMPUTE_COPIES, {})
-        getattr(layer, COMPUTE_COPIES)[adapter] = (pair[0] if room is None else room, pair[1])
+        layer.__dict__[COPIES_IN_USE] = (None if room is not None else pair[0], pair[1])
+        layer.forward = MethodType(_copies_forward, layer)
         if room is not None:
             layer.base_layer.rows_for = adapter
     _list_copies(model, () if keep else copies)
     try:
         yield
     finally:
-        for layer, room in zip(layers, rows):
-            getattr(layer, COMPUTE_COPIES).pop(adapter, None)
+        for layer, forward, room in zip(layers, routed, rows):
+            del layer.__dict__[COPIES_IN_USE]
+            layer.forward = forward
             if room is not None:
                 layer.base_layer.rows_for = None
         if not keep:
             _list_copies(model)
+
+
+def _copies_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A LoRA layer's forward while a decode multiplies its adapter's copies (`lora_compute_copies`): the base
+    layer's output plus the adapter's LoRA output, none of the routed forward's checks, which the decode settled
+    for all layers (one adapter active, eval mode: no dropout): what a compiled step traces per LoRA layer. The
+    LoRA-A products come from the dense copy's rows, beside its output (`DequantizedLinear`), or from A's copy."""
+    base = layer.base_layer
+    a, b = layer.__dict__[COPIES_IN_USE]
+    out = base(x, *args, **kwargs)
+    if a is None:
+        out, products = out.split([base.out_features, base.lora_rank], dim=-1)
+    else:
+        products = F.linear(x.to(a.dtype), a)
+    return out + _times_lora_b(products, b).to(out.dtype)
+
+
+def _times_lora_b(products: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """LoRA-A `products` (..., r) times the LoRA-B copy `b` (out, r). Being compiled (the compiled step), written as
+    the rank-wide sum it is, which inductor unrolls into the kernel that reads the result (`_Compiled` lets it
+    unroll sums as long as a rank): no matmul of its own, where a GPU would launch a small GEMM per LoRA layer
+    and token. The same bytes read; fp32 sums rounded once. Eager, a matmul."""
+    if torch.compiler.is_compiling():
+        return (products.unsqueeze(-2) * b).sum(-1)
+    return F.linear(products, b)
 
 
 def _rows_of(base: nn.Module, rank: int, dtype: torch.dtype):

@@ -19,9 +19,6 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
-# A LoRA layer attribute: adapter -> (A, B) weight copies in the compute dtype that no-grad passes multiply by
-# instead (trainer.model.decode.lora_compute_copies holds them while a decode runs).
-COMPUTE_COPIES = "lora_compute_copies"
 ROUTER = "_routing_model"  # a LoRA layer's __dict__ entry: the model whose route its forward follows
 
 # A routed batch: (adapter, rows) per group, in batch order. The groups' rows go through the base as
@@ -53,22 +50,17 @@ class Routing:
                 layer.forward = MethodType(_routed_forward, layer)
         return plain
 
-    def _add_routed_lora(self, layer, x: torch.Tensor, output: torch.Tensor,
-                         products: Optional[tuple[str, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+    def _add_routed_lora(self, layer, x: torch.Tensor, output: torch.Tensor) -> Optional[torch.Tensor]:
         """`output` is the base layer's; add to each group's rows the LoRA output of that group's adapter -
         one group of all rows for a single active adapter. None (nothing to add) in `base_only`, while peft's
-        adapters are disabled or merged, or where the layer holds none of the adapters asked for. `products`:
-        (adapter, its LoRA-A products) where the base layer gave them, `output` then a view beside them."""
+        adapters are disabled or merged, or where the layer holds none of the adapters asked for."""
         route = self._route
         if self._base_only or layer.disable_adapters or layer.merged or (route is None and self._single is None):
             return None
-        if products is not None and (route is not None or products[0] != self._single):
-            output, products = output.contiguous(), None  # products of another adapter: the usual way
-        if route is None:  # one adapter, all rows (every decode step)
+        if route is None:  # one adapter, all rows
             if self._single not in layer.lora_A:
                 return None
-            return _add_lora(layer, (self._single,), layer.scaling[self._single], x, output,
-                             hidden=None if products is None else products[1])
+            return _add_lora(layer, (self._single,), layer.scaling[self._single], x, output)
         if x.shape[0] != self._route_rows:
             raise ValueError(f"routed batch has {x.shape[0]} rows, the route {route} {self._route_rows}")
         names = tuple(name for name in self._route_names if name in layer.lora_A)
@@ -180,41 +172,22 @@ def _routed_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     would add nothing (no active adapter) but still copy the 4-bit output and check its arguments, per layer and
     per decode step, where decoding is bound by such per-call work. One function bound to each layer, not an
     object per layer: torch.compile then traces every layer's call alike (an object per layer is guarded by
-    its identity, and compiled layers would compile once per layer). A decode's dense copy of the base layer
-    may give an adapter's LoRA-A products beside its output (`trainer.model.decode.DequantizedLinear`)."""
-    base = layer.base_layer
-    output = base(x, *args, **kwargs)
-    products, rows_for = None, base.__dict__.get("rows_for")  # a dict lookup: a missing attribute raises inside
-    if rows_for is not None:
-        output, hidden = output.split([base.out_features, base.lora_rank], dim=-1)
-        products = (rows_for, hidden)
-    added = layer.__dict__[ROUTER]._add_routed_lora(layer, x, output, products)
-    if added is None:
-        return output if products is None else output.contiguous()
-    return added
+    its identity, and compiled layers would compile once per layer). A decode with copies of the adapter's
+    weights runs its own (`trainer.model.decode.lora_compute_copies`)."""
+    output = layer.base_layer(x, *args, **kwargs)
+    added = layer.__dict__[ROUTER]._add_routed_lora(layer, x, output)
+    return output if added is None else added
 
 
 def _add_lora(layer, names: tuple[str, ...], scale, x: torch.Tensor, out: torch.Tensor,
-              groups: Optional[Route] = None, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+              groups: Optional[Route] = None) -> torch.Tensor:
     """`out` (the base layer's output for rows `x`) plus the LoRA outputs of adapters `names`: one adapter's with
     its scaling (a number), or the row `groups`' adapters' from ONE pair of matmuls over their stacked weights,
     `scale` (rows, 1, ranks) keeping each row's own adapter's LoRA-A columns, scaled, and zeroing the rest: per
     layer the same few kernels for any number of groups, where a loop over groups launches them per group.
     Without autograd (scoring, decoding) added into `out` in place, no copy. Cast as peft's own layers cast
     (its bitsandbytes layers cast the LoRA output to the result's dtype before adding; the plain one adds in
-    the wider dtype, then casts); the scaling multiplies the rank-wide products, not the output. A decode's
-    copies (`trainer.model.decode.lora_compute_copies`) hold LoRA-A scaled already. `hidden`: one adapter's
-    LoRA-A products made already, beside `out` in one tensor (a decode's dense copy, no autograd): the sum is
-    then a new, contiguous tensor."""
-    if hidden is not None:
-        delta = _times_lora_b(hidden, getattr(layer, COMPUTE_COPIES)[names[0]][1])
-        return out + delta.to(out.dtype)
-    copies = getattr(layer, COMPUTE_COPIES, None)
-    pair = copies.get(names[0]) if copies and groups is None and not torch.is_grad_enabled() else None
-    if pair is not None:  # a decode's copies in the autocast dtype: the products autocast would give, no casts
-        a, b = pair
-        x = layer.lora_dropout[names[0]](x.to(a.dtype))
-        return out.add_(_times_lora_b(F.linear(x, a), b).to(out.dtype))
+    the wider dtype, then casts); the scaling multiplies the rank-wide products, not the output."""
     if groups is None:
         a, b = layer.lora_A[names[0]].weight, layer.lora_B[names[0]].weight
         x = _lora_input(layer, ((names[0], x.shape[0]),), x)
@@ -226,16 +199,6 @@ def _add_lora(layer, names: tuple[str, ...], scale, x: torch.Tensor, out: torch.
     if type(layer).__module__.endswith(".bnb"):
         delta = delta.to(out.dtype)
     return out.add_(delta) if not torch.is_grad_enabled() else (out + delta).to(out.dtype)
-
-
-def _times_lora_b(products: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """A decode's LoRA-A `products` (..., r) times its LoRA-B copy `b` (out, r). Being compiled (a compiled decode
-    step), written as the rank-wide sum it is, which the compiler unrolls into the kernel that reads the result
-    (`trainer.model.decode` lets it unroll sums as long as a rank): no matmul of its own, where a GPU would
-    launch a small GEMM per LoRA layer and token. The same bytes read; fp32 sums rounded once. Eager, a matmul."""
-    if torch.compiler.is_compiling():
-        return (products.unsqueeze(-2) * b).sum(-1)
-    return F.linear(products, b)
 
 
 def _lora_input(layer, groups: Route, x: torch.Tensor) -> torch.Tensor:
