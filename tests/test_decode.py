@@ -268,8 +268,11 @@ def test_under_autocast_the_lora_products_multiply_copies_in_its_dtype_to_the_sa
     in bf16, the values autocast would cast them to at every step: the same tokens and log-probs come out (to
     bf16's rounding where compiled: `test_the_compiled_step_multiplies_lora_b_without_a_matmul`). A
     compiled decode keeps its copies (its CUDA graphs read fixed addresses) and refreshes them in place when
-    the weights change; an eager one frees them. Scoring passes never read them."""
+    the weights change; an eager one frees them, and its LoRA layers run their own forward again after each
+    decode, without a second compilation. Scoring passes never read them."""
     from contextlib import nullcontext
+
+    from torch._dynamo.utils import counters
 
     from profiling.tensors import HELD_DECODE_LORA
     from trainer.model import decode as module
@@ -286,10 +289,13 @@ def test_under_autocast_the_lora_products_multiply_copies_in_its_dtype_to_the_sa
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return decode(tiny, ids, mask, greedy(6, path), eos_id=VOCAB + 1, pad_id=0)
 
-    got = run()
-    held = getattr(tiny.causal_lm, HELD_DECODE_LORA)
     layers = [layer for layer in tiny.lora_layers if "policy" in layer.lora_A]
+    routed = [layer.forward for layer in layers]
+    got = run()
+    compiled_before = counters["stats"]["unique_graphs"]
+    held = getattr(tiny.causal_lm, HELD_DECODE_LORA)
     assert not any("decode_lora_copies" in vars(layer) for layer in layers)  # only while decoding
+    assert [layer.forward for layer in layers] == routed
     if path == "eager":
         assert held == []
     else:
@@ -304,6 +310,7 @@ def test_under_autocast_the_lora_products_multiply_copies_in_its_dtype_to_the_sa
         with torch.no_grad():
             first.sub_(0.5)
         got = run()
+        assert counters["stats"]["unique_graphs"] == compiled_before  # the first decode's graph serves the others
     with monkeypatch.context() as patch:
         patch.setattr(module, "lora_compute_copies", lambda *args, **kwargs: nullcontext())
         want = run()
