@@ -22,7 +22,7 @@ from profiling import activations as A
 from profiling import components as C
 from profiling import resolve
 from profiling.optimizers import OPTIMIZERS, gradient_bytes, optimizer_bytes, step_temporaries
-from profiling.shapes import DTYPE_BYTES, ModelShape, base_bytes, head_tensor_sizes, load_shape, lora_tensor_sizes
+from profiling.shapes import DTYPE_BYTES, NF4_BLOCK, ModelShape, base_bytes, head_tensor_sizes, load_shape, lora_tensor_sizes
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,7 @@ class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArgume
         """The settings with 'auto' turned into what it means on `device` (profiling.resolve's rule)."""
         nf4 = resolve.four_bit(self.quantization, self.device)
         weights = self.generation_weights if nf4 and self.stage in ONLINE_RL_STAGES else "quantized"
+        weights = "quantized" if weights == "fused" and self.device != "cuda" else weights  # the kernel's device
         return replace(self, quantization="nf4" if nf4 else "none",
                        lora_dropout=training_lora_dropout(self.stage, self.lora_dropout),
                        generation_weights="quantized" if weights == "auto" else weights,
@@ -159,6 +160,8 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
             trainable += lora + (head_tensor_sizes(shape) if slot.head else [])
     if args.generation_weights == "resident":
         parts[C.GENERATION_WEIGHTS] = generation_weight_bytes(shape, a, args)
+    elif args.generation_weights == "fused":
+        parts[C.GENERATION_WEIGHTS] = fused_scale_bytes(shape)
     lora_copies = decode_lora_bytes(shape, args)
     if args.decode == "compiled" and lora_copies:  # kept for the compiled step's graphs
         parts[C.GENERATION_WEIGHTS] = parts.get(C.GENERATION_WEIGHTS, 0) + lora_copies
@@ -192,6 +195,12 @@ def generation_weight_bytes(shape: ModelShape, dtype_bytes: int, args: Optional[
     rows = 0 if args is None or not _decodes_under_autocast(args) else \
         sum(lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules)[::2])
     return (shape.linear_params() + rows) * dtype_bytes
+
+
+def fused_scale_bytes(shape: ModelShape) -> int:
+    """The fp32 absmax the fused NF4 kernel reads, one per block of NF4_BLOCK weights, kept for every 4-bit layer
+    whose input width is a whole number of blocks (trainer.model.nf4_kernel.FusedNF4Linear)."""
+    return shape.num_layers * sum(4 * (a * b // NF4_BLOCK) for _, a, b in shape.linears() if a % NF4_BLOCK == 0)
 
 
 def offloaded_embedding(shape: ModelShape, args: EstimateArguments) -> bool:

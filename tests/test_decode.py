@@ -625,6 +625,90 @@ def test_a_per_rollout_copy_is_gone_when_the_rollout_ends(tiny_nf4, monkeypatch)
     drop_resident_weights(tiny_nf4.causal_lm)
 
 
+@pytest.fixture
+def interpreted_kernel(monkeypatch):
+    """The fused NF4 kernel in Triton's interpreter (the CPU's only way to run it), built anew and after."""
+    pytest.importorskip("triton")
+    from trainer.model import nf4_kernel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    nf4_kernel._kernel.cache_clear()
+    yield
+    nf4_kernel._kernel.cache_clear()
+
+
+def test_the_fused_nf4_kernel_decodes_the_tokens_of_the_4bit_weights(tiny_nf4, interpreted_kernel, caplog, request):
+    """`fused`: each 4-bit layer the kernel can multiply by decodes through it from its own packed weights, the
+    others as they are (said once, naming one); the same tokens as the 4-bit layers' forward and log-probs to
+    the weights' rounding (here the interpreter's). The stand-ins and their fp32 absmax are kept for the next
+    rollout, counted as generation_weights at the estimator's size; the model holds its layers after."""
+    import logging
+
+    from profiling import components as C
+    from profiling.predict import fused_scale_bytes
+    from profiling.shapes import load_shape
+    from profiling.tensors import TensorLedger, add_model
+    from trainer.model.decode import _RESIDENT, _said, drop_resident_weights
+    from trainer.model.nf4_kernel import FusedNF4Linear
+
+    _said.clear()
+    request.addfinalizer(lambda: drop_resident_weights(tiny_nf4.causal_lm))  # the module's model, kept clean
+    ids, mask = batch(b=3, t=8)
+    layers = four_bit_layers(tiny_nf4)
+    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8)
+    torch.manual_seed(5)
+    want = decode(tiny_nf4, ids, mask, sampling, eos_id=1, pad_id=0)
+    torch.manual_seed(5)
+    with caplog.at_level(logging.INFO, logger="trainer.model.decode"):
+        got = decode(tiny_nf4, ids, mask, Sampling(**{**vars(sampling), "generation_weights": "fused"}), 1, 0)
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0.05)
+    assert four_bit_layers(tiny_nf4) == layers  # swapped back
+    choice, swaps = _RESIDENT[tiny_nf4.causal_lm]
+    assert choice == "fused" and all(isinstance(s, FusedNF4Linear) for *_, s in swaps)
+    assert len(swaps) == len(layers) - 2  # down_proj's 172 inputs are no whole number of 64-weight blocks
+    assert "2 of 14 4-bit layers decode through bitsandbytes" in caplog.text and "down_proj" in caplog.text
+    ledger = TensorLedger()
+    add_model(ledger, tiny_nf4)
+    assert ledger.components()[C.GENERATION_WEIGHTS] == fused_scale_bytes(load_shape("tiny-llama", VOCAB))
+    torch.manual_seed(5)
+    again = decode(tiny_nf4, ids, mask, Sampling(**{**vars(sampling), "generation_weights": "fused"}), 1, 0)
+    assert _RESIDENT[tiny_nf4.causal_lm][1] is swaps and torch.equal(again.tokens, got.tokens)  # made once
+    assert caplog.text.count("decode through bitsandbytes") == 1
+
+
+def test_without_a_gpu_the_fused_kernel_is_said_once_and_the_4bit_weights_decode(tiny_nf4, monkeypatch, caplog):
+    import logging
+
+    from trainer.model.decode import _RESIDENT, _said
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _said.clear()
+    ids, mask = batch(b=2, t=6)
+    with caplog.at_level(logging.INFO, logger="trainer.model.decode"):
+        got = [decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=4, temperature=0, generation_weights="fused"),
+                      1, 0) for _ in range(2)]
+    want = decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=4, temperature=0), 1, 0)
+    assert all(torch.equal(g.tokens, want.tokens) for g in got)
+    assert caplog.text.count("generation_weights fused: the fused NF4 kernel runs on CUDA (here cpu)") == 1
+    assert tiny_nf4.causal_lm not in _RESIDENT
+
+
+def test_a_decode_step_through_the_fused_kernel_reads_the_4bit_weights_and_fp32_scales(tiny_nf4):
+    """Its bandwidth bound counts the packed weights and the fp32 absmax in place of the quantization
+    constants (the estimator's size), the rest alike."""
+    from profiling import components as C
+    from profiling.decode import bytes_per_decode_step
+    from profiling.predict import fused_scale_bytes
+    from profiling.shapes import load_shape
+
+    quantized = bytes_per_decode_step(tiny_nf4)
+    fused = bytes_per_decode_step(tiny_nf4, weights="fused")
+    assert fused[C.GENERATION_WEIGHTS] == fused_scale_bytes(load_shape("tiny-llama", VOCAB)) > 0
+    assert {k: v for k, v in fused.items() if k != C.GENERATION_WEIGHTS} == {
+        k: v for k, v in quantized.items() if k != "base_quant_constants"}
+
+
 def test_fewer_rows_than_a_compiled_batch_decode_in_its_graph_and_cache(tiny):
     """--decode compiled with fewer rows than a batch size it has compiled for (a rollout's last chunk, an
     evaluation's last batch): the rows ride in that batch's graph and KV cache (no new compilation, no second

@@ -51,7 +51,8 @@ class DecodeArguments(Checked):
         "help": "Decode paths to time, comma-separated: eager, compiled (the rollouts' --decode), compiled_whole "
                 "(compiled without decoder-layer regions: the step compiled whole)."})
     weights: str = field(default="quantized", metadata={
-        "help": "What the base decodes from, comma-separated: quantized, dequantized (--generation_weights)."})
+        "help": "What the base decodes from, comma-separated: quantized, dequantized, fused (--generation_weights; "
+                "fused: CUDA)."})
     out_dir: str = field(default="decode", metadata={"help": "Folder for decode.json and decode.md."})
     kernel_profile: Optional[str] = field(default=None, metadata={
         "help": f"After the first row, decode its rows {PROFILE_TOKENS} tokens more under torch.profiler and write "
@@ -60,8 +61,8 @@ class DecodeArguments(Checked):
     RULES = {"prompt_tokens": at_least(1), "new_tokens": at_least(2), "repeats": at_least(1), "copy_gib": above(0),
              "paths": lambda name, value: (None if set(value.split(",")) <= {*DECODE_PATHS, WHOLE}
                                            else f"use some of {', '.join((*DECODE_PATHS, WHOLE))}"),
-             "weights": lambda name, value: (None if set(value.split(",")) <= {"quantized", "dequantized"}
-                                             else "use some of quantized, dequantized")}
+             "weights": lambda name, value: (None if set(value.split(",")) <= {"quantized", "dequantized", "fused"}
+                                             else "use some of quantized, dequantized, fused")}
 
 
 def batch_sizes(text: str) -> list[int]:
@@ -118,6 +119,7 @@ def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, pat
 def main(argv: Optional[list[str]] = None) -> dict:
     from profiling.shapes import load_shape
     from trainer.model.loading import pick_device
+    from trainer.model.nf4_kernel import unavailable
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -128,22 +130,26 @@ def main(argv: Optional[list[str]] = None) -> dict:
     bandwidth = copy_bandwidth(device, args.copy_gib)
     read = bytes_per_decode_step(model)
     step_bytes = sum(read.values())
+    choices = args.weights.split(",")
+    skipped = {w: why for w, why in [("fused", unavailable(device))] if w in choices and why}  # no stand-in row
+    choices = [w for w in choices if w not in skipped]
     # the bound of each weights choice: a dense copy is read in place of the 4-bit weights
-    reads = {w: bytes_per_decode_step(model, weights=w) for w in args.weights.split(",")}
+    reads = {w: bytes_per_decode_step(model, weights=w) for w in choices}
     rows = []
-    planned = len(batch_sizes(args.batches)) * len(args.paths.split(",")) * len(args.weights.split(","))
+    planned = len(batch_sizes(args.batches)) * len(args.paths.split(",")) * len(choices)
     result = {**provenance(device, "python -m benchmarks.gpu.decode " + relative_command(argv)),
               "kind": "decode", "model": asdict(model_args), "settings": asdict(args),
               "mixed_precision": resolve_mixed_precision("auto"),
               "copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_decode_step": read,
               "bytes_per_decode_step": step_bytes, "bytes_read_per_decode_step_by_weights": reads, "rows": rows,
+              "weights_skipped": skipped,
               "rows_planned": planned}
     out = Path(args.out_dir)
     generator = torch.Generator().manual_seed(0)
     for batch in batch_sizes(args.batches):
         ids = torch.randint(3, vocab, (batch, args.prompt_tokens), generator=generator).to(device)
         mask = torch.ones_like(ids)
-        for path, weights in [(p, w) for w in args.weights.split(",") for p in args.paths.split(",")]:
+        for path, weights in [(p, w) for w in choices for p in args.paths.split(",")]:
             bound = batch * bandwidth / sum(reads[weights].values())
             if weights == "dequantized":  # the copy is made before the timing, and kept (resident)
                 with run_autocast(device):
@@ -195,6 +201,7 @@ def markdown(result: dict) -> str:
              f"decoded under the mixed precision a run uses: {result.get('mixed_precision', 'no')}",
              *([f"- rows: {len(result['rows'])} of {result['rows_planned']}: the run stopped before the rest"]
                if len(result["rows"]) < result.get("rows_planned", 0) else []),
+             *(f"- {weights} weights not timed: {why}" for weights, why in result.get("weights_skipped", {}).items()),
              *(f"- bytes read per decode step from {weights} weights: {sum(read.values()) / 2**30:.3f} GiB "
                f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in read.items())})"
                for weights, read in result.get("bytes_read_per_decode_step_by_weights",
@@ -211,13 +218,15 @@ def markdown(result: dict) -> str:
         lines.append("")
     for r in timed:
         phases = sorted(r["first_call_compile_s"].items(), key=lambda item: -item[1])
-        lines.append(f"- first call, {r['path']} at {r['batch']} rows, torch.compile's own timers (s; phases nest; "
+        lines.append(f"- first call, {r['path']} from {r.get('weights', 'quantized')} weights at {r['batch']} rows, "
+                     f"torch.compile's own timers (s; phases nest; "
                      f"{FIRST_CALL_PHASE_S} s or more): " + ", ".join(f"`{k}` {v:.2f}" for k, v in phases))
     lines += ["", "Paths (the rollouts' --decode, trainer/model/decode.py): eager (a KV cache grown per step: the "
               "default), compiled (a full-length KV cache and a torch.compile'd step, CUDA graphs on CUDA, its decoder "
               "layers compiled once as one reused region), compiled_whole (the same step compiled whole). Weights "
               "(--generation_weights): quantized (the 4-bit weights), dequantized (a dense copy made before the "
-              "timing). First call: compilation and warm-up, left out of the other columns."]
+              "timing), fused (the 4-bit weights through the fused NF4 kernel: its stand-ins and autotuning in the "
+              "first call). First call: compilation and warm-up, left out of the other columns."]
     return "\n".join(lines) + "\n"
 
 

@@ -213,13 +213,14 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
         decode = [python(), "-m", "benchmarks.gpu.decode", *model_flags(args)]
         sizes = (["--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05"] if args.smoke
                  else ["--prompt_tokens", "128", "--new_tokens", "64"])
-        # decode: the compiled step from the dense copy (the planner's pick where it fits), its decoder layers as
-        # one region, at 16 and 1 rows in one build (eager, the 4-bit weights and the step compiled whole:
-        # measured at 60b44b7, f9fb2bd and 76ae41a, behind), and a kernel profile of the 16 rows' decode
+        # decode: the compiled step, its decoder layers as one region, at the recipes' 16 rows in one build,
+        # through the fused NF4 kernel and from the dense copy (the planner's pick where it fits), the fused
+        # step's kernels profiled (eager, bitsandbytes' 4-bit path, the step compiled whole and 1 row: measured
+        # at 60b44b7, f9fb2bd, 76ae41a and 61ff104, behind)
         steps = [Step("grpo", grpo_recipe_run(args, out, "grpo")),
                  Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "grpo")]),
-                 Step("decode", [*decode, "--paths", "compiled", "--weights", "dequantized",
-                                 "--batches", "4" if args.smoke else "16,1", *sizes, "--out_dir", str(out / "decode"),
+                 Step("decode", [*decode, "--paths", "compiled", "--weights", "fused,dequantized",
+                                 "--batches", "4" if args.smoke else "16", *sizes, "--out_dir", str(out / "decode"),
                                  "--kernel_profile", str(out / "decode" / "kernels")])]
         if not args.smoke:  # ppo_vs_trl: the first call's smoke runs it
             steps.append(Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),

@@ -273,6 +273,11 @@ class DequantizedLinear(nn.Module):
                              torch.cat([bias, bias.new_zeros(lora_rank)]), persistent=False)
 
     @property
+    def held(self) -> torch.Tensor:
+        """What it adds to the model's memory: the dense copy (generation_weights)."""
+        return self.weight
+
+    @property
     def dense(self) -> torch.Tensor:
         """The dequantized matrix (without the LoRA rows)."""
         return self.weight[: self.out_features]
@@ -293,40 +298,52 @@ def _four_bit_layers(causal_lm: nn.Module) -> list[tuple[nn.Module, str, nn.Modu
             if isinstance(child, Linear4bit)]
 
 
-_RESIDENT: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+_RESIDENT: "weakref.WeakKeyDictionary[nn.Module, tuple[str, list]]" = weakref.WeakKeyDictionary()
 _SWAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models decoding from a copy now
 _said: set[str] = set()
 
 
+def _say_once(key: str, message: str, *args) -> None:
+    if key not in _said:
+        _said.add(key)
+        logger.info(message, *args)
+
+
 @contextmanager
 def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY) -> Iterator[None]:
-    """The body decodes from dense copies of the 4-bit layers (`dequantized`: made here and freed after, its
-    blocks left in the allocator's cache for the next rollout's copy, so a compiled step's CUDA graphs read
-    the addresses they were recorded with; `resident`: made once, kept), swapped in place of each layer and
-    swapped back after, also on errors; `quantized` (or "auto" left unplanned) changes nothing. Nested in an
-    outer one (a rollout's generate phase holding one copy for all its chunks), it changes nothing either. A
-    model with no 4-bit layer has nothing to copy: said once. Under autocast in the copies' dtype each copy
-    has rows for `adapter`'s LoRA-A weights (`DequantizedLinear`, filled by `lora_compute_copies`)."""
+    """The body decodes from stand-ins for the 4-bit layers, swapped in place of each layer and swapped back
+    after, also on errors: dense copies (`dequantized`: made here and freed after, their blocks left in the
+    allocator's cache for the next rollout's copy, so a compiled step's CUDA graphs read the addresses they
+    were recorded with; `resident`: made once, kept), or the layers' own NF4 weights multiplied by a fused
+    kernel (`fused`: made once, kept; `trainer.model.nf4_kernel`; where it cannot run, said once, the layers
+    stay). `quantized` (or "auto" left unplanned) changes nothing. Nested in an outer one (a rollout's
+    generate phase holding one copy for all its chunks), it changes nothing either. A model with no 4-bit
+    layer has nothing to stand in for: said once. Under autocast in the copies' dtype each dense copy has rows
+    for `adapter`'s LoRA-A weights (`DequantizedLinear`, filled by `lora_compute_copies`)."""
     if causal_lm in _SWAPPED:
         yield
         return
     layers = [] if choice in ("quantized", "auto") else _four_bit_layers(causal_lm)
+    if not layers and choice not in ("quantized", "auto"):
+        _say_once(choice, "generation_weights %s: the model has no 4-bit layer to dequantize; decoding as it is",
+                  choice)
+    if layers and choice == "fused":
+        layers = _fused_fit(causal_lm, layers)
     if not layers:
-        if choice not in ("quantized", "auto") and choice not in _said:
-            _said.add(choice)
-            logger.info("generation_weights %s: the model has no 4-bit layer to dequantize; decoding as it is", choice)
         yield
         return
-    swaps = _RESIDENT.get(causal_lm)
+    kept = _RESIDENT.get(causal_lm)
+    swaps = kept[1] if kept is not None and (kept[0] == "fused") == (choice == "fused") else None  # dense serves both
     if swaps is None:
-        swaps = [(parent, name, layer, DequantizedLinear(layer, _rows_for(parent, layer, adapter)))
-                 for parent, name, layer in layers]
-        if choice == "resident":
-            _RESIDENT[causal_lm] = swaps
-    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [dense.weight for *_, dense in swaps])
-    setattr(causal_lm, HELD_SWAPPED_OUT, [layer for _, _, layer, _ in swaps])  # a memory record still counts them
-    for parent, name, _, dense in swaps:
-        setattr(parent, name, dense)
+        swaps = [(parent, name, layer, _stand_in(parent, layer, choice, adapter)) for parent, name, layer in layers]
+        if choice in ("resident", "fused"):
+            _RESIDENT[causal_lm] = (choice, swaps)
+    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [stand_in.held for *_, stand_in in swaps])
+    # a memory record still counts the layers a dense copy swapped out of the tree (a fused one holds its own)
+    setattr(causal_lm, HELD_SWAPPED_OUT, [layer for _, _, layer, stand_in in swaps
+                                          if isinstance(stand_in, DequantizedLinear)])
+    for parent, name, _, stand_in in swaps:
+        setattr(parent, name, stand_in)
     _SWAPPED.add(causal_lm)
     try:
         yield
@@ -335,8 +352,33 @@ def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY)
         for parent, name, layer, _ in swaps:
             setattr(parent, name, layer)
         setattr(causal_lm, HELD_SWAPPED_OUT, [])
-        if causal_lm not in _RESIDENT:  # the per-rollout copy goes with `swaps`
+        if causal_lm not in _RESIDENT or _RESIDENT[causal_lm][1] is not swaps:  # a per-rollout copy goes now
             setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
+
+
+def _stand_in(parent: nn.Module, layer: nn.Module, choice: str, adapter: str) -> nn.Module:
+    if choice == "fused":
+        from trainer.model.nf4_kernel import FusedNF4Linear
+
+        return FusedNF4Linear(layer)
+    return DequantizedLinear(layer, _rows_for(parent, layer, adapter))
+
+
+def _fused_fit(causal_lm: nn.Module, layers: list[tuple[nn.Module, str, nn.Module]]) -> list[tuple]:
+    """The 4-bit layers the fused NF4 kernel can multiply by, the others said once (they decode as they are)."""
+    from trainer.model.nf4_kernel import unavailable, unfit
+
+    why = unavailable(layers[0][2].weight.device)
+    if why:
+        _say_once("fused", "generation_weights fused: %s; decoding from the 4-bit weights through bitsandbytes", why)
+        return []
+    fit = [(parent, name, layer) for parent, name, layer in layers if unfit(layer) is None]
+    if len(fit) < len(layers):
+        layer = next(layer for *_, layer in layers if unfit(layer) is not None)
+        name = next(name for name, module in causal_lm.named_modules() if module is layer)
+        _say_once("fused-unfit", "generation_weights fused: %d of %d 4-bit layers decode through bitsandbytes (%s: %s)",
+                  len(layers) - len(fit), len(layers), name, unfit(layer))
+    return fit
 
 
 def _rows_for(parent: nn.Module, layer: nn.Module, adapter: str) -> int:
@@ -354,7 +396,7 @@ def _rows_for(parent: nn.Module, layer: nn.Module, adapter: str) -> int:
 
 
 def drop_resident_weights(causal_lm: nn.Module) -> None:
-    """Free a model's resident dense copies (the next `resident` decode makes them again)."""
+    """Free a model's kept stand-ins, resident copies or fused layers (the next such decode makes them again)."""
     _RESIDENT.pop(causal_lm, None)
     setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
 

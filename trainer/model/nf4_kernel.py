@@ -1,0 +1,188 @@
+"""Decoding straight from a bitsandbytes NF4 weight: a Triton kernel reads the packed 4-bit weights and their
+block scales, dequantizes them in registers to the values bitsandbytes' `dequantize_4bit` writes (the NF4 code
+times the block's fp32 absmax, rounded once to the compute dtype) and multiplies a few rows of tokens by them.
+A decode step then reads about 0.56 bytes a weight, where a dense copy reads 2 and bitsandbytes' own path
+writes and reads a dense temporary per layer and token.
+
+    FusedNF4Linear(layer)  # stands in for a `bnb.nn.Linear4bit` while a decode runs (trainer.model.decode)
+
+The absmax of double quantization is dequantized once (bitsandbytes' `dequantize_blockwise`), so the kernel
+reads the same fp32 scales the training forward computes. Passes of more than `MAX_ROWS` tokens (a prompt's
+prefill) run the layer's own forward: there a dequantized temporary feeds a compute-bound matmul. The kernel
+runs on CUDA; on the CPU only in Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+try:  # module globals: Triton's interpreter finds the language where the kernel's globals hold it
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+MAX_ROWS = 64  # tokens per call up to which the kernel runs; more, and the layer's own forward does
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (on the CPU), read when the kernel is first built."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def unavailable(device: torch.device) -> Optional[str]:
+    """Why the kernel cannot run on `device`, or None."""
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        return f"the fused NF4 kernel runs on CUDA (here {device.type})"
+    return "Triton is not installed" if triton is None else None
+
+
+def unfit(layer: nn.Module) -> Optional[str]:
+    """Why the kernel cannot multiply by this 4-bit layer's weight, or None."""
+    state = getattr(layer.weight, "quant_state", None)
+    if state is None or state.quant_type != "nf4":
+        return "not an NF4 weight"
+    if len(state.shape) != 2 or layer.weight.data.numel() * 2 != state.shape[0] * state.shape[1]:
+        return "its packed weight is not the row-major NF4 layout"
+    if state.blocksize not in (32, 64, 128) or state.shape[1] % state.blocksize:
+        return f"blocksize {state.blocksize} over {state.shape[1]} input features"
+    return None
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, built at first use (Triton reads TRITON_INTERPRET when it builds one): autotuned over
+    the inner tile and pipelining on a GPU, one tile in the interpreter. Only builtins of triton.language
+    inside: the interpreter cannot run its jit-compiled helpers once Triton was loaded without it."""
+
+    @triton.jit
+    def nf4_linear(x_ptr, packed_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, M, N, K,
+                   HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+        # out[M, N] = x[M, K] @ W[N, K]^T; W row-major, two weights a byte (the even one in the high nibble), one
+        # absmax per BLOCKSIZE consecutive weights of a row. Program (n, m, s) sums the s-th of SPLIT_K slices of
+        # K (whole blocks); with SPLIT_K > 1 it writes its fp32 partial sums to out[s] and the caller adds them.
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        per_split = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+        start = tl.program_id(2) * per_split
+        stop = tl.minimum(start + per_split, K)
+        ks = tl.arange(0, BLOCK_K)
+        halves = tl.arange(0, BLOCK_K // 2)
+        blocks = tl.arange(0, BLOCK_K // BLOCKSIZE)
+        row_ok = rows < M
+        col_ok = cols < N
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k0 in range(start, stop, BLOCK_K):
+            x = tl.load(x_ptr + rows[:, None] * K + (k0 + ks)[None, :],
+                        mask=row_ok[:, None] & (k0 + ks < stop)[None, :], other=0.0)
+            packed = tl.load(packed_ptr + cols[:, None] * (K // 2) + (k0 // 2 + halves)[None, :],
+                             mask=col_ok[:, None] & (k0 // 2 + halves < stop // 2)[None, :], other=0)
+            nibbles = tl.join(packed >> 4, packed & 15).reshape(BLOCK_N, BLOCK_K).to(tl.int32)
+            scales = tl.load(absmax_ptr + cols[:, None] * (K // BLOCKSIZE) + (k0 // BLOCKSIZE + blocks)[None, :],
+                             mask=col_ok[:, None] & (k0 // BLOCKSIZE + blocks < stop // BLOCKSIZE)[None, :],
+                             other=0.0)
+            values = tl.load(code_ptr + nibbles).reshape(BLOCK_N, BLOCK_K // BLOCKSIZE, BLOCKSIZE)
+            weights = (values * scales[:, :, None]).reshape(BLOCK_N, BLOCK_K).to(x.dtype)
+            if FP32_DOT:  # exact products of the rounded weights either way, summed in fp32
+                acc += tl.dot(x.to(tl.float32), tl.trans(weights).to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(weights))
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + tl.program_id(2) * M * N + rows[:, None] * N + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    if interpreting():
+        return nf4_linear, {"BLOCK_K": 128}
+    configs = [triton.Config({"BLOCK_K": k}, num_warps=warps, num_stages=stages)
+               for k in (128, 256, 512) for warps, stages in ((4, 3), (4, 4), (8, 3))]
+    return triton.autotune(configs, key=["M", "N", "K", "SPLIT_K"])(nf4_linear), {}
+
+
+BLOCK_N = 64  # output features per program
+
+
+@functools.cache
+def _processors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def split_k(rows: int, out_features: int, in_features: int, processors: int) -> int:
+    """Slices of the input width summed apart: enough programs to give every processor two, each slice at least
+    256 wide, and the fp32 partial sums written and read (slices x rows x out_features x 8 bytes) at most a
+    quarter of the packed weights read."""
+    programs = -(-out_features // BLOCK_N) * -(-rows // block_rows(rows))
+    split = 1
+    while (programs * split < 2 * processors and in_features // (2 * split) >= 256
+           and 2 * split <= max(1, in_features // (64 * rows))):
+        split *= 2
+    return split
+
+
+def block_rows(rows: int) -> int:
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+               bias: Optional[torch.Tensor], out_features: int, blocksize: int,
+               split: Optional[int] = None) -> torch.Tensor:
+    """x (M, K) contiguous in the compute dtype times the NF4 weight (out_features, K): (M, out_features).
+    `split`: slices of K summed apart (default `split_k`'s pick; their partial sums added here in fp32, the
+    bias after, rounded once). The interpreter multiplies 16-bit tiles in fp32 (its 16-bit `tl.dot` returns
+    garbage in Triton 3.9)."""
+    m, k = x.shape
+    split = split or split_k(m, out_features, k, _processors(x.device))
+    kernel, fixed = _kernel()
+    rows = block_rows(m)
+    out = torch.empty(split, m, out_features, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    kernel[(triton.cdiv(out_features, BLOCK_N), triton.cdiv(m, rows), split)](
+        x, packed, absmax, code, out if bias is None else bias, out, m, out_features, k,
+        HAS_BIAS=bias is not None and split == 1, FP32_DOT=x.dtype == torch.float32 or interpreting(),
+        BLOCKSIZE=blocksize, BLOCK_M=rows, BLOCK_N=BLOCK_N, SPLIT_K=split, **fixed)
+    if split == 1:
+        return out[0]
+    total = out.sum(0)
+    return (total if bias is None else total + bias.float()).to(x.dtype)
+
+
+class FusedNF4Linear(nn.Module):
+    """A bitsandbytes NF4 `Linear4bit` whose passes of up to MAX_ROWS tokens run the fused kernel on its own
+    packed weights (no copy; the layer stays a child, `quantized`, and runs larger passes). Holds the absmax
+    dequantized to fp32: 4 bytes per block of weights, 1/16 of the packed weights at blocksize 64. Input cast
+    to the compute dtype and output back to the input's, as the layer's forward does."""
+
+    def __init__(self, layer: nn.Module):
+        import bitsandbytes.functional as bnbf
+
+        super().__init__()
+        state = layer.weight.quant_state
+        self.quantized = layer
+        self.dtype = layer.compute_dtype or state.dtype
+        (self.out_features, self.in_features), self.blocksize = state.shape, state.blocksize
+        absmax = state.absmax
+        if state.nested:
+            absmax = bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
+        # buffers, so that a compiled step reads them as inputs rather than baking them in
+        self.register_buffer("absmax", absmax.float().contiguous(), persistent=False)
+        self.register_buffer("code", state.code.to(layer.weight.device, torch.float32), persistent=False)
+        self.register_buffer("packed", layer.weight.data.view(-1), persistent=False)  # the weight's storage
+        bias = None if layer.bias is None else layer.bias.detach().to(self.dtype)
+        self.register_buffer("bias", bias, persistent=False)
+
+    @property
+    def held(self) -> torch.Tensor:
+        """What it adds to the model's memory: the fp32 absmax (generation_weights)."""
+        return self.absmax
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > MAX_ROWS * self.in_features:
+            return self.quantized(x)
+        flat = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
+        out = nf4_linear(flat, self.packed, self.absmax, self.code, self.bias, self.out_features, self.blocksize)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
