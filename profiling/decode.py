@@ -72,10 +72,13 @@ def bytes_per_decode_step(model, adapter: str = "policy", weights: str = "quanti
     tied = embeddings.data_ptr() == head.data_ptr()
     embedding_bytes = 0 if tied else embeddings.numel() * embeddings.element_size()
     dense = dense_weight_bytes(model) if weights in ("dequantized", "resident") else 0
-    base = ({C.GENERATION_WEIGHTS: dense} if dense else
-            {"base_weights": parts.get(C.BASE_WEIGHTS, 0), C.GENERATION_WEIGHTS: fused_scale_bytes(model)}
-            if weights == "fused" else
-            {"base_weights": parts.get(C.BASE_WEIGHTS, 0), "base_quant_constants": parts.get(C.BASE_QUANT_CONSTANTS, 0)})
+    if dense:
+        base = {C.GENERATION_WEIGHTS: dense}
+    elif weights == "fused":
+        base = {"base_weights": parts.get(C.BASE_WEIGHTS, 0), C.GENERATION_WEIGHTS: fused_scale_bytes(model)}
+    else:
+        base = {"base_weights": parts.get(C.BASE_WEIGHTS, 0),
+                "base_quant_constants": parts.get(C.BASE_QUANT_CONSTANTS, 0)}
     return {**base, "norms_and_lm_head": parts.get(C.BASE_OTHER, 0) - embedding_bytes,
             f"adapter_{adapter}": parts.get(C.adapter(adapter), 0)}
 

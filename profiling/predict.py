@@ -22,7 +22,8 @@ from profiling import activations as A
 from profiling import components as C
 from profiling import resolve
 from profiling.optimizers import OPTIMIZERS, gradient_bytes, optimizer_bytes, step_temporaries
-from profiling.shapes import DTYPE_BYTES, NF4_BLOCK, ModelShape, base_bytes, head_tensor_sizes, load_shape, lora_tensor_sizes
+from profiling.shapes import (DTYPE_BYTES, NF4_BLOCK, ModelShape, base_bytes, head_tensor_sizes, load_shape,
+                              lora_tensor_sizes)
 
 
 @dataclass(frozen=True)

@@ -303,9 +303,9 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
 def test_the_speed_part_runs_the_recipes_as_the_stages_decode_then_each_decode_path(tmp_path):
     """The speed part: TRL's GRPO recipe as the stage runs it (--decode and --generation_weights left to the
     planner) and its memory against the estimate; decode alone, the compiled step through the fused NF4 kernel
-    and from a dense copy at the recipes' 16 rows (one build), the fused step profiled; on the GPU only, the first call's PPO
-    comparison with TRL (ours decoding as the stage does), ours without and with its layers compiled for the
-    update."""
+    and from a dense copy at the recipes' 16 rows (one build), the fused step profiled; on the GPU only, the
+    first call's PPO comparison with TRL (ours decoding as the stage does), ours without and with its layers
+    compiled for the update."""
     from benchmarks.gpu.parts import PartArguments, grpo_recipe_run, steps_for
     from trainer.model.decode import DECODE_PATHS
 

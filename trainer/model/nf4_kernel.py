@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -99,17 +100,27 @@ def _kernel():
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     if interpreting():
-        return nf4_linear, {"BLOCK_K": 128}
+        return Launch(nf4_linear, {"BLOCK_K": 128}, interpreted=True)
     configs = [triton.Config({"BLOCK_K": k}, num_warps=warps, num_stages=stages)
                for k in (128, 256, 512) for warps, stages in ((4, 3), (4, 4), (8, 3))]
-    return triton.autotune(configs, key=["M", "N", "K", "SPLIT_K"])(nf4_linear), {}
+    return Launch(triton.autotune(configs, key=["M", "N", "K", "SPLIT_K"])(nf4_linear), {}, interpreted=False)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The kernel and what its launches pass beside the tensors. Taken once, outside any compiled code: a
+    compiled step then traces the launch alone, not the kernel's build."""
+
+    kernel: object
+    fixed: dict
+    interpreted: bool  # the interpreter multiplies 16-bit tiles in fp32 (its 16-bit `tl.dot` is wrong in 3.9)
 
 
 BLOCK_N = 64  # output features per program
 
 
-@functools.cache
-def _processors(device: torch.device) -> int:
+def processors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter runs one program at a time)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
@@ -130,21 +141,20 @@ def block_rows(rows: int) -> int:
 
 
 def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
-               bias: Optional[torch.Tensor], out_features: int, blocksize: int,
-               split: Optional[int] = None) -> torch.Tensor:
+               bias: Optional[torch.Tensor], out_features: int, blocksize: int, split: Optional[int] = None,
+               launch: Optional[Launch] = None) -> torch.Tensor:
     """x (M, K) contiguous in the compute dtype times the NF4 weight (out_features, K): (M, out_features).
     `split`: slices of K summed apart (default `split_k`'s pick; their partial sums added here in fp32, the
-    bias after, rounded once). The interpreter multiplies 16-bit tiles in fp32 (its 16-bit `tl.dot` returns
-    garbage in Triton 3.9)."""
+    bias after, rounded once)."""
     m, k = x.shape
-    split = split or split_k(m, out_features, k, _processors(x.device))
-    kernel, fixed = _kernel()
+    split = split or split_k(m, out_features, k, processors(x.device))
+    launch = launch or _kernel()
     rows = block_rows(m)
     out = torch.empty(split, m, out_features, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
-    kernel[(triton.cdiv(out_features, BLOCK_N), triton.cdiv(m, rows), split)](
-        x, packed, absmax, code, out if bias is None else bias, out, m, out_features, k,
-        HAS_BIAS=bias is not None and split == 1, FP32_DOT=x.dtype == torch.float32 or interpreting(),
-        BLOCKSIZE=blocksize, BLOCK_M=rows, BLOCK_N=BLOCK_N, SPLIT_K=split, **fixed)
+    launch.kernel[(-(-out_features // BLOCK_N), -(-m // rows), split)](
+        x, packed, absmax, code, absmax if bias is None else bias, out, m, out_features, k,  # (a stand-in, unread)
+        HAS_BIAS=bias is not None and split == 1, FP32_DOT=x.dtype == torch.float32 or launch.interpreted,
+        BLOCKSIZE=blocksize, BLOCK_M=rows, BLOCK_N=BLOCK_N, SPLIT_K=split, **launch.fixed)
     if split == 1:
         return out[0]
     total = out.sum(0)
@@ -174,6 +184,8 @@ class FusedNF4Linear(nn.Module):
         self.register_buffer("packed", layer.weight.data.view(-1), persistent=False)  # the weight's storage
         bias = None if layer.bias is None else layer.bias.detach().to(self.dtype)
         self.register_buffer("bias", bias, persistent=False)
+        # plain values, settled here: a compiled step's trace reads them, it neither builds nor asks the device
+        self.launch, self.processors = _kernel(), processors(layer.weight.device)
 
     @property
     def held(self) -> torch.Tensor:
@@ -184,5 +196,7 @@ class FusedNF4Linear(nn.Module):
         if x.numel() > MAX_ROWS * self.in_features:
             return self.quantized(x)
         flat = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
-        out = nf4_linear(flat, self.packed, self.absmax, self.code, self.bias, self.out_features, self.blocksize)
+        split = split_k(flat.shape[0], self.out_features, self.in_features, self.processors)
+        out = nf4_linear(flat, self.packed, self.absmax, self.code, self.bias, self.out_features, self.blocksize,
+                         split, self.launch)
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
