@@ -677,6 +677,41 @@ def test_the_fused_nf4_kernel_decodes_the_tokens_of_the_4bit_weights(tiny_nf4, i
     assert caplog.text.count("decode through bitsandbytes") == 1
 
 
+def test_under_autocast_the_fused_layers_give_the_lora_a_products_in_their_own_launch(tiny_nf4, interpreted_kernel,
+                                                                                       monkeypatch, request):
+    """Under autocast in the compute dtype each fused NF4 layer of a LoRA layer holds the decoded adapter's LoRA-A
+    weights as rows, whose products come out of the kernel's launch beside the base output: no matmul of their
+    own for those layers (down_proj, which the kernel does not take, keeps its own). The same tokens and
+    log-probs, to bf16 rounding, as with the products from their own matmul; after, no rows give them."""
+    from conftest import dispatch_counter
+
+    import trainer.model.decode as decode_module
+    from trainer.model.decode import _RESIDENT, drop_resident_weights
+    from trainer.model.nf4_kernel import FusedNF4Linear
+
+    def matmuls():
+        return dispatch_counter(lambda func: func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
+
+    ids, mask = batch(b=3, t=8)
+    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8, generation_weights="fused")
+
+    def run():
+        drop_resident_weights(tiny_nf4.causal_lm)
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16), matmuls() as counted:
+            return decode(tiny_nf4, ids, mask, sampling, 1, 0), counted.count, _RESIDENT[tiny_nf4.causal_lm][1]
+
+    request.addfinalizer(lambda: drop_resident_weights(tiny_nf4.causal_lm))
+    (rows, rows_matmuls, swaps) = run()
+    stand_ins = [s for *_, s in swaps]
+    assert all(isinstance(s, FusedNF4Linear) and s.lora_rank == 4 and s.rows_for is None for s in stand_ins)
+    monkeypatch.setattr(decode_module, "_rows_for", lambda *a: 0)
+    apart, apart_matmuls, _ = run()
+    assert apart_matmuls - rows_matmuls == len(stand_ins) * 6  # the prefill and 5 steps
+    assert torch.equal(rows.tokens, apart.tokens)
+    torch.testing.assert_close(rows.logprobs, apart.logprobs, rtol=0, atol=2e-2)
+
+
 def test_without_a_gpu_the_fused_kernel_is_said_once_and_the_4bit_weights_decode(tiny_nf4, monkeypatch, caplog):
     import logging
 

@@ -232,9 +232,10 @@ def test_on_cuda_the_fused_nf4_kernel_multiplies_by_the_weights_bitsandbytes_deq
 @pytest.mark.parametrize("decode", ["eager", "compiled"])
 def test_on_cuda_the_fused_nf4_kernel_decodes_as_the_4bit_layers_do(decode):
     """--generation_weights fused on CUDA, eager and compiled as CUDA graphs (a user Triton kernel inside them),
-    under the run's bf16 autocast, twice (kept stand-ins serve the next rollout): what decoding through
-    bitsandbytes gives (`assert_same_greedy`), and the model holds its 4-bit layers after. Compiled, the decoder
-    layers compile as one reused region with the kernel inside (no fallback to the whole step)."""
+    under the run's bf16 autocast (the LoRA-A products from the kernel's launch), twice (kept stand-ins serve the
+    next rollout): what decoding through bitsandbytes gives (`assert_same_greedy`), and the model holds its 4-bit
+    layers after. Compiled, the decoder layers compile as one reused region with the kernel inside (no fallback
+    to the whole step)."""
     from bitsandbytes.nn import Linear4bit
 
     from trainer.model.decode import _COMPILED, _RESIDENT, Sampling, decode as run_decode, drop_resident_weights
@@ -242,6 +243,9 @@ def test_on_cuda_the_fused_nf4_kernel_decodes_as_the_4bit_layers_do(decode):
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
+    with torch.no_grad():  # B != 0: the LoRA-A rows in the kernel's launch count
+        for p in model.trainable_parameters():
+            p.normal_(0.0, 0.05, generator=torch.Generator(cuda()).manual_seed(p.numel()))
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
     layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
     runs = {}
@@ -252,6 +256,7 @@ def test_on_cuda_the_fused_nf4_kernel_decodes_as_the_4bit_layers_do(decode):
         assert [m for m in model.modules() if isinstance(m, Linear4bit)] == layers
     choice, swaps = _RESIDENT[model.causal_lm]
     assert choice == "fused" and len(swaps) == len(layers) and isinstance(swaps[0][3], FusedNF4Linear)
+    assert all(s.lora_rank == 8 for *_, s in swaps)  # each holds the policy's LoRA-A rows
     if decode == "compiled":
         assert _COMPILED[model.causal_lm].regions == len(model.causal_lm.model.layers)
     drop_resident_weights(model.causal_lm)

@@ -71,6 +71,20 @@ def test_the_kernel_gives_a_matmul_of_the_dequantized_weights_for_any_row_count(
     torch.testing.assert_close(got.float(), want, rtol=2 ** -10, atol=1e-3)  # fp16's ulp
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_dense_rows_beside_the_nf4_weight_come_out_as_more_columns_of_the_same_launch(interpreted, split):
+    """`dense` (R, K) rows in the input's dtype (a LoRA-A): their products are R more columns after the NF4
+    weight's, from programs past its column blocks, summed alike; the bias only on the weight's columns."""
+    packed, absmax, code, weight = quantized(80, 256, torch.float16)
+    g = torch.Generator().manual_seed(4)
+    dense, x = torch.randn(70, 256, generator=g).half(), torch.randn(5, 256, generator=g).half()
+    bias = torch.randn(80, generator=g).half()
+    got = interpreted.nf4_linear(x, packed, absmax, code, bias, 80, 64, split=split, dense=dense)
+    want = torch.cat([F.linear(x.float(), weight.float(), bias.float()), F.linear(x.float(), dense.float())], -1)
+    assert got.shape == (5, 150)
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -10, atol=1e-3)
+
+
 def linear4bit(in_features, out_features, bias=True, dtype=torch.bfloat16):
     torch.manual_seed(3)
     dense = torch.nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
@@ -87,7 +101,7 @@ def test_it_stands_in_for_a_linear4bit_and_passes_larger_calls_to_its_forward(in
     layer = linear4bit(128, 40)
     fused = interpreted.FusedNF4Linear(layer)
     assert fused.packed.untyped_storage().data_ptr() == layer.weight.data.untyped_storage().data_ptr()
-    assert fused.held is fused.absmax and fused.absmax.dtype == torch.float32
+    assert len(fused.held) == 1 and fused.held[0] is fused.absmax and fused.absmax.dtype == torch.float32
     calls = []
     monkeypatch.setattr(type(layer), "forward", lambda self, x: calls.append(x.shape) or torch.zeros(()))
     x = torch.randn(2, 3, 128)

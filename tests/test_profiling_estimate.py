@@ -383,6 +383,14 @@ def test_the_fused_nf4_kernel_s_fp32_scales_weigh_on_every_phase_and_only_on_cud
         assert fused[name]["peak_allocated"] - phase["peak_allocated"] == scales, name
     cpu = estimate(shape, replace(args, device="cpu"))
     assert all(C.GENERATION_WEIGHTS not in p["components"] for p in cpu["phases"])
+    # under mixed precision each fused layer holds the policy's LoRA-A as bf16 rows; only lora_B is copied
+    from profiling.predict import decode_lora_bytes
+    from profiling.shapes import lora_tensor_sizes
+
+    mixed = replace(args, mixed_precision="bf16")
+    sizes = lora_tensor_sizes(shape, mixed.lora_r, mixed.lora_target_modules)
+    assert fused_scale_bytes(shape, 2, mixed) == scales + 2 * sum(sizes[::2])
+    assert decode_lora_bytes(shape, mixed) == 2 * sum(sizes[1::2])
 
 
 def test_the_policy_s_lora_copy_in_the_autocast_dtype_weighs_on_every_phase_compiled_else_on_generate():

@@ -273,9 +273,14 @@ class DequantizedLinear(nn.Module):
                              torch.cat([bias, bias.new_zeros(lora_rank)]), persistent=False)
 
     @property
-    def held(self) -> torch.Tensor:
+    def held(self) -> list[torch.Tensor]:
         """What it adds to the model's memory: the dense copy (generation_weights)."""
-        return self.weight
+        return [self.weight]
+
+    @property
+    def lora_rows(self):
+        """The rows under the matrix that hold a LoRA-A (`lora_rank` of them), or None."""
+        return self.weight[self.out_features :] if self.lora_rank else None
 
     @property
     def dense(self) -> torch.Tensor:
@@ -283,7 +288,7 @@ class DequantizedLinear(nn.Module):
         return self.weight[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows_for is not None:  # (..., out_features + lora_rank): `trainer.model.routing` splits them
+        if self.rows_for is not None:  # (..., out_features + lora_rank): `_copies_forward` splits them
             return F.linear(x.to(self.weight.dtype), self.weight, self.rows_bias).to(x.dtype)
         return F.linear(x.to(self.weight.dtype), self.dense, self.bias).to(x.dtype)
 
@@ -338,7 +343,7 @@ def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY)
         swaps = [(parent, name, layer, _stand_in(parent, layer, choice, adapter)) for parent, name, layer in layers]
         if choice in ("resident", "fused"):
             _RESIDENT[causal_lm] = (choice, swaps)
-    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [stand_in.held for *_, stand_in in swaps])
+    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [t for *_, stand_in in swaps for t in stand_in.held])
     # a memory record still counts the layers a dense copy swapped out of the tree (a fused one holds its own)
     setattr(causal_lm, HELD_SWAPPED_OUT, [layer for _, _, layer, stand_in in swaps
                                           if isinstance(stand_in, DequantizedLinear)])
@@ -360,7 +365,7 @@ def _stand_in(parent: nn.Module, layer: nn.Module, choice: str, adapter: str) ->
     if choice == "fused":
         from trainer.model.nf4_kernel import FusedNF4Linear
 
-        return FusedNF4Linear(layer)
+        return FusedNF4Linear(layer, _rows_for(parent, layer, adapter))
     return DequantizedLinear(layer, _rows_for(parent, layer, adapter))
 
 
@@ -382,8 +387,9 @@ def _fused_fit(causal_lm: nn.Module, layers: list[tuple[nn.Module, str, nn.Modul
 
 
 def _rows_for(parent: nn.Module, layer: nn.Module, adapter: str) -> int:
-    """The LoRA-A rows a dense copy of `layer` makes room for: `adapter`'s rank where `parent` is its LoRA layer
-    and its products are made in the copy's dtype (autocast, the weights' fp32 being cast to it), else none."""
+    """The LoRA-A rows a decode's stand-in for `layer` (a dense copy, a fused NF4 layer) makes room for: `adapter`'s
+    rank where `parent` is its LoRA layer and its products are made in the layer's compute dtype (autocast, the
+    weights' fp32 being cast to it), else none."""
     if getattr(parent, "base_layer", None) is not layer or adapter not in getattr(parent, "lora_A", {}):
         return 0
     lora_a = parent.lora_A[adapter]
@@ -418,10 +424,11 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
     adapter's scaling, so no step scales the products (a kernel per LoRA layer and step; the same values where
     the scaling is a power of two, alpha/r's usual case, else to the copy's rounding). `keep` (a compiled
     step, whose CUDA graphs read fixed addresses): made once per model, adapter and dtype and refreshed in
-    place; else made here and freed after. A dense copy of the base layer with room for it holds the A copy in its rows
-    (`DequantizedLinear`), none of its own. Meanwhile those LoRA layers run `_copies_forward` in place of the
-    routed one. Without autocast, with weights in its dtype already, or where peft's own layers add the LoRA
-    outputs (a model that cannot route: `trainer.model.routing`), nothing changes."""
+    place; else made here and freed after. A stand-in for the base layer with room for it holds the A copy in its
+    rows (`DequantizedLinear`, `FusedNF4Linear`), none of its own. Meanwhile those LoRA layers run
+    `_copies_forward` in place of the routed one. Without autocast, with weights in its dtype already, or where
+    peft's own layers add the LoRA outputs (a model that cannot route: `trainer.model.routing`), nothing
+    changes."""
     if not torch.is_autocast_enabled(device_type) or not getattr(model, "routable", False):
         yield
         return
@@ -447,7 +454,7 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
     with torch.no_grad():
         for layer, pair, room in zip(layers, copies, rows):
             scaled_a = layer.lora_A[adapter].weight * layer.scaling[adapter]
-            if room is not None:  # the dense copy holds A: no copy of its own
+            if room is not None:  # the stand-in holds A: no copy of its own
                 room.copy_(scaled_a)
             else:
                 pair[0] = refreshed(pair[0], scaled_a)
@@ -475,7 +482,8 @@ def _copies_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A LoRA layer's forward while a decode multiplies its adapter's copies (`lora_compute_copies`): the base
     layer's output plus the adapter's LoRA output, none of the routed forward's checks, which the decode settled
     for all layers (one adapter active, eval mode: no dropout): what a compiled step traces per LoRA layer. The
-    LoRA-A products come from the dense copy's rows, beside its output (`DequantizedLinear`), or from A's copy."""
+    LoRA-A products come from the stand-in's rows, beside its output (`DequantizedLinear`, `FusedNF4Linear`), or from
+    A's copy."""
     base = layer.base_layer
     a, b = layer.__dict__[COPIES_IN_USE]
     out = base(x, *args, **kwargs)
@@ -497,10 +505,10 @@ def _times_lora_b(products: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_of(base: nn.Module, rank: int, dtype: torch.dtype):
-    """The rows of a decode's dense copy `base` that can hold a rank-`rank` LoRA-A in `dtype`, or None."""
-    if isinstance(base, DequantizedLinear) and base.lora_rank == rank and base.weight.dtype == dtype:
-        return base.weight[base.out_features :]
-    return None
+    """The rows of a decode's stand-in `base` (a dense copy, a fused NF4 layer) that can hold a rank-`rank` LoRA-A
+    in `dtype`, or None."""
+    rows = getattr(base, "lora_rows", None)
+    return rows if rows is not None and rows.shape[0] == rank and rows.dtype == dtype else None
 
 
 def _list_copies(model, passing: Sequence[tuple] = ()) -> None:

@@ -62,41 +62,59 @@ def _kernel():
     inside: the interpreter cannot run its jit-compiled helpers once Triton was loaded without it."""
 
     @triton.jit
-    def nf4_linear(x_ptr, packed_ptr, absmax_ptr, code_ptr, bias_ptr, out_ptr, M, N, K,
+    def nf4_linear(x_ptr, packed_ptr, absmax_ptr, code_ptr, bias_ptr, dense_ptr, out_ptr, M, N, R, K,
                    HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
-        # out[M, N] = x[M, K] @ W[N, K]^T; W row-major, two weights a byte (the even one in the high nibble), one
-        # absmax per BLOCKSIZE consecutive weights of a row. Program (n, m, s) sums the s-th of SPLIT_K slices of
-        # K (whole blocks); with SPLIT_K > 1 it writes its fp32 partial sums to out[s] and the caller adds them.
+        # out[M, N + R] = x[M, K] @ [W; D]^T: W (N, K) the NF4 weight, row-major, two weights a byte (the even one
+        # in the high nibble), one absmax per BLOCKSIZE consecutive weights of a row; D (R, K) dense rows in x's
+        # dtype (LoRA-A weights), from the programs past W's column blocks. Program (n, m, s) sums the s-th of
+        # SPLIT_K slices of K (whole blocks); with SPLIT_K > 1 it writes fp32 partial sums to out[s], which the
+        # caller adds.
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         per_split = ((K + SPLIT_K - 1) // SPLIT_K + BLOCK_K - 1) // BLOCK_K * BLOCK_K
         start = tl.program_id(2) * per_split
         stop = tl.minimum(start + per_split, K)
         ks = tl.arange(0, BLOCK_K)
-        halves = tl.arange(0, BLOCK_K // 2)
-        blocks = tl.arange(0, BLOCK_K // BLOCKSIZE)
         row_ok = rows < M
-        col_ok = cols < N
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for k0 in range(start, stop, BLOCK_K):
-            x = tl.load(x_ptr + rows[:, None] * K + (k0 + ks)[None, :],
-                        mask=row_ok[:, None] & (k0 + ks < stop)[None, :], other=0.0)
-            packed = tl.load(packed_ptr + cols[:, None] * (K // 2) + (k0 // 2 + halves)[None, :],
-                             mask=col_ok[:, None] & (k0 // 2 + halves < stop // 2)[None, :], other=0)
-            nibbles = tl.join(packed >> 4, packed & 15).reshape(BLOCK_N, BLOCK_K).to(tl.int32)
-            scales = tl.load(absmax_ptr + cols[:, None] * (K // BLOCKSIZE) + (k0 // BLOCKSIZE + blocks)[None, :],
-                             mask=col_ok[:, None] & (k0 // BLOCKSIZE + blocks < stop // BLOCKSIZE)[None, :],
-                             other=0.0)
-            values = tl.load(code_ptr + nibbles).reshape(BLOCK_N, BLOCK_K // BLOCKSIZE, BLOCKSIZE)
-            weights = (values * scales[:, :, None]).reshape(BLOCK_N, BLOCK_K).to(x.dtype)
-            if FP32_DOT:  # exact products of the rounded weights either way, summed in fp32
-                acc += tl.dot(x.to(tl.float32), tl.trans(weights).to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(weights))
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + tl.program_id(2) * M * N + rows[:, None] * N + cols[None, :],
+        nf4_blocks = (N + BLOCK_N - 1) // BLOCK_N
+        if tl.program_id(0) < nf4_blocks:
+            cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
+            halves = tl.arange(0, BLOCK_K // 2)
+            blocks = tl.arange(0, BLOCK_K // BLOCKSIZE)
+            for k0 in range(start, stop, BLOCK_K):
+                x = tl.load(x_ptr + rows[:, None] * K + (k0 + ks)[None, :],
+                            mask=row_ok[:, None] & (k0 + ks < stop)[None, :], other=0.0)
+                packed = tl.load(packed_ptr + cols[:, None] * (K // 2) + (k0 // 2 + halves)[None, :],
+                                 mask=col_ok[:, None] & (k0 // 2 + halves < stop // 2)[None, :], other=0)
+                nibbles = tl.join(packed >> 4, packed & 15).reshape(BLOCK_N, BLOCK_K).to(tl.int32)
+                scales = tl.load(absmax_ptr + cols[:, None] * (K // BLOCKSIZE) + (k0 // BLOCKSIZE + blocks)[None, :],
+                                 mask=col_ok[:, None] & (k0 // BLOCKSIZE + blocks < stop // BLOCKSIZE)[None, :],
+                                 other=0.0)
+                values = tl.load(code_ptr + nibbles).reshape(BLOCK_N, BLOCK_K // BLOCKSIZE, BLOCKSIZE)
+                weights = (values * scales[:, :, None]).reshape(BLOCK_N, BLOCK_K).to(x.dtype)
+                if FP32_DOT:  # exact products of the rounded weights either way, summed in fp32
+                    acc += tl.dot(x.to(tl.float32), tl.trans(weights).to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(x, tl.trans(weights))
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            out_cols = cols
+        else:
+            cols = (tl.program_id(0) - nf4_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < R
+            for k0 in range(start, stop, BLOCK_K):
+                x = tl.load(x_ptr + rows[:, None] * K + (k0 + ks)[None, :],
+                            mask=row_ok[:, None] & (k0 + ks < stop)[None, :], other=0.0)
+                weights = tl.load(dense_ptr + cols[:, None] * K + (k0 + ks)[None, :],
+                                  mask=col_ok[:, None] & (k0 + ks < stop)[None, :], other=0.0)
+                if FP32_DOT:
+                    acc += tl.dot(x.to(tl.float32), tl.trans(weights).to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(x, tl.trans(weights))
+            out_cols = N + cols
+        tl.store(out_ptr + tl.program_id(2) * M * (N + R) + rows[:, None] * (N + R) + out_cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     if interpreting():
@@ -142,32 +160,44 @@ def block_rows(rows: int) -> int:
 
 def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
                bias: Optional[torch.Tensor], out_features: int, blocksize: int, split: Optional[int] = None,
-               launch: Optional[Launch] = None) -> torch.Tensor:
-    """x (M, K) contiguous in the compute dtype times the NF4 weight (out_features, K): (M, out_features).
+               launch: Optional[Launch] = None, dense: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x (M, K) contiguous in the compute dtype times the NF4 weight (out_features, K): (M, out_features), and
+    with `dense` (R, K) rows in x's dtype, their products too as R more columns (one launch for both).
     `split`: slices of K summed apart (default `split_k`'s pick; their partial sums added here in fp32, the
     bias after, rounded once)."""
     m, k = x.shape
+    extra = 0 if dense is None else dense.shape[0]
     split = split or split_k(m, out_features, k, processors(x.device))
     launch = launch or _kernel()
     rows = block_rows(m)
-    out = torch.empty(split, m, out_features, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
-    launch.kernel[(-(-out_features // BLOCK_N), -(-m // rows), split)](
-        x, packed, absmax, code, absmax if bias is None else bias, out, m, out_features, k,  # (a stand-in, unread)
-        HAS_BIAS=bias is not None and split == 1, FP32_DOT=x.dtype == torch.float32 or launch.interpreted,
-        BLOCKSIZE=blocksize, BLOCK_M=rows, BLOCK_N=BLOCK_N, SPLIT_K=split, **launch.fixed)
+    width = out_features + extra
+    out = torch.empty(split, m, width, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    grid = (-(-out_features // BLOCK_N) + -(-extra // BLOCK_N), -(-m // rows), split)
+    launch.kernel[grid](x, packed, absmax, code, absmax if bias is None else bias, x if dense is None else dense,
+                        out, m, out_features, extra, k,  # (the stand-ins for no bias or rows are never read)
+                        HAS_BIAS=bias is not None and split == 1,
+                        FP32_DOT=x.dtype == torch.float32 or launch.interpreted, BLOCKSIZE=blocksize, BLOCK_M=rows,
+                        BLOCK_N=BLOCK_N, SPLIT_K=split, **launch.fixed)
     if split == 1:
         return out[0]
     total = out.sum(0)
-    return (total if bias is None else total + bias.float()).to(x.dtype)
+    if bias is not None:
+        total[:, :out_features] += bias.float()
+    return total.to(x.dtype)
 
 
 class FusedNF4Linear(nn.Module):
     """A bitsandbytes NF4 `Linear4bit` whose passes of up to MAX_ROWS tokens run the fused kernel on its own
     packed weights (no copy; the layer stays a child, `quantized`, and runs larger passes). Holds the absmax
     dequantized to fp32: 4 bytes per block of weights, 1/16 of the packed weights at blocksize 64. Input cast
-    to the compute dtype and output back to the input's, as the layer's forward does."""
+    to the compute dtype and output back to the input's, as the layer's forward does.
 
-    def __init__(self, layer: nn.Module):
+    `lora_rank` > 0 holds that many dense rows in the compute dtype for the LoRA-A weights of the adapter a
+    decode multiplies (`trainer.model.decode.lora_compute_copies` fills them): while `rows_for` names that
+    adapter, the one launch gives the base output and the LoRA-A products side by side, the last `lora_rank`
+    columns, where a separate small matmul would launch per layer and token (as `DequantizedLinear`'s rows)."""
+
+    def __init__(self, layer: nn.Module, lora_rank: int = 0):
         import bitsandbytes.functional as bnbf
 
         super().__init__()
@@ -175,28 +205,33 @@ class FusedNF4Linear(nn.Module):
         self.quantized = layer
         self.dtype = layer.compute_dtype or state.dtype
         (self.out_features, self.in_features), self.blocksize = state.shape, state.blocksize
+        self.lora_rank, self.rows_for = lora_rank, None
         absmax = state.absmax
         if state.nested:
             absmax = bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
+        device = layer.weight.device
         # buffers, so that a compiled step reads them as inputs rather than baking them in
         self.register_buffer("absmax", absmax.float().contiguous(), persistent=False)
-        self.register_buffer("code", state.code.to(layer.weight.device, torch.float32), persistent=False)
+        self.register_buffer("code", state.code.to(device, torch.float32), persistent=False)
         self.register_buffer("packed", layer.weight.data.view(-1), persistent=False)  # the weight's storage
         bias = None if layer.bias is None else layer.bias.detach().to(self.dtype)
         self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("lora_rows", torch.zeros(lora_rank, self.in_features, dtype=self.dtype, device=device)
+                             if lora_rank else None, persistent=False)
         # plain values, settled here: a compiled step's trace reads them, it neither builds nor asks the device
-        self.launch, self.processors = _kernel(), processors(layer.weight.device)
+        self.launch, self.processors = _kernel(), processors(device)
 
     @property
-    def held(self) -> torch.Tensor:
-        """What it adds to the model's memory: the fp32 absmax (generation_weights)."""
-        return self.absmax
+    def held(self) -> list[torch.Tensor]:
+        """What it adds to the model's memory (generation_weights): the fp32 absmax, the LoRA-A rows."""
+        return [t for t in (self.absmax, self.lora_rows) if t is not None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > MAX_ROWS * self.in_features:
             return self.quantized(x)
         flat = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
         split = split_k(flat.shape[0], self.out_features, self.in_features, self.processors)
+        dense = self.lora_rows if self.rows_for is not None else None  # (..., out_features + lora_rank)
         out = nf4_linear(flat, self.packed, self.absmax, self.code, self.bias, self.out_features, self.blocksize,
-                         split, self.launch)
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+                         split, self.launch, dense)
+        return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
