@@ -357,6 +357,30 @@ def test_grpo_vs_trl_runs_our_grpo_stage_and_trl_s_trainer_on_the_same_rows(tmp_
     assert json.loads((tmp_path / "grpo_vs_trl.json").read_text())["kind"] == "grpo_vs_trl"
 
 
+def test_a_decode_row_that_fails_is_said_and_the_others_are_timed(tmp_path, monkeypatch):
+    """One (path, weights) that raises (a kernel or a compilation the device rejects) is listed with its error;
+    the rows after it are still timed, and the run does not read as stopped."""
+    import benchmarks.gpu.decode as bench
+
+    timed = bench.time_generation
+
+    def flaky(model, ids, new_tokens, repeats, path, weights):
+        if weights == "quantized":
+            raise RuntimeError("no kernel image is available\nfor execution on the device")
+        return timed(model, ids, new_tokens, repeats, path, weights)
+
+    monkeypatch.setattr(bench, "time_generation", flaky)
+    result = bench.main(["--model_name_or_path", "tiny-llama", "--batches", "2", "--prompt_tokens", "4",
+                         "--new_tokens", "3", "--repeats", "1", "--copy_gib", "0.01", "--paths", "eager",
+                         "--weights", "quantized,dequantized", "--out_dir", str(tmp_path)])
+    assert [(r["path"], r["weights"]) for r in result["rows"]] == [("eager", "dequantized")]
+    assert result["failed"] == [{"path": "eager", "weights": "quantized", "batch": 2,
+                                 "error": "RuntimeError: no kernel image is available for execution on the device"}]
+    text = (tmp_path / "decode.md").read_text()
+    assert "- eager from quantized weights at 2 rows failed: `RuntimeError: no kernel image" in text
+    assert "stopped before" not in text
+
+
 def test_kernel_profile_profiles_the_phases_named_and_ranks_their_ops(tmp_path):
     """`--kernel_profile`: every phase's wall time; the named phases' busy time (their nested phases' inside
     it) and their ops' own time, ranked; an unnamed phase's ops stay out of the profile (a 7B rollout's would

@@ -135,14 +135,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     choices = [w for w in choices if w not in skipped]
     # the bound of each weights choice: a dense copy is read in place of the 4-bit weights
     reads = {w: bytes_per_decode_step(model, weights=w) for w in choices}
-    rows = []
+    rows, failed = [], []
     planned = len(batch_sizes(args.batches)) * len(args.paths.split(",")) * len(choices)
     result = {**provenance(device, "python -m benchmarks.gpu.decode " + relative_command(argv)),
               "kind": "decode", "model": asdict(model_args), "settings": asdict(args),
               "mixed_precision": resolve_mixed_precision("auto"),
               "copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_decode_step": read,
               "bytes_per_decode_step": step_bytes, "bytes_read_per_decode_step_by_weights": reads, "rows": rows,
-              "weights_skipped": skipped,
+              "weights_skipped": skipped, "failed": failed,
               "rows_planned": planned}
     out = Path(args.out_dir)
     generator = torch.Generator().manual_seed(0)
@@ -158,10 +158,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
             if path in ("compiled", WHOLE):  # each compiled row compiles anew: its first call is its own
                 compile_anew(model.causal_lm, regions=path == "compiled")
             compiled_before = compile_seconds()
-            first, full = time_generation(model, ids, args.new_tokens, args.repeats, path, weights)
-            spent = {name: seconds - compiled_before.get(name, 0.0) for name, seconds in compile_seconds().items()}
+            try:
+                first, full = time_generation(model, ids, args.new_tokens, args.repeats, path, weights)
+                spent = {name: s - compiled_before.get(name, 0.0) for name, s in compile_seconds().items()}
+                _, prefill = time_generation(model, ids, 1, args.repeats, path, weights)
+            except Exception as exc:  # one that fails here (a kernel, a compilation) leaves the others their rows
+                failed.append({"path": path, "weights": weights, "batch": batch,
+                               "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"})
+                print(f"{path}, {weights}, batch {batch}: failed: {failed[-1]['error']}", flush=True)
+                write_result(result, out)
+                continue
             first_call_compile = {name: round(s, 2) for name, s in spent.items() if s >= FIRST_CALL_PHASE_S}
-            _, prefill = time_generation(model, ids, 1, args.repeats, path, weights)
             decode_s = max(full - prefill, 1e-9)
             tokens_per_s = batch * (args.new_tokens - 1) / decode_s
             rows.append({"path": path, "weights": weights, "batch": batch, "decode_s": decode_s, "generate_s": full,
@@ -200,7 +207,9 @@ def markdown(result: dict) -> str:
              f"- device copy bandwidth: {result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + write); "
              f"decoded under the mixed precision a run uses: {result.get('mixed_precision', 'no')}",
              *([f"- rows: {len(result['rows'])} of {result['rows_planned']}: the run stopped before the rest"]
-               if len(result["rows"]) < result.get("rows_planned", 0) else []),
+               if len(result["rows"]) + len(result.get("failed", [])) < result.get("rows_planned", 0) else []),
+             *(f"- {f['path']} from {f['weights']} weights at {f['batch']} rows failed: `{f['error']}`"
+               for f in result.get("failed", [])),
              *(f"- {weights} weights not timed: {why}" for weights, why in result.get("weights_skipped", {}).items()),
              *(f"- bytes read per decode step from {weights} weights: {sum(read.values()) / 2**30:.3f} GiB "
                f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in read.items())})"
