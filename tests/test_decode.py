@@ -682,7 +682,8 @@ def test_under_autocast_the_fused_layers_give_the_lora_a_products_in_their_own_l
     """Under autocast in the compute dtype each fused NF4 layer of a LoRA layer holds the decoded adapter's LoRA-A
     weights as rows, whose products come out of the kernel's launch beside the base output: no matmul of their
     own for those layers (down_proj, which the kernel does not take, keeps its own). The same tokens and
-    log-probs, to bf16 rounding, as with the products from their own matmul; after, no rows give them."""
+    log-probs, to bf16 rounding, as with the products from their own matmul. A prefill past the kernel's rows
+    runs bitsandbytes' matmul and the rows' own beside it: the tokens of decoding from the 4-bit weights."""
     from conftest import dispatch_counter
 
     import trainer.model.decode as decode_module
@@ -694,6 +695,7 @@ def test_under_autocast_the_fused_layers_give_the_lora_a_products_in_their_own_l
 
     ids, mask = batch(b=3, t=8)
     sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8, generation_weights="fused")
+    long_ids, long_mask = batch(b=3, t=30)  # a prefill of 90 tokens: bitsandbytes' matmul, the rows' own beside
 
     def run():
         drop_resident_weights(tiny_nf4.causal_lm)
@@ -705,11 +707,23 @@ def test_under_autocast_the_fused_layers_give_the_lora_a_products_in_their_own_l
     (rows, rows_matmuls, swaps) = run()
     stand_ins = [s for *_, s in swaps]
     assert all(isinstance(s, FusedNF4Linear) and s.lora_rank == 4 and s.rows_for is None for s in stand_ins)
+    with_rows = decode_module._rows_for
     monkeypatch.setattr(decode_module, "_rows_for", lambda *a: 0)
     apart, apart_matmuls, _ = run()
     assert apart_matmuls - rows_matmuls == len(stand_ins) * 6  # the prefill and 5 steps
     assert torch.equal(rows.tokens, apart.tokens)
     torch.testing.assert_close(rows.logprobs, apart.logprobs, rtol=0, atol=2e-2)
+    monkeypatch.setattr(decode_module, "_rows_for", with_rows)
+    drop_resident_weights(tiny_nf4.causal_lm)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(5)
+        long_rows = decode(tiny_nf4, long_ids, long_mask, sampling, 1, 0)
+        torch.manual_seed(5)
+        quantized = Sampling(**{**vars(sampling), "generation_weights": "quantized"})
+        long_quantized = decode(tiny_nf4, long_ids, long_mask, quantized, 1, 0)
+    assert all(s.lora_rank == 4 for *_, s in _RESIDENT[tiny_nf4.causal_lm][1])
+    assert torch.equal(long_rows.tokens, long_quantized.tokens)
+    torch.testing.assert_close(long_rows.logprobs, long_quantized.logprobs, rtol=0, atol=5e-2)
 
 
 def test_without_a_gpu_the_fused_kernel_is_said_once_and_the_4bit_weights_decode(tiny_nf4, monkeypatch, caplog):

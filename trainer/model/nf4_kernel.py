@@ -227,8 +227,11 @@ class FusedNF4Linear(nn.Module):
         return [t for t in (self.absmax, self.lora_rows) if t is not None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > MAX_ROWS * self.in_features:
-            return self.quantized(x)
+        if x.numel() > MAX_ROWS * self.in_features:  # a prefill: bitsandbytes' matmul, the rows' own beside it
+            out = self.quantized(x)
+            if self.rows_for is None:
+                return out
+            return torch.cat([out, torch.nn.functional.linear(x.to(self.dtype), self.lora_rows).to(out.dtype)], -1)
         flat = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
         split = split_k(flat.shape[0], self.out_features, self.in_features, self.processors)
         dense = self.lora_rows if self.rows_for is not None else None  # (..., out_features + lora_rank)
