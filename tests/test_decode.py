@@ -402,6 +402,16 @@ def four_bit_layers(model):
     return [m for m in model.modules() if isinstance(m, Linear4bit)]
 
 
+def beside_the_4bit_weights(model, weights: str):
+    """Six tokens sampled after three prompts from the 4-bit weights, then from `weights`, the same seed."""
+    ids, mask = batch(b=3, t=8)
+    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8)
+    torch.manual_seed(5)
+    want = decode(model, ids, mask, sampling, eos_id=1, pad_id=0)
+    torch.manual_seed(5)
+    return want, decode(model, ids, mask, Sampling(**{**vars(sampling), "generation_weights": weights}), 1, 0)
+
+
 @pytest.mark.parametrize("weights", ["dequantized", "resident"])
 def test_a_dense_copy_of_the_4bit_weights_decodes_the_same_tokens_and_log_probs(tiny_nf4, weights):
     """The copy holds what the 4-bit layers' forward multiplies by: the same tokens and log-probs as decoding
@@ -410,13 +420,8 @@ def test_a_dense_copy_of_the_4bit_weights_decodes_the_same_tokens_and_log_probs(
     from profiling.tensors import HELD_GENERATION_WEIGHTS
     from trainer.model.decode import _RESIDENT, drop_resident_weights
 
-    ids, mask = batch(b=3, t=8)
     layers = four_bit_layers(tiny_nf4)
-    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8)
-    torch.manual_seed(5)
-    want = decode(tiny_nf4, ids, mask, sampling, eos_id=1, pad_id=0)
-    torch.manual_seed(5)
-    got = decode(tiny_nf4, ids, mask, Sampling(**{**vars(sampling), "generation_weights": weights}), 1, 0)
+    want, got = beside_the_4bit_weights(tiny_nf4, weights)
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-6)
     assert four_bit_layers(tiny_nf4) == layers  # swapped back
@@ -424,6 +429,7 @@ def test_a_dense_copy_of_the_4bit_weights_decodes_the_same_tokens_and_log_probs(
     if weights == "resident":
         assert len(held) == len(layers) and tiny_nf4.causal_lm in _RESIDENT
         kept = _RESIDENT[tiny_nf4.causal_lm]
+        ids, mask = batch(b=3, t=8)
         decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=2, generation_weights="resident"), 1, 0)
         assert _RESIDENT[tiny_nf4.causal_lm] is kept  # made once
         drop_resident_weights(tiny_nf4.causal_lm)
@@ -653,14 +659,9 @@ def test_the_fused_nf4_kernel_decodes_the_tokens_of_the_4bit_weights(tiny_nf4, i
 
     _said.clear()
     request.addfinalizer(lambda: drop_resident_weights(tiny_nf4.causal_lm))  # the module's model, kept clean
-    ids, mask = batch(b=3, t=8)
     layers = four_bit_layers(tiny_nf4)
-    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8)
-    torch.manual_seed(5)
-    want = decode(tiny_nf4, ids, mask, sampling, eos_id=1, pad_id=0)
-    torch.manual_seed(5)
     with caplog.at_level(logging.INFO, logger="trainer.model.decode"):
-        got = decode(tiny_nf4, ids, mask, Sampling(**{**vars(sampling), "generation_weights": "fused"}), 1, 0)
+        want, got = beside_the_4bit_weights(tiny_nf4, "fused")
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0.05)
     assert four_bit_layers(tiny_nf4) == layers  # swapped back
@@ -671,8 +672,7 @@ def test_the_fused_nf4_kernel_decodes_the_tokens_of_the_4bit_weights(tiny_nf4, i
     ledger = TensorLedger()
     add_model(ledger, tiny_nf4)
     assert ledger.components()[C.GENERATION_WEIGHTS] == fused_scale_bytes(load_shape("tiny-llama", VOCAB))
-    torch.manual_seed(5)
-    again = decode(tiny_nf4, ids, mask, Sampling(**{**vars(sampling), "generation_weights": "fused"}), 1, 0)
+    _, again = beside_the_4bit_weights(tiny_nf4, "fused")
     assert _RESIDENT[tiny_nf4.causal_lm][1] is swaps and torch.equal(again.tokens, got.tokens)  # made once
     assert caplog.text.count("decode through bitsandbytes") == 1
 
