@@ -15,11 +15,12 @@ graphs read them where they are.
 Weights (`--generation_weights`): a 4-bit base is frozen, so its linear weights can be dequantized once
 (bitsandbytes' `dequantize_4bit`, the very values its training forward multiplies by) and each step reads
 one dense matrix per layer instead of dequantizing it again: `dequantized` builds that copy for each
-rollout and frees it after, `resident` keeps it, `quantized` decodes from the 4-bit weights. Under the run's
-mixed precision the LoRA products likewise multiply copies of the adapter's weights in the autocast dtype,
-made once per decode (`lora_compute_copies`), not cast again at every step, and a dense copy holds the
-adapter's LoRA-A weights as extra rows: one matmul per layer and token gives the base output and the LoRA-A
-products.
+rollout and frees it after, `resident` keeps it, `quantized` decodes from the 4-bit weights, and `fused`
+reads the 4-bit weights through a kernel that dequantizes them in registers (`trainer.model.nf4_kernel`).
+Under the run's mixed precision the LoRA products likewise multiply copies of the adapter's weights in the
+autocast dtype, made once per decode (`lora_compute_copies`), not cast again at every step, and a dense copy
+or a fused layer holds the adapter's LoRA-A weights as extra rows: one matmul per layer and token gives the
+base output and the LoRA-A products.
 """
 
 from __future__ import annotations
@@ -323,8 +324,9 @@ def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY)
     kernel (`fused`: made once, kept; `trainer.model.nf4_kernel`; where it cannot run, said once, the layers
     stay). `quantized` (or "auto" left unplanned) changes nothing. Nested in an outer one (a rollout's
     generate phase holding one copy for all its chunks), it changes nothing either. A model with no 4-bit
-    layer has nothing to stand in for: said once. Under autocast in the copies' dtype each dense copy has rows
-    for `adapter`'s LoRA-A weights (`DequantizedLinear`, filled by `lora_compute_copies`)."""
+    layer has nothing to stand in for: said once. Under autocast in the layers' compute dtype each stand-in has
+    rows for `adapter`'s LoRA-A weights (`DequantizedLinear`, `FusedNF4Linear`; filled by
+    `lora_compute_copies`)."""
     if causal_lm in _SWAPPED:
         yield
         return
@@ -357,8 +359,9 @@ def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY)
         for parent, name, layer, _ in swaps:
             setattr(parent, name, layer)
         setattr(causal_lm, HELD_SWAPPED_OUT, [])
-        if causal_lm not in _RESIDENT or _RESIDENT[causal_lm][1] is not swaps:  # a per-rollout copy goes now
-            setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
+        kept = _RESIDENT.get(causal_lm)  # a per-rollout copy goes now; kept stand-ins stay counted
+        held = [t for *_, stand_in in kept[1] for t in stand_in.held] if kept else []
+        setattr(causal_lm, HELD_GENERATION_WEIGHTS, held)
 
 
 def _stand_in(parent: nn.Module, layer: nn.Module, choice: str, adapter: str) -> nn.Module:
