@@ -119,8 +119,9 @@ def _kernel():
 
     if interpreting():
         return Launch(nf4_linear, {"BLOCK_K": 128}, interpreted=True)
+    # a (BLOCK_N x BLOCK_K) tile of fp32 values lives in registers: 64 x 256 needs 8 warps to stay unspilled
     configs = [triton.Config({"BLOCK_K": k}, num_warps=warps, num_stages=stages)
-               for k in (128, 256, 512) for warps, stages in ((4, 3), (4, 4), (8, 3))]
+               for k, warps, stages in ((128, 4, 3), (128, 4, 4), (128, 8, 3), (256, 8, 3), (256, 8, 4), (256, 4, 3))]
     return Launch(triton.autotune(configs, key=["M", "N", "K", "SPLIT_K"])(nf4_linear), {}, interpreted=False)
 
 
