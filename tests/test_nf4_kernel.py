@@ -133,6 +133,9 @@ def test_what_the_kernel_cannot_run_on_or_multiply_by_is_said_in_one_line(monkey
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert nf4_kernel.unavailable(torch.device("cpu")) == "the fused NF4 kernel runs on CUDA (here cpu)"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a Turing card
+    assert nf4_kernel.unavailable(torch.device("cuda", 0)) == (
+        "the fused NF4 kernel needs compute capability 8.0 or newer (here 7.5)")
     assert nf4_kernel.unfit(linear4bit(128, 40)) is None
     assert nf4_kernel.unfit(linear4bit(96, 40)) == "blocksize 64 over 96 input features"
     assert nf4_kernel.unfit(torch.nn.Linear(64, 8)) == "not an NF4 weight"

@@ -36,11 +36,19 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+MIN_CAPABILITY = (8, 0)  # Ampere: bf16 tensor-core dots, which the kernel's tiles use
+
+
 def unavailable(device: torch.device) -> Optional[str]:
     """Why the kernel cannot run on `device`, or None."""
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         return f"the fused NF4 kernel runs on CUDA (here {device.type})"
-    return "Triton is not installed" if triton is None else None
+    if triton is None:
+        return "Triton is not installed"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"the fused NF4 kernel needs compute capability 8.0 or newer (here {major}.{minor})"
+    return None
 
 
 def unfit(layer: nn.Module) -> Optional[str]:
