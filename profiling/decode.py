@@ -50,7 +50,7 @@ def dense_weight_bytes(model) -> int:
     return sum(sizes.values())
 
 
-def fused_scale_bytes(model) -> int:
+def fp32_scale_bytes(model) -> int:
     """The fp32 absmax a decode through the fused NF4 kernel reads: one per block of each NF4 layer whose input
     width is a whole number of blocks (trainer.model.nf4_kernel)."""
     sizes = {}
@@ -75,7 +75,7 @@ def bytes_per_decode_step(model, adapter: str = "policy", weights: str = "quanti
     if dense:
         base = {C.GENERATION_WEIGHTS: dense}
     elif weights == "fused":
-        base = {"base_weights": parts.get(C.BASE_WEIGHTS, 0), C.GENERATION_WEIGHTS: fused_scale_bytes(model)}
+        base = {"base_weights": parts.get(C.BASE_WEIGHTS, 0), C.GENERATION_WEIGHTS: fp32_scale_bytes(model)}
     else:
         base = {"base_weights": parts.get(C.BASE_WEIGHTS, 0),
                 "base_quant_constants": parts.get(C.BASE_QUANT_CONSTANTS, 0)}
