@@ -27,7 +27,9 @@ def quantized(out_features, in_features, dtype, nested=True, blocksize=64, seed=
     weight = torch.randn(out_features, in_features, generator=g).to(dtype)
     packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=nested, blocksize=blocksize)
     absmax = bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset if nested else state.absmax
-    return packed.view(-1), absmax.float(), state.code.float(), dequantized(packed, absmax, state, dtype)
+    from trainer.model.nf4_kernel import byte_pairs
+
+    return packed.view(-1), absmax.float(), byte_pairs(state.code), dequantized(packed, absmax, state, dtype)
 
 
 def dequantized(packed, absmax, state, dtype):
@@ -47,9 +49,9 @@ def test_the_kernel_multiplies_by_the_weights_dequantize_4bit_writes(interpreted
     widths that are not a whole number of the kernel's iterations. In bf16 to one unit of the last place: the
     interpreter truncates fp32 to bf16 where a GPU rounds to nearest."""
     n, k = shape
-    packed, absmax, code, dense = quantized(n, k, dtype, nested, blocksize)
+    packed, absmax, pairs, dense = quantized(n, k, dtype, nested, blocksize)
     read = torch.cat([interpreted.nf4_linear(torch.eye(k, dtype=dtype)[i : i + 64].contiguous(), packed, absmax,
-                                             code, None, n, blocksize) for i in range(0, k, 64)])
+                                             pairs, None, n, blocksize) for i in range(0, k, 64)])
     assert read.dtype == dtype
     if dtype == torch.bfloat16:
         torch.testing.assert_close(read.T, dense, rtol=2 ** -7, atol=0)
@@ -62,10 +64,10 @@ def test_the_kernel_multiplies_by_the_weights_dequantize_4bit_writes(interpreted
 def test_the_kernel_gives_a_matmul_of_the_dequantized_weights_for_any_row_count(interpreted, rows, split):
     """Its sums are fp32 over the rounded weights: a matmul's result, to one rounding of the output (fp16, which
     the interpreter rounds as a GPU does), also summed in slices of the input width (the last one empty at 3)."""
-    packed, absmax, code, dense = quantized(80, 256, torch.float16)
+    packed, absmax, pairs, dense = quantized(80, 256, torch.float16)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(torch.float16)
     bias = torch.randn(80, generator=torch.Generator().manual_seed(2)).to(torch.float16)
-    got = interpreted.nf4_linear(x, packed, absmax, code, bias, 80, 64, split=split)
+    got = interpreted.nf4_linear(x, packed, absmax, pairs, bias, 80, 64, split=split)
     want = F.linear(x.float(), dense.float(), bias.float())
     assert got.shape == (rows, 80) and got.dtype == torch.float16
     torch.testing.assert_close(got.float(), want, rtol=2 ** -10, atol=1e-3)  # fp16's ulp
@@ -75,11 +77,11 @@ def test_the_kernel_gives_a_matmul_of_the_dequantized_weights_for_any_row_count(
 def test_dense_rows_beside_the_nf4_weight_come_out_as_more_columns_of_the_same_launch(interpreted, split):
     """`dense` (R, K) rows in the input's dtype (a LoRA-A): their products are R more columns after the NF4
     weight's, from programs past its column blocks, summed alike; the bias only on the weight's columns."""
-    packed, absmax, code, weight = quantized(80, 256, torch.float16)
+    packed, absmax, pairs, weight = quantized(80, 256, torch.float16)
     g = torch.Generator().manual_seed(4)
     dense, x = torch.randn(70, 256, generator=g).half(), torch.randn(5, 256, generator=g).half()
     bias = torch.randn(80, generator=g).half()
-    got = interpreted.nf4_linear(x, packed, absmax, code, bias, 80, 64, split=split, dense=dense)
+    got = interpreted.nf4_linear(x, packed, absmax, pairs, bias, 80, 64, split=split, dense=dense)
     want = torch.cat([F.linear(x.float(), weight.float(), bias.float()), F.linear(x.float(), dense.float())], -1)
     assert got.shape == (5, 150)
     torch.testing.assert_close(got.float(), want, rtol=2 ** -10, atol=1e-3)
@@ -129,22 +131,15 @@ def test_the_input_width_is_split_for_two_programs_a_processor_within_a_quarter_
 
 
 @pytest.mark.parametrize("capability", [80, 89, 90])
-def test_every_tile_config_compiles_for_the_gpus_it_runs_on_without_spilling(capability, monkeypatch, tmp_path):
+def test_every_tile_config_compiles_for_the_gpus_it_runs_on_without_spilling(capability, monkeypatch):
     """Each autotuned config, compiled by Triton for Ampere, Ada (an RTX 4090) and Hopper on this machine with
-    the compiler it ships: at 16 rows of bf16 (a decode at the recipes' rows) no register spills to local memory
-    and at most 99 KB of shared memory a block, what an RTX 4090 allows, so none is lost to a launch failure."""
-    import re
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    the compiler it ships, as a launch at 7B's shapes specializes it (`benchmarks.nf4_kernel.compile_for`): at 16
+    rows of bf16 (a decode at the recipes' rows) no register spills to local memory and at most 99 KB of shared
+    memory a block, what an RTX 4090 allows, so none is lost to a launch failure."""
+    from benchmarks.nf4_kernel import compile_for, cuobjdump
     from trainer.model import nf4_kernel
 
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not cuobjdump.exists() and not shutil.which("cuobjdump"):
+    if not cuobjdump().exists():
         pytest.skip("Triton ships no cuobjdump here")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     nf4_kernel._kernel.cache_clear()
@@ -152,22 +147,9 @@ def test_every_tile_config_compiles_for_the_gpus_it_runs_on_without_spilling(cap
         tuned = nf4_kernel._kernel().kernel
     finally:
         nf4_kernel._kernel.cache_clear()
-    pointer = {"x_ptr": "*bf16", "packed_ptr": "*u8", "absmax_ptr": "*fp32", "code_ptr": "*fp32", "bias_ptr": "*fp32",
-               "dense_ptr": "*bf16", "out_ptr": "*fp32", "M": "i32", "N": "i32", "R": "i32", "K": "i32"}
-    names = tuned.fn.arg_names
     for config in tuned.configs:
-        constants = {"HAS_BIAS": False, "FP32_DOT": False, "BLOCKSIZE": 64, "BLOCK_M": 16, "BLOCK_R": 16,
-                     "SPLIT_K": 4, **config.kwargs}
-        source = ASTSource(fn=tuned.fn, signature={n: pointer.get(n, "constexpr") for n in names},
-                           constexprs={(names.index(k),): v for k, v in constants.items()})
-        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
-                                  options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-        cubin = tmp_path / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump if cuobjdump.exists() else "cuobjdump"), "--dump-resource-usage",
-                                str(cubin)], capture_output=True, text=True, check=True).stdout
-        stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-        assert stack == 0 and compiled.metadata.shared <= 99 * 1024, (config, usage, compiled.metadata.shared)
+        compiled, usage = compile_for(tuned.fn, config, capability)
+        assert usage["STACK"] == 0 and compiled.metadata.shared <= 99 * 1024, (config, usage, compiled.metadata.shared)
 
 
 def test_what_the_kernel_cannot_run_on_or_multiply_by_is_said_in_one_line(monkeypatch):

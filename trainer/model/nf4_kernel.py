@@ -70,7 +70,7 @@ def _kernel():
     inside: the interpreter cannot run its jit-compiled helpers once Triton was loaded without it."""
 
     @triton.jit
-    def nf4_linear(x_ptr, packed_ptr, absmax_ptr, code_ptr, bias_ptr, dense_ptr, out_ptr, M, N, R, K,
+    def nf4_linear(x_ptr, packed_ptr, absmax_ptr, pairs_ptr, bias_ptr, dense_ptr, out_ptr, M, N, R, K,
                    HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr, BLOCKSIZE: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
         # out[M, N + R] = x[M, K] @ [W; D]^T: W (N, K) the NF4 weight, row-major, two weights a byte (the even one
@@ -92,20 +92,30 @@ def _kernel():
             blocks = tl.arange(0, BLOCK_K // BLOCKSIZE)
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for k0 in range(start, stop, BLOCK_K):
-                x = tl.load(x_ptr + rows[:, None] * K + (k0 + ks)[None, :],
-                            mask=row_ok[:, None] & (k0 + ks < stop)[None, :], other=0.0)
+                # even input features meet the high nibbles, odd ones the low: two dots, nothing interleaved
+                evens = k0 + 2 * halves
+                x_even = tl.load(x_ptr + rows[:, None] * K + evens[None, :],
+                                 mask=row_ok[:, None] & (evens < stop)[None, :], other=0.0)
+                x_odd = tl.load(x_ptr + rows[:, None] * K + (evens + 1)[None, :],
+                                mask=row_ok[:, None] & (evens < stop)[None, :], other=0.0)
                 packed = tl.load(packed_ptr + cols[:, None] * (K // 2) + (k0 // 2 + halves)[None, :],
                                  mask=col_ok[:, None] & (k0 // 2 + halves < stop // 2)[None, :], other=0)
-                nibbles = tl.join(packed >> 4, packed & 15).reshape(BLOCK_N, BLOCK_K).to(tl.int32)
                 scales = tl.load(absmax_ptr + cols[:, None] * (K // BLOCKSIZE) + (k0 // BLOCKSIZE + blocks)[None, :],
                                  mask=col_ok[:, None] & (k0 // BLOCKSIZE + blocks < stop // BLOCKSIZE)[None, :],
-                                 other=0.0)
-                values = tl.load(code_ptr + nibbles).reshape(BLOCK_N, BLOCK_K // BLOCKSIZE, BLOCKSIZE)
-                weights = (values * scales[:, :, None]).reshape(BLOCK_N, BLOCK_K).to(x.dtype)
+                                 other=0.0)[:, :, None]
+                pair = tl.load(pairs_ptr + packed.to(tl.int32))  # one load a byte: both its values' fp32 bits
+                high = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+                low = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+                high = high.reshape(BLOCK_N, BLOCK_K // BLOCKSIZE, BLOCKSIZE // 2)
+                low = low.reshape(BLOCK_N, BLOCK_K // BLOCKSIZE, BLOCKSIZE // 2)
+                w_even = (high * scales).reshape(BLOCK_N, BLOCK_K // 2).to(x_even.dtype)
+                w_odd = (low * scales).reshape(BLOCK_N, BLOCK_K // 2).to(x_even.dtype)
                 if FP32_DOT:  # exact products of the rounded weights either way, summed in fp32
-                    acc += tl.dot(x.to(tl.float32), tl.trans(weights).to(tl.float32), input_precision="ieee")
+                    acc += tl.dot(x_even.to(tl.float32), tl.trans(w_even).to(tl.float32), input_precision="ieee")
+                    acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_odd).to(tl.float32), input_precision="ieee")
                 else:
-                    acc += tl.dot(x, tl.trans(weights))
+                    acc += tl.dot(x_even, tl.trans(w_even))
+                    acc += tl.dot(x_odd, tl.trans(w_odd))
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out_ptr + tl.program_id(2) * M * (N + R) + rows[:, None] * (N + R) + cols[None, :],
@@ -130,11 +140,12 @@ def _kernel():
         return Launch(nf4_linear, {"BLOCK_N": 64, "BLOCK_K": 128}, interpreted=True)
     # (BLOCK_N, BLOCK_K, warps, stages): a BLOCK_N x BLOCK_K tile of fp32 values lives in registers and each
     # stage buffers x, the packed bytes and the scales in shared memory. At 16 rows of bf16 each compiles for
-    # sm_80, sm_89 and sm_90 without spilling, in at most 75 KB: an RTX 4090 gives a block 99 (a test compiles
-    # them for those targets, no GPU needed)
+    # sm_80, sm_89 and sm_90 without spilling, in at most 79 KB: an RTX 4090 gives a block 99 (a test compiles
+    # them for those targets, no GPU needed). Wider tiles issue fewer instructions a weight (6.8 at 128 x 128
+    # against 9.2 at 32 x 128, counted in the compiled loop), narrower ones make more programs.
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
-               for n, k, warps, stages in ((64, 128, 4, 3), (64, 128, 8, 3), (64, 128, 4, 2), (32, 128, 4, 3),
-                                           (32, 128, 4, 4), (32, 256, 4, 3))]
+               for n, k, warps, stages in ((64, 128, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (128, 128, 8, 3),
+                                           (64, 256, 8, 2), (32, 128, 4, 3))]
     return Launch(triton.autotune(configs, key=["M", "N", "K", "SPLIT_K"])(nf4_linear), {}, interpreted=False)
 
 
@@ -175,7 +186,16 @@ def block_rows(rows: int, dtype: torch.dtype = torch.bfloat16) -> int:
     return 16 if rows <= 16 or dtype == torch.float32 else 32 if rows <= 32 else 64
 
 
-def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+def byte_pairs(code: torch.Tensor) -> torch.Tensor:
+    """For each of the 256 bytes, the fp32 bits of its two NF4 values (`code`, the 16 levels) as one int64: the
+    high nibble's in the low word, the low nibble's in the high word. The kernel reads a byte's two values with
+    one load."""
+    bits = code.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    every = torch.arange(256, device=code.device)
+    return bits[every >> 4] | (bits[every & 15] << 32)
+
+
+def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, pairs: torch.Tensor,
                bias: Optional[torch.Tensor], out_features: int, blocksize: int, split: Optional[int] = None,
                launch: Optional[Launch] = None, dense: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x (M, K) contiguous in the compute dtype times the NF4 weight (out_features, K): (M, out_features), and
@@ -190,7 +210,7 @@ def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code
     width = out_features + extra
     out = torch.empty(split, m, width, dtype=x.dtype if split == 1 else torch.float32, device=x.device)
     grid = lambda meta: (-(-out_features // meta["BLOCK_N"]) + -(-extra // BLOCK_R), -(-m // rows), split)  # noqa: E731
-    launch.kernel[grid](x, packed, absmax, code, absmax if bias is None else bias, x if dense is None else dense,
+    launch.kernel[grid](x, packed, absmax, pairs, absmax if bias is None else bias, x if dense is None else dense,
                         out, m, out_features, extra, k,  # (the stand-ins for no bias or rows are never read)
                         HAS_BIAS=bias is not None and split == 1,
                         FP32_DOT=x.dtype == torch.float32 or launch.interpreted, BLOCKSIZE=blocksize, BLOCK_M=rows,
@@ -229,7 +249,7 @@ class FusedNF4Linear(nn.Module):
         device = layer.weight.device
         # buffers, so that a compiled step reads them as inputs rather than baking them in
         self.register_buffer("absmax", absmax.float().contiguous(), persistent=False)
-        self.register_buffer("code", state.code.to(device, torch.float32), persistent=False)
+        self.register_buffer("pairs", byte_pairs(state.code.to(device)), persistent=False)
         self.register_buffer("packed", layer.weight.data.view(-1), persistent=False)  # the weight's storage
         bias = None if layer.bias is None else layer.bias.detach().to(self.dtype)
         self.register_buffer("bias", bias, persistent=False)
@@ -252,6 +272,6 @@ class FusedNF4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
         split = split_k(flat.shape[0], self.out_features, self.in_features, self.processors)
         dense = self.lora_rows if self.rows_for is not None else None  # (..., out_features + lora_rank)
-        out = nf4_linear(flat, self.packed, self.absmax, self.code, self.bias, self.out_features, self.blocksize,
+        out = nf4_linear(flat, self.packed, self.absmax, self.pairs, self.bias, self.out_features, self.blocksize,
                          split, self.launch, dense)
         return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
