@@ -104,6 +104,7 @@ def test_it_stands_in_for_a_linear4bit_and_passes_larger_calls_to_its_forward(in
     fused = interpreted.FusedNF4Linear(layer)
     assert fused.packed.untyped_storage().data_ptr() == layer.weight.data.untyped_storage().data_ptr()
     assert len(fused.held) == 1 and fused.held[0] is fused.absmax and fused.absmax.dtype == torch.float32
+    assert interpreted.FusedNF4Linear(linear4bit(64, 8)).pairs is fused.pairs  # one table for every layer
     calls = []
     monkeypatch.setattr(type(layer), "forward", lambda self, x: calls.append(x.shape) or torch.zeros(()))
     x = torch.randn(2, 3, 128)

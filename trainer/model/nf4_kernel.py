@@ -195,6 +195,17 @@ def byte_pairs(code: torch.Tensor) -> torch.Tensor:
     return bits[every >> 4] | (bits[every & 15] << 32)
 
 
+_PAIRS: dict[tuple, torch.Tensor] = {}
+
+
+def _shared_pairs(code: torch.Tensor) -> torch.Tensor:
+    """One `byte_pairs` table (2 KB) per device and code for every layer: it stays in the cache as layers go."""
+    key = (str(code.device), tuple(code.tolist()))
+    if key not in _PAIRS:
+        _PAIRS[key] = byte_pairs(code)
+    return _PAIRS[key]
+
+
 def nf4_linear(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, pairs: torch.Tensor,
                bias: Optional[torch.Tensor], out_features: int, blocksize: int, split: Optional[int] = None,
                launch: Optional[Launch] = None, dense: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -249,7 +260,7 @@ class FusedNF4Linear(nn.Module):
         device = layer.weight.device
         # buffers, so that a compiled step reads them as inputs rather than baking them in
         self.register_buffer("absmax", absmax.float().contiguous(), persistent=False)
-        self.register_buffer("pairs", byte_pairs(state.code.to(device)), persistent=False)
+        self.register_buffer("pairs", _shared_pairs(state.code.to(device)), persistent=False)
         self.register_buffer("packed", layer.weight.data.view(-1), persistent=False)  # the weight's storage
         bias = None if layer.bias is None else layer.bias.detach().to(self.dtype)
         self.register_buffer("bias", bias, persistent=False)
