@@ -92,12 +92,10 @@ def _kernel():
             blocks = tl.arange(0, BLOCK_K // BLOCKSIZE)
             acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
             for k0 in range(start, stop, BLOCK_K):
-                # even input features meet the high nibbles, odd ones the low: two dots, nothing interleaved
-                evens = k0 + 2 * halves
-                x_even = tl.load(x_ptr + rows[:, None] * K + evens[None, :],
-                                 mask=row_ok[:, None] & (evens < stop)[None, :], other=0.0)
-                x_odd = tl.load(x_ptr + rows[:, None] * K + (evens + 1)[None, :],
-                                mask=row_ok[:, None] & (evens < stop)[None, :], other=0.0)
+                # even input features meet the high nibbles, odd ones the low: two dots, no weight interleaved
+                x = tl.load(x_ptr + rows[:, None] * K + (k0 + ks)[None, :],
+                            mask=row_ok[:, None] & (k0 + ks < stop)[None, :], other=0.0)
+                x_even, x_odd = tl.split(x.reshape(BLOCK_M, BLOCK_K // 2, 2))
                 packed = tl.load(packed_ptr + cols[:, None] * (K // 2) + (k0 // 2 + halves)[None, :],
                                  mask=col_ok[:, None] & (k0 // 2 + halves < stop // 2)[None, :], other=0)
                 scales = tl.load(absmax_ptr + cols[:, None] * (K // BLOCKSIZE) + (k0 // BLOCKSIZE + blocks)[None, :],
