@@ -139,8 +139,8 @@ def _kernel():
     # (BLOCK_N, BLOCK_K, warps, stages): a BLOCK_N x BLOCK_K tile of fp32 values lives in registers and each
     # stage buffers x, the packed bytes and the scales in shared memory. At 16 rows of bf16 each compiles for
     # sm_80, sm_89 and sm_90 without spilling, in at most 79 KB: an RTX 4090 gives a block 99 (a test compiles
-    # them for those targets, no GPU needed). Wider tiles issue fewer instructions a weight (6.0 at 128 x 128
-    # against 8.9 at 32 x 128 on sm_90: benchmarks.nf4_kernel), narrower ones make more programs.
+    # them for those targets, no GPU needed). Wider tiles issue fewer instructions a weight
+    # (benchmarks.nf4_kernel counts them), narrower ones make more programs.
     configs = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
                for n, k, warps, stages in ((64, 128, 4, 3), (64, 128, 4, 2), (64, 128, 8, 3), (128, 128, 8, 3),
                                            (64, 256, 8, 2), (32, 128, 4, 3))]
