@@ -327,21 +327,21 @@ def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY)
     layer has nothing to stand in for: said once. Under autocast in the layers' compute dtype each stand-in has
     rows for `adapter`'s LoRA-A weights (`DequantizedLinear`, `FusedNF4Linear`; filled by
     `lora_compute_copies`)."""
-    if causal_lm in _SWAPPED:
-        yield
-        return
-    layers = [] if choice in ("quantized", "auto") else _four_bit_layers(causal_lm)
-    if not layers and choice not in ("quantized", "auto"):
-        _say_once(choice, "generation_weights %s: the model has no 4-bit layer to dequantize; decoding as it is",
-                  choice)
-    if layers and choice == "fused":
-        layers = _fused_fit(causal_lm, layers)
-    if not layers:
+    if causal_lm in _SWAPPED or choice in ("quantized", "auto"):
         yield
         return
     kept = _RESIDENT.get(causal_lm)
     swaps = kept[1] if kept is not None and (kept[0] == "fused") == (choice == "fused") else None  # dense serves both
-    if swaps is None:
+    if swaps is None:  # the layers are looked for only when stand-ins are made, not at every rollout
+        layers = _four_bit_layers(causal_lm)
+        if not layers:
+            _say_once(choice, "generation_weights %s: the model has no 4-bit layer to dequantize; decoding as it is",
+                      choice)
+        elif choice == "fused":
+            layers = _fused_fit(causal_lm, layers)
+        if not layers:
+            yield
+            return
         swaps = [(parent, name, layer, _stand_in(parent, layer, choice, adapter)) for parent, name, layer in layers]
         if choice in ("resident", "fused"):
             _RESIDENT[causal_lm] = (choice, swaps)
@@ -365,11 +365,12 @@ def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY)
 
 
 def _stand_in(parent: nn.Module, layer: nn.Module, choice: str, adapter: str) -> nn.Module:
+    rows = _rows_for(parent, layer, adapter)
     if choice == "fused":
-        from trainer.model.nf4_kernel import FusedNF4Linear
+        from trainer.model.nf4_kernel import FusedNF4Linear  # Triton loads only for the fused kernel
 
-        return FusedNF4Linear(layer, _rows_for(parent, layer, adapter))
-    return DequantizedLinear(layer, _rows_for(parent, layer, adapter))
+        return FusedNF4Linear(layer, rows)
+    return DequantizedLinear(layer, rows)
 
 
 def _fused_fit(causal_lm: nn.Module, layers: list[tuple[nn.Module, str, nn.Module]]) -> list[tuple]:
@@ -380,13 +381,13 @@ def _fused_fit(causal_lm: nn.Module, layers: list[tuple[nn.Module, str, nn.Modul
     if why:
         _say_once("fused", "generation_weights fused: %s; decoding from the 4-bit weights through bitsandbytes", why)
         return []
-    fit = [(parent, name, layer) for parent, name, layer in layers if unfit(layer) is None]
-    if len(fit) < len(layers):
-        layer = next(layer for *_, layer in layers if unfit(layer) is not None)
-        name = next(name for name, module in causal_lm.named_modules() if module is layer)
+    reasons = [unfit(layer) for *_, layer in layers]
+    left = [(entry[2], why) for entry, why in zip(layers, reasons) if why is not None]
+    if left:
+        name = next(name for name, module in causal_lm.named_modules() if module is left[0][0])
         _say_once("fused-unfit", "generation_weights fused: %d of %d 4-bit layers decode through bitsandbytes (%s: %s)",
-                  len(layers) - len(fit), len(layers), name, unfit(layer))
-    return fit
+                  len(left), len(layers), name, left[0][1])
+    return [entry for entry, why in zip(layers, reasons) if why is None]
 
 
 def _rows_for(parent: nn.Module, layer: nn.Module, adapter: str) -> int:

@@ -45,9 +45,9 @@ def unavailable(device: torch.device) -> Optional[str]:
         return f"the fused NF4 kernel runs on CUDA (here {device.type})"
     if triton is None:
         return "Triton is not installed"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < MIN_CAPABILITY:
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"the fused NF4 kernel needs compute capability 8.0 or newer (here {major}.{minor})"
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else MIN_CAPABILITY
+    if capability < MIN_CAPABILITY:
+        return f"the fused NF4 kernel needs compute capability 8.0 or newer (here {capability[0]}.{capability[1]})"
     return None
 
 
