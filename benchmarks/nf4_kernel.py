@@ -40,7 +40,6 @@ def compile_for(jit, config, capability: int):
     """`jit` (the kernel's JITFunction) compiled with autotune `config` for sm_`capability`, launched as a decode
     at 16 rows of bf16: (compiled kernel, resource usage dict: REG, STACK, SHARED ... from cuobjdump)."""
     import re
-    import tempfile
 
     import triton
     from triton.backends.compiler import GPUTarget
@@ -54,11 +53,7 @@ def compile_for(jit, config, capability: int):
                        attrs=aligned)
     compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32),
                               options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-    with tempfile.TemporaryDirectory() as folder:
-        cubin = Path(folder) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump()), "--dump-resource-usage", str(cubin)], capture_output=True,
-                               text=True, check=True).stdout
+    usage = dumped(compiled, "--dump-resource-usage")
     return compiled, {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", usage.split("Function", 1)[-1])}
 
 
@@ -68,16 +63,22 @@ def cuobjdump() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def loop_instructions(compiled) -> int:
-    """Instructions of the longest loop in the kernel's SASS: from a backward branch's target to the branch."""
-    import re
+def dumped(compiled, flag: str) -> str:
+    """What cuobjdump `flag` prints of a compiled kernel's machine code (its cubin)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "kernel.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
-        sass = subprocess.run([str(cuobjdump()), "-sass", str(cubin)], capture_output=True, text=True,
+        return subprocess.run([str(cuobjdump()), flag, str(cubin)], capture_output=True, text=True,
                               check=True).stdout
+
+
+def loop_instructions(compiled) -> int:
+    """Instructions of the longest loop in the kernel's SASS: from a backward branch's target to the branch."""
+    import re
+
+    sass = dumped(compiled, "-sass")
     spans = [(int(at, 16) - int(to, 16)) // 16 + 1
              for at, to in re.findall(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\()?0x([0-9a-f]+)", sass)
              if int(to, 16) < int(at, 16)]
@@ -106,7 +107,7 @@ print("RESULT " + json.dumps(rows))
 
 
 def figures(revision: str) -> dict:
-    helpers = "\n".join(inspect.getsource(f) for f in (compile_for, cuobjdump, loop_instructions))
+    helpers = "\n".join(inspect.getsource(f) for f in (compile_for, cuobjdump, dumped, loop_instructions))
     preamble = ("import subprocess\nfrom pathlib import Path\n"
                 f"CAPABILITIES = {CAPABILITIES!r}\nPOINTERS = {POINTERS!r}\nINTEGERS = {INTEGERS!r}\n"
                 f"CONSTANTS = {CONSTANTS!r}\n")

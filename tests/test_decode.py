@@ -631,19 +631,7 @@ def test_a_per_rollout_copy_is_gone_when_the_rollout_ends(tiny_nf4, monkeypatch)
     drop_resident_weights(tiny_nf4.causal_lm)
 
 
-@pytest.fixture
-def interpreted_kernel(monkeypatch):
-    """The fused NF4 kernel in Triton's interpreter (the CPU's only way to run it), built anew and after."""
-    pytest.importorskip("triton")
-    from trainer.model import nf4_kernel
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    nf4_kernel._kernel.cache_clear()
-    yield
-    nf4_kernel._kernel.cache_clear()
-
-
-def test_the_fused_nf4_kernel_decodes_the_tokens_of_the_4bit_weights(tiny_nf4, interpreted_kernel, caplog, request):
+def test_the_fused_nf4_kernel_decodes_the_tokens_of_the_4bit_weights(tiny_nf4, interpreted, caplog, request):
     """`fused`: each 4-bit layer the kernel can multiply by decodes through it from its own packed weights, the
     others as they are (said once, naming one); the same tokens as the 4-bit layers' forward and log-probs to
     the weights' rounding (here the interpreter's). The stand-ins and their fp32 absmax are kept for the next
@@ -677,7 +665,7 @@ def test_the_fused_nf4_kernel_decodes_the_tokens_of_the_4bit_weights(tiny_nf4, i
     assert caplog.text.count("decode through bitsandbytes") == 1
 
 
-def test_under_autocast_the_fused_layers_give_the_lora_a_products_in_their_own_launch(tiny_nf4, interpreted_kernel,
+def test_under_autocast_the_fused_layers_give_the_lora_a_products_in_their_own_launch(tiny_nf4, interpreted,
                                                                                        monkeypatch, request):
     """Under autocast in the compute dtype each fused NF4 layer of a LoRA layer holds the decoded adapter's LoRA-A
     weights as rows, whose products come out of the kernel's launch beside the base output: no matmul of their

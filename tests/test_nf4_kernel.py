@@ -9,17 +9,6 @@ triton = pytest.importorskip("triton")
 bnb = pytest.importorskip("bitsandbytes")
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
-    """Triton's interpreter for this test: the kernel is built anew under it, and again after."""
-    from trainer.model import nf4_kernel
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    nf4_kernel._kernel.cache_clear()
-    yield nf4_kernel
-    nf4_kernel._kernel.cache_clear()
-
-
 def quantized(out_features, in_features, dtype, nested=True, blocksize=64, seed=0):
     import bitsandbytes.functional as bnbf
 
