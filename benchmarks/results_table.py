@@ -223,27 +223,9 @@ def launches(folder: Path, result: dict) -> Row:
                figures, *_when(result), _report(folder))
 
 
-def nf4_kernel(folder: Path, result: dict) -> Row:
-    first, last = result["revisions"][0], result["revisions"][-1]
-
-    def fewest(run: dict) -> str:  # the config issuing the fewest instructions a weight, per target
-        best = {}
-        for c in run["configs"]:
-            best[c["capability"]] = min(best.get(c["capability"], float("inf")), c["instructions_per_weight"])
-        return ", ".join(f"sm_{cap} {value:.2f}" for cap, value in sorted(best.items()))
-
-    spilled = sum(c["spill_bytes"] > 0 for c in last["configs"])
-    return Row((7, 2), "the fused NF4 kernel compiled for GPUs, no GPU (`benchmarks.nf4_kernel`)",
-               f"`{first['revision']}` -> `{last['revision']}`, 16 bf16 rows",
-               f"loop instructions a weight, best config: {fewest(first)} -> {fewest(last)}; configs spilling at "
-               f"`{last['revision']}`: {spilled}", *_when(result), _report(folder))
-
-
 def probe(folder: Path) -> Row:
     result = _load(folder / "result.json")
     if "revisions" in result:
-        if "configs" in result["revisions"][0]:
-            return nf4_kernel(folder, result)
         return launches(folder, result) if "per_layer" in result["revisions"][0] else code_size(folder, result)
     if isinstance(result.get("runs"), dict):
         return trl_grpo_recipe(folder, result)

@@ -24,7 +24,7 @@ from foundation.cli import Checked, UsageError, above, at_least, between, one_of
 
 QUANTIZATIONS = ("auto", "nf4", "none")
 # What a 4-bit base decodes from (the online RL stages' --generation_weights; "auto": the planner picks)
-GENERATION_WEIGHTS = ("quantized", "dequantized", "resident", "fused")
+GENERATION_WEIGHTS = ("quantized", "dequantized", "resident")
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
           "float32": "float32", "fp32": "float32"}
 OPTIMIZER_NAMES = ("auto", "paged_adamw_8bit", "adamw_8bit", "adamw_torch")
@@ -368,9 +368,8 @@ class RolloutArguments(Checked):
                 "the input embedding in host memory, or under ZeRO-3 / FSDP."})
     generation_weights: str = field(default="auto", metadata={
         "help": "What a 4-bit base decodes from: quantized (its 4-bit weights), dequantized (a dense copy made for "
-                "each rollout, freed after), resident (that copy kept), fused (the 4-bit weights read by a Triton "
-                "kernel that dequantizes them in registers, trainer/model/nf4_kernel.py; CUDA), or auto (the "
-                "budget planner's pick, quantized without one)."})
+                "each rollout, freed after), resident (that copy kept), or auto (the budget planner's pick, "
+                "quantized without one)."})
     max_new_tokens: int = field(default=32, metadata={"help": "Response length limit."})
     min_new_tokens: int = field(default=0, metadata={"help": "Fix the response length (= max_new_tokens) for benchmarks."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (0: greedy)."})

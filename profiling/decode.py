@@ -50,35 +50,18 @@ def dense_weight_bytes(model) -> int:
     return sum(sizes.values())
 
 
-def fp32_scale_bytes(model) -> int:
-    """The fp32 absmax a decode through the fused NF4 kernel reads: one per block of each NF4 layer whose input
-    width is a whole number of blocks (trainer.model.nf4_kernel)."""
-    sizes = {}
-    for module in model.modules():
-        state = getattr(getattr(module, "weight", None), "quant_state", None)
-        if state is not None and state.quant_type == "nf4" and state.shape[-1] % state.blocksize == 0:
-            sizes[id(module.weight)] = 4 * math.prod(state.shape) // state.blocksize
-    return sum(sizes.values())
-
-
 def bytes_per_decode_step(model, adapter: str = "policy", weights: str = "quantized") -> dict[str, int]:
     """What one decode step of a shared-base model reads from memory, by part (the embedding table is
     read a row per sequence, so an untied one does not count). `weights` is what the step decodes from
-    (`--generation_weights`): a dense copy of the 4-bit weights is read in place of them and their constants;
-    the fused kernel reads them and fp32 absmax in place of their constants."""
+    (`--generation_weights`): a dense copy of the 4-bit weights is read in place of them and their constants."""
     parts = count_tensors(model).components()
     embeddings = model.causal_lm.get_input_embeddings().weight
     head = model.causal_lm.get_output_embeddings().weight
     tied = embeddings.data_ptr() == head.data_ptr()
     embedding_bytes = 0 if tied else embeddings.numel() * embeddings.element_size()
     dense = dense_weight_bytes(model) if weights in ("dequantized", "resident") else 0
-    if dense:
-        base = {C.GENERATION_WEIGHTS: dense}
-    elif weights == "fused":
-        base = {"base_weights": parts.get(C.BASE_WEIGHTS, 0), C.GENERATION_WEIGHTS: fp32_scale_bytes(model)}
-    else:
-        base = {"base_weights": parts.get(C.BASE_WEIGHTS, 0),
-                "base_quant_constants": parts.get(C.BASE_QUANT_CONSTANTS, 0)}
+    base = ({C.GENERATION_WEIGHTS: dense} if dense else
+            {"base_weights": parts.get(C.BASE_WEIGHTS, 0), "base_quant_constants": parts.get(C.BASE_QUANT_CONSTANTS, 0)})
     return {**base, "norms_and_lm_head": parts.get(C.BASE_OTHER, 0) - embedding_bytes,
             f"adapter_{adapter}": parts.get(C.adapter(adapter), 0)}
 

@@ -22,8 +22,7 @@ from profiling import activations as A
 from profiling import components as C
 from profiling import resolve
 from profiling.optimizers import OPTIMIZERS, gradient_bytes, optimizer_bytes, step_temporaries
-from profiling.shapes import (DTYPE_BYTES, NF4_BLOCK, ModelShape, base_bytes, head_tensor_sizes, load_shape,
-                              lora_targets, lora_tensor_sizes)
+from profiling.shapes import DTYPE_BYTES, ModelShape, base_bytes, head_tensor_sizes, load_shape, lora_tensor_sizes
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,6 @@ class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArgume
         """The settings with 'auto' turned into what it means on `device` (profiling.resolve's rule)."""
         nf4 = resolve.four_bit(self.quantization, self.device)
         weights = self.generation_weights if nf4 and self.stage in ONLINE_RL_STAGES else "quantized"
-        weights = "quantized" if weights == "fused" and self.device != "cuda" else weights  # the kernel's device
         return replace(self, quantization="nf4" if nf4 else "none",
                        lora_dropout=training_lora_dropout(self.stage, self.lora_dropout),
                        generation_weights="quantized" if weights == "auto" else weights,
@@ -161,8 +159,6 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
             trainable += lora + (head_tensor_sizes(shape) if slot.head else [])
     if args.generation_weights == "resident":
         parts[C.GENERATION_WEIGHTS] = generation_weight_bytes(shape, a, args)
-    elif args.generation_weights == "fused":
-        parts[C.GENERATION_WEIGHTS] = fused_scale_bytes(shape, a, args)
     lora_copies = decode_lora_bytes(shape, args)
     if args.decode == "compiled" and lora_copies:  # kept for the compiled step's graphs
         parts[C.GENERATION_WEIGHTS] = parts.get(C.GENERATION_WEIGHTS, 0) + lora_copies
@@ -181,20 +177,12 @@ def _decodes_under_autocast(args: EstimateArguments) -> bool:
 
 def decode_lora_bytes(shape: ModelShape, args: EstimateArguments) -> int:
     """The policy's LoRA weights copied into the autocast dtype for a rollout's decoding
-    (trainer.model.decode.lora_compute_copies): lora_B, and lora_A unless the stand-in for its base layer holds
-    it (`_held_in_rows`); none without mixed precision."""
+    (trainer.model.decode.lora_compute_copies): lora_B, and lora_A unless a dense copy of the base holds it
+    (`generation_weight_bytes`); none without mixed precision."""
     if not _decodes_under_autocast(args):
         return 0
-    r = args.lora_r
-    return 2 * shape.num_layers * sum(b * r + (0 if _held_in_rows(args, a) else a * r)
-                                      for _, a, b in lora_targets(shape, args.lora_target_modules))
-
-
-def _held_in_rows(args: EstimateArguments, in_features: int) -> bool:
-    """Whether a decode's stand-in for a 4-bit layer of `in_features` inputs holds its LoRA-A as rows: a dense
-    copy always, a fused NF4 layer where the kernel takes the layer (`fused_scale_bytes`)."""
-    return args.generation_weights in ("resident", "dequantized") or (
-        args.generation_weights == "fused" and in_features % NF4_BLOCK == 0)
+    sizes = lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules)
+    return 2 * sum(sizes[1::2] if args.generation_weights in ("resident", "dequantized") else sizes)
 
 
 def generation_weight_bytes(shape: ModelShape, dtype_bytes: int, args: Optional[EstimateArguments] = None) -> int:
@@ -204,16 +192,6 @@ def generation_weight_bytes(shape: ModelShape, dtype_bytes: int, args: Optional[
     rows = 0 if args is None or not _decodes_under_autocast(args) else \
         sum(lora_tensor_sizes(shape, args.lora_r, args.lora_target_modules)[::2])
     return (shape.linear_params() + rows) * dtype_bytes
-
-
-def fused_scale_bytes(shape: ModelShape, dtype_bytes: int = 2, args: Optional[EstimateArguments] = None) -> int:
-    """What the fused NF4 kernel keeps for every 4-bit layer whose input width is a whole number of NF4_BLOCK
-    blocks (trainer.model.nf4_kernel.FusedNF4Linear): one fp32 absmax per block; with `args` of a run that
-    decodes under mixed precision, also the rows in the compute dtype holding a LoRA target's LoRA-A weights."""
-    scales = sum(4 * (a * b // NF4_BLOCK) for _, a, b in shape.linears() if a % NF4_BLOCK == 0)
-    rows = 0 if args is None or not _decodes_under_autocast(args) else \
-        sum(args.lora_r * a for _, a, _ in lora_targets(shape, args.lora_target_modules) if a % NF4_BLOCK == 0)
-    return shape.num_layers * (scales + rows * dtype_bytes)
 
 
 def offloaded_embedding(shape: ModelShape, args: EstimateArguments) -> bool:

@@ -99,19 +99,6 @@ def dispatch_counter(counted):
     return Counter()
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
-    """The fused NF4 kernel (`trainer.model.nf4_kernel`) in Triton's interpreter, the CPU's only way to run it:
-    built anew under it for the test, and again after. Yields the module."""
-    pytest.importorskip("triton")
-    from trainer.model import nf4_kernel
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    nf4_kernel._kernel.cache_clear()
-    yield nf4_kernel
-    nf4_kernel._kernel.cache_clear()
-
-
 def dense_copies_made(monkeypatch) -> list:
     """Every dense copy of a 4-bit layer (`trainer.model.decode.DequantizedLinear`) made from now on, in order."""
     from trainer.model import decode

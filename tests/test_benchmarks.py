@@ -211,20 +211,17 @@ def test_markdown_lists_each_rounds_ratio_when_there_are_several():
 
 def test_decode_times_each_decode_path_on_the_same_rows(tmp_path):
     """benchmarks.gpu.decode --paths --weights: one row per (path, weights, batch), each timing the rollouts'
-    decode loop (compiled_whole: the compiled step without decoder-layer regions, beside it); weights the device
-    cannot decode from (the fused kernel on a CPU) are said, not timed."""
+    decode loop (compiled_whole: the compiled step without decoder-layer regions, beside it)."""
     from benchmarks.gpu.decode import main as decode
 
     result = decode(["--model_name_or_path", "tiny-llama", "--batches", "2", "--prompt_tokens", "4", "--new_tokens",
                      "3", "--repeats", "1", "--copy_gib", "0.01", "--paths", "eager,compiled,compiled_whole",
-                     "--weights", "quantized,dequantized,fused", "--out_dir", str(tmp_path),
+                     "--weights", "quantized,dequantized", "--out_dir", str(tmp_path),
                      "--kernel_profile", str(tmp_path / "kernels")])
     assert [(r["path"], r["weights"], r["batch"]) for r in result["rows"]] == [
         (path, weights, 2) for weights in ("quantized", "dequantized")
         for path in ("eager", "compiled", "compiled_whole")]
     assert all(r["tokens_per_s"] > 0 and r["first_call_s"] > 0 for r in result["rows"])
-    assert result["weights_skipped"] == {"fused": "the fused NF4 kernel runs on CUDA (here cpu)"}  # no row claims it
-    assert "- fused weights not timed: the fused NF4 kernel runs on CUDA" in (tmp_path / "decode.md").read_text()
     assert result["rows_planned"] == len(result["rows"]) and "stopped before" not in (tmp_path / "decode.md").read_text()
     from benchmarks.gpu.decode import markdown  # a run stopped part-way: its finished rows, said so
     assert "- rows: 2 of 6: the run stopped before the rest" in markdown({**result, "rows": result["rows"][:2]})

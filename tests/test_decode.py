@@ -402,16 +402,6 @@ def four_bit_layers(model):
     return [m for m in model.modules() if isinstance(m, Linear4bit)]
 
 
-def beside_the_4bit_weights(model, weights: str):
-    """Six tokens sampled after three prompts from the 4-bit weights, then from `weights`, the same seed."""
-    ids, mask = batch(b=3, t=8)
-    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8)
-    torch.manual_seed(5)
-    want = decode(model, ids, mask, sampling, eos_id=1, pad_id=0)
-    torch.manual_seed(5)
-    return want, decode(model, ids, mask, Sampling(**{**vars(sampling), "generation_weights": weights}), 1, 0)
-
-
 @pytest.mark.parametrize("weights", ["dequantized", "resident"])
 def test_a_dense_copy_of_the_4bit_weights_decodes_the_same_tokens_and_log_probs(tiny_nf4, weights):
     """The copy holds what the 4-bit layers' forward multiplies by: the same tokens and log-probs as decoding
@@ -420,8 +410,13 @@ def test_a_dense_copy_of_the_4bit_weights_decodes_the_same_tokens_and_log_probs(
     from profiling.tensors import HELD_GENERATION_WEIGHTS
     from trainer.model.decode import _RESIDENT, drop_resident_weights
 
+    ids, mask = batch(b=3, t=8)
     layers = four_bit_layers(tiny_nf4)
-    want, got = beside_the_4bit_weights(tiny_nf4, weights)
+    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8)
+    torch.manual_seed(5)
+    want = decode(tiny_nf4, ids, mask, sampling, eos_id=1, pad_id=0)
+    torch.manual_seed(5)
+    got = decode(tiny_nf4, ids, mask, Sampling(**{**vars(sampling), "generation_weights": weights}), 1, 0)
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-6)
     assert four_bit_layers(tiny_nf4) == layers  # swapped back
@@ -429,7 +424,6 @@ def test_a_dense_copy_of_the_4bit_weights_decodes_the_same_tokens_and_log_probs(
     if weights == "resident":
         assert len(held) == len(layers) and tiny_nf4.causal_lm in _RESIDENT
         kept = _RESIDENT[tiny_nf4.causal_lm]
-        ids, mask = batch(b=3, t=8)
         decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=2, generation_weights="resident"), 1, 0)
         assert _RESIDENT[tiny_nf4.causal_lm] is kept  # made once
         drop_resident_weights(tiny_nf4.causal_lm)
@@ -629,121 +623,6 @@ def test_a_per_rollout_copy_is_gone_when_the_rollout_ends(tiny_nf4, monkeypatch)
     decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=2, generation_weights="resident"), 1, 0)
     assert copies and all(ref() is not None for ref in copies)
     drop_resident_weights(tiny_nf4.causal_lm)
-
-
-def test_the_fused_nf4_kernel_decodes_the_tokens_of_the_4bit_weights(tiny_nf4, interpreted, caplog, request):
-    """`fused`: each 4-bit layer the kernel can multiply by decodes through it from its own packed weights, the
-    others as they are (said once, naming one); the same tokens as the 4-bit layers' forward and log-probs to
-    the weights' rounding (here the interpreter's). The stand-ins and their fp32 absmax are kept for the next
-    rollout, counted as generation_weights at the estimator's size; the model holds its layers after."""
-    import logging
-
-    from profiling import components as C
-    from profiling.predict import fused_scale_bytes
-    from profiling.shapes import load_shape
-    from profiling.tensors import TensorLedger, add_model
-    from trainer.model.decode import _RESIDENT, _said, drop_resident_weights
-    from trainer.model.nf4_kernel import FusedNF4Linear
-
-    _said.clear()
-    request.addfinalizer(lambda: drop_resident_weights(tiny_nf4.causal_lm))  # the module's model, kept clean
-    layers = four_bit_layers(tiny_nf4)
-    with caplog.at_level(logging.INFO, logger="trainer.model.decode"):
-        want, got = beside_the_4bit_weights(tiny_nf4, "fused")
-    assert torch.equal(got.tokens, want.tokens)
-    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0.05)
-    assert four_bit_layers(tiny_nf4) == layers  # swapped back
-    choice, swaps = _RESIDENT[tiny_nf4.causal_lm]
-    assert choice == "fused" and all(isinstance(s, FusedNF4Linear) for *_, s in swaps)
-    assert len(swaps) == len(layers) - 2  # down_proj's 172 inputs are no whole number of 64-weight blocks
-    assert "2 of 14 4-bit layers decode through bitsandbytes" in caplog.text and "down_proj" in caplog.text
-    ledger = TensorLedger()
-    add_model(ledger, tiny_nf4)
-    assert ledger.components()[C.GENERATION_WEIGHTS] == fused_scale_bytes(load_shape("tiny-llama", VOCAB))
-    _, again = beside_the_4bit_weights(tiny_nf4, "fused")
-    assert _RESIDENT[tiny_nf4.causal_lm][1] is swaps and torch.equal(again.tokens, got.tokens)  # made once
-    assert caplog.text.count("decode through bitsandbytes") == 1
-
-
-def test_under_autocast_the_fused_layers_give_the_lora_a_products_in_their_own_launch(tiny_nf4, interpreted,
-                                                                                       monkeypatch, request):
-    """Under autocast in the compute dtype each fused NF4 layer of a LoRA layer holds the decoded adapter's LoRA-A
-    weights as rows, whose products come out of the kernel's launch beside the base output: no matmul of their
-    own for those layers (down_proj, which the kernel does not take, keeps its own). The same tokens and
-    log-probs, to bf16 rounding, as with the products from their own matmul. A prefill past the kernel's rows
-    runs bitsandbytes' matmul and the rows' own beside it: the tokens of decoding from the 4-bit weights."""
-    from conftest import dispatch_counter
-
-    import trainer.model.decode as decode_module
-    from trainer.model.decode import _RESIDENT, drop_resident_weights
-    from trainer.model.nf4_kernel import FusedNF4Linear
-
-    def matmuls():
-        return dispatch_counter(lambda func: func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
-
-    ids, mask = batch(b=3, t=8)
-    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8, generation_weights="fused")
-    long_ids, long_mask = batch(b=3, t=30)  # a prefill of 90 tokens: bitsandbytes' matmul, the rows' own beside
-
-    def run():
-        drop_resident_weights(tiny_nf4.causal_lm)
-        torch.manual_seed(5)
-        with torch.autocast("cpu", dtype=torch.bfloat16), matmuls() as counted:
-            return decode(tiny_nf4, ids, mask, sampling, 1, 0), counted.count, _RESIDENT[tiny_nf4.causal_lm][1]
-
-    request.addfinalizer(lambda: drop_resident_weights(tiny_nf4.causal_lm))
-    (rows, rows_matmuls, swaps) = run()
-    stand_ins = [s for *_, s in swaps]
-    assert all(isinstance(s, FusedNF4Linear) and s.lora_rank == 4 and s.rows_for is None for s in stand_ins)
-    with_rows = decode_module._rows_for
-    monkeypatch.setattr(decode_module, "_rows_for", lambda *a: 0)
-    apart, apart_matmuls, _ = run()
-    assert apart_matmuls - rows_matmuls == len(stand_ins) * 6  # the prefill and 5 steps
-    assert torch.equal(rows.tokens, apart.tokens)
-    torch.testing.assert_close(rows.logprobs, apart.logprobs, rtol=0, atol=2e-2)
-    monkeypatch.setattr(decode_module, "_rows_for", with_rows)
-    drop_resident_weights(tiny_nf4.causal_lm)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        torch.manual_seed(5)
-        long_rows = decode(tiny_nf4, long_ids, long_mask, sampling, 1, 0)
-        torch.manual_seed(5)
-        quantized = Sampling(**{**vars(sampling), "generation_weights": "quantized"})
-        long_quantized = decode(tiny_nf4, long_ids, long_mask, quantized, 1, 0)
-    assert all(s.lora_rank == 4 for *_, s in _RESIDENT[tiny_nf4.causal_lm][1])
-    assert torch.equal(long_rows.tokens, long_quantized.tokens)
-    torch.testing.assert_close(long_rows.logprobs, long_quantized.logprobs, rtol=0, atol=5e-2)
-
-
-def test_without_a_gpu_the_fused_kernel_is_said_once_and_the_4bit_weights_decode(tiny_nf4, monkeypatch, caplog):
-    import logging
-
-    from trainer.model.decode import _RESIDENT, _said
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    _said.clear()
-    ids, mask = batch(b=2, t=6)
-    with caplog.at_level(logging.INFO, logger="trainer.model.decode"):
-        got = [decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=4, temperature=0, generation_weights="fused"),
-                      1, 0) for _ in range(2)]
-    want = decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=4, temperature=0), 1, 0)
-    assert all(torch.equal(g.tokens, want.tokens) for g in got)
-    assert caplog.text.count("generation_weights fused: the fused NF4 kernel runs on CUDA (here cpu)") == 1
-    assert tiny_nf4.causal_lm not in _RESIDENT
-
-
-def test_a_decode_step_through_the_fused_kernel_reads_the_4bit_weights_and_fp32_scales(tiny_nf4):
-    """Its bandwidth bound counts the packed weights and the fp32 absmax in place of the quantization
-    constants (the estimator's size), the rest alike."""
-    from profiling import components as C
-    from profiling.decode import bytes_per_decode_step
-    from profiling.predict import fused_scale_bytes
-    from profiling.shapes import load_shape
-
-    quantized = bytes_per_decode_step(tiny_nf4)
-    fused = bytes_per_decode_step(tiny_nf4, weights="fused")
-    assert fused[C.GENERATION_WEIGHTS] == fused_scale_bytes(load_shape("tiny-llama", VOCAB)) > 0
-    assert {k: v for k, v in fused.items() if k != C.GENERATION_WEIGHTS} == {
-        k: v for k, v in quantized.items() if k != "base_quant_constants"}
 
 
 def test_fewer_rows_than_a_compiled_batch_decode_in_its_graph_and_cache(tiny):

@@ -204,66 +204,6 @@ def test_a_dense_copy_of_the_nf4_weights_decodes_as_the_4bit_layers_do_on_cuda(d
     assert torch.equal(DequantizedLinear(layers[0])(x), layers[0](x))  # bitsandbytes: dequantize, F.linear
 
 
-def test_on_cuda_the_fused_nf4_kernel_multiplies_by_the_weights_bitsandbytes_dequantizes():
-    """Triton compiled for the GPU, autotuned: one-hot rows read back bitsandbytes' `dequantize_4bit` bit for bit
-    (the NF4 code times the fp32 absmax, rounded once to bf16), and 1, 16 or 64 rows give a matmul by those
-    weights to bf16 rounding, as the layer's own forward does."""
-    import bitsandbytes.functional as bnbf
-    from bitsandbytes.nn import Linear4bit
-
-    from trainer.model.nf4_kernel import FusedNF4Linear
-
-    torch.manual_seed(0)
-    layer = Linear4bit(4096, 1024, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
-                       compress_statistics=True)
-    layer.load_state_dict(torch.nn.Linear(4096, 1024, bias=False).state_dict())
-    layer = layer.to(cuda())
-    dense = bnbf.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
-    fused = FusedNF4Linear(layer)
-    eye = torch.eye(4096, device=cuda(), dtype=torch.bfloat16)
-    with torch.no_grad():
-        read = torch.cat([fused(eye[i : i + 64]) for i in range(0, 4096, 64)])
-        assert torch.equal(read.T, dense)
-        for rows in (1, 16, 64):
-            x = torch.randn(rows, 4096, device=cuda(), dtype=torch.bfloat16)
-            torch.testing.assert_close(fused(x), torch.nn.functional.linear(x, dense), rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("decode", ["eager", "compiled"])
-def test_on_cuda_the_fused_nf4_kernel_decodes_as_the_4bit_layers_do(decode):
-    """--generation_weights fused on CUDA, eager and compiled as CUDA graphs (a user Triton kernel inside them),
-    under the run's bf16 autocast (the LoRA-A products from the kernel's launch), twice (kept stand-ins serve the
-    next rollout): what decoding through bitsandbytes gives (`assert_same_greedy`), and the model holds its 4-bit
-    layers after. Compiled, the decoder layers compile as one reused region with the kernel inside (no fallback
-    to the whole step)."""
-    from bitsandbytes.nn import Linear4bit
-
-    from trainer.model.decode import _COMPILED, _RESIDENT, Sampling, decode as run_decode, drop_resident_weights
-    from trainer.model.nf4_kernel import FusedNF4Linear
-    from trainer.model.shared_base import build_shared_model, stage_specs
-
-    model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
-    with torch.no_grad():  # B != 0: the LoRA-A rows in the kernel's launch count
-        for p in model.trainable_parameters():
-            p.normal_(0.0, 0.05, generator=torch.Generator(cuda()).manual_seed(p.numel()))
-    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
-    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
-    runs = {}
-    for weights in ("quantized", "fused", "fused"):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            runs.setdefault(weights, []).append(run_decode(model, ids, torch.ones_like(ids), Sampling(
-                max_new_tokens=8, temperature=0, decode=decode, generation_weights=weights), 2, 0))
-        assert [m for m in model.modules() if isinstance(m, Linear4bit)] == layers
-    choice, swaps = _RESIDENT[model.causal_lm]
-    assert choice == "fused" and len(swaps) == len(layers) and isinstance(swaps[0][3], FusedNF4Linear)
-    assert all(s.lora_rank == 8 for *_, s in swaps)  # each holds the policy's LoRA-A rows
-    if decode == "compiled":
-        assert _COMPILED[model.causal_lm].regions == len(model.causal_lm.model.layers)
-    drop_resident_weights(model.causal_lm)
-    for got in runs["fused"]:
-        assert_same_greedy(got, runs["quantized"][0], atol=2e-2)
-
-
 def test_on_cuda_under_autocast_the_dense_copy_s_lora_a_rows_decode_as_a_matmul_of_their_own(monkeypatch):
     """The run's bf16 autocast, a resident dense copy with the policy's LoRA-A rows (one matmul per LoRA layer
     and token for the base and LoRA-A products), decoded compiled as CUDA graphs twice (the rows refreshed in

@@ -302,10 +302,10 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
 
 def test_the_speed_part_runs_the_recipes_as_the_stages_decode_then_each_decode_path(tmp_path):
     """The speed part: TRL's GRPO recipe as the stage runs it (--decode and --generation_weights left to the
-    planner) and its memory against the estimate; decode alone, the compiled step through the fused NF4 kernel
-    and from a dense copy at the recipes' 16 rows (one build), the fused step profiled; on the GPU only, the
-    first call's PPO comparison with TRL (ours decoding as the stage does), ours without and with its layers
-    compiled for the update."""
+    planner) and its memory against the estimate; decode alone, the compiled step from a dense copy at the
+    recipes' 16 rows and 1 (one build), the 16 rows' step profiled; on the GPU only, the first call's PPO
+    comparison with TRL (ours decoding as the stage does), ours without and with its layers compiled for the
+    update."""
     from benchmarks.gpu.parts import PartArguments, grpo_recipe_run, steps_for
     from trainer.model.decode import DECODE_PATHS
 
@@ -315,8 +315,8 @@ def test_the_speed_part_runs_the_recipes_as_the_stages_decode_then_each_decode_p
     assert [s.name for s in steps] == ["grpo", "vs-estimate", "decode", "ppo_vs_trl"]
     argv = steps[2].argv
     assert argv[argv.index("--paths") + 1] == "compiled" and "compiled" in DECODE_PATHS
-    assert argv[argv.index("--weights") + 1] == "fused,dequantized"
-    assert argv[argv.index("--batches") + 1] == "16"
+    assert argv[argv.index("--weights") + 1] == "dequantized"
+    assert argv[argv.index("--batches") + 1] == "16,1"
     assert argv[argv.index("--kernel_profile") + 1] == str(tmp_path / "decode" / "kernels")  # the 16 rows' step
     recipe = grpo_recipe_run(PartArguments(part="grpo_recipe", out=str(tmp_path)), tmp_path, "grpo")
     assert steps[0].argv == recipe and "--decode" not in recipe and "--generation_weights" not in recipe

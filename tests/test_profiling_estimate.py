@@ -365,34 +365,6 @@ def test_a_dense_copy_of_the_4bit_weights_weighs_on_the_generate_phase_or_on_eve
     assert all(C.GENERATION_WEIGHTS not in p["components"] for p in none["phases"])
 
 
-def test_the_fused_nf4_kernel_s_fp32_scales_weigh_on_every_phase_and_only_on_cuda():
-    """generation_weights fused: one fp32 absmax per 64 weights of every 4-bit layer, kept between rollouts
-    (trainer.model.nf4_kernel): every phase's peak grows by them and by nothing else (the prompt's forward runs
-    the 4-bit layers, as without); on a CPU the kernel does not run, and nothing is kept."""
-    from profiling.predict import fused_scale_bytes
-
-    shape = load_shape("llama-2-7b")
-    args = EstimateArguments(stage="grpo", rollout_batch_size=4, num_generations=4, rollout_micro_batch_size=16,
-                             mixed_precision="no", device="cuda", generation_weights="fused")
-    scales = fused_scale_bytes(shape)
-    assert scales == shape.linear_params() // 16  # every 7B input width is a whole number of blocks
-    fused = {p["phase"]: p for p in estimate(shape, args)["phases"]}
-    quantized = {p["phase"]: p for p in estimate(shape, replace(args, generation_weights="quantized"))["phases"]}
-    for name, phase in quantized.items():
-        assert fused[name]["components"][C.GENERATION_WEIGHTS] == scales, name
-        assert fused[name]["peak_allocated"] - phase["peak_allocated"] == scales, name
-    cpu = estimate(shape, replace(args, device="cpu"))
-    assert all(C.GENERATION_WEIGHTS not in p["components"] for p in cpu["phases"])
-    # under mixed precision each fused layer holds the policy's LoRA-A as bf16 rows; only lora_B is copied
-    from profiling.predict import decode_lora_bytes
-    from profiling.shapes import lora_tensor_sizes
-
-    mixed = replace(args, mixed_precision="bf16")
-    sizes = lora_tensor_sizes(shape, mixed.lora_r, mixed.lora_target_modules)
-    assert fused_scale_bytes(shape, 2, mixed) == scales + 2 * sum(sizes[::2])
-    assert decode_lora_bytes(shape, mixed) == 2 * sum(sizes[1::2])
-
-
 def test_the_policy_s_lora_copy_in_the_autocast_dtype_weighs_on_every_phase_compiled_else_on_generate():
     """Under mixed precision a decode multiplies a bf16 copy of the policy's LoRA weights
     (trainer.model.decode.lora_compute_copies): kept between rollouts by the compiled step, held through

@@ -51,8 +51,7 @@ class DecodeArguments(Checked):
         "help": "Decode paths to time, comma-separated: eager, compiled (the rollouts' --decode), compiled_whole "
                 "(compiled without decoder-layer regions: the step compiled whole)."})
     weights: str = field(default="quantized", metadata={
-        "help": "What the base decodes from, comma-separated: quantized, dequantized, fused (--generation_weights; "
-                "fused: CUDA)."})
+        "help": "What the base decodes from, comma-separated: quantized, dequantized (--generation_weights)."})
     out_dir: str = field(default="decode", metadata={"help": "Folder for decode.json and decode.md."})
     kernel_profile: Optional[str] = field(default=None, metadata={
         "help": f"After the first row, decode its rows {PROFILE_TOKENS} tokens more under torch.profiler and write "
@@ -61,8 +60,8 @@ class DecodeArguments(Checked):
     RULES = {"prompt_tokens": at_least(1), "new_tokens": at_least(2), "repeats": at_least(1), "copy_gib": above(0),
              "paths": lambda name, value: (None if set(value.split(",")) <= {*DECODE_PATHS, WHOLE}
                                            else f"use some of {', '.join((*DECODE_PATHS, WHOLE))}"),
-             "weights": lambda name, value: (None if set(value.split(",")) <= {"quantized", "dequantized", "fused"}
-                                             else "use some of quantized, dequantized, fused")}
+             "weights": lambda name, value: (None if set(value.split(",")) <= {"quantized", "dequantized"}
+                                             else "use some of quantized, dequantized")}
 
 
 def batch_sizes(text: str) -> list[int]:
@@ -119,7 +118,6 @@ def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, pat
 def main(argv: Optional[list[str]] = None) -> dict:
     from profiling.shapes import load_shape
     from trainer.model.loading import pick_device
-    from trainer.model.nf4_kernel import unavailable
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -131,8 +129,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
     read = bytes_per_decode_step(model)
     step_bytes = sum(read.values())
     choices = args.weights.split(",")
-    skipped = {w: why for w, why in [("fused", unavailable(device))] if w in choices and why}  # no stand-in row
-    choices = [w for w in choices if w not in skipped]
     # the bound of each weights choice: a dense copy is read in place of the 4-bit weights
     reads = {w: bytes_per_decode_step(model, weights=w) for w in choices}
     rows, failed = [], []
@@ -142,7 +138,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
               "mixed_precision": resolve_mixed_precision("auto"),
               "copy_bandwidth_bytes_per_s": bandwidth, "bytes_read_per_decode_step": read,
               "bytes_per_decode_step": step_bytes, "bytes_read_per_decode_step_by_weights": reads, "rows": rows,
-              "weights_skipped": skipped, "failed": failed,
+              "failed": failed,
               "rows_planned": planned}
     out = Path(args.out_dir)
     generator = torch.Generator().manual_seed(0)
@@ -210,7 +206,6 @@ def markdown(result: dict) -> str:
                if len(result["rows"]) + len(result.get("failed", [])) < result.get("rows_planned", 0) else []),
              *(f"- {f['path']} from {f['weights']} weights at {f['batch']} rows failed: `{f['error']}`"
                for f in result.get("failed", [])),
-             *(f"- {weights} weights not timed: {why}" for weights, why in result.get("weights_skipped", {}).items()),
              *(f"- bytes read per decode step from {weights} weights: {sum(read.values()) / 2**30:.3f} GiB "
                f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in read.items())})"
                for weights, read in result.get("bytes_read_per_decode_step_by_weights",
@@ -234,8 +229,7 @@ def markdown(result: dict) -> str:
               "default), compiled (a full-length KV cache and a torch.compile'd step, CUDA graphs on CUDA, its decoder "
               "layers compiled once as one reused region), compiled_whole (the same step compiled whole). Weights "
               "(--generation_weights): quantized (the 4-bit weights), dequantized (a dense copy made before the "
-              "timing), fused (the 4-bit weights through the fused NF4 kernel: its stand-ins and autotuning in the "
-              "first call). First call: compilation and warm-up, left out of the other columns."]
+              "timing). First call: compilation and warm-up, left out of the other columns."]
     return "\n".join(lines) + "\n"
 
 

@@ -142,9 +142,8 @@ def grpo_recipe_run(args: PartArguments, out: Path, name: str = "grpo", *extra: 
             "--progress_bar", "false", "--profile_memory", "true", "--resume", "no", *extra]
 
 
-# The GPU tests the first call keeps: the correctness of the CUDA path, which its later steps only run (they
-# decode through bitsandbytes or a dense copy, not the fused kernel: the check part tests that).
-FIRST_GPU_TESTS = "(nf4 or paged or moves_only or recorder or simulated) and not fused"
+# The GPU tests the first call keeps: the correctness of the CUDA path, which its later steps only run.
+FIRST_GPU_TESTS = "nf4 or paged or moves_only or recorder or simulated"
 
 
 def ppo_work(args: PartArguments) -> list[str]:
@@ -214,14 +213,13 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
         decode = [python(), "-m", "benchmarks.gpu.decode", *model_flags(args)]
         sizes = (["--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05"] if args.smoke
                  else ["--prompt_tokens", "128", "--new_tokens", "64"])
-        # decode: the compiled step, its decoder layers as one region, at the recipes' 16 rows in one build,
-        # through the fused NF4 kernel and from the dense copy (the planner's pick where it fits), the fused
-        # step's kernels profiled (eager, bitsandbytes' 4-bit path, the step compiled whole and 1 row: measured
-        # at 60b44b7, f9fb2bd, 76ae41a and 61ff104, behind)
+        # decode: the compiled step from the dense copy (the planner's pick where it fits), its decoder layers as
+        # one region, at 16 and 1 rows in one build (eager, the 4-bit weights and the step compiled whole:
+        # measured at 60b44b7, f9fb2bd and 76ae41a, behind), and a kernel profile of the 16 rows' decode
         steps = [Step("grpo", grpo_recipe_run(args, out, "grpo")),
                  Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "grpo")]),
-                 Step("decode", [*decode, "--paths", "compiled", "--weights", "fused,dequantized",
-                                 "--batches", "4" if args.smoke else "16", *sizes, "--out_dir", str(out / "decode"),
+                 Step("decode", [*decode, "--paths", "compiled", "--weights", "dequantized",
+                                 "--batches", "4" if args.smoke else "16,1", *sizes, "--out_dir", str(out / "decode"),
                                  "--kernel_profile", str(out / "decode" / "kernels")])]
         if not args.smoke:  # ppo_vs_trl: the first call's smoke runs it
             steps.append(Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),

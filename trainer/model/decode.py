@@ -15,12 +15,11 @@ graphs read them where they are.
 Weights (`--generation_weights`): a 4-bit base is frozen, so its linear weights can be dequantized once
 (bitsandbytes' `dequantize_4bit`, the very values its training forward multiplies by) and each step reads
 one dense matrix per layer instead of dequantizing it again: `dequantized` builds that copy for each
-rollout and frees it after, `resident` keeps it, `quantized` decodes from the 4-bit weights, and `fused`
-reads the 4-bit weights through a kernel that dequantizes them in registers (`trainer.model.nf4_kernel`).
-Under the run's mixed precision the LoRA products likewise multiply copies of the adapter's weights in the
-autocast dtype, made once per decode (`lora_compute_copies`), not cast again at every step, and a dense copy
-or a fused layer holds the adapter's LoRA-A weights as extra rows: one matmul per layer and token gives the
-base output and the LoRA-A products.
+rollout and frees it after, `resident` keeps it, `quantized` decodes from the 4-bit weights (bitsandbytes'
+own 4-bit matmul, which picks its fused kernels for a few rows). Under the run's mixed precision the LoRA
+products likewise multiply copies of the adapter's weights in the autocast dtype, made once per decode
+(`lora_compute_copies`), not cast again at every step, and a dense copy holds the adapter's LoRA-A weights
+as extra rows: one matmul per layer and token gives the base output and the LoRA-A products.
 """
 
 from __future__ import annotations
@@ -274,16 +273,6 @@ class DequantizedLinear(nn.Module):
                              torch.cat([bias, bias.new_zeros(lora_rank)]), persistent=False)
 
     @property
-    def held(self) -> list[torch.Tensor]:
-        """What it adds to the model's memory: the dense copy (generation_weights)."""
-        return [self.weight]
-
-    @property
-    def lora_rows(self):
-        """The rows under the matrix that hold a LoRA-A (`lora_rank` of them), or None."""
-        return self.weight[self.out_features :] if self.lora_rank else None
-
-    @property
     def dense(self) -> torch.Tensor:
         """The dequantized matrix (without the LoRA rows)."""
         return self.weight[: self.out_features]
@@ -304,53 +293,42 @@ def _four_bit_layers(causal_lm: nn.Module) -> list[tuple[nn.Module, str, nn.Modu
             if isinstance(child, Linear4bit)]
 
 
-_RESIDENT: "weakref.WeakKeyDictionary[nn.Module, tuple[str, list]]" = weakref.WeakKeyDictionary()
+_RESIDENT: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 _SWAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models decoding from a copy now
 _said: set[str] = set()
 
 
-def _say_once(key: str, message: str, *args) -> None:
-    if key not in _said:
-        _said.add(key)
-        logger.info(message, *args)
-
-
 @contextmanager
 def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY) -> Iterator[None]:
-    """The body decodes from stand-ins for the 4-bit layers, swapped in place of each layer and swapped back
-    after, also on errors: dense copies (`dequantized`: made here and freed after, their blocks left in the
-    allocator's cache for the next rollout's copy, so a compiled step's CUDA graphs read the addresses they
-    were recorded with; `resident`: made once, kept), or the layers' own NF4 weights multiplied by a fused
-    kernel (`fused`: made once, kept; `trainer.model.nf4_kernel`; where it cannot run, said once, the layers
-    stay). `quantized` (or "auto" left unplanned) changes nothing. Nested in an outer one (a rollout's
-    generate phase holding one copy for all its chunks), it changes nothing either. A model with no 4-bit
-    layer has nothing to stand in for: said once. Under autocast in the layers' compute dtype each stand-in has
-    rows for `adapter`'s LoRA-A weights (`DequantizedLinear`, `FusedNF4Linear`; filled by
-    `lora_compute_copies`)."""
+    """The body decodes from dense copies of the 4-bit layers, swapped in place of each layer and swapped back
+    after, also on errors (`dequantized`: made here and freed after, their blocks left in the allocator's cache
+    for the next rollout's copy, so a compiled step's CUDA graphs read the addresses they were recorded with;
+    `resident`: made once, kept, and served to either choice after). `quantized` (or "auto" left unplanned)
+    changes nothing. Nested in an outer one (a rollout's generate phase holding one copy for all its chunks),
+    it changes nothing either. A model with no 4-bit layer has nothing to copy: said once. Under autocast in
+    the layers' compute dtype each copy has rows for `adapter`'s LoRA-A weights (`DequantizedLinear`, filled
+    by `lora_compute_copies`)."""
     if causal_lm in _SWAPPED or choice in ("quantized", "auto"):
         yield
         return
-    kept = _RESIDENT.get(causal_lm)
-    swaps = kept[1] if kept is not None and (kept[0] == "fused") == (choice == "fused") else None  # dense serves both
-    if swaps is None:  # the layers are looked for only when stand-ins are made, not at every rollout
+    swaps = _RESIDENT.get(causal_lm)
+    if swaps is None:  # the layers are looked for only when copies are made, not at every rollout
         layers = _four_bit_layers(causal_lm)
         if not layers:
-            _say_once(choice, "generation_weights %s: the model has no 4-bit layer to dequantize; decoding as it is",
-                      choice)
-        elif choice == "fused":
-            layers = _fused_fit(causal_lm, layers)
-        if not layers:
+            if choice not in _said:
+                _said.add(choice)
+                logger.info("generation_weights %s: the model has no 4-bit layer to dequantize; decoding as it is",
+                            choice)
             yield
             return
-        swaps = [(parent, name, layer, _stand_in(parent, layer, choice, adapter)) for parent, name, layer in layers]
-        if choice in ("resident", "fused"):
-            _RESIDENT[causal_lm] = (choice, swaps)
-    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [t for *_, stand_in in swaps for t in stand_in.held])
-    # a memory record still counts the layers a dense copy swapped out of the tree (a fused one holds its own)
-    setattr(causal_lm, HELD_SWAPPED_OUT, [layer for _, _, layer, stand_in in swaps
-                                          if isinstance(stand_in, DequantizedLinear)])
-    for parent, name, _, stand_in in swaps:
-        setattr(parent, name, stand_in)
+        swaps = [(parent, name, layer, DequantizedLinear(layer, _rows_for(parent, layer, adapter)))
+                 for parent, name, layer in layers]
+        if choice == "resident":
+            _RESIDENT[causal_lm] = swaps
+    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [copy.weight for *_, copy in swaps])
+    setattr(causal_lm, HELD_SWAPPED_OUT, [layer for _, _, layer, _ in swaps])  # a memory record still counts them
+    for parent, name, _, copy in swaps:
+        setattr(parent, name, copy)
     _SWAPPED.add(causal_lm)
     try:
         yield
@@ -359,41 +337,14 @@ def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY)
         for parent, name, layer, _ in swaps:
             setattr(parent, name, layer)
         setattr(causal_lm, HELD_SWAPPED_OUT, [])
-        kept = _RESIDENT.get(causal_lm)  # a per-rollout copy goes now; kept stand-ins stay counted
-        held = [t for *_, stand_in in kept[1] for t in stand_in.held] if kept else []
+        kept = _RESIDENT.get(causal_lm)  # a per-rollout copy goes now; a kept one stays counted
+        held = [copy.weight for *_, copy in kept] if kept else []
         setattr(causal_lm, HELD_GENERATION_WEIGHTS, held)
 
 
-def _stand_in(parent: nn.Module, layer: nn.Module, choice: str, adapter: str) -> nn.Module:
-    rows = _rows_for(parent, layer, adapter)
-    if choice == "fused":
-        from trainer.model.nf4_kernel import FusedNF4Linear  # Triton loads only for the fused kernel
-
-        return FusedNF4Linear(layer, rows)
-    return DequantizedLinear(layer, rows)
-
-
-def _fused_fit(causal_lm: nn.Module, layers: list[tuple[nn.Module, str, nn.Module]]) -> list[tuple]:
-    """The 4-bit layers the fused NF4 kernel can multiply by, the others said once (they decode as they are)."""
-    from trainer.model.nf4_kernel import unavailable, unfit
-
-    why = unavailable(layers[0][2].weight.device)
-    if why:
-        _say_once("fused", "generation_weights fused: %s; decoding from the 4-bit weights through bitsandbytes", why)
-        return []
-    reasons = [unfit(layer) for *_, layer in layers]
-    left = [(entry[2], why) for entry, why in zip(layers, reasons) if why is not None]
-    if left:
-        name = next(name for name, module in causal_lm.named_modules() if module is left[0][0])
-        _say_once("fused-unfit", "generation_weights fused: %d of %d 4-bit layers decode through bitsandbytes (%s: %s)",
-                  len(left), len(layers), name, left[0][1])
-    return [entry for entry, why in zip(layers, reasons) if why is None]
-
-
 def _rows_for(parent: nn.Module, layer: nn.Module, adapter: str) -> int:
-    """The LoRA-A rows a decode's stand-in for `layer` (a dense copy, a fused NF4 layer) makes room for: `adapter`'s
-    rank where `parent` is its LoRA layer and its products are made in the layer's compute dtype (autocast, the
-    weights' fp32 being cast to it), else none."""
+    """The LoRA-A rows a dense copy of `layer` makes room for: `adapter`'s rank where `parent` is its LoRA layer
+    and its products are made in the copy's dtype (autocast, the weights' fp32 being cast to it), else none."""
     if getattr(parent, "base_layer", None) is not layer or adapter not in getattr(parent, "lora_A", {}):
         return 0
     lora_a = parent.lora_A[adapter]
@@ -406,7 +357,7 @@ def _rows_for(parent: nn.Module, layer: nn.Module, adapter: str) -> int:
 
 
 def drop_resident_weights(causal_lm: nn.Module) -> None:
-    """Free a model's kept stand-ins, resident copies or fused layers (the next such decode makes them again)."""
+    """Free a model's resident dense copies (the next `resident` decode makes them again)."""
     _RESIDENT.pop(causal_lm, None)
     setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
 
@@ -428,11 +379,10 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
     adapter's scaling, so no step scales the products (a kernel per LoRA layer and step; the same values where
     the scaling is a power of two, alpha/r's usual case, else to the copy's rounding). `keep` (a compiled
     step, whose CUDA graphs read fixed addresses): made once per model, adapter and dtype and refreshed in
-    place; else made here and freed after. A stand-in for the base layer with room for it holds the A copy in its
-    rows (`DequantizedLinear`, `FusedNF4Linear`), none of its own. Meanwhile those LoRA layers run
-    `_copies_forward` in place of the routed one. Without autocast, with weights in its dtype already, or where
-    peft's own layers add the LoRA outputs (a model that cannot route: `trainer.model.routing`), nothing
-    changes."""
+    place; else made here and freed after. A dense copy of the base layer with room for it holds the A copy in its rows
+    (`DequantizedLinear`), none of its own. Meanwhile those LoRA layers run `_copies_forward` in place of the
+    routed one. Without autocast, with weights in its dtype already, or where peft's own layers add the LoRA
+    outputs (a model that cannot route: `trainer.model.routing`), nothing changes."""
     if not torch.is_autocast_enabled(device_type) or not getattr(model, "routable", False):
         yield
         return
@@ -458,7 +408,7 @@ def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> It
     with torch.no_grad():
         for layer, pair, room in zip(layers, copies, rows):
             scaled_a = layer.lora_A[adapter].weight * layer.scaling[adapter]
-            if room is not None:  # the stand-in holds A: no copy of its own
+            if room is not None:  # the dense copy holds A: no copy of its own
                 room.copy_(scaled_a)
             else:
                 pair[0] = refreshed(pair[0], scaled_a)
@@ -486,8 +436,7 @@ def _copies_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A LoRA layer's forward while a decode multiplies its adapter's copies (`lora_compute_copies`): the base
     layer's output plus the adapter's LoRA output, none of the routed forward's checks, which the decode settled
     for all layers (one adapter active, eval mode: no dropout): what a compiled step traces per LoRA layer. The
-    LoRA-A products come from the stand-in's rows, beside its output (`DequantizedLinear`, `FusedNF4Linear`), or from
-    A's copy."""
+    LoRA-A products come from the dense copy's rows, beside its output (`DequantizedLinear`), or from A's copy."""
     base = layer.base_layer
     a, b = layer.__dict__[COPIES_IN_USE]
     out = base(x, *args, **kwargs)
@@ -509,10 +458,10 @@ def _times_lora_b(products: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_of(base: nn.Module, rank: int, dtype: torch.dtype):
-    """The rows of a decode's stand-in `base` (a dense copy, a fused NF4 layer) that can hold a rank-`rank` LoRA-A
-    in `dtype`, or None."""
-    rows = getattr(base, "lora_rows", None)
-    return rows if rows is not None and rows.shape[0] == rank and rows.dtype == dtype else None
+    """The rows of a decode's dense copy `base` that can hold a rank-`rank` LoRA-A in `dtype`, or None."""
+    if isinstance(base, DequantizedLinear) and base.lora_rank == rank and base.weight.dtype == dtype:
+        return base.weight[base.out_features :]
+    return None
 
 
 def _list_copies(model, passing: Sequence[tuple] = ()) -> None:
