@@ -24,7 +24,8 @@ from profiling.live import LiveFigures, LiveTimeline, vocabulary_size
 from profiling.saved import SavedTensorMeter
 from profiling.tensors import TensorLedger, count_tensors
 
-# What the transient peak of a phase is, when the caller does not say.
+# What the transient peak of a phase is, when the caller does not say (generate: the KV cache an eager decode
+# grows; where a compiled decode's cache is held and counted, `_build` names the rest activations).
 DEFAULT_TRANSIENT = {"generate": C.KV_CACHE, "optimizer_step": C.OPTIMIZER_TEMPORARIES}
 
 
@@ -230,6 +231,8 @@ class MemoryRecorder:
         for ledger in samples:
             for component, size in ledger.components(dev).items():
                 counted[component] = max(counted.get(component, 0), size)
+        if transient == C.KV_CACHE and counted.get(C.KV_CACHE):  # a compiled decode's full-length cache, held
+            transient = C.ACTIVATIONS  # and counted: the peak beyond it is the prompt's forward and the steps' work
         last = samples[-1]
         record = PhaseRecord(stage=stage, phase=name, components=dict(counted),
                              elsewhere=last.elsewhere(dev), paged=last.paged(), cuda=cuda,

@@ -81,6 +81,28 @@ def test_phase_on_cpu_measures_the_transient_peak_and_reports_gpu_only_parts_as_
     assert step.components[C.OPTIMIZER_TEMPORARIES] == step.live.peak - step.live.logits_at_peak
 
 
+def test_generate_s_transient_is_the_kv_cache_an_eager_decode_grows_else_activations(sft_model):
+    """generate's transient peak is the KV cache an eager decode grows; where a compiled decode's full-length
+    cache is held (counted from its tensors in every phase, as the estimator prices it) the peak beyond it is
+    the prompt's forward and the steps' work: activations, the estimator's name for them."""
+    from profiling.tensors import HELD_KV_CACHE
+
+    _, model = sft_model
+    components = {}
+    try:
+        for held in ([], [torch.zeros(4096)]):
+            setattr(model.causal_lm, HELD_KV_CACHE, held)
+            recorder = MemoryRecorder("grpo", model=model)
+            with recorder.phase("generate"):
+                work = torch.ones(100_000)
+                del work
+            components[len(held)] = recorder.records[("grpo", "generate")].components
+    finally:
+        setattr(model.causal_lm, HELD_KV_CACHE, [])
+    assert components[0][C.KV_CACHE] >= 400_000 and C.ACTIVATIONS not in components[0]
+    assert components[1][C.KV_CACHE] == 4 * 4096 and components[1][C.ACTIVATIONS] >= 400_000
+
+
 def test_repeated_phase_keeps_its_largest_occurrence_and_counts_calls(sft_model):
     _, model = sft_model
     recorder = MemoryRecorder("ppo", model=model)
