@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from benchmarks.measure import MemoryProbe, release_memory
-from benchmarks.processes import run_stoppable, without_options
+from benchmarks.processes import EXIT_CUT, run_stoppable, without_options
 from benchmarks.workload import (
     TRL_SIDES, Workload, export_tokenizer, fixed_length_prompts, head_weights, hidden_size, load_bench_tokenizer,
     trl_batch_settings, write_heads,
@@ -253,6 +253,9 @@ def run_benchmark(args: Workload, argv: list[str], accelerator) -> dict:
                 report["ratios"] = ratios(report["sides"]["ours"]["summary"], report["sides"]["trl"]["summary"])
             write_report(report, out_dir)
     logger.info("wrote %s", out_dir / "ppo_vs_trl.md")
+    if report["sides"] and all(side["status"] == CUT for side in report["sides"].values()):
+        logger.error("every side ran out of the time given (--stop_at): no figure")
+        raise SystemExit(EXIT_CUT)
     return report
 
 

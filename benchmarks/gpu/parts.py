@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.processes import run_stoppable
+from benchmarks.processes import EXIT_CUT, run_stoppable
 from foundation.cli import Checked, UsageError, at_least, one_of, parse, run
 from foundation.files import write_atomic
 
@@ -318,7 +318,7 @@ def run_steps(steps: list[Step], out: Path, deadline: float) -> None:
         try:
             with open(log, "w") as f:
                 code = run_stoppable(step.argv, left, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-            step.status = CUT if code is None else "ok" if code == 0 else f"exit {code}"
+            step.status = CUT if code in (None, EXIT_CUT) else "ok" if code == 0 else f"exit {code}"
         except OSError as exc:  # nvidia-smi on a machine without it
             step.status = f"not available ({exc.strerror or exc})"
         step.seconds = time.time() - started
