@@ -12,7 +12,10 @@ every linear layer, gradient checkpointing on, no dropout (PPO's and GRPO's upda
 weights (`--generation_weights dequantized`). A proxy for host time per pass, not a time; on a GPU a matmul
 may launch more than one kernel (a split-K GEMM and its reduction). A compiled decode step replays CUDA graphs
 with no host time per operation, but each kernel in them still costs the GPU a launch: its count is the matmuls
-of the step's graph after inductor's passes (pointwise work fuses around them), also per decoder layer.
+of the step's graph after inductor's passes (pointwise work fuses around them), also per decoder layer. Its
+first call is mostly compilation, which begins with dynamo tracing the step's Python bytecode: the
+instructions it traces per decoder layer (a layer region traced once and reused for the others adds only
+its call) are a proxy for that part of the first call, on any device.
 
 Each revision runs from its own `git archive` tree, in a process of its own.
 """
@@ -106,6 +109,33 @@ def compiled_matmuls(layers):
         decode(model, ids, torch.ones_like(ids), sampling, 1, 0)
     return sum(seen)
 
+def traced_instructions(layers):
+    """Bytecode instructions dynamo traces while compiling the decode step, its decoder layers as regions (as
+    rollouts compile it), under autocast from the dense copy."""
+    import torch._dynamo
+    import torch._dynamo.symbolic_convert as convert
+    from trainer.model.decode import Sampling, compile_anew, decode
+    args = ModelArguments(model_name_or_path="tiny-llama", preset_overrides=f"num_hidden_layers={layers}",
+                          quantization="nf4", lora_r=4, lora_alpha=8, lora_dropout=0.0)
+    torch.manual_seed(0)
+    model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=512)
+    ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
+    sampling = Sampling(max_new_tokens=4, min_new_tokens=4, temperature=0, decode="compiled",
+                        generation_weights="dequantized")
+    traced, step = [0], convert.InstructionTranslatorBase.step
+    def counted(self):
+        traced[0] += 1
+        return step(self)
+    torch._dynamo.reset()
+    compile_anew(model.causal_lm)
+    convert.InstructionTranslatorBase.step = counted
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            decode(model, ids, torch.ones_like(ids), sampling, 1, 0)
+    finally:
+        convert.InstructionTranslatorBase.step = step
+    return traced[0]
+
 TOKENS = 8  # the prompt's forward and 7 steps
 folder = Path(tempfile.mkdtemp())
 ScalarHead(64).save(folder / HEAD_FILE)
@@ -113,6 +143,7 @@ two, four = counts(2, str(folder)), counts(4, str(folder))
 per_layer = {name: (four[name] - two[name]) // 2 for name in two}
 per_layer["decode_token"] = (decode_counts(4) - decode_counts(2)) // (2 * TOKENS)
 per_layer["compiled_decode_matmuls"] = (compiled_matmuls(4) - compiled_matmuls(2)) // 2
+per_layer["compiled_decode_traced"] = (traced_instructions(4) - traced_instructions(2)) // 2
 print(json.dumps(per_layer))
 '''
 
@@ -122,7 +153,9 @@ PASSES = {"ppo_update": "PPO update: policy and value rows, one routed pass, for
           "grpo_scoring": "GRPO scoring: reference and reward rows, one routed pass, no grad",
           "decode_token": "decoding: one forward per token from the dense copy of a 4-bit base, 4 rows, eager",
           "compiled_decode_matmuls": "decoding, compiled (`--decode compiled`): matmuls in the step's graph, each a "
-                                     "GEMM launched per token on a GPU (the same copy and rows)"}
+                                     "GEMM launched per token on a GPU (the same copy and rows)",
+          "compiled_decode_traced": "decoding, compiled: bytecode instructions dynamo traces to compile the step, "
+                                    "its layers as regions (the same copy and rows)"}
 
 
 def figures(revision: str) -> dict:

@@ -217,7 +217,8 @@ def launches(folder: Path, result: dict) -> Row:
     revisions = " -> ".join(f"`{r['revision']}`" for r in (result["revisions"][0], result["revisions"][-1]))
     figures = ", ".join(f"{label} {first[key]} -> {last[key]}" for key, label in
                         (("ppo_update", "PPO update"), ("ppo_scoring", "PPO scoring"), ("grpo_update", "GRPO update"),
-                         ("compiled_decode_matmuls", "compiled decode step's matmuls"))
+                         ("compiled_decode_matmuls", "compiled decode step's matmuls"),
+                         ("compiled_decode_traced", "bytecode traced to compile it"))
                         if key in first and key in last)
     return Row((7, 1), "operations launched per decoder layer (`benchmarks.launches`)", revisions,
                figures, *_when(result), _report(folder))

@@ -212,11 +212,49 @@ def test_a_memory_record_counts_the_caches_the_compiled_step_keeps_as_kv_cache(t
     assert kv_bytes() == config.num_hidden_layers * 2 * 2 * config.num_key_value_heads * length * head_dim * size > 0
 
 
+def test_the_compiled_step_traces_one_decoder_layer_and_stamps_it_out_for_the_others(monkeypatch):
+    """Each decoder layer's region takes tensors only - its static cache's keys, values and count among them,
+    which the decode's attention writes the step into (`decode_kv`) - so torch traces one layer and reuses the
+    trace for the rest, where a cache object among the inputs has it trace every layer (transformers' own
+    attention, which updates the cache itself). The same tokens, log-probs and cache contents either way."""
+    from contextlib import nullcontext
+
+    from torch._dynamo.utils import compilation_time_metrics as timers
+
+    from trainer.model import decode as module
+
+    pytest.importorskip("torch._dynamo.variables.invoke_subgraph")  # a torch that reuses traced regions
+    model = build_shared_model(tiny_args(preset_overrides="num_hidden_layers=4"),
+                               [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
+    ids, mask = batch(b=3, t=7)
+
+    def run():
+        traced = len(timers.get("invoke_subgraph_trace", []))
+        module.compile_anew(model.causal_lm)
+        out = decode(model, ids, mask, greedy(5, "compiled", min_new=5), eos_id=1, pad_id=0)
+        (_, cache), = module._COMPILED[model.causal_lm].caches.values()
+        kept = [(layer.keys.clone(), layer.values.clone(), int(layer.cumulative_length)) for layer in cache.layers]
+        return out, len(timers.get("invoke_subgraph_trace", [])) - traced, kept
+
+    got, traced, cache = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "decode_attention", lambda causal_lm: nullcontext())
+        want, traced_apart, cache_apart = run()
+    assert (traced, traced_apart) == (1, 4)
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
+    for (keys, values, held), (want_keys, want_values, want_held) in zip(cache, cache_apart, strict=True):
+        assert held == want_held == 7 + 4  # the prompt, then every step but the last one's token
+        torch.testing.assert_close(keys, want_keys, rtol=0, atol=1e-6)
+        torch.testing.assert_close(values, want_values, rtol=0, atol=1e-6)
+    module.compile_anew(model.causal_lm)
+
+
 def test_with_compile_layers_the_compiled_step_marks_the_no_grad_forward_of_each_compiled_layer():
     """--compile_layers replaces every decoder layer's forward; a compiled decode marks their no-grad forward
     (the one it runs) as the reused region and decodes the eager tokens; compiled whole, the mark comes off."""
     from trainer.model.compiled import CompiledLayer
-    from trainer.model.decode import _COMPILED, _REGIONS, compile_anew
+    from trainer.model.decode import _COMPILED, _layer_step, compile_anew
 
     torch.manual_seed(0)
     model = build_shared_model(tiny_args(compile_layers=True), [AdapterSpec("policy", trainable=True)],
@@ -227,7 +265,7 @@ def test_with_compile_layers_the_compiled_step_marks_the_no_grad_forward_of_each
     eager = decode(model, ids, mask, greedy(4), eos_id=VOCAB + 1, pad_id=0)
     regions = decode(model, ids, mask, greedy(4, "compiled"), eos_id=VOCAB + 1, pad_id=0)
     assert _COMPILED[model.causal_lm].regions == len(layers)
-    assert all(vars(x)["forward"].eager is _REGIONS[type(x)] for x in layers)
+    assert all(vars(x)["forward"].eager is _layer_step for x in layers)
     assert torch.equal(regions.tokens, eager.tokens)
     compile_anew(model.causal_lm, regions=False)
     assert all(vars(x)["forward"].eager is type(x).forward for x in layers)
@@ -692,7 +730,7 @@ def test_decoding_a_grouped_query_model_folds_each_step_s_heads_and_decodes_the_
                         or sdpa(mod, query, *a, **k))
     monkeypatch.setattr(attention, "single_token_gqa", counted)
     assert attention._registered()  # registered first: the patch below then restores the real entry after
-    monkeypatch.setitem(__import__("transformers").AttentionInterface._global_mapping, attention.SINGLE_TOKEN_GQA,
+    monkeypatch.setitem(__import__("transformers").AttentionInterface._global_mapping, attention.DECODE_ATTENTION,
                         counted)
     ids, mask = batch(b=3, t=7)
     sampling = greedy(5, path, min_new=5)  # greedy: the compiled step's random draws differ between two compiles
@@ -705,7 +743,7 @@ def test_decoding_a_grouped_query_model_folds_each_step_s_heads_and_decodes_the_
     if path == "eager":
         assert len(calls) == layers * 5
     with monkeypatch.context() as patch:
-        patch.setattr(module, "folded_gqa", lambda causal_lm: nullcontext())
+        patch.setattr(module, "decode_attention", lambda causal_lm: nullcontext())
         module.compile_anew(tiny.causal_lm)
         want = decode(tiny, ids, mask, sampling, eos_id=1, pad_id=0)
     module.compile_anew(tiny.causal_lm)

@@ -435,7 +435,7 @@ def test_on_cuda_a_grouped_query_model_decodes_with_its_heads_folded_as_with_rep
 
     folded = run()
     with monkeypatch.context() as patch:
-        patch.setattr(module, "folded_gqa", lambda causal_lm: nullcontext())
+        patch.setattr(module, "decode_attention", lambda causal_lm: nullcontext())
         repeated = run()
     assert_same_greedy(folded, repeated, atol=2e-2)
 

@@ -30,11 +30,12 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from types import MethodType
-from typing import Iterator, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import StaticLayer
 
 from foundation.cli import UsageError
 from foundation.settings import DECODE_CHOICES, DECODE_PATHS, GENERATION_WEIGHTS  # noqa: F401  (declared once)
@@ -42,7 +43,7 @@ from foundation.stages import POLICY
 from profiling import resolve
 from profiling.decode import sync
 from profiling.tensors import HELD_DECODE_LORA, HELD_GENERATION_WEIGHTS, HELD_KV_CACHE, HELD_SWAPPED_OUT
-from trainer.model.attention import folded_gqa
+from trainer.model.attention import decode_attention, decoding_through_it
 
 logger = logging.getLogger(__name__)
 
@@ -132,16 +133,16 @@ def check_path(decode: str, device_type: str = "cpu", embedding_on_host: bool = 
     return resolve.decode_path(decode, device_type, offload_embeddings=embedding_on_host)
 
 
-_REGIONS: dict[type, object] = {}  # a decoder layer class -> its forward marked as a nested compile region
+_REGIONS: dict[object, object] = {}  # a decoder layer class (its forward), `_layer_with_cache` -> marked as a region
 
 
 def layer_regions(causal_lm: nn.Module, on: bool) -> int:
-    """Mark (`on`) or unmark every decoder layer's forward as one nested compile region
-    (`torch.compiler.nested_compile_region`, one per layer class): the compiled step then traces and compiles
-    one layer and stamps its code out for the others instead of compiling each anew. Outside a compile the
-    mark is a no-op. A layer compiled for training (--compile_layers) is marked in its no-grad forward, the
-    one a decode runs; a layer whose forward is replaced otherwise keeps it; where torch has no such regions
-    nothing is marked. Returns how many layers are marked."""
+    """Mark (`on`) or unmark every decoder layer's forward for a compiled decode (`_layer_step`): each layer as one
+    nested compile region (`torch.compiler.nested_compile_region`), so the compiled step compiles one layer and
+    stamps its code out for the others instead of compiling each anew. Outside a compile the mark is a no-op. A
+    layer compiled for training (--compile_layers) is marked in its no-grad forward, the one a decode runs; a
+    layer whose forward is replaced otherwise keeps it; where torch has no such regions nothing is marked.
+    Returns how many layers are marked."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     from trainer.model.compiled import CompiledLayer
@@ -155,17 +156,57 @@ def layer_regions(causal_lm: nn.Module, on: bool) -> int:
         mark = on and region is not None
         if mark and cls not in _REGIONS:
             _REGIONS[cls] = region(cls.forward)
+            _REGIONS.setdefault(_layer_with_cache, region(_layer_with_cache))
         if isinstance(own, CompiledLayer):
-            own.eager = _REGIONS[cls] if mark else cls.forward
+            own.eager = _layer_step if mark else cls.forward
             marked += mark
             continue
-        ours = isinstance(own, MethodType) and own.__func__ is _REGIONS.get(cls)
+        ours = isinstance(own, MethodType) and own.__func__ is _layer_step
         if mark and (own is None or ours):
-            layer.forward = MethodType(_REGIONS[cls], layer)
+            layer.forward = MethodType(_layer_step, layer)
             marked += 1
         elif not on and ours:
             del layer.forward
     return marked
+
+
+def _layer_step(layer, hidden_states, *args, **kwargs):
+    """A decoder layer's forward in a decode. Compiled, it is a region: where the layer's attention writes the
+    step into its static cache itself (`_static_cache_of`), one whose inputs are tensors only, which torch traces
+    once for every layer (`_layer_with_cache`); else the layer's own forward, traced per layer and compiled
+    once. Not compiled, the layer's own forward."""
+    own = type(layer).forward
+    if not torch.compiler.is_compiling():
+        return own(layer, hidden_states, *args, **kwargs)
+    cache = None if args else _static_cache_of(layer, kwargs)
+    if cache is None:
+        return _REGIONS[type(layer)](layer, hidden_states, *args, **kwargs)
+    cos, sin = kwargs["position_embeddings"]
+    return _REGIONS[_layer_with_cache](layer, hidden_states, kwargs.get("attention_mask"), kwargs.get("position_ids"),
+                                       cos, sin, kwargs.get("cache_position"), *cache)
+
+
+def _static_cache_of(layer, kwargs: dict) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(keys, values, tokens held) of the static cache layer a decoder layer's call writes to, where its attention
+    (`trainer.model.attention.single_token_gqa`, the decode's implementation) can write the step itself: a
+    transformers `StaticLayer` (no sliding window) already filled by the prompt; else None."""
+    index = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
+    if index is None or kwargs.get("position_embeddings") is None or not decoding_through_it():
+        return None
+    layers = getattr(kwargs.get("past_key_values"), "layers", None)
+    entry = layers[index] if isinstance(layers, list) and index < len(layers) else None
+    if type(entry) is not StaticLayer or not entry.is_initialized:
+        return None
+    return entry.keys, entry.values, entry.cumulative_length
+
+
+def _layer_with_cache(layer, hidden_states, attention_mask, position_ids, cos, sin, cache_position, keys, values,
+                      held):
+    """The layer's own forward with no cache object: its attention writes the step into `keys` and `values`
+    after the `held` tokens (`decode_kv`), as the cache's update would."""
+    return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                               past_key_values=None, use_cache=False, cache_position=cache_position,
+                               position_embeddings=(cos, sin), decode_kv=(keys, values, held))
 
 
 class _Compiled:
@@ -484,7 +525,7 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling:
     try:
         with model.use_adapter(adapter), generation_weights(model.causal_lm, sampling.generation_weights, adapter), \
                 lora_compute_copies(model, adapter, device.type, keep=sampling.decode == "compiled"), \
-                folded_gqa(model.causal_lm):
+                decode_attention(model.causal_lm):
             try:
                 return _decode(model.causal_lm, prompt_ids, prompt_mask, sampling, eos_id, pad_id)
             except compile_errors() as exc:
