@@ -189,15 +189,21 @@ def _layer_step(layer, hidden_states, *args, **kwargs):
 def _static_cache_of(layer, kwargs: dict) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(keys, values, tokens held) of the static cache layer a decoder layer's call writes to, where its attention
     (`trainer.model.attention.single_token_gqa`, the decode's implementation) can write the step itself: a
-    transformers `StaticLayer` (no sliding window) already filled by the prompt; else None."""
+    transformers `StaticLayer` (no sliding window) already filled by the prompt, and no argument the region
+    would not pass on; else None."""
     index = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
-    if index is None or kwargs.get("position_embeddings") is None or not decoding_through_it():
+    if (index is None or kwargs.get("position_embeddings") is None or not decoding_through_it()
+            or not set(kwargs) <= _LAYER_ARGUMENTS):
         return None
     layers = getattr(kwargs.get("past_key_values"), "layers", None)
     entry = layers[index] if isinstance(layers, list) and index < len(layers) else None
     if type(entry) is not StaticLayer or not entry.is_initialized:
         return None
     return entry.keys, entry.values, entry.cumulative_length
+
+
+_LAYER_ARGUMENTS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "cache_position",
+                    "position_embeddings"}
 
 
 def _layer_with_cache(layer, hidden_states, attention_mask, position_ids, cos, sin, cache_position, keys, values,
