@@ -87,19 +87,24 @@ def decode_counts(layers):
             decode(model, ids, torch.ones_like(ids), sampling, 1, 0)
     return count.launched
 
-def compiled_matmuls(layers):
-    """Matmuls in the compiled decode step's graphs, after inductor's own graph passes (each an extern GEMM
-    launched on a GPU); compiled whole, so every layer is in its graph."""
-    import torch._dynamo
-    import torch._inductor.config as inductor_config
-    from trainer.model.decode import Sampling, compile_anew, decode
+def compiled_decode_work(layers):
+    """A model whose 4-bit base decodes from its dense copy, 4 prompts and a compiled greedy sampling."""
+    from trainer.model.decode import Sampling
     args = ModelArguments(model_name_or_path="tiny-llama", preset_overrides=f"num_hidden_layers={layers}",
                           quantization="nf4", lora_r=4, lora_alpha=8, lora_dropout=0.0)
     torch.manual_seed(0)
     model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=512)
     ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
-    sampling = Sampling(max_new_tokens=4, min_new_tokens=4, temperature=0, decode="compiled",
-                        generation_weights="dequantized")
+    return model, ids, Sampling(max_new_tokens=4, min_new_tokens=4, temperature=0, decode="compiled",
+                                generation_weights="dequantized")
+
+def compiled_matmuls(layers):
+    """Matmuls in the compiled decode step's graphs, after inductor's own graph passes (each an extern GEMM
+    launched on a GPU); compiled whole, so every layer is in its graph."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+    from trainer.model.decode import compile_anew, decode
+    model, ids, sampling = compiled_decode_work(layers)
     matmuls = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
     seen = []
     torch._dynamo.reset()
@@ -114,14 +119,8 @@ def traced_instructions(layers):
     rollouts compile it), under autocast from the dense copy."""
     import torch._dynamo
     import torch._dynamo.symbolic_convert as convert
-    from trainer.model.decode import Sampling, compile_anew, decode
-    args = ModelArguments(model_name_or_path="tiny-llama", preset_overrides=f"num_hidden_layers={layers}",
-                          quantization="nf4", lora_r=4, lora_alpha=8, lora_dropout=0.0)
-    torch.manual_seed(0)
-    model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=512)
-    ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
-    sampling = Sampling(max_new_tokens=4, min_new_tokens=4, temperature=0, decode="compiled",
-                        generation_weights="dequantized")
+    from trainer.model.decode import compile_anew, decode
+    model, ids, sampling = compiled_decode_work(layers)
     traced, step = [0], convert.InstructionTranslatorBase.step
     def counted(self):
         traced[0] += 1
