@@ -157,6 +157,21 @@ def test_first_compares_with_trl_on_the_same_work_and_measures_decode(smoke):
         assert json.loads((unpacked / "first" / stage / "results.json").read_text())["seconds"] > 0
 
 
+def test_logs_and_the_manifest_name_no_folder_of_the_machine():
+    """A step's log names the project's files from its root and a library's from its package (the kit's wheel
+    installs, any site-packages), and the manifest shows the step's Python as `python`."""
+    from benchmarks.gpu.parts import ROOT, interpreter_named, python, without_machine_folders
+
+    log = (f"{ROOT}/trainer/sft.py:3\n/tmp/pinned/transformers/modeling_utils.py:3303: FutureWarning\n"
+           '  File "/opt/torch/.venv/lib/python3.12/site-packages/torch/_inductor/lowering.py", line 7836\n'
+           ".venv/lib/python3.11/site-packages/peft/tuners/lora.py:1 and /tmp/site/bitsandbytes/x.py")
+    assert without_machine_folders(log) == (
+        "trainer/sft.py:3\ntransformers/modeling_utils.py:3303: FutureWarning\n"
+        '  File "torch/_inductor/lowering.py", line 7836\npeft/tuners/lora.py:1 and bitsandbytes/x.py')
+    assert interpreter_named([python(), "-m", "benchmarks.gpu.decode"]) == ["python", "-m", "benchmarks.gpu.decode"]
+    assert interpreter_named(["nvidia-smi"]) == ["nvidia-smi"]
+
+
 def test_a_side_out_of_time_is_recorded_as_cut_not_as_a_result(tmp_path):
     """--stop_at (the kit's deadline): a side the time does not reach is cut, and the report still comes back;
     with every side cut the command exits EXIT_CUT, which the kit counts as a cut step, not a finished one (so

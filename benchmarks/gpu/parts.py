@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -59,6 +60,11 @@ class Step:
 
 def python() -> str:
     return sys.executable
+
+
+def interpreter_named(argv: list[str]) -> list[str]:
+    """A step's command as the manifest shows it: this Python as `python`, not the machine's path to it."""
+    return ["python", *argv[1:]] if argv[:1] == [python()] else argv
 
 
 def model_flags(args: PartArguments) -> list[str]:
@@ -305,6 +311,16 @@ def device_facts() -> dict:
     return facts
 
 
+# The machine's folders a log names besides the project: the kit's wheel installs (run.sh) and any Python's
+# site-packages (a library's warning names its file).
+MACHINE_FOLDERS = re.compile(r"(?:/tmp/(?:site|pinned)|[^\s'\"():]*/(?:site|dist)-packages)/")
+
+
+def without_machine_folders(text: str) -> str:
+    """A log's text naming the project's files from its root and a library's from its package."""
+    return MACHINE_FOLDERS.sub("", text.replace(f"{ROOT}/", ""))
+
+
 def run_steps(steps: list[Step], out: Path, deadline: float) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     for step in steps:
@@ -323,7 +339,7 @@ def run_steps(steps: list[Step], out: Path, deadline: float) -> None:
             step.status = f"not available ({exc.strerror or exc})"
         step.seconds = time.time() - started
         if log.is_file():  # the log and its tail name files from the repo root, never the machine's folders
-            text = log.read_text(errors="replace").replace(f"{ROOT}/", "")
+            text = without_machine_folders(log.read_text(errors="replace"))
             log.write_text(text)
             step.tail = text[-3000:]
         print(f"[{step.name}] {step.status} in {step.seconds:.0f} s", flush=True)
@@ -353,7 +369,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     manifest = {**provenance(command="benchmarks/gpu/run.sh " + ("--smoke " if args.smoke else "") + args.part),
                 **device_facts(), "versions": found, "part": args.part, "smoke": args.smoke, "model": model, "arguments": asdict(args),
                 "seconds": time.time() - started, "budget_s": budget,
-                "steps": [{**asdict(s), "argv": shlex.split(relative_command(s.argv))} for s in steps]}
+                "steps": [{**asdict(s), "argv": shlex.split(relative_command(interpreter_named(s.argv)))}
+                          for s in steps]}
     write_atomic(out / "manifest.json", json.dumps(manifest, indent=2))
     print(f"part {args.part}: " + ", ".join(f"{s.name} {s.status}" for s in steps), flush=True)
     return manifest
