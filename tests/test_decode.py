@@ -216,7 +216,8 @@ def test_the_compiled_step_traces_one_decoder_layer_and_stamps_it_out_for_the_ot
     """Each decoder layer's region takes tensors only - its static cache's keys, values and count among them,
     which the decode's attention writes the step into (`decode_kv`) - so torch traces one layer and reuses the
     trace for the rest, where a cache object among the inputs has it trace every layer (transformers' own
-    attention, which updates the cache itself). The same tokens, log-probs and cache contents either way."""
+    attention, which updates the cache itself) or a keyword the region would not pass on (each layer then keeps
+    its own forward). The same tokens, log-probs and cache contents either way."""
     from contextlib import nullcontext
 
     from torch._dynamo.utils import compilation_time_metrics as timers
@@ -236,11 +237,20 @@ def test_the_compiled_step_traces_one_decoder_layer_and_stamps_it_out_for_the_ot
         kept = [(layer.keys.clone(), layer.values.clone(), int(layer.cumulative_length)) for layer in cache.layers]
         return out, len(timers.get("invoke_subgraph_trace", [])) - traced, kept
 
+    def step_with_a_keyword(causal_lm, tokens, positions, cache_position, mask, cache, sampling, eos_id, bar_eos):
+        logits = causal_lm(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           cache_position=cache_position, use_cache=True, unknown_to_the_region=True).logits[:, -1]
+        return module.pick_tokens(logits, sampling, eos_id, bar_eos)
+
     got, traced, cache = run()
     with monkeypatch.context() as patch:
         patch.setattr(module, "decode_attention", lambda causal_lm: nullcontext())
         want, traced_apart, cache_apart = run()
-    assert (traced, traced_apart) == (1, 4)
+    with monkeypatch.context() as patch:  # a keyword the region would not pass on: each layer's own forward
+        patch.setattr(module, "_step", step_with_a_keyword)
+        keyword, traced_keyword, _ = run()
+    assert (traced, traced_apart, traced_keyword) == (1, 4, 4)
+    assert torch.equal(keyword.tokens, want.tokens)
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
     for (keys, values, held), (want_keys, want_values, want_held) in zip(cache, cache_apart, strict=True):

@@ -193,7 +193,7 @@ def _static_cache_of(layer, kwargs: dict) -> Optional[tuple[torch.Tensor, torch.
     would not pass on; else None."""
     index = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
     if (index is None or kwargs.get("position_embeddings") is None or not decoding_through_it()
-            or not set(kwargs) <= _LAYER_ARGUMENTS):
+            or not _known_arguments(tuple(kwargs))):
         return None
     layers = getattr(kwargs.get("past_key_values"), "layers", None)
     entry = layers[index] if isinstance(layers, list) and index < len(layers) else None
@@ -204,6 +204,13 @@ def _static_cache_of(layer, kwargs: dict) -> Optional[tuple[torch.Tensor, torch.
 
 _LAYER_ARGUMENTS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "cache_position",
                     "position_embeddings"}
+
+
+@torch.compiler.assume_constant_result
+def _known_arguments(names: tuple[str, ...]) -> bool:
+    """Whether a decoder layer's call passes only keywords the region passes on. Settled while tracing, as the
+    call's keywords are, rather than traced per layer (a set built and compared in bytecode)."""
+    return set(names) <= _LAYER_ARGUMENTS
 
 
 def _layer_with_cache(layer, hidden_states, attention_mask, position_ids, cos, sin, cache_position, keys, values,
