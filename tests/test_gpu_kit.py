@@ -323,30 +323,41 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
 
 def test_the_speed_part_runs_the_recipes_as_the_stages_decode_then_each_decode_path(tmp_path):
     """The speed part: TRL's GRPO recipe as the stage runs it (--decode and --generation_weights left to the
-    planner) and its memory against the estimate; decode alone, the compiled step from a dense copy at the
-    recipes' 16 rows and 1 (one build), the 16 rows' step profiled; on the GPU only, the first call's PPO
-    comparison with TRL (ours decoding as the stage does), ours without and with its layers compiled for the
-    update."""
+    planner), 3 steps, and its memory against the estimate; decode alone, the compiled step from a dense copy at
+    the recipes' 16 rows and 1 (one build), the 16 rows' step profiled; on the GPU only, the first call's PPO
+    comparison with TRL (ours decoding as the stage does, its layers compiled for the update); last, decode
+    alone at the GRPO recipe's shape (its model, adapter rank, rows and lengths), profiled."""
     from benchmarks.gpu.parts import PartArguments, grpo_recipe_run, steps_for
     from trainer.model.decode import DECODE_PATHS
 
+    def flag(argv, name):  # argparse keeps a flag's last value
+        return argv[len(argv) - 1 - argv[::-1].index(name) + 1]
+
     smoke = steps_for(PartArguments(part="speed", out=str(tmp_path), smoke=True), tmp_path)
-    assert [s.name for s in smoke] == ["grpo", "vs-estimate", "decode"]  # ppo_vs_trl: tested by the first call
+    assert [s.name for s in smoke] == ["grpo", "vs-estimate", "decode", "decode-grpo"]  # ppo_vs_trl: the first call's
     steps = steps_for(PartArguments(part="speed", out=str(tmp_path)), tmp_path, deadline=1000.0)
-    assert [s.name for s in steps] == ["grpo", "vs-estimate", "decode", "ppo_vs_trl"]
+    assert [s.name for s in steps] == ["grpo", "vs-estimate", "decode", "ppo_vs_trl", "decode-grpo"]
     argv = steps[2].argv
     assert argv[argv.index("--paths") + 1] == "compiled" and "compiled" in DECODE_PATHS
     assert argv[argv.index("--weights") + 1] == "dequantized"
     assert argv[argv.index("--batches") + 1] == "16,1"
     assert argv[argv.index("--kernel_profile") + 1] == str(tmp_path / "decode" / "kernels")  # the 16 rows' step
     recipe = grpo_recipe_run(PartArguments(part="grpo_recipe", out=str(tmp_path)), tmp_path, "grpo")
-    assert steps[0].argv == recipe and "--decode" not in recipe and "--generation_weights" not in recipe
+    assert steps[0].argv == [*recipe, "--max_steps", "3"] and flag(recipe, "--max_steps") == "2"
+    assert "--decode" not in recipe and "--generation_weights" not in recipe
     assert steps[1].argv[-1] == str(tmp_path / "grpo")
+    decode = steps[4].argv  # the recipe's decode: its model, rank, rows, prompt and response lengths
+    for name in ("--model_name_or_path", "--quantization", "--attn_implementation", "--lora_r", "--lora_alpha"):
+        assert flag(decode, name) == flag(recipe, name), name
+    assert (flag(decode, "--batches"), flag(decode, "--prompt_tokens"), flag(decode, "--new_tokens")) == (
+        flag(recipe, "--rollout_micro_batch_size"), flag(recipe, "--max_prompt_length"), flag(recipe, "--max_new_tokens"))
+    assert flag(decode, "--paths") == "compiled" and flag(decode, "--weights") == "dequantized"
+    assert flag(decode, "--kernel_profile") == str(tmp_path / "decode_grpo" / "kernels")
     main = next(s for s in steps_for(PartArguments(part="first", out=str(tmp_path)), tmp_path, 1000.0)
                 if s.name == "ppo_vs_trl").argv
     speed = steps[3].argv
-    at = speed.index("--compile_layers")  # ours compiled for the update, beside ours_eager and TRL
-    assert speed[at:at + 4] == ["--compile_layers", "true", "--sides", "ours_eager,ours,trl"]
+    at = speed.index("--compile_layers")  # ours compiled for the update, beside TRL
+    assert speed[at:at + 4] == ["--compile_layers", "true", "--sides", "ours,trl"]
     speed = speed[:at] + speed[at + 4:]
     main = main[:main.index("--sides")] + main[main.index("--sides") + 2:]
     assert speed[:speed.index("--out_dir")] == main[:main.index("--out_dir")]  # the same work

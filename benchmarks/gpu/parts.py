@@ -213,26 +213,36 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                 Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate",
                                      *(str(out / s) for s in ("sft", "reward", "ppo", "grpo"))])]
     if args.part == "speed":  # the rollouts as the stages run them (--decode and --generation_weights auto, the
-        # planner's picks) in TRL's GRPO recipe; decode alone; then the first call's PPO work against TRL, ours
-        # without and with its decoder layers compiled for the update (--compile_layers). A step the budget
-        # cuts keeps its last finished results (collect).
-        decode = [python(), "-m", "benchmarks.gpu.decode", *model_flags(args)]
-        sizes = (["--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05"] if args.smoke
-                 else ["--prompt_tokens", "128", "--new_tokens", "64"])
+        # planner's picks) in TRL's GRPO recipe, 3 steps (the third past any one-off cost of the second); decode
+        # alone; then the first call's PPO work against TRL, ours with its decoder layers compiled for the update
+        # (--compile_layers). A step the budget cuts keeps its last finished results (collect).
+        decode = [python(), "-m", "benchmarks.gpu.decode"]
+        if args.smoke:
+            sizes = ["--prompt_tokens", "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05"]
+            recipe_decode = [*model_flags(args), "--batches", "4", *sizes]
+        else:
+            sizes = ["--prompt_tokens", "128", "--new_tokens", "64"]
+            recipe_decode = ["--model_name_or_path", "qwen2.5-7b", "--quantization", "nf4", "--dtype", "bfloat16",
+                             "--attn_implementation", "sdpa", "--lora_r", "32", "--lora_alpha", "32", "--batches", "8",
+                             "--prompt_tokens", "256", "--new_tokens", "256"]
+        dense = ["--paths", "compiled", "--weights", "dequantized"]
         # decode: the compiled step from the dense copy (the planner's pick where it fits), its decoder layers as
-        # one region, at 16 and 1 rows in one build (eager, the 4-bit weights and the step compiled whole:
-        # measured at 60b44b7, f9fb2bd and 76ae41a, behind), and a kernel profile of the 16 rows' decode
-        steps = [Step("grpo", grpo_recipe_run(args, out, "grpo")),
+        # one region, at 16 and 1 rows in one build, the 16 rows' step profiled (eager, the 4-bit weights and the
+        # step compiled whole: measured at 60b44b7, f9fb2bd and 76ae41a, behind); last, the GRPO recipe's own
+        # decode (its model, 8 rows, 256 + 256 tokens), profiled too: the recipe's rollout against decode alone
+        steps = [Step("grpo", grpo_recipe_run(args, out, "grpo", "--max_steps", "3")),
                  Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "grpo")]),
-                 Step("decode", [*decode, "--paths", "compiled", "--weights", "dequantized",
-                                 "--batches", "4" if args.smoke else "16,1", *sizes, "--out_dir", str(out / "decode"),
+                 Step("decode", [*decode, *model_flags(args), *dense, "--batches", "4" if args.smoke else "16,1",
+                                 *sizes, "--out_dir", str(out / "decode"),
                                  "--kernel_profile", str(out / "decode" / "kernels")])]
         if not args.smoke:  # ppo_vs_trl: the first call's smoke runs it
             steps.append(Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args),
                                              *data_flags(args), *cap_flags(args), *ppo_work(args),
-                                             "--compile_layers", "true", "--sides", "ours_eager,ours,trl",
+                                             "--compile_layers", "true", "--sides", "ours,trl",
                                              "--stop_at", f"{max(deadline - STOP_MARGIN_S, 0):.0f}",
                                              "--out_dir", str(out / "ppo_vs_trl")]))
+        steps.append(Step("decode-grpo", [*decode, *recipe_decode, *dense, "--out_dir", str(out / "decode_grpo"),
+                                          "--kernel_profile", str(out / "decode_grpo" / "kernels")]))
         return steps
     if args.part == "grpo_vs_trl":  # TRL's QLoRA GRPO recipe on ours and on TRL's GRPOTrainer, same cap; then
         # the seed PPO recipe under a 12 GB cap: does the smallest card the estimator allows hold it?

@@ -100,20 +100,23 @@ def predicted(part: str) -> dict[str, float]:
                 "ppo": rl + 3 * step_seconds(seed_ppo, shape),
                 "grpo": rl + 2 * step_seconds(Work(rows=16, prompt=256, new=128, epochs=1, scoring_adapters=3), shape),
                 "vs-estimate": START_S}
-    if part == "speed":  # TRL's GRPO recipe and PPO vs TRL, ours compiling its decode step (and its layers for
-        # the update on one side); decode compiled from the dense copy at 16 and 1 rows (each row timed
-        # twice and warmed up, prefill apart, and compiled anew)
-        def decode(rows: int, timed: int) -> float:
-            per_token = decode_step_bytes(shape) / (BANDWIDTH * DECODE_FRACTION)
-            return timed * (3 * 64 * per_token + 3 * step_seconds(Work(rows=rows, prompt=128), shape) + COMPILE_S)
-
+    if part == "speed":  # TRL's GRPO recipe (3 steps) and PPO vs TRL, ours compiling its decode step (and its
+        # layers for the update); decode compiled from the dense copy at 16 and 1 rows, and last at the GRPO
+        # recipe's shape (each row timed twice and warmed up, prefill apart, and compiled anew)
         from profiling.shapes import load_shape
 
+        qwen = load_shape("qwen2.5-7b")
+
+        def decode(model, rows: int, prompt: int, new: int) -> float:
+            per_token = decode_step_bytes(model) / (BANDWIDTH * DECODE_FRACTION)
+            return 3 * new * per_token + 3 * step_seconds(Work(rows=rows, prompt=prompt), model) + COMPILE_S
+
         grpo = Work(rows=8, prompt=256, new=256, epochs=1, scoring_adapters=0)
-        return {"grpo": process + COMPILE_S + 2 * step_seconds(grpo, load_shape("qwen2.5-7b")),
+        return {"grpo": process + COMPILE_S + 3 * step_seconds(grpo, qwen),
                 "vs-estimate": START_S,
-                "decode": process + decode(16, 1) + decode(1, 1),
-                "ppo_vs_trl": 3 * START_S + 5 * BUILD_S + 3 * COMPILE_S + 6 * step_seconds(bench_ppo, shape)}
+                "decode": process + decode(shape, 16, 128, 64) + decode(shape, 1, 128, 64),
+                "ppo_vs_trl": 2 * START_S + 4 * BUILD_S + COMPILE_S + 4 * step_seconds(bench_ppo, shape),
+                "decode-grpo": process + decode(qwen, 8, 256, 256)}
     if part == "grpo_vs_trl":  # TRL's recipe on three sides (each its own build, a warm-up and a step), then the
         # seed PPO recipe's SFT and reward steps and 2 PPO steps under a 12 GB cap
         from profiling.shapes import load_shape
