@@ -1,12 +1,16 @@
 """Operations launched per decoder layer by the passes RL training runs, at one or more git revisions.
 
     python -m benchmarks.launches d5725ff~1 HEAD      # writes benchmarks/results/launches/
+    python -m benchmarks.launches HEAD@DIR HEAD --architecture qwen2 --out_dir DIR2
+        # REV@DIR: DIR's libraries ahead of this environment's, e.g. another transformers unpacked there
+        # (pip install --no-deps --target DIR transformers==5.17.0 huggingface_hub==1.33.0)
 
 An eager pass on a GPU launches a kernel per operation and pays host time for each (Python, dispatcher,
 autograd): where kernels are short, as in the PPO update of a 7B model in 4-bit, that host time is the pass's
 time. This counts the operations torch dispatches (views left out), forward, checkpoint recompute and backward,
 per decoder layer: the difference between a 4-layer and a 2-layer Llama of the `tiny-llama` shape divided by
-two, so the count is what every layer of a 7B Llama adds. On the CPU, in bf16 under autocast, LoRA r 4 on
+two, so the count is what every layer of a 7B Llama adds (`--architecture qwen2`: Qwen2's
+layers at those sizes). On the CPU, in bf16 under autocast, LoRA r 4 on
 every linear layer, gradient checkpointing on, no dropout (PPO's and GRPO's update); the base in bf16, not
 4-bit (bitsandbytes' CPU kernels are not CUDA's), except for decoding, which reads a dense copy of 4-bit
 weights (`--generation_weights dequantized`). A proxy for host time per pass, not a time; on a GPU a matmul
@@ -23,8 +27,10 @@ Each revision runs from its own `git archive` tree, in a process of its own.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Optional
 
 from benchmarks.processes import main_at_revisions, revision_tree
@@ -39,6 +45,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainer.config import ModelArguments
 from trainer.model.shared_base import HEAD_FILE, AdapterSpec, ScalarHead, build_shared_model
 
+NAME, OVERRIDES = sys.argv[1], sys.argv[2]  # the architecture (ARCHITECTURES) every count builds
+
+def shape(layers):
+    return dict(model_name_or_path=NAME, preset_overrides=",".join(filter(None, (OVERRIDES, f"num_hidden_layers={layers}"))))
+
 class Count(TorchDispatchMode):
     launched = 0
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -46,7 +57,7 @@ class Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 def counts(layers, head):
-    args = ModelArguments(model_name_or_path="tiny-llama", preset_overrides=f"num_hidden_layers={layers}",
+    args = ModelArguments(**shape(layers),
                           dtype="bfloat16", gradient_checkpointing=True, lora_r=4, lora_alpha=8, lora_dropout=0.0)
     specs = [AdapterSpec("policy", trainable=True), AdapterSpec("reference"),
              AdapterSpec("value", trainable=True, head=True), AdapterSpec("reward", head=True, head_from=head)]
@@ -74,7 +85,7 @@ def counts(layers, head):
 
 def decode_counts(layers):
     from trainer.model.decode import Sampling, decode
-    args = ModelArguments(model_name_or_path="tiny-llama", preset_overrides=f"num_hidden_layers={layers}",
+    args = ModelArguments(**shape(layers),
                           quantization="nf4", lora_r=4, lora_alpha=8, lora_dropout=0.0)
     torch.manual_seed(0)
     model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=512)
@@ -90,7 +101,7 @@ def decode_counts(layers):
 def compiled_decode_work(layers):
     """A model whose 4-bit base decodes from its dense copy, 4 prompts and a compiled greedy sampling."""
     from trainer.model.decode import Sampling
-    args = ModelArguments(model_name_or_path="tiny-llama", preset_overrides=f"num_hidden_layers={layers}",
+    args = ModelArguments(**shape(layers),
                           quantization="nf4", lora_r=4, lora_alpha=8, lora_dropout=0.0)
     torch.manual_seed(0)
     model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=512)
@@ -143,7 +154,9 @@ per_layer = {name: (four[name] - two[name]) // 2 for name in two}
 per_layer["decode_token"] = (decode_counts(4) - decode_counts(2)) // (2 * TOKENS)
 per_layer["compiled_decode_matmuls"] = (compiled_matmuls(4) - compiled_matmuls(2)) // 2
 per_layer["compiled_decode_traced"] = (traced_instructions(4) - traced_instructions(2)) // 2
-print(json.dumps(per_layer))
+import peft, transformers
+print(json.dumps({"per_layer": per_layer, "versions": {"torch": torch.__version__,
+                  "transformers": transformers.__version__, "peft": peft.__version__}}))
 '''
 
 PASSES = {"ppo_update": "PPO update: policy and value rows, one routed pass, forward + recompute + backward",
@@ -157,30 +170,53 @@ PASSES = {"ppo_update": "PPO update: policy and value rows, one routed pass, for
                                     "its layers as regions (the same copy and rows)"}
 
 
-def figures(revision: str) -> dict:
+# The architectures counted: the tiny Llama preset, and Qwen2's (q/k/v biases, its own modeling code) at the same
+# tiny sizes. A 7B's layers are these layers' larger copies: the operations per layer are the same.
+ARCHITECTURES = {"llama": ("tiny-llama", ""),
+                 "qwen2": ("qwen2.5-7b", "hidden_size=64,intermediate_size=172,num_attention_heads=4,"
+                                         "num_key_value_heads=2,vocab_size=512")}
+
+
+def figures(spec: str, architecture: str = "llama") -> dict:
+    """The counts at `spec`: a git revision, or REVISION@FOLDER to import the libraries in FOLDER (an unpacked
+    wheel, e.g. another transformers) ahead of this environment's."""
+    revision, _, libraries = spec.partition("@")
     with revision_tree(revision) as (sha, tree):
-        done = subprocess.run([sys.executable, "-c", COUNTING], cwd=tree, capture_output=True, text=True,
-                              timeout=600, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin",
-                                                "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+        path = os.pathsep.join(filter(None, (str(tree), libraries and str(Path(libraries).resolve()))))
+        done = subprocess.run([sys.executable, "-c", COUNTING, *ARCHITECTURES[architecture]], cwd=tree,
+                              capture_output=True, text=True, timeout=600,
+                              env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
+                                   "OMP_NUM_THREADS": "1"})
     if done.returncode != 0:
-        raise RuntimeError(f"counting at {sha} failed: {done.stderr.strip()[-2000:]}")
-    return {"revision": sha, "per_layer": json.loads(done.stdout.strip().splitlines()[-1])}
+        raise RuntimeError(f"counting at {spec} failed: {done.stderr.strip()[-2000:]}")
+    counted = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"revision": sha, "libraries": libraries or None, **counted}
+
+
+def column(run: dict, runs: list[dict]) -> str:
+    """A revision's column heading: its sha, and the library versions where the columns differ in them."""
+    differ = [name for name in ("transformers", "peft", "torch")
+              if len({r.get("versions", {}).get(name) for r in runs}) > 1]
+    return f"`{run['revision']}`" + "".join(f" {name} {run['versions'][name]}" for name in differ)
 
 
 def markdown(data: dict) -> str:
     runs = data["revisions"]
+    versions = sorted({", ".join(f"{k} {v}" for k, v in r.get("versions", data["versions"]).items()) for r in runs})
     lines = ["# Operations launched per decoder layer", "", f"- date: {data['date']}; git `{data['git_revision']}`",
-             f"- command: `{data['command']}`", f"- versions: torch {data['versions'].get('torch')}, "
-             f"transformers {data['versions'].get('transformers')}, peft {data['versions'].get('peft')}",
+             f"- command: `{data['command']}`", f"- architecture: {data.get('architecture', 'llama')}",
+             "- versions: " + "; ".join(versions),
              "- what: " + " ".join(__doc__.split("\n\n")[2].split()), "",
-             "| pass | " + " | ".join(f"`{r['revision']}`" for r in runs) + " |", "|---|" + "---:|" * len(runs)]
+             "| pass | " + " | ".join(column(r, runs) for r in runs) + " |", "|---|" + "---:|" * len(runs)]
     for key, label in PASSES.items():
         lines.append(f"| {label} | " + " | ".join(str(r["per_layer"].get(key, "-")) for r in runs) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    return main_at_revisions("launches", __doc__, figures, markdown, argv)
+    return main_at_revisions("launches", __doc__, figures, markdown, argv, options={
+        "--architecture": dict(default="llama", choices=sorted(ARCHITECTURES),
+                               help="the architecture counted: llama (tiny-llama) or qwen2 (Qwen2.5's, at its sizes)")})
 
 
 if __name__ == "__main__":

@@ -31,10 +31,11 @@ def revision_tree(revision: str) -> Iterator[tuple[str, Path]]:
         yield sha, Path(scratch)
 
 
-def main_at_revisions(name: str, doc: str, figures: Callable[[str], dict], markdown: Callable[[dict], str],
-                      argv: Optional[list[str]]) -> dict:
+def main_at_revisions(name: str, doc: str, figures: Callable[..., dict], markdown: Callable[[dict], str],
+                      argv: Optional[list[str]], options: Optional[dict[str, dict]] = None) -> dict:
     """The command line of a benchmark run at git revisions (`python -m benchmarks.NAME REV ...`): `figures`
-    of each, written to benchmarks/results/NAME/ (result.json, and README.md from `markdown`) and printed."""
+    of each, written to benchmarks/results/NAME/ (result.json, and README.md from `markdown`) and printed.
+    `options`: the benchmark's own flags (argparse keywords each), passed to `figures` and kept in the result."""
     import json
     import sys
 
@@ -45,9 +46,13 @@ def main_at_revisions(name: str, doc: str, figures: Callable[[str], dict], markd
     parser = argument_parser(f"python -m benchmarks.{name}", doc.splitlines()[0])
     parser.add_argument("revisions", nargs="+", help="git revisions, oldest first")
     parser.add_argument("--out_dir", type=Path, default=ROOT / "benchmarks" / "results" / name)
+    for flag, settings in (options or {}).items():
+        parser.add_argument(flag, **settings)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    command = f"python -m benchmarks.{name} " + " ".join(args.revisions)
-    data = {**provenance(command=command), "revisions": [figures(r) for r in args.revisions]}
+    chosen = {flag.lstrip("-"): getattr(args, flag.lstrip("-")) for flag in options or {}}
+    command = f"python -m benchmarks.{name} " + " ".join(
+        [*args.revisions, *(f"--{key} {value}" for key, value in chosen.items() if value != parser.get_default(key))])
+    data = {**provenance(command=command), **chosen, "revisions": [figures(r, **chosen) for r in args.revisions]}
     write_atomic(args.out_dir / "result.json", json.dumps(data, indent=2) + "\n")
     write_atomic(args.out_dir / "README.md", markdown(data))
     print(markdown(data))

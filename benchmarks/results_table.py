@@ -213,14 +213,19 @@ def code_size(folder: Path, result: dict) -> Row:
 
 
 def launches(folder: Path, result: dict) -> Row:
-    first, last = result["revisions"][0]["per_layer"], result["revisions"][-1]["per_layer"]
-    revisions = " -> ".join(f"`{r['revision']}`" for r in (result["revisions"][0], result["revisions"][-1]))
+    from benchmarks.launches import column
+
+    runs = result["revisions"]
+    first, last = runs[0]["per_layer"], runs[-1]["per_layer"]
+    revisions = " -> ".join(column(r, runs) for r in (runs[0], runs[-1]))
     figures = ", ".join(f"{label} {first[key]} -> {last[key]}" for key, label in
                         (("ppo_update", "PPO update"), ("ppo_scoring", "PPO scoring"), ("grpo_update", "GRPO update"),
                          ("compiled_decode_matmuls", "compiled decode step's matmuls"),
                          ("compiled_decode_traced", "bytecode traced to compile it"))
                         if key in first and key in last)
-    return Row((7, 1), "operations launched per decoder layer (`benchmarks.launches`)", revisions,
+    architecture = result.get("architecture", "llama")
+    return Row((7, 1), "operations launched per decoder layer (`benchmarks.launches`"
+               + (f", {architecture})" if architecture != "llama" else ")"), revisions,
                figures, *_when(result), _report(folder))
 
 

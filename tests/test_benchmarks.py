@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -421,3 +422,41 @@ def test_launches_counts_each_pass_per_layer_at_a_revision_and_a_routed_pass_lau
     assert json.loads((tmp_path / "result.json").read_text()) == data
     text = (tmp_path / "README.md").read_text()
     assert f"`{data['revisions'][0]['revision']}`" in text and f"| {counts['ppo_update']} |" in text
+
+
+def test_launches_counts_an_architecture_with_the_libraries_a_revision_names(tmp_path, monkeypatch):
+    """REV@DIR puts DIR's libraries (another transformers) ahead of the environment's for that revision's count,
+    --architecture builds the counted layers from that preset; where the revisions' library versions differ, the
+    table's columns say which ran which, and the command line keeps what was asked."""
+    import subprocess
+    from contextlib import contextmanager
+
+    from benchmarks import launches
+
+    calls, real = [], subprocess.run
+
+    @contextmanager
+    def tree(revision):
+        yield revision[:7], tmp_path / "tree"
+
+    def counting(argv, **kwargs):
+        if argv[1:3] != ["-c", launches.COUNTING]:  # git, for the run's provenance
+            return real(argv, **kwargs)
+        env = kwargs["env"]
+        calls.append((argv[3:], env["PYTHONPATH"]))
+        version = "5.17.0" if str(tmp_path / "old") in env["PYTHONPATH"] else "5.23.0"
+        out = {"per_layer": {key: 1 for key in launches.PASSES},
+               "versions": {"torch": "2.13.0", "transformers": version, "peft": "0.21.2"}}
+        return subprocess.CompletedProcess(argv, 0, stdout=json.dumps(out) + "\n", stderr="")
+
+    monkeypatch.setattr(launches, "revision_tree", tree)
+    monkeypatch.setattr(launches.subprocess, "run", counting)
+    data = launches.main([f"abcdef1@{tmp_path / 'old'}", "abcdef1", "--architecture", "qwen2",
+                          "--out_dir", str(tmp_path / "out")])
+    assert [argv for argv, _ in calls] == [list(launches.ARCHITECTURES["qwen2"])] * 2
+    assert calls[0][1].split(os.pathsep) == [str(tmp_path / "tree"), str(tmp_path / "old")]
+    assert calls[1][1] == str(tmp_path / "tree")
+    assert data["architecture"] == "qwen2" and data["command"].endswith("abcdef1 --architecture qwen2")
+    text = (tmp_path / "out" / "README.md").read_text()
+    assert "| pass | `abcdef1` transformers 5.17.0 | `abcdef1` transformers 5.23.0 |" in text
+    assert "- architecture: qwen2" in text
