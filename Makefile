@@ -8,8 +8,12 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-# Test files run in parallel worker processes (one file stays on one worker: its fixtures are shared).
+# Test files run in parallel worker processes (one file stays on one worker: its fixtures are shared), handed
+# out in collection order: xdist's default order (the files with the most tests first) left the few-test,
+# long-running ones (resume, the learning checks) to the end, queued one behind another on one worker while
+# the other ran out of work.
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: install demo test test-fast bench clean
 
@@ -27,10 +31,10 @@ demo: install
 
 test: install
 	@$(PY) tests/build_ops.py 2>&1 | grep -v WARNING
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -281,6 +281,23 @@ def test_with_compile_layers_the_compiled_step_marks_the_no_grad_forward_of_each
     assert all(vars(x)["forward"].eager is type(x).forward for x in layers)
 
 
+def test_each_step_compiled_anew_compiles_whatever_was_compiled_before_it(tiny):
+    """Every compiled step (a model's, or one compiled anew) keeps its compiled frames apart from the others':
+    sharing one list, the steps past dynamo's recompile limit would run eagerly, with one warning."""
+    from torch._dynamo.utils import counters
+
+    from trainer.model.decode import compile_anew
+
+    ids, mask = batch(b=2, t=8)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for _ in range(2):
+            compile_anew(tiny.causal_lm)
+            before = counters["stats"]["unique_graphs"]
+            decode(tiny, ids, mask, greedy(3, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+            assert counters["stats"]["unique_graphs"] > before
+    compile_anew(tiny.causal_lm)
+
+
 def test_decoder_layer_regions_that_do_not_compile_fall_back_to_the_whole_step(tiny, monkeypatch, caplog):
     """Where the regions fail to compile (a torch without their support for a layer), the rollout compiles its
     step whole, says so in one line and decodes the same tokens."""

@@ -29,7 +29,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
-from types import MethodType
+from types import FunctionType, MethodType
 from typing import Iterator, Optional, Sequence, Union
 
 import torch
@@ -237,7 +237,7 @@ class _Compiled:
         ranks = [a.weight.shape[0] for m in causal_lm.modules() for a in getattr(m, "lora_A", {}).values()]
         options = {**(torch._inductor.list_mode_options(mode) if mode else {}),
                    "unroll_reductions_threshold": max([UNROLL_BELOW, *(r + 1 for r in ranks)])}
-        self.step = torch.compile(_step, options=options, fullgraph=False)
+        self.step = torch.compile(_own_copy(_step), options=options, fullgraph=False)
         self.caches: dict[int, tuple[int, object]] = {}
         setattr(causal_lm, HELD_KV_CACHE, self)  # a memory record counts the caches as kv_cache in every phase
 
@@ -270,6 +270,14 @@ class _Compiled:
 
 
 _COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, _Compiled]" = weakref.WeakKeyDictionary()
+
+
+def _own_copy(function: FunctionType) -> FunctionType:
+    """`function` with a code object of its own. torch.compile keeps the frames it compiled on the code object:
+    every compiled step made from the one `_step` (a model each, or compiled anew) would add to one list of
+    them, and past dynamo's recompile limit (8) a step runs eagerly, with one warning."""
+    return FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                        function.__defaults__, function.__closure__)
 
 
 def compile_errors() -> tuple[type, ...]:
