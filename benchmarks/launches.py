@@ -83,13 +83,17 @@ def counts(layers, head):
         out[name] = count.launched
     return out
 
-def decode_counts(layers):
-    from trainer.model.decode import Sampling, decode
+def nf4_policy(layers):
+    """A 4-bit base with a policy adapter, and 4 prompts of 16 tokens: what the decode counts decode."""
     args = ModelArguments(**shape(layers),
                           quantization="nf4", lora_r=4, lora_alpha=8, lora_dropout=0.0)
     torch.manual_seed(0)
     model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=512)
-    ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
+    return model, torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
+
+def decode_counts(layers):
+    from trainer.model.decode import Sampling, decode
+    model, ids = nf4_policy(layers)
     sampling = Sampling(max_new_tokens=TOKENS, min_new_tokens=TOKENS, temperature=0, decode="eager",
                         generation_weights="dequantized")
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -101,11 +105,7 @@ def decode_counts(layers):
 def compiled_decode_work(layers):
     """A model whose 4-bit base decodes from its dense copy, 4 prompts and a compiled greedy sampling."""
     from trainer.model.decode import Sampling
-    args = ModelArguments(**shape(layers),
-                          quantization="nf4", lora_r=4, lora_alpha=8, lora_dropout=0.0)
-    torch.manual_seed(0)
-    model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=512)
-    ids = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
+    model, ids = nf4_policy(layers)
     return model, ids, Sampling(max_new_tokens=4, min_new_tokens=4, temperature=0, decode="compiled",
                                 generation_weights="dequantized")
 
