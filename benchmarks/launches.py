@@ -3,7 +3,8 @@
     python -m benchmarks.launches d5725ff~1 HEAD      # writes benchmarks/results/launches/
     python -m benchmarks.launches HEAD@DIR HEAD --architecture qwen2 --out_dir DIR2
         # REV@DIR: DIR's libraries ahead of this environment's, e.g. another transformers unpacked there
-        # (pip install --no-deps --target DIR transformers==5.17.0 huggingface_hub==1.33.0)
+        # (pip install --no-deps --target DIR transformers==5.17.0 huggingface_hub==1.33.0; DIR inside the
+        # project, e.g. .cache/transformers-5.17, so the result names it from the root)
 
 An eager pass on a GPU launches a kernel per operation and pays host time for each (Python, dispatcher,
 autograd): where kernels are short, as in the PPO update of a 7B model in 4-bit, that host time is the pass's
