@@ -3,6 +3,8 @@ log-prob from the logits it was drawn from, EOS bookkeeping on the device, and t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import dense_copies_made
@@ -776,3 +778,97 @@ def test_decoding_a_grouped_query_model_folds_each_step_s_heads_and_decodes_the_
     module.compile_anew(tiny.causal_lm)
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
+
+
+def nf4_policy_of(architecture: str):
+    """A 4-bit base with a perturbed policy adapter: tiny-llama, or Qwen2's layers (q/k/v biases) at its sizes."""
+    overrides = ("num_hidden_layers=2,hidden_size=64,intermediate_size=172,num_attention_heads=4,num_key_value_heads=2,"
+                 "vocab_size=512")
+    args = tiny_args("nf4")
+    if architecture == "qwen2":
+        args = replace(args, model_name_or_path="qwen2.5-7b", preset_overrides=overrides)
+    torch.manual_seed(0)
+    model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_the_compiled_step_multiplies_each_sibling_group_s_one_matrix_once(architecture, monkeypatch):
+    """Compiled from the dense copy under autocast, q/k/v and gate/up are one matmul each: four per decoder layer
+    where each layer's own matmul made seven (Qwen2's q/k/v biases included), with the same tokens and
+    log-probs. Eager, each layer multiplies only its own rows: the same matmuls, of the same sizes, as
+    without the groups."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer.model import decode as module
+
+    model = nf4_policy_of(architecture)
+    layers = model.causal_lm.config.num_hidden_layers
+    assert all(layer.self_attn.q_proj.base_layer.bias is not None for layer in model.causal_lm.model.layers) == (
+        architecture == "qwen2")
+    ids, mask = batch(b=3, t=8)
+    matmuls = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
+
+    def compiled():
+        seen = []
+        torch._dynamo.reset()
+        module.compile_anew(model.causal_lm, regions=False)  # every layer in the step's one graph
+        sampling = Sampling(max_new_tokens=5, min_new_tokens=5, temperature=0.0, decode="compiled",
+                            generation_weights="dequantized")
+        count = lambda graph: seen.append(sum(n.op == "call_function" and str(n.target) in matmuls for n in graph.nodes))
+        with inductor_config.patch(post_grad_custom_post_pass=count), torch.autocast("cpu", dtype=torch.bfloat16):
+            return decode(model, ids, mask, sampling, 1, 0), sum(seen)
+
+    class Sizes(TorchDispatchMode):  # each matmul's (rows, columns) of the matrix it multiplies by
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.seen.append(tuple(args[-1].shape))
+            return func(*args, **(kwargs or {}))
+
+    def eager():
+        sampling = Sampling(max_new_tokens=3, min_new_tokens=3, temperature=0.0, generation_weights="dequantized")
+        with torch.autocast("cpu", dtype=torch.bfloat16), Sizes() as sizes:
+            sizes.seen = []
+            decode(model, ids, mask, sampling, 1, 0)
+        return sorted(sizes.seen)
+
+    grouped, grouped_matmuls = compiled()
+    grouped_sizes = eager()
+    monkeypatch.setattr(module, "SHARED_INPUT", ())
+    apart, apart_matmuls = compiled()
+    assert grouped_matmuls == 4 * layers + 1 and apart_matmuls == 7 * layers + 1  # + the LM head
+    assert torch.equal(grouped.tokens, apart.tokens)
+    torch.testing.assert_close(grouped.logprobs, apart.logprobs, rtol=0, atol=1e-6)
+    assert grouped_sizes == eager()
+
+
+def test_shared_products_computes_a_matmul_of_one_input_by_one_matrix_once():
+    """The pass merges matmuls of the same input by the same matrix, also through views and casts, and leaves
+    those of another input or matrix: what comes out is what eager computes."""
+    import torch._inductor.config as inductor_config
+    import torch.nn.functional as F
+
+    from trainer.model.decode import SharedProducts
+
+    def step(x, y, w, v, bias):
+        first = F.linear(x.to(torch.float32), w, bias)[..., :3]
+        second = F.linear(x.to(torch.float32), w, bias)[..., 3:]  # the same product: merged
+        other_input = F.linear(y, w, bias)
+        other_matrix = F.linear(x.to(torch.float32), v)
+        return first.sum(-1) + second.sum(-1) + other_input.sum(-1) + other_matrix.sum(-1)
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 8, generator=g)
+    w, v, bias = torch.randn(6, 8, generator=g), torch.randn(5, 8, generator=g), torch.randn(6, generator=g)
+    seen = []
+    count = lambda graph: seen.append(sum(n.op == "call_function" and "mm" in str(n.target) for n in graph.nodes))
+    torch._dynamo.reset()
+    with inductor_config.patch(post_grad_custom_post_pass=count):
+        got = torch.compile(step, options={"post_grad_custom_pre_pass": SharedProducts()})(x, y, w, v, bias)
+    assert seen == [3]
+    torch.testing.assert_close(got, step(x, y, w, v, bias))

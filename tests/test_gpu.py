@@ -508,3 +508,29 @@ def test_on_cuda_nf4_decoder_layers_compile_with_their_checkpoint_and_train_as_t
     for got, want in zip([*compiled[0], *compiled[1]], [*eager[0], *eager[1]], strict=True):
         assert want.abs().max() > 0
         assert (got - want).norm() <= 2e-2 * want.norm(), ((got - want).norm(), want.norm())
+
+
+def test_on_cuda_the_compiled_step_multiplies_q_k_v_and_gate_up_as_one_matmul_each():
+    """Under the run's bf16 autocast the compiled step (CUDA graphs, the dense copy, the step whole) holds four
+    matmuls per decoder layer, and one for the LM head: q/k/v and gate/up as one each (`SharedProducts`). It
+    decodes what the eager loop, each layer's own matmul, decodes (`assert_same_greedy`)."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    from trainer.model.decode import Sampling, compile_anew, decode as run_decode
+    from trainer.model.shared_base import build_shared_model, stage_specs
+
+    model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
+    ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
+    greedy = dict(max_new_tokens=6, min_new_tokens=6, temperature=0, generation_weights="dequantized")
+    matmuls = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
+    seen = []
+    count = lambda graph: seen.append(sum(n.op == "call_function" and str(n.target) in matmuls for n in graph.nodes))
+    torch._dynamo.reset()
+    compile_anew(model.causal_lm, regions=False)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        eager = run_decode(model, ids, torch.ones_like(ids), Sampling(**greedy), 2, 0)
+        with inductor_config.patch(post_grad_custom_post_pass=count):
+            compiled = run_decode(model, ids, torch.ones_like(ids), Sampling(**greedy, decode="compiled"), 2, 0)
+    assert sum(seen) == 4 * len(model.causal_lm.model.layers) + 1
+    assert_same_greedy(compiled, eager, atol=2e-2)

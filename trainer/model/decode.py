@@ -19,7 +19,9 @@ rollout and frees it after, `resident` keeps it, `quantized` decodes from the 4-
 own 4-bit matmul, which picks its fused kernels for a few rows). Under the run's mixed precision the LoRA
 products likewise multiply copies of the adapter's weights in the autocast dtype, made once per decode
 (`lora_compute_copies`), not cast again at every step, and a dense copy holds the adapter's LoRA-A weights
-as extra rows: one matmul per layer and token gives the base output and the LoRA-A products.
+as extra rows: one matmul per layer and token gives the base output and the LoRA-A products. Sibling layers that
+always multiply the same input (`SHARED_INPUT`: q/k/v, gate/up) are copied into one matrix, which the compiled
+step multiplies once for all of them (`SharedProducts`): four matmuls per decoder layer where there were seven.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from transformers.cache_utils import StaticLayer
 
 from foundation.cli import UsageError
@@ -50,6 +53,8 @@ logger = logging.getLogger(__name__)
 CHECK_EVERY = 8  # decode steps between two reads of "has every row ended?" on the host
 CACHE_ROUND = 128  # a compiled path's KV cache length is rounded up to this: one graph serves many prompts
 UNROLL_BELOW = 8  # inductor's own unroll_reductions_threshold: sums shorter than this become pointwise code
+# Sibling layers that multiply the same input, by the names transformers gives them (Llama, Mistral, Qwen2/3, Gemma)
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass(frozen=True)
@@ -236,7 +241,8 @@ class _Compiled:
         # a LoRA-B product is a rank-wide sum (`_times_lora_b`): unrolled into the kernel reading it
         ranks = [a.weight.shape[0] for m in causal_lm.modules() for a in getattr(m, "lora_A", {}).values()]
         options = {**(torch._inductor.list_mode_options(mode) if mode else {}),
-                   "unroll_reductions_threshold": max([UNROLL_BELOW, *(r + 1 for r in ranks)])}
+                   "unroll_reductions_threshold": max([UNROLL_BELOW, *(r + 1 for r in ranks)]),
+                   "post_grad_custom_pre_pass": SharedProducts()}
         self.step = torch.compile(_own_copy(_step), options=options, fullgraph=False)
         self.caches: dict[int, tuple[int, object]] = {}
         setattr(causal_lm, HELD_KV_CACHE, self)  # a memory record counts the caches as kv_cache in every phase
@@ -280,6 +286,45 @@ def _own_copy(function: FunctionType) -> FunctionType:
                         function.__defaults__, function.__closure__)
 
 
+class SharedProducts(CustomGraphPass):
+    """An inductor graph pass: matmuls (mm, addmm) of the same input by the same matrix - through views and
+    casts - computed once, their other uses reading that one. The compiled step's dense copies of sibling layers
+    (`SHARED_INPUT`) each multiply their group's whole matrix and keep their own columns: one GEMM per group and
+    token on a GPU, where a GEMM per layer would launch (fewer, larger matmuls read the same bytes)."""
+
+    KEYED = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
+             "aten.t.default", "aten._to_copy.default", "prims.convert_element_type.default")
+    MATMULS = ("aten.mm.default", "aten.addmm.default")
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        keys: dict[torch.fx.Node, tuple] = {}
+        first: dict[tuple, torch.fx.Node] = {}
+
+        def key(value):
+            if isinstance(value, torch.fx.Node):
+                return keys.get(value, value)
+            if isinstance(value, (list, tuple)):
+                return tuple(key(v) for v in value)
+            if isinstance(value, dict):
+                return tuple(sorted((k, key(v)) for k, v in value.items()))
+            return value
+
+        for node in list(graph.nodes):
+            name = str(node.target) if node.op == "call_function" else ""
+            if name not in self.KEYED + self.MATMULS:
+                continue
+            keys[node] = (str(node.target), key(node.args), key(node.kwargs))
+            if name in self.MATMULS:
+                if keys[node] in first:
+                    node.replace_all_uses_with(first[keys[node]])
+                    graph.erase_node(node)
+                else:
+                    first[keys[node]] = node
+
+    def uuid(self) -> bytes:  # in inductor's cache key of the graphs compiled with it
+        return get_hash_for_files((__file__,))
+
+
 def compile_errors() -> tuple[type, ...]:
     """What torch.compile raises when it cannot compile (dynamo's errors; inductor's where torch has one)."""
     import torch._dynamo.exc
@@ -315,24 +360,39 @@ class DequantizedLinear(nn.Module):
     `lora_rank` > 0 leaves that many rows under the matrix for the LoRA-A weights of the adapter a decode
     multiplies (`lora_compute_copies` fills them): while `rows_for` names that adapter one matmul gives the
     base output and the LoRA-A products side by side, the last `lora_rank` columns, where a separate small
-    matmul would launch for each (a split-K GEMM and its reduction on a GPU, per layer and token)."""
+    matmul would launch for each (a split-K GEMM and its reduction on a GPU, per layer and token).
 
-    def __init__(self, layer: nn.Module, lora_rank: int = 0):
+    `shared`: (matrix, bias or None, first row) of a sibling group's one matrix (`SHARED_INPUT`), which this
+    copy's rows are a slice of. Compiled, the copy multiplies the whole of it and keeps its own columns, which
+    `SharedProducts` turns into one matmul for the group; eager, it multiplies its own rows."""
+
+    def __init__(self, layer: nn.Module, lora_rank: int = 0, shared: Optional[tuple] = None):
         import bitsandbytes.functional as bnbf
 
         super().__init__()
         state = layer.weight.quant_state
         dtype = layer.compute_dtype or state.dtype
         (self.out_features, in_features), self.lora_rank, self.rows_for = state.shape, lora_rank, None
-        weight = torch.empty(self.out_features + lora_rank, in_features, dtype=dtype, device=layer.weight.device)
+        rows = self.out_features + lora_rank
+        group, group_bias, self.first = shared or (None, None, 0)
+        weight = (torch.empty(rows, in_features, dtype=dtype, device=layer.weight.device) if group is None
+                  else group[self.first : self.first + rows])
         weight[self.out_features :].zero_()
         weight[: self.out_features] = bnbf.dequantize_4bit(layer.weight.data, state)  # its CPU ops have no out=
         # buffers, so that a compiled step reads them as inputs rather than baking them in
         self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("group", group, persistent=False)
         bias = None if layer.bias is None else layer.bias.detach().to(dtype)
+        rows_bias = None
+        if group_bias is not None:
+            rows_bias = group_bias[self.first : self.first + rows]
+            rows_bias[self.out_features :].zero_()
+            rows_bias[: self.out_features] = bias
+        elif bias is not None and lora_rank:
+            rows_bias = torch.cat([bias, bias.new_zeros(lora_rank)])
         self.register_buffer("bias", bias, persistent=False)
-        self.register_buffer("rows_bias", None if bias is None or not lora_rank else
-                             torch.cat([bias, bias.new_zeros(lora_rank)]), persistent=False)
+        self.register_buffer("group_bias", group_bias, persistent=False)
+        self.register_buffer("rows_bias", rows_bias, persistent=False)
 
     @property
     def dense(self) -> torch.Tensor:
@@ -340,9 +400,50 @@ class DequantizedLinear(nn.Module):
         return self.weight[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows_for is not None:  # (..., out_features + lora_rank): `_copies_forward` splits them
-            return F.linear(x.to(self.weight.dtype), self.weight, self.rows_bias).to(x.dtype)
-        return F.linear(x.to(self.weight.dtype), self.dense, self.bias).to(x.dtype)
+        # with `rows_for` set, (..., out_features + lora_rank): `_copies_forward` splits them
+        rows = self.out_features + (self.lora_rank if self.rows_for is not None else 0)
+        if self.group is not None and torch.compiler.is_compiling():
+            out = F.linear(x.to(self.weight.dtype), self.group, self.group_bias)[..., self.first : self.first + rows]
+        elif self.rows_for is not None:
+            out = F.linear(x.to(self.weight.dtype), self.weight, self.rows_bias)
+        else:
+            out = F.linear(x.to(self.weight.dtype), self.dense, self.bias)
+        return out.to(x.dtype)
+
+
+def _dense_copies(causal_lm: nn.Module, layers: list[tuple[nn.Module, str, nn.Module]], adapter: str) -> list:
+    """(parent, attribute, layer, its dense copy) for every 4-bit layer, each copy with rows for `adapter`'s
+    LoRA-A where it takes them (`_rows_for`), the members of each sibling group (`SHARED_INPUT`: the same input
+    dimension, compute dtype, device and bias or none) slices of one matrix."""
+    ranks = {layer: _rows_for(parent, layer, adapter) for parent, _, layer in layers}
+    shared: dict[nn.Module, tuple] = {}
+    for group in _sibling_groups(causal_lm, ranks):
+        state, first = group[0].weight.quant_state, group[0]
+        rows = [m.weight.quant_state.shape[0] + ranks[m] for m in group]
+        kwargs = dict(dtype=first.compute_dtype or state.dtype, device=first.weight.device)
+        matrix = torch.empty(sum(rows), state.shape[1], **kwargs)
+        bias = None if first.bias is None else torch.empty(sum(rows), **kwargs)
+        for member, start in zip(group, [sum(rows[:i]) for i in range(len(rows))]):
+            shared[member] = (matrix, bias, start)
+    return [(parent, name, layer, DequantizedLinear(layer, ranks[layer], shared.get(layer)))
+            for parent, name, layer in layers]
+
+
+def _sibling_groups(causal_lm: nn.Module, four_bit: dict) -> list[list[nn.Module]]:
+    """The 4-bit layers (keys of `four_bit`) that sit together under one module by the names of `SHARED_INPUT`,
+    directly or as the base layers of LoRA layers, with the same input dimension, compute dtype, device and
+    bias or none: each group's layers, in its names' order."""
+    groups = []
+    for module in causal_lm.modules():
+        for names in SHARED_INPUT:
+            children = [getattr(module, name, None) for name in names]
+            members = [child if child in four_bit else getattr(child, "base_layer", None) for child in children]
+            if not all(m in four_bit for m in members):
+                continue
+            if len({(m.weight.quant_state.shape[1], m.compute_dtype or m.weight.quant_state.dtype, m.weight.device,
+                     m.bias is None) for m in members}) == 1:
+                groups.append(members)
+    return groups
 
 
 def _four_bit_layers(causal_lm: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -383,8 +484,7 @@ def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY)
                             choice)
             yield
             return
-        swaps = [(parent, name, layer, DequantizedLinear(layer, _rows_for(parent, layer, adapter)))
-                 for parent, name, layer in layers]
+        swaps = _dense_copies(causal_lm, layers, adapter)
         if choice == "resident":
             _RESIDENT[causal_lm] = swaps
     setattr(causal_lm, HELD_GENERATION_WEIGHTS, [copy.weight for *_, copy in swaps])
