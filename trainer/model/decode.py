@@ -373,6 +373,7 @@ class DequantizedLinear(nn.Module):
         state = layer.weight.quant_state
         dtype = layer.compute_dtype or state.dtype
         (self.out_features, in_features), self.lora_rank, self.rows_for = state.shape, lora_rank, None
+        self.dtype = dtype  # read in the forward as a constant, not from a tensor
         rows = self.out_features + lora_rank
         group, group_bias, self.first = shared or (None, None, 0)
         weight = (torch.empty(rows, in_features, dtype=dtype, device=layer.weight.device) if group is None
@@ -403,11 +404,11 @@ class DequantizedLinear(nn.Module):
         # with `rows_for` set, (..., out_features + lora_rank): `_copies_forward` splits them
         rows = self.out_features + (self.lora_rank if self.rows_for is not None else 0)
         if self.group is not None and torch.compiler.is_compiling():
-            out = F.linear(x.to(self.weight.dtype), self.group, self.group_bias)[..., self.first : self.first + rows]
+            out = F.linear(x.to(self.dtype), self.group, self.group_bias)[..., self.first : self.first + rows]
         elif self.rows_for is not None:
-            out = F.linear(x.to(self.weight.dtype), self.weight, self.rows_bias)
+            out = F.linear(x.to(self.dtype), self.weight, self.rows_bias)
         else:
-            out = F.linear(x.to(self.weight.dtype), self.dense, self.bias)
+            out = F.linear(x.to(self.dtype), self.dense, self.bias)
         return out.to(x.dtype)
 
 
