@@ -488,6 +488,8 @@ def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY)
         swaps = _dense_copies(causal_lm, layers, adapter)
         if choice == "resident":
             _RESIDENT[causal_lm] = swaps
+        else:
+            _say_if_moved(causal_lm, [copy.weight for *_, copy in swaps])
     setattr(causal_lm, HELD_GENERATION_WEIGHTS, [copy.weight for *_, copy in swaps])
     setattr(causal_lm, HELD_SWAPPED_OUT, [layer for _, _, layer, _ in swaps])  # a memory record still counts them
     for parent, name, _, copy in swaps:
@@ -503,6 +505,21 @@ def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY)
         kept = _RESIDENT.get(causal_lm)  # a per-rollout copy goes now; a kept one stays counted
         held = [copy.weight for *_, copy in kept] if kept else []
         setattr(causal_lm, HELD_GENERATION_WEIGHTS, held)
+
+
+_PLACES: "weakref.WeakKeyDictionary[nn.Module, tuple[int, ...]]" = weakref.WeakKeyDictionary()
+
+
+def _say_if_moved(causal_lm: nn.Module, copies: list[torch.Tensor]) -> None:
+    """On CUDA, say when a per-rollout copy lies elsewhere than the model's last one: a compiled decode step's
+    CUDA graphs read the weights where they were recorded, so torch records them anew for the moved copy (its
+    cost falls in this rollout's generate time)."""
+    places, last = tuple(t.data_ptr() for t in copies), _PLACES.get(causal_lm)
+    _PLACES[causal_lm] = places
+    if last is not None and places != last and copies[0].device.type == "cuda" and causal_lm in _COMPILED:
+        logger.info("generation_weights dequantized: %d of %d dense copies lie elsewhere than in the last rollout; "
+                    "the compiled decode step records its CUDA graphs anew",
+                    sum(a != b for a, b in zip(places, last)), len(places))
 
 
 def _rows_for(parent: nn.Module, layer: nn.Module, adapter: str) -> int:
