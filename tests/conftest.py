@@ -100,8 +100,9 @@ def dispatch_counter(counted):
 
 
 def dense_copies_made(monkeypatch) -> list:
-    """Every dense copy of a 4-bit layer (`trainer.model.decode.DequantizedLinear`) made from now on, in order."""
-    from trainer.model import decode
+    """Every dense copy of a 4-bit layer (`trainer.model.decode_weights.DequantizedLinear`) made from now on, in
+    order."""
+    from trainer.model import decode_weights as decode
 
     made = []
 

@@ -475,7 +475,7 @@ def test_a_dense_copy_of_the_4bit_weights_decodes_the_same_tokens_and_log_probs(
     from the 4-bit weights (rows > 1: bitsandbytes dequantizes for them too). After, the model holds its 4-bit
     layers again; `dequantized` frees the copy, `resident` keeps it for the next rollout."""
     from profiling.tensors import HELD_GENERATION_WEIGHTS
-    from trainer.model.decode import _RESIDENT, drop_resident_weights
+    from trainer.model.decode_weights import _RESIDENT, drop_resident_weights
 
     ids, mask = batch(b=3, t=8)
     layers = four_bit_layers(tiny_nf4)
@@ -506,7 +506,7 @@ def test_under_autocast_the_dense_copy_gives_the_lora_a_products_of_the_decoded_
     rounding, as with a matmul of their own; after the decode no copy gives them any more."""
     from conftest import dispatch_counter
 
-    import trainer.model.decode as decode_module
+    import trainer.model.decode_weights as decode_module
 
     def matmuls():
         return dispatch_counter(lambda func: func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default))
@@ -541,7 +541,7 @@ def test_the_compiled_step_multiplies_lora_b_without_a_matmul(weights, monkeypat
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
-    from trainer.model import decode as module
+    from trainer.model import decode_weights as module
 
     torch.manual_seed(0)
     model = build_shared_model(tiny_args("nf4"), [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
@@ -582,7 +582,7 @@ def test_the_recorder_counts_the_copy_as_generation_weights_at_the_estimator_s_s
     from profiling.predict import generation_weight_bytes
     from profiling.shapes import load_shape
     from profiling.tensors import TensorLedger, add_model
-    from trainer.model.decode import drop_resident_weights, generation_weights
+    from trainer.model.decode_weights import drop_resident_weights, generation_weights
 
     def components():
         ledger = TensorLedger()
@@ -610,11 +610,11 @@ def test_the_recorder_counts_the_copy_as_generation_weights_at_the_estimator_s_s
 def test_a_model_without_4bit_layers_decodes_as_it_is_with_a_dense_copy_asked(tiny, caplog):
     import logging
 
-    from trainer.model.decode import _said
+    from trainer.model.decode_weights import _said
 
     _said.clear()
     ids, mask = batch(b=2, t=6)
-    with caplog.at_level(logging.INFO, logger="trainer.model.decode"):
+    with caplog.at_level(logging.INFO, logger="trainer.model.decode_weights"):
         got = decode(tiny, ids, mask, Sampling(max_new_tokens=4, temperature=0, generation_weights="dequantized"),
                      VOCAB + 1, 0)
     assert torch.equal(got.tokens, decode(tiny, ids, mask, greedy(4), VOCAB + 1, 0).tokens)
@@ -671,8 +671,8 @@ def test_a_per_rollout_copy_is_gone_when_the_rollout_ends(tiny_nf4, monkeypatch)
     import gc
     import weakref
 
-    from trainer.model import decode as decode_module
-    from trainer.model.decode import drop_resident_weights
+    from trainer.model import decode_weights as decode_module
+    from trainer.model.decode_weights import drop_resident_weights
 
     copies = []
 
@@ -805,7 +805,7 @@ def test_the_compiled_step_multiplies_each_sibling_group_s_one_matrix_once(archi
     import torch._inductor.config as inductor_config
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from trainer.model import decode as module
+    from trainer.model import decode as module, decode_weights
 
     model = nf4_policy_of(architecture)
     layers = model.causal_lm.config.num_hidden_layers
@@ -820,7 +820,8 @@ def test_the_compiled_step_multiplies_each_sibling_group_s_one_matrix_once(archi
         module.compile_anew(model.causal_lm, regions=False)  # every layer in the step's one graph
         sampling = Sampling(max_new_tokens=5, min_new_tokens=5, temperature=0.0, decode="compiled",
                             generation_weights="dequantized")
-        count = lambda graph: seen.append(sum(n.op == "call_function" and str(n.target) in matmuls for n in graph.nodes))
+        count = lambda graph: seen.append(sum(n.op == "call_function" and str(n.target) in matmuls
+                                              for n in graph.nodes))
         with inductor_config.patch(post_grad_custom_post_pass=count), torch.autocast("cpu", dtype=torch.bfloat16):
             return decode(model, ids, mask, sampling, 1, 0), sum(seen)
 
@@ -839,7 +840,7 @@ def test_the_compiled_step_multiplies_each_sibling_group_s_one_matrix_once(archi
 
     grouped, grouped_matmuls = compiled()
     grouped_sizes = eager()
-    monkeypatch.setattr(module, "SHARED_INPUT", ())
+    monkeypatch.setattr(decode_weights, "SHARED_INPUT", ())
     apart, apart_matmuls = compiled()
     assert grouped_matmuls == 4 * layers + 1 and apart_matmuls == 7 * layers + 1  # + the LM head
     assert torch.equal(grouped.tokens, apart.tokens)
@@ -853,7 +854,7 @@ def test_shared_products_computes_a_matmul_of_one_input_by_one_matrix_once():
     import torch._inductor.config as inductor_config
     import torch.nn.functional as F
 
-    from trainer.model.decode import SharedProducts
+    from trainer.model.decode_weights import SharedProducts
 
     def step(x, y, w, v, bias):
         first = F.linear(x.to(torch.float32), w, bias)[..., :3]

@@ -180,7 +180,8 @@ def test_a_dense_copy_of_the_nf4_weights_decodes_as_the_4bit_layers_do_on_cuda(d
     as CUDA graphs, and the model holds its 4-bit layers again after each."""
     from bitsandbytes.nn import Linear4bit
 
-    from trainer.model.decode import DequantizedLinear, Sampling, decode as run_decode, drop_resident_weights
+    from trainer.model.decode import Sampling, decode as run_decode
+    from trainer.model.decode_weights import DequantizedLinear, drop_resident_weights
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
@@ -211,8 +212,9 @@ def test_on_cuda_under_autocast_the_dense_copy_s_lora_a_rows_decode_as_a_matmul_
     products from their own matmul (`assert_same_greedy`; one compilation, for the `check` part's time)."""
     from conftest import dense_copies_made
 
-    import trainer.model.decode as decode_module
-    from trainer.model.decode import Sampling, decode as run_decode, drop_resident_weights
+    import trainer.model.decode_weights as decode_module
+    from trainer.model.decode import Sampling, decode as run_decode
+    from trainer.model.decode_weights import drop_resident_weights
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
@@ -250,7 +252,8 @@ def test_the_compiled_step_compiles_its_layers_as_one_region_on_cuda_as_the_whol
 
     from torch._dynamo.utils import compilation_time_metrics as timers
 
-    from trainer.model.decode import _COMPILED, Sampling, compile_anew, decode as run_decode, drop_resident_weights
+    from trainer.model.decode import _COMPILED, Sampling, compile_anew, decode as run_decode
+    from trainer.model.decode_weights import drop_resident_weights
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
@@ -298,7 +301,7 @@ def test_under_bf16_autocast_on_cuda_the_lora_copies_decode_the_tokens_autocast_
     casts give, their log-probs to bf16 rounding."""
     from contextlib import nullcontext
 
-    from trainer.model import decode as module
+    from trainer.model import decode as module, decode_weights
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
@@ -310,11 +313,11 @@ def test_under_bf16_autocast_on_cuda_the_lora_copies_decode_the_tokens_autocast_
             return module.decode(model, ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
 
     got = run()
-    assert (module._LORA_COPIES.get(model) is not None) == (decode == "compiled")
+    assert (decode_weights._LORA_COPIES.get(model) is not None) == (decode == "compiled")
     with monkeypatch.context() as patch:
         patch.setattr(module, "lora_compute_copies", lambda *args, **kwargs: nullcontext())
         want = run()
-    module.drop_resident_weights(model.causal_lm)
+    decode_weights.drop_resident_weights(model.causal_lm)
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=2e-2)
 
@@ -532,7 +535,7 @@ def test_on_cuda_a_per_rollout_copy_that_lies_elsewhere_is_decoded_from_where_it
         with torch.no_grad():
             for copy in made:  # the old copies' memory no longer holds the weights
                 copy.weight.fill_(float("nan"))
-        with caplog.at_level(logging.INFO, logger="trainer.model.decode"):
+        with caplog.at_level(logging.INFO, logger="trainer.model.decode_weights"):
             moved = run_decode(model, ids, torch.ones_like(ids), sampling, 2, 0)
     made.clear()
     assert "lie elsewhere than in the last rollout" in caplog.text

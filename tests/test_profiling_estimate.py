@@ -367,7 +367,7 @@ def test_a_dense_copy_of_the_4bit_weights_weighs_on_the_generate_phase_or_on_eve
 
 def test_the_policy_s_lora_copy_in_the_autocast_dtype_weighs_on_every_phase_compiled_else_on_generate():
     """Under mixed precision a decode multiplies a bf16 copy of the policy's LoRA weights
-    (trainer.model.decode.lora_compute_copies): kept between rollouts by the compiled step, held through
+    (trainer.model.decode_weights.lora_compute_copies): kept between rollouts by the compiled step, held through
     generate by the eager one; none without autocast."""
     from profiling.predict import decode_lora_bytes
     from profiling.shapes import lora_tensor_sizes
@@ -543,7 +543,7 @@ def test_every_phase_holds_the_peak_phase_s_device_memory():
 
 @pytest.mark.parametrize("decode, weights", [("compiled", "dequantized"), ("eager", "resident")])
 def test_a_dense_copy_holds_the_policy_s_lora_a_and_adds_to_the_lora_copies_decoding_holds(decode, weights):
-    """Under mixed precision a dense copy has rows for the policy's LoRA-A (trainer.model.decode.DequantizedLinear)
+    """Under mixed precision a dense copy has rows for the policy's LoRA-A (trainer.model.decode_weights.DequantizedLinear)
     and a decode copies lora_B alone; in generate the copy adds to those copies, whichever phase holds which
     (the compiled step keeps its copies in every phase, a resident copy is in every phase)."""
     from profiling.predict import decode_lora_bytes, generation_weight_bytes

@@ -31,7 +31,8 @@ from profiling.decode import bytes_per_decode_step, copy_bandwidth, sync
 from trainer.config import ModelArguments
 from trainer.engine.launch import resolve_mixed_precision
 from trainer.engine.phases import phase
-from trainer.model.decode import DECODE_PATHS, Sampling, compile_anew, decode, drop_resident_weights
+from trainer.model.decode import DECODE_PATHS, Sampling, compile_anew, decode
+from trainer.model.decode_weights import drop_resident_weights
 
 PROFILE_TOKENS = 8  # tokens of the profiled decode: a prefill and a few steps show where a step's time goes
 FIRST_CALL_PHASE_S = 0.5  # compile phases of a first call worth listing

@@ -12,16 +12,8 @@ compiled once for all of them). The compiled step and its cache are kept per mod
 rollouts replay what the first captured: the LoRA weights are updated in place by the optimizer, and the
 graphs read them where they are.
 
-Weights (`--generation_weights`): a 4-bit base is frozen, so its linear weights can be dequantized once
-(bitsandbytes' `dequantize_4bit`, the very values its training forward multiplies by) and each step reads
-one dense matrix per layer instead of dequantizing it again: `dequantized` builds that copy for each
-rollout and frees it after, `resident` keeps it, `quantized` decodes from the 4-bit weights (bitsandbytes'
-own 4-bit matmul, which picks its fused kernels for a few rows). Under the run's mixed precision the LoRA
-products likewise multiply copies of the adapter's weights in the autocast dtype, made once per decode
-(`lora_compute_copies`), not cast again at every step, and a dense copy holds the adapter's LoRA-A weights
-as extra rows: one matmul per layer and token gives the base output and the LoRA-A products. Sibling layers that
-always multiply the same input (`SHARED_INPUT`: q/k/v, gate/up) are copied into one matrix, which the compiled
-step multiplies once for all of them (`SharedProducts`): four matmuls per decoder layer where there were seven.
+What a step multiplies - dense copies of a 4-bit base, the LoRA weights in the compute dtype - is
+`trainer.model.decode_weights`'s.
 """
 
 from __future__ import annotations
@@ -29,32 +21,28 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from types import FunctionType, MethodType
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from transformers.cache_utils import StaticLayer
 
 from foundation.cli import UsageError
-from foundation.settings import DECODE_CHOICES, DECODE_PATHS, GENERATION_WEIGHTS  # noqa: F401  (declared once)
+from foundation.settings import DECODE_CHOICES, DECODE_PATHS  # noqa: F401  (declared once)
 from foundation.stages import POLICY
 from profiling import resolve
 from profiling.decode import sync
-from profiling.tensors import HELD_DECODE_LORA, HELD_GENERATION_WEIGHTS, HELD_KV_CACHE, HELD_SWAPPED_OUT
+from profiling.tensors import HELD_KV_CACHE
 from trainer.model.attention import decode_attention, decoding_through_it
+from trainer.model.decode_weights import SharedProducts, generation_weights, lora_compute_copies
 
 logger = logging.getLogger(__name__)
 
 CHECK_EVERY = 8  # decode steps between two reads of "has every row ended?" on the host
 CACHE_ROUND = 128  # a compiled path's KV cache length is rounded up to this: one graph serves many prompts
 UNROLL_BELOW = 8  # inductor's own unroll_reductions_threshold: sums shorter than this become pointwise code
-# Sibling layers that multiply the same input, by the names transformers gives them (Llama, Mistral, Qwen2/3, Gemma)
-SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass(frozen=True)
@@ -286,45 +274,6 @@ def _own_copy(function: FunctionType) -> FunctionType:
                         function.__defaults__, function.__closure__)
 
 
-class SharedProducts(CustomGraphPass):
-    """An inductor graph pass: matmuls (mm, addmm) of the same input by the same matrix - through views and
-    casts - computed once, their other uses reading that one. The compiled step's dense copies of sibling layers
-    (`SHARED_INPUT`) each multiply their group's whole matrix and keep their own columns: one GEMM per group and
-    token on a GPU, where a GEMM per layer would launch (fewer, larger matmuls read the same bytes)."""
-
-    KEYED = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
-             "aten.t.default", "aten._to_copy.default", "prims.convert_element_type.default")
-    MATMULS = ("aten.mm.default", "aten.addmm.default")
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        keys: dict[torch.fx.Node, tuple] = {}
-        first: dict[tuple, torch.fx.Node] = {}
-
-        def key(value):
-            if isinstance(value, torch.fx.Node):
-                return keys.get(value, value)
-            if isinstance(value, (list, tuple)):
-                return tuple(key(v) for v in value)
-            if isinstance(value, dict):
-                return tuple(sorted((k, key(v)) for k, v in value.items()))
-            return value
-
-        for node in list(graph.nodes):
-            name = str(node.target) if node.op == "call_function" else ""
-            if name not in self.KEYED + self.MATMULS:
-                continue
-            keys[node] = (str(node.target), key(node.args), key(node.kwargs))
-            if name in self.MATMULS:
-                if keys[node] in first:
-                    node.replace_all_uses_with(first[keys[node]])
-                    graph.erase_node(node)
-                else:
-                    first[keys[node]] = node
-
-    def uuid(self) -> bytes:  # in inductor's cache key of the graphs compiled with it
-        return get_hash_for_files((__file__,))
-
-
 def compile_errors() -> tuple[type, ...]:
     """What torch.compile raises when it cannot compile (dynamo's errors; inductor's where torch has one)."""
     import torch._dynamo.exc
@@ -350,305 +299,6 @@ def _step(causal_lm, tokens, positions, cache_position, mask, cache, sampling: S
     logits = causal_lm(input_ids=tokens, attention_mask=mask, position_ids=positions, past_key_values=cache,
                        cache_position=cache_position, use_cache=True).logits[:, -1]
     return pick_tokens(logits, sampling, eos_id, bar_eos)
-
-
-class DequantizedLinear(nn.Module):
-    """A bitsandbytes 4-bit linear layer as one dense matrix in its compute dtype: `dequantize_4bit` of its
-    weight, multiplied as its own forward multiplies a batch of tokens (input cast to the compute dtype,
-    output back to the input's), so the same values come out.
-
-    `lora_rank` > 0 leaves that many rows under the matrix for the LoRA-A weights of the adapter a decode
-    multiplies (`lora_compute_copies` fills them): while `rows_for` names that adapter one matmul gives the
-    base output and the LoRA-A products side by side, the last `lora_rank` columns, where a separate small
-    matmul would launch for each (a split-K GEMM and its reduction on a GPU, per layer and token).
-
-    `shared`: (matrix, bias or None, first row) of a sibling group's one matrix (`SHARED_INPUT`), which this
-    copy's rows are a slice of. Compiled, the copy multiplies the whole of it and keeps its own columns, which
-    `SharedProducts` turns into one matmul for the group; eager, it multiplies its own rows."""
-
-    def __init__(self, layer: nn.Module, lora_rank: int = 0, shared: Optional[tuple] = None):
-        import bitsandbytes.functional as bnbf
-
-        super().__init__()
-        state = layer.weight.quant_state
-        dtype = layer.compute_dtype or state.dtype
-        (self.out_features, in_features), self.lora_rank, self.rows_for = state.shape, lora_rank, None
-        self.dtype = dtype  # read in the forward as a constant, not from a tensor
-        rows = self.out_features + lora_rank
-        group, group_bias, self.first = shared or (None, None, 0)
-        weight = (torch.empty(rows, in_features, dtype=dtype, device=layer.weight.device) if group is None
-                  else group[self.first : self.first + rows])
-        weight[self.out_features :].zero_()
-        weight[: self.out_features] = bnbf.dequantize_4bit(layer.weight.data, state)  # its CPU ops have no out=
-        # buffers, so that a compiled step reads them as inputs rather than baking them in
-        self.register_buffer("weight", weight, persistent=False)
-        self.register_buffer("group", group, persistent=False)
-        bias = None if layer.bias is None else layer.bias.detach().to(dtype)
-        rows_bias = None
-        if group_bias is not None:
-            rows_bias = group_bias[self.first : self.first + rows]
-            rows_bias[self.out_features :].zero_()
-            rows_bias[: self.out_features] = bias
-        elif bias is not None and lora_rank:
-            rows_bias = torch.cat([bias, bias.new_zeros(lora_rank)])
-        self.register_buffer("bias", bias, persistent=False)
-        self.register_buffer("group_bias", group_bias, persistent=False)
-        self.register_buffer("rows_bias", rows_bias, persistent=False)
-
-    @property
-    def dense(self) -> torch.Tensor:
-        """The dequantized matrix (without the LoRA rows)."""
-        return self.weight[: self.out_features]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # with `rows_for` set, (..., out_features + lora_rank): `_copies_forward` splits them
-        rows = self.out_features + (self.lora_rank if self.rows_for is not None else 0)
-        if self.group is not None and torch.compiler.is_compiling():
-            out = F.linear(x.to(self.dtype), self.group, self.group_bias)[..., self.first : self.first + rows]
-        elif self.rows_for is not None:
-            out = F.linear(x.to(self.dtype), self.weight, self.rows_bias)
-        else:
-            out = F.linear(x.to(self.dtype), self.dense, self.bias)
-        return out.to(x.dtype)
-
-
-def _dense_copies(causal_lm: nn.Module, layers: list[tuple[nn.Module, str, nn.Module]], adapter: str) -> list:
-    """(parent, attribute, layer, its dense copy) for every 4-bit layer, each copy with rows for `adapter`'s
-    LoRA-A where it takes them (`_rows_for`), the members of each sibling group (`SHARED_INPUT`: the same input
-    dimension, compute dtype, device and bias or none) slices of one matrix."""
-    ranks = {layer: _rows_for(parent, layer, adapter) for parent, _, layer in layers}
-    shared: dict[nn.Module, tuple] = {}
-    for group in _sibling_groups(causal_lm, ranks):
-        state, first = group[0].weight.quant_state, group[0]
-        rows = [m.weight.quant_state.shape[0] + ranks[m] for m in group]
-        kwargs = dict(dtype=first.compute_dtype or state.dtype, device=first.weight.device)
-        matrix = torch.empty(sum(rows), state.shape[1], **kwargs)
-        bias = None if first.bias is None else torch.empty(sum(rows), **kwargs)
-        for member, start in zip(group, [sum(rows[:i]) for i in range(len(rows))]):
-            shared[member] = (matrix, bias, start)
-    return [(parent, name, layer, DequantizedLinear(layer, ranks[layer], shared.get(layer)))
-            for parent, name, layer in layers]
-
-
-def _sibling_groups(causal_lm: nn.Module, four_bit: dict) -> list[list[nn.Module]]:
-    """The 4-bit layers (keys of `four_bit`) that sit together under one module by the names of `SHARED_INPUT`,
-    directly or as the base layers of LoRA layers, with the same input dimension, compute dtype, device and
-    bias or none: each group's layers, in its names' order."""
-    groups = []
-    for module in causal_lm.modules():
-        for names in SHARED_INPUT:
-            children = [getattr(module, name, None) for name in names]
-            members = [child if child in four_bit else getattr(child, "base_layer", None) for child in children]
-            if not all(m in four_bit for m in members):
-                continue
-            if len({(m.weight.quant_state.shape[1], m.compute_dtype or m.weight.quant_state.dtype, m.weight.device,
-                     m.bias is None) for m in members}) == 1:
-                groups.append(members)
-    return groups
-
-
-def _four_bit_layers(causal_lm: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """(parent, attribute, layer) of every bitsandbytes 4-bit linear layer of the model."""
-    try:
-        from bitsandbytes.nn import Linear4bit
-    except ImportError:
-        return []
-    return [(parent, name, child) for parent in causal_lm.modules() for name, child in parent.named_children()
-            if isinstance(child, Linear4bit)]
-
-
-_RESIDENT: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
-_SWAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models decoding from a copy now
-_said: set[str] = set()
-
-
-@contextmanager
-def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY) -> Iterator[None]:
-    """The body decodes from dense copies of the 4-bit layers, swapped in place of each layer and swapped back
-    after, also on errors (`dequantized`: made here and freed after, their blocks left in the allocator's cache
-    for the next rollout's copy, so a compiled step's CUDA graphs read the addresses they were recorded with;
-    `resident`: made once, kept, and served to either choice after). `quantized` (or "auto" left unplanned)
-    changes nothing. Nested in an outer one (a rollout's generate phase holding one copy for all its chunks),
-    it changes nothing either. A model with no 4-bit layer has nothing to copy: said once. Under autocast in
-    the layers' compute dtype each copy has rows for `adapter`'s LoRA-A weights (`DequantizedLinear`, filled
-    by `lora_compute_copies`)."""
-    if causal_lm in _SWAPPED or choice in ("quantized", "auto"):
-        yield
-        return
-    swaps = _RESIDENT.get(causal_lm)
-    if swaps is None:  # the layers are looked for only when copies are made, not at every rollout
-        layers = _four_bit_layers(causal_lm)
-        if not layers:
-            if choice not in _said:
-                _said.add(choice)
-                logger.info("generation_weights %s: the model has no 4-bit layer to dequantize; decoding as it is",
-                            choice)
-            yield
-            return
-        swaps = _dense_copies(causal_lm, layers, adapter)
-        if choice == "resident":
-            _RESIDENT[causal_lm] = swaps
-        else:
-            _say_if_moved(causal_lm, [copy.weight for *_, copy in swaps])
-    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [copy.weight for *_, copy in swaps])
-    setattr(causal_lm, HELD_SWAPPED_OUT, [layer for _, _, layer, _ in swaps])  # a memory record still counts them
-    for parent, name, _, copy in swaps:
-        setattr(parent, name, copy)
-    _SWAPPED.add(causal_lm)
-    try:
-        yield
-    finally:
-        _SWAPPED.discard(causal_lm)
-        for parent, name, layer, _ in swaps:
-            setattr(parent, name, layer)
-        setattr(causal_lm, HELD_SWAPPED_OUT, [])
-        kept = _RESIDENT.get(causal_lm)  # a per-rollout copy goes now; a kept one stays counted
-        held = [copy.weight for *_, copy in kept] if kept else []
-        setattr(causal_lm, HELD_GENERATION_WEIGHTS, held)
-
-
-_PLACES: "weakref.WeakKeyDictionary[nn.Module, tuple[int, ...]]" = weakref.WeakKeyDictionary()
-
-
-def _say_if_moved(causal_lm: nn.Module, copies: list[torch.Tensor]) -> None:
-    """On CUDA, say when a per-rollout copy lies elsewhere than the model's last one: a compiled decode step's
-    CUDA graphs read the weights where they were recorded, so torch records them anew for the moved copy (its
-    cost falls in this rollout's generate time)."""
-    places, last = tuple(t.data_ptr() for t in copies), _PLACES.get(causal_lm)
-    _PLACES[causal_lm] = places
-    if last is not None and places != last and copies[0].device.type == "cuda" and causal_lm in _COMPILED:
-        logger.info("generation_weights dequantized: %d of %d dense copies lie elsewhere than in the last rollout; "
-                    "the compiled decode step records its CUDA graphs anew",
-                    sum(a != b for a, b in zip(places, last)), len(places))
-
-
-def _rows_for(parent: nn.Module, layer: nn.Module, adapter: str) -> int:
-    """The LoRA-A rows a dense copy of `layer` makes room for: `adapter`'s rank where `parent` is its LoRA layer
-    and its products are made in the copy's dtype (autocast, the weights' fp32 being cast to it), else none."""
-    if getattr(parent, "base_layer", None) is not layer or adapter not in getattr(parent, "lora_A", {}):
-        return 0
-    lora_a = parent.lora_A[adapter]
-    if not _dense(lora_a.weight):
-        return 0
-    device = lora_a.weight.device.type
-    dtype = layer.compute_dtype or layer.weight.quant_state.dtype
-    on = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == dtype != lora_a.weight.dtype
-    return lora_a.weight.shape[0] if on else 0
-
-
-def drop_resident_weights(causal_lm: nn.Module) -> None:
-    """Free a model's resident dense copies (the next `resident` decode makes them again)."""
-    _RESIDENT.pop(causal_lm, None)
-    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
-
-
-_LORA_COPIES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
-COPIES_IN_USE = "decode_lora_copies"  # a LoRA layer's __dict__ entry while a decode multiplies copies: (A or None, B)
-
-
-def _dense(weight: torch.Tensor) -> bool:
-    """A whole weight on this process: not a ZeRO-3 partition or a DTensor shard."""
-    return type(weight.data) is torch.Tensor and weight.numel() > 0 and not hasattr(weight, "ds_id")
-
-
-@contextmanager
-def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> Iterator[None]:
-    """The body's LoRA products of `adapter` multiply copies of its weights in the autocast dtype the rollout
-    computes in (bf16 under mixed precision), cast once per decode where autocast would cast the fp32 weights
-    at every step (two small kernels per LoRA layer and step); the LoRA-A copy holds the weights times the
-    adapter's scaling, so no step scales the products (a kernel per LoRA layer and step; the same values where
-    the scaling is a power of two, alpha/r's usual case, else to the copy's rounding). `keep` (a compiled
-    step, whose CUDA graphs read fixed addresses): made once per model, adapter and dtype and refreshed in
-    place; else made here and freed after. A dense copy of the base layer with room for it holds the A copy in its rows
-    (`DequantizedLinear`), none of its own. Meanwhile those LoRA layers run `_copies_forward` in place of the
-    routed one. Without autocast, with weights in its dtype already, or where peft's own layers add the LoRA
-    outputs (a model that cannot route: `trainer.model.routing`), nothing changes."""
-    if not torch.is_autocast_enabled(device_type) or not getattr(model, "routable", False):
-        yield
-        return
-    dtype = torch.get_autocast_dtype(device_type)
-    layers = [layer for layer in model.lora_layers if adapter in getattr(layer, "lora_A", {})
-              and layer.lora_A[adapter].weight.dtype != dtype and _dense(layer.lora_A[adapter].weight)]
-    if not layers:
-        yield
-        return
-    rows = [_rows_of(layer.base_layer, layer.lora_A[adapter].weight.shape[0], dtype) for layer in layers]
-    held = _LORA_COPIES.setdefault(model, {}) if keep else {}
-    copies = held.setdefault((adapter, dtype), [[None, None] for _ in layers])
-
-    def refreshed(copy, source: torch.Tensor) -> torch.Tensor:
-        if copy is None:
-            copy = source.to(dtype)
-            if keep:  # static inputs of the compiled step, as parameters are: its CUDA graphs read them in place
-                torch._dynamo.mark_static_address(copy)
-        else:
-            copy.copy_(source)
-        return copy
-
-    with torch.no_grad():
-        for layer, pair, room in zip(layers, copies, rows):
-            scaled_a = layer.lora_A[adapter].weight * layer.scaling[adapter]
-            if room is not None:  # the dense copy holds A: no copy of its own
-                room.copy_(scaled_a)
-            else:
-                pair[0] = refreshed(pair[0], scaled_a)
-            pair[1] = refreshed(pair[1], layer.lora_B[adapter].weight)
-    routed = [layer.__dict__.get("forward") for layer in layers]
-    for layer, pair, room in zip(layers, copies, rows):
-        layer.__dict__[COPIES_IN_USE] = (None if room is not None else pair[0], pair[1])
-        layer.forward = MethodType(_copies_forward, layer)
-        if room is not None:
-            layer.base_layer.rows_for = adapter
-    _list_copies(model, () if keep else copies)
-    try:
-        yield
-    finally:
-        for layer, forward, room in zip(layers, routed, rows):
-            del layer.__dict__[COPIES_IN_USE]
-            layer.forward = forward
-            if room is not None:
-                layer.base_layer.rows_for = None
-        if not keep:
-            _list_copies(model)
-
-
-def _copies_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """A LoRA layer's forward while a decode multiplies its adapter's copies (`lora_compute_copies`): the base
-    layer's output plus the adapter's LoRA output, none of the routed forward's checks, which the decode settled
-    for all layers (one adapter active, eval mode: no dropout): what a compiled step traces per LoRA layer. The
-    LoRA-A products come from the dense copy's rows, beside its output (`DequantizedLinear`), or from A's copy."""
-    base = layer.base_layer
-    a, b = layer.__dict__[COPIES_IN_USE]
-    out = base(x, *args, **kwargs)
-    if a is None:
-        out, products = out.split([base.out_features, base.lora_rank], dim=-1)
-    else:
-        products = F.linear(x.to(a.dtype), a)
-    return out + _times_lora_b(products, b).to(out.dtype)
-
-
-def _times_lora_b(products: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """LoRA-A `products` (..., r) times the LoRA-B copy `b` (out, r). Being compiled (the compiled step), written as
-    the rank-wide sum it is, which inductor unrolls into the kernel that reads the result (`_Compiled` lets it
-    unroll sums as long as a rank): no matmul of its own, where a GPU would launch a small GEMM per LoRA layer
-    and token. The same bytes read; fp32 sums rounded once. Eager, a matmul."""
-    if torch.compiler.is_compiling():
-        return (products.unsqueeze(-2) * b).sum(-1)
-    return F.linear(products, b)
-
-
-def _rows_of(base: nn.Module, rank: int, dtype: torch.dtype):
-    """The rows of a decode's dense copy `base` that can hold a rank-`rank` LoRA-A in `dtype`, or None."""
-    if isinstance(base, DequantizedLinear) and base.lora_rank == rank and base.weight.dtype == dtype:
-        return base.weight[base.out_features :]
-    return None
-
-
-def _list_copies(model, passing: Sequence[tuple] = ()) -> None:
-    """Name the LoRA copies alive - the kept ones, and `passing` while a decode holds them - where the memory
-    recorder counts them (as generation_weights)."""
-    kept = [pair for pairs in _LORA_COPIES.get(model, {}).values() for pair in pairs]
-    setattr(model.causal_lm, HELD_DECODE_LORA, [t for pair in (*kept, *passing) for t in pair if t is not None])
 
 
 @torch.no_grad()

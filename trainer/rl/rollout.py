@@ -20,7 +20,8 @@ import torch
 from foundation.stages import POLICY
 from profiling.decode import sync
 from trainer.engine.phases import phase
-from trainer.model.decode import Sampling, decode, generation_weights
+from trainer.model.decode import Sampling, decode
+from trainer.model.decode_weights import generation_weights
 from trainer.rl.rewards import Scorer
 from trainer.rl.scoring import rollout_scores
 
