@@ -67,6 +67,32 @@ def test_every_row_ended_stops_the_loop_at_the_next_check_and_pads_after_eos(tin
     assert full.tokens.shape[1] == CHECK_EVERY and bool(full.ended.all())
 
 
+
+def test_before_min_new_tokens_the_loop_reads_nothing_from_the_device(tiny):
+    """No row can end before min_new_tokens (EOS is barred): the loop does not ask whether every row has ended
+    until then, so a compiled decode whose rows all run to max_new_tokens syncs the host with the device
+    only for the prefill and the end, one read fewer per `CHECK_EVERY` steps than with no minimum."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+            return func(*args, **(kwargs or {}))
+
+    ids, mask = batch(b=3, t=8)
+    new = 3 * CHECK_EVERY
+
+    def reads(min_new: int) -> int:
+        sampling = Sampling(max_new_tokens=new, min_new_tokens=min_new, temperature=1.0, decode="compiled")
+        decode(tiny, ids, mask, sampling, 1, 0)  # compiled before counting
+        with HostReads() as counted:
+            decode(tiny, ids, mask, sampling, 1, 0)
+        return counted.count
+
+    assert reads(0) - reads(new) == (new - 1) // CHECK_EVERY == 2
+
 @pytest.mark.parametrize("path", ["eager", "compiled"])
 def test_min_new_tokens_bars_eos_until_then_as_generate_does(tiny, path):
     """EOS barred for the first min_new_tokens, as transformers' generate bars it; a compiled decode compiles

@@ -3,7 +3,8 @@
 Each step's logits give the sampled token and, from the same logits, its log-prob and entropy at the sampling
 temperature: the full softmax of the upcast logits divided by the temperature, before min-length, top-k and
 top-p masks, which is what a scoring pass of the policy gives (`trainer.rl.scoring`). Rows that reached EOS
-emit pad; whether every row has ended is read on the host once every `CHECK_EVERY` steps, never per token.
+emit pad; whether every row has ended is read on the host once every `CHECK_EVERY` steps, never per token, and
+not before `min_new_tokens` (no row can end sooner).
 
 Paths (`--decode`): `eager` grows a KV cache by one position a step and runs each step eagerly; `compiled`
 allocates the KV cache once at its full length and compiles the step (torch.compile; on CUDA in
@@ -368,7 +369,7 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
         tokens = tokens.masked_fill(out.ended, pad_id)
         out.tokens[:, t], out.logprobs[:, t], out.entropy[:, t] = tokens, logprobs, entropy
         out.ended |= tokens == eos_id
-        if t + 1 == new or ((t + 1) % CHECK_EVERY == 0 and bool(out.ended.all())):
+        if t + 1 == new or ((t + 1) % CHECK_EVERY == 0 and t + 1 > sampling.min_new_tokens and bool(out.ended.all())):
             steps = t + 1
             break
         step_mask = mask if sampling.decode == "compiled" else mask[:, :prompt_length + t + 1]
