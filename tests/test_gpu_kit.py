@@ -573,13 +573,15 @@ def test_the_plan_table_in_the_kit_readme_is_the_generated_one_and_the_first_cal
 def test_the_grpo_vs_trl_part_runs_trl_s_recipe_on_both_sides_then_the_seed_ppo_under_12_gb(tmp_path):
     """The part after speed: TRL's QLoRA GRPO recipe on ours (as the stage plans it, and decoding from the
     4-bit weights) and on TRL's GRPOTrainer under the 24 GB cap, then the seed PPO recipe's two steps under a
-    12 GB cap (its budget check at 12 too); collect tabulates it, each of ours over TRL's."""
+    12 GB cap (its budget check at 12 too) and its memory against the estimate; collect tabulates it, each of ours
+    over TRL's."""
     from benchmarks.gpu.collect import grpo_trl_rows
     from benchmarks.gpu.parts import BUDGET_S, PARTS, PartArguments, steps_for
 
     assert PARTS.index("grpo_vs_trl") == PARTS.index("speed") + 1 and BUDGET_S["grpo_vs_trl"] <= 480
     steps = steps_for(PartArguments(part="grpo_vs_trl", out=str(tmp_path)), tmp_path)
-    assert [s.name for s in steps] == ["grpo_vs_trl", "sft+reward", "ppo-12gb"]
+    assert [s.name for s in steps] == ["grpo_vs_trl", "sft+reward", "ppo-12gb", "vs-estimate-12gb"]
+    assert steps[3].argv[1:] == ["-m", "benchmarks.gpu.vs_estimate", str(tmp_path / "ppo")]
     bench = steps[0].argv
     assert bench[1:3] == ["-m", "benchmarks.grpo_vs_trl"]
     assert bench[bench.index("--model_name_or_path") + 1] == "qwen2.5-7b" and "--simulate_gpu_gib" in bench

@@ -245,7 +245,8 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                                           "--kernel_profile", str(out / "decode_grpo" / "kernels")]))
         return steps
     if args.part == "grpo_vs_trl":  # TRL's QLoRA GRPO recipe on ours and on TRL's GRPOTrainer, same cap; then
-        # the seed PPO recipe under a 12 GB cap: does the smallest card the estimator allows hold it?
+        # the seed PPO recipe under a 12 GB cap: does the smallest card the estimator allows hold it, and is
+        # each phase's device memory the estimate's?
         work = (["--model_name_or_path", "tiny-llama", "--quantization", "nf4", "--dtype", "float32",
                  "--mixed_precision", "no", "--optimizer", "adamw_8bit", "--lora_r", "4", "--lora_alpha", "8",
                  "--max_new_tokens", "4", "--num_generations", "2", "--rollout_batch_size", "2",
@@ -266,7 +267,8 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                                     "reward", *reward[2:]]),
                 Step("ppo-12gb", stage_run(args, "ppo", out, *ppo, "--max_steps", "2",
                                            *([] if args.smoke else ["--simulate_gpu_gib", "12"]),
-                                           "--memory_budget_gib", "12"))]
+                                           "--memory_budget_gib", "12")),
+                Step("vs-estimate-12gb", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "ppo")])]
     if args.part == "grpo_recipe":  # TRL's published QLoRA GRPO recipe, under the 24 GB cap, against the estimator;
         # then under an 8 GB cap and budget, the planner choosing micro-batches and offloads: does an 8 GB card
         # hold it? (an over-budget plan stops the run at its start, naming what to change)

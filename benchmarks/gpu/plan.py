@@ -124,7 +124,7 @@ def predicted(part: str) -> dict[str, float]:
         grpo = 2 * step_seconds(Work(rows=8, prompt=256, new=256, epochs=1, scoring_adapters=0), load_shape("qwen2.5-7b"))
         return {"grpo_vs_trl": 3 * (process + grpo) + 2 * COMPILE_S,  # ours twice, each compiling its decode step
                 "sft+reward": START_S + 2 * BUILD_S + step_seconds(sft_step, shape) + step_seconds(reward_step, shape),
-                "ppo-12gb": rl + 2 * step_seconds(seed_ppo, shape)}
+                "ppo-12gb": rl + 2 * step_seconds(seed_ppo, shape), "vs-estimate-12gb": START_S}
     if part == "grpo_recipe":  # TRL's recipe on Qwen2.5-7B shapes: 8 completions of 256 tokens, r=32
         from profiling.shapes import load_shape
 
