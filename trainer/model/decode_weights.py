@@ -148,8 +148,9 @@ _said: set[str] = set()
 def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY) -> Iterator[None]:
     """The body decodes from dense copies of the 4-bit layers, swapped in place of each layer and swapped back
     after, also on errors (`dequantized`: made here and freed after, their blocks left in the allocator's cache
-    for the next rollout's copy, so a compiled step's CUDA graphs read the addresses they were recorded with;
-    `resident`: made once, kept, and served to either choice after). `quantized` (or "auto" left unplanned)
+    for the next rollout's copy, which lands where this one lay unless other tensors took them - then a compiled
+    step's CUDA graphs are recorded anew, said in the log (`_say_if_moved`); `resident`: made once, kept, and
+    served to either choice after). `quantized` (or "auto" left unplanned)
     changes nothing. Nested in an outer one (a rollout's generate phase holding one copy for all its chunks),
     it changes nothing either. A model with no 4-bit layer has nothing to copy: said once. Under autocast in
     the layers' compute dtype each copy has rows for `adapter`'s LoRA-A weights (`DequantizedLinear`, filled
