@@ -150,6 +150,9 @@ def grpo_recipe_run(args: PartArguments, out: Path, name: str = "grpo", *extra: 
 
 # The GPU tests the first call keeps: the correctness of the CUDA path, which its later steps only run.
 FIRST_GPU_TESTS = "nf4 or paged or moves_only or recorder or simulated"
+# The GPU tests, each named in the log with its time as it ends: a run the budget cuts still shows which ran
+GPU_TESTS = [python(), "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-v", "-o", "console_output_style=times",
+             "tests/test_gpu.py"]
 
 
 def ppo_work(args: PartArguments) -> list[str]:
@@ -189,8 +192,7 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
     if args.part == "first":
         # Decode at batch 16 is the PPO run's own rollout (16 rows, 128 new tokens each, min == max), read from
         # its metrics with its fraction of the bandwidth bound: no model is built for it alone.
-        return [Step("gpu-tests", [python(), "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q",
-                                   "tests/test_gpu.py", "-k", FIRST_GPU_TESTS, f"--junitxml={out / 'gpu-tests.xml'}"]),
+        return [Step("gpu-tests", [*GPU_TESTS, "-k", FIRST_GPU_TESTS, f"--junitxml={out / 'gpu-tests.xml'}"]),
                 *seed_ppo_steps(args, out, ppo_steps=2),
                 Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "ppo")]),
                 Step("ppo_vs_trl", [python(), "-m", "benchmarks.ppo_vs_trl", *model_flags(args), *data_flags(args),
@@ -199,8 +201,7 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                                     "--out_dir", str(out / "ppo_vs_trl")])]
     if args.part == "check":
         return [Step("nvidia-smi", ["nvidia-smi"]),
-                Step("gpu-tests", [python(), "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "-q",
-                                   "tests/test_gpu.py", f"--junitxml={out / 'gpu-tests.xml'}"])]
+                Step("gpu-tests", [*GPU_TESTS, f"--junitxml={out / 'gpu-tests.xml'}"])]
     if args.part == "memory":
         # GRPO (trainer/configs/llama2_7b/grpo.yaml: 4 prompts x 4 responses, no value adapter) after PPO,
         # so that a part cut short by its budget still has the PPO figures.
