@@ -102,16 +102,16 @@ def dispatch_counter(counted):
 def dense_copies_made(monkeypatch) -> list:
     """Every dense copy of a 4-bit layer (`trainer.model.decode_weights.DequantizedLinear`) made from now on, in
     order."""
-    from trainer.model import decode_weights as decode
+    from trainer.model import decode_weights
 
     made = []
 
-    class Made(decode.DequantizedLinear):
+    class Made(decode_weights.DequantizedLinear):
         def __init__(self, *args):
             super().__init__(*args)
             made.append(self)
 
-    monkeypatch.setattr(decode, "DequantizedLinear", Made)
+    monkeypatch.setattr(decode_weights, "DequantizedLinear", Made)
     return made
 
 

@@ -72,21 +72,15 @@ def test_before_min_new_tokens_the_loop_reads_nothing_from_the_device(tiny):
     """No row can end before min_new_tokens (EOS is barred): the loop does not ask whether every row has ended
     until then, one read of the device fewer per `CHECK_EVERY` steps than with no minimum (counted eager: the
     model's own reads are the same in both; a compiled step under the counting mode would not be compiled)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class HostReads(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
-            return func(*args, **(kwargs or {}))
+    from conftest import dispatch_counter
 
     ids, mask = batch(b=3, t=8)
     new = 3 * CHECK_EVERY
+    host_reads = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
 
     def reads(min_new: int) -> int:
         sampling = Sampling(max_new_tokens=new, min_new_tokens=min_new, temperature=1.0)
-        with HostReads() as counted:
+        with dispatch_counter(lambda func: func in host_reads) as counted:
             decode(tiny, ids, mask, sampling, 1, 0)
         return counted.count
 

@@ -543,9 +543,10 @@ def test_every_phase_holds_the_peak_phase_s_device_memory():
 
 @pytest.mark.parametrize("decode, weights", [("compiled", "dequantized"), ("eager", "resident")])
 def test_a_dense_copy_holds_the_policy_s_lora_a_and_adds_to_the_lora_copies_decoding_holds(decode, weights):
-    """Under mixed precision a dense copy has rows for the policy's LoRA-A (trainer.model.decode_weights.DequantizedLinear)
-    and a decode copies lora_B alone; in generate the copy adds to those copies, whichever phase holds which
-    (the compiled step keeps its copies in every phase, a resident copy is in every phase)."""
+    """Under mixed precision a dense copy has rows for the policy's LoRA-A
+    (trainer.model.decode_weights.DequantizedLinear) and a decode copies lora_B alone; in generate the copy adds
+    to those copies, whichever phase holds which (the compiled step keeps its copies in every phase, a resident
+    copy is in every phase)."""
     from profiling.predict import decode_lora_bytes, generation_weight_bytes
     from profiling.shapes import lora_tensor_sizes
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from itertools import accumulate
 from contextlib import contextmanager
 from types import MethodType
 from typing import Iterator, Optional, Sequence
@@ -53,7 +54,7 @@ class DequantizedLinear(nn.Module):
 
         super().__init__()
         state = layer.weight.quant_state
-        dtype = layer.compute_dtype or state.dtype
+        dtype = _compute_dtype(layer)
         (self.out_features, in_features), self.lora_rank, self.rows_for = state.shape, lora_rank, None
         self.dtype = dtype  # read in the forward as a constant, not from a tensor
         rows = self.out_features + lora_rank
@@ -101,12 +102,12 @@ def _dense_copies(causal_lm: nn.Module, layers: list[tuple[nn.Module, str, nn.Mo
     ranks = {layer: _rows_for(parent, layer, adapter) for parent, _, layer in layers}
     shared: dict[nn.Module, tuple] = {}
     for group in _sibling_groups(causal_lm, ranks):
-        state, first = group[0].weight.quant_state, group[0]
+        lead = group[0]
         rows = [m.weight.quant_state.shape[0] + ranks[m] for m in group]
-        kwargs = dict(dtype=first.compute_dtype or state.dtype, device=first.weight.device)
-        matrix = torch.empty(sum(rows), state.shape[1], **kwargs)
-        bias = None if first.bias is None else torch.empty(sum(rows), **kwargs)
-        for member, start in zip(group, [sum(rows[:i]) for i in range(len(rows))]):
+        kwargs = dict(dtype=_compute_dtype(lead), device=lead.weight.device)
+        matrix = torch.empty(sum(rows), lead.weight.quant_state.shape[1], **kwargs)
+        bias = None if lead.bias is None else torch.empty(sum(rows), **kwargs)
+        for member, start in zip(group, accumulate([0, *rows[:-1]])):
             shared[member] = (matrix, bias, start)
     return [(parent, name, layer, DequantizedLinear(layer, ranks[layer], shared.get(layer)))
             for parent, name, layer in layers]
@@ -123,10 +124,15 @@ def _sibling_groups(causal_lm: nn.Module, four_bit: dict) -> list[list[nn.Module
             members = [child if child in four_bit else getattr(child, "base_layer", None) for child in children]
             if not all(m in four_bit for m in members):
                 continue
-            if len({(m.weight.quant_state.shape[1], m.compute_dtype or m.weight.quant_state.dtype, m.weight.device,
-                     m.bias is None) for m in members}) == 1:
+            if len({(m.weight.quant_state.shape[1], _compute_dtype(m), m.weight.device, m.bias is None)
+                    for m in members}) == 1:
                 groups.append(members)
     return groups
+
+
+def _compute_dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype a bitsandbytes 4-bit layer multiplies in, which its dense copy holds."""
+    return layer.compute_dtype or layer.weight.quant_state.dtype
 
 
 def _four_bit_layers(causal_lm: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -197,10 +203,12 @@ def _say_if_moved(causal_lm: nn.Module, copies: list[torch.Tensor]) -> None:
     """On CUDA, say when a per-rollout copy lies elsewhere than the model's last one: a compiled decode step's
     CUDA graphs read the weights where they were recorded, so torch records them anew for the moved copy (its
     cost falls in this rollout's generate time)."""
+    if copies[0].device.type != "cuda":  # no CUDA graphs to record anew
+        return
     places, last = tuple(t.data_ptr() for t in copies), _PLACES.get(causal_lm)
     _PLACES[causal_lm] = places
     compiled = getattr(causal_lm, HELD_KV_CACHE, None) is not None  # set by the model's compiled decode step
-    if last is not None and places != last and copies[0].device.type == "cuda" and compiled:
+    if last is not None and places != last and compiled:
         logger.info("generation_weights dequantized: %d of %d dense copies lie elsewhere than in the last rollout; "
                     "the compiled decode step records its CUDA graphs anew",
                     sum(a != b for a, b in zip(places, last)), len(places))
@@ -215,7 +223,7 @@ def _rows_for(parent: nn.Module, layer: nn.Module, adapter: str) -> int:
     if not _dense(lora_a.weight):
         return 0
     device = lora_a.weight.device.type
-    dtype = layer.compute_dtype or layer.weight.quant_state.dtype
+    dtype = _compute_dtype(layer)
     on = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == dtype != lora_a.weight.dtype
     return lora_a.weight.shape[0] if on else 0
 
