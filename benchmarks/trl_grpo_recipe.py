@@ -133,22 +133,26 @@ def _settings_line(est: dict) -> str:
 
 def readme(data: dict) -> str:
     targets = ", ".join(f"{k} <= {v} GiB" for k, v in TARGETS_GIB.items())
+    context = (f"{CUDA_CONTEXT_GIB} GiB at the start and {EstimateArguments().cuda_kernels_gib:g} GiB for the kernels "
+               "loaded as first called")
     lines = ["# TRL's QLoRA GRPO recipe and the seed's PPO recipe: the estimator's prediction", "",
-             f"Issue 36. Targets for TRL's recipe, the peak with the {CUDA_CONTEXT_GIB} GiB CUDA context included: "
+             f"Issue 36. Targets for TRL's recipe, the peak with the CUDA context included: "
              f"{targets}. TRL measured " + ", ".join(f"{v} GiB ({k})" for k, v in TRL_MEASURED_GIB.items())
              + " (`torch.cuda.max_memory_reserved()`, the CUDA context not included; its paged 8-bit optimizer "
              "states are CUDA managed memory, which that figure does not count either).", "",
              "Estimates, not measurements: the totals add the estimator's assumed allocator overhead (5% of "
-             f"allocated) and the CUDA context ({CUDA_CONTEXT_GIB} GiB). GiB = 2^30 bytes. Regenerate with "
+             f"allocated) and the CUDA context, in its column as each label's estimate had it (today's: {context}). "
+             "GiB = 2^30 bytes. Regenerate with "
              "`python -m benchmarks.trl_grpo_recipe --label LABEL` (each label keeps its own entry in result.json).",
-             "", "## Peaks", "", "| label | recipe | peak phase | peak GiB | without context | goal | moonshot |",
-             "|---|---|---|---:|---:|---|---|"]
+             "", "## Peaks", "", "| label | recipe | peak phase | peak GiB | CUDA context | without context | goal | "
+             "moonshot |", "|---|---|---|---:|---:|---:|---|---|"]
     for label, entry in data["runs"].items():
         for name, recipe in entry["recipes"].items():
             s = recipe["summary"]
             met = ["yes" if s["targets_met"][k] else "no" for k in TARGETS_GIB] if name.startswith("trl") else ["", ""]
             lines.append(f"| {label} | {name} | {s['peak_phase']} | {s['peak_gib']:.3f} | "
-                         f"{s['peak_without_context_gib']:.3f} | {met[0]} | {met[1]} |")
+                         f"{s['peak_gib'] - s['peak_without_context_gib']:.3f} | {s['peak_without_context_gib']:.3f} | "
+                         f"{met[0]} | {met[1]} |")
     for label, entry in data["runs"].items():
         p = entry["provenance"]
         lines += ["", f"## {label}", "", f"- command: `{p['command']}`", f"- date: {p['date']}",

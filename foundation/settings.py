@@ -233,8 +233,8 @@ class TrainArguments(Checked):
                                 "start-up check of the estimated peak."})
     check_budget: bool = field(default=True, metadata={"help": "Stop at start when the estimated peak exceeds the budget."})
     simulate_gpu_gib: float = field(
-        default=0.0, metadata={"help": "Cap this process's CUDA memory at this many GiB (simulate a 24 GB card on a "
-                               "bigger one with torch.cuda.set_per_process_memory_fraction); 0: no cap."})
+        default=0.0, metadata={"help": "Behave like a card of this many GiB (simulate a 24 GB card on a bigger one): "
+                               "the allocator is capped at it less the CUDA context and kernels; 0: no cap."})
     progress_bar: bool = field(default=True, metadata={"help": "Show a tqdm progress bar."})
 
     PLANNED = ("micro_batch_size",)

@@ -44,7 +44,12 @@ class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArgume
     vocab_size: Optional[int] = None
     tie_word_embeddings: Optional[bool] = None
     device: str = field(default="cuda", metadata={"help": "cuda, or cpu (fp32 dropout masks, step counters on device)."})
-    cuda_context_gib: float = field(default=0.5, metadata={"help": "Assumed memory outside the allocator."})
+    cuda_context_gib: float = field(default=0.5, metadata={
+        "help": "Memory outside the allocator at a run's start (CUDA's context, cuBLAS): a run on CUDA measures it; "
+                "assumed here."})
+    cuda_kernels_gib: float = field(default=0.9, metadata={
+        "help": "Memory outside the allocator that CUDA adds after the start, loading each kernel's code the first "
+                "time the run calls it (lazy module loading): assumed."})
     allocator_overhead: float = field(default=0.05, metadata={"help": "Assumed reserved-minus-allocated, as a "
                                       "fraction of allocated."})
     models: Optional[str] = field(default=None, metadata={
@@ -58,7 +63,8 @@ class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArgume
     # the run's rules; the optimizer may also be DeepSpeed's offloaded one, which only the launch says
     RULES = {**ModelArguments.RULES, **DataArguments.RULES, **TrainArguments.RULES, **PPOArguments.RULES,
              **GRPOArguments.RULES, "optimizer": one_of("auto", *OPTIMIZERS), "stage": one_of(*STAGES),
-             "device": one_of("cuda", "cpu"), "cuda_context_gib": at_least(0), "allocator_overhead": at_least(0),
+             "device": one_of("cuda", "cpu"), "cuda_context_gib": at_least(0), "cuda_kernels_gib": at_least(0),
+             "allocator_overhead": at_least(0),
              "vocab_size": at_least(1), "hidden_size": at_least(1), "intermediate_size": at_least(1),
              "num_layers": at_least(1), "num_heads": at_least(1), "num_kv_heads": at_least(1), "head_dim": at_least(1)}
 
@@ -332,7 +338,8 @@ def estimate(shape: ModelShape, args: EstimateArguments) -> dict:
         comps = _merged(res["components"], dict.fromkeys(term_peaks, 0), held, max(moments, key=C.total))
         allocated = C.total(comps)
         comps[C.ALLOCATOR_OVERHEAD] = int(args.allocator_overhead * allocated)
-        comps[C.CUDA_CONTEXT] = int(args.cuda_context_gib * C.GIB) if args.device == "cuda" else 0
+        comps[C.CUDA_CONTEXT] = int(args.cuda_context_gib * C.GIB + args.cuda_kernels_gib * C.GIB) \
+            if args.device == "cuda" else 0
         comps = {k: comps[k] for k in C.ordered(comps)}
         phase = {"stage": args.stage, "phase": name, "components": comps, "total": C.total(comps),
                  "peak_allocated": allocated, "term_peaks": term_peaks}
@@ -376,7 +383,8 @@ def assumptions(args: EstimateArguments) -> list[str]:
         "each phase is shown at its peak moment: a pass's layers and its LM head never peak together, so a "
         "term that peaks at another moment reads 0 there (its own peak: `term_peaks` in the JSON)",
         f"allocator_overhead is an assumption ({args.allocator_overhead:.0%} of allocated); cuda_context "
-        f"({args.cuda_context_gib:.3g} GiB) is measured at a run's start where NVML reads it, else assumed",
+        f"({args.cuda_context_gib:.3g} GiB) is measured at a run's start where NVML reads it, else assumed, and "
+        f"{args.cuda_kernels_gib:.3g} GiB more is assumed for the kernels CUDA loads as the run first calls them",
         "optimizer_states are the steady state after the first step; gradients are fp32 LoRA/head gradients",
     ]
     if args.stage in ONLINE_RL_STAGES:

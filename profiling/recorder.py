@@ -72,8 +72,9 @@ class MemoryRecorder:
     def __init__(self, stage: str, model=None, optimizer=None, device: Optional[torch.device] = None,
                  budget_bytes: int = C.DEFAULT_BUDGET_BYTES, enabled: bool = True,
                  resident_label: Optional[str] = None, vocab_size: Optional[int] = None,
-                 cpu_timeline: bool = True) -> None:
+                 cpu_timeline: bool = True, context_at_start: Optional[int] = None) -> None:
         self.stage = stage
+        self.context_at_start = context_at_start  # bytes of CUDA context measured at the run's start (its estimate's)
         self.enabled = enabled
         self.budget_bytes = budget_bytes
         self.model, self.optimizer = model, optimizer
@@ -290,6 +291,7 @@ class MemoryRecorder:
             **provenance(self.device, command=self.command),
             "unit": "bytes",
             "budget_bytes": self.budget_bytes,
+            "cuda_context_at_start": self.context_at_start,
             "gpu_reason": self.gpu_reason,
             "needs_gpu": self.needs_gpu(),
             "config": config or {},

@@ -307,7 +307,8 @@ def test_trl_grpo_recipe_keeps_each_label_and_estimates_trl_s_recipe_with_the_po
     assert (seed["rollout_batch_size"], seed["micro_batch_size"], seed["max_new_tokens"], seed["reward_model"]) == (
         16, 4, 128, True)
     summary = recipes["trl_grpo_prompt256"]["summary"]
-    assert summary["peak_gib"] - summary["peak_without_context_gib"] == pytest.approx(0.5)
+    # the context the recipe names at the start, and the kernels the estimator assumes CUDA loads later
+    assert summary["peak_gib"] - summary["peak_without_context_gib"] == pytest.approx(0.5 + 0.9)
     # the input embedding in host memory: its bf16 bytes, and the allocator overhead on them, off the peak
     offloaded = recipes["trl_grpo_prompt256_offload_embeddings"]["summary"]
     assert summary["peak_gib"] - offloaded["peak_gib"] == pytest.approx(152064 * 3584 * 2 * 1.05 / 2**30, abs=0.002)
@@ -316,6 +317,7 @@ def test_trl_grpo_recipe_keeps_each_label_and_estimates_trl_s_recipe_with_the_po
     assert both["peak_gib"] < offloaded["peak_gib"] and both["peak_phase"] == "update"
     readme = (tmp_path / "README.md").read_text()
     assert "## before" in readme and "## after" in readme and "goal <= 8.9 GiB" in readme
+    assert "| before | trl_grpo_prompt256 | update | 10.223 | 1.400 | 8.823 | no | no |" in readme
 
 
 GRPO_TINY = ["--model_name_or_path", "tiny-llama", "--max_new_tokens", "4", "--num_generations", "2",

@@ -343,16 +343,24 @@ def test_the_recorder_fills_its_cuda_allocator_and_nvml_fields():
 
 
 def test_the_simulated_card_caps_the_allocator():
-    """--simulate_gpu_gib: an allocation above the cap fails although the real card has room."""
+    """--simulate_gpu_gib: the allocator gets the card less what CUDA holds outside it (the context measured at
+    start, the kernels assumed to load later); an allocation above that fails although the real card has room,
+    one below it does not."""
+    from trainer.engine.budget import outside_allocator_gib
     from trainer.engine.setup import simulate_gpu_memory
 
     total = torch.cuda.get_device_properties(cuda()).total_memory
-    simulate_gpu_memory(1.0, cuda())
+    outside, _ = outside_allocator_gib(cuda())
+    torch.cuda.empty_cache()
+    simulate_gpu_memory(4.0, cuda())
     try:
+        room = (4.0 - outside) * 2**30 - torch.cuda.memory_reserved(cuda())
+        kept = torch.empty(int(room - 2**28), dtype=torch.uint8, device="cuda")
         with pytest.raises(torch.OutOfMemoryError):
-            torch.empty(int(1.5 * 2**30), dtype=torch.uint8, device="cuda")
-        assert total > 4 * 2**30  # the card itself had room
+            torch.empty(2**29, dtype=torch.uint8, device="cuda")
+        assert total > 8 * 2**30 and kept.numel() > 0  # the card itself had room
     finally:
+        kept = None
         torch.cuda.set_per_process_memory_fraction(1.0, cuda())
         torch.cuda.empty_cache()
 

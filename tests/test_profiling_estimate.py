@@ -4,6 +4,7 @@ hand-computed Llama-2-7B numbers, and its CLI runs."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -525,6 +527,54 @@ def test_a_cuda_run_s_budget_check_estimates_with_the_context_it_measured(monkey
     args = budget.estimate_arguments("ppo", ModelArguments(), DataArguments(), TrainArguments(), PPOArguments(), cuda)
     assert args.cuda_context_gib == EstimateArguments().cuda_context_gib  # the assumption, said in the log
     budget.cuda_context_gib.cache_clear()
+
+
+def test_the_estimate_s_cuda_context_adds_the_kernels_cuda_loads_after_the_start():
+    """A run measures its CUDA context at the start; the kernels CUDA loads as the run first calls them come
+    on top, in every phase (assumed), and nothing of either on the CPU."""
+    from profiling.estimate import parse_estimate
+
+    args = parse_estimate(["--model", "tiny-llama", "--stage", "sft", "--device", "cuda", "--cuda_context_gib", "0.66",
+                           "--cuda_kernels_gib", "0.9"])
+    est = estimate(resolve_shape(args), args)
+    assert {p["components"][C.CUDA_CONTEXT] for p in est["phases"]} == {int(0.66 * C.GIB + 0.9 * C.GIB)}
+    assert EstimateArguments().cuda_kernels_gib == 0.9
+    args = parse_estimate(["--model", "tiny-llama", "--stage", "sft", "--device", "cpu"])
+    assert {p["components"][C.CUDA_CONTEXT] for p in estimate(resolve_shape(args), args)["phases"]} == {0}
+
+
+def test_a_simulated_card_leaves_the_cuda_context_and_later_kernels_outside_the_allocator(monkeypatch, caplog):
+    """--simulate_gpu_gib G: the allocator gets G less the context measured at start and the kernels assumed
+    to load later, so that the device memory the run holds (NVML) stays within G; a card too small for even
+    that is refused in one line, and a CPU run ignores the cap."""
+    import trainer.engine.budget as budget
+    from foundation.cli import UsageError
+    from trainer.engine.setup import simulate_gpu_memory
+
+    fractions = []
+    monkeypatch.setattr(budget, "warm_up", lambda device: None)
+    monkeypatch.setattr(budget, "cuda_context_bytes", lambda device: (int(0.66 * 2**30), None))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, index: fractions.append((f, index)))
+    budget.cuda_context_gib.cache_clear()
+    try:
+        cuda = torch.device("cuda", 0)
+        with caplog.at_level(logging.INFO, logger="trainer.engine.setup"):
+            simulate_gpu_memory(12, cuda)
+        assert fractions == [(pytest.approx((12 - 0.66 - 0.9) / 80), 0)]
+        assert "the allocator gets 10.44 GiB" in caplog.text and "0.66 GiB measured at start" in caplog.text
+        assert budget.context_at_start(cuda) == int(0.66 * 2**30)
+        with pytest.raises(UsageError, match="--simulate_gpu_gib 1.5: a card that small holds no more than 1.56 GiB"):
+            simulate_gpu_memory(1.5, cuda)
+        monkeypatch.setattr(budget, "cuda_context_bytes", lambda device: (None, "no NVML here"))
+        budget.cuda_context_gib.cache_clear()
+        simulate_gpu_memory(8, cuda)  # nothing measured: the estimator's assumption at start
+        assert fractions[-1] == (pytest.approx((8 - EstimateArguments().cuda_context_gib - 0.9) / 80), 0)
+        assert budget.context_at_start(cuda) is None
+        simulate_gpu_memory(8, torch.device("cpu"))
+        assert len(fractions) == 2 and budget.context_at_start(torch.device("cpu")) is None
+    finally:
+        budget.cuda_context_gib.cache_clear()
 
 
 def test_every_phase_holds_the_peak_phase_s_device_memory():

@@ -32,7 +32,8 @@ def policy_and_value_model():
 def run_dir(tmp_path_factory):
     model = policy_and_value_model()
     optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-3)
-    recorder = MemoryRecorder("ppo", model=model, optimizer=optimizer, budget_bytes=8 * C.GIB)
+    recorder = MemoryRecorder("ppo", model=model, optimizer=optimizer, budget_bytes=8 * C.GIB,
+                              context_at_start=700 * 2**20)
     ids = torch.randint(0, 512, (2, 8))
     for phase in ("value", "update"):
         with recorder.phase(phase):
@@ -53,6 +54,7 @@ def test_json_report_has_provenance_config_and_phases(run_dir):
     assert data["git_revision"].startswith(head or "unknown")
     assert data["config"] == {"model": {"model_name_or_path": "tiny-llama", "lora_r": 4}}
     assert data["budget_bytes"] == 8 * 2**30
+    assert data["cuda_context_at_start"] == 700 * 2**20  # the context the run's estimate had (vs_estimate reads it)
     assert [p["phase"] for p in data["phases"]] == ["value", "update"]
     update = data["phases"][1]
     # only the value adapter and head had gradients: AdamW's two fp32 moments of each weight, a step count per tensor

@@ -150,6 +150,7 @@ def test_a_stage_with_profile_memory_writes_the_memory_report(launched_runs, smo
     assert data["git_revision"] and data["command"].startswith(("trainer/sft.py", str(ROOT)))
     assert fb["activations"] > 0 and "activations" not in data["needs_gpu"]  # the CPU allocator's events
     assert "cuda_context" in data["needs_gpu"]  # said, not faked, on a CPU machine
+    assert data["cuda_context_at_start"] is None  # what a CUDA run's estimate had; none measured here
     assert (launched_runs / "sft" / "memory.md").is_file()
     from PIL import Image
 

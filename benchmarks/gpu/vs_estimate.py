@@ -6,7 +6,9 @@ For each run folder (config.json and memory.json from `--profile_memory true`) t
 the run's own saved settings, and each component of each phase is set beside it with the ratio
 measured / predicted (the target: 0.85-1.15). A phase's whole figure is the device memory it holds: the
 allocator's reserved bytes and the CUDA context, against the estimate's `device_total` (the peak phase's,
-which the caching allocator keeps reserved through every phase). Writes vs_estimate.json and vs_estimate.md.
+which the caching allocator keeps reserved through every phase). The estimate's CUDA context is what the run's
+own estimate had: the context it measured at its start, and the kernels CUDA loads later as assumed; the
+context a phase holds is measured. Writes vs_estimate.json and vs_estimate.md.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from profiling.predict import EstimateArguments, estimate, resolve_shape
 TARGET = (0.85, 1.15)
 
 
-def predicted_for(run_dir: Path) -> tuple[dict, dict]:
-    """(the run's memory.json, the estimate of the run's saved settings on its device, with the CUDA context the
-    run measured: its smallest per phase, as a run measures it at its start for its own estimate)."""
+def predicted_for(run_dir: Path) -> tuple[dict, dict, str]:
+    """(the run's memory.json, the estimate of the run's saved settings on its device, where the estimate's CUDA
+    context comes from): on CUDA the context the run measured at its start, which its own estimate used (a
+    record without it: the estimator's assumption), plus the kernels the estimator assumes CUDA loads later."""
     config_file, memory_file = run_dir / "config.json", run_dir / "memory.json"
     for path in (config_file, memory_file):
         if not path.is_file():
@@ -38,11 +41,13 @@ def predicted_for(run_dir: Path) -> tuple[dict, dict]:
     stage = memory["phases"][0]["stage"] if memory["phases"] else "sft"
     device = "cuda" if str(memory.get("device", "")).startswith("cuda") else "cpu"
     sections = [SimpleNamespace(**config.get(k, {})) for k in ("model", "data", "train", "stage")]
-    contexts = [p["components"].get(C.CUDA_CONTEXT) for p in memory["phases"]]
-    measured = min((c for c in contexts if isinstance(c, (int, float)) and c > 0), default=None)
-    extra = {"cuda_context_gib": measured / C.GIB} if device == "cuda" and measured is not None else {}
+    start = memory.get("cuda_context_at_start")
+    extra = {"cuda_context_gib": start / C.GIB} if device == "cuda" and start else {}
     args = EstimateArguments.of_run(*sections, stage=stage, device=device, **extra)
-    return memory, estimate(resolve_shape(args), args)
+    source = "the run measured it" if extra else "assumed: the record has no start figure"
+    context = ("none (not CUDA)" if device != "cuda" else f"{args.cuda_context_gib:.3f} GiB at the start ({source}) "
+               f"+ {args.cuda_kernels_gib:g} GiB for the kernels loaded as first called (assumed)")
+    return memory, estimate(resolve_shape(args), args), context
 
 
 def _ratio(measured: Optional[float], predicted: Optional[float]) -> Optional[float]:
@@ -51,7 +56,7 @@ def _ratio(measured: Optional[float], predicted: Optional[float]) -> Optional[fl
 
 def compare(run_dir: Path, revision: Optional[str] = None) -> dict:
     """The comparison of one run folder, written there; `revision` is the estimator's (default: now)."""
-    memory, est = predicted_for(run_dir)
+    memory, est, context = predicted_for(run_dir)
     predicted = {p["phase"]: p for p in est["phases"]}
     phases = []
     for phase in memory["phases"]:
@@ -74,7 +79,8 @@ def compare(run_dir: Path, revision: Optional[str] = None) -> dict:
     result = {"run": run_dir.name, "stage": est["phases"][0]["stage"], "device": memory.get("device"),
               "device_name": memory.get("device_name"), "date": memory.get("date"),
               "git_revision": memory.get("git_revision"), "command": memory.get("command"),
-              "estimate_settings": est["config"]["settings"], "estimate_git_revision": revision or git_revision(),
+              "estimate_settings": est["config"]["settings"], "estimate_cuda_context": context,
+              "estimate_git_revision": revision or git_revision(),
               "estimate_date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "phases": phases, "target": list(TARGET),
               "all_within_target": bool(within) and all(TARGET[0] <= r <= TARGET[1] for r in within)}
@@ -97,7 +103,10 @@ def markdown(result: dict) -> str:
              f"`{result['git_revision']}`", f"- run command: `{result['command']}`",
              f"- estimate: `profiling.predict` on the run's own saved settings (git "
              f"`{result.get('estimate_git_revision', result['git_revision'])}`, {result.get('estimate_date', result['date'])}); "
-             f"target ratio {TARGET[0]}-{TARGET[1]}", "", "| phase | device memory, measured GiB | estimated GiB | ratio | peak allocated, "
+             f"target ratio {TARGET[0]}-{TARGET[1]}",
+             *([f"- the estimate's CUDA context: {result['estimate_cuda_context']}"] if "estimate_cuda_context" in result
+               else []),
+             "", "| phase | device memory, measured GiB | estimated GiB | ratio | peak allocated, "
              "measured / estimated GiB | ratio |", "|---|---:|---:|---:|---:|---:|"]
     for p in result["phases"]:
         lines.append(f"| {p['phase']} | {_gib(p['measured_total'])} | {_gib(p['predicted_total'])} | "

@@ -60,6 +60,26 @@ def cuda_context_gib(device) -> Optional[float]:
     return measured / C.GIB
 
 
+def outside_allocator_gib(device) -> tuple[float, str]:
+    """(GiB a run on the CUDA `device` holds outside PyTorch's allocator over its course, the words saying what
+    it is): the context measured at start (`cuda_context_gib`; assumed where NVML cannot read it) and the
+    kernels CUDA loads as the run first calls them (assumed: `EstimateArguments.cuda_kernels_gib`)."""
+    assumed, start = EstimateArguments(), cuda_context_gib(device)
+    said = f"{start:.2f} GiB measured at start" if start is not None else f"{assumed.cuda_context_gib:g} GiB assumed"
+    start = assumed.cuda_context_gib if start is None else start
+    return (start + assumed.cuda_kernels_gib,
+            f"the CUDA context ({said}) and the kernels loaded as first called ({assumed.cuda_kernels_gib:g} GiB)")
+
+
+def context_at_start(device) -> Optional[int]:
+    """Bytes of the CUDA context this process measured at its start (what its estimate used); None off CUDA
+    or where NVML cannot read it."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    measured = cuda_context_gib(device)
+    return None if measured is None else int(measured * C.GIB)
+
+
 def check_budget(stage: str, model_args, data_args, train_args, stage_args, accelerator) -> dict:
     """Return the estimate; raise BudgetError naming what to change when it does not fit."""
     args = estimate_arguments(stage, model_args, data_args, train_args, stage_args, accelerator)

@@ -23,6 +23,7 @@ import torch
 
 from foundation.cli import InputError
 from trainer.engine.batches import batch_stream, make_loader
+from trainer.engine.budget import context_at_start
 from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
 from trainer.engine.launch import describe_engine, fill_deepspeed_autos, is_deepspeed
 from trainer.engine.metrics import (
@@ -94,7 +95,8 @@ class Engine:
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # FSDP swaps in sharded ones
         self.recorder = MemoryRecorder(stage, model=model, optimizer=self.optimizer, device=accelerator.device,
                                        budget_bytes=int(train_args.memory_budget_gib * GIB),
-                                       enabled=train_args.profile_memory and accelerator.is_main_process)
+                                       enabled=train_args.profile_memory and accelerator.is_main_process,
+                                       context_at_start=context_at_start(accelerator.device))
 
     @contextmanager
     def micro_batch(self) -> Iterator[None]:

@@ -23,7 +23,7 @@ from foundation.files import write_atomic
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import LoadReport, Splits, load_splits
-from trainer.engine.budget import check_budget, fit_to_budget
+from trainer.engine.budget import check_budget, cuda_context_gib, fit_to_budget, outside_allocator_gib
 from trainer.engine.checkpoint import (
     gathered_trainable, remove_save_debris, reported_write_failure, saved_config, select_checkpoint, set_aside_newer,
     set_aside_previous_run,
@@ -152,19 +152,24 @@ def check_positions(stage: Optional[str], model_args, data_args, stage_args, voc
 
 
 def simulate_gpu_memory(gib: float, device) -> None:
-    """Cap the CUDA caching allocator at `gib` GiB, so a larger GPU behaves like a smaller card."""
+    """Make a larger GPU behave like a card of `gib` GiB: PyTorch's allocator is capped at what such a card
+    leaves it beside the memory CUDA holds outside it (`outside_allocator_gib`), so that an out-of-memory
+    error happens where it would on that card and the device memory the run holds stays within `gib`."""
     if gib <= 0:
         return
-    import torch
-
     if device.type != "cuda":
         logger.info("simulate_gpu_gib=%s ignored: no CUDA device", gib)
         return
     index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" has none
     total = torch.cuda.get_device_properties(index).total_memory
-    fraction = min(1.0, gib * 2**30 / total)
+    outside, what = outside_allocator_gib(device)
+    if gib <= outside:
+        raise UsageError(f"--simulate_gpu_gib {gib:g}: a card that small holds no more than {outside:.2f} GiB, "
+                         f"{what}; simulate a larger one")
+    fraction = min(1.0, (gib - outside) * 2**30 / total)
     torch.cuda.set_per_process_memory_fraction(fraction, index)
-    logger.info("CUDA memory capped at %.1f GiB (%.3f of %.1f GiB)", gib, fraction, total / 2**30)
+    logger.info("CUDA memory capped as a %g GiB card: the allocator gets %.2f GiB (%.3f of %.1f GiB), %.2f GiB "
+                "left to %s", gib, fraction * total / 2**30, fraction, total / 2**30, outside, what)
 
 
 # Fields that change nothing a run computes (only where it writes, how long it runs, what it logs).
@@ -277,6 +282,8 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     check_output_dir(Path(train_args.output_dir))
     lock = lock_output_dir(accelerator, Path(train_args.output_dir))
     set_seed(train_args.seed)
+    if accelerator.device.type == "cuda":  # measured now, before any model: what the estimate and the cap use
+        cuda_context_gib(accelerator.device)
     simulate_gpu_memory(train_args.simulate_gpu_gib, accelerator.device)
     check_adapter_paths(stage_args)
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
