@@ -360,7 +360,7 @@ def test_the_simulated_card_caps_the_allocator():
         room = (card - outside) * 2**30 - held
         kept = torch.empty(int(room - 2**28), dtype=torch.uint8, device="cuda")
         with pytest.raises(torch.OutOfMemoryError):
-            torch.empty(2**29, dtype=torch.uint8, device="cuda")
+            torch.empty(2**30, dtype=torch.uint8, device="cuda")
         assert total > (card + 2) * 2**30 and kept.numel() > 0  # the card itself had room
     finally:
         kept = None
