@@ -564,7 +564,7 @@ def test_a_simulated_card_leaves_the_cuda_context_and_later_kernels_outside_the_
         assert fractions == [(pytest.approx((12 - 0.66 - 0.9) / 80), 0)]
         assert "the allocator gets 10.44 GiB" in caplog.text and "0.66 GiB measured at start" in caplog.text
         assert budget.context_at_start(cuda) == int(0.66 * 2**30)
-        with pytest.raises(UsageError, match="--simulate_gpu_gib 1.5: a card that small holds no more than 1.56 GiB"):
+        with pytest.raises(UsageError, match=r"--simulate_gpu_gib 1.5: CUDA alone holds 1.56 GiB outside the allocator \(the CUDA context"):
             simulate_gpu_memory(1.5, cuda)
         monkeypatch.setattr(budget, "cuda_context_bytes", lambda device: (None, "no NVML here"))
         budget.cuda_context_gib.cache_clear()

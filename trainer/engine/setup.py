@@ -164,8 +164,8 @@ def simulate_gpu_memory(gib: float, device) -> None:
     total = torch.cuda.get_device_properties(index).total_memory
     outside, what = outside_allocator_gib(device)
     if gib <= outside:
-        raise UsageError(f"--simulate_gpu_gib {gib:g}: a card that small holds no more than {outside:.2f} GiB, "
-                         f"{what}; simulate a larger one")
+        raise UsageError(f"--simulate_gpu_gib {gib:g}: CUDA alone holds {outside:.2f} GiB outside the allocator "
+                         f"({what}); simulate a larger card")
     fraction = min(1.0, (gib - outside) * 2**30 / total)
     torch.cuda.set_per_process_memory_fraction(fraction, index)
     logger.info("CUDA memory capped as a %g GiB card: the allocator gets %.2f GiB (%.3f of %.1f GiB), %.2f GiB "
