@@ -74,7 +74,7 @@ def outside_allocator_gib(device) -> tuple[float, str]:
 def context_at_start(device) -> Optional[int]:
     """Bytes of the CUDA context this process measured at its start (what its estimate used); None off CUDA
     or where NVML cannot read it."""
-    if getattr(device, "type", None) != "cuda":
+    if device.type != "cuda":
         return None
     measured = cuda_context_gib(device)
     return None if measured is None else int(measured * C.GIB)

@@ -23,7 +23,7 @@ from foundation.files import write_atomic
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import LoadReport, Splits, load_splits
-from trainer.engine.budget import check_budget, cuda_context_gib, fit_to_budget, outside_allocator_gib
+from trainer.engine.budget import check_budget, context_at_start, fit_to_budget, outside_allocator_gib
 from trainer.engine.checkpoint import (
     gathered_trainable, remove_save_debris, reported_write_failure, saved_config, select_checkpoint, set_aside_newer,
     set_aside_previous_run,
@@ -282,8 +282,7 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     check_output_dir(Path(train_args.output_dir))
     lock = lock_output_dir(accelerator, Path(train_args.output_dir))
     set_seed(train_args.seed)
-    if accelerator.device.type == "cuda":  # measured now, before any model: what the estimate and the cap use
-        cuda_context_gib(accelerator.device)
+    context_at_start(accelerator.device)  # measured now, before any model: what the estimate and the cap use
     simulate_gpu_memory(train_args.simulate_gpu_gib, accelerator.device)
     check_adapter_paths(stage_args)
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
