@@ -38,9 +38,7 @@ def estimate_arguments(stage: str, model_args, data_args, train_args, stage_args
     device = accelerator.device.type
     extra = {"stage": stage, "device": "cuda" if device == "cuda" else "cpu"}
     if device == "cuda":
-        context = cuda_context_gib(accelerator.device)
-        if context is not None:
-            extra["cuda_context_gib"] = context
+        extra["cuda_context_gib"], _ = start_context_gib(accelerator.device)
     if offloads_optimizer(deepspeed_config(accelerator)):
         extra["optimizer"] = "deepspeed_zero2_offload"
     return EstimateArguments.of_run(model_args, data_args, train_args, stage_args, **extra)
@@ -62,13 +60,18 @@ def cuda_context_gib(device) -> Optional[float]:
 
 def outside_allocator_gib(device) -> tuple[float, str]:
     """(GiB a run on the CUDA `device` holds outside PyTorch's allocator over its course, the words saying what
-    it is): the context measured at start (`cuda_context_gib`; assumed where NVML cannot read it) and the
-    kernels CUDA loads as the run first calls them (assumed: `EstimateArguments.cuda_kernels_gib`)."""
-    assumed, start = EstimateArguments(), cuda_context_gib(device)
-    said = f"{start:.2f} GiB measured at start" if start is not None else f"{assumed.cuda_context_gib:g} GiB assumed"
-    start = assumed.cuda_context_gib if start is None else start
-    return (start + assumed.cuda_kernels_gib,
-            f"the CUDA context ({said}) and the kernels loaded as first called ({assumed.cuda_kernels_gib:g} GiB)")
+    it is): the context the estimate counts (`start_context_gib`) and the kernels CUDA loads as the run first
+    calls them (assumed: `EstimateArguments.cuda_kernels_gib`)."""
+    (start, measured), kernels = start_context_gib(device), EstimateArguments().cuda_kernels_gib
+    said = f"{start:.2f} GiB measured at start" if measured else f"{start:g} GiB assumed"
+    return start + kernels, f"the CUDA context ({said}) and the kernels loaded as first called ({kernels:g} GiB)"
+
+
+def start_context_gib(device) -> tuple[float, bool]:
+    """(GiB of CUDA context every estimate on the CUDA `device` counts, whether it was measured): the figure
+    measured at start, else EstimateArguments' assumed default."""
+    measured = cuda_context_gib(device)
+    return (EstimateArguments().cuda_context_gib, False) if measured is None else (measured, True)
 
 
 def context_at_start(device) -> Optional[int]:
