@@ -195,11 +195,12 @@ def test_a_side_out_of_time_is_recorded_as_cut_not_as_a_result(tmp_path):
 
 def test_decode_measures_tokens_per_second_against_the_bandwidth_bound(tmp_path):
     """The decode benchmark the speed part runs (here: the tiny preset on the CPU), eager and compiled; a
-    compiled first call's time is told apart by torch.compile's own timers (an eager one compiles nothing)."""
+    compiled first call's time is told apart by torch.compile's own timers (an eager one compiles nothing).
+    Enough tokens and repeats that decoding outlasts the prefill on a busy machine too."""
     from benchmarks.gpu.decode import main
 
     result = main(["--model_name_or_path", "tiny-llama", "--quantization", "nf4", "--batches", "2", "--prompt_tokens",
-                   "8", "--new_tokens", "4", "--repeats", "1", "--copy_gib", "0.05", "--paths", "eager,compiled",
+                   "8", "--new_tokens", "16", "--repeats", "2", "--copy_gib", "0.05", "--paths", "eager,compiled",
                    "--out_dir", str(tmp_path)])
     assert [(r["path"], r["batch"]) for r in result["rows"]] == [("eager", 2), ("compiled", 2)]
     assert all(r["tokens_per_s"] > 0 and 0 < r["bandwidth_fraction"] < 1 for r in result["rows"])
