@@ -381,6 +381,22 @@ def test_a_decode_row_that_fails_is_said_and_the_others_are_timed(tmp_path, monk
     assert "stopped before" not in text
 
 
+def test_a_decode_no_longer_than_its_prefill_is_listed_as_not_timed_not_given_a_figure(tmp_path, monkeypatch):
+    """Decode time is the generation's less the prefill's: where noise makes the prefill the longer (too few new
+    tokens on a busy machine), the row says so instead of a tokens/s made of a clamped difference."""
+    import benchmarks.gpu.decode as bench
+
+    monkeypatch.setattr(bench, "time_generation", lambda model, ids, new_tokens, *a: (0.5, 0.02))
+    result = bench.main(["--model_name_or_path", "tiny-llama", "--batches", "2", "--prompt_tokens", "4",
+                         "--new_tokens", "3", "--repeats", "1", "--copy_gib", "0.01", "--paths", "eager",
+                         "--out_dir", str(tmp_path)])
+    assert result["rows"] == []
+    assert result["failed"] == [{"path": "eager", "weights": "quantized", "batch": 2,
+                                 "error": "not timed: generating 3 tokens (0.0200 s) took no longer than the prefill "
+                                          "(0.0200 s); decode more tokens"}]
+    assert "stopped before" not in (tmp_path / "decode.md").read_text()
+
+
 def test_kernel_profile_profiles_the_phases_named_and_ranks_their_ops(tmp_path):
     """`--kernel_profile`: every phase's wall time; the named phases' busy time (their nested phases' inside
     it) and their ops' own time, ranked; an unnamed phase's ops stay out of the profile (a 7B rollout's would

@@ -165,8 +165,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 print(f"{path}, {weights}, batch {batch}: failed: {failed[-1]['error']}", flush=True)
                 write_result(result, out)
                 continue
+            if full <= prefill:  # noise larger than the decoding: no figure rather than a made-up one
+                failed.append({"path": path, "weights": weights, "batch": batch,
+                               "error": f"not timed: generating {args.new_tokens} tokens ({full:.4f} s) took no "
+                                        f"longer than the prefill ({prefill:.4f} s); decode more tokens"})
+                print(f"{path}, {weights}, batch {batch}: {failed[-1]['error']}", flush=True)
+                write_result(result, out)
+                continue
             first_call_compile = {name: round(s, 2) for name, s in spent.items() if s >= FIRST_CALL_PHASE_S}
-            decode_s = max(full - prefill, 1e-9)
+            decode_s = full - prefill
             tokens_per_s = batch * (args.new_tokens - 1) / decode_s
             rows.append({"path": path, "weights": weights, "batch": batch, "decode_s": decode_s, "generate_s": full,
                          "first_call_s": first, "first_call_compile_s": first_call_compile, "prefill_s": prefill,
