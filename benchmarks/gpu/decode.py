@@ -159,17 +159,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 first, full = time_generation(model, ids, args.new_tokens, args.repeats, path, weights)
                 spent = {name: s - compiled_before.get(name, 0.0) for name, s in compile_seconds().items()}
                 _, prefill = time_generation(model, ids, 1, args.repeats, path, weights)
+                error = None if full > prefill else (  # noise larger than the decoding: no made-up figure
+                    f"not timed: generating {args.new_tokens} tokens ({full:.4f} s) took no longer than the "
+                    f"prefill ({prefill:.4f} s); decode more tokens")
             except Exception as exc:  # one that fails here (a kernel, a compilation) leaves the others their rows
-                failed.append({"path": path, "weights": weights, "batch": batch,
-                               "error": f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"})
-                print(f"{path}, {weights}, batch {batch}: failed: {failed[-1]['error']}", flush=True)
-                write_result(result, out)
-                continue
-            if full <= prefill:  # noise larger than the decoding: no figure rather than a made-up one
-                failed.append({"path": path, "weights": weights, "batch": batch,
-                               "error": f"not timed: generating {args.new_tokens} tokens ({full:.4f} s) took no "
-                                        f"longer than the prefill ({prefill:.4f} s); decode more tokens"})
-                print(f"{path}, {weights}, batch {batch}: {failed[-1]['error']}", flush=True)
+                error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+            if error is not None:
+                failed.append({"path": path, "weights": weights, "batch": batch, "error": error})
+                print(f"{path}, {weights}, batch {batch}: failed: {error}", flush=True)
                 write_result(result, out)
                 continue
             first_call_compile = {name: round(s, 2) for name, s in spent.items() if s >= FIRST_CALL_PHASE_S}
