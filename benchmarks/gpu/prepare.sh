@@ -42,11 +42,11 @@ if (( total_mib >= LIMIT_MIB )); then
 fi
 cat <<EOF
 
-Ready (revision $rev). On the GPU machine, ONE call this session, carry [".whl", ".data"], timeout_s 540:
+Ready (revision $rev). On the GPU machine (the run tool, carry [".whl", ".data"], timeout_s 570):
 
-  benchmarks/gpu/run.sh first
+  benchmarks/gpu/run.sh --budget_s 520 speed
 
-(later sessions, one call each: memory, speed, stages, ladder, check; benchmarks/gpu/README.md).
+then the next part in benchmarks/gpu/README.md's order, one per session, and \`check\` with what time is left.
 Each writes \$OUT/PART-llama-2-7b-GPU.tar.gz; back here:
 
   .venv/bin/python -m benchmarks.gpu.collect /work/.device/.../*.tar.gz     # the folder files_at names
