@@ -27,6 +27,7 @@ from profiling.tensors import TensorLedger, count_tensors
 # What the transient peak of a phase is, when the caller does not say (generate: the KV cache an eager decode
 # grows; where a compiled decode's cache is held and counted, `_build` names the rest activations).
 DEFAULT_TRANSIENT = {"generate": C.KV_CACHE, "optimizer_step": C.OPTIMIZER_TEMPORARIES}
+RAISED_IN = "_memory_phase_raised_in"  # (stage, phase) tagged on an error by the innermost phase it left
 
 
 @dataclass
@@ -92,6 +93,7 @@ class MemoryRecorder:
         self._claims: dict[int, set[int]] = {}  # its marks -> addresses the tensor walk at that mark counted
         self._pending: list[tuple] = []  # phases left inside the outermost one, built when it ends
         self.peak_allocated = 0  # the largest CUDA peak any phase saw (each phase resets CUDA's counter)
+        self.ended: Optional[dict] = None  # a run that stopped on an error: its step, phase and error
         from foundation.provenance import relative_command
 
         self.command = relative_command()
@@ -151,6 +153,13 @@ class MemoryRecorder:
                     yield
             else:
                 yield
+        except BaseException as exc:
+            if not hasattr(exc, RAISED_IN):  # the innermost phase it left is where it rose; tagged on the error,
+                try:  # not kept here: a kept error would keep its frames' tensors alive past an OOM retry
+                    setattr(exc, RAISED_IN, (stage, name))
+                except (AttributeError, TypeError):
+                    pass
+            raise
         finally:
             seconds = time.perf_counter() - start
             self._open.pop()
@@ -279,6 +288,17 @@ class MemoryRecorder:
         self.records[key] = record
 
     # ---- results --------------------------------------------------------------------------------
+    def stopped(self, step: int, exc: BaseException) -> None:
+        """Say in the record that the run stopped at `step` on `exc`, and in which phase the error rose (the
+        innermost one it, or the error it was raised from, left; none when it rose outside every phase)."""
+        where, chain = None, exc
+        while chain is not None and where is None:
+            where = getattr(chain, RAISED_IN, None)
+            chain = chain.__cause__ or chain.__context__
+        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        self.ended = {"step": step, "stage": where[0] if where else self.stage, "phase": where[1] if where else None,
+                      "error": f"{type(exc).__name__}: {first_line}".rstrip(": ")}
+
     def needs_gpu(self) -> list[str]:
         """Components this run could not measure, by name (empty on CUDA)."""
         missing = {c for r in self.records.values() for c, v in r.components.items() if v is None}
@@ -292,6 +312,7 @@ class MemoryRecorder:
             "unit": "bytes",
             "budget_bytes": self.budget_bytes,
             "cuda_context_at_start": self.context_at_start,
+            "ended": self.ended,  # None: the run took its steps
             "gpu_reason": self.gpu_reason,
             "needs_gpu": self.needs_gpu(),
             "config": config or {},

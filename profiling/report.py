@@ -49,6 +49,8 @@ def markdown(data: dict) -> str:
     lines += [f"- device: {data['device_name']} (`{data['device']}`)", f"- date: {data['date']}",
               f"- git revision: `{data['git_revision']}`", f"- command: `{shown_command(data)}`",
               f"- units: GiB = 2^30 bytes, MiB = 2^20 bytes; budget {C.gib(data['budget_bytes'])} GiB", ""]
+    if data.get("ended"):
+        lines += [f"**{stopped_where(data['ended'])}**; the phases below are those it recorded.", ""]
     lines += [markdown_table(data), ""]
     if data.get("needs_gpu"):
         lines.append(f"Not measured here ({data.get('gpu_reason')}): {', '.join(data['needs_gpu'])}. "
@@ -80,6 +82,12 @@ def markdown(data: dict) -> str:
     for note in data.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def stopped_where(ended: dict) -> str:
+    """'The run stopped at step 2, in phase update: OutOfMemoryError: ...' from a record's `ended`."""
+    phase = f"in phase {ended['phase']}" if ended.get("phase") else "outside the recorded phases"
+    return f"The run stopped at step {ended['step']}, {phase}: {ended['error']}"
 
 
 def _title(data: dict) -> str:

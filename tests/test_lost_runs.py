@@ -371,3 +371,65 @@ def test_sampling_that_can_learn_but_hardly_is_warned_about_once(caplog):
     with caplog.at_level(logging.WARNING):
         ppo_settings(PPOArguments(scripted_reward="length:5"), 2)
     assert warnings_of(caplog) == []
+
+
+# ---- a run that runs out of memory ---------------------------------------------------------------------
+
+def test_a_run_out_of_memory_keeps_its_memory_record_saying_where_it_stopped(tmp_path, monkeypatch,
+                                                                             fresh_accelerate_state):
+    """Out of memory in step 2's generation (as under a card's cap, the GPU kit's 12 GB and 8 GB runs): memory.json
+    still holds step 1's phases and says where the run stopped, and the GPU tables mark that phase."""
+    import trainer.grpo as grpo
+    import trainer.rl.rollout as rollout
+    from benchmarks.gpu.collect import memory_rows
+    from benchmarks.gpu.vs_estimate import compare
+
+    real_decode, calls = rollout.decode, []
+
+    def decode_out_of_memory_at_the_second_rollout(*args, **kwargs):  # two decodes a rollout: 16 rows, 8 a pass
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_decode(*args, **kwargs)
+
+    monkeypatch.setattr(rollout, "decode", decode_out_of_memory_at_the_second_rollout)
+    out = tmp_path / "result" / "grpo"
+    with pytest.raises(torch.OutOfMemoryError):
+        grpo.main(["--config", str(ROOT / "tests" / "configs" / "tiny_grpo.yaml"), "--output_dir", str(out),
+                   "--max_steps", "3", "--save_every", "0", "--eval_prompts", "0", "--profile_memory", "true"])
+    assert len(calls) == 3
+    memory = json.loads((out / "memory.json").read_text())
+    assert memory["ended"] == {"step": 2, "stage": "grpo", "phase": "generate",
+                               "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    assert {"generate", "score", "update", "optimizer_step"} <= {p["phase"] for p in memory["phases"]}
+    assert ("**The run stopped at step 2, in phase generate: OutOfMemoryError: CUDA out of memory. Tried to "
+            "allocate 2.00 GiB**") in (out / "memory.md").read_text()
+    rows = memory_rows(out.parent)
+    stopped = [row for row in rows if "stopped here" in row]
+    assert len(stopped) == 1 and "| generate **(stopped here at step 2: OutOfMemoryError: CUDA out of memory." in \
+        stopped[0]
+    compared = compare(out)
+    assert compared["ended"] == memory["ended"] and "The run stopped at step 2" in (out / "vs_estimate.md").read_text()
+
+
+def test_an_error_outside_every_phase_is_recorded_as_such_and_the_innermost_phase_names_the_error_it_raised():
+    from profiling.recorder import MemoryRecorder
+
+    recorder = MemoryRecorder("ppo", model=torch.nn.Linear(2, 2))
+    with pytest.raises(InterruptedError) as raised:
+        with recorder.phase("update"):
+            with recorder.phase("optimizer_step"):
+                raise InterruptedError("stop")
+    recorder.stopped(3, raised.value)
+    assert recorder.ended == {"step": 3, "stage": "ppo", "phase": "optimizer_step", "error": "InterruptedError: stop"}
+    try:  # raised from an error a phase left: that phase; one raised outside every phase: none
+        try:
+            with recorder.phase("generate"):
+                raise torch.OutOfMemoryError("out")
+        except torch.OutOfMemoryError:
+            raise ValueError("retried and gave up") from None
+    except ValueError as exc:
+        recorder.stopped(4, exc)
+    assert recorder.ended["phase"] == "generate" and recorder.ended["error"] == "ValueError: retried and gave up"
+    recorder.stopped(5, KeyError())
+    assert recorder.ended == {"step": 5, "stage": "ppo", "phase": None, "error": "KeyError"}

@@ -230,11 +230,18 @@ def memory_rows(folder: Path) -> list[str]:
     for run in run_folders(folder, "memory.json"):
         stage = _cell(run.name)
         data = json.loads((run / "memory.json").read_text())
+        ended = data.get("ended") if isinstance(data.get("ended"), dict) else None
         for phase in data["phases"]:
             cuda = phase.get("cuda") or {}
-            rows.append(f"| {folder.name} | {stage} | {_cell(phase['phase'])} | {_gib(cuda.get('peak_allocated'))} | "
+            name = _cell(phase["phase"])
+            if ended and ended.get("phase") == phase["phase"]:  # where a run that stopped on an error stopped
+                name += f" **(stopped here at step {_cell(ended.get('step'))}: {_cell(ended.get('error'))})**"
+            rows.append(f"| {folder.name} | {stage} | {name} | {_gib(cuda.get('peak_allocated'))} | "
                         f"{_gib(cuda.get('peak_reserved'))} | {_gib(cuda.get('nvml_used'))} | "
                         f"{_gib(data['budget_bytes'])} |")
+        if ended and ended.get("phase") not in {phase["phase"] for phase in data["phases"]}:
+            rows.append(f"| {folder.name} | {stage} | **stopped at step {_cell(ended.get('step'))}, outside the "
+                        f"recorded phases: {_cell(ended.get('error'))}** | - | - | - | {_gib(data['budget_bytes'])} |")
     return rows
 
 
@@ -362,7 +369,8 @@ def readme_section(results: Path) -> str:
         lines += ["No GPU run has been collected yet: every GPU figure in this project is the estimator's "
                   "prediction. `benchmarks/gpu/README.md` says how to measure them.", "", END]
         return "\n".join(lines)
-    lines += ["Measured memory per phase (7B architecture, NF4, seed recipe settings, simulated 24 GB card):", "",
+    lines += ["Measured memory per phase (7B architecture, NF4, under a simulated card of the budget column; a run "
+              "that stopped on an error says where):", "",
               "| result | run | phase | peak allocated GiB | peak reserved GiB | NVML device used GiB | budget GiB |",
               "|---|---|---|---:|---:|---:|---:|"]
     for folder in folders:

@@ -25,6 +25,7 @@ from foundation.files import write_atomic
 from foundation.provenance import git_revision
 from profiling import components as C
 from profiling.predict import EstimateArguments, estimate, resolve_shape
+from profiling.report import stopped_where
 
 TARGET = (0.85, 1.15)
 
@@ -36,7 +37,8 @@ def predicted_for(run_dir: Path) -> tuple[dict, dict, str]:
     config_file, memory_file = run_dir / "config.json", run_dir / "memory.json"
     for path in (config_file, memory_file):
         if not path.is_file():
-            raise InputError(f"{path} is missing (run the stage with --profile_memory true)")
+            raise InputError(f"{path} is missing: the run stopped before its first step, or ran without "
+                             "--profile_memory true")
     config, memory = json.loads(config_file.read_text()), json.loads(memory_file.read_text())
     stage = memory["phases"][0]["stage"] if memory["phases"] else "sft"
     device = "cuda" if str(memory.get("device", "")).startswith("cuda") else "cpu"
@@ -79,6 +81,7 @@ def compare(run_dir: Path, revision: Optional[str] = None) -> dict:
     result = {"run": run_dir.name, "stage": est["phases"][0]["stage"], "device": memory.get("device"),
               "device_name": memory.get("device_name"), "date": memory.get("date"),
               "git_revision": memory.get("git_revision"), "command": memory.get("command"),
+              "ended": memory.get("ended"),  # a run that stopped on an error: where (None: it took its steps)
               "estimate_settings": est["config"]["settings"], "estimate_cuda_context": context,
               "estimate_git_revision": revision or git_revision(),
               "estimate_date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -106,6 +109,7 @@ def markdown(result: dict) -> str:
              f"target ratio {TARGET[0]}-{TARGET[1]}",
              *([f"- the estimate's CUDA context: {result['estimate_cuda_context']}"] if "estimate_cuda_context" in result
                else []),
+             *([f"- **{stopped_where(result['ended'])}**"] if result.get("ended") else []),
              "", "| phase | device memory, measured GiB | estimated GiB | ratio | peak allocated, "
              "measured / estimated GiB | ratio |", "|---|---:|---:|---:|---:|---:|"]
     for p in result["phases"]:

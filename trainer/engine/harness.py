@@ -192,13 +192,32 @@ class Harness:
         self.output_dir = Path(self.args.output_dir)
         self.metrics_log = MetricsLog(self.accelerator, self.output_dir)
         self.state = {"epoch": 0, "batches_in_epoch": 0, "bad_steps_in_row": 0, "bad_steps_total": 0}
+        self.step = 0  # the step being taken (0: the evaluation before the first)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def train(self, step_body: StepBody) -> dict[str, float]:
         """Run the steps, the memory recorder watching their phases (`trainer.engine.phases`); returns the last
         evaluation."""
         with watching(self.engine.recorder.phase):
-            return self._train(step_body)
+            try:
+                return self._train(step_body)
+            except Exception as exc:  # e.g. out of memory under a card's cap: the record says where it stopped
+                self._write_memory_record(exc)
+                raise
+
+    def _write_memory_record(self, exc: Exception) -> None:
+        """memory.json and its report with the phases recorded so far and where the run stopped."""
+        recorder = self.engine.recorder
+        recorder.stopped(self.step, exc)
+        try:
+            written = recorder.write(self.output_dir, config=flat_config(self.ctx.config()))
+        except Exception as failure:  # the error that stopped the run is the one to raise
+            logger.warning("the memory record of the stopped run was not written: %s", failure)
+            return
+        if written:
+            from profiling.report import stopped_where
+
+            logger.error("%s; the phases recorded until then: %s", stopped_where(recorder.ended), written["md"])
 
     def _train(self, step_body: StepBody) -> dict[str, float]:
         from tqdm.auto import tqdm
@@ -214,6 +233,7 @@ class Harness:
                    disable=not (acc.is_main_process and args.progress_bar))
         engine.model.train()
         for step in range(start + 1, args.max_steps + 1):
+            self.step = step
             started, cpu_started = time.perf_counter(), time.process_time()
             try:
                 result = step_body(step, self._batches(step, stream))
