@@ -711,6 +711,27 @@ def test_a_per_rollout_copy_is_gone_when_the_rollout_ends(tiny_nf4, monkeypatch)
     drop_resident_weights(tiny_nf4.causal_lm)
 
 
+def test_a_compiled_step_counts_a_placing_of_the_dense_copies_only_where_no_earlier_decode_found_them():
+    """CUDA graphs read fixed addresses: a per-rollout copy at new ones has the step's graphs recorded anew (said in
+    the log, with that decode's time), one back where an earlier decode of as many rows found it replays theirs."""
+    from types import SimpleNamespace
+
+    from profiling.tensors import HELD_GENERATION_WEIGHTS
+    from trainer.model.decode import _Compiled
+
+    compiled, model = SimpleNamespace(placings={}), SimpleNamespace()
+    a, b = [torch.zeros(4), torch.zeros(2)], [torch.zeros(4), torch.zeros(2)]
+
+    def placing(copies, rows=8):
+        setattr(model, HELD_GENERATION_WEIGHTS, copies)
+        return _Compiled.placing(compiled, model, rows)
+
+    assert [placing(a), placing(a), placing(b), placing(a), placing(b)] == [0, 0, 2, 0, 0]
+    assert placing([torch.zeros(1)]) == 3 and placing(a, rows=16) == 0  # the first decode of 16 rows records anyway
+    delattr(model, HELD_GENERATION_WEIGHTS)  # decoding from the 4-bit weights: nothing to place
+    assert _Compiled.placing(compiled, model, 1) == 0 == _Compiled.placing(compiled, model, 1)
+
+
 def test_fewer_rows_than_a_compiled_batch_decode_in_its_graph_and_cache(tiny):
     """--decode compiled with fewer rows than a batch size it has compiled for (a rollout's last chunk, an
     evaluation's last batch): the rows ride in that batch's graph and KV cache (no new compilation, no second

@@ -549,6 +549,6 @@ def test_on_cuda_a_per_rollout_copy_that_lies_elsewhere_is_decoded_from_where_it
         with caplog.at_level(logging.INFO, logger="trainer.model.decode_weights"):
             moved = run_decode(model, ids, torch.ones_like(ids), sampling, 2, 0)
     made.clear()
-    assert "lie elsewhere than in the last rollout" in caplog.text
+    assert "the dense copies lie where no earlier decode found them (placing 2)" in caplog.text
     assert torch.equal(moved.tokens, first.tokens)
     torch.testing.assert_close(moved.logprobs, first.logprobs, rtol=0, atol=1e-5)

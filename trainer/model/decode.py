@@ -35,7 +35,7 @@ from foundation.settings import DECODE_CHOICES, DECODE_PATHS  # noqa: F401  (dec
 from foundation.stages import POLICY
 from profiling import resolve
 from profiling.decode import sync
-from profiling.tensors import HELD_KV_CACHE
+from profiling.tensors import HELD_GENERATION_WEIGHTS, HELD_KV_CACHE
 from trainer.model.attention import decode_attention, decoding_through_it
 from trainer.model.decode_weights import SharedProducts, generation_weights, lora_compute_copies
 
@@ -234,6 +234,7 @@ class _Compiled:
                    "post_grad_custom_pre_pass": SharedProducts()}
         self.step = torch.compile(_own_copy(_step), options=options, fullgraph=False)
         self.caches: dict[int, tuple[int, object]] = {}
+        self.placings: dict[int, set[tuple[int, ...]]] = {}  # batch size -> where its decodes found the dense copies
         setattr(causal_lm, HELD_KV_CACHE, self)  # a memory record counts the caches as kv_cache in every phase
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -251,6 +252,17 @@ class _Compiled:
         """The batch size to decode `batch` rows at: the smallest one with a cache already that holds them (its
         compiled step and its cache serve them), else `batch` itself."""
         return min((rows for rows in self.caches if rows >= batch), default=batch)
+
+    def placing(self, causal_lm, batch: int) -> int:
+        """0 where the dense copies the step reads (`generation_weights`) lie where an earlier decode of `batch`
+        rows found them, or there are none (the step's CUDA graphs recorded there are replayed), else how many
+        placings its decodes have found, this one counted: a new one has its CUDA graphs recorded anew, which
+        torch keeps beside the earlier ones."""
+        places = tuple(w.data_ptr() for w in getattr(causal_lm, HELD_GENERATION_WEIGHTS, None) or ())
+        seen = self.placings.setdefault(batch, set())
+        new = bool(seen) and places not in seen
+        seen.add(places)
+        return len(seen) if new else 0
 
     def cache(self, causal_lm, batch: int, length: int):
         from transformers import StaticCache
@@ -335,7 +347,7 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
 
     batch, prompt_length = prompt_ids.shape
     new, device = sampling.max_new_tokens, prompt_ids.device
-    first_call, started = False, time.perf_counter()
+    first_call, placing, started = False, 0, time.perf_counter()
     live = batch  # rows asked for; a compiled step's batch may add rows that start as ended
     if sampling.decode == "compiled":
         compiled = _COMPILED.get(causal_lm) or _COMPILED.setdefault(causal_lm, _Compiled(causal_lm))
@@ -344,6 +356,7 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
             prompt_ids = torch.cat([prompt_ids, prompt_ids[:1].expand(batch - live, -1)])
             prompt_mask = torch.cat([prompt_mask, prompt_mask[:1].expand(batch - live, -1)])
         first_call = batch not in compiled.caches
+        placing = compiled.placing(causal_lm, batch) if device.type == "cuda" else 0
         length, cache = compiled.cache(causal_lm, batch, prompt_length + new)
         step = compiled.step
     else:
@@ -383,5 +396,10 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
         logger.info("decode compiled for %d rows (%s): the first decode took %.1f s, compilation%s included "
                     "(once per batch size)", batch, compiled.describe(), time.perf_counter() - started,
                     " and CUDA graph capture" if device.type == "cuda" else "")
+    elif placing:
+        sync(device)
+        logger.info("decode compiled for %d rows: the dense copies lie where no earlier decode found them (placing "
+                    "%d), so its CUDA graphs were recorded anew: this decode took %.1f s", batch, placing,
+                    time.perf_counter() - started)
     return Decoded(out.tokens[:live, :steps], out.logprobs[:live, :steps], out.entropy[:live, :steps],
                    out.ended[:live])

@@ -155,8 +155,8 @@ def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY)
     """The body decodes from dense copies of the 4-bit layers, swapped in place of each layer and swapped back
     after, also on errors (`dequantized`: made here and freed after, their blocks left in the allocator's cache
     for the next rollout's copy, which lands where this one lay unless other tensors took them - then a compiled
-    step's CUDA graphs are recorded anew, said in the log (`_say_if_moved`); `resident`: made once, kept, and
-    served to either choice after). `quantized` (or "auto" left unplanned)
+    step's CUDA graphs are recorded anew, said in the log (`trainer.model.decode`); `resident`: made once, kept,
+    and served to either choice after). `quantized` (or "auto" left unplanned)
     changes nothing. Nested in an outer one (a rollout's generate phase holding one copy for all its chunks),
     it changes nothing either. A model with no 4-bit layer has nothing to copy: said once. Under autocast in
     the layers' compute dtype each copy has rows for `adapter`'s LoRA-A weights (`DequantizedLinear`, filled
@@ -177,8 +177,6 @@ def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY)
         swaps = _dense_copies(causal_lm, layers, adapter)
         if choice == "resident":
             _RESIDENT[causal_lm] = swaps
-        else:
-            _say_if_moved(causal_lm, [copy.weight for *_, copy in swaps])
     setattr(causal_lm, HELD_GENERATION_WEIGHTS, [copy.weight for *_, copy in swaps])
     setattr(causal_lm, HELD_SWAPPED_OUT, [layer for _, _, layer, _ in swaps])  # a memory record still counts them
     for parent, name, _, copy in swaps:
@@ -194,24 +192,6 @@ def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY)
         kept = _RESIDENT.get(causal_lm)  # a per-rollout copy goes now; a kept one stays counted
         held = [copy.weight for *_, copy in kept] if kept else []
         setattr(causal_lm, HELD_GENERATION_WEIGHTS, held)
-
-
-_PLACES: "weakref.WeakKeyDictionary[nn.Module, tuple[int, ...]]" = weakref.WeakKeyDictionary()
-
-
-def _say_if_moved(causal_lm: nn.Module, copies: list[torch.Tensor]) -> None:
-    """On CUDA, say when a per-rollout copy lies elsewhere than the model's last one: a compiled decode step's
-    CUDA graphs read the weights where they were recorded, so torch records them anew for the moved copy (its
-    cost falls in this rollout's generate time)."""
-    if copies[0].device.type != "cuda":  # no CUDA graphs to record anew
-        return
-    places, last = tuple(t.data_ptr() for t in copies), _PLACES.get(causal_lm)
-    _PLACES[causal_lm] = places
-    compiled = getattr(causal_lm, HELD_KV_CACHE, None) is not None  # set by the model's compiled decode step
-    if last is not None and places != last and compiled:
-        logger.info("generation_weights dequantized: %d of %d dense copies lie elsewhere than in the last rollout; "
-                    "the compiled decode step records its CUDA graphs anew",
-                    sum(a != b for a, b in zip(places, last)), len(places))
 
 
 def _rows_for(parent: nn.Module, layer: nn.Module, adapter: str) -> int:
