@@ -249,15 +249,54 @@ def other(folder: Path) -> Row:
 
 
 def gpu_kit(folder: Path) -> Row:
-    """A part of the GPU kit (benchmarks/gpu/), collected from its archive: how many of its steps ran."""
+    """A part of the GPU kit (benchmarks/gpu/), collected from its archive: how many of its steps ran, and on a
+    GPU the figures its result files hold (each a revision's own where it is not the part's: a step the budget
+    cut keeps an earlier run's files)."""
     prov = _load(folder / "provenance.json") if (folder / "provenance.json").is_file() else {}
     steps = prov.get("steps") or {}
     ok = sum(1 for s in steps.values() if s.get("status") == "ok")
     seconds = prov.get("seconds")
     headline = f"{ok} of {len(steps)} steps ok" + ("" if seconds is None else f" in {seconds:.0f} s")
+    if not prov.get("smoke"):
+        headline = "; ".join([headline, *gpu_figures(folder, prov.get("git_revision") or "")])
     mode = "smoke, tiny preset on the CPU" if prov.get("smoke") else prov.get("model", "?")
     return Row((5, 0), f"GPU kit `{prov.get('part', folder.name)}` ({mode})", prov.get("command", "-"), headline,
                *_when(prov), f"{folder.name}/manifest.json")
+
+
+def gpu_figures(folder: Path, revision: str) -> list[str]:
+    """The headline figures of a GPU kit part's result files: a step against TRL's, decoding at 16 rows, the
+    estimator's whole-phase figures against the measured ones."""
+
+    def at(data: dict) -> str:
+        own = data.get("git_revision") or ""
+        return "" if not own or own == revision else f" (at `{own[:7]}`)"
+
+    figures = []
+    for path in sorted(folder.glob("*/ppo_vs_trl.json")):
+        data = _load(path)
+        sides = {name: (side.get("summary") or {}).get("step_s") for name, side in data["sides"].items()
+                 if side.get("status") == "ok"}
+        if sides.get("ours") and sides.get("trl"):
+            figures.append(f"PPO step {sides['ours']:.2f} s, TRL's {sides['trl']:.2f} s{at(data)}")
+    for path in sorted(folder.glob("*/grpo_vs_trl.json")):
+        data = _load(path)
+        ratios = data.get("ratios") or {}
+        if ratios.get("step_s_ours_over_trl") and ratios.get("peak_reserved_bytes_ours_over_trl"):
+            figures.append(f"GRPO step {ratios['step_s_ours_over_trl']:.2f}x TRL's, peak reserved "
+                           f"{ratios['peak_reserved_bytes_ours_over_trl']:.2f}x{at(data)}")
+    for path in sorted(folder.glob("*/decode.json")):
+        data = _load(path)
+        at_16 = [r for r in data.get("rows") or [] if r.get("batch") == 16 and r.get("ms_per_step")]
+        if at_16:
+            best = min(at_16, key=lambda r: r["ms_per_step"])
+            figures.append(f"decoding 16 rows {best['ms_per_step']:.2f} ms a step ({best['path']}, "
+                           f"{best.get('weights', 'quantized')}){at(data)}")
+    ratios = [p["total_ratio"] for path in sorted(folder.glob("*/vs_estimate.json"))
+              for p in _load(path)["phases"] if p.get("total_ratio") is not None]
+    if ratios:
+        figures.append(f"measured / estimated device memory per phase {min(ratios):.2f}-{max(ratios):.2f}")
+    return figures
 
 
 def activation_check(folder: Path) -> Row:

@@ -30,6 +30,37 @@ def test_the_ppo_row_reads_its_figures_from_the_result_file():
     assert f"step {ours:.2f} s, TRL {trl:.2f} s: {trl / ours:.2f}x" in row.headline
 
 
+def test_a_gpu_kit_row_names_the_figures_of_its_files_and_the_revision_of_a_kept_one(tmp_path):
+    """A GPU part's row: its steps, PPO against TRL (a file an earlier run kept names its own revision), the fastest
+    decode at 16 rows, and the range of measured over estimated device memory; a smoke run's row only its steps."""
+    import json
+
+    folder = tmp_path / "speed-llama-2-7b-nvidia-h200"
+    for sub in ("ppo_vs_trl", "decode", "grpo"):
+        (folder / sub).mkdir(parents=True)
+    steps = {"grpo": {"status": "ok", "seconds": 91.0}, "ppo_vs_trl": {"status": "cut", "seconds": 3.0}}
+    (folder / "manifest.json").write_text("{}")  # what marks a GPU kit part's folder
+    (folder / "provenance.json").write_text(json.dumps(
+        {"part": "speed", "model": "llama-2-7b", "smoke": False, "device_name": "NVIDIA H200", "date": "2026-11-27",
+         "command": "benchmarks/gpu/run.sh speed", "git_revision": "b" * 40, "seconds": 507.0, "steps": steps}))
+    side = lambda status, step_s: {"status": status, "summary": {"step_s": step_s}}  # noqa: E731
+    (folder / "ppo_vs_trl" / "ppo_vs_trl.json").write_text(json.dumps(
+        {"git_revision": "a" * 40, "sides": {"ours_eager": side("ok", 7.19), "ours": side("ok", 5.93),
+                                              "trl": side("ok", 21.01)}}))
+    (folder / "decode" / "decode.json").write_text(json.dumps({"git_revision": "b" * 40, "rows": [
+        {"path": "compiled", "weights": "fused", "batch": 16, "ms_per_step": 26.33},
+        {"path": "compiled", "weights": "dequantized", "batch": 16, "ms_per_step": 7.648},
+        {"path": "compiled", "weights": "dequantized", "batch": 1, "ms_per_step": 6.1}]}))
+    (folder / "grpo" / "vs_estimate.json").write_text(json.dumps(
+        {"phases": [{"total_ratio": 0.98}, {"total_ratio": 0.95}, {"total_ratio": None}]}))
+    assert rt.row_for(folder).headline == (
+        "1 of 2 steps ok in 507 s; PPO step 5.93 s, TRL's 21.01 s (at `aaaaaaa`); decoding 16 rows 7.65 ms a step "
+        "(compiled, dequantized); measured / estimated device memory per phase 0.95-0.98")
+    prov = json.loads((folder / "provenance.json").read_text())
+    (folder / "provenance.json").write_text(json.dumps({**prov, "smoke": True}))
+    assert rt.row_for(folder).headline == "1 of 2 steps ok in 507 s"
+
+
 @pytest.mark.parametrize("readme", list(rt.READMES), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_the_readme_table_equals_the_generator_output(readme):
     now, regenerated = rt.rewritten(readme, rt.RESULTS, rt.READMES[readme])
