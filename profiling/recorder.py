@@ -27,7 +27,6 @@ from profiling.tensors import TensorLedger, count_tensors
 # What the transient peak of a phase is, when the caller does not say (generate: the KV cache an eager decode
 # grows; where a compiled decode's cache is held and counted, `_build` names the rest activations).
 DEFAULT_TRANSIENT = {"generate": C.KV_CACHE, "optimizer_step": C.OPTIMIZER_TEMPORARIES}
-RAISED_IN = "_memory_phase_raised_in"  # (stage, phase) tagged on an error by the innermost phase it left
 
 
 @dataclass
@@ -153,13 +152,6 @@ class MemoryRecorder:
                     yield
             else:
                 yield
-        except BaseException as exc:
-            if not hasattr(exc, RAISED_IN):  # the innermost phase it left is where it rose; tagged on the error,
-                try:  # not kept here: a kept error would keep its frames' tensors alive past an OOM retry
-                    setattr(exc, RAISED_IN, (stage, name))
-                except (AttributeError, TypeError):
-                    pass
-            raise
         finally:
             seconds = time.perf_counter() - start
             self._open.pop()
@@ -288,15 +280,10 @@ class MemoryRecorder:
         self.records[key] = record
 
     # ---- results --------------------------------------------------------------------------------
-    def stopped(self, step: int, exc: BaseException) -> None:
-        """Say in the record that the run stopped at `step` on `exc`, and in which phase the error rose (the
-        innermost one it, or the error it was raised from, left; none when it rose outside every phase)."""
-        where, chain = None, exc
-        while chain is not None and where is None:
-            where = getattr(chain, RAISED_IN, None)
-            chain = chain.__cause__ or chain.__context__
+    def stopped(self, step: int, phase: Optional[str], exc: BaseException) -> None:
+        """Say in the record that the run stopped at `step`, in `phase` (None: outside every phase), on `exc`."""
         first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-        self.ended = {"step": step, "stage": where[0] if where else self.stage, "phase": where[1] if where else None,
+        self.ended = {"step": step, "stage": self.stage, "phase": phase,
                       "error": f"{type(exc).__name__}: {first_line}".rstrip(": ")}
 
     def needs_gpu(self) -> list[str]:

@@ -375,10 +375,11 @@ def test_sampling_that_can_learn_but_hardly_is_warned_about_once(caplog):
 
 # ---- a run that runs out of memory ---------------------------------------------------------------------
 
-def test_a_run_out_of_memory_keeps_its_memory_record_saying_where_it_stopped(tmp_path, monkeypatch,
+def test_a_run_out_of_memory_keeps_its_memory_record_saying_where_it_stopped(tmp_path, monkeypatch, capsys,
                                                                              fresh_accelerate_state):
-    """Out of memory in step 2's generation (as under a card's cap, the GPU kit's 12 GB and 8 GB runs): memory.json
-    still holds step 1's phases and says where the run stopped, and the GPU tables mark that phase."""
+    """Out of memory in step 2's generation (as under a card's cap, the GPU kit's 12 GB and 8 GB runs): one line
+    saying where and what to change; memory.json still holds step 1's phases and says where the run stopped, and
+    the GPU tables mark that phase."""
     import trainer.grpo as grpo
     import trainer.rl.rollout as rollout
     from benchmarks.gpu.collect import memory_rows
@@ -394,10 +395,15 @@ def test_a_run_out_of_memory_keeps_its_memory_record_saying_where_it_stopped(tmp
 
     monkeypatch.setattr(rollout, "decode", decode_out_of_memory_at_the_second_rollout)
     out = tmp_path / "result" / "grpo"
-    with pytest.raises(torch.OutOfMemoryError):
-        grpo.main(["--config", str(ROOT / "tests" / "configs" / "tiny_grpo.yaml"), "--output_dir", str(out),
-                   "--max_steps", "3", "--save_every", "0", "--eval_prompts", "0", "--profile_memory", "true"])
-    assert len(calls) == 3
+    with pytest.raises(SystemExit) as exit_info:
+        run(grpo.main, ["--config", str(ROOT / "tests" / "configs" / "tiny_grpo.yaml"), "--output_dir", str(out),
+                        "--max_steps", "3", "--save_every", "0", "--eval_prompts", "0", "--profile_memory", "true"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "Traceback" not in err and len(calls) == 3
+    assert error_lines(err) == [
+        "error: out of memory at step 2, in phase generate (CUDA out of memory. Tried to allocate 2.00 GiB): give "
+        "--memory_budget_gib (now 24) what the card leaves free, which the start-up check and plan then use, or "
+        f"lower --micro_batch_size, --rollout_micro_batch_size; the phases recorded until then: {out / 'memory.md'}"]
     memory = json.loads((out / "memory.json").read_text())
     assert memory["ended"] == {"step": 2, "stage": "grpo", "phase": "generate",
                                "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
@@ -412,24 +418,49 @@ def test_a_run_out_of_memory_keeps_its_memory_record_saying_where_it_stopped(tmp
     assert compared["ended"] == memory["ended"] and "The run stopped at step 2" in (out / "vs_estimate.md").read_text()
 
 
-def test_an_error_outside_every_phase_is_recorded_as_such_and_the_innermost_phase_names_the_error_it_raised():
-    from profiling.recorder import MemoryRecorder
+def test_out_of_memory_without_a_memory_record_is_one_line_and_still_an_out_of_memory_error(
+        tmp_path, monkeypatch, capsys, fresh_accelerate_state):
+    """SFT out of memory in step 2's optimizer step, not recording memory: the line names the phase and the flag
+    that would record it; the error is still torch's OutOfMemoryError to code that catches those (a benchmark's
+    side), and an error that is not about memory is raised as it was."""
+    import trainer.sft as sft
+    from trainer.engine.harness import OutOfMemory
 
-    recorder = MemoryRecorder("ppo", model=torch.nn.Linear(2, 2))
+    real_step, calls = torch.optim.AdamW.step, []
+
+    def step_out_of_memory_at_the_second(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: out of memory")
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_out_of_memory_at_the_second)
+    out = tmp_path / "run"
+    line = sft_error_line(capsys, out, "--max_steps", "3", "--save_every", "0", "--optimizer", "adamw_torch")
+    assert line == ("error: out of memory at step 2, in phase optimizer_step (CUDA error: out of memory): give "
+                    "--memory_budget_gib (now 24) what the card leaves free, which the start-up check and plan then "
+                    "use, or lower --micro_batch_size; --profile_memory true records each phase")
+    assert not (out / "memory.json").exists() and issubclass(OutOfMemory, torch.OutOfMemoryError)
+    calls.clear()
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: (_ for _ in ()).throw(KeyError("state")))
+    with pytest.raises(KeyError):
+        sft.main(sft_argv(tmp_path / "other", "--max_steps", "1", "--save_every", "0", "--optimizer", "adamw_torch"))
+
+
+def test_an_error_names_the_innermost_phase_it_left_or_the_error_it_was_raised_from():
+    from trainer.engine.phases import phase, raised_in
+
     with pytest.raises(InterruptedError) as raised:
-        with recorder.phase("update"):
-            with recorder.phase("optimizer_step"):
+        with phase("update"):
+            with phase("optimizer_step"):
                 raise InterruptedError("stop")
-    recorder.stopped(3, raised.value)
-    assert recorder.ended == {"step": 3, "stage": "ppo", "phase": "optimizer_step", "error": "InterruptedError: stop"}
+    assert raised_in(raised.value) == "optimizer_step"
     try:  # raised from an error a phase left: that phase; one raised outside every phase: none
         try:
-            with recorder.phase("generate"):
+            with phase("generate"):
                 raise torch.OutOfMemoryError("out")
         except torch.OutOfMemoryError:
             raise ValueError("retried and gave up") from None
     except ValueError as exc:
-        recorder.stopped(4, exc)
-    assert recorder.ended["phase"] == "generate" and recorder.ended["error"] == "ValueError: retried and gave up"
-    recorder.stopped(5, KeyError())
-    assert recorder.ended == {"step": 5, "stage": "ppo", "phase": None, "error": "KeyError"}
+        assert raised_in(exc) == "generate"
+    assert raised_in(KeyError()) is None

@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Optional, Protocol
 import torch
 
 from foundation.cli import InputError
+from foundation.settings import ONLINE_RL_STAGES
 from trainer.engine.batches import batch_stream, make_loader
 from trainer.engine.budget import context_at_start
 from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
@@ -31,13 +32,22 @@ from trainer.engine.metrics import (
     unusable_weights,
 )
 from trainer.engine.optim import build_loop_optimizer, schedule_for
-from trainer.engine.phases import phase, watching
+from trainer.engine.phases import phase, raised_in, watching
 
 logger = logging.getLogger(__name__)
 
 
 class TrainingDiverged(InputError):
     """Too many optimizer steps in a row had a NaN or inf loss or gradient, or a step made a parameter NaN/inf."""
+
+
+class OutOfMemory(InputError, torch.OutOfMemoryError):
+    """The device ran out of memory during a run: one line (step, phase, what to change); still an OOM error to
+    whoever catches those (a benchmark's side)."""
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
 @dataclass
@@ -202,22 +212,35 @@ class Harness:
             try:
                 return self._train(step_body)
             except Exception as exc:  # e.g. out of memory under a card's cap: the record says where it stopped
-                self._write_memory_record(exc)
+                where = raised_in(exc)
+                record = self._write_memory_record(exc, where)
+                if is_oom(exc) and not isinstance(exc, InputError):
+                    raise OutOfMemory(self._out_of_memory(exc, where, record)) from exc
+                if record:
+                    logger.info("the phases recorded until the run stopped: %s", record)
                 raise
 
-    def _write_memory_record(self, exc: Exception) -> None:
-        """memory.json and its report with the phases recorded so far and where the run stopped."""
+    def _write_memory_record(self, exc: Exception, where: Optional[str]) -> Optional[Path]:
+        """memory.json and its report with the phases recorded so far and where the run stopped: memory.md's path
+        (None: not recording, or not written)."""
         recorder = self.engine.recorder
-        recorder.stopped(self.step, exc)
+        recorder.stopped(self.step, where, exc)
         try:
             written = recorder.write(self.output_dir, config=flat_config(self.ctx.config()))
         except Exception as failure:  # the error that stopped the run is the one to raise
             logger.warning("the memory record of the stopped run was not written: %s", failure)
-            return
-        if written:
-            from profiling.report import stopped_where
+            return None
+        return written.get("md")
 
-            logger.error("%s; the phases recorded until then: %s", stopped_where(recorder.ended), written["md"])
+    def _out_of_memory(self, exc: Exception, where: Optional[str], record: Optional[Path]) -> str:
+        """The one line of a run out of memory: where, what to change, where the phases were recorded."""
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        rows = "--micro_batch_size" + (", --rollout_micro_batch_size" if self.stage in ONLINE_RL_STAGES else "")
+        seen = (f"; the phases recorded until then: {record}" if record else
+                "; --profile_memory true records each phase")
+        return (f"out of memory at step {self.step}{f', in phase {where}' if where else ''} ({detail}): give "
+                f"--memory_budget_gib (now {self.args.memory_budget_gib:g}) what the card leaves free, which the "
+                f"start-up check and plan then use, or lower {rows}{seen}")
 
     def _train(self, step_body: StepBody) -> dict[str, float]:
         from tqdm.auto import tqdm

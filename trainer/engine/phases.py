@@ -6,25 +6,45 @@ function carries a `phase=` argument.
     with watching(engine.recorder.phase): ...          # around the steps (the harness does this)
 
 A watcher is a context-manager factory `watcher(name, **options)`; options a watcher does not use (the
-recorder's `count_saved`) it ignores. Watchers nest in the order they subscribed.
+recorder's `count_saved`) it ignores. Watchers nest in the order they subscribed. An error out of a phase says
+which (`raised_in`): the innermost phase it left.
 """
 
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import Callable, ContextManager, Iterator
+from typing import Callable, ContextManager, Iterator, Optional
 
 Watcher = Callable[..., ContextManager]
 _watchers: list[Watcher] = []
+RAISED_IN = "_raised_in_phase"  # tagged on an error by the innermost phase it left (kept on the error, not here:
+# a kept error would keep its frames' tensors alive past an out-of-memory retry)
 
 
 @contextmanager
 def phase(name: str, **options) -> Iterator[None]:
     """Run the body as phase `name` under every watcher (none: just the body)."""
-    with ExitStack() as stack:
-        for watcher in list(_watchers):
-            stack.enter_context(watcher(name, **options))
-        yield
+    try:
+        with ExitStack() as stack:
+            for watcher in list(_watchers):
+                stack.enter_context(watcher(name, **options))
+            yield
+    except BaseException as exc:
+        if not hasattr(exc, RAISED_IN):
+            try:
+                setattr(exc, RAISED_IN, name)
+            except (AttributeError, TypeError):
+                pass
+        raise
+
+
+def raised_in(exc: BaseException) -> Optional[str]:
+    """The phase `exc`, or the error it was raised from, rose in (the innermost one it left); None: no phase."""
+    while exc is not None:
+        if hasattr(exc, RAISED_IN):
+            return getattr(exc, RAISED_IN)
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 @contextmanager

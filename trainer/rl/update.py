@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from foundation.cli import InputError
-from trainer.engine.harness import Engine
+from trainer.engine.harness import Engine, is_oom
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +97,6 @@ def _minibatch_steps(engine: Engine, state, update: Update, orders: list[torch.T
                 totals.sums[key] += float(value)
             totals.all_finite, totals.any_stepped = totals.all_finite and sound, totals.any_stepped or stepped
             totals.minibatches += 1
-
-
-def is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
 def halve_micro_batch(engine: Engine, state, stage: str, exc: BaseException) -> None:
