@@ -49,6 +49,37 @@ def families_table(args: EstimateArguments) -> str:
     return "\n".join(head + rows)
 
 
+def cards_table(shape, args: EstimateArguments, planned: set[str]) -> tuple[str, Optional[float]]:
+    """(a row per card size of `args.cards`: whether the run fits it as its memory_budget_gib, its peak, and the plan
+    a PPO / GRPO run with --auto_fit makes for it; the smallest card that holds it, or None)."""
+    plans = args.stage in ONLINE_RL_STAGES and auto_fit_on(args.auto_fit, args.device) and planned
+    rows, smallest = [], None
+    for gib in args.card_sizes():
+        at, plan = replace(args, memory_budget_gib=gib), None
+        if plans:
+            at, plan = planned_settings(shape, at, planned)
+        est = estimate(shape, at)
+        fits = est["fits"] and (plan is not None or not plans)
+        if fits and smallest is None:
+            smallest = gib
+        if plans and plan is None:
+            how = "nothing fits (the settings left auto estimated at their defaults)"
+        elif plan is not None:
+            offloads = [name for name in ("embeddings", "activations") if getattr(plan, f"offload_{name}")]
+            how = (f"{plan.rollout_micro_batch_size} rows a generate/score pass, micro-batch {plan.micro_batch_size}, "
+                   f"checkpointing {'on' if plan.gradient_checkpointing else 'off'}, offloaded: "
+                   f"{', '.join(offloads) or 'nothing'}; decode {plan.decode} from the {plan.generation_weights} "
+                   "weights")
+        else:
+            how = "the settings as given"
+        rows.append(f"| {gib:g} | {'yes' if fits else '**no**'} | {C.gib(est['peak_bytes'])} ({est['peak_phase']}) | "
+                    f"{how} |")
+    used = args.resolved()
+    head = [f"{shape.name}, stage {args.stage}, {used.quantization}, {used.optimizer}, LoRA r={args.lora_r}: each card "
+            "as memory_budget_gib (GiB)", "", "| card GiB | fits | peak GiB (phase) | settings |", "|---:|---|---|---|"]
+    return "\n".join(head + rows), smallest
+
+
 def parse_estimate(argv: list[str]) -> EstimateArguments:
     """The flags, over a stage's config file (`--config`): its model, data and train sections whole, and of
     its stage section the settings a run's memory depends on (its method's own are left out). A reward
@@ -72,6 +103,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     shape = resolve_shape(args)
     planned = set(PLANNABLE) - given(args)
+    if args.cards:
+        table, smallest = cards_table(shape, args, planned)
+        print(table)
+        print(f"smallest card that holds it: {smallest:g} GiB" if smallest is not None else
+              f"none of the cards holds it (largest {max(args.card_sizes()):g} GiB)")
+        return 0
     if args.stage in ONLINE_RL_STAGES and auto_fit_on(args.auto_fit, args.device) and planned:  # what the run plans at its start
         args, plan = planned_settings(shape, args, planned)
         print(plan.table() if plan else f"auto_fit: nothing fits memory_budget_gib={args.memory_budget_gib} with "

@@ -25,6 +25,17 @@ from profiling.optimizers import OPTIMIZERS, gradient_bytes, optimizer_bytes, st
 from profiling.shapes import DTYPE_BYTES, ModelShape, base_bytes, head_tensor_sizes, load_shape, lora_tensor_sizes
 
 
+def _card_sizes_problem(value: Optional[str]) -> Optional[str]:
+    """What is wrong with a --cards value (sizes in GiB, comma-separated), or None."""
+    if value is None:
+        return None
+    try:
+        sizes = [float(size) for size in value.split(",") if size.strip()]
+    except ValueError:
+        return "must be card sizes in GiB, comma-separated, e.g. 8,12,16,24"
+    return None if sizes and all(size > 0 for size in sizes) else "must name at least one size, each above 0"
+
+
 @dataclass(frozen=True)
 class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArguments, GRPOArguments):
     """A run's own settings - every field of its model, data, training and online-RL sections, with the run's
@@ -55,6 +66,10 @@ class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArgume
     models: Optional[str] = field(default=None, metadata={
         "help": "Several models, comma-separated: one summary row each (parameters, base weights, peak per phase) "
                 "instead of one model's full table."})
+    cards: Optional[str] = field(default=None, metadata={
+        "help": "Card sizes in GiB, comma-separated (e.g. 8,12,16,24): which of them hold the run, each as its "
+                "memory_budget_gib with the plan a PPO / GRPO run makes for it, and the smallest that does, instead "
+                "of one budget's table."})
     json: Optional[str] = field(default=None, metadata={"help": "Write the estimate as JSON to this file."})
     out_dir: Optional[str] = field(default=None, metadata={"help": "Write estimate.json/.md/.png here."})
 
@@ -64,7 +79,7 @@ class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArgume
     RULES = {**ModelArguments.RULES, **DataArguments.RULES, **TrainArguments.RULES, **PPOArguments.RULES,
              **GRPOArguments.RULES, "optimizer": one_of("auto", *OPTIMIZERS), "stage": one_of(*STAGES),
              "device": one_of("cuda", "cpu"), "cuda_context_gib": at_least(0), "cuda_kernels_gib": at_least(0),
-             "allocator_overhead": at_least(0),
+             "allocator_overhead": at_least(0), "cards": lambda name, value: _card_sizes_problem(value),
              "vocab_size": at_least(1), "hidden_size": at_least(1), "intermediate_size": at_least(1),
              "num_layers": at_least(1), "num_heads": at_least(1), "num_kv_heads": at_least(1), "head_dim": at_least(1)}
 
@@ -72,6 +87,10 @@ class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArgume
         """The run's checks between fields; GRPO's own only for a GRPO estimate."""
         DataArguments.check(self)
         (GRPOArguments if self.stage == "grpo" else RolloutArguments).check(self)
+
+    def card_sizes(self) -> list[float]:
+        """`cards` as sizes in GiB, smallest first."""
+        return sorted(float(size) for size in (self.cards or "").split(",") if size.strip())
 
     @property
     def budget_bytes(self) -> int:

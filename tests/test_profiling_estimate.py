@@ -468,6 +468,41 @@ def test_the_estimator_reads_a_stage_s_config_file_and_plans_what_it_leaves_auto
     assert "micro_batch_size 2  (set)" in capsys.readouterr().out
 
 
+def test_cards_lists_which_cards_hold_the_run_with_the_plan_each_gets_and_the_smallest(capsys):
+    """`--cards`: each size as the run's memory_budget_gib, planned as a CUDA run plans it; the smallest that holds
+    the run is the smallest the planner fits (PPO), and a stage the planner does not plan fits by its peak."""
+    import re
+
+    from profiling.estimate import main, parse_estimate
+    from profiling.plan import PLANNABLE, planned_settings
+
+    argv = ["--config", "trainer/configs/llama2_7b/ppo.yaml", "--stage", "ppo", "--model_name_or_path", "llama-2-7b"]
+    main([*argv, "--cards", "24,6,4,12"])
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| ([\d.]+) \| (yes|\*\*no\*\*) \| ([\d.]+) \((\w+)\) \| (.+) \|$", out, re.M)
+    assert [r[0] for r in rows] == ["4", "6", "12", "24"]
+    args = parse_estimate(argv)
+    shape = resolve_shape(args)
+    for gib, fits, peak, _, settings in rows:
+        planned, plan = planned_settings(shape, replace(args, memory_budget_gib=float(gib)), set(PLANNABLE))
+        assert (fits == "yes") == (plan is not None)
+        if plan is not None:
+            assert f"{plan.rollout_micro_batch_size} rows a generate/score pass, micro-batch {plan.micro_batch_size}" \
+                in settings and float(peak) == pytest.approx(plan.peak_bytes / 2**30, abs=1e-3)
+    smallest = min(float(r[0]) for r in rows if r[1] == "yes")
+    assert rows[0][1] == "**no**" and f"smallest card that holds it: {smallest:g} GiB" in out
+    main(["--model", "llama-2-7b", "--stage", "sft", "--quantization", "nf4", "--cards", "2,48"])
+    out = capsys.readouterr().out
+    assert "| 2 | **no** |" in out and "| 48 | yes |" in out and "the settings as given" in out
+    assert "smallest card that holds it: 48 GiB" in out
+    main(["--model", "llama-2-7b", "--stage", "sft", "--quantization", "none", "--cards", "1"])
+    assert "none of the cards holds it (largest 1 GiB)" in capsys.readouterr().out
+    from foundation.cli import UsageError
+
+    with pytest.raises(UsageError, match="--cards '8,x': must be card sizes in GiB"):
+        parse_estimate(["--cards", "8,x"])
+
+
 class FakeNvml:
     """pynvml's calls cuda_context_bytes makes, with this process holding `used` bytes by NVML's count."""
 
