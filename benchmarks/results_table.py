@@ -275,7 +275,7 @@ def gpu_figures(folder: Path, revision: str) -> list[str]:
     figures = []
     for path in sorted(folder.glob("*/ppo_vs_trl.json")):
         data = _load(path)
-        sides = {name: (side.get("summary") or {}).get("step_s") for name, side in data["sides"].items()
+        sides = {name: (side.get("summary") or {}).get("step_s") for name, side in (data.get("sides") or {}).items()
                  if side.get("status") == "ok"}
         if sides.get("ours") and sides.get("trl"):
             figures.append(f"PPO step {sides['ours']:.2f} s, TRL's {sides['trl']:.2f} s{at(data)}")
@@ -293,7 +293,7 @@ def gpu_figures(folder: Path, revision: str) -> list[str]:
             figures.append(f"decoding 16 rows {best['ms_per_step']:.2f} ms a step ({best['path']}, "
                            f"{best.get('weights', 'quantized')}){at(data)}")
     ratios = [p["total_ratio"] for path in sorted(folder.glob("*/vs_estimate.json"))
-              for p in _load(path)["phases"] if p.get("total_ratio") is not None]
+              for p in _load(path).get("phases") or [] if p.get("total_ratio") is not None]
     if ratios:
         figures.append(f"measured / estimated device memory per phase {min(ratios):.2f}-{max(ratios):.2f}")
     return figures

@@ -284,6 +284,11 @@ def main_process() -> bool:
 MAX_ERROR_CHARS = 2000
 
 
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """An error's message, its first line (at most `limit` characters), or its type's name where it has none."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:limit]
+
+
 def run(main: Callable[[Optional[list[str]]], Any], argv: Optional[list[str]] = None) -> Any:
     """Call an entry point's `main`; our errors end the process with one line and exit code 2 or 1."""
     try:

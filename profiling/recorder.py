@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from foundation.cli import first_line
 from foundation.settings import ONLINE_RL_STAGES
 from profiling import components as C
 from profiling import device as D
@@ -282,9 +283,9 @@ class MemoryRecorder:
     # ---- results --------------------------------------------------------------------------------
     def stopped(self, step: int, phase: Optional[str], exc: BaseException) -> None:
         """Say in the record that the run stopped at `step`, in `phase` (None: outside every phase), on `exc`."""
-        first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+        message = first_line(exc)
         self.ended = {"step": step, "stage": self.stage, "phase": phase,
-                      "error": f"{type(exc).__name__}: {first_line}".rstrip(": ")}
+                      "error": type(exc).__name__ + (f": {message}" if message != type(exc).__name__ else "")}
 
     def needs_gpu(self) -> list[str]:
         """Components this run could not measure, by name (empty on CUDA)."""

@@ -715,21 +715,28 @@ def test_a_compiled_step_counts_a_placing_of_the_dense_copies_only_where_no_earl
     """CUDA graphs read fixed addresses: a per-rollout copy at new ones has the step's graphs recorded anew (said in
     the log, with that decode's time), one back where an earlier decode of as many rows found it replays theirs."""
     from types import SimpleNamespace
+    from unittest import mock
 
     from profiling.tensors import HELD_GENERATION_WEIGHTS
     from trainer.model.decode import _Compiled
 
-    compiled, model = SimpleNamespace(placings={}), SimpleNamespace()
+    compiled, model = SimpleNamespace(placings={}, caches={}), SimpleNamespace()
     a, b = [torch.zeros(4), torch.zeros(2)], [torch.zeros(4), torch.zeros(2)]
 
-    def placing(copies, rows=8):
+    def placing(copies, rows=8, adapter="policy"):
         setattr(model, HELD_GENERATION_WEIGHTS, copies)
-        return _Compiled.placing(compiled, model, rows)
+        return _Compiled.placing(compiled, model, rows, adapter)
 
     assert [placing(a), placing(a), placing(b), placing(a), placing(b)] == [0, 0, 2, 0, 0]
     assert placing([torch.zeros(1)]) == 3 and placing(a, rows=16) == 0  # the first decode of 16 rows records anyway
+    assert placing(a, adapter="reference") == 0 and placing(b, adapter="reference") == 2  # its own LoRA copies
     delattr(model, HELD_GENERATION_WEIGHTS)  # decoding from the 4-bit weights: nothing to place
-    assert _Compiled.placing(compiled, model, 1) == 0 == _Compiled.placing(compiled, model, 1)
+    assert _Compiled.placing(compiled, model, 1, "policy") == 0 == _Compiled.placing(compiled, model, 1, "policy")
+    config = SimpleNamespace(num_hidden_layers=1)  # a longer rollout: a new cache, so every graph is recorded anew
+    compiled.caches[8] = (128, None)
+    with mock.patch("transformers.StaticCache", lambda **kwargs: "cache"):
+        assert _Compiled.cache(compiled, SimpleNamespace(config=config), 8, 200) == (256, "cache")
+    assert placing(b) == 0 and placing(a) == 2 and placing(a, rows=16) == 0
 
 
 def test_fewer_rows_than_a_compiled_batch_decode_in_its_graph_and_cache(tiny):

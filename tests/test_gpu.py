@@ -546,7 +546,7 @@ def test_on_cuda_a_per_rollout_copy_that_lies_elsewhere_is_decoded_from_where_it
         with torch.no_grad():
             for copy in made:  # the old copies' memory no longer holds the weights
                 copy.weight.fill_(float("nan"))
-        with caplog.at_level(logging.INFO, logger="trainer.model.decode_weights"):
+        with caplog.at_level(logging.INFO, logger="trainer.model.decode"):
             moved = run_decode(model, ids, torch.ones_like(ids), sampling, 2, 0)
     made.clear()
     assert "the dense copies lie where no earlier decode found them (placing 2)" in caplog.text

@@ -401,9 +401,10 @@ def test_a_run_out_of_memory_keeps_its_memory_record_saying_where_it_stopped(tmp
     err = capsys.readouterr().err
     assert exit_info.value.code == 1 and "Traceback" not in err and len(calls) == 3
     assert error_lines(err) == [
-        "error: out of memory at step 2, in phase generate (CUDA out of memory. Tried to allocate 2.00 GiB): give "
-        "--memory_budget_gib (now 24) what the card leaves free, which the start-up check and plan then use, or "
-        f"lower --micro_batch_size, --rollout_micro_batch_size; the phases recorded until then: {out / 'memory.md'}"]
+        "error: out of memory at step 2, in phase generate (CUDA out of memory. Tried to allocate 2.00 GiB): set "
+        "--memory_budget_gib (now 24) to what the card leaves free, which the start-up check then holds the run to, "
+        "or lower --micro_batch_size, --rollout_micro_batch_size or --generation_weights quantized; the phases "
+        f"recorded until then: {out / 'memory.md'}"]
     memory = json.loads((out / "memory.json").read_text())
     assert memory["ended"] == {"step": 2, "stage": "grpo", "phase": "generate",
                                "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
@@ -437,14 +438,39 @@ def test_out_of_memory_without_a_memory_record_is_one_line_and_still_an_out_of_m
     monkeypatch.setattr(torch.optim.AdamW, "step", step_out_of_memory_at_the_second)
     out = tmp_path / "run"
     line = sft_error_line(capsys, out, "--max_steps", "3", "--save_every", "0", "--optimizer", "adamw_torch")
-    assert line == ("error: out of memory at step 2, in phase optimizer_step (CUDA error: out of memory): give "
-                    "--memory_budget_gib (now 24) what the card leaves free, which the start-up check and plan then "
-                    "use, or lower --micro_batch_size; --profile_memory true records each phase")
+    assert line == ("error: out of memory at step 2, in phase optimizer_step (CUDA error: out of memory): set "
+                    "--memory_budget_gib (now 24) to what the card leaves free, which the start-up check then holds "
+                    "the run to, or lower --micro_batch_size; --profile_memory true records each phase")
     assert not (out / "memory.json").exists() and issubclass(OutOfMemory, torch.OutOfMemoryError)
     calls.clear()
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: (_ for _ in ()).throw(KeyError("state")))
     with pytest.raises(KeyError):
         sft.main(sft_argv(tmp_path / "other", "--max_steps", "1", "--save_every", "0", "--optimizer", "adamw_torch"))
+
+
+@pytest.mark.parametrize("stage, where, check, profile, rank, expected", [
+    ("sft", "evaluate", True, False, 0, "at step 3, in phase evaluate (CUDA out of memory): set --memory_budget_gib "
+     "(now 12) to what the card leaves free, which the start-up check then holds the run to, or lower "
+     "--eval_batch_size; --profile_memory true records each phase"),
+    ("ppo", "score", True, True, 0, "at step 3, in phase score (CUDA out of memory): set --memory_budget_gib (now 12) "
+     "to what the card leaves free, which the start-up check and plan then hold the run to, or lower "
+     "--micro_batch_size, --rollout_micro_batch_size"),
+    ("dpo", None, False, True, 1, "at step 3 (CUDA out of memory): lower --micro_batch_size"),
+], ids=["sft-evaluate", "ppo-planned", "dpo-unchecked-rank-1"])
+def test_the_out_of_memory_line_names_what_the_stage_and_phase_can_change(stage, where, check, profile, rank, expected,
+                                                                          caplog):
+    """The flags the line names are the stage's and the phase's; the budget only where the start-up check reads
+    it, the plan only where one is made (PPO / GRPO on CUDA); a rank other than the first logs its line."""
+    from trainer.engine.harness import Harness
+
+    accelerator = SimpleNamespace(device=torch.device("cuda"), is_main_process=rank == 0, process_index=rank)
+    harness = SimpleNamespace(stage=stage, step=3, accelerator=accelerator,
+                              ctx=SimpleNamespace(stage_args=SimpleNamespace(auto_fit=None)),
+                              args=SimpleNamespace(memory_budget_gib=12.0, check_budget=check, profile_memory=profile))
+    with caplog.at_level(logging.ERROR, logger="trainer.engine.harness"):
+        line = Harness._out_of_memory(harness, torch.OutOfMemoryError("CUDA out of memory"), where, None)
+    assert line == "out of memory " + expected
+    assert [r.getMessage() for r in caplog.records] == ([f"rank 1: {line}"] if rank else [])
 
 
 def test_an_error_names_the_innermost_phase_it_left_or_the_error_it_was_raised_from():
@@ -464,3 +490,6 @@ def test_an_error_names_the_innermost_phase_it_left_or_the_error_it_was_raised_f
     except ValueError as exc:
         assert raised_in(exc) == "generate"
     assert raised_in(KeyError()) is None
+    first, second = ValueError("a"), ValueError("b")  # a cycle of causes ends the walk
+    first.__cause__, second.__cause__ = second, first
+    assert raised_in(first) is None

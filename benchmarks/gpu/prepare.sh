@@ -42,9 +42,9 @@ if (( total_mib >= LIMIT_MIB )); then
 fi
 cat <<EOF
 
-Ready (revision $rev). On the GPU machine (the run tool, carry [".whl", ".data"], timeout_s 570):
+Ready (revision $rev). On the GPU machine (the run tool, carry [".whl", ".data"], timeout_s 600):
 
-  benchmarks/gpu/run.sh --budget_s 520 speed
+  benchmarks/gpu/run.sh --budget_s 480 speed
 
 then the next part in benchmarks/gpu/README.md's order, one per session, and \`check\` with what time is left.
 Each writes \$OUT/PART-llama-2-7b-GPU.tar.gz; back here:

@@ -21,8 +21,9 @@ from typing import Callable, Iterator, Optional, Protocol
 
 import torch
 
-from foundation.cli import InputError
+from foundation.cli import InputError, first_line
 from foundation.settings import ONLINE_RL_STAGES
+from profiling.plan import auto_fit_on
 from trainer.engine.batches import batch_stream, make_loader
 from trainer.engine.budget import context_at_start
 from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
@@ -211,7 +212,7 @@ class Harness:
         with watching(self.engine.recorder.phase):
             try:
                 return self._train(step_body)
-            except Exception as exc:  # e.g. out of memory under a card's cap: the record says where it stopped
+            except BaseException as exc:  # out of memory under a card's cap, Ctrl-C: the record says where it stopped
                 where = raised_in(exc)
                 record = self._write_memory_record(exc, where)
                 if is_oom(exc) and not isinstance(exc, InputError):
@@ -220,7 +221,7 @@ class Harness:
                     logger.info("the phases recorded until the run stopped: %s", record)
                 raise
 
-    def _write_memory_record(self, exc: Exception, where: Optional[str]) -> Optional[Path]:
+    def _write_memory_record(self, exc: BaseException, where: Optional[str]) -> Optional[Path]:
         """memory.json and its report with the phases recorded so far and where the run stopped: memory.md's path
         (None: not recording, or not written)."""
         recorder = self.engine.recorder
@@ -233,20 +234,36 @@ class Harness:
         return written.get("md")
 
     def _out_of_memory(self, exc: Exception, where: Optional[str], record: Optional[Path]) -> str:
-        """The one line of a run out of memory: where, what to change, where the phases were recorded."""
-        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        rows = "--micro_batch_size" + (", --rollout_micro_batch_size" if self.stage in ONLINE_RL_STAGES else "")
+        """The one line of a run out of memory: where, what to change, where the phases were recorded (logged on
+        a rank other than the first, whose lines the command line does not print)."""
+        online = self.stage in ONLINE_RL_STAGES
+        if where == "evaluate" and not online:
+            lower = "--eval_batch_size"
+        elif online:
+            lower = "--micro_batch_size, --rollout_micro_batch_size" + (
+                " or --generation_weights quantized" if where == "generate" else "")
+        else:
+            lower = "--micro_batch_size"
+        planned = online and auto_fit_on(getattr(self.ctx.stage_args, "auto_fit", None),
+                                         self.accelerator.device.type)
+        holds = " and plan" if planned else ""
+        budget = (f"set --memory_budget_gib (now {self.args.memory_budget_gib:g}) to what the card leaves free, "
+                  f"which the start-up check{holds} then hold{'' if planned else 's'} the run to, or lower "
+                  if self.args.check_budget else "lower ")
         seen = (f"; the phases recorded until then: {record}" if record else
-                "; --profile_memory true records each phase")
-        return (f"out of memory at step {self.step}{f', in phase {where}' if where else ''} ({detail}): give "
-                f"--memory_budget_gib (now {self.args.memory_budget_gib:g}) what the card leaves free, which the "
-                f"start-up check and plan then use, or lower {rows}{seen}")
+                "" if self.args.profile_memory else "; --profile_memory true records each phase")
+        line = (f"out of memory at step {self.step}{f', in phase {where}' if where else ''} ({first_line(exc, 200)}): "
+                f"{budget}{lower}{seen}")
+        if not self.accelerator.is_main_process:
+            logger.error("rank %d: %s", self.accelerator.process_index, line)
+        return line
 
     def _train(self, step_body: StepBody) -> dict[str, float]:
         from tqdm.auto import tqdm
 
         args, acc, engine = self.args, self.accelerator, self.engine
         start = self._resume()
+        self.step = start  # an error before the first step taken here is at the step the run resumed from
         if acc.log_with:  # the trackers make_accelerator checked; wandb's files go into the run folder too
             acc.init_trackers(self.stage, config=flat_config(self.ctx.config()),
                               init_kwargs={"wandb": {"dir": str(self.ctx.output_dir)}})

@@ -24,11 +24,18 @@ RAISED_IN = "_raised_in_phase"  # tagged on an error by the innermost phase it l
 @contextmanager
 def phase(name: str, **options) -> Iterator[None]:
     """Run the body as phase `name` under every watcher (none: just the body)."""
+    with errors_in(name), ExitStack() as stack:
+        for watcher in list(_watchers):
+            stack.enter_context(watcher(name, **options))
+        yield
+
+
+@contextmanager
+def errors_in(name: str) -> Iterator[None]:
+    """The errors out of the body rose in phase `name` (unless an inner phase said where): for work that belongs
+    to a phase but runs before the watchers count it (a rollout's dense weight copy, made before generate's)."""
     try:
-        with ExitStack() as stack:
-            for watcher in list(_watchers):
-                stack.enter_context(watcher(name, **options))
-            yield
+        yield
     except BaseException as exc:
         if not hasattr(exc, RAISED_IN):
             try:
@@ -38,11 +45,13 @@ def phase(name: str, **options) -> Iterator[None]:
         raise
 
 
-def raised_in(exc: BaseException) -> Optional[str]:
+def raised_in(exc: Optional[BaseException]) -> Optional[str]:
     """The phase `exc`, or the error it was raised from, rose in (the innermost one it left); None: no phase."""
-    while exc is not None:
+    seen = set()
+    while exc is not None and id(exc) not in seen:  # `raise a from b` after `raise b from a` makes a cycle
         if hasattr(exc, RAISED_IN):
             return getattr(exc, RAISED_IN)
+        seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return None
 

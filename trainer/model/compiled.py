@@ -14,6 +14,8 @@ from functools import partial
 
 import torch
 
+from foundation.cli import first_line
+
 logger = logging.getLogger(__name__)
 
 
@@ -106,7 +108,7 @@ class CompiledLayer:
                 except TorchDynamoException as err:  # a graph break, an op it cannot trace: the other path
                     # traces the same code, so whatever it cannot do either surfaces there
                     self.whole = False
-                    reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                    reason = first_line(err, 1000)
                     _warn_once(f"--compile_layers: {type(layer).__name__} does not compile with its checkpoint "
                                f"({reason}); its forward compiles inside the eager checkpoint instead")
             return layer._gradient_checkpointing_func(partial(self.compiled, layer, **kwargs), *args)

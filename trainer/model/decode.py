@@ -234,7 +234,8 @@ class _Compiled:
                    "post_grad_custom_pre_pass": SharedProducts()}
         self.step = torch.compile(_own_copy(_step), options=options, fullgraph=False)
         self.caches: dict[int, tuple[int, object]] = {}
-        self.placings: dict[int, set[tuple[int, ...]]] = {}  # batch size -> where its decodes found the dense copies
+        # (batch size, adapter) -> where its decodes found the dense copies, since its cache was made
+        self.placings: dict[tuple[int, str], set[tuple[int, ...]]] = {}
         setattr(causal_lm, HELD_KV_CACHE, self)  # a memory record counts the caches as kv_cache in every phase
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -253,13 +254,14 @@ class _Compiled:
         compiled step and its cache serve them), else `batch` itself."""
         return min((rows for rows in self.caches if rows >= batch), default=batch)
 
-    def placing(self, causal_lm, batch: int) -> int:
+    def placing(self, causal_lm, batch: int, adapter: str) -> int:
         """0 where the dense copies the step reads (`generation_weights`) lie where an earlier decode of `batch`
-        rows found them, or there are none (the step's CUDA graphs recorded there are replayed), else how many
-        placings its decodes have found, this one counted: a new one has its CUDA graphs recorded anew, which
-        torch keeps beside the earlier ones."""
+        rows of `adapter` (whose LoRA copies it reads) found them since its cache was made, or there are none
+        (the step's CUDA graphs recorded there are replayed), else how many placings those decodes have found,
+        this one counted: a new one has its CUDA graphs recorded anew, which torch keeps beside the earlier
+        ones."""
         places = tuple(w.data_ptr() for w in getattr(causal_lm, HELD_GENERATION_WEIGHTS, None) or ())
-        seen = self.placings.setdefault(batch, set())
+        seen = self.placings.setdefault((batch, adapter), set())
         new = bool(seen) and places not in seen
         seen.add(places)
         return len(seen) if new else 0
@@ -271,6 +273,7 @@ class _Compiled:
         if held is None or held[0] < length:
             length = -(-length // CACHE_ROUND) * CACHE_ROUND
             self.caches[batch] = held = (length, StaticCache(config=causal_lm.config, max_cache_len=length))
+            self.placings = {key: seen for key, seen in self.placings.items() if key[0] != batch}  # recorded anew
         else:
             held[1].reset()
         return held
@@ -329,7 +332,7 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling:
                 lora_compute_copies(model, adapter, device.type, keep=sampling.decode == "compiled"), \
                 decode_attention(model.causal_lm):
             try:
-                return _decode(model.causal_lm, prompt_ids, prompt_mask, sampling, eos_id, pad_id)
+                return _decode(model.causal_lm, prompt_ids, prompt_mask, sampling, eos_id, pad_id, adapter)
             except compile_errors() as exc:
                 held = _COMPILED.get(model.causal_lm)
                 if sampling.decode != "compiled" or held is None or not held.regions:
@@ -337,12 +340,13 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling:
                 logger.warning("decode compiled: the decoder layers did not compile as one reused region (%s: %s); "
                                "compiling the step whole", type(exc).__name__, " ".join(str(exc).split())[:200])
                 compile_anew(model.causal_lm, regions=False)
-                return _decode(model.causal_lm, prompt_ids, prompt_mask, sampling, eos_id, pad_id)
+                return _decode(model.causal_lm, prompt_ids, prompt_mask, sampling, eos_id, pad_id, adapter)
     finally:
         model.train(was_training)
 
 
-def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int, pad_id: int) -> Decoded:
+def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int, pad_id: int,
+            adapter: str = POLICY) -> Decoded:
     from transformers import DynamicCache
 
     batch, prompt_length = prompt_ids.shape
@@ -356,8 +360,8 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
             prompt_ids = torch.cat([prompt_ids, prompt_ids[:1].expand(batch - live, -1)])
             prompt_mask = torch.cat([prompt_mask, prompt_mask[:1].expand(batch - live, -1)])
         first_call = batch not in compiled.caches
-        placing = compiled.placing(causal_lm, batch) if device.type == "cuda" else 0
         length, cache = compiled.cache(causal_lm, batch, prompt_length + new)
+        placing = compiled.placing(causal_lm, batch, adapter) if device.type == "cuda" else 0
         step = compiled.step
     else:
         length, cache, step = prompt_length + new, DynamicCache(config=causal_lm.config), _step

@@ -27,7 +27,7 @@ from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from foundation.stages import POLICY
-from profiling.tensors import HELD_DECODE_LORA, HELD_GENERATION_WEIGHTS, HELD_KV_CACHE, HELD_SWAPPED_OUT
+from profiling.tensors import HELD_DECODE_LORA, HELD_GENERATION_WEIGHTS, HELD_SWAPPED_OUT
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 
 from foundation.stages import POLICY
 from profiling.decode import sync
-from trainer.engine.phases import phase
+from trainer.engine.phases import errors_in, phase
 from trainer.model.decode import Sampling, decode
 from trainer.model.decode_weights import generation_weights
 from trainer.rl.rewards import Scorer
@@ -165,7 +165,7 @@ def _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, 
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
     # One copy of the generation weights for every chunk, made before the phase's entry count: the memory
     # record shows it as its own component, not inside the KV cache's transient peak.
-    with generation_weights(model.causal_lm, sampling.generation_weights), phase("generate"):
+    with errors_in("generate"), generation_weights(model.causal_lm, sampling.generation_weights), phase("generate"):
         sync(prompt_ids.device)
         started = time.perf_counter()
         samples = sample_in_chunks(model, prompt_ids, prompt_mask, sampling, eos_id, pad_id, rows, with_logprobs=True)
