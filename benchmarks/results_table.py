@@ -122,6 +122,19 @@ def estimate(folder: Path) -> Row:
                f"{folder.name}/estimate.md")
 
 
+def cards(folder: Path) -> Row:
+    """Which card sizes hold a recipe, by the estimator (`profiling.estimate --cards --out_dir`)."""
+    record = _load(folder / "cards.json")
+    fits = [f"{r['card_gib']:g}" for r in record["rows"] if r["fits"]]
+    left = [f"{r['card_gib']:g}" for r in record["rows"] if not r["fits"]]
+    smallest = record.get("smallest_gib")
+    headline = (f"smallest card that holds it: {smallest:g} GiB" if smallest is not None else "no card listed holds it")
+    headline += f" (fits {', '.join(fits) or 'none'}; not {', '.join(left) or 'none'})"
+    return Row((2, 1), "cards that hold a recipe (`profiling.estimate --cards`, a prediction)",
+               f"{record['model']} {record['stage']}: `{record['command']}`", headline, *_when(record),
+               f"{folder.name}/cards.md")
+
+
 def _stage_figure(folder: Path, stage: str) -> Optional[str]:
     """The held-out figure of one stage of a training run: before -> after, or the final evaluation."""
     res = _load(folder / stage / "results.json")
@@ -337,7 +350,7 @@ def arithmetic_task(folder: Path) -> Row:
 
 
 KINDS: list[tuple[str, Callable[[Path], Row]]] = [  # the file that marks a folder's kind, in the order tried
-    ("manifest.json", gpu_kit), ("activation_check.json", activation_check), ("ppo_vs_trl.json", ppo_vs_trl), ("stages_vs_trl.json", stages_vs_trl), ("estimate.json", estimate),
+    ("manifest.json", gpu_kit), ("activation_check.json", activation_check), ("ppo_vs_trl.json", ppo_vs_trl), ("stages_vs_trl.json", stages_vs_trl), ("estimate.json", estimate), ("cards.json", cards),
     ("arithmetic.json", arithmetic_task), ("result.json", probe)]
 
 

@@ -14,6 +14,7 @@ import json
 import shlex
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Optional
 
 from foundation.cli import given, parse, run
@@ -49,35 +50,51 @@ def families_table(args: EstimateArguments) -> str:
     return "\n".join(head + rows)
 
 
-def cards_table(shape, args: EstimateArguments, planned: set[str]) -> tuple[str, Optional[float]]:
-    """(a row per card size of `args.cards`: whether the run fits it as its memory_budget_gib, its peak, and the plan
-    a PPO / GRPO run with --auto_fit makes for it; the smallest card that holds it, or None)."""
-    plans = args.stage in ONLINE_RL_STAGES and auto_fit_on(args.auto_fit, args.device) and planned
-    rows, smallest = [], None
+def card_fits(shape, args: EstimateArguments, planned: set[str]) -> dict:
+    """Which card sizes of `args.cards` hold the run, each as its memory_budget_gib with the plan a PPO / GRPO run
+    with --auto_fit makes for it: {"rows": [{card_gib, fits, peak_bytes, peak_phase, plan (settings or None)}],
+    "smallest_gib": the smallest that holds it, or None}."""
+    plans = bool(args.stage in ONLINE_RL_STAGES and auto_fit_on(args.auto_fit, args.device) and planned)
+    rows = []
     for gib in args.card_sizes():
         at, plan = replace(args, memory_budget_gib=gib), None
         if plans:
             at, plan = planned_settings(shape, at, planned)
         est = estimate(shape, at)
-        fits = est["fits"] and (plan is not None or not plans)
-        if fits and smallest is None:
-            smallest = gib
-        if plans and plan is None:
-            how = "nothing fits (the settings left auto estimated at their defaults)"
-        elif plan is not None:
-            offloads = [name for name in ("embeddings", "activations") if getattr(plan, f"offload_{name}")]
-            how = (f"{plan.rollout_micro_batch_size} rows a generate/score pass, micro-batch {plan.micro_batch_size}, "
-                   f"checkpointing {'on' if plan.gradient_checkpointing else 'off'}, offloaded: "
-                   f"{', '.join(offloads) or 'nothing'}; decode {plan.decode} from the {plan.generation_weights} "
-                   "weights")
-        else:
-            how = "the settings as given"
-        rows.append(f"| {gib:g} | {'yes' if fits else '**no**'} | {C.gib(est['peak_bytes'])} ({est['peak_phase']}) | "
-                    f"{how} |")
+        rows.append({"card_gib": gib, "fits": bool(est["fits"] and (plan is not None or not plans)),
+                     "peak_bytes": est["peak_bytes"], "peak_phase": est["peak_phase"], "planned": plans,
+                     "plan": plan.settings() if plan is not None else None})
+    return {"rows": rows, "smallest_gib": next((r["card_gib"] for r in rows if r["fits"]), None)}
+
+
+def cards_markdown(shape, args: EstimateArguments, cards: dict) -> str:
+    """`card_fits`' rows as a table, and the smallest card's line."""
+
+    def how(row: dict) -> str:
+        plan = row["plan"]
+        if plan is None:
+            return "nothing fits (the settings left auto estimated at their defaults)" if row["planned"] else \
+                "the settings as given"
+        offloads = [name for name in ("embeddings", "activations") if plan[f"offload_{name}"]]
+        return (f"{plan['rollout_micro_batch_size']} rows a generate/score pass, micro-batch "
+                f"{plan['micro_batch_size']}, checkpointing {'on' if plan['gradient_checkpointing'] else 'off'}, "
+                f"offloaded: {', '.join(offloads) or 'nothing'}; decode {plan['decode']} from the "
+                f"{plan['generation_weights']} weights")
+
     used = args.resolved()
-    head = [f"{shape.name}, stage {args.stage}, {used.quantization}, {used.optimizer}, LoRA r={args.lora_r}: each card "
-            "as memory_budget_gib (GiB)", "", "| card GiB | fits | peak GiB (phase) | settings |", "|---:|---|---|---|"]
-    return "\n".join(head + rows), smallest
+    lines = [f"{shape.name}, stage {args.stage}, {used.quantization}, {used.optimizer}, LoRA r={args.lora_r}: each "
+             "card as memory_budget_gib (GiB)", "", "| card GiB | fits | peak GiB (phase) | settings |",
+             "|---:|---|---|---|"]
+    lines += [f"| {r['card_gib']:g} | {'yes' if r['fits'] else '**no**'} | {C.gib(r['peak_bytes'])} "
+              f"({r['peak_phase']}) | {how(r)} |" for r in cards["rows"]]
+    smallest = cards["smallest_gib"]
+    lines += ["", f"smallest card that holds it: {smallest:g} GiB" if smallest is not None else
+              f"none of the cards holds it (largest {max(args.card_sizes()):g} GiB)"]
+    return "\n".join(lines)
+
+
+def _command(argv: list[str]) -> str:
+    return "python -m profiling.estimate " + " ".join(shlex.quote(a) for a in argv)
 
 
 def parse_estimate(argv: list[str]) -> EstimateArguments:
@@ -104,10 +121,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     shape = resolve_shape(args)
     planned = set(PLANNABLE) - given(args)
     if args.cards:
-        table, smallest = cards_table(shape, args, planned)
+        cards = card_fits(shape, args, planned)
+        table = cards_markdown(shape, args, cards)
         print(table)
-        print(f"smallest card that holds it: {smallest:g} GiB" if smallest is not None else
-              f"none of the cards holds it (largest {max(args.card_sizes()):g} GiB)")
+        if args.out_dir:  # the estimator's answer to "which card?", with its provenance, for the results
+            record = {**provenance(command=_command(argv)), "device": "estimate",
+                      "device_name": f"estimate for {args.device}", "model": shape.name, "stage": args.stage, **cards}
+            out = Path(args.out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            write_atomic(out / "cards.json", json.dumps(record, indent=2) + "\n")
+            write_atomic(out / "cards.md", f"# Which cards hold it: {shape.name} {args.stage} (an estimate)\n\n"
+                         f"- date: {record['date']}\n- git revision: `{record['git_revision']}`\n"
+                         f"- command: `{record['command']}`\n\n{table}\n")
+            print(f"wrote {out / 'cards.json'} and cards.md")
         return 0
     if args.stage in ONLINE_RL_STAGES and auto_fit_on(args.auto_fit, args.device) and planned:  # what the run plans at its start
         args, plan = planned_settings(shape, args, planned)
@@ -115,8 +141,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               "the settings given; the settings left auto are estimated at their defaults")
     est = estimate(shape, args)
     used = args.resolved()
-    command = "python -m profiling.estimate " + " ".join(shlex.quote(a) for a in argv)
-    est.update({k: v for k, v in provenance(command=command).items() if k not in est})
+    est.update({k: v for k, v in provenance(command=_command(argv)).items() if k not in est})
     est["device"], est["device_name"] = "estimate", f"estimate for {args.device}"
     print(f"{shape.name} ({shape.total_params() / 1e9:.2f}B parameters), stage {args.stage}, "
           f"{used.quantization}, {used.dtype}, {used.optimizer}, checkpointing "

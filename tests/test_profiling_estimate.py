@@ -503,6 +503,22 @@ def test_cards_lists_which_cards_hold_the_run_with_the_plan_each_gets_and_the_sm
         parse_estimate(["--cards", "8,x"])
 
 
+def test_cards_with_out_dir_writes_the_answer_with_its_provenance(tmp_path, capsys):
+    from profiling.estimate import main
+
+    main(["--model", "llama-2-7b", "--stage", "grpo", "--scripted_reward", "chars:200", "--reward_adapter", "null",
+          "--cards", "6,12", "--out_dir", str(tmp_path)])
+    record = json.loads((tmp_path / "cards.json").read_text())
+    assert record["command"].startswith("python -m profiling.estimate --model llama-2-7b --stage grpo")
+    assert record["git_revision"] and record["device"] == "estimate" and record["stage"] == "grpo"
+    assert [r["card_gib"] for r in record["rows"]] == [6.0, 12.0]
+    assert record["smallest_gib"] == next(r["card_gib"] for r in record["rows"] if r["fits"])
+    assert all(r["plan"] is None or r["plan"]["rollout_micro_batch_size"] >= 1 for r in record["rows"])
+    text = (tmp_path / "cards.md").read_text()
+    assert text.startswith("# Which cards hold it: llama-2-7b grpo (an estimate)")
+    assert f"smallest card that holds it: {record['smallest_gib']:g} GiB" in text
+
+
 class FakeNvml:
     """pynvml's calls cuda_context_bytes makes, with this process holding `used` bytes by NVML's count."""
 
