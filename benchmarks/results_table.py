@@ -131,7 +131,7 @@ def cards(folder: Path) -> Row:
     headline = (f"smallest card that holds it: {smallest:g} GiB" if smallest is not None else "no card listed holds it")
     headline += f" (fits {', '.join(fits) or 'none'}; not {', '.join(left) or 'none'})"
     return Row((2, 1), "cards that hold a recipe (`profiling.estimate --cards`, a prediction)",
-               f"{record['model']} {record['stage']}: `{record['command']}`", headline, *_when(record),
+               f"{record['model']} {record['stage']}, {record.get('setting', '-')}", headline, *_when(record),
                f"{folder.name}/cards.md")
 
 

@@ -93,6 +93,17 @@ def cards_markdown(shape, args: EstimateArguments, cards: dict) -> str:
     return "\n".join(lines)
 
 
+def _setting(args: EstimateArguments) -> str:
+    """The settings a reader of the cards table needs: quantization, optimizer, LoRA rank, the work per step."""
+    used = args.resolved()
+    if args.stage in ONLINE_RL_STAGES:
+        rows = args.rollout_batch_size * (args.num_generations if args.stage == "grpo" else 1)
+        work = f"{rows} rows x ({args.max_prompt_length} + {args.max_new_tokens}) tokens a step"
+    else:
+        work = f"{args.micro_batch_size} rows of {args.max_length} tokens a pass"
+    return f"{used.quantization}, {used.optimizer}, LoRA r={args.lora_r}, {work}"
+
+
 def _command(argv: list[str]) -> str:
     return "python -m profiling.estimate " + " ".join(shlex.quote(a) for a in argv)
 
@@ -126,7 +137,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(table)
         if args.out_dir:  # the estimator's answer to "which card?", with its provenance, for the results
             record = {**provenance(command=_command(argv)), "device": "estimate",
-                      "device_name": f"estimate for {args.device}", "model": shape.name, "stage": args.stage, **cards}
+                      "device_name": f"estimate for {args.device}", "model": shape.name, "stage": args.stage,
+                      "setting": _setting(args), **cards}
             out = Path(args.out_dir)
             out.mkdir(parents=True, exist_ok=True)
             write_atomic(out / "cards.json", json.dumps(record, indent=2) + "\n")

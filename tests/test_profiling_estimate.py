@@ -511,6 +511,7 @@ def test_cards_with_out_dir_writes_the_answer_with_its_provenance(tmp_path, caps
     record = json.loads((tmp_path / "cards.json").read_text())
     assert record["command"].startswith("python -m profiling.estimate --model llama-2-7b --stage grpo")
     assert record["git_revision"] and record["device"] == "estimate" and record["stage"] == "grpo"
+    assert record["setting"] == "nf4, paged_adamw_8bit, LoRA r=16, 32 rows x (256 + 32) tokens a step"  # defaults
     assert [r["card_gib"] for r in record["rows"]] == [6.0, 12.0]
     assert record["smallest_gib"] == next(r["card_gib"] for r in record["rows"] if r["fits"])
     assert all(r["plan"] is None or r["plan"]["rollout_micro_batch_size"] >= 1 for r in record["rows"])
