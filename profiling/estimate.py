@@ -23,7 +23,7 @@ from foundation.files import write_atomic
 from foundation.provenance import provenance
 from profiling import components as C
 from profiling.advice import advice_lines
-from profiling.plan import PLANNABLE, auto_fit_on, planned_settings
+from profiling.plan import PLANNABLE, planned_settings, plans, rollout_rows
 from profiling.predict import EstimateArguments, estimate, resolve_shape
 from profiling.report import markdown_table, write_reports
 
@@ -54,15 +54,15 @@ def card_fits(shape, args: EstimateArguments, planned: set[str]) -> dict:
     """Which card sizes of `args.cards` hold the run, each as its memory_budget_gib with the plan a PPO / GRPO run
     with --auto_fit makes for it: {"rows": [{card_gib, fits, peak_bytes, peak_phase, plan (settings or None)}],
     "smallest_gib": the smallest that holds it, or None}."""
-    plans = bool(args.stage in ONLINE_RL_STAGES and auto_fit_on(args.auto_fit, args.device) and planned)
+    planning = plans(args, planned)
     rows = []
     for gib in args.card_sizes():
         at, plan = replace(args, memory_budget_gib=gib), None
-        if plans:
+        if planning:
             at, plan = planned_settings(shape, at, planned)
         est = estimate(shape, at)
-        rows.append({"card_gib": gib, "fits": bool(est["fits"] and (plan is not None or not plans)),
-                     "peak_bytes": est["peak_bytes"], "peak_phase": est["peak_phase"], "planned": plans,
+        rows.append({"card_gib": gib, "fits": bool(est["fits"] and (plan is not None or not planning)),
+                     "peak_bytes": est["peak_bytes"], "peak_phase": est["peak_phase"], "planned": planning,
                      "plan": plan.settings() if plan is not None else None})
     return {"rows": rows, "smallest_gib": next((r["card_gib"] for r in rows if r["fits"]), None)}
 
@@ -97,8 +97,7 @@ def _setting(args: EstimateArguments) -> str:
     """The settings a reader of the cards table needs: quantization, optimizer, LoRA rank, the work per step."""
     used = args.resolved()
     if args.stage in ONLINE_RL_STAGES:
-        rows = args.rollout_batch_size * (args.num_generations if args.stage == "grpo" else 1)
-        work = f"{rows} rows x ({args.max_prompt_length} + {args.max_new_tokens}) tokens a step"
+        work = f"{rollout_rows(args)} rows x ({args.max_prompt_length} + {args.max_new_tokens}) tokens a step"
     else:
         work = f"{args.micro_batch_size} rows of {args.max_length} tokens a pass"
     return f"{used.quantization}, {used.optimizer}, LoRA r={args.lora_r}, {work}"
@@ -147,7 +146,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                          f"- command: `{record['command']}`\n\n{table}\n")
             print(f"wrote {out / 'cards.json'} and cards.md")
         return 0
-    if args.stage in ONLINE_RL_STAGES and auto_fit_on(args.auto_fit, args.device) and planned:  # what the run plans at its start
+    if plans(args, planned):  # what the run plans at its start
         args, plan = planned_settings(shape, args, planned)
         print(plan.table() if plan else f"auto_fit: nothing fits memory_budget_gib={args.memory_budget_gib} with "
               "the settings given; the settings left auto are estimated at their defaults")

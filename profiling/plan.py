@@ -139,6 +139,17 @@ def auto_fit_on(auto_fit: Optional[bool], device: str) -> bool:
     return auto_fit if auto_fit is not None else device == "cuda"
 
 
+def plans(args: EstimateArguments, planned: Collection[str]) -> bool:
+    """Whether an estimate of `args` is planned as the run would plan it at its start: PPO or GRPO with --auto_fit
+    on and some setting left auto (`planned`)."""
+    return bool(args.stage in ONLINE_RL_STAGES and auto_fit_on(args.auto_fit, args.device) and planned)
+
+
+def rollout_rows(args: EstimateArguments) -> int:
+    """Rows a PPO or GRPO step samples: its prompts, times GRPO's responses per prompt."""
+    return args.rollout_batch_size * (args.num_generations if args.stage == "grpo" else 1)
+
+
 def offloads_allowed(decode: str, compile_layers: bool, sharded: bool = False) -> tuple[str, ...]:
     """The offloads a plan may turn on: neither where ZeRO-3 / FSDP shard the base, the embedding only with
     eager decoding, given or auto (a compiled decode step cannot look rows up in host memory; auto then
@@ -172,7 +183,7 @@ def _plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, m
     if args.stage not in ONLINE_RL_STAGES:
         raise ValueError(f"the planner plans online RL stages (ppo, grpo), not {args.stage!r}")
     usable = int(args.budget_bytes * (1 - margin))
-    total = args.rollout_batch_size * (args.num_generations if args.stage == "grpo" else 1)
+    total = rollout_rows(args)
     rows = _largest(shape, args, "rollout_micro_batch_size",
                     _divisors(total) if "rollout_micro_batch_size" in planned else [args.rollout_micro_batch_size],
                     ROLLOUT_PHASES, usable)

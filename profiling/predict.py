@@ -25,12 +25,17 @@ from profiling.optimizers import OPTIMIZERS, gradient_bytes, optimizer_bytes, st
 from profiling.shapes import DTYPE_BYTES, ModelShape, base_bytes, head_tensor_sizes, load_shape, lora_tensor_sizes
 
 
+def _card_sizes(value: Optional[str]) -> list[float]:
+    """A --cards value (sizes in GiB, comma-separated) as sizes, smallest first; ValueError where one is no number."""
+    return sorted(float(size) for size in (value or "").split(",") if size.strip())
+
+
 def _card_sizes_problem(value: Optional[str]) -> Optional[str]:
-    """What is wrong with a --cards value (sizes in GiB, comma-separated), or None."""
+    """What is wrong with a --cards value, or None."""
     if value is None:
         return None
     try:
-        sizes = [float(size) for size in value.split(",") if size.strip()]
+        sizes = _card_sizes(value)
     except ValueError:
         return "must be card sizes in GiB, comma-separated, e.g. 8,12,16,24"
     return None if sizes and all(size > 0 for size in sizes) else "must name at least one size, each above 0"
@@ -90,7 +95,7 @@ class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArgume
 
     def card_sizes(self) -> list[float]:
         """`cards` as sizes in GiB, smallest first."""
-        return sorted(float(size) for size in (self.cards or "").split(",") if size.strip())
+        return _card_sizes(self.cards)
 
     @property
     def budget_bytes(self) -> int:
