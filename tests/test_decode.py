@@ -319,6 +319,28 @@ def test_each_step_compiled_anew_compiles_whatever_was_compiled_before_it(tiny):
     compile_anew(tiny.causal_lm)
 
 
+def test_a_checkpointed_model_decodes_compiled_in_one_graph():
+    """Checkpointing hooks the input embeddings so that their output requires grad (every decoder layer then sees
+    such an input: a compiled layer compiles one graph for all, `test_compiled_layers_compile_one_graph_for_all_
+    their_layers`), in grad mode only: transformers' hook calls requires_grad_ in a no-grad decode too, where it
+    breaks a compiled step's graph wherever dynamo cannot trace it (torch 2.11: three graphs a step)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = build_shared_model(tiny_args(checkpointing=True), [AdapterSpec("policy", trainable=True)],
+                               vocab_size=VOCAB)
+    assert model.causal_lm.is_activation_checkpointing
+    ids, mask = batch(b=2, t=8)
+    embeddings = model.causal_lm.get_input_embeddings()
+    assert embeddings(ids).requires_grad and len(embeddings._forward_hooks) == 1
+    with torch.no_grad():
+        assert not embeddings(ids).requires_grad
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    decode(model, ids, mask, greedy(3, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert sum(counters["graph_break"].values()) == breaks
+
+
 def test_decoder_layer_regions_that_do_not_compile_fall_back_to_the_whole_step(tiny, monkeypatch, caplog):
     """Where the regions fail to compile (a torch without their support for a layer), the rollout compiles its
     step whole, says so in one line and decodes the same tokens."""

@@ -344,7 +344,20 @@ def enable_checkpointing(model, context_fn=None) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:  # the older name, as in the GPU image's transformers 5.17
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # Both also hook the input embeddings to make their output require grad, so that every decoder layer sees an
+    # input that does (a compiled layer compiles one graph for all). Ours does so in grad mode only: in a no-grad
+    # decode transformers' requires_grad_ breaks a compiled step's graph where dynamo cannot trace it.
+    if hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()
+    embeddings = model.get_input_embeddings()
+    if _inputs_require_grad not in embeddings._forward_hooks.values():
+        embeddings.register_forward_hook(_inputs_require_grad)
     model.config.use_cache = False
+
+
+def _inputs_require_grad(module, args, output):
+    if torch.is_grad_enabled():
+        output.requires_grad_(True)
 
 
 def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, device: Optional[torch.device] = None,
