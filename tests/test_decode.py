@@ -3,6 +3,8 @@ log-prob from the logits it was drawn from, EOS bookkeeping on the device, and t
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import replace
 
 import pytest
@@ -339,6 +341,31 @@ def test_a_checkpointed_model_decodes_compiled_in_one_graph():
     decode(model, ids, mask, greedy(3, "compiled"), eos_id=VOCAB + 1, pad_id=0)
     assert counters["stats"]["unique_graphs"] - graphs == 1
     assert sum(counters["graph_break"].values()) == breaks
+
+
+def test_a_compiled_step_that_breaks_into_pieces_says_where_in_one_warning(caplog):
+    """A graph break splits the compiled step into graphs that each token runs apart (on CUDA: CUDA graph replays
+    with eager code between them): the first decode says so once, with the breaks' reasons."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # the frames around a break are the model classes', which earlier tests compiled
+    torch.manual_seed(0)
+    model = build_shared_model(tiny_args(), [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
+    ids, mask = batch(b=2, t=8)
+    with caplog.at_level(logging.WARNING, logger="trainer.model.decode"):
+        decode(model, ids, mask, greedy(3, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    assert not [r for r in caplog.records if "graph break" in r.message]
+    model.causal_lm.model.norm.register_forward_hook(lambda *_: torch._dynamo.graph_break())
+    for rows in (3, 3):  # the first decode at 3 rows compiles (and says so), the second replays
+        ids, mask = batch(b=rows, t=8)
+        with caplog.at_level(logging.WARNING, logger="trainer.model.decode"):
+            decode(model, ids, mask, greedy(3, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    said = [r.message for r in caplog.records if "graph break" in r.message]
+    assert len(said) == 1
+    graphs = re.match(r"decode compiled for 3 rows: graph breaks split the step into (\d+) graphs, which each token "
+                      r"runs apart \(", said[0])
+    assert graphs and int(graphs[1]) >= 2  # the break's frame and the frames dynamo resumes around it
+    assert "graph_break()" in said[0] and "\n" not in said[0]
 
 
 def test_decoder_layer_regions_that_do_not_compile_fall_back_to_the_whole_step(tiny, monkeypatch, caplog):

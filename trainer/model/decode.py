@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass, fields, replace
 from types import FunctionType, MethodType
 from typing import Iterator, Optional, Union
@@ -309,6 +310,20 @@ def compile_anew(causal_lm: nn.Module, regions: bool = True) -> None:
     _COMPILED[causal_lm] = _Compiled(causal_lm, regions=regions)
 
 
+def _compiled_graphs() -> int:
+    """The graphs torch.compile has compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _graph_breaks() -> Counter:
+    """The graph breaks dynamo has met in this process, by reason."""
+    from torch._dynamo.utils import counters
+
+    return Counter(counters["graph_break"])
+
+
 def _step(causal_lm, tokens, positions, cache_position, mask, cache, sampling: Sampling, eos_id: int,
           bar_eos: Union[bool, torch.Tensor]):
     """One decode step: the last tokens through the model, the next ones picked from its logits."""
@@ -360,6 +375,7 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
             prompt_ids = torch.cat([prompt_ids, prompt_ids[:1].expand(batch - live, -1)])
             prompt_mask = torch.cat([prompt_mask, prompt_mask[:1].expand(batch - live, -1)])
         first_call = batch not in compiled.caches
+        breaks = (_compiled_graphs(), _graph_breaks()) if first_call else (0, Counter())
         length, cache = compiled.cache(causal_lm, batch, prompt_length + new)
         placing = compiled.placing(causal_lm, batch, adapter) if device.type == "cuda" else 0
         step = compiled.step
@@ -400,6 +416,10 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
         logger.info("decode compiled for %d rows (%s): the first decode took %.1f s, compilation%s included "
                     "(once per batch size)", batch, compiled.describe(), time.perf_counter() - started,
                     " and CUDA graph capture" if device.type == "cuda" else "")
+        graphs, broke = _compiled_graphs() - breaks[0], _graph_breaks() - breaks[1]
+        if broke:
+            logger.warning("decode compiled for %d rows: graph breaks split the step into %d graphs, which each token "
+                           "runs apart (%s)", batch, graphs, "; ".join(reason.strip().splitlines()[0] for reason in broke))
     elif placing:
         sync(device)
         logger.info("decode compiled for %d rows: the dense copies lie where no earlier decode found them (placing "
