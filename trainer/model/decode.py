@@ -375,7 +375,7 @@ def _decode(causal_lm, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
             prompt_ids = torch.cat([prompt_ids, prompt_ids[:1].expand(batch - live, -1)])
             prompt_mask = torch.cat([prompt_mask, prompt_mask[:1].expand(batch - live, -1)])
         first_call = batch not in compiled.caches
-        breaks = (_compiled_graphs(), _graph_breaks()) if first_call else (0, Counter())
+        breaks = (_compiled_graphs(), _graph_breaks())  # what the first call compiles: its step's graphs
         length, cache = compiled.cache(causal_lm, batch, prompt_length + new)
         placing = compiled.placing(causal_lm, batch, adapter) if device.type == "cuda" else 0
         step = compiled.step
