@@ -206,6 +206,23 @@ def test_gradient_checkpointing_uses_the_transformers_5_api():
     assert not off.is_activation_checkpointing
 
 
+def test_checkpointing_a_model_without_input_embeddings_hooks_nothing(monkeypatch):
+    """A model whose `get_input_embeddings` is not implemented (remote code) is checkpointed all the same, with no
+    input hook (transformers' own skips it too)."""
+    from trainer.model.loading import enable_checkpointing
+
+    model = load_base_model(ModelArguments(model_name_or_path="tiny-llama", gradient_checkpointing=False),
+                            vocab_size=64, device=CPU)
+
+    def not_implemented(self):
+        raise NotImplementedError
+
+    monkeypatch.setattr(type(model), "get_input_embeddings", not_implemented)
+    enable_checkpointing(model)
+    assert model.is_activation_checkpointing
+    assert not model.model.embed_tokens._forward_hooks
+
+
 def test_tokenizer_of_a_preset_is_smollm2s_with_a_pad_token():
     tok = load_tokenizer("tiny-llama")
     assert len(tok) == 49152 and tok.pad_token is not None

@@ -349,8 +349,11 @@ def enable_checkpointing(model, context_fn=None) -> None:
     # decode transformers' requires_grad_ breaks a compiled step's graph where dynamo cannot trace it.
     if hasattr(model, "disable_input_require_grads"):
         model.disable_input_require_grads()
-    embeddings = model.get_input_embeddings()
-    if _inputs_require_grad not in embeddings._forward_hooks.values():
+    try:
+        embeddings = model.get_input_embeddings()
+    except NotImplementedError:  # a model without them (transformers' hook skips it too)
+        embeddings = None
+    if isinstance(embeddings, nn.Module) and _inputs_require_grad not in embeddings._forward_hooks.values():
         embeddings.register_forward_hook(_inputs_require_grad)
     model.config.use_cache = False
 
