@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from foundation.cli import InputError
+from foundation.cli import InputError, first_line
 from foundation.files import publish_folder
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def write_failure(exc: BaseException) -> Optional[str]:
     if isinstance(exc, RuntimeError) and any(marker in text for marker in _TORCH_WRITE_FAILURE):
         return "a file write failed"
     if type(exc).__name__ == "SafetensorError" and "os error" in text.lower():
-        return text.strip().splitlines()[0][:160]
+        return first_line(exc, 160)
     return None
 
 
@@ -250,9 +250,8 @@ def _safe_torch_load(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path}: refused: it holds objects other than tensors and plain data, which could "
-                              f"run code when loaded ({first[:160]})") from None
+                              f"run code when loaded ({first_line(exc, 160)})") from None
     except Exception as exc:  # truncated or garbled bytes
         raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {str(exc)[:160]})") from None
 
