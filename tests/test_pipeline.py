@@ -73,6 +73,9 @@ def test_comparison_scores_every_policy_and_the_report_shows_it(run_dir):
     total = sum(stage_seconds) + comparison["seconds"]
     assert comparison["seconds"] > 0 and f"stages and comparison together {total:.0f} s" in report
     assert "DPO starts with the policy equal to the reference" in report  # why its accuracy before is 0
+    timed = [line.split(" | ")[0] for line in report.splitlines() if line.startswith("| ") and " (s) " not in line
+             and line.count("%)") == 2]  # the RL step table's rows: rollout and update with their shares
+    assert timed == ["| ppo", "| grpo", "| rloo"]
     from PIL import Image
 
     with Image.open(run_dir / "curves.png") as image:

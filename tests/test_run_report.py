@@ -133,3 +133,31 @@ def test_the_report_says_reward_hacking_in_one_line_at_the_top(tmp_path):
     assert len(warnings) == 1 and lines.index(warnings[0]) < lines.index("## Stages")
     assert "length went from 20.0 to 6.0" in warnings[0] and "KL to the reference rose" in warnings[0]
     assert not any("reward hacking" in line for line in report(rl_evaluations([0.0, 0.1, 0.2], [0.2, 0.3, 0.4])))
+
+
+def test_the_time_of_an_rl_step_splits_into_rollout_and_update_with_the_first_step_apart(tmp_path):
+    import json
+
+    from trainer.run_report import rl_time_table, write_run_report
+
+    def metrics(stage, rows):
+        (tmp_path / stage).mkdir()
+        (tmp_path / stage / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def step(n, rollout, update, tokens, fraction=None):
+        row = {"step": n, "perf/step_s": rollout + update, "perf/rollout_s": rollout, "perf/update_s": update,
+               "perf/decode_tokens_per_s": tokens}
+        return row if fraction is None else {**row, "perf/decode_bandwidth_fraction": fraction}
+
+    # the first step compiles; the later ones' medians: step 5 of (4, 5, 8), rollout 3 (60%), update 2 (40%)
+    metrics("grpo", [step(1, 40.0, 2.0, 10.0, 0.01), {"step": 1, "eval/score_policy": 0.3},
+                     step(2, 3.0, 1.0, 600.0, 0.25), step(3, 3.0, 2.0, 500.0, 0.2), step(4, 5.0, 3.0, 400.0, 0.1)])
+    metrics("ppo", [step(1, 6.0, 10.0, 47.0), step(2, 5.0, 11.0, 46.0)])  # on a CPU: no bandwidth bound
+    metrics("sft", [{"step": 1, "perf/step_s": 2.0}])  # not an RL stage: no row
+    lines = rl_time_table(tmp_path, ["sft", "grpo", "ppo"])
+    assert "| grpo | 4 | 42 | 5 | 3 (60%) | 2 (40%) | 500 | 20.0% |" in lines
+    assert "| ppo | 2 | 16 | 16 | 5 (31%) | 11 (69%) | 46 | - |" in lines  # one later step: its own figures
+    assert not any(line.startswith("| sft ") for line in lines)
+    assert rl_time_table(tmp_path, ["sft"]) == []
+    report = write_run_report(tmp_path, results={"sft": {}, "grpo": {}, "ppo": {}}).read_text()
+    assert "## Time per RL step" in report and "| grpo | 4 | 42 | 5 | 3 (60%) |" in report

@@ -56,7 +56,8 @@ def plot_curves(run_dir: Path) -> Optional[Path]:
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.lines:  # a stage with metrics but none of its panel's yet (a run cut early) has no legend to draw
+            ax.legend(fontsize=8)
     fig.tight_layout()
     out = run_dir / CURVES
     fig.savefig(out, dpi=110)
@@ -98,6 +99,43 @@ def stage_table(results: dict[str, dict], run_dir: Optional[Path] = None) -> lis
         lines.append(f"| {name} | {seconds} | {step} | {peak} | {label} {_fmt(before)}{_interval(before, res.get('eval_before'))} | "
                      f"{label} {_fmt(after)}{_interval(after, res.get('eval_after'))} |")
     return lines
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def rl_time_table(run_dir: Path, stages: Sequence[str]) -> list[str]:
+    """Where an online RL stage's step time went, from its metrics.jsonl `perf/` keys: the first step apart
+    (a compiled decode compiles its step and captures its CUDA graphs there), then medians over the later steps
+    of the step, its rollout and update (with their shares of the step), the rollout's decoded tokens per
+    second and, on CUDA, that speed over the memory-bandwidth bound. Nothing when no stage was an RL one."""
+    lines = []
+    for stage in stages:
+        rows = [r for r in read_metrics(run_dir / stage) if "perf/rollout_s" in r and "perf/step_s" in r]
+        if not rows:
+            continue
+        later = rows[1:] or rows
+
+        def median(key: str) -> Optional[float]:
+            values = [r[key] for r in later if key in r]
+            return _median(values) if values else None
+
+        step, rollout, update = median("perf/step_s"), median("perf/rollout_s"), median("perf/update_s")
+        tokens, bound = median("perf/decode_tokens_per_s"), median("perf/decode_bandwidth_fraction")
+        shares = [f"{part:.3g} ({part / step:.0%})" if part is not None and step else "-" for part in (rollout, update)]
+        lines.append(f"| {stage} | {len(rows)} | {rows[0]['perf/step_s']:.3g} | {step:.3g} | {shares[0]} | {shares[1]} | "
+                     f"{'-' if tokens is None else f'{tokens:.4g}'} | {'-' if bound is None else f'{bound:.1%}'} |")
+    if not lines:
+        return []
+    return ["## Time per RL step", "", "The first step apart (a compiled decode compiles there); the other columns are "
+            "medians over the later steps. Decoded tokens per second: the rollout's generated tokens over its "
+            "generation time, the prompt pass included; the bound (CUDA only): the tokens per second of decode steps that "
+            "each read the weights once at the device's copy bandwidth.", "",
+            "| stage | steps | first step (s) | step (s) | rollout (s) | update (s) | decoded tokens/s | "
+            "of the bandwidth bound |", "|---|---:|---:|---:|---:|---:|---:|---:|", *lines, ""]
 
 
 def reward_function_table(run_dir: Path, stages: Sequence[str]) -> list[str]:
@@ -252,6 +290,7 @@ def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: 
     if any("process RSS" in line for line in lines):
         lines += ["On a CPU the peak memory is the process's resident set since it started: where stages ran in one "
                   "process (`trainer.pipeline`), a stage's figure includes the stages before it.", ""]
+    lines += rl_time_table(run_dir, list(results))
     lines += reward_function_table(run_dir, list(results))
     dpo_before = (results.get("dpo") or {}).get("eval_before") or {}
     if dpo_before.get("eval/rewards/margins") == 0.0:
