@@ -237,9 +237,12 @@ def launches(folder: Path, result: dict) -> Row:
                          ("compiled_decode_traced", "bytecode traced to compile it"))
                         if key in first and key in last)
     architecture = result.get("architecture", "llama")
+    # counts depend on the torch that traced them: named where every column shares it (else the columns name it)
+    torches = {r.get("versions", {}).get("torch") for r in runs}
+    details = ([architecture] if architecture != "llama" else []) + (
+        [f"torch {torches.pop()}"] if len(torches) == 1 and None not in torches else [])
     return Row((7, 1), "operations launched per decoder layer (`benchmarks.launches`"
-               + (f", {architecture})" if architecture != "llama" else ")"), revisions,
-               figures, *_when(result), _report(folder))
+               + "".join(f", {d}" for d in details) + ")", revisions, figures, *_when(result), _report(folder))
 
 
 def probe(folder: Path) -> Row:

@@ -478,3 +478,7 @@ def test_launches_counts_an_architecture_with_the_libraries_a_revision_names(tmp
     text = (tmp_path / "out" / "README.md").read_text()
     assert "| pass | `abcdef1` transformers 5.17.0 | `abcdef1` transformers 5.23.0 |" in text
     assert "- architecture: qwen2" in text
+    from benchmarks.results_table import launches as row
+
+    label = row(tmp_path / "out", data).benchmark  # the results table names the torch every column was counted under
+    assert label == "operations launched per decoder layer (`benchmarks.launches`, qwen2, torch 2.13.0)"
