@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -101,12 +102,6 @@ def stage_table(results: dict[str, dict], run_dir: Optional[Path] = None) -> lis
     return lines
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def rl_time_table(run_dir: Path, stages: Sequence[str]) -> list[str]:
     """Where an online RL stage's step time went, from its metrics.jsonl `perf/` keys: the first step apart
     (a compiled decode compiles its step and captures its CUDA graphs there), then medians over the later steps
@@ -121,19 +116,21 @@ def rl_time_table(run_dir: Path, stages: Sequence[str]) -> list[str]:
 
         def median(key: str) -> Optional[float]:
             values = [r[key] for r in later if key in r]
-            return _median(values) if values else None
+            return statistics.median(values) if values else None
 
         step, rollout, update = median("perf/step_s"), median("perf/rollout_s"), median("perf/update_s")
         tokens, bound = median("perf/decode_tokens_per_s"), median("perf/decode_bandwidth_fraction")
-        shares = [f"{part:.3g} ({part / step:.0%})" if part is not None and step else "-" for part in (rollout, update)]
-        lines.append(f"| {stage} | {len(rows)} | {rows[0]['perf/step_s']:.3g} | {step:.3g} | {shares[0]} | {shares[1]} | "
-                     f"{'-' if tokens is None else f'{tokens:.4g}'} | {'-' if bound is None else f'{bound:.1%}'} |")
+        shares = [f"{part:.3g} ({part / step:.0%})" if part is not None and step else "-"
+                  for part in (rollout, update)]
+        lines.append(f"| {stage} | {len(rows)} | {rows[0]['perf/step_s']:.3g} | {step:.3g} | {shares[0]} | "
+                     f"{shares[1]} | {'-' if tokens is None else f'{tokens:.4g}'} | "
+                     f"{'-' if bound is None else f'{bound:.1%}'} |")
     if not lines:
         return []
     return ["## Time per RL step", "", "The first step apart (a compiled decode compiles there); the other columns are "
             "medians over the later steps. Decoded tokens per second: the rollout's generated tokens over its "
-            "generation time, the prompt pass included; the bound (CUDA only): the tokens per second of decode steps that "
-            "each read the weights once at the device's copy bandwidth.", "",
+            "generation time, the prompt pass included; the bound (CUDA only): the tokens per second of decode steps "
+            "that each read the weights once at the device's copy bandwidth.", "",
             "| stage | steps | first step (s) | step (s) | rollout (s) | update (s) | decoded tokens/s | "
             "of the bandwidth bound |", "|---|---:|---:|---:|---:|---:|---:|---:|", *lines, ""]
 
