@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -277,16 +278,25 @@ def test_every_bad_function_stops_with_one_line_naming_it_and_the_row(tmp_path, 
     assert raised.match(message)
 
 
-def test_a_weight_or_a_sum_past_float32_stops_naming_the_function_or_the_row(tmp_path, smol_tokenizer):
+def test_a_reward_weight_or_sum_past_the_reward_limit_stops_naming_the_function_or_the_row(tmp_path,
+                                                                                           smol_tokenizer):
+    """A reward float32 holds but whose square does not (-3e38 gave -Infinity scores and an Infinity std in
+    metrics.jsonl), a weight that takes a value there, and a sum of two that gets there: each one line."""
     from trainer.rl.rewards import RewardFunctionError
 
-    code = "def big(completions, **_):\n    return [10.0, 3e38]\ndef small(completions, **_):\n    return [1.0, 1.0]\n"
+    code = ("def huge(completions, **_):\n    return [10.0, -3e38]\n"
+            "def big(completions, **_):\n    return [10.0, 6e14]\n"
+            "def small(completions, **_):\n    return [1.0, 1.0]\n")
     ids, att, p, rmask = batch(smol_tokenizer, [" Hi.", " No."])
+    with pytest.raises(RewardFunctionError, match=r"reward function huge \(.*\) returned -3e\+38, past \+-1e\+15 "
+                                                  r"\(float32 variances and value losses overflow there\), for row "
+                                                  r"data.jsonl:2$"):
+        scorer_of(tmp_path, smol_tokenizer, code, "huge")(None, ids, att, p, rmask, examples(2))
     with pytest.raises(RewardFunctionError, match=r"reward function small \(.*\) returned 1 times its weight 1e\+300, "
-                                                  r"past float32's range, for row data.jsonl:1$"):
+                                                  r"past \+-1e\+15 .*, for row data.jsonl:1$"):
         scorer_of(tmp_path, smol_tokenizer, code, "small", reward_weights="1e300")(None, ids, att, p, rmask,
                                                                                    examples(2))
-    with pytest.raises(RewardFunctionError, match=r"the weighted rewards of row data.jsonl:2 sum past float32's range "
+    with pytest.raises(RewardFunctionError, match=r"the weighted rewards of row data.jsonl:2 sum past \+-1e\+15 "
                                                   r"\(big, big_2\)"):
         scorer_of(tmp_path, smol_tokenizer, code, "big,big")(None, ids, att, p, rmask, examples(2))
 
@@ -303,6 +313,109 @@ def test_a_function_past_its_time_limit_stops_the_run_naming_it(tmp_path, smol_t
                                                   r"the batch of rows data.jsonl:1 \.\.\.$"):
         scorer_of(tmp_path, smol_tokenizer, code, "slow", reward_timeout_s=0.5)(None, ids, att, p, rmask, examples(2))
     assert time.monotonic() - started < 5
+
+
+# Reward functions that attack the process they run in. The driver scores each with its own scorer, in ONE
+# process, and records what came back: a case that takes the trainer's process down leaves no record.
+HOSTILE = {  # case: (code, timeout, the one line, or None where scoring goes on)
+    "os._exit(0) in the function": ("import os\ndef f(completions, **_):\n    os._exit(0)\n", 60,
+                                    r"reward function f \(.*\) ended its process \(exit code 0\) on the batch of rows "
+                                    r"data.jsonl:1 \.\.\.$"),
+    "os._exit(3) in the function": ("import os\ndef f(completions, **_):\n    os._exit(3)\n", 60,
+                                    r"reward function f \(.*\) ended its process \(exit code 3\) on the batch"),
+    "os._exit(0) at import": ("import os\nos._exit(0)\n", 60,
+                              r"--reward_fn '.*:f': cannot import .*: its process ended \(exit code 0\) while "
+                              r"importing it$"),
+    "a catastrophic regex past the limit": ("import re\ndef f(completions, **_):\n"
+                                            "    re.match(r'(a+)+$', 'a' * 64 + 'b')\n    return [0.0, 0.0]\n", 1,
+                                            r"reward function f \(.*\) ran past --reward_timeout_s 1 on the batch"),
+    "raises KeyboardInterrupt": ("def f(completions, **_):\n    raise KeyboardInterrupt\n", 60,
+                                 r"reward function f \(.*\) raised KeyboardInterrupt on row data.jsonl:1$"),
+    "a number whose float() raises": ("class Odd(float):\n    def __float__(self):\n        raise ValueError('no')\n"
+                                      "def f(completions, **_):\n    return [1.0, Odd(2.0)]\n", 60,
+                                      r"reward function f \(.*\) returned Odd 2.0 whose float\(\) raised ValueError: "
+                                      r"no, for row data.jsonl:2$"),
+    "closes sys.stdout": ("import sys\ndef f(completions, **_):\n    sys.stdout.close()\n    return [1.0, 2.0]\n",
+                          60, None),
+}
+
+DRIVER = """
+import json, sys, torch
+from trainer.data.tokenization import PromptExample
+from trainer.rl.rewards import RewardFunctionError
+from trainer.rl.settings import RolloutArguments, make_scorer
+
+class Tokenizer:  # decodes every row to the same text: the functions here read none
+    pad_token_id = 0
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["x"] * len(ids)
+
+ids, att, rmask = torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long), torch.ones(2, 2)
+rows = [PromptExample([1], f"data.jsonl:{i + 1}", {"prompt": "Hi."}) for i in range(2)]
+for line in sys.stdin:
+    case, path, timeout = json.loads(line)
+    try:
+        scorer = make_scorer(RolloutArguments(reward_fn=f"{path}:f", reward_timeout_s=timeout), Tokenizer())
+        said = scorer(None, ids, att, 2, rmask, rows).tolist()
+    except RewardFunctionError as exc:
+        said = str(exc)
+    print("alive", flush=True)  # this process's own stdout still works
+    with open(sys.argv[1], "a") as out:
+        out.write(json.dumps({"case": case, "said": said}) + "\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def hostile_outcomes(tmp_path_factory) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path_factory.mktemp("hostile")
+    lines = []
+    for i, (case, (code, timeout, _)) in enumerate(HOSTILE.items()):
+        (folder / f"fn{i}.py").write_text(code)
+        lines.append(json.dumps([case, str(folder / f"fn{i}.py"), timeout]))
+    record = folder / "outcomes.jsonl"
+    try:
+        subprocess.run([sys.executable, "-c", DRIVER, str(record)], input="\n".join(lines) + "\n", cwd=ROOT,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:  # a case that hung the process: the cases after it have no record
+        pass
+    return {row["case"]: row["said"] for row in map(json.loads, record.read_text().splitlines())} \
+        if record.exists() else {}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_function_that_exits_hangs_or_attacks_its_process_leaves_the_trainer_one_line(hostile_outcomes, case):
+    """os._exit in the function or at import (exit 0, no message, a stale run.lock), a regex a thread cannot stop,
+    KeyboardInterrupt, a float() that raises: each one line naming the function; closing sys.stdout is harmless."""
+    assert case in hostile_outcomes, "the trainer's process did not survive it"
+    said, message = hostile_outcomes[case], HOSTILE[case][2]
+    if message is None:
+        assert said == [1.0, 2.0]
+    else:
+        assert isinstance(said, str) and "\n" not in said and re.search(message, said), said
+
+
+def test_a_grpo_run_whose_function_exits_the_process_stops_with_one_line_and_frees_its_folder(tmp_path):
+    """os._exit(0) in a reward function ended a GRPO run with exit code 0, no adapter, no message and a stale
+    run.lock; now the run ends with exit code 2 and the line, and the folder is free."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "fns.py").write_text("import os\ndef f(completions, **_):\n    os._exit(0)\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "trainer.grpo", "--config", str(TINY_GRPO), "--output_dir", str(out),
+                           "--max_steps", "1", "--save_every", "0", "--eval_every", "0", "--eval_prompts", "0",
+                           "--scripted_reward", "null", "--reward_fn", f"{tmp_path / 'fns.py'}:f"], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: reward function f ({tmp_path / 'fns.py'}) ended its process (exit code 0) on the batch of rows ")
+    assert not (out / "run.lock").exists() and not (out / "adapter").exists()
 
 
 def test_each_function_gets_its_own_copies_of_the_rows(tmp_path, smol_tokenizer):

@@ -5,51 +5,53 @@ text; for a conversational row `[{"role": "assistant", "content": text}]`), `com
 column of the rows (e.g. `answer`), each a list with one entry per completion, and returns one float per
 completion, or None where it does not apply (left out of its mean, 0 in the sum). Functions come only from
 the settings (`--reward_fn PATH.py:NAME` or `package.module:NAME`); the toy rewards `keyword:WORD`,
-`length:N` and `chars:N` are built-in functions of the same kind. A function that fails, exits, runs past
-`--reward_timeout_s` or returns what is not a finite float32 (after its weight) stops the run with one line
-naming it and the row (`RewardFunctionError`). Each function gets its own copies of the rows: what one
-changes in place reaches neither the next function nor the dataset.
+`length:N` and `chars:N` are built-in functions of the same kind. User functions run in a worker process
+(`trainer.rl.reward_worker`): one that fails, exits, runs past `--reward_timeout_s` or returns what is not a
+finite reward (within +-1e15 after its weight) stops the run with one line naming it and the row
+(`RewardFunctionError`). Each function gets its own copies of the rows: what one changes in place reaches
+neither the next function nor the dataset.
 """
 
 from __future__ import annotations
 
+import atexit
 import copy
 import hashlib
-import importlib
 import importlib.util
 import logging
 import math
-import numbers
 import statistics
-import sys
-import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from foundation.cli import UsageError
-from foundation.settings import BUILTINS, check_builtin, check_spec, split_specs  # noqa: F401  (evaluate.py reads split_specs here)
+from foundation.settings import BUILTINS, check_builtin, check_spec, split_specs
 from foundation.stages import REWARD
+from trainer.rl.reward_worker import REWARD_LIMIT, RewardFunctionError, RewardWorker, TrainerState, checked_values
 from trainer.rl.scoring import sequence_scores
+
+__all__ = ["RewardFunction", "RewardFunctionError", "Scorer", "TrainerState", "describe", "load_reward_functions",
+           "source_hashes", "split_specs"]
 
 logger = logging.getLogger(__name__)
 
 RESERVED = ("prompts", "completions", "completion_ids")  # the call's own arguments: a column cannot replace them
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # scores are float32 tensors: a reward must fit one
-
-
-class RewardFunctionError(UsageError):
-    """A reward function that cannot be imported or returned what cannot be a reward; one line."""
 
 
 @dataclass(frozen=True)
 class RewardFunction:
     name: str  # its name in the metrics: rewards/NAME/mean
-    fn: Callable[..., Any]
+    fn: Optional[Callable[..., Any]]  # a built-in's function; None for user code, which runs in `worker`
     weight: float = 1.0
     origin: str = "built-in"  # the file or module it was imported from
+    spec: str = ""  # as --reward_fn named it
+    worker: Optional[RewardWorker] = None
+
+    @property
+    def who(self) -> str:
+        return f"reward function {self.name} ({self.origin})"
 
 
 # ---- the built-ins ---------------------------------------------------------------------------------
@@ -69,33 +71,6 @@ def builtin(spec: str, flag: str = "--reward_fn") -> RewardFunction:
     if kind == "length":
         return RewardFunction(kind, lambda completion_ids, **_: [-abs(len(ids) - n) / n for ids in completion_ids])
     return RewardFunction(kind, lambda completions, **_: [-abs(len(_text(c)) - n) / n for c in completions])
-
-
-def _module_of(target: str, spec: str):
-    """The module `target` names (a .py file, or a dotted module), or a RewardFunctionError in one line."""
-    try:
-        return _import_file(target, spec) if target.endswith(".py") else importlib.import_module(target)
-    except RewardFunctionError:
-        raise
-    except (Exception, SystemExit) as exc:  # the user's code failed to import, or exited: named in one line
-        raise RewardFunctionError(f"--reward_fn {spec!r}: cannot import {target}: {type(exc).__name__}: "
-                                  f"{_one_line(exc)}") from None
-
-
-def _import_file(target: str, spec: str):
-    path = Path(target).expanduser().resolve()
-    if not path.is_file():
-        raise RewardFunctionError(f"--reward_fn {spec!r}: no such file {target}")
-    name = f"_reward_fn_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # dataclasses and pickling look their module up there
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
 
 
 def source_hashes(specs: Sequence[str]) -> dict[str, str]:
@@ -119,9 +94,11 @@ def source_hashes(specs: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def load_reward_functions(specs: Sequence[str], weights: Sequence[float]) -> list[RewardFunction]:
-    """The functions `specs` name, imported (each file once), with their weights and unique metric names."""
-    modules: dict[str, Any] = {}
+def load_reward_functions(specs: Sequence[str], weights: Sequence[float],
+                          timeout_s: float = 600.0) -> list[RewardFunction]:
+    """The functions `specs` name, with their weights and unique metric names. User code is imported in one
+    `RewardWorker` process (each file once, within `timeout_s`); a failure there is one line."""
+    worker: Optional[RewardWorker] = None
     out: list[RewardFunction] = []
     for spec, weight in zip(specs, weights):
         check_spec(spec)
@@ -129,107 +106,64 @@ def load_reward_functions(specs: Sequence[str], weights: Sequence[float]) -> lis
         if spec.partition(":")[0] in BUILTINS:
             function = builtin(spec)
         else:
-            if target not in modules:
-                modules[target] = _module_of(target, spec)
-            fn = getattr(modules[target], name, None)
-            if not callable(fn):
-                raise RewardFunctionError(f"--reward_fn {spec!r}: {target} has no function {name}")
-            function = RewardFunction(name, fn, origin=target)
+            worker = worker or _start_worker()
+            _loaded(worker.load(spec, target, name, timeout_s), spec, target, timeout_s)
+            function = RewardFunction(name, None, origin=target, spec=spec, worker=worker)
         taken, unique, k = {f.name for f in out}, function.name, 1
         while unique in taken:  # two functions of one name (length:4,length:8): length, length_2
             k += 1
             unique = f"{function.name}_{k}"
-        out.append(RewardFunction(unique, function.fn, weight, function.origin))
+        out.append(replace(function, name=unique, weight=weight))
     return out
+
+
+_workers: list[RewardWorker] = []
+
+
+def _start_worker() -> RewardWorker:
+    worker = RewardWorker()
+    _workers.append(worker)
+    return worker
+
+
+@atexit.register
+def _close_workers() -> None:
+    for worker in _workers:
+        worker.close()
+
+
+def _loaded(reply: tuple, spec: str, target: str, timeout_s: float) -> None:
+    if reply[0] == "ok":
+        return
+    _close_workers()
+    what = {"error": lambda: reply[1],
+            "gone": lambda: f"cannot import {target}: its process ended (exit code {reply[1]}) while importing it",
+            "late": lambda: f"cannot import {target}: importing it ran past --reward_timeout_s {timeout_s:g}"}
+    raise RewardFunctionError(f"--reward_fn {spec!r}: {what[reply[0]]()}")
 
 
 # ---- scoring ---------------------------------------------------------------------------------------
 
-def _one_line(text: Any) -> str:
-    return " ".join(str(text).split())[:300]
-
-
-def _checked(function: RewardFunction, values: Any, count: int, sources: Sequence[str]) -> list[Optional[float]]:
-    """`values` as `count` floats or None, or a RewardFunctionError naming the function and the row."""
-    who = f"reward function {function.name} ({function.origin})"
-    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):
-        values = values.tolist()
-    if not isinstance(values, (list, tuple)):
-        raise RewardFunctionError(f"{who} returned {type(values).__name__}, not a list of {count} values "
-                                  f"(rows {sources[0]} ...)")
-    if len(values) != count:
-        raise RewardFunctionError(f"{who} returned {len(values)} values for {count} completions (rows "
-                                  f"{sources[0]} ...)")
-    out: list[Optional[float]] = []
-    for value, source in zip(values, sources):
-        if value is not None and not isinstance(value, numbers.Real):
-            raise RewardFunctionError(f"{who} returned {type(value).__name__} {_one_line(repr(value))[:60]}, not a "
-                                      f"number, for row {source}")
-        if value is not None:
-            try:
-                value = float(value)
-            except OverflowError:  # an int past any float
-                raise RewardFunctionError(f"{who} returned {_one_line(repr(value))[:40]}..., past float32's range, "
-                                          f"for row {source}") from None
-            if not math.isfinite(value):
-                raise RewardFunctionError(f"{who} returned {value} for row {source}")
-            if abs(value) > FLOAT32_MAX or abs(value * function.weight) > FLOAT32_MAX:
-                times = "" if abs(value) > FLOAT32_MAX else f" times its weight {function.weight:g}"
-                raise RewardFunctionError(f"{who} returned {value:g}{times}, past float32's range, for row {source}")
-        out.append(value)
-    return out
-
-
-class _TimedOut(Exception):
-    pass
-
-
-def _run(function: RewardFunction, kwargs: dict[str, list], timeout_s: float) -> Any:
-    """The function on its own copies of `kwargs`, in a thread given `timeout_s`: its value, or what it raised
-    (SystemExit too), re-raised here; `_TimedOut` when it runs past the limit (the thread is left to itself)."""
-    result: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            result["value"] = function.fn(**copy.deepcopy(kwargs))
-        except BaseException as exc:  # noqa: BLE001 - carried over to the caller's thread
-            result["error"] = exc
-
-    worker = threading.Thread(target=target, name=f"reward function {function.name}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        raise _TimedOut()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
-
-def _call(function: RewardFunction, kwargs: dict[str, list], sources: Sequence[str], timeout_s: float) -> Any:
-    who = f"reward function {function.name} ({function.origin})"
-    try:
-        return _run(function, kwargs, timeout_s)
-    except _TimedOut:
-        raise RewardFunctionError(f"{who} ran past --reward_timeout_s {timeout_s:g} on the batch of rows "
-                                  f"{sources[0]} ...") from None
-    except (Exception, SystemExit) as exc:
-        culprit = _failing_row(function, kwargs, sources, timeout_s)
-        where = f"row {culprit}" if culprit else f"the batch of rows {sources[0]} ..."
-        raise RewardFunctionError(f"{who} raised {type(exc).__name__}: {_one_line(exc)} on {where}") from None
-
-
-def _failing_row(function: RewardFunction, kwargs: dict[str, list], sources: Sequence[str],
-                 timeout_s: float) -> Optional[str]:
-    """The first row on which the function raises when called again with that row alone (None: none does)."""
-    for i, source in enumerate(sources):
-        try:
-            _run(function, {key: values[i : i + 1] if isinstance(values, list) else values
-                            for key, values in kwargs.items()}, timeout_s)
-        except _TimedOut:
-            return None
-        except (Exception, SystemExit):
-            return source
-    return None
+def _values(function: RewardFunction, kwargs: dict[str, list], sources: Sequence[str],
+            timeout_s: float) -> list[Optional[float]]:
+    """The function's checked values on `kwargs` (one per source): a built-in here on its own copies, user code
+    in its worker; whatever goes wrong is a RewardFunctionError naming the function and the row."""
+    who = function.who
+    if function.worker is None:
+        return checked_values(who, function.weight, function.fn(**copy.deepcopy(kwargs)), sources)
+    reply = function.worker.call(function.spec, who, function.weight, kwargs, sources, timeout_s)
+    batch = f"the batch of rows {sources[0]} ..."
+    if reply[0] == "values":
+        return reply[1]
+    if reply[0] == "bad":
+        raise RewardFunctionError(reply[1])
+    if reply[0] == "raised":
+        _, kind, text, row = reply
+        raised = f"{kind}: {text}" if text else kind
+        raise RewardFunctionError(f"{who} raised {raised} on {f'row {row}' if row else batch}")
+    if reply[0] == "late":
+        raise RewardFunctionError(f"{who} ran past --reward_timeout_s {timeout_s:g} on {batch}")
+    raise RewardFunctionError(f"{who} ended its process (exit code {reply[1]}) on {batch}")
 
 
 def _stats(values: list[Optional[float]]) -> tuple[float, float]:
@@ -238,21 +172,6 @@ def _stats(values: list[Optional[float]]) -> tuple[float, float]:
     if not present:
         return math.nan, math.nan
     return statistics.fmean(present), statistics.stdev(present) if len(present) > 1 else 0.0
-
-
-@dataclass(frozen=True)
-class TrainerState:
-    """What TRL hands a reward function as `trainer_state`: the optimizer steps done, of how many, and the epoch."""
-
-    global_step: int
-    max_steps: int
-    epoch: float
-
-    @classmethod
-    def before_step(cls, step_number: int, max_steps: int, prompts_per_step: int, prompts: int) -> "TrainerState":
-        """The state while step `step_number` (1, 2, ...) scores its rollout: the steps done, the epoch reached."""
-        done = step_number - 1
-        return cls(global_step=done, max_steps=max_steps, epoch=done * prompts_per_step / max(prompts, 1))
 
 
 class Scorer:
@@ -296,10 +215,10 @@ class Scorer:
             scored |= torch.tensor([v is not None for v in values], device=total.device)
             added = torch.tensor([0.0 if v is None else v for v in values], device=total.device)
             total = total + function.weight * added
-        if not torch.isfinite(total).all():
-            row = int((~torch.isfinite(total)).nonzero()[0, 0])
+        if not (total.abs() <= REWARD_LIMIT).all():  # NaN fails too
+            row = int((~(total.abs() <= REWARD_LIMIT)).nonzero()[0, 0])
             where = examples[row].source if examples is not None else f"batch row {row}"
-            raise RewardFunctionError(f"the weighted rewards of row {where} sum past float32's range "
+            raise RewardFunctionError(f"the weighted rewards of row {where} sum past +-{REWARD_LIMIT:g} "
                                       f"({', '.join(f.name for f in self.functions)}): scale them down")
         if nan_unscored and self.adapter is None:
             total = torch.where(scored, total, math.nan)
@@ -316,8 +235,7 @@ class Scorer:
                         ) -> list[list[Optional[float]]]:
         """Each reward function's checked values, one per row (None: does not apply), unweighted, in order."""
         kwargs, sources = self._arguments(input_ids, attention_mask, prompt_length, response_mask, examples)
-        return [_checked(f, _call(f, kwargs, sources, self.timeout_s), len(sources), sources)
-                for f in self.functions]
+        return [_values(f, kwargs, sources, self.timeout_s) for f in self.functions]
 
     def _arguments(self, input_ids, attention_mask, prompt_length, response_mask, examples
                    ) -> tuple[dict[str, list], list[str]]:
