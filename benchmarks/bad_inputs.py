@@ -322,6 +322,28 @@ CASES += [
 ]
 
 
+# Issue 65: what a hostile user could still do (each also pinned by a test)
+CASES += [
+    ("65.C", "a reward of -3e38 (float32 holds it, not its square)",
+     lambda s: rewarded(s, "minus", "def f(completions, **_):\n    return [-3e38] * len(completions)\n")),
+    ("65.D", "os._exit(0) inside a reward function",
+     lambda s: rewarded(s, "os_exit", "import os\ndef f(**_):\n    os._exit(0)\n")),
+    ("65.D", "os._exit(0) when its file is imported", lambda s: rewarded(s, "os_exit_early", "import os\nos._exit(0)\n")),
+    ("65.D", "os._exit(3) inside a reward function",
+     lambda s: rewarded(s, "os_exit_3", "import os\ndef f(**_):\n    os._exit(3)\n")),
+    ("65.D", "a catastrophic regex, --reward_timeout_s 2",
+     lambda s: rewarded(s, "regex", "import re\ndef f(completions, **_):\n    re.match(r'(a+)+$', 'a' * 64 + 'b')\n",
+                        "--reward_timeout_s", "2")),
+    ("65.D", "a reward function raising KeyboardInterrupt",
+     lambda s: rewarded(s, "interrupt", "def f(**_):\n    raise KeyboardInterrupt\n")),
+    ("65.D", "a reward function closing sys.stdout (harmless: the run goes on)",
+     lambda s: rewarded(s, "stdout", "import sys\ndef f(completions, **_):\n    sys.stdout.close()\n"
+                                     "    return [1.0] * len(completions)\n")),
+    ("65.D", "a reward whose float() raises",
+     lambda s: rewarded(s, "odd_float", "class Odd(float):\n    def __float__(self):\n        raise ValueError('no')\n"
+                                        "def f(completions, **_):\n    return [Odd(1.0)] * len(completions)\n")),
+]
+
 def loha(s: Scratch) -> str:
     """A copy of the tiny adapter whose adapter_config.json says LOHA."""
     folder = s.path("loha")
