@@ -161,3 +161,119 @@ def test_the_time_of_an_rl_step_splits_into_rollout_and_update_with_the_first_st
     assert rl_time_table(tmp_path, ["sft"]) == []
     report = write_run_report(tmp_path, results={"sft": {}, "grpo": {}, "ppo": {}}).read_text()
     assert "## Time per RL step" in report and "| grpo | 4 | 42 | 5 | 3 (60%) |" in report
+
+
+def write_metrics(folder, lines: list) -> None:
+    """metrics.jsonl from rows (dicts) and raw lines (str), as a run or a hand edit would leave them."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.jsonl").write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in lines))
+
+
+def test_metrics_values_that_are_not_numbers_show_as_missing_and_are_named_once(tmp_path, caplog):
+    from trainer.run_report import write_run_report
+
+    write_metrics(tmp_path / "grpo", [
+        {"step": 1, "perf/step_s": "fast", "perf/rollout_s": 1.0, "perf/update_s": 1.0, "perf/peak_rss_gb": 1.5,
+         "rewards/f/mean": "high", "rewards/f/std": 0.1, "objective/scores": "x"},
+        '{"step": 2, "perf/step_s": 4.0, "perf/rollout_s": 3.0, "perf/update_s": 1.0, "rewards/f/mean": 0.5, '
+        '"rewards/f/std": ' + "1" + "0" * 400 + "}",  # an int past any float: json reads it as an int
+        '{"step": ' + "1" + "0" * 400 + ', "perf/step_s": 1.0}',  # a step no curve can place: the row is left out
+        '{"step": 4, "perf/step_s": ' + "9" * 5000 + "}",  # past the digits json reads: dropped as a broken line
+        '{"step": 5, "perf/step_s": ' + "[" * 100_000 + "]" * 100_000 + "}",  # nested past the stack: dropped too
+        {"step": 3, "perf/step_s": 2.0, "perf/rollout_s": 1.0, "perf/update_s": 1.0, "perf/peak_rss_gb": [2.0]}])
+    with caplog.at_level("WARNING", logger="trainer.run_report"):
+        report = write_run_report(tmp_path, results={"grpo": {}}).read_text().splitlines()
+    assert "| grpo | - | 3 | 1.5 (process RSS) | score_policy - | score_policy - |" in report  # steps 2 and 3
+    assert "| grpo | 2 | 4 | 2 | 1 (50%) | 1 (50%) | - | - |" in report  # step 1's time is a string
+    assert "| grpo | f | - ± 0.1 (step 1) | 0.5 ± - (step 2) |" in report
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [f"{tmp_path / 'grpo' / 'metrics.jsonl'}: 6 value(s) that are not numbers skipped (step 1: "
+                        "'perf/step_s' = 'fast'); the report shows them as missing"]
+
+
+def test_odd_values_in_a_stages_results_show_as_missing(tmp_path):
+    from trainer.run_report import write_run_report
+
+    (tmp_path / "reward").mkdir()
+    (tmp_path / "reward" / "results.json").write_text(
+        '{"seconds": "slow", "eval_before": [0.5], "eval_after": {"eval/accuracy": 0.75, "eval/pairs": Infinity}}')
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "results.json").write_text(
+        '{"seconds": 3.0, "eval_before": {"eval/perplexity": "big"}, "eval_after": {"eval/perplexity": 1' + "0" * 400
+        + "}}")
+    report = write_run_report(tmp_path).read_text().splitlines()
+    assert "| sft | 3 | - | - | perplexity - | perplexity - |" in report
+    assert "| reward | - | - | - | accuracy - | accuracy 0.75 |" in report  # no pair count: no interval
+
+
+def one_line_error(argv: list[str], capsys) -> tuple[int, str]:
+    """(exit code, the one `error: ` line) of `python -m trainer.run_report ARGV`, run in this process."""
+    from foundation.cli import run
+    from trainer.run_report import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return exit_info.value.code, lines[0]
+
+
+def test_a_results_or_comparison_file_that_is_not_a_json_object_is_one_line_naming_it(tmp_path, capsys):
+    (tmp_path / "sft").mkdir()
+    results = tmp_path / "sft" / "results.json"
+    for text, problem in (("[1, 2]", "a JSON list, not the object a run writes there"),
+                          ('{"stage": "sft", ', "not a readable JSON file (JSONDecodeError"),
+                          ('"done"', "a JSON str, not the object")):
+        results.write_text(text)
+        code, line = one_line_error([str(tmp_path)], capsys)
+        assert code == 1 and line.startswith(f"error: {results}: {problem}"), line
+    results.write_text('{"stage": "sft"}')
+    comparison = tmp_path / "comparison.json"
+    comparison.write_text('{"prompts": 4, "policies": {"sft": {"mean_score": "high"}}}')
+    code, line = one_line_error([str(tmp_path)], capsys)
+    assert code == 1 and line.startswith(f"error: {comparison}: not as trainer.compare writes it (ValueError")
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_a_run_dir_that_holds_no_run_is_refused_in_one_line_and_nothing_is_created(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "run" / "sft").mkdir(parents=True)
+    (tmp_path / "run" / "sft" / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.0}\n')
+    hint = "give the folder a pipeline run wrote (its --run_dir, e.g. runs/demo)"
+    assert one_line_error(["runs/dmeo"], capsys) == (1, f"error: runs/dmeo: no such folder; {hint}")
+    assert one_line_error([str(a_file)], capsys) == (1, f"error: {a_file}: not a folder; {hint}")
+    assert one_line_error(["empty"], capsys) == (
+        1, f"error: empty: holds no run (no stage folder with metrics.jsonl, results.json or config.json in it); "
+           f"{hint}")
+    assert one_line_error(["run/sft"], capsys) == (
+        1, f"error: run/sft: one stage's folder (it holds metrics.jsonl); the report is of the run folder that holds "
+           f"the stage folders: give {tmp_path / 'run'}")
+    assert one_line_error([], capsys) == (2, "error: the following arguments are required: RUN_DIR")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["empty", "metrics.jsonl", "notes.txt", "run", "sft"]
+
+
+def test_the_command_prints_its_usage_for_help_and_writes_the_report_of_a_run(tmp_path, capsys, monkeypatch):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from foundation.cli import run
+    from trainer.run_report import main
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
+    helped = subprocess.run([sys.executable, "-m", "trainer.run_report", "--help"], cwd=tmp_path, capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: python -m trainer.run_report [-h] RUN_DIR")
+    assert list(tmp_path.iterdir()) == []  # no ./--help/report.md
+    monkeypatch.chdir(tmp_path)
+    write_metrics(tmp_path / "run" / "sft", [{"step": 1, "train/loss": 2.0, "perf/step_s": 1.5}])
+    assert run(main, ["run"]) == Path("run/report.md") and capsys.readouterr().out == "run/report.md\n"
+    assert "![training curves](curves.png)" in (tmp_path / "run" / "report.md").read_text()

@@ -4,23 +4,102 @@ Everything in it is read from files the stages wrote (results.json, metrics.json
 comparison.json), so the page can be regenerated at any time:
 
     python -m trainer.run_report runs/demo
+
+A metrics value that is not a number (a string, an integer past any float) is left out and shown as missing;
+a file that is not what its stage writes (results.json not a JSON object) stops the report in one line.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import math
 import statistics
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
+from foundation.cli import InputError, argument_parser, run
 from foundation.files import write_atomic
 from trainer.config import PIPELINE_STAGES
-from trainer.engine.metrics import read_metrics
+from trainer.engine.checkpoint import reported_write_failure
+from trainer.engine.metrics import METRICS_FILE, read_metrics
+
+logger = logging.getLogger("trainer.run_report")  # the same name under `python -m`
 
 REPORT = "report.md"
 CURVES = "curves.png"
+RESULTS = "results.json"
+COMPARISON = "comparison.json"
+RUN_FILES = (METRICS_FILE, RESULTS, "config.json")  # what a stage's folder holds once it has started
+
+
+def is_number(value: Any) -> bool:
+    """A JSON value a table can print and a curve can plot: an int or float (NaN and inf included, as a run
+    logs them), not a bool, a string, or an int past any float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
+def numeric_rows(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """`rows` with only their numbers, and what was left out ("step 3: 'perf/step_s' = 'fast'"); a row whose
+    step is not a number is left out whole."""
+    kept, odd = [], []
+    for row in rows:
+        if not is_number(row["step"]):
+            odd.append(f"a row with step {_shown(row['step'])}")
+            continue
+        kept.append({k: v for k, v in row.items() if is_number(v)})
+        odd += [f"step {row['step']}: {k!r} = {_shown(v)}" for k, v in row.items() if not is_number(v)]
+    return kept, odd
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:40]}... ({len(text):,} characters)"
+
+
+def stage_metrics(run_dir: Path, stage: str) -> list[dict]:
+    """A stage's metrics.jsonl rows, numbers only (see `numeric_rows`)."""
+    return numeric_rows(read_metrics(run_dir / stage))[0]
+
+
+def warn_odd_metrics(run_dir: Path, stages: Sequence[str]) -> None:
+    """One warning per metrics.jsonl the report reads that holds values it leaves out, naming the first."""
+    for stage in dict.fromkeys([*stages, *(panel[0] for panel in PANELS)]):
+        odd = numeric_rows(read_metrics(run_dir / stage))[1]
+        if odd:
+            logger.warning("%s: %d value(s) that are not numbers skipped (%s); the report shows them as missing",
+                           run_dir / stage / METRICS_FILE, len(odd), odd[0])
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON file holding an object, or one InputError line naming it."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise InputError(f"{path}: not a readable JSON file ({type(exc).__name__}: {str(exc)[:160]})") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: a JSON {type(value).__name__}, not the object a run writes there; "
+                         "rerun its stage or move the file away")
+    return value
+
+
+@contextmanager
+def written_by(path: Path, writer: str) -> Iterator[None]:
+    """A saved file whose contents do not have the shape `writer` gives them stops the report in one line."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as exc:
+        raise InputError(f"{path}: not as {writer} writes it ({type(exc).__name__}: {str(exc)[:160]}); "
+                         f"rerun {writer} or move the file away") from None
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -44,7 +123,7 @@ def plot_curves(run_dir: Path) -> Optional[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(stage, title, keys, read_metrics(run_dir / stage)) for stage, title, keys in PANELS]
+    panels = [(stage, title, keys, stage_metrics(run_dir, stage)) for stage, title, keys in PANELS]
     panels = [p for p in panels if p[3]]
     if not panels:
         return None
@@ -60,16 +139,18 @@ def plot_curves(run_dir: Path) -> Optional[Path]:
         if ax.lines:  # a stage with metrics but none of its panel's yet (a run cut early) has no legend to draw
             ax.legend(fontsize=8)
     fig.tight_layout()
-    out = run_dir / CURVES
-    fig.savefig(out, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    return out
+    out = run_dir / CURVES
+    with reported_write_failure(str(out), run_dir):
+        return write_atomic(out, png.getvalue())
 
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
-    return str(value)
+    return "-" if value is None else str(value)
 
 
 def step_costs(rows: list[dict]) -> tuple[str, str]:
@@ -96,7 +177,7 @@ def stage_table(results: dict[str, dict], run_dir: Optional[Path] = None) -> lis
         after = (res.get("eval_after") or {}).get(key)
         label = key.split("/", 1)[-1]
         seconds = _fmt(res["seconds"]) if "seconds" in res else "-"  # only the pipeline times a stage
-        step, peak = step_costs(read_metrics(run_dir / name)) if run_dir is not None else ("-", "-")
+        step, peak = step_costs(stage_metrics(run_dir, name)) if run_dir is not None else ("-", "-")
         lines.append(f"| {name} | {seconds} | {step} | {peak} | {label} {_fmt(before)}{_interval(before, res.get('eval_before'))} | "
                      f"{label} {_fmt(after)}{_interval(after, res.get('eval_after'))} |")
     return lines
@@ -109,7 +190,7 @@ def rl_time_table(run_dir: Path, stages: Sequence[str]) -> list[str]:
     second and, on CUDA, that speed over the memory-bandwidth bound. Nothing when no stage was an RL one."""
     lines = []
     for stage in stages:
-        rows = [r for r in read_metrics(run_dir / stage) if "perf/rollout_s" in r and "perf/step_s" in r]
+        rows = [r for r in stage_metrics(run_dir, stage) if "perf/rollout_s" in r and "perf/step_s" in r]
         if not rows:
             continue
         later = rows[1:] or rows
@@ -140,7 +221,7 @@ def reward_function_table(run_dir: Path, stages: Sequence[str]) -> list[str]:
     stage, from its `rewards/NAME/mean` metrics; nothing when no stage was scored by reward functions."""
     lines = []
     for stage in stages:
-        rows = [r for r in read_metrics(run_dir / stage) if any(k.startswith("rewards/") for k in r)]
+        rows = [r for r in stage_metrics(run_dir, stage) if any(k.startswith("rewards/") for k in r)]
         names = sorted({k[len("rewards/"):-len("/mean")] for r in rows for k in r
                         if k.startswith("rewards/") and k.endswith("/mean")})
         for name in names:
@@ -182,7 +263,7 @@ def reward_hacking_signs(stage: str, rows: list[dict]) -> list[str]:
 
 def reward_hacking_line(run_dir: Path, stages: Sequence[str]) -> list[str]:
     """The report's one warning line (and a blank) when any RL stage shows a sign of reward hacking."""
-    signs = [s for stage in stages for s in reward_hacking_signs(stage, read_metrics(run_dir / stage))]
+    signs = [s for stage in stages for s in reward_hacking_signs(stage, stage_metrics(run_dir, stage))]
     if not signs:
         return []
     return [f"**Possible reward hacking:** {'; '.join(signs)}. Read the samples before trusting the scores.", ""]
@@ -218,9 +299,10 @@ def bootstrap_perplexity_interval(nll: Sequence[float], tokens: Sequence[int], r
 
 def _interval(accuracy: Any, evaluation: Optional[dict]) -> str:
     """' (95% CI a-b, n pairs)' for a pairwise accuracy: is it above chance (0.5) or only noise?"""
-    pairs = int((evaluation or {}).get("eval/pairs", 0))
-    if not isinstance(accuracy, float) or pairs <= 0:
+    pairs = (evaluation or {}).get("eval/pairs", 0)
+    if not isinstance(accuracy, float) or not 0 <= accuracy <= 1 or not is_number(pairs) or not 1 <= pairs < math.inf:
         return ""
+    pairs = int(pairs)
     low, high = wilson_interval(accuracy, pairs)
     return f" (95% CI {low:.2f}-{high:.2f}, {pairs} pairs)"
 
@@ -247,17 +329,18 @@ def evaluation_table(run_dir: Path) -> list[str]:
     """The `evaluate --output_file` results saved in the stage folders (e.g. dpo/evaluation-eval.json)."""
     lines = []
     for path in sorted(run_dir.glob("*/evaluation*.json")):
-        ev = json.loads(path.read_text())
-        accuracy = ev.get("accuracy", ev.get("rewards/accuracies"))
-        if ev.get("task") == "exact_match":
-            figure = ", ".join(f"{name} {c['mean']:.3f} (95% CI {c['ci95'][0]:.3f}-{c['ci95'][1]:.3f}, "
-                               f"{c['rows']} rows)" for name, c in ev["checks"].items() if c["mean"] is not None)
-        elif accuracy is None:
-            figure = f"perplexity {ev['perplexity']:.4g}" if "perplexity" in ev else "-"
-        else:
-            low, high = ev["accuracy_ci95"]  # evaluate writes it beside every accuracy
-            figure = f"accuracy {accuracy:.4g} (95% CI {low:.3f}-{high:.3f}, {int(ev['pairs'])} pairs)"
-        lines.append(f"| {ev['task']} | {ev.get('split', 'all')} | {figure} | `{path.relative_to(run_dir)}` |")
+        ev = read_json_object(path)
+        with written_by(path, "trainer.evaluate"):
+            accuracy = ev.get("accuracy", ev.get("rewards/accuracies"))
+            if ev.get("task") == "exact_match":
+                figure = ", ".join(f"{name} {c['mean']:.3f} (95% CI {c['ci95'][0]:.3f}-{c['ci95'][1]:.3f}, "
+                                   f"{c['rows']} rows)" for name, c in ev["checks"].items() if c["mean"] is not None)
+            elif accuracy is None:
+                figure = f"perplexity {ev['perplexity']:.4g}" if "perplexity" in ev else "-"
+            else:
+                low, high = ev["accuracy_ci95"]  # evaluate writes it beside every accuracy
+                figure = f"accuracy {accuracy:.4g} (95% CI {low:.3f}-{high:.3f}, {int(ev['pairs'])} pairs)"
+            lines.append(f"| {ev['task']} | {ev.get('split', 'all')} | {figure} | `{path.relative_to(run_dir)}` |")
     if not lines:
         return []
     return ["## Evaluations (`python -m trainer.evaluate`)", "", "| task | split | result | file |",
@@ -268,14 +351,49 @@ def _cell(text: str) -> str:
     return " ".join(text.replace("|", "\\|").split())
 
 
+def numeric_results(results: dict[str, Any]) -> dict[str, dict]:
+    """Each stage's results with the figures the report reads (`seconds`, the values of `eval_before` and
+    `eval_after`) kept only where they are numbers: an odd one shows as missing."""
+    kept = {}
+    for name, res in results.items():
+        res = dict(res) if isinstance(res, dict) else {}
+        for key in ("eval_before", "eval_after"):
+            evaluation = res.get(key)
+            res[key] = {k: v for k, v in evaluation.items() if is_number(v)} if isinstance(evaluation, dict) else None
+        if not is_number(res.get("seconds")):
+            res.pop("seconds", None)
+        kept[name] = res
+    return kept
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse, in one line, a RUN_DIR that is not a run folder: missing, a file, one stage's own folder, or a
+    folder with no stage folder in it (a stage folder holds metrics.jsonl, results.json or config.json)."""
+    hint = "give the folder a pipeline run wrote (its --run_dir, e.g. runs/demo)"
+    if not run_dir.exists():
+        raise InputError(f"{run_dir}: no such folder; {hint}")
+    if not run_dir.is_dir():
+        raise InputError(f"{run_dir}: not a folder; {hint}")
+    own = [name for name in (METRICS_FILE, RESULTS) if (run_dir / name).is_file()]
+    if own:
+        raise InputError(f"{run_dir}: one stage's folder (it holds {own[0]}); the report is of the run folder that "
+                         f"holds the stage folders: give {run_dir.resolve().parent}")
+    stages = [d for d in run_dir.iterdir() if d.is_dir() and any((d / name).is_file() for name in RUN_FILES)]
+    if not stages and not (run_dir / COMPARISON).is_file():
+        raise InputError(f"{run_dir}: holds no run (no stage folder with {', '.join(RUN_FILES[:-1])} or "
+                         f"{RUN_FILES[-1]} in it); {hint}")
+
+
 def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: Optional[dict] = None) -> Path:
     run_dir = Path(run_dir)
     if results is None:
         order = {name: i for i, name in enumerate(PIPELINE_STAGES)}  # pipeline order
-        found = sorted(run_dir.glob("*/results.json"), key=lambda p: (order.get(p.parent.name, 99), p.parent.name))
-        results = {p.parent.name: json.loads(p.read_text()) for p in found}
-    if comparison is None and (run_dir / "comparison.json").is_file():
-        comparison = json.loads((run_dir / "comparison.json").read_text())
+        found = sorted(run_dir.glob(f"*/{RESULTS}"), key=lambda p: (order.get(p.parent.name, 99), p.parent.name))
+        results = {p.parent.name: read_json_object(p) for p in found}
+    results = numeric_results(results)
+    if comparison is None and (run_dir / COMPARISON).is_file():
+        comparison = read_json_object(run_dir / COMPARISON)
+    warn_odd_metrics(run_dir, list(results))
     curves = plot_curves(run_dir)
     from foundation.provenance import provenance
 
@@ -295,21 +413,36 @@ def write_run_report(run_dir: Path, results: Optional[dict] = None, comparison: 
                   "training: those ties count as wrong, hence accuracy 0, not 0.5.", ""]
     lines += evaluation_table(run_dir)
     timed = [r["seconds"] for r in results.values() if "seconds" in r]
-    if comparison and "seconds" in comparison and len(timed) == len(results):
-        total = sum(timed) + comparison["seconds"]
-        lines += [f"The policy comparison below took {comparison['seconds']:.0f} s; stages and comparison together "
-                  f"{total:.0f} s ({total / 60:.1f} min).", ""]
-    if curves:
-        lines += [f"![training curves]({curves.name})", ""]
-    if comparison:
-        lines += [f"## Policies on {comparison['prompts']} held-out prompts, scored by the reward model", "",
-                  *comparison_table(comparison), "", "### Samples (reward-model score in brackets)", "",
-                  *sample_table(comparison), ""]
+    with written_by(run_dir / COMPARISON, "trainer.compare"):
+        if comparison and "seconds" in comparison and len(timed) == len(results):
+            total = sum(timed) + comparison["seconds"]
+            lines += [f"The policy comparison below took {comparison['seconds']:.0f} s; stages and comparison "
+                      f"together {total:.0f} s ({total / 60:.1f} min).", ""]
+        if curves:
+            lines += [f"![training curves]({curves.name})", ""]
+        if comparison:
+            lines += [f"## Policies on {comparison['prompts']} held-out prompts, scored by the reward model", "",
+                      *comparison_table(comparison), "", "### Samples (reward-model score in brackets)", "",
+                      *sample_table(comparison), ""]
     memory = [d for d in PIPELINE_STAGES if (run_dir / d / "memory.png").is_file()]
     if memory:
         lines += ["## Memory", ""] + [f"![{d} memory]({d}/memory.png) ([table]({d}/memory.md))" for d in memory] + [""]
-    return write_atomic(run_dir / REPORT, "\n".join(lines))
+    with reported_write_failure(str(run_dir / REPORT), run_dir):
+        return write_atomic(run_dir / REPORT, "\n".join(lines))
+
+
+def main(argv: Optional[list[str]] = None) -> Path:
+    parser = argument_parser("python -m trainer.run_report", "Write report.md and curves.png of a pipeline run "
+                             "folder from the files its stages wrote.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path,
+                        help="The run folder (trainer.pipeline's --run_dir), e.g. runs/demo.")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    check_run_dir(args.run_dir)
+    report = write_run_report(args.run_dir)
+    print(report)
+    return report
 
 
 if __name__ == "__main__":
-    print(write_run_report(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/demo")))
+    run(main)

@@ -53,7 +53,7 @@ def parse_lines(path: Path) -> list[dict[str, Any]]:
     for line in path.read_text(errors="replace").splitlines():
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # half-written, an int past 4300 digits, or nested past the stack
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), int):
             rows.append(row)
