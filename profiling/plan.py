@@ -4,21 +4,23 @@ instead of a guess. It chooses only the settings the run left auto (`planned`); 
 
     plan_rl(shape, settings, planned=...) -> Plan(rollout_micro_batch_size, micro_batch_size, ...)
 
-Each choice is the largest whose estimated peak fits the budget less `margin`: first the rows per generate /
-score pass, then the update micro-batch, without checkpointing when that fits at least half of what
-checkpointing allows (not with the activations offloaded: the estimate is then alike either way, while without
-checkpointing every saved tensor crosses to the host, not just each layer's input); where nothing fits, the
-same with the input embedding in host memory, then with the update's saved activations there, then with both.
+Each choice is the largest whose estimated peak fits the budget less `margin` (room for fragmentation), or, where
+nothing fits that, the whole budget (what the run's start-up check accepts): first the rows per generate / score
+pass, then the update micro-batch, without checkpointing when that fits at least half of what checkpointing allows
+(not with the activations offloaded: the estimate is then alike either way, while without checkpointing every
+saved tensor crosses to the host, not just each layer's input); where nothing fits, the same with the input
+embedding in host memory, then with the update's saved activations there, then with both.
 Where `decode` is auto on CUDA, all this is done with the compiled decode step (its full-length KV cache held
 in every phase; no embedding offload, which a captured step cannot read) and with eager decoding: the compiled
 plan wins where it keeps at least half the rows per generate pass.
 Then, where `generation_weights` is auto, a 4-bit base on CUDA decoding more than one row at a time gets the
-dense copy of its weights that still fits: resident, else made per rollout, else none. Nothing runs a model:
-the update's OOM back-off stays the safety net.
+dense copy of its weights that still fits within the margin: resident, else made per rollout, else none.
+Nothing runs a model: the update's OOM back-off stays the safety net.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Collection, Optional, Sequence
 
@@ -60,18 +62,23 @@ class Plan:
         prints it at the start of a run."""
         lines = [f"budget plan (estimate within {C.gib(self.usable_bytes)} of {C.gib(self.budget_bytes)} GiB):"]
         for name, value in self.settings().items():
-            shown = str(value).lower() if isinstance(value, bool) else value
-            lines.append(f"  {name} {shown}  ({'planned' if name in self.planned else 'set'})")
+            lines.append(f"  {name} {_shown(value)}  ({'planned' if name in self.planned else 'set'})")
         for phase, total in self.phases:
             mark = "  <- peak" if phase == self.peak_phase else ""
             lines.append(f"  {phase:<15} {C.gib(total):>7} GiB{mark}")
         return "\n".join(lines)
 
 
+def _shown(value) -> str:
+    """A setting's value as a flag takes it (true / false for a bool)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 
+@functools.lru_cache(maxsize=1024)  # a plan within the whole budget tries again the settings tried within the margin
 def _peaks(shape: ModelShape, args: EstimateArguments) -> dict[str, int]:
     return {p["phase"]: p["total"] for p in estimate(shape, args)["phases"]}
 
@@ -88,11 +95,32 @@ def _largest(shape: ModelShape, args: EstimateArguments, field: str, sizes: list
 def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float = 0.1,
             may_offload: Sequence[str] = OFFLOADS, planned: Collection[str] = PLANNABLE) -> Optional[Plan]:
     """The plan for a PPO or GRPO run (`args.stage`; EstimateArguments of the run) with minibatches of
-    `mini_batch_size` rows; None when nothing fits with the settings given. Only the settings in `planned`
-    (of PLANNABLE) are chosen; the others keep their values in `args`. Where nothing fits, the offloads the
-    run allows (`may_offload`, planned ones) are turned on, each alone in OFFLOADS' order and then together,
-    until a plan fits; an offload that would change nothing (a tied embedding, the CPU) is not tried."""
+    `mini_batch_size` rows; None when nothing fits the whole budget with the settings given. Only the settings
+    in `planned` (of PLANNABLE) are chosen; the others keep their values in `args`. Where nothing fits, the
+    offloads the run allows (`may_offload`, planned ones) are turned on, each alone in OFFLOADS' order and then
+    together, until a plan fits; an offload that would change nothing (a tied embedding, the CPU) is not tried.
+    All that within the budget less `margin`, else within the whole budget; a dense copy for decoding only ever
+    within the margin (it saves time, never a run)."""
     planned = frozenset(planned) & frozenset(PLANNABLE)
+    plan = _plan_within(shape, args, mini_batch_size, margin, may_offload, planned)
+    if plan is None and margin > 0:  # a value given may fit only the whole budget: plan the rest around it
+        plan = _plan_within(shape, args, mini_batch_size, 0.0, may_offload, planned)
+    if plan is None or args.generation_weights != "auto":
+        return plan
+    plan = replace(plan, planned=plan.planned | {"generation_weights"})
+    settled = replace(args, decode=plan.decode, **{name: getattr(plan, name) for name in PLANNABLE}).resolved()
+    if settled.quantization != "nf4" or settled.device != "cuda" or plan.rollout_micro_batch_size < 2:
+        return plan  # one row decodes through bitsandbytes' 4-bit kernel, which reads 4 bits a weight
+    for weights in ("resident", "dequantized"):
+        est = estimate(shape, replace(settled, generation_weights=weights))
+        if all(p["total"] <= _usable(settled, margin) for p in est["phases"]):
+            return _plan_of(replace(settled, generation_weights=weights), est, plan.usable_bytes, plan.planned)
+    return plan
+
+
+def _plan_within(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float,
+                 may_offload: Sequence[str], planned: frozenset[str]) -> Optional[Plan]:
+    """The plan of the batch sizes, checkpointing, offloads and decode path within the budget less `margin`."""
     if args.decode == "auto" and args.device == "cuda" and not args.offload_embeddings:
         # the compiled step (no embedding offload: a captured step cannot look rows up in host memory) where a
         # plan with its resident KV cache keeps at least half the rows per pass eager decoding gets: a compiled
@@ -102,20 +130,12 @@ def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, ma
         eager = _with_offloads(shape, replace(args, decode="eager"), mini_batch_size, margin, may_offload, planned)
         plan = compiled if compiled is not None and (
             eager is None or 2 * compiled.rollout_micro_batch_size >= eager.rollout_micro_batch_size) else eager
-        plan = plan and replace(plan, planned=plan.planned | {"decode"})
-    else:
-        plan = _with_offloads(shape, args, mini_batch_size, margin, may_offload, planned)
-    if plan is None or args.generation_weights != "auto":
-        return plan
-    plan = replace(plan, planned=plan.planned | {"generation_weights"})
-    settled = replace(args, decode=plan.decode, **{name: getattr(plan, name) for name in PLANNABLE}).resolved()
-    if settled.quantization != "nf4" or settled.device != "cuda" or plan.rollout_micro_batch_size < 2:
-        return plan  # one row decodes through bitsandbytes' 4-bit kernel, which reads 4 bits a weight
-    for weights in ("resident", "dequantized"):
-        est = estimate(shape, replace(settled, generation_weights=weights))
-        if all(p["total"] <= plan.usable_bytes for p in est["phases"]):
-            return _plan_of(replace(settled, generation_weights=weights), est, plan.usable_bytes, plan.planned)
-    return plan
+        return plan and replace(plan, planned=plan.planned | {"decode"})
+    return _with_offloads(shape, args, mini_batch_size, margin, may_offload, planned)
+
+
+def _usable(args: EstimateArguments, margin: float) -> int:
+    return int(args.budget_bytes * (1 - margin))
 
 
 def _with_offloads(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, margin: float,
@@ -171,6 +191,35 @@ def planned_settings(shape: ModelShape, args: EstimateArguments, planned: Collec
     return replace(args, **plan.settings()), plan
 
 
+PHASE_SETTINGS = {**dict.fromkeys(ROLLOUT_PHASES, ("rollout_micro_batch_size",)),
+                  **dict.fromkeys(UPDATE_PHASES, ("micro_batch_size", "gradient_checkpointing"))}  # the rest: OFFLOADS
+
+
+def what_does_not_fit(shape: ModelShape, args: EstimateArguments, may_offload: Sequence[str] = OFFLOADS,
+                      planned: Collection[str] = PLANNABLE) -> tuple[str, str, EstimateArguments, dict]:
+    """Where `plan_rl` finds nothing: (the settings that do not fit, as "--name value" where given, the phase they
+    are over the budget in, the settings estimated, their estimate), with the settings left auto at their least:
+    one row a pass, micro-batches of one, checkpointing, every offload allowed that moves something, eager
+    decoding. The phase is the first over the budget that a given setting bears on; where none does, the peak,
+    named with its settings' least values."""
+    planned = frozenset(planned) & frozenset(PLANNABLE)
+    least = {"rollout_micro_batch_size": 1, "micro_batch_size": 1, "gradient_checkpointing": True,
+             **{name: name in may_offload and _moves_something(shape, replace(args, **{name: True}).resolved(), name)
+                for name in OFFLOADS}}
+    at = replace(args, decode="eager" if args.decode == "auto" else args.decode,
+                 **{name: value for name, value in least.items() if name in planned})
+    est = estimate(shape, at)
+    offloads = tuple(name for name in OFFLOADS if name not in planned and not getattr(at, name) and least[name])
+    over = [p["phase"] for p in est["phases"] if p["total"] > at.budget_bytes] or [est["peak_phase"]]
+    bearing = {phase: [name for name in (*PHASE_SETTINGS[phase], *offloads) if name not in planned] for phase in over}
+    phase = next((phase for phase in over if bearing[phase]), est["peak_phase"])  # the peak is over where any is
+    if bearing[phase]:
+        what = " with ".join(f"--{name} {_shown(getattr(at, name))}" for name in bearing[phase])
+    else:
+        what = "even " + " with ".join(f"{name} {_shown(getattr(at, name))}" for name in PHASE_SETTINGS[phase])
+    return what, phase, at, est
+
+
 def _moves_something(shape: ModelShape, args: EstimateArguments, offload: str) -> bool:
     if offload == "offload_embeddings":
         return offloaded_embedding(shape, args)
@@ -182,7 +231,7 @@ def _plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, m
     args = args.resolved()
     if args.stage not in ONLINE_RL_STAGES:
         raise ValueError(f"the planner plans online RL stages (ppo, grpo), not {args.stage!r}")
-    usable = int(args.budget_bytes * (1 - margin))
+    usable = _usable(args, margin)
     total = rollout_rows(args)
     rows = _largest(shape, args, "rollout_micro_batch_size",
                     _divisors(total) if "rollout_micro_batch_size" in planned else [args.rollout_micro_batch_size],

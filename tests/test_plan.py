@@ -130,15 +130,78 @@ def test_explicit_flags_survive_planning_and_the_same_flags_left_auto_are_planne
     assert saved["train"]["micro_batch_size"] == 4  # the run records what it runs with
 
 
-def test_an_explicit_value_that_does_not_fit_stops_the_run_naming_the_phase(tmp_path, fresh_accelerate_state):
+def test_an_explicit_value_that_does_not_fit_stops_the_run_naming_it_and_the_phase(tmp_path, fresh_accelerate_state):
     from trainer.engine.budget import BudgetError
     from trainer.engine.setup import start_run
     from trainer.ppo import PPOArguments
 
-    with pytest.raises(BudgetError, match=r"estimated peak memory .* GiB \(phase 'score'\)"):
+    with pytest.raises(BudgetError, match=r"--rollout_micro_batch_size 8 needs an estimated 0\.044 GiB in phase "
+                                          r"'score', over memory_budget_gib=0\.04"):
         start_run(PPOArguments, [*PLANNING, "--memory_budget_gib", "0.04", "--rollout_micro_batch_size", "8",
                                  "--output_dir", str(tmp_path)], stage="ppo")
     assert not (tmp_path / "config.json").exists()  # stopped before anything was written
+
+
+# --micro_batch_size 4 without checkpointing: its update needs 0.037 GiB, within a 0.04 GiB budget but not within
+# the 10% margin (0.036 GiB); the rollout's 8 rows a pass need 0.044 GiB (phase score), 4 rows 0.035 GiB
+TIGHT = [*PLANNING, "--micro_batch_size", "4", "--no_gradient_checkpointing", "--rollout_micro_batch_size", "auto"]
+
+
+def test_a_given_value_that_fits_only_the_whole_budget_has_the_auto_fields_planned_around_it(tmp_path, capfd,
+                                                                                           fresh_accelerate_state):
+    """The planner keeps a 10% margin where it can; where nothing fits with it, it plans against the whole budget
+    the start-up check accepts, so a field left auto is never refused where some value of it would start."""
+    from profiling.predict import resolve_shape
+    from trainer.engine.setup import start_run
+
+    model, data, train, stage = parse_config(PPOArguments, [*TIGHT, "--memory_budget_gib", "0.04"])
+    args = EstimateArguments.of_run(model, data, train, stage, stage="ppo", device="cpu")
+    shape = resolve_shape(args)
+    plan = plan_rl(shape, args, stage.mini_batch_size, planned={"rollout_micro_batch_size"})
+    assert (plan.rollout_micro_batch_size, plan.micro_batch_size, plan.gradient_checkpointing) == (4, 4, False)
+    assert plan.usable_bytes == plan.budget_bytes == args.budget_bytes  # the whole budget: the margin had no room
+    assert int(0.9 * args.budget_bytes) < plan.peak_bytes <= args.budget_bytes and plan.peak_phase == "update"
+    assert estimate(shape, replace(args, rollout_micro_batch_size=8))["peak_bytes"] > args.budget_bytes
+
+    ctx = start_run(PPOArguments, [*TIGHT, "--memory_budget_gib", "0.04", "--output_dir", str(tmp_path)], stage="ppo")
+    logs = "".join(capfd.readouterr())
+    assert ctx.stage_args.rollout_micro_batch_size == 4 and "rollout_micro_batch_size 4  (planned)" in logs
+    assert "memory estimate: peak 0.037 GiB (update) within the 0.040 GiB budget" in logs
+    assert json.loads((tmp_path / "config.json").read_text())["stage"]["rollout_micro_batch_size"] == 4
+
+
+def test_where_nothing_fits_the_error_names_the_given_setting_not_a_phase_left_auto(tmp_path, fresh_accelerate_state):
+    from trainer.engine.budget import BudgetError
+    from trainer.engine.setup import start_run
+
+    with pytest.raises(BudgetError, match=r"^ppo: --micro_batch_size 4 with --gradient_checkpointing false needs an "
+                                          r"estimated 0\.037 GiB in phase 'update', over memory_budget_gib=0\.035 "
+                                          r".* to fit, in order: micro_batch_size 4 -> 2"):
+        start_run(PPOArguments, [*TIGHT, "--memory_budget_gib", "0.035", "--output_dir", str(tmp_path)], stage="ppo")
+    assert not (tmp_path / "config.json").exists()
+    # all left auto and still nothing fits: the phase over the budget, with the least its settings can take
+    from profiling.plan import what_does_not_fit
+
+    what, phase, least, est = what_does_not_fit(SEVEN_B, replace(RECIPE, memory_budget_gib=3))
+    assert (what, phase) == ("even micro_batch_size 1 with gradient_checkpointing true", "update")
+    assert (least.rollout_micro_batch_size, least.micro_batch_size) == (1, 1) and est["peak_phase"] == "update"
+    assert est["peak_bytes"] > 3 * 2**30
+
+
+def test_no_keeping_the_configured_ones_warning_precedes_the_budget_error(tmp_path, capfd, fresh_accelerate_state):
+    """The warning is for a run that goes on unchecked (check_budget false); before the one-line error it is noise."""
+    from trainer.engine.budget import BudgetError
+    from trainer.engine.setup import start_run
+
+    nothing_fits = [*TIGHT, "--memory_budget_gib", "0.035"]
+    with pytest.raises(BudgetError):
+        start_run(PPOArguments, [*nothing_fits, "--output_dir", str(tmp_path / "checked")], stage="ppo")
+    assert "keeping the configured ones" not in "".join(capfd.readouterr())
+    ctx = start_run(PPOArguments, [*nothing_fits, "--check_budget", "false",
+                                   "--output_dir", str(tmp_path / "unchecked")], stage="ppo")
+    assert "nothing fits memory_budget_gib=0.035 with the settings given; keeping the configured ones" in \
+        "".join(capfd.readouterr())
+    assert (ctx.train_args.micro_batch_size, ctx.stage_args.rollout_micro_batch_size) == (4, 8)  # auto: its default
 
 
 def test_auto_in_a_config_file_leaves_the_field_to_the_planner(tmp_path, capfd, fresh_accelerate_state):
@@ -302,7 +365,8 @@ def test_a_planned_field_is_given_unless_it_is_auto(flags, given_fields):
 def test_decode_auto_plans_the_compiled_step_where_it_keeps_half_the_rows_else_eager():
     """--decode auto on CUDA: the compiled step with its resident KV cache where the plan keeps at least half
     the rows per generate pass eager decoding gets (the 24 GB recipe: all of them), marked planned; eager where
-    a compiled plan does not fit, and on the CPU; a path given is kept."""
+    a compiled plan does not fit, or fits only where eager decoding keeps the margin the other would spend, and on
+    the CPU; a path given is kept."""
     auto = replace(GRPO, decode="auto", generation_weights="quantized")
     plan = plan_rl(SEVEN_B, replace(auto, memory_budget_gib=24), mini_batch_size=8)
     assert plan.decode == "compiled" and "decode" in plan.planned and "decode compiled  (planned)" in plan.table()
@@ -313,6 +377,9 @@ def test_decode_auto_plans_the_compiled_step_where_it_keeps_half_the_rows_else_e
     for budget in [x / 4 for x in range(20, 40)]:
         picks = {d: plan_rl(SEVEN_B, replace(auto, memory_budget_gib=budget, decode=d), mini_batch_size=8,
                             may_offload=offloads_allowed(d, compile_layers=False)) for d in ("compiled", "eager")}
+        kept_margin = {d: p for d, p in picks.items() if p is not None and p.usable_bytes < p.budget_bytes}
+        if kept_margin:  # a path that fits only the whole budget counts only where neither keeps the margin
+            picks = {d: kept_margin.get(d) for d in picks}
         chosen = plan_rl(SEVEN_B, replace(auto, memory_budget_gib=budget), mini_batch_size=8)
         if picks["eager"] is None:
             assert chosen is None or chosen.decode == "compiled"

@@ -16,7 +16,7 @@ from profiling import components as C
 from profiling import resolve
 from profiling.advice import advice_lines
 from profiling.device import cuda_context_bytes, warm_up
-from profiling.plan import PLANNABLE, auto_fit_on, plan_rl
+from profiling.plan import PLANNABLE, auto_fit_on, plan_rl, what_does_not_fit
 from profiling.predict import EstimateArguments, estimate, resolve_shape
 from trainer.engine.launch import deepspeed_config, offloads_optimizer, shards_parameters
 from trainer.engine.memory_options import MemoryOptions
@@ -93,11 +93,16 @@ def check_budget(stage: str, model_args, data_args, train_args, stage_args, acce
         logger.info("memory estimate: peak %s GiB (%s) within the %s GiB budget", C.gib(peak), est["peak_phase"],
                     C.gib(budget))
         return est
-    lines, _ = advice_lines(shape, args.resolved(), est)
     raise BudgetError(
         f"{stage}: the estimated peak memory {C.gib(peak)} GiB (phase '{est['peak_phase']}') exceeds "
         f"memory_budget_gib={train_args.memory_budget_gib}. Change the settings, or raise the budget "
-        "(check_budget: false skips this check): " + " ".join(line.strip() for line in lines))
+        f"(check_budget: false skips this check): {_advice(shape, args, est)}")
+
+
+def _advice(shape, args: EstimateArguments, est: dict) -> str:
+    """The estimator's changes that would fit (`profiling.advice`), on one line."""
+    lines, _ = advice_lines(shape, args.resolved(), est)
+    return " ".join(line.strip() for line in lines)
 
 
 def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, accelerator,
@@ -106,7 +111,8 @@ def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, acc
     is on (its default on CUDA): returns (model_args, train_args, stage_args) with the settings of
     `plannable` left auto (not given on the command line or in the config: `foundation.cli.given`) as the
     plan chose them; `generation_weights` and `decode` auto become the plan's picks (unplanned, the weights as
-    they are and `MemoryOptions.decode_path`'s rule)."""
+    they are and `MemoryOptions.decode_path`'s rule). Where nothing fits with the settings given, BudgetError
+    names the given one that does not (with `check_budget` off, the run keeps its settings, warned)."""
     from dataclasses import replace
 
     if not auto_fit_on(stage_args.auto_fit, accelerator.device.type):  # nothing planned (see the docstring)
@@ -116,7 +122,15 @@ def fit_to_budget(stage: str, model_args, data_args, train_args, stage_args, acc
     if shards_parameters(accelerator):  # no compiled decode step to plan for (`MemoryOptions.decode_path`)
         args = replace(args, decode=resolve.decode_path(args.decode, "cuda", sharded=True))
     planned = set(plannable) - given(model_args) - given(train_args) - given(stage_args)
-    plan = plan_rl(resolve_shape(args), args, stage_args.mini_batch_size, may_offload=may_offload, planned=planned)
+    shape = resolve_shape(args)
+    plan = plan_rl(shape, args, stage_args.mini_batch_size, may_offload=may_offload, planned=planned)
+    if plan is None and train_args.check_budget:
+        what, phase, least, est = what_does_not_fit(shape, args, may_offload=may_offload, planned=planned)
+        totals = {p["phase"]: p["total"] for p in est["phases"]}
+        raise BudgetError(
+            f"{stage}: {what} needs an estimated {C.gib(totals[phase])} GiB in phase '{phase}', over "
+            f"memory_budget_gib={train_args.memory_budget_gib} whatever the settings left auto. Change the settings "
+            f"given, or raise the budget (check_budget: false skips this check): {_advice(shape, least, est)}")
     if plan is None:
         logger.warning("auto_fit: nothing fits memory_budget_gib=%s with the settings given; keeping the "
                        "configured ones", train_args.memory_budget_gib)
