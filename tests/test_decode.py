@@ -156,6 +156,20 @@ def test_draws_follow_the_truncated_distribution_and_greedy_takes_the_argmax():
     assert tokens.tolist() == [1, 1]  # EOS (0 here) barred: the next best
 
 
+def test_draws_at_a_temperature_follow_the_softmax_of_the_logits_over_it_once():
+    """At T 0.7 (no top-k / top-p) 40,000 draws have frequencies softmax(z / 0.7) to 0.01 - dividing twice,
+    softmax(z / 0.49), is 0.11 off on the first token - and each stored log-prob and entropy is
+    log_softmax(z / 0.7)'s."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(40000, 1)
+    torch.manual_seed(0)
+    tokens, logprobs, entropy = pick_tokens(logits, Sampling(temperature=0.7), eos_id=3, bar_eos=False)
+    freq = torch.bincount(tokens, minlength=4).float() / tokens.numel()
+    want = (logits[0] / 0.7).log_softmax(-1)
+    assert (freq - want.exp()).abs().max() < 0.01, (freq, want.exp())
+    torch.testing.assert_close(logprobs, want[tokens])
+    torch.testing.assert_close(entropy, -(want.exp() * want).sum().expand(40000))
+
+
 def test_a_decode_path_outside_the_loop_s_is_refused_by_name():
     assert check_path("compiled") == "compiled"
     assert check_path("auto", "cuda") == "compiled" and check_path("auto", "cpu") == check_path("auto", "cuda", True) == "eager"

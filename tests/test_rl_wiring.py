@@ -2,7 +2,7 @@
 rollouts' missing-EOS penalty and the DPO step feed the maths, pinned by numbers computed here
 independently (plain Python, or the test's own forward passes) and by the direction one update moves.
 
-tests/mutants/run.sh applies one-line changes to that wiring and reports which of these fail."""
+tests/mutants/run.py applies one-line changes to that wiring and reports which of these fail."""
 
 from __future__ import annotations
 
@@ -295,6 +295,81 @@ def test_ppo_rollout_subtracts_the_missing_eos_penalty_from_responses_without_eo
     eos = early_eos(sample, p)
     rollout = sample(eos)
     assert rollout.scores.tolist() == pytest.approx(expected_after_penalty(rollout.input_ids, p, eos, scores, 1.5))
+
+
+# ---------------------------------------------------------------- PPO: sampling temperature, entropy bonus
+
+
+def test_a_ppo_step_at_a_temperature_starts_its_update_at_ratio_one(tmp_path, fresh_accelerate_state):
+    """`rl_step` sampling at T 0.7 scores its update at 0.7 too: the one minibatch of a one-epoch step sees
+    its old log-probs again before it steps - ratio 1, approx KL 0, nothing clipped. Scored at 1 instead,
+    every token's log-ratio is the gap between the two temperatures' log-probs."""
+    from trainer.rl.algorithms.ppo import PPO
+    from trainer.rl.online import rl_step
+    from trainer.rl.settings import make_scorer
+
+    ctx, model, engine = ppo_engine(tmp_path, "--temperature", "0.7", "--min_new_tokens", "6")
+    args, tok = replace(ctx.stage_args, rollout_batch_size=4, mini_batch_size=4, ppo_epochs=1), ctx.tokenizer
+    assert args.temperature == 0.7
+    algorithm = PPO(args)
+    state = algorithm.start(ctx.train_args.micro_batch_size, 0)
+    torch.manual_seed(0)
+    result = rl_step(engine, prompt_batch(ctx, 4), algorithm, state, make_scorer(args, tok), tok.eos_token_id,
+                     tok.pad_token_id)
+    assert result.finite and result.stepped
+    assert result.metrics["val/ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert result.metrics["policy/approxkl_avg"] < 1e-10
+    assert result.metrics["policy/clipfrac_avg"] == 0.0
+
+
+def own_entropy(model, input_ids, attention_mask, prompt_length: int, adapter: str, temperature: float) -> torch.Tensor:
+    """(B, R) entropy of `adapter`'s full softmax at `temperature` before each response token, from this test's
+    own forward."""
+    with torch.no_grad():
+        logits = model.logits(input_ids, attention_mask, adapter)[:, prompt_length - 1 : -1].double() / temperature
+    logp = logits.log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def test_ppo_entropy_bonus_is_the_mean_entropy_of_the_response_tokens_only(tmp_path, fresh_accelerate_state):
+    """With --entropy_coef 0.5 and responses of different lengths (one ends at its third token), the loss's
+    entropy term and `policy/entropy_avg` are the mean of the policy's entropy at T 0.7 over the response
+    tokens, none of the padding after an EOS: in the loss of the whole rollout, and in the update's
+    minibatch of two micro-batches."""
+    from trainer.rl.algorithms.ppo import PPO, micro_loss
+    from trainer.rl.online import rl_update
+    from trainer.rl.rollout import make_rollout
+
+    ctx, model, engine = ppo_engine(tmp_path, "--entropy_coef", "0.5", "--temperature", "0.7")
+    with torch.no_grad():  # logits of a trained model's size: entropies that differ from token to token
+        model.causal_lm.get_output_embeddings().weight.mul_(40)
+    batch, tok = prompt_batch(ctx, 4), ctx.tokenizer
+    args = replace(ctx.stage_args, rollout_micro_batch_size=4, mini_batch_size=4, ppo_epochs=1)
+
+    def sample(eos=tok.eos_token_id):
+        torch.manual_seed(0)
+        return make_rollout(model, batch["input_ids"], batch["attention_mask"], args,
+                            FixedScores([0.5, -1.0, 2.0, 0.25]), eos, tok.pad_token_id, value=True)
+
+    p = batch["input_ids"].shape[1]
+    rollout = sample(early_eos(sample, p))
+    mask = rollout.response_mask
+    assert mask.sum(1).min() == 3 and mask.sum(1).max() == args.max_new_tokens  # padding inside the update's width
+    entropy = own_entropy(model, rollout.input_ids, rollout.attention_mask, p, "policy", 0.7)
+    expected = float((entropy * mask).sum() / mask.sum())
+    assert abs(expected - float(entropy.mean())) > 1e-3  # the padding's entropy would move the mean
+
+    algorithm = PPO(args)
+    state = algorithm.start(micro_batch_size=2, seed=0)
+    adv = algorithm.advantages(rollout, state)
+    engine.model.train()
+    loss, stats = micro_loss(engine.model, rollout, adv.advantages, adv.returns, args, 0.7)
+    assert float(stats["policy/entropy_avg"]) == pytest.approx(expected, rel=1e-5)
+    bonus = float(loss.detach()) - float(stats["loss/policy_avg"]) - args.vf_coef * float(stats["loss/value_avg"])
+    assert bonus == pytest.approx(-0.5 * expected, rel=1e-4)
+    stats, finite, stepped = rl_update(engine, algorithm, rollout, adv, state, 0.7)
+    assert finite and stepped
+    assert stats["policy/entropy_avg"] == pytest.approx(expected, rel=1e-5)
 
 
 def grpo_context(tmp_path, *extra):

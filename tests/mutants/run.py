@@ -1,13 +1,13 @@
-"""Apply each one-line mutation of the RL wiring alone and report which fast tests fail on it.
+"""Apply each one-line mutation of the RL wiring and sampling alone and report which fast tests fail on it.
 
-    .venv/bin/python tests/mutants/run.py                      # every *.patch here, on tests/test_rl_wiring.py
+    .venv/bin/python tests/mutants/run.py                      # every *.patch here, on the DEFAULT_FILES tests
     .venv/bin/python tests/mutants/run.py 05-*.patch --files tests/test_rl_wiring.py tests/test_ppo.py
 
-The patches go onto a scratch git worktree at HEAD (the checkout itself is never touched), with the
-test files named by --files (and tests/conftest.py) copied in from the checkout, so uncommitted test
-edits count. First a run with no mutation, which must pass; then one pytest run per patch
-(`-m "not slow"`, no -x: every failing test is listed). Prints a table: mutation, failing tests. A
-mutation no test fails on ("SURVIVED") makes the exit status 1.
+--files takes test files or pytest node ids (file::test). The patches go onto a scratch git worktree at HEAD
+(the checkout itself is never touched), with the test files named by --files (and tests/conftest.py) copied
+in from the checkout, so uncommitted test edits count. First a run with no mutation, which must pass; then one
+pytest run per patch (`-m "not slow"`, no -x: every failing test is listed). Prints a table: mutation, failing
+tests. A mutation no test fails on ("SURVIVED") makes the exit status 1.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+# Tests that together catch every patch here: the RL wiring's, and of the decode tests (minutes of compiles)
+# the one that counts draws at a temperature.
+DEFAULT_FILES = ["tests/test_rl_wiring.py",
+                 "tests/test_decode.py::test_draws_at_a_temperature_follow_the_softmax_of_the_logits_over_it_once"]
 
 
 def git(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -44,7 +48,7 @@ def failing_tests(tree: Path, files: list[str]) -> tuple[list[str], str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("patches", nargs="*", help="patch files (default: every *.patch beside this script)")
-    parser.add_argument("--files", nargs="+", default=["tests/test_rl_wiring.py"], help="test files to run")
+    parser.add_argument("--files", nargs="+", default=DEFAULT_FILES, help="test files or node ids to run")
     args = parser.parse_args()
     patches = [Path(p).resolve() for p in args.patches] or sorted(HERE.glob("*.patch"))
     tree = Path(tempfile.mkdtemp(prefix="mutants-")) / "tree"
@@ -54,7 +58,7 @@ def main() -> int:
         return 2
     rows, survived = [], False
     try:
-        for name in {*args.files, "tests/conftest.py"}:
+        for name in {*(f.split("::", 1)[0] for f in args.files), "tests/conftest.py"}:
             shutil.copy2(ROOT / name, tree / name)
         failed, tail = failing_tests(tree, args.files)
         if failed:
