@@ -9,6 +9,7 @@ cross-field rules go in `check()`. `run(main)` wraps every entry point: a `Usage
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -218,7 +219,7 @@ def parse(types: Sequence[type], argv: Sequence[str], defaults: Optional[dict[st
     argv, defaults = _without_auto(list(argv), dict(defaults or {}), planned_fields(types))
     parser = parser_for(types)
     if defaults:
-        parser.set_defaults(**defaults)
+        parser.set_defaults(**_as_flags_read(parser, types, defaults, argv, defaults_from))
     try:
         instances = tuple(parser.parse_args_into_dataclasses(args=list(argv)))
         named = _given_on_command_line(types, argv) | set(defaults)
@@ -228,12 +229,39 @@ def parse(types: Sequence[type], argv: Sequence[str], defaults: Optional[dict[st
     except UsageError as exc:
         if not isinstance(exc, FieldError):
             raise
-        given = any(a == f"--{exc.name}" or a.startswith(f"--{exc.name}=") for a in argv)
-        if defaults_from and not given and exc.name in (defaults or {}):
+        if defaults_from and not _flag_given(exc.name, argv) and exc.name in (defaults or {}):
             raise UsageError(f"{defaults_from}: {exc.name}: {exc.value!r} {exc.problem}") from None
         raise
     except ValueError as exc:  # HfArgumentParser's own complaint about flags it does not know
         raise UsageError(f"unrecognized arguments: {' '.join(_leftover(str(exc)))}; --help lists them") from None
+
+
+def _flag_given(name: str, argv: Sequence[str]) -> bool:
+    """`--name` (or --name-with-dashes) is on the command line."""
+    flags = {f"--{name}", f"--{name.replace('_', '-')}"}
+    return any(arg.partition("=")[0] in flags for arg in argv)
+
+
+def _as_flags_read(parser, types: Sequence[type], values: dict[str, Any], argv: Sequence[str],
+                   source: Optional[str]) -> dict[str, Any]:
+    """Config `values` with each string in a number or true/false field read as its flag's would be ('2e-4', a
+    string to YAML, is 2e-4); one that does not read so is refused naming `source` and the key (argparse would
+    name a flag never given). A key whose flag is given is left as it is: its value is not used."""
+    kinds = {name: hint for t in types for name, hint in typing.get_type_hints(t).items()}
+    actions = {action.dest: action for action in parser._actions}
+    out = dict(values)
+    for name, value in values.items():
+        action = actions.get(name)
+        if not isinstance(value, str) or action is None or action.type in (None, str) or _flag_given(name, argv):
+            continue
+        try:
+            out[name] = action.type(value)
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            try:
+                out[name] = _check_type(name, kinds[name], value)  # a null word in an optional field: None
+            except FieldError as exc:
+                raise UsageError(f"{source or 'config'}: {name}: {value!r} {exc.problem}") from None
+    return out
 
 
 def _leftover(message: str) -> list[str]:
@@ -248,8 +276,6 @@ def _leftover(message: str) -> list[str]:
 
 def argument_parser(prog: str, description: str):
     """An argparse parser (for the few tools with positional arguments) whose mistakes are one-line UsageErrors."""
-    import argparse
-
     class Parser(argparse.ArgumentParser):
         def error(self, message: str):
             raise UsageError(message)
@@ -299,8 +325,28 @@ def run(main: Callable[[Optional[list[str]]], Any], argv: Optional[list[str]] = 
     except InputError as exc:
         code = 1
         message = str(exc)
+    if len(message) > MAX_ERROR_CHARS:  # a value echoed whole (a huge config value) would bury the line
+        message = message[:MAX_ERROR_CHARS] + f"... ({len(message):,} characters, cut)"
     if main_process():
-        if len(message) > MAX_ERROR_CHARS:  # a value echoed whole (a huge config value) would bury the line
-            message = message[:MAX_ERROR_CHARS] + f"... ({len(message):,} characters, cut)"
         print(f"error: {message}", file=sys.stderr, flush=True)
+    record_for_launcher(f"error: {message}")
     raise SystemExit(code)
+
+
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set for each process by torchrun (`accelerate launch --multi_gpu` ...)
+
+
+def record_for_launcher(line: str) -> None:
+    """Leave the error line where torch's elastic launcher looks for a failed process's cause (the file its
+    `@record` writes), so its failure summary shows the line as the root cause's traceback."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    import json
+    import time
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass  # the summary then says "To enable traceback see ..." as it would have

@@ -121,6 +121,19 @@ class ModelArguments(Checked):
              "model_seed": between(0, 2**63 - 1)}  # what torch.manual_seed takes
 
 
+# A sequence length past the positions of any model the project loads (Qwen2.5-1M's 1,010,000): a bound for the
+# tools that never load the model (the memory estimator); a run checks the model's own (trainer.engine.setup).
+MAX_TOKENS = 2**20
+
+
+def tokens(low: int):
+    """The rule of a length in tokens: at least `low`, at most MAX_TOKENS."""
+    def rule(name: str, value: int) -> Optional[str]:
+        return at_least(low)(name, value) or (None if value <= MAX_TOKENS else
+                                              f"must be at most {MAX_TOKENS:,} tokens (past any model's positions)")
+    return rule
+
+
 # trainer/data/formats.py
 DATA_FORMATS = ("auto", "hh", "preference", "prompt_completion", "prompt_only", "text", "conversational")
 
@@ -158,7 +171,8 @@ class DataArguments(Checked):
     min_prompt_tokens: int = field(
         default=8, metadata={"help": "A row whose completion leaves fewer prompt tokens than this is 'too long'."}
     )
-    eval_size: int = field(default=200, metadata={"help": "Held-out pairs for evaluation."})
+    eval_size: int = field(default=200, metadata={
+        "help": "Held-out pairs for evaluation (0: none, and no evaluation)."})
     sft_size: int = field(default=20000, metadata={"help": "Chosen dialogues for SFT (capped by the data)."})
     reward_size: int = field(default=50000, metadata={"help": "Preference pairs for the reward model."})
     ppo_size: int = field(default=20000, metadata={"help": "Prompts for PPO."})
@@ -168,9 +182,10 @@ class DataArguments(Checked):
     RULES = {"on_bad_row": one_of(*BAD_ROW_POLICIES), "data_format": one_of(*DATA_FORMATS),
              "chat_template": lambda name, value: None if value in ("auto", "none") or Path(value).is_file() else
              "must be auto, none, or an existing Jinja template file",
-             "max_length": at_least(2), "max_prompt_length": at_least(1),
+             "max_length": tokens(2), "max_prompt_length": tokens(1),
              "min_prompt_tokens": at_least(1), "eval_size": at_least(0), "sft_size": at_least(0),
-             "reward_size": at_least(0), "ppo_size": at_least(0)}
+             "reward_size": at_least(0), "ppo_size": at_least(0),
+             "split_seed": between(0, 2**63 - 1)}  # random.Random seeds with abs(): -1 would split as 1 does
 
     def check(self) -> None:
         if self.max_length <= self.min_prompt_tokens:
@@ -387,7 +402,7 @@ class RolloutArguments(Checked):
     RULES = {"scripted_reward": _scripted_reward_rule, "reward_fn": _reward_fn_rule, "reward_timeout_s": above(0),
              "rollout_batch_size": at_least(1),
              "rollout_micro_batch_size": at_least(1), "mini_batch_size": at_least(1),
-             "max_new_tokens": at_least(1), "min_new_tokens": at_least(0), "temperature": _temperature_rule,
+             "max_new_tokens": tokens(1), "min_new_tokens": at_least(0), "temperature": _temperature_rule,
              "top_k": at_least(0), "top_p": between(0, 1), "decode": one_of(*DECODE_CHOICES),
              "generation_weights": one_of("auto", *GENERATION_WEIGHTS),
              "cliprange": above(0), "eval_prompts": at_least(0)}
@@ -564,6 +579,9 @@ def load_yaml(path: str | os.PathLike, section_types: dict[str, type],
     """
     path = Path(path)
     raw = read_yaml(path)
+    if not any(raw.values()):  # a config that sets nothing is a wrong or truncated file, not a run on the defaults
+        raise UsageError(f"{path}: sets nothing (empty, only comments or only empty sections): write key: value lines "
+                         f"under {', '.join(f'{s}:' for s in section_types)}, or leave out --config for the defaults")
     flat: dict[str, Any] = {}
     for section, values in raw.items():
         if section not in section_types:

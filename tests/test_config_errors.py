@@ -200,3 +200,88 @@ def test_help_lists_each_stage_s_flags_by_section_in_order():
     flags = [flag for names in ppo.values() for flag in names]
     assert len(flags) == len(set(flags))  # each flag once
     assert list(sections(DPOArguments)) == ["model", "data", "training", "memory", "method"]  # no rollout
+
+
+def test_a_config_value_is_read_as_its_flag_would_be_or_refused_naming_the_file_and_key(tmp_path):
+    """A string in a number or true/false field reads as the flag's text would ('2e-4', which YAML leaves a
+    string); one that does not read so names the config file and key, never a flag that was not given. A flag
+    given for the key replaces the bad value, as it replaces any config value."""
+    from foundation.cli import UsageError
+    from trainer.config import parse_config
+    from trainer.ppo import PPOArguments
+    from trainer.sft import SFTArguments
+
+    config = tmp_path / "config.yaml"
+    config.write_text('train:\n  max_steps: "ten"\n  learning_rate: 2e-4\n')
+    with pytest.raises(UsageError) as raised:
+        parse_config(SFTArguments, ["--config", str(config)])
+    assert str(raised.value) == f"{config}: max_steps: 'ten' must be a whole number"
+    for flag in (["--max_steps", "3"], ["--max-steps=3"]):
+        assert parse_config(SFTArguments, ["--config", str(config), *flag])[2].max_steps == 3
+    config.write_text('train:\n  max_steps: "12"\n  learning_rate: 2e-4\nstage:\n  packing: "yes"\n')
+    _, _, train, stage = parse_config(SFTArguments, ["--config", str(config)])
+    assert (train.max_steps, train.learning_rate, stage.packing) == (12, 2e-4, True)
+    config.write_text("stage:\n  packing: maybe\n")
+    with pytest.raises(UsageError, match=r"config.yaml: packing: 'maybe' must be true or false$"):
+        parse_config(SFTArguments, ["--config", str(config)])
+    config.write_text("stage:\n  missing_eos_penalty: none\n  max_new_tokens: 16\n")
+    stage = parse_config(PPOArguments, ["--config", str(config)])[3]
+    assert stage.missing_eos_penalty is None and stage.max_new_tokens == 16
+
+
+@pytest.mark.parametrize("text", ["", "# every line commented out\n# max_steps: 3\n", "model:\ntrain:\n"],
+                         ids=["empty", "comments", "empty sections"])
+def test_a_config_file_that_sets_nothing_is_refused(tmp_path, text):
+    from foundation.cli import UsageError
+    from trainer.config import parse_config
+    from trainer.sft import SFTArguments
+
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    with pytest.raises(UsageError, match=r"config.yaml: sets nothing \(empty, only comments or only empty sections\)"):
+        parse_config(SFTArguments, ["--config", str(config)])
+
+
+def test_fp16_mixed_precision_without_cuda_is_refused_not_ignored(monkeypatch):
+    """Accelerate drops fp16 autocast on the CPU and trains in float32; the run says so instead."""
+    import torch
+
+    from foundation.cli import UsageError
+    from trainer.engine.launch import resolve_mixed_precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UsageError, match=r"^--mixed_precision fp16 needs a CUDA GPU: on the CPU Accelerate ignores it"):
+        resolve_mixed_precision("fp16")
+    assert [resolve_mixed_precision(p) for p in ("auto", "no", "bf16")] == ["no", "no", "bf16"]
+
+
+@pytest.mark.parametrize("key", ["output_dir", "sft_adapter", "reward_adapter"])
+def test_a_pipeline_override_cannot_move_a_stage_out_of_the_run_folder(tmp_path, key):
+    """The pipeline places each stage's output in --run_dir/STAGE and hands on the adapters trained there: an
+    override of either is refused before anything is written."""
+    import trainer.pipeline
+    from foundation.cli import UsageError
+
+    with pytest.raises(UsageError, match=rf"^--overrides {key}: the pipeline sets it"):
+        trainer.pipeline.main(["--run_dir", str(tmp_path / "run"), "--overrides",
+                               f"max_steps=2,{key}={tmp_path / 'elsewhere'}"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_error_line_is_what_the_elastic_launcher_reports_as_the_cause(tmp_path, monkeypatch, capsys):
+    """Under torchrun / `accelerate launch --multi_gpu` each process has TORCHELASTIC_ERROR_FILE: the line goes
+    there too, so the launcher's failure summary names the cause instead of "To enable traceback see ..."."""
+    import json
+
+    from foundation.cli import UsageError, run
+
+    def main(argv):
+        raise UsageError("--max_steps 0: must be at least 1")
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, [])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: --max_steps 0: must be at least 1\n"
+    assert json.loads(error_file.read_text())["message"]["message"] == "error: --max_steps 0: must be at least 1"

@@ -73,6 +73,10 @@ def cases(tmp: Path, shared: Path) -> dict[str, tuple]:
     bad_yaml.write_text("train:\n  max_steps: [1,\n")
     float_steps = tmp / "float.yaml"
     float_steps.write_text("train:\n  max_steps: 2.5\n")
+    word_steps = tmp / "word.yaml"
+    word_steps.write_text('train:\n  max_steps: "ten"\n')
+    empty_config = tmp / "empty.yaml"
+    empty_config.write_text("")
     wrong_section = tmp / "wrong.yaml"
     wrong_section.write_text("model:\n  learning_rate: 0.1\n")
     unknown_section = tmp / "unknown.yaml"
@@ -119,6 +123,7 @@ def cases(tmp: Path, shared: Path) -> dict[str, tuple]:
         "ppo batch sizes": (ppo(tmp, "--mini_batch_size", "3"), 2, "must be a multiple of --mini_batch_size (3)"),
         "learning_rate inf": (sft(tmp, "--learning_rate", "inf"), 2, "--learning_rate inf: must be a finite number"),
         "weight_decay inf": (sft(tmp, "--weight_decay", "inf"), 2, "--weight_decay inf: must be a finite number"),
+        "split_seed -1": (sft(tmp, "--split_seed", "-1"), 2, "--split_seed -1: must be in [0, 9223372036854775807]"),
         # runs that can never learn
         "grpo one generation per prompt": (grpo(tmp, "--num_generations", "1", "--mini_batch_size", "4"), 2,
                                            "--num_generations 1: GRPO compares each response with the others"),
@@ -136,6 +141,9 @@ def cases(tmp: Path, shared: Path) -> dict[str, tuple]:
         "YAML syntax error": (("trainer.sft", ["--config", str(bad_yaml)]), 2, f"{bad_yaml}: not valid YAML at line"),
         "float in an int field": (("trainer.sft", ["--config", str(float_steps)]), 2,
                                   f"{float_steps}: max_steps: 2.5 must be a whole number"),
+        "word in an int field": (("trainer.sft", ["--config", str(word_steps)]), 2,
+                                 f"{word_steps}: max_steps: 'ten' must be a whole number"),
+        "empty config file": (("trainer.sft", ["--config", str(empty_config)]), 2, f"{empty_config}: sets nothing"),
         "key in the wrong section": (("trainer.sft", ["--config", str(wrong_section)]), 2,
                                      "unknown key 'learning_rate' in section 'model' (it belongs in section 'train')"),
         "unknown section": (("trainer.sft", ["--config", str(unknown_section)]), 2, "unknown section 'optimizer'"),
@@ -178,6 +186,12 @@ def cases(tmp: Path, shared: Path) -> dict[str, tuple]:
         "estimate: max_length -5": (("profiling.estimate", ["--model", "llama-2-7b", "--stage", "sft",
                                                             "--max_length", "-5"]), 2, "--max_length -5: must be at least 2"),
         "estimate: unknown stage": (("profiling.estimate", ["--stage", "kto"]), 2, "--stage 'kto': must be one of"),
+        "estimate: max_length past any model": (
+            ("profiling.estimate", ["--model", "llama-2-7b", "--stage", "sft", "--max_length", "999999999999"]), 2,
+            "--max_length 999999999999: must be at most 1,048,576 tokens"),
+        "pipeline: --overrides output_dir": (("trainer.pipeline", ["--run_dir", str(tmp / "p"), "--overrides",
+                                                                   f"output_dir={tmp / 'elsewhere'},max_steps=2"]), 2,
+                                             "--overrides output_dir: the pipeline sets it"),
         "pipeline: unknown recipe": (("trainer.pipeline", ["--recipe", str(tmp / "nothing"), "--run_dir",
                                                            str(tmp / "p")]), 2, "no sft.yaml, reward.yaml, ppo.yaml"),
         "pipeline: malformed --overrides": (("trainer.pipeline", ["--overrides", "max_steps"]), 2,

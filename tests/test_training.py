@@ -369,3 +369,15 @@ def test_adamw_runs_torchs_fused_kernel_where_it_can_and_steps_as_the_default_ad
     partitioned = torch.nn.Parameter(torch.zeros(2))
     partitioned.ds_id = 0  # a DeepSpeed ZeRO-3 parameter
     assert not fused_adamw([partitioned])
+
+
+def test_eval_size_0_holds_nothing_out_and_writes_no_evaluation_figures(tmp_path, fresh_accelerate_state):
+    """--eval_size 0 (as sft_size 0 and the others, none): no evaluation, rather than a loss of 0.0 and a
+    perplexity of 1.0 over zero examples."""
+    import trainer.sft as sft
+
+    results = sft.main(sft_argv(tmp_path, "--max_steps", "2", "--eval_size", "0"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and not [k for r in rows for k in r if k.startswith("eval/")]
+    assert results["eval_before"] is None and results["eval_after"] is None
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()

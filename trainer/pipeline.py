@@ -49,8 +49,18 @@ def stage_fields(module: str) -> set[str]:
     return {f.name for cls in stage_sections(module).values() for f in fields(cls)}
 
 
+# Settings the pipeline gives each stage itself: its folder under --run_dir, and the adapters trained before it there.
+PLACED_BY_PIPELINE = ("output_dir", "sft_adapter", "reward_adapter")
+
+
 def check_overrides(overrides: dict[str, str], stages: Sequence[str]) -> None:
-    """Each override goes to the stages that have the setting; one that no stage of this run has is refused."""
+    """Each override goes to the stages that have the setting; one that no stage of this run has is refused, and so
+    is one that would move a stage's output, or the adapters it reads, out of --run_dir."""
+    placed = [key for key in overrides if key in PLACED_BY_PIPELINE]
+    if placed:
+        raise UsageError(f"--overrides {', '.join(placed)}: the pipeline sets {'it' if len(placed) == 1 else 'them'} "
+                         "(each stage writes into --run_dir/STAGE and reads the adapters the stages before it wrote "
+                         "there): choose the folder with --run_dir")
     taken = set().union(*(stage_fields(PIPELINE_STAGES[name][0]) for name in stages))
     unknown = [key for key in overrides if key not in taken]
     if unknown:
@@ -146,6 +156,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S", force=True)
     overrides = parse_assignments(args.overrides, "overrides")
+    check_overrides(overrides, stages_of(args))
     folder = check_recipe(args)
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -153,7 +164,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
     online = {"sft_adapter": str(sft_dir), "reward_adapter": str(reward_dir)}
     links = {"sft": {}, "reward": {"sft_adapter": str(sft_dir)}, "dpo": {"sft_adapter": str(sft_dir)},
              **{name: online for name in args.algorithms}}
-    check_overrides(overrides, stages_of(args))
     results = {}
     for name in stages_of(args):
         module, config, fixed = PIPELINE_STAGES[name]

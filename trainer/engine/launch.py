@@ -96,6 +96,10 @@ def accelerator_kwargs() -> dict:
 
 
 def resolve_mixed_precision(name: str) -> str:
+    """--mixed_precision as the run uses it; fp16 without CUDA is refused (Accelerate would compute in fp32)."""
+    if name == "fp16" and not torch.cuda.is_available():
+        raise UsageError("--mixed_precision fp16 needs a CUDA GPU: on the CPU Accelerate ignores it and computes in "
+                         "float32; use --mixed_precision no (or bf16, which the CPU runs)")
     if name != "auto":
         return name
     if torch.cuda.is_available():
@@ -148,12 +152,48 @@ def trackers_for(report_to: str) -> list[str]:
     if names == ["none"]:
         return []
     if names == ["all"]:
-        return installed
+        names = installed
     missing = [n for n in names if n not in installed]
     if missing:
         raise UsageError(f"--report_to {report_to}: {', '.join(missing)} is not installed (pip install "
                          f"{' '.join(m.replace('_', '-') for m in missing)}); installed: {', '.join(installed) or 'none'}")
+    if "wandb" in names and not wandb_can_log():  # wandb.init would raise (or prompt) once the model is loaded
+        raise UsageError(f"--report_to {report_to}: wandb finds no API key: set WANDB_API_KEY or run `wandb login`, "
+                         "or log to the run folder with WANDB_MODE=offline")
     return names
+
+
+WANDB_HOSTS = ("api.wandb.ai", "api.forge.coreweave.com")  # wandb's default servers (WANDB_BASE_URL names another)
+WANDB_NO_KEY_MODES = ("offline", "disabled", "dryrun")
+
+
+def wandb_can_log() -> bool:
+    """Whether wandb.init finds what it needs without a prompt: a mode that needs no key (WANDB_MODE, WANDB_DISABLED,
+    or `wandb offline` in a settings file), WANDB_API_KEY / WANDB_IDENTITY_TOKEN_FILE, or the netrc entry that
+    `wandb login` writes (NETRC, else ~/.netrc)."""
+    import configparser
+    import netrc
+    from urllib.parse import urlsplit
+
+    env = os.environ
+    if env.get("WANDB_MODE", "").lower() in WANDB_NO_KEY_MODES or _env_true("WANDB_DISABLED") or \
+            env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    settings = configparser.ConfigParser(interpolation=None)
+    try:
+        settings.read([Path(env.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb") / "settings",
+                       Path(env.get("WANDB_DIR") or ".") / "wandb" / "settings"])
+    except (configparser.Error, UnicodeDecodeError):
+        pass  # wandb reads it, or says what is wrong with it, itself
+    saved = settings["default"] if settings.has_section("default") else {}
+    if saved.get("mode", "").lower() in WANDB_NO_KEY_MODES or saved.get("api_key"):
+        return True
+    base = env.get("WANDB_BASE_URL") or saved.get("base_url")
+    try:
+        logins = netrc.netrc(env.get("NETRC") or Path.home() / ".netrc").hosts
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return any(logins.get(host, (None, None, None))[2] for host in ([urlsplit(base).netloc] if base else WANDB_HOSTS))
 
 
 def setup_logging(accelerator, stream=None) -> None:
