@@ -301,12 +301,13 @@ def test_ppo_under_zero3_is_refused_at_start_in_one_line(tmp_path):
     out = tmp_path / "ppo"
     log = launch(ROOT / "trainer" / "ppo.py", out, train_config=TINY_PPO, config="deepspeed_zero3.yaml",
                  expect_ok=False)
-    message = [line for line in log.splitlines() if "is not supported" in line]
-    assert message == [
-        "error: ppo under DeepSpeed ZeRO-3 is not supported: it generates with and switches its adapters on one base whose "
-        "weights DeepSpeed ZeRO-3 partitions across ranks (untested, and every switch or decoded token would gather "
-        "the whole base); use accelerate_configs/multi_gpu.yaml or accelerate_configs/deepspeed_zero2_offload.yaml"]
+    line = ("error: ppo under DeepSpeed ZeRO-3 is not supported: it generates with and switches its adapters on one "
+            "base whose weights DeepSpeed ZeRO-3 partitions across ranks (untested, and every switch or decoded token "
+            "would gather the whole base); use accelerate_configs/multi_gpu.yaml or "
+            "accelerate_configs/deepspeed_zero2_offload.yaml")
+    assert [text for text in log.splitlines() if text.startswith("error: ")] == [line]
     assert "[rank0]: Traceback" not in log  # the launcher reports the exit; the trainer printed no stack trace
+    assert any(text.strip() == f"traceback : {line}" for text in log.splitlines())  # the launcher's root cause
     assert not list(out.glob("checkpoint-*"))
 
 
