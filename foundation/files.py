@@ -12,10 +12,21 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
+
+from foundation.cli import InputError, UsageError, first_line
+
+
+class SaveError(InputError):
+    """A file or folder that could not be written (a full disk, a file size limit); the message says where."""
+
+
+# torch.save reports a failed write (ENOSPC included) as a RuntimeError from its zip writer.
+_TORCH_WRITE_FAILURE = ("inline_container", "PytorchStreamWriter", "iostream error")
 
 
 def current_umask() -> int:
@@ -108,16 +119,37 @@ def publish_into_empty(tmp: Path, target: Path) -> Path:
     return target
 
 
-def check_writable(target: Union[str, os.PathLike], what: str) -> None:
-    """A UsageError naming `what` unless a file can be written beside `target` (in its nearest existing folder):
-    a read-only or full filesystem is found before the work whose result would go there."""
-    from foundation.cli import UsageError
-
-    folder = Path(target).parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
+def entry_problem(path: Union[str, os.PathLike], folder: bool = False, follow: bool = False) -> Optional[str]:
+    """Why `path` cannot be written as a file (a folder with `folder`); None when it is absent or of that kind.
+    Without `follow` a symbolic link is refused too: planted in a folder the program writes, it would send the
+    writes elsewhere. A FIFO, socket or device is never a file to write (a FIFO would hang the writer)."""
     try:
-        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=folder)
+        mode = (os.stat if follow else os.lstat)(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"not usable ({exc.strerror or exc})"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return None if folder else "a folder"
+    if folder:
+        return "a file, not a folder"
+    return None if stat.S_ISREG(mode) else "not a regular file (a FIFO, socket or device)"
+
+
+def check_writable(target: Union[str, os.PathLike], what: str, folder: bool = False) -> None:
+    """A UsageError naming `what` unless `target` can be written: a file (a folder with `folder`) or absent, and a
+    file can be written in it (a folder) or beside it, in its nearest existing folder. A read-only or full
+    filesystem is found before the work whose result would go there."""
+    problem = entry_problem(target, folder, follow=True)
+    if problem:
+        raise UsageError(f"{what} {target}: it is {problem}; pick another place")
+    place = Path(target) if folder else Path(target).parent
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-check-", dir=place)
         try:
             os.write(fd, b"x" * 4096)
             os.fsync(fd)
@@ -125,8 +157,69 @@ def check_writable(target: Union[str, os.PathLike], what: str) -> None:
             os.close(fd)
             os.unlink(probe)
     except OSError as exc:
-        raise UsageError(f"{what} {target}: cannot write in {folder} ({exc.strerror or exc}); free space or pick "
+        raise UsageError(f"{what} {target}: cannot write in {place} ({exc.strerror or exc}); free space or pick "
                          "another place") from None
+
+
+def write_failure(exc: BaseException) -> Optional[str]:
+    """Why a write failed, when `exc` is a failed file write (OSError, torch's zip writer, safetensors' I/O
+    error); None for any other error, which is left to propagate."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    text = str(exc)
+    if "No space left" in text:
+        return "No space left on device"
+    if isinstance(exc, RuntimeError) and any(marker in text for marker in _TORCH_WRITE_FAILURE):
+        return "a file write failed"
+    if type(exc).__name__ == "SafetensorError" and "os error" in text.lower():
+        return first_line(exc, 160)
+    return None
+
+
+def free_space(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**30:.2f} GiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+def _remedy(exc: BaseException) -> str:
+    """What to do about a failed write: most often a full disk; the errors that say otherwise, their own fix."""
+    code = getattr(exc, "errno", None)
+    if code == errno.EFBIG or "os error 27" in str(exc):
+        return "raise the file size limit (ulimit -f) and rerun"
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EEXIST):
+        return "pick a writable place and rerun"
+    return "free space and rerun"
+
+
+@contextmanager
+def reported_write_failure(what: str, folder: Path) -> Iterator[None]:
+    """A failed file write inside the block becomes one SaveError line naming `what`, the reason and the free
+    space of `folder`."""
+    try:
+        yield
+    except Exception as exc:
+        reason = write_failure(exc)
+        if reason is None:
+            raise
+        raise SaveError(f"{what}: could not be written ({reason}; {free_space(folder)}); {_remedy(exc)}") from None
+
+
+@contextmanager
+def staged_files(folder: Union[str, os.PathLike]) -> Iterator[Path]:
+    """Yield an empty temporary folder inside `folder`; on success its files are renamed into `folder` (replacing
+    those of the same name), on error it is removed: a set of reports appears whole, never a part of it beside
+    what the folder held before."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".staged-", dir=folder))
+    try:
+        yield tmp
+        for path in sorted(tmp.iterdir()):
+            os.replace(path, folder / path.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from typing import Optional
 
 from foundation.cli import given, parse, run
 from foundation.settings import ONLINE_RL_STAGES, DataArguments, ModelArguments, TrainArguments, config_flag, load_yaml
-from foundation.files import write_atomic
+from foundation.files import check_writable, reported_write_failure, staged_files, write_atomic
 from foundation.provenance import provenance
 from profiling import components as C
 from profiling.advice import advice_lines
@@ -122,9 +122,19 @@ def parse_estimate(argv: list[str]) -> EstimateArguments:
     return args
 
 
+def check_outputs(args: EstimateArguments) -> None:
+    """`--json` names a file and `--out_dir` a folder, each where this process can write: one line before the
+    estimate, not a traceback after it."""
+    if args.json:
+        check_writable(args.json, "--json")
+    if args.out_dir:
+        check_writable(args.out_dir, "--out_dir", folder=True)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_estimate(argv)
+    check_outputs(args)
     if args.models:
         print(families_table(args))
         return 0
@@ -139,11 +149,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                       "device_name": f"estimate for {args.device}", "model": shape.name, "stage": args.stage,
                       "setting": _setting(args), **cards}
             out = Path(args.out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            write_atomic(out / "cards.json", json.dumps(record, indent=2) + "\n")
-            write_atomic(out / "cards.md", f"# Which cards hold it: {shape.name} {args.stage} (an estimate)\n\n"
-                         f"- date: {record['date']}\n- git revision: `{record['git_revision']}`\n"
-                         f"- command: `{record['command']}`\n\n{table}\n")
+            with reported_write_failure(f"--out_dir {out}", out), staged_files(out) as tmp:
+                write_atomic(tmp / "cards.json", json.dumps(record, indent=2) + "\n")
+                write_atomic(tmp / "cards.md", f"# Which cards hold it: {shape.name} {args.stage} (an estimate)\n\n"
+                             f"- date: {record['date']}\n- git revision: `{record['git_revision']}`\n"
+                             f"- command: `{record['command']}`\n\n{table}\n")
             print(f"wrote {out / 'cards.json'} and cards.md")
         return 0
     if plans(args, planned):  # what the run plans at its start
@@ -165,10 +175,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     est["suggestions"] = suggestions
     print("\n".join(lines))
     if args.json:
-        write_atomic(args.json, json.dumps(est, indent=2) + "\n")
+        with reported_write_failure(f"--json {args.json}", Path(args.json).parent):
+            write_atomic(args.json, json.dumps(est, indent=2) + "\n")
     if args.out_dir:
-        for kind, path in write_reports(est, args.out_dir, json_name="estimate.json").items():
-            print(f"wrote {kind}: {path}")
+        out = Path(args.out_dir)
+        with reported_write_failure(f"--out_dir {out}", out), staged_files(out) as tmp:
+            written = write_reports(est, tmp, json_name="estimate.json")
+        for kind, path in written.items():
+            print(f"wrote {kind}: {out / path.name}")
     return 0
 
 

@@ -506,6 +506,41 @@ def test_collect_refuses_an_archive_that_unpacks_past_its_limit(lab, tmp_path, c
     assert_nothing_touched(lab)
 
 
+def test_collect_refuses_an_archive_of_too_many_members_before_unpacking_any(lab, tmp_path, capsys):
+    """A tar of many empty files (issue 65 unpacked 100,000): refused once the count passes the cap, one line."""
+    from benchmarks.gpu.collect import MAX_MEMBERS
+
+    archive = part_archive(tmp_path / "part.tar.gz", GOOD_MANIFEST,
+                           [(f"memory/many/{i}.json", b"", {}) for i in range(MAX_MEMBERS)])
+    code, err = collect_exit(capsys, str(archive), "--results_dir", str(lab[0]), "--readme", str(lab[1]))
+    assert code == 1 and err == [f"error: {archive}: refused: it holds more than {MAX_MEMBERS:,} members, past "
+                                 "what a part's results take"], err
+    assert_nothing_touched(lab)
+
+
+def test_collect_says_in_one_line_that_a_file_is_not_an_archive(lab, tmp_path, capsys):
+    archive = tmp_path / "part.tar.gz"
+    archive.write_text("not a tar\n")
+    code, err = collect_exit(capsys, str(archive), "--results_dir", str(lab[0]), "--readme", str(lab[1]))
+    assert code == 1 and err == [f"error: {archive}: not a tar archive (plain, or compressed with gzip, bzip2 or "
+                                 "xz)"], err
+    assert_nothing_touched(lab)
+
+
+def test_collect_into_a_results_dir_that_is_a_file_is_one_line_touching_nothing(lab, tmp_path, capsys):
+    results, readme, _ = lab
+    archive = part_archive(tmp_path / "part.tar.gz", GOOD_MANIFEST)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text("mine")
+    code, err = collect_exit(capsys, str(archive), "--results_dir", str(results), "--readme", str(readme))
+    assert code == 2 and err == [f"error: --results_dir {results}: it is a file, not a folder; pick another place"]
+    assert results.read_text() == "mine"
+    assert readme.read_text() == "<!-- gpu-results:start -->\nold\n<!-- gpu-results:end -->\n"
+    code, err = collect_exit(capsys, str(archive), "--results_dir", str(results / "sub"), "--readme", str(readme))
+    assert code == 2 and err == [f"error: --results_dir {results / 'sub'}: it is not usable (Not a directory); "
+                                 "pick another place"]
+
+
 def test_a_marker_inside_a_results_file_never_reaches_the_generated_section(lab, tmp_path):
     """A phase named like the section's end marker is escaped: the README keeps one section, readable."""
     from benchmarks.gpu.collect import END, START, main

@@ -226,10 +226,12 @@ def test_a_full_disk_while_checkpointing_stops_in_one_line_and_keeps_the_previou
 def test_a_full_disk_at_the_lock_or_the_metrics_stops_in_one_line(tmp_path, monkeypatch, capsys,
                                                                   fresh_accelerate_state):
     """No room for the lock file's few bytes, or for a line of metrics.jsonl (2 KB / 8 KB free, issue 44): one
-    line naming the file, no traceback."""
+    line naming the file, no traceback (closing the lock file, whose buffered name cannot be flushed either, adds
+    none: issue 65)."""
     import builtins
 
     import trainer.engine.run_lock as run_lock
+    import trainer.sft as sft
     from trainer.engine.run_lock import RunLock, RunLocked
 
     class FullFile:
@@ -242,12 +244,22 @@ def test_a_full_disk_at_the_lock_or_the_metrics_stops_in_one_line(tmp_path, monk
         def flush(self):
             raise OSError(errno.ENOSPC, "No space left on device")
 
+        def close(self):  # the name it still buffers cannot be written either
+            self.file.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
     real_open = run_lock._open_lock_file
     (tmp_path / "locked").mkdir()
     monkeypatch.setattr(run_lock, "_open_lock_file", lambda path, folder: FullFile(real_open(path, folder)))
     with pytest.raises(RunLocked, match=r"--output_dir .*: cannot write its lock file .*run.lock \(No space left on "
                                         r"device\)"):
         RunLock.acquire(tmp_path / "locked")
+    with pytest.raises(SystemExit) as stop:
+        run(sft.main, sft_argv(tmp_path / "locked"))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err and error_lines(err) == [
+        f"error: --output_dir {tmp_path / 'locked'}: cannot write its lock file {tmp_path / 'locked' / LOCK_FILE} "
+        "(No space left on device); free space, or pick another --output_dir"], err[-2000:]
     monkeypatch.undo()
 
     real_builtin_open = builtins.open

@@ -661,3 +661,90 @@ def test_a_dense_copy_holds_the_policy_s_lora_a_and_adds_to_the_lora_copies_deco
     held = {p["phase"]: p["components"].get(C.GENERATION_WEIGHTS, 0) for p in estimate(shape, args)["phases"]}
     assert held["generate"] == copy + lora
     assert held["score"] == (lora if decode == "compiled" else copy)
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"model_type": "llama", "num_hidden_layers": 2}, "no 'hidden_size' in it (a Llama-architecture decoder is sized "
+     "from hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, vocab_size): add it, or give the "
+     "whole shape with --hidden_size, --intermediate_size, --num_layers, --num_heads and --vocab_size"),
+    ({"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 0,
+      "vocab_size": 100}, "'num_attention_heads' is 0, not a positive integer"),
+    ({"hidden_size": "64", "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "vocab_size": 100}, "'hidden_size' is \"64\", not a positive integer"),
+    ([1, 2], "expected a JSON object of model settings, found a list"),
+], ids=["no-hidden-size", "zero-heads", "text-width", "a-list"])
+def test_an_odd_model_config_is_one_line_naming_the_file_and_the_key(tmp_path, config, says, capsys):
+    from foundation.cli import run
+    from profiling.estimate import main
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, ["--model_name_or_path", str(tmp_path)])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {tmp_path / 'config.json'}: {says}"]
+
+
+# ---- where the estimate is written (issue 65) -----------------------------------------------------
+
+def estimate_exit(capsys, *argv: str) -> tuple[int, list[str]]:
+    from foundation.cli import run
+    from profiling.estimate import main
+
+    with pytest.raises(SystemExit) as stop:
+        run(main, ["--model", "llama-2-7b", "--stage", "sft", *argv])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-2000:]
+    return stop.value.code, err.strip().splitlines()
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """An empty folder on a real read-only filesystem (a tmpfs mounted ro); skipped where mount is not allowed."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(folder)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    yield folder
+    subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+def test_an_out_dir_that_is_a_file_or_a_json_that_is_a_folder_is_one_line_before_the_estimate(tmp_path, capsys):
+    afile, afolder = tmp_path / "a-file", tmp_path / "a-folder"
+    afile.write_text("mine")
+    afolder.mkdir()
+    assert estimate_exit(capsys, "--out_dir", str(afile)) == (
+        2, [f"error: --out_dir {afile}: it is a file, not a folder; pick another place"])
+    assert estimate_exit(capsys, "--json", str(afolder)) == (
+        2, [f"error: --json {afolder}: it is a folder; pick another place"])
+    assert estimate_exit(capsys, "--json", str(afile / "estimate.json")) == (
+        2, [f"error: --json {afile / 'estimate.json'}: it is not usable (Not a directory); pick another place"])
+    assert afile.read_text() == "mine" and list(afolder.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag, name", [("--out_dir", "reports"), ("--json", "estimate.json")])
+def test_an_estimate_written_to_a_read_only_filesystem_is_one_line(flag, name, read_only_folder, capsys):
+    target = read_only_folder / name
+    code, err = estimate_exit(capsys, flag, str(target))
+    assert code == 2 and err == [f"error: {flag} {target}: cannot write in {read_only_folder} (Read-only file "
+                                 "system); free space or pick another place"]
+
+
+def test_reports_that_do_not_all_fit_under_a_file_size_limit_leave_none_of_them(tmp_path):
+    """estimate.json and .md fit 30 KB, the chart does not: one line, and none of the three is left."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, 30_000))
+
+    out = tmp_path / "reports"
+    done = subprocess.run([sys.executable, "-m", "profiling.estimate", "--model", "llama-2-7b", "--stage", "sft",
+                           "--out_dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          preexec_fn=limit)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --out_dir {out}: could not be written (File too large; ")
+    assert lines[0].endswith(" GiB free there); raise the file size limit (ulimit -f) and rerun")
+    assert list(out.iterdir()) == []

@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Optional
 
 from foundation.cli import InputError, argument_parser, run
-from foundation.files import atomic_folder, write_atomic
+from foundation.files import atomic_folder, check_writable, reported_write_failure, write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -28,6 +28,7 @@ GPU_RESULTS = ROOT / "docs" / "gpu-results.md"
 START, END = "<!-- gpu-results:start -->", "<!-- gpu-results:end -->"
 GIB = 2**30
 MAX_UNPACKED = 256 * 2**20  # bytes an archive may unpack to: the kit's largest part packs a few MiB
+MAX_MEMBERS = 4096  # files and folders an archive may hold: a part packs fewer than a hundred
 
 
 # A result folder's name is made of manifest fields and replaces what is there: plain names only, so an
@@ -75,18 +76,27 @@ def step_summary(manifest: dict, archive: Path) -> dict:
     return {s["name"]: {"status": s["status"], "seconds": round(s["seconds"], 1)} for s in steps}
 
 
-def check_members(tar: tarfile.TarFile, archive: Path) -> None:
-    """Refuse an archive with a member that is not a plain file or folder (links, devices) or whose name is
-    absolute or holds `..`: the kit packs none, and each could write outside the extraction folder."""
-    unpacked = sum(member.size for member in tar.getmembers() if member.isfile())
+def checked_members(tar: tarfile.TarFile, archive: Path) -> list[tarfile.TarInfo]:
+    """The archive's members, read one header at a time up to MAX_MEMBERS, then refused past it (before
+    anything is unpacked or the rest of the archive is read), past MAX_UNPACKED bytes, or with a member that is
+    not a plain file or folder (links, devices) or whose name is absolute or holds `..`: the kit packs none,
+    and each could write outside the extraction folder."""
+    members = []
+    for member in tar:
+        members.append(member)
+        if len(members) > MAX_MEMBERS:
+            raise InputError(f"{archive}: refused: it holds more than {MAX_MEMBERS:,} members, past what a part's "
+                             "results take")
+    unpacked = sum(member.size for member in members if member.isfile())
     if unpacked > MAX_UNPACKED:
         raise InputError(f"{archive}: refused: it unpacks to {unpacked:,} bytes, past the {MAX_UNPACKED:,} a part's "
                          "results take")
-    for member in tar.getmembers():
+    for member in members:
         if not (member.isfile() or member.isdir()):
             raise InputError(f"{archive}: refused: member {member.name!r} is a link or a special file")
         if member.name.startswith("/") or ".." in PurePosixPath(member.name).parts:
             raise InputError(f"{archive}: refused: member {member.name!r} would land outside its folder")
+    return members
 
 
 def read_manifest(archive: Path, folder: Path) -> tuple[Path, dict]:
@@ -122,12 +132,18 @@ def unpack(archive: Path, results: Path) -> Path:
         raise InputError(f"{archive}: no such archive")
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            with tarfile.open(archive) as tar:
-                check_members(tar, archive)
-                # tarfile's "data" filter (Python 3.11.4+, 3.10.12+) checks each member again as it extracts
-                tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+            tar = tarfile.open(archive)
+        except tarfile.ReadError:  # its message lists every decompressor tried, one a line
+            raise InputError(f"{archive}: not a tar archive (plain, or compressed with gzip, bzip2 or xz)") from None
         except (tarfile.TarError, OSError, EOFError) as exc:
-            raise InputError(f"{archive}: not a readable archive ({exc})") from None
+            raise InputError(f"{archive}: not a readable archive ({' '.join(str(exc).split())[:200]})") from None
+        try:
+            with tar:
+                members = checked_members(tar, archive)
+                # tarfile's "data" filter (Python 3.11.4+, 3.10.12+) checks each member again as it extracts
+                tar.extractall(tmp, members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            raise InputError(f"{archive}: not a readable archive ({' '.join(str(exc).split())[:200]})") from None
         source, manifest = read_manifest(archive, Path(tmp))
         target = results / folder_name(manifest, archive)
         check_tables(source, archive)
@@ -409,7 +425,10 @@ def readme_section(results: Path) -> str:
 
 
 def update_readme(readme: Path, results: Path) -> None:
-    text = readme.read_text()
+    try:
+        text = readme.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"--readme {readme}: cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
     if START not in text or END not in text:
         raise InputError(f"{readme}: no {START} ... {END} section to regenerate")
     head, rest = text.split(START, 1)
@@ -426,10 +445,16 @@ def main(argv: Optional[list[str]] = None) -> list[Path]:
     parser.add_argument("--results_dir", type=Path, default=RESULTS)
     parser.add_argument("--readme", type=Path, default=GPU_RESULTS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    folders = [unpack(a, args.results_dir) for a in args.archives]
+    check_writable(args.results_dir, "--results_dir", folder=True)  # both before an archive is unpacked
+    check_writable(args.readme, "--readme")
+    folders = []
+    for archive in args.archives:
+        with reported_write_failure(f"--results_dir {args.results_dir}", args.results_dir):
+            folders.append(unpack(archive, args.results_dir))
     for folder in folders:
         print(f"collected {folder}")
-    update_readme(args.readme, args.results_dir)
+    with reported_write_failure(f"--readme {args.readme}", args.readme.parent):
+        update_readme(args.readme, args.results_dir)
     print(f"regenerated the GPU section of {args.readme}")
     return folders
 

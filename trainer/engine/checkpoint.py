@@ -13,21 +13,24 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import pickle
 import random
 import re
 import shutil
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from foundation.cli import InputError, first_line
-from foundation.files import publish_folder
+from foundation.files import (  # the write-failure reporting, shared with every writer
+    SaveError, free_space, publish_folder, reported_write_failure, write_failure,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,50 +48,6 @@ HASH_CHUNK = 1 << 20
 
 class CheckpointError(InputError):
     """A checkpoint that cannot be resumed from; the message names the file and what is wrong."""
-
-
-class SaveError(InputError):
-    """A checkpoint or adapter that could not be written (a full disk); the message says where."""
-
-
-# torch.save reports a failed write (ENOSPC included) as a RuntimeError from its zip writer.
-_TORCH_WRITE_FAILURE = ("inline_container", "PytorchStreamWriter", "iostream error")
-
-
-def write_failure(exc: BaseException) -> Optional[str]:
-    """Why a save failed, when `exc` is a failed file write (OSError, torch's zip writer, safetensors' I/O
-    error); None for any other error, which is left to propagate."""
-    if isinstance(exc, OSError):
-        return exc.strerror or str(exc)
-    text = str(exc)
-    if "No space left" in text:
-        return "No space left on device"
-    if isinstance(exc, RuntimeError) and any(marker in text for marker in _TORCH_WRITE_FAILURE):
-        return "a file write failed"
-    if type(exc).__name__ == "SafetensorError" and "os error" in text.lower():
-        return first_line(exc, 160)
-    return None
-
-
-def free_space(folder: Path) -> str:
-    try:
-        return f"{shutil.disk_usage(folder).free / 2**30:.2f} GiB free there"
-    except OSError:
-        return "free space unknown"
-
-
-@contextmanager
-def reported_write_failure(what: str, folder: Path) -> Iterator[None]:
-    """A failed file write inside the block becomes one SaveError line naming `what`, the reason and the free
-    space of `folder`."""
-    try:
-        yield
-    except Exception as exc:
-        reason = write_failure(exc)
-        if reason is None:
-            raise
-        raise SaveError(f"{what}: could not be written ({reason}; {free_space(folder)}); free space and rerun") \
-            from None
 
 
 def checkpoint_dir(output_dir: str | os.PathLike, step: int) -> Path:
@@ -259,8 +218,47 @@ def _safe_torch_load(path: Path):
 def _read_json(path: Path):
     try:
         return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, bad UTF-8, a 5,000-digit number
         raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {exc})") from None
+
+
+# The counts in state.json, each an integer from its least value to MAX_COUNT: a resumed run takes its step, its
+# place in the data, its NaN tallies and (online RL) its update micro-batch from them. Older checkpoints may lack
+# all but the step.
+STATE_COUNTS = {"step": 0, "epoch": 0, "batches_in_epoch": 0, "bad_steps_in_row": 0, "bad_steps_total": 0,
+                "update_micro_batch": 1}
+MAX_COUNT = 2**31 - 1
+GENERATOR_STATE_BYTES = torch.Generator().get_state().numel()  # online RL's minibatch order (a CPU generator)
+
+
+def check_state(state: Any, file: Path) -> dict[str, Any]:
+    """`state` (read from `file`) with every field in range, else CheckpointError naming the file and the field."""
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"{file}: no step count in it")
+
+    def refuse(problem: str) -> None:
+        raise CheckpointError(f"{file}: {problem} (damaged or edited)")
+
+    for key, least in STATE_COUNTS.items():
+        value = state.get(key, least)
+        if type(value) is not int or not least <= value <= MAX_COUNT:
+            refuse(f"{key} is {json.dumps(value)[:40]}, not an integer from {least} to {MAX_COUNT}")
+    if not state.get("bad_steps_in_row", 0) <= state.get("bad_steps_total", 0) <= state["step"]:
+        refuse(f"bad_steps_in_row {state.get('bad_steps_in_row', 0)}, bad_steps_total "
+               f"{state.get('bad_steps_total', 0)} and step {state['step']} are not in that order")
+    named = _NAME.match(file.parent.name)
+    if named and int(named.group(1)) != state["step"]:
+        refuse(f"step is {state['step']}, but the folder is {file.parent.name}")
+    order = state.get("minibatch_rng", [0] * GENERATOR_STATE_BYTES)
+    if not isinstance(order, list) or len(order) != GENERATOR_STATE_BYTES or \
+            any(type(b) is not int or not 0 <= b <= 255 for b in order):
+        refuse(f"minibatch_rng is not a random generator's state ({GENERATOR_STATE_BYTES} bytes)")
+    kl = state.get("kl_controller", {"kind": "fixed", "value": 0.0})
+    value = kl.get("value") if isinstance(kl, dict) else None
+    if not isinstance(kl, dict) or not isinstance(kl.get("kind"), str) or type(value) not in (int, float) or \
+            not (math.isfinite(value) and value >= 0):
+        refuse(f"kl_controller is {json.dumps(kl)[:60]}, not a KL coefficient (a finite number >= 0) and its kind")
+    return state
 
 
 def verify_checkpoint(path: Path, deepspeed: bool = False) -> None:
@@ -286,9 +284,7 @@ def verify_checkpoint(path: Path, deepspeed: bool = False) -> None:
     else:
         logger.warning("%s has no %s (saved by an older version): its files are read but not checksummed",
                        path, MANIFEST_FILE)
-    state = _read_json(path / STATE_FILE)
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise CheckpointError(f"{path / STATE_FILE}: no step count in it")
+    check_state(_read_json(path / STATE_FILE), path / STATE_FILE)
     if deepspeed != (path / ENGINE_TAG).is_dir():
         if deepspeed:
             raise CheckpointError(f"{path} was not written under DeepSpeed (no {ENGINE_TAG}/ folder); resume it with "
@@ -314,11 +310,12 @@ def verify_checkpoint(path: Path, deepspeed: bool = False) -> None:
                 raise CheckpointError(f"{weights}: unreadable ({type(exc).__name__}: {str(exc)[:160]})") from None
 
 
-def select_checkpoint(output_dir: str | os.PathLike, resume: str, deepspeed: bool = False) -> Optional[Path]:
+def select_checkpoint(output_dir: str | os.PathLike, resume: str, deepspeed: bool = False,
+                      max_steps: Optional[int] = None) -> Optional[Path]:
     """The checkpoint a run resumes from: None for `resume='no'` or a folder without checkpoints.
 
     'auto' takes the newest one that verifies, warning in one line about each newer one it skips;
-    an explicit folder must verify, or the run stops with the reason.
+    an explicit folder must verify, or the run stops with the reason. Either must be at most `max_steps` in.
     """
     if resume == "no":
         return None
@@ -327,7 +324,7 @@ def select_checkpoint(output_dir: str | os.PathLike, resume: str, deepspeed: boo
         if not (path / STATE_FILE).is_file():
             raise CheckpointError(f"--resume {resume}: not a complete checkpoint folder (no {STATE_FILE})")
         verify_checkpoint(path, deepspeed)
-        return path
+        return within_run(path, max_steps)
     candidates = complete_checkpoints(output_dir)[::-1]
     for i, path in enumerate(candidates):
         try:
@@ -336,11 +333,22 @@ def select_checkpoint(output_dir: str | os.PathLike, resume: str, deepspeed: boo
             after = f"trying {candidates[i + 1].name}" if i + 1 < len(candidates) else "no older checkpoint is left"
             logger.warning("skipping damaged checkpoint: %s; %s", exc, after)
             continue
-        return path
+        return within_run(path, max_steps)
     if candidates:
         raise CheckpointError(f"{output_dir}: none of its {len(candidates)} checkpoints can be resumed (see the warnings "
                               "above); start over with --resume no, or pass --resume CHECKPOINT_DIR")
     return None
+
+
+def within_run(path: Path, max_steps: Optional[int]) -> Path:
+    """`path`, unless it was saved past `max_steps`: then it is a point of a longer run, which this one would
+    'resume' by doing nothing, and the run stops with one line saying how to continue it."""
+    step = _read_json(path / STATE_FILE)["step"]
+    if max_steps is not None and step > max_steps:
+        raise CheckpointError(f"{path / STATE_FILE}: step {step}, past --max_steps {max_steps}: {path.name} is a "
+                              f"checkpoint of a longer run; continue it with --max_steps above {step}, or start "
+                              "over with --resume no (or another --output_dir)")
+    return path
 
 
 def remove_save_debris(output_dir: str | os.PathLike) -> list[str]:
@@ -422,18 +430,60 @@ def set_aside_newer(output_dir: str | os.PathLike, resume_from: Path) -> Optiona
 
 # ---- loading --------------------------------------------------------------------------------------
 
+# The per-parameter optimizer state shaped as its parameter (torch's AdamW, bitsandbytes' 8-bit AdamW).
+MOMENTS = ("exp_avg", "exp_avg_sq", "state1", "state2")
+
+
+def optimizer_mismatch(optimizer, saved: Any) -> Optional[str]:
+    """How a saved optimizer state differs from `optimizer`'s parameters (groups, their sizes, the moments'
+    shapes), in a few words; None when it fits."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                               for g in groups):
+        return "not an optimizer state (no parameter groups)"
+    saved_sizes = [len(g["params"]) for g in groups]
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_sizes != sizes:
+        return (f"parameter groups of {saved_sizes} tensors saved, {sizes} here: the optimizer state's shapes do not "
+                "fit this model's trainable parameters")
+    params = dict(zip((i for g in groups for i in g["params"]),
+                      (p for g in optimizer.param_groups for p in g["params"])))
+    state = saved.get("state") if isinstance(saved.get("state"), dict) else {}
+    for index, values in state.items():
+        for key in MOMENTS:
+            moment = values.get(key) if isinstance(values, dict) else None
+            param = params.get(index)
+            if isinstance(moment, torch.Tensor) and param is not None and moment.dim() == param.dim() and \
+                    moment.shape != param.shape:
+                return (f"{key} of parameter {index} is {list(moment.shape)}, the parameter {list(param.shape)}: the "
+                        "optimizer state's shapes do not fit this model's trainable parameters")
+    return None
+
+
+def other_weights(path: Path, problem: str) -> str:
+    """The one line of a checkpoint whose weights are not this model's: resumed with another base or LoRA
+    setting (which --resume_config_check false lets through)."""
+    saved = saved_config(path)
+    model = saved.get("model") if isinstance(saved, dict) and isinstance(saved.get("model"), dict) else {}
+    settings = ", ".join(f"{k}={model[k]}" for k in ("model_name_or_path", "preset_overrides", "lora_r",
+                                                       "lora_target_modules") if model.get(k) is not None)
+    was = f" ({settings})" if settings else ""
+    return (f"{path}: its weights do not fit this model ({problem}): it was saved with another base or LoRA "
+            f"settings{was}; resume with those, or start over with --resume no")
+
+
 def load_checkpoint(accelerator, path: Path, model, adapters: list[str], optimizer, scheduler) -> dict[str, Any]:
     """Restore adapters, optimizer, scheduler and this rank's RNG from a verified `path`; return its state.json.
 
     Every file is read before anything is changed, so a failure leaves the model and optimizer as they were.
     """
     from trainer.engine.launch import is_deepspeed
-    from trainer.model.shared_base import apply_adapter_weights, read_adapter_weights
+    from trainer.model.shared_base import apply_adapter_weights, read_adapter_weights, weights_mismatch
 
     path = Path(path)
     deepspeed = is_deepspeed(accelerator)
     scheduler_state = _read_json(path / SCHEDULER_FILE)
-    state = _read_json(path / STATE_FILE)
+    state = check_state(_read_json(path / STATE_FILE), path / STATE_FILE)
     rng_file = path / f"rng-rank{accelerator.process_index}.pt"
     rng = _safe_torch_load(rng_file) if rng_file.is_file() else None
     if deepspeed:
@@ -445,6 +495,12 @@ def load_checkpoint(accelerator, path: Path, model, adapters: list[str], optimiz
         unwrapped = accelerator.unwrap_model(model)
         weights = {name: read_adapter_weights(path / "adapters" / name) for name in adapters}
         optimizer_state = _safe_torch_load(path / OPTIMIZER_FILE)
+        problem = next((f"adapters/{name}: {why}" for name, (lora, head) in weights.items()
+                        if (why := weights_mismatch(unwrapped, name, lora, head))), None)
+        if problem is None and (why := optimizer_mismatch(optimizer, optimizer_state)):
+            problem = f"{OPTIMIZER_FILE}: {why}"
+        if problem:  # checked before anything is loaded: a mismatch leaves the model and optimizer as they were
+            raise CheckpointError(other_weights(path, problem))
         for name, (lora, head) in weights.items():
             apply_adapter_weights(unwrapped, name, lora, head, source=path / "adapters" / name)
         optimizer.load_state_dict(optimizer_state)

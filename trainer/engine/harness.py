@@ -26,7 +26,7 @@ from foundation.settings import ONLINE_RL_STAGES
 from profiling.plan import auto_fit_on
 from trainer.engine.batches import batch_stream, make_loader
 from trainer.engine.budget import context_at_start
-from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
+from trainer.engine.checkpoint import load_checkpoint, reported_write_failure, save_checkpoint
 from trainer.engine.launch import describe_engine, fill_deepspeed_autos, is_deepspeed
 from trainer.engine.metrics import (
     MetricsLog, all_finite, flat_config, format_line, largest_weight, mean_over_ranks, peak_memory_gb,
@@ -265,8 +265,9 @@ class Harness:
         start = self._resume()
         self.step = start  # an error before the first step taken here is at the step the run resumed from
         if acc.log_with:  # the trackers make_accelerator checked; wandb's files go into the run folder too
-            acc.init_trackers(self.stage, config=flat_config(self.ctx.config()),
-                              init_kwargs={"wandb": {"dir": str(self.ctx.output_dir)}})
+            with reported_write_failure(f"the trackers' files in {self.output_dir}", self.output_dir):
+                acc.init_trackers(self.stage, config=flat_config(self.ctx.config()),
+                                  init_kwargs={"wandb": {"dir": str(self.ctx.output_dir)}})
         last_eval = self._evaluate(0) if start == 0 else {}
         stream = batch_stream(acc, engine.loader, self.sampler, self.state["epoch"], self.state["batches_in_epoch"])
         bar = tqdm(total=args.max_steps, initial=start, desc=self.stage, dynamic_ncols=True,
@@ -295,7 +296,8 @@ class Harness:
                                 engine.scheduler, {**self.state, **extra}, args.keep_checkpoints,
                                 self.ctx.config())
         bar.close()
-        engine.recorder.write(self.output_dir, config=flat_config(self.ctx.config()))
+        with reported_write_failure(f"the memory record in {self.output_dir}", self.output_dir):
+            engine.recorder.write(self.output_dir, config=flat_config(self.ctx.config()))
         self._finish_trackers()
         return last_eval
 
@@ -352,6 +354,8 @@ class Harness:
                 bar.write(f"step {step}/{self.args.max_steps} | " + format_line(metrics, keys))
 
     def _evaluate(self, step: int) -> dict[str, float]:
+        if not self.ctx.splits.eval:  # --eval_size 0: nothing held out, so no figures (not a loss of 0 over none)
+            return {}
         model, acc = self.engine.model, self.accelerator
         model.eval()
         with phase("evaluate"), torch.no_grad(), acc.autocast():

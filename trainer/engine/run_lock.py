@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from foundation.cli import UsageError
+from foundation.files import entry_problem
 
 logger = logging.getLogger(__name__)
 
@@ -81,22 +82,22 @@ class RunLock:
                 trusted = True
             except BlockingIOError:
                 holder = _holder(file.read())
-                file.close()
+                _close(file)
                 raise RunLocked(f"--output_dir {folder} is in use by {_who(holder)} ({path}); wait for that run "
                                 "to end or pick another --output_dir") from None
             except OSError as exc:
                 if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    file.close()
+                    _close(file)
                     raise
                 trusted = False
             if _same_file(file, path):
                 break
-            file.close()  # the holder released (removed) it between our open and flock: lock the new file
+            _close(file)  # the holder released (removed) it between our open and flock: lock the new file
         lock = cls(path, file)
         try:
             lock._claim(folder, _holder(file.read()), trusted)
         except BaseException:
-            file.close()
+            _close(file)
             raise
         _held[str(folder.resolve())] = lock
         return lock
@@ -134,7 +135,7 @@ class RunLock:
                 self.path.unlink()
         except OSError:
             pass  # the folder went away: nothing left to unlock
-        self.file.close()
+        _close(self.file)
         self.file = None
         for key, lock in list(_held.items()):
             if lock is self:
@@ -148,16 +149,26 @@ def _open_lock_file(path: Path, folder: Path):
     try:
         fd = os.open(path, flags, 0o644)
     except OSError as exc:
-        what = ("a symbolic link" if exc.errno == errno.ELOOP else "a folder" if exc.errno == errno.EISDIR
-                else f"not usable ({exc.strerror})")
-        raise RunLocked(f"--output_dir {folder}: its lock file {path} is {what}; remove it, or pick another "
-                        "--output_dir") from None
+        raise RunLocked(planted(folder, path, entry_problem(path) or f"not usable ({exc.strerror})")) from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise RunLocked(f"--output_dir {folder}: its lock file {path} is not a regular file; remove it, or pick "
-                        "another --output_dir")
+        raise RunLocked(planted(folder, path, entry_problem(path) or "not a regular file"))
     os.set_blocking(fd, True)
     return os.fdopen(fd, "r+", encoding="utf-8", errors="replace")  # a garbled name claims nothing
+
+
+def planted(folder: Path, path: Path, problem: str) -> str:
+    """The one line refusing a run folder whose entry `path` is `problem` (`foundation.files.entry_problem`)."""
+    return f"--output_dir {folder}: its {path.name} ({path}) is {problem}; remove it, or pick another --output_dir"
+
+
+def _close(file) -> None:
+    """Close `file` even when what it still buffers cannot be written (a full disk): the write's failure is the
+    one reported, and closing drops the flock either way."""
+    try:
+        file.close()
+    except OSError:
+        pass
 
 
 def _same_file(file, path: Path) -> bool:

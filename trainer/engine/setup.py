@@ -19,14 +19,14 @@ from accelerate.utils import set_seed
 
 from foundation.cli import FieldError, InputError, UsageError
 from foundation.settings import ONLINE_RL_STAGES, split_specs
-from foundation.files import write_atomic
+from foundation.files import entry_problem, write_atomic
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import LoadReport, Splits, load_splits
 from trainer.engine.budget import check_budget, context_at_start, fit_to_budget, outside_allocator_gib
 from trainer.engine.checkpoint import (
-    gathered_trainable, remove_save_debris, reported_write_failure, saved_config, select_checkpoint, set_aside_newer,
-    set_aside_previous_run,
+    PREFIX, RUN_ARTIFACTS, gathered_trainable, remove_save_debris, reported_write_failure, saved_config,
+    select_checkpoint, set_aside_newer, set_aside_previous_run,
 )
 from trainer.engine.harness import TrainingDiverged
 from trainer.engine.launch import (
@@ -34,7 +34,7 @@ from trainer.engine.launch import (
 )
 from trainer.engine.memory_options import MemoryOptions
 from trainer.engine.metrics import eval_history, largest_weight, unusable_weights
-from trainer.engine.run_lock import RunLock, RunLocked
+from trainer.engine.run_lock import LOCK_FILE, RunLock, RunLocked, planted
 from trainer.model.adapter_fit import BASE_MODEL_FILE, base_identity, saved_base
 from trainer.model.loading import load_tokenizer, max_positions, precision_record, resolve_precision
 from trainer.model.shared_base import check_adapter_folder
@@ -113,6 +113,20 @@ def check_output_dir(path: Path) -> None:
     except OSError as exc:
         raise UsageError(f"--output_dir {path}: cannot write there ({exc.strerror or exc}); pick a writable folder") \
             from None
+
+
+RUN_FOLDERS = ("adapter", "tensorboard")  # of the run's outputs (RUN_ARTIFACTS), the folders; the rest are files
+
+
+def check_run_entries(path: Path) -> None:
+    """Each entry the run writes into its folder is absent, a regular file or a real folder as it should be: a
+    link would send the run's writes (metrics, events, config) outside the folder, a FIFO would hang them, a
+    folder where a file goes would fail them. One line before the run writes anything."""
+    checkpoints = [p.name for p in path.iterdir() if p.name.startswith(PREFIX)]
+    for name in (*RUN_ARTIFACTS, LOCK_FILE, *checkpoints):
+        problem = entry_problem(path / name, folder=name in RUN_FOLDERS or name in checkpoints)
+        if problem:
+            raise UsageError(planted(path, path / name, problem))
 
 
 def lock_output_dir(accelerator, path: Path) -> Optional[RunLock]:
@@ -256,14 +270,16 @@ def prepare_output_dir(ctx: RunContext) -> None:
     if ctx.train_args.resume == "no" and accelerator.is_main_process:
         set_aside_previous_run(ctx.output_dir)
     accelerator.wait_for_everyone()
-    ctx.resume_from = select_checkpoint(ctx.output_dir, ctx.train_args.resume, is_deepspeed(accelerator))
+    ctx.resume_from = select_checkpoint(ctx.output_dir, ctx.train_args.resume, is_deepspeed(accelerator),
+                                        ctx.train_args.max_steps)
     check_resume_config(ctx)
     if ctx.resume_from is not None and accelerator.is_main_process and \
             ctx.resume_from.parent.resolve() == ctx.output_dir.resolve():
         set_aside_newer(ctx.output_dir, ctx.resume_from)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_atomic(ctx.output_dir / CONFIG_FILE, json.dumps(ctx.config(), indent=2))
+        with reported_write_failure(str(ctx.output_dir / CONFIG_FILE), ctx.output_dir):
+            write_atomic(ctx.output_dir / CONFIG_FILE, json.dumps(ctx.config(), indent=2))
 
 
 def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage: Optional[str] = None) -> RunContext:
@@ -280,13 +296,14 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     check_launch(accelerator, stage)
     MemoryOptions.of(model_args, stage_args).check(accelerator)
     check_output_dir(Path(train_args.output_dir))
+    check_run_entries(Path(train_args.output_dir))
     lock = lock_output_dir(accelerator, Path(train_args.output_dir))
     set_seed(train_args.seed)
     context_at_start(accelerator.device)  # measured now, before any model: what the estimate and the cap use
     simulate_gpu_memory(train_args.simulate_gpu_gib, accelerator.device)
     check_adapter_paths(stage_args)
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
-                               model_args.tokenizer_name_or_path)
+                               model_args.tokenizer_name_or_path, model_args.trust_remote_code)
     check_positions(stage, model_args, data_args, stage_args, len(tokenizer))
     if stage in ONLINE_RL_STAGES:
         model_args, train_args, stage_args = fit_to_budget(stage, model_args, data_args, train_args, stage_args,
