@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from foundation.cli import UsageError
+from foundation.cli import InputError, UsageError, first_line
 
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -149,6 +149,33 @@ def preset_config(name: str, vocab_size: int, overrides: Optional[str] = None):
     return config_class(**values)
 
 
+# The config.json fields a shape is built from (the optional ones default from the others).
+REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+OPTIONAL_FIELDS = ("num_key_value_heads", "head_dim")
+
+
+def read_model_config(config_file: Path, given: Optional[dict] = None) -> dict:
+    """A model folder's config.json, with the `given` fields (flags) over its own, as a dict whose shape fields
+    are positive integers; else InputError naming the file and the field."""
+    try:
+        cfg = json.loads(config_file.read_text())
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON or UTF-8
+        raise InputError(f"{config_file}: not a readable JSON file ({type(exc).__name__}: {first_line(exc, 160)})") \
+            from None
+    if not isinstance(cfg, dict):
+        raise InputError(f"{config_file}: expected a JSON object of model settings, found a {type(cfg).__name__}")
+    cfg.update(given or {})
+    for key in REQUIRED_FIELDS + OPTIONAL_FIELDS:
+        value = cfg.get(key)
+        if key in REQUIRED_FIELDS and value is None:
+            raise InputError(f"{config_file}: no '{key}' in it (a Llama-architecture decoder is sized from "
+                             f"{', '.join(REQUIRED_FIELDS)}): add it, or give the whole shape with --hidden_size, "
+                             "--intermediate_size, --num_layers, --num_heads and --vocab_size")
+        if value is not None and (type(value) is not int or value < 1):
+            raise InputError(f"{config_file}: '{key}' is {json.dumps(value)[:40]}, not a positive integer")
+    return cfg
+
+
 def load_shape(model: str, vocab_size: Optional[int] = None, overrides: Optional[str] = None) -> ModelShape:
     """Shape of a preset ('tiny-llama', 'llama-2-7b', ...), the embedded 'smollm2-135m', or an HF folder."""
     if model in PRESETS:
@@ -160,7 +187,7 @@ def load_shape(model: str, vocab_size: Optional[int] = None, overrides: Optional
         if not config_file.is_file():
             raise UsageError(f"unknown model '{model}': use a preset ({', '.join(PRESETS)}), "
                              f"{', '.join(KNOWN_MODELS)}, or a folder holding a Hugging Face config.json")
-        cfg = json.loads(config_file.read_text())
+        cfg = read_model_config(config_file, {} if vocab_size is None else {"vocab_size": vocab_size})
     if vocab_size is not None:
         cfg["vocab_size"] = vocab_size
     return ModelShape.from_config(model, cfg)

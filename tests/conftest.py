@@ -143,3 +143,13 @@ def compiled_calls(monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(CompiledLayer, "__call__", counted)
         yield calls
+
+
+class Payload:
+    """Unpickling this creates a folder: proof that loading ran code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.makedirs, (str(self.marker),)

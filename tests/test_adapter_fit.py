@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import Payload
 
 from foundation.cli import InputError, run
 
@@ -273,3 +274,73 @@ def test_a_checkpoint_adapter_exports_onto_the_base_its_run_config_names(tmp_pat
     assert json.loads((out / "export.json").read_text())["base"] == "tiny-llama"
     weights = load_file(str(out / "model.safetensors"))
     assert weights["model.layers.2.self_attn.q_proj.weight"].shape == (64, 64)
+
+
+def test_an_adapter_config_whose_rank_is_not_its_weights_rank_is_one_line_naming_the_tensor(tmp_path, capsys,
+                                                                                           fresh_accelerate_state):
+    from trainer.export import main
+    from trainer.model.shared_base import AdapterSpec, build_shared_model
+
+    adapter = stage_saved(tmp_path / "sft", tiny_args())
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))  # the weights are r=4
+    says = (f"{adapter} does not match its adapter_config.json: model.layers.0.mlp.down_proj lora_A is [4, 172] in "
+            "adapter_model.safetensors, rank r=8 there needs [8, 172]; save the adapter again, or fix 'r' in "
+            "adapter_config.json")
+    with pytest.raises(InputError) as error:
+        build_shared_model(tiny_args(), [AdapterSpec("policy", init_from=str(adapter))], vocab_size=49152)
+    assert str(error.value) == f"adapter 'policy': {says}"
+    code, line = one_line_exit(main, ["--adapter", str(adapter), "--out", str(tmp_path / "out")], capsys)
+    assert (code, line) == (1, f"error: --adapter: {says}")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tool", ["init_adapter", "export", "evaluate"])
+def test_a_pickled_adapter_bin_is_refused_before_anything_unpickles_it(tool, tmp_path, capsys,
+                                                                       fresh_accelerate_state):
+    import pickle
+
+    import trainer.sft
+
+    adapter = stage_saved(tmp_path / "sft", tiny_args())
+    (adapter / "adapter_model.safetensors").unlink()
+    marker = tmp_path / "payload-ran"
+    (adapter / "adapter_model.bin").write_bytes(pickle.dumps({"weights": Payload(marker)}))
+    if tool == "init_adapter":
+        flag, main = "--init_adapter", trainer.sft.main
+        argv = ["--config", str(ROOT / "tests" / "configs" / "tiny_sft.yaml"), "--output_dir", str(tmp_path / "run"),
+                "--init_adapter", str(adapter)]
+    else:
+        flag, (main, argv) = "--adapter", tool_argv(tool, tmp_path, adapter)
+    code, line = one_line_exit(main, argv, capsys)
+    assert (code, line) == (1, f"error: {flag}: {adapter} holds adapter_model.bin, a pickle, which can run code when "
+                               "loaded: only adapter_model.safetensors is read; convert it to safetensors where you "
+                               "trust it")
+    assert not marker.exists()
+
+
+def test_a_saved_adapter_never_holds_the_base_embeddings(tmp_path, fresh_accelerate_state):
+    """An SFT adapter whose adapter_config.json names another model folder (of another vocabulary) as its base:
+    peft's save_embedding_layers='auto' would add this base's embed_tokens and lm_head to every adapter saved
+    from it."""
+    from safetensors import safe_open
+
+    from trainer.model.shared_base import AdapterSpec, build_shared_model
+
+    adapter = stage_saved(tmp_path / "sft", tiny_args())
+    other = tmp_path / "other-base"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 32000}))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(other)}))
+
+    model = build_shared_model(tiny_args(), [AdapterSpec("policy", trainable=True, init_from=str(adapter))],
+                               vocab_size=49152)
+    saved = model.save_adapter("policy", tmp_path / "ppo" / "adapter")
+    with safe_open(str(saved / "adapter_model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+        assert keys == set(f.keys()) and len(keys) == 28
+    assert all(".lora_A." in k or ".lora_B." in k for k in keys)
+    assert (saved / "adapter_model.safetensors").stat().st_size < 50_000
+    assert set(model.adapter_state("policy")) == keys

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import Payload
 
 from trainer.engine.checkpoint import (
     MANIFEST_FILE, CheckpointError, complete_checkpoints, select_checkpoint, write_manifest,
@@ -43,16 +44,6 @@ def run_copy(finished_run, tmp_path) -> Path:
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
     return out
-
-
-class Payload:
-    """Unpickling this creates a folder: proof that loading ran code."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.makedirs, (str(self.marker),)
 
 
 def plant_payload(checkpoint: Path, marker: Path, fix_manifest: bool) -> None:
@@ -188,3 +179,97 @@ def test_every_rank_runs_the_same_number_of_evaluation_batches():
     assert [real for _, real in seen[0]] == [True, True] and [real for _, real in seen[1]] == [True, False]
     rows = [int(x) for r in (0, 1) for batch, real in seen[r] if real for x in batch["input_ids"].flatten()]
     assert sorted(rows) == sorted(e.length for e in examples)  # every example once, on one rank
+
+
+def edit_state(checkpoint: Path, **changes) -> Path:
+    """Change fields of the checkpoint's state.json and rewrite its manifest to match (an edit, not damage)."""
+    state = json.loads((checkpoint / "state.json").read_text())
+    (checkpoint / "state.json").write_text(json.dumps({**state, **changes}))
+    write_manifest(checkpoint)
+    return checkpoint / "state.json"
+
+
+@pytest.mark.parametrize("changes, says", [
+    (dict(step=-5), "step is -5, not an integer from 0 to 2147483647"),
+    (dict(step=10**30), f"step is {10**30}, not an integer from 0 to 2147483647"),
+    (dict(step="4"), 'step is "4", not an integer from 0 to 2147483647'),
+    (dict(step=3), "step is 3, but the folder is checkpoint-0000004"),
+    (dict(epoch=-1), "epoch is -1, not an integer from 0 to 2147483647"),
+    (dict(batches_in_epoch=1.5), "batches_in_epoch is 1.5, not an integer from 0 to 2147483647"),
+    (dict(bad_steps_total=9), "bad_steps_in_row 0, bad_steps_total 9 and step 4 are not in that order"),
+    (dict(update_micro_batch=0), "update_micro_batch is 0, not an integer from 1 to 2147483647"),
+    (dict(minibatch_rng=[0, 1, 2]), "minibatch_rng is not a random generator's state (5056 bytes)"),
+    (dict(kl_controller={"kind": "adaptive", "value": -1.0}),
+     'kl_controller is {"kind": "adaptive", "value": -1.0}, not a KL coefficient (a finite number >= 0) and its kind'),
+], ids=["step-negative", "step-huge", "step-text", "step-not-the-folder-s", "epoch-negative", "batches-fraction",
+        "bad-steps-out-of-order", "micro-batch-0", "rng-short", "kl-negative"])
+def test_a_state_json_field_out_of_range_is_refused_naming_the_file_and_the_field(run_copy, changes, says, caplog):
+    state = edit_state(run_copy / "checkpoint-0000004", **changes)
+    with pytest.raises(CheckpointError) as error:
+        select_checkpoint(run_copy, str(state.parent))
+    assert str(error.value) == f"{state}: {says} (damaged or edited)"
+    with caplog.at_level(logging.WARNING, logger="trainer.engine.checkpoint"):
+        assert select_checkpoint(run_copy, "auto").name == "checkpoint-0000002"  # as a damaged one is skipped
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"skipping damaged checkpoint: {state}: {says} (damaged or edited); trying checkpoint-0000002"]
+
+
+def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+
+
+def test_a_negative_step_in_state_json_stops_the_resume_in_one_line(run_copy):
+    state = edit_state(run_copy / "checkpoint-0000004", step=-5)
+    proc = run_sft(run_copy, "--max_steps", "6", "--save_every", "2", "--resume", str(state.parent))
+    assert proc.returncode == 1
+    assert error_lines(proc) == [f"error: {state}: step is -5, not an integer from 0 to 2147483647 (damaged or "
+                                 "edited)"]
+    assert [p.name for p in complete_checkpoints(run_copy)] == ["checkpoint-0000002", "checkpoint-0000004"]
+
+
+def test_a_checkpoint_past_max_steps_is_refused_with_how_to_continue_it(run_copy):
+    metrics = (run_copy / "metrics.jsonl").read_text()
+    proc = run_sft(run_copy, "--max_steps", "3", "--save_every", "2")
+    assert proc.returncode == 1
+    state = run_copy / "checkpoint-0000004" / "state.json"
+    assert error_lines(proc) == [f"error: {state}: step 4, past --max_steps 3: checkpoint-0000004 is a checkpoint of "
+                                 "a longer run; continue it with --max_steps above 4, or start over with --resume no "
+                                 "(or another --output_dir)"]
+    assert (run_copy / "metrics.jsonl").read_text() == metrics  # nothing of the run was touched
+    assert [p.name for p in complete_checkpoints(run_copy)] == ["checkpoint-0000002", "checkpoint-0000004"]
+
+
+def test_resuming_onto_another_base_is_one_line_naming_the_checkpoint_and_what_differs(run_copy):
+    """--resume_config_check false lets a changed base through; the weights themselves then tell."""
+    proc = run_sft(run_copy, "--max_steps", "6", "--save_every", "2", "--preset_overrides", "num_hidden_layers=3",
+                   "--resume_config_check", "false")
+    assert proc.returncode == 1
+    assert error_lines(proc) == [
+        f"error: {run_copy / 'checkpoint-0000004'}: its weights do not fit this model (adapters/policy: no saved "
+        "model.layers.2.mlp.down_proj.lora_A.weight (28 tensors saved, 42 here)): it was saved with another base or "
+        "LoRA settings (model_name_or_path=tiny-llama, lora_r=4, lora_target_modules=all-linear); resume with "
+        "those, or start over with --resume no"]
+    assert not (run_copy / "checkpoint-0000006").exists()
+
+
+def test_an_optimizer_state_of_other_parameters_is_named_before_anything_loads():
+    from trainer.engine.checkpoint import optimizer_mismatch
+
+    def adamw(*shapes):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(s)) for s in shapes])
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.ones_like(p)
+        opt.step()
+        return opt
+
+    saved = adamw((4, 8), (8, 4)).state_dict()
+    assert optimizer_mismatch(adamw((4, 8), (8, 4)), saved) is None
+    assert optimizer_mismatch(adamw((4, 8), (8, 4), (2,)), saved) == (
+        "parameter groups of [2] tensors saved, [3] here: the optimizer state's shapes do not fit this model's "
+        "trainable parameters")
+    assert optimizer_mismatch(adamw((4, 16), (16, 4)), saved) == (
+        "exp_avg of parameter 0 is [4, 8], the parameter [4, 16]: the optimizer state's shapes do not fit this "
+        "model's trainable parameters")
+    assert optimizer_mismatch(adamw((4, 8)), [1, 2]) == "not an optimizer state (no parameter groups)"

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 HEAD_FILE = "head.safetensors"  # a scalar head (value, reward) beside its adapter
 WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLED_WEIGHTS_FILE = "adapter_model.bin"  # peft's older format, a pickle: refused, never unpickled
 BASE_MODEL_FILE = "base_model.json"  # beside a saved adapter: how to rebuild the base it sits on
 RUN_CONFIG_FILE = "config.json"  # a run's (and a checkpoint's) settings, with the model's in section "model"
 SHAPE_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -122,9 +123,10 @@ def check_lora_shapes(folder: Path, causal_lm: torch.nn.Module, name: str, what:
 
 
     weights = folder / WEIGHTS_FILE
-    if not weights.is_file():  # a pickled adapter_model.bin: peft's own loading is the check
+    if not weights.is_file():  # check_adapter_folder refuses a folder without it
         return
     modules = dict(causal_lm.named_modules())
+    rank_of = config_ranks(folder)
     shape = base_shape(causal_lm)
     try:
         with safe_open(str(weights), "pt") as f:
@@ -136,6 +138,12 @@ def check_lora_shapes(folder: Path, causal_lm: torch.nn.Module, name: str, what:
         if match is None:
             continue
         path, side = match.groups()
+        rank = rank_of(path)
+        if rank is not None and len(size) == 2 and size[0 if side == "A" else 1] != rank:
+            needs = [rank, size[1]] if side == "A" else [size[0], rank]
+            raise InputError(f"{what}: {folder} does not match its adapter_config.json: {path} lora_{side} is {size} "
+                             f"in {WEIGHTS_FILE}, rank r={rank} there needs {needs}; save the adapter again, or "
+                             "fix 'r' in adapter_config.json")
         layer = modules.get(path)
         if layer is None:
             layers = f", {shape['num_hidden_layers']} layers" if "num_hidden_layers" in shape else ""
@@ -159,6 +167,25 @@ def check_lora_shapes(folder: Path, causal_lm: torch.nn.Module, name: str, what:
         if width != hidden:
             raise InputError(f"{what}: {head} takes hidden states of size {width}, this base ({name}) has "
                              f"hidden_size={hidden}: the head was trained on another base")
+
+
+def config_ranks(folder: Path):
+    """The LoRA rank adapter_config.json gives each layer ('r', or its 'rank_pattern' entry, matched as peft
+    matches it): a function of the layer's name, None where the config gives no integer."""
+    from peft.utils.other import get_pattern_key
+
+    values = _read_json(folder / "adapter_config.json")
+    values = values if isinstance(values, dict) else {}
+    pattern = values.get("rank_pattern") if isinstance(values.get("rank_pattern"), dict) else {}
+
+    def rank(layer: str) -> Optional[int]:
+        try:
+            value = pattern.get(get_pattern_key(list(pattern), layer), values.get("r"))
+        except re.error:  # a pattern that is no regular expression: peft's loading says so
+            return None
+        return value if type(value) is int else None
+
+    return rank
 
 
 def check_adapter_fits(folder: str | os.PathLike, causal_lm: torch.nn.Module, name: str, what: str) -> None:

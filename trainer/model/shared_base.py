@@ -24,7 +24,7 @@ from foundation.cli import InputError
 from foundation.files import atomic_folder
 from foundation.stages import stage_adapters
 from trainer.config import ModelArguments
-from trainer.model.adapter_fit import HEAD_FILE, WEIGHTS_FILE, check_adapter_fits
+from trainer.model.adapter_fit import HEAD_FILE, PICKLED_WEIGHTS_FILE, WEIGHTS_FILE, check_adapter_fits
 from trainer.model.offload import SavedToHost
 from trainer.model.outputs import Outputs
 from trainer.model.routing import Active, Route, Routing
@@ -306,7 +306,8 @@ class SharedBaseModel(Outputs, Routing, nn.Module):
         """Detached copies of an adapter's LoRA weights (and head), for comparisons and checks."""
         from peft import get_peft_model_state_dict
 
-        state = {k: v.detach().clone() for k, v in get_peft_model_state_dict(self.peft, adapter_name=name).items()}
+        lora = get_peft_model_state_dict(self.peft, adapter_name=name, save_embedding_layers=False)
+        state = {k: v.detach().clone() for k, v in lora.items()}
         if name in self.heads:
             state.update({f"head.{k}": v.detach().clone() for k, v in self.heads[name].state_dict().items()})
         return state
@@ -315,7 +316,9 @@ class SharedBaseModel(Outputs, Routing, nn.Module):
         """Write adapter `name` in PEFT's own format (plus head.safetensors), atomically, into `out_dir`."""
         out = Path(out_dir)
         with atomic_folder(out) as tmp:
-            self.peft.save_pretrained(str(tmp / "peft"), selected_adapters=[name])
+            # Never the base's embeddings: peft's "auto" would add them when the folder named in the adapter's
+            # recorded base_model_name_or_path has another vocabulary size.
+            self.peft.save_pretrained(str(tmp / "peft"), selected_adapters=[name], save_embedding_layers=False)
             written = tmp / "peft" / name  # peft writes non-"default" adapters into a subfolder of that name
             for item in written.iterdir():
                 os.replace(item, tmp / item.name)
@@ -366,12 +369,15 @@ def check_adapter_folder(folder: str | os.PathLike, what: str) -> None:
         values = json.loads(config.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"{what}: {config} is not valid JSON ({exc})") from None
-    if not isinstance(values, dict) or not isinstance(values.get("r"), int):
-        raise InputError(f"{what}: {config} is not a LoRA adapter config (no integer 'r')")
+    if not isinstance(values, dict) or type(values.get("r")) is not int or values["r"] < 1:
+        raise InputError(f"{what}: {config} is not a LoRA adapter config (no integer 'r' of at least 1)")
     if values.get("peft_type", "LORA") != "LORA":  # the adapter switching and the export are LoRA's
         raise InputError(f"{what}: {config} is a {values['peft_type']} adapter; only LoRA adapters can be "
                          "used")
-    if not (folder / WEIGHTS_FILE).is_file() and not (folder / "adapter_model.bin").is_file():
+    if not (folder / WEIGHTS_FILE).is_file():
+        if (folder / PICKLED_WEIGHTS_FILE).is_file():  # unpickling it could run code: it is never opened
+            raise InputError(f"{what}: {folder} holds {PICKLED_WEIGHTS_FILE}, a pickle, which can run code when "
+                             f"loaded: only {WEIGHTS_FILE} is read; convert it to safetensors where you trust it")
         raise InputError(f"{what}: {folder} has adapter_config.json but no weights ({WEIGHTS_FILE})")
 
 
@@ -385,6 +391,31 @@ def read_adapter_weights(folder: str | os.PathLike) -> tuple[dict[str, torch.Ten
         raise InputError(f"{weights} is missing")
     head = folder / HEAD_FILE
     return load_file(str(weights)), (load_file(str(head)) if head.is_file() else None)
+
+
+def weights_mismatch(model: "SharedBaseModel", name: str, lora: dict[str, torch.Tensor],
+                     head: Optional[dict[str, torch.Tensor]]) -> Optional[str]:
+    """How read weights differ from what adapter `name` (and its head) holds: a tensor missing, extra or of
+    another shape, said in a few words; None when they fit exactly (nothing is loaded here)."""
+    from peft import get_peft_model_state_dict
+
+    def shapes(tensors: Mapping[str, torch.Tensor]) -> dict[str, list[int]]:
+        return {k.removeprefix("base_model.model."): list(v.shape) for k, v in tensors.items()}
+
+    mine = get_peft_model_state_dict(model.peft, adapter_name=name, save_embedding_layers=False)
+    pairs = [(shapes(lora), shapes(mine))]
+    if name in model.heads:
+        pairs.append(({f"head {k}": s for k, s in shapes(head or {}).items()},
+                      {f"head {k}": s for k, s in shapes(model.heads[name].state_dict()).items()}))
+    for saved, wanted in pairs:
+        for key in sorted(set(saved) | set(wanted)):
+            if key not in saved:
+                return f"no saved {key} ({len(saved)} tensors saved, {len(wanted)} here)"
+            if key not in wanted:
+                return f"{key} saved, a weight this model does not have"
+            if saved[key] != wanted[key]:
+                return f"{key} is {saved[key]} saved, {wanted[key]} here"
+    return None
 
 
 def apply_adapter_weights(model: "SharedBaseModel", name: str, lora: dict[str, torch.Tensor],
