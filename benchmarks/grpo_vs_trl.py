@@ -306,7 +306,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
             accelerator = make_accelerator(replace(args.train, output_dir=scratch))  # the allocator's defaults too
             device, probe = accelerator.device, MemoryProbe(accelerator.device)
             simulate_gpu_memory(args.simulate_gpu_gib, device)  # the same cap for each side
-            tokenizer = load_tokenizer(args.model_name_or_path, args.preset_overrides, args.tokenizer_name_or_path)
+            tokenizer = load_tokenizer(args.model_name_or_path, args.preset_overrides, args.tokenizer_name_or_path,
+                                       args.trust_remote_code)
             prompts = fixed_length_prompts(args, tokenizer, args.total_steps * args.rollout_batch_size)
             records = {name: run_side(name, args, prompts, tokenizer, accelerator, probe) for name in sides}
             if args.side_run_out:

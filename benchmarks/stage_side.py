@@ -77,7 +77,8 @@ def run_trl_side(w: StageWorkload, side_dir: Path, result: dict, device: torch.d
 
     simulate_gpu_memory(w.train.simulate_gpu_gib, device)  # the cap our stage script sets itself
 
-    tokenizer = load_tokenizer(w.model.model_name_or_path, w.model.preset_overrides, w.model.tokenizer_name_or_path)
+    tokenizer = load_tokenizer(w.model.model_name_or_path, w.model.preset_overrides, w.model.tokenizer_name_or_path,
+                               w.model.trust_remote_code)
     run_trl(w, training_rows(w, tokenizer), tokenizer, device, side_dir, result)
 
 

@@ -320,7 +320,7 @@ def rescore(out_dir: Path, argv: list[str]) -> dict:
 
             if rows is None:
                 rows = training_rows(w, load_tokenizer(w.model.model_name_or_path, w.model.preset_overrides,
-                                                       w.model.tokenizer_name_or_path))
+                                                       w.model.tokenizer_name_or_path, w.model.trust_remote_code))
             side["computed_tokens_per_step"] = computed_tokens(w, rows, json.loads(saved.read_text())["trace"])
             side["summary"] = summarize(side, report["rows"]["tokens_per_step"], w.bench.warmup_runs)
     if {"ours", "trl"} <= set(report["sides"]):
@@ -339,7 +339,8 @@ def run_benchmark(w: StageWorkload, argv: list[str]) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out_dir = Path(w.bench.out_dir) if w.bench.out_dir else default_out_dir(w, device)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(w.model.model_name_or_path, w.model.preset_overrides, w.model.tokenizer_name_or_path)
+    tokenizer = load_tokenizer(w.model.model_name_or_path, w.model.preset_overrides, w.model.tokenizer_name_or_path,
+                               w.model.trust_remote_code)
     rows = training_rows(w, tokenizer)  # fails here, before any side runs, when the data is too short
     tokens = step_tokens(w, rows)
     command = _command(argv)

@@ -42,7 +42,8 @@ def load_score_model(model_args: ModelArguments, vocab_size: int, device: torch.
         if four_bit:
             quantize_linears_(model, dtype, device, skip=("score",))
     else:
-        kwargs = dict(num_labels=1, dtype=dtype, attn_implementation=attn, use_safetensors=True)
+        kwargs = dict(num_labels=1, dtype=dtype, attn_implementation=attn, use_safetensors=True,
+                      trust_remote_code=model_args.trust_remote_code)
         if four_bit:
             quant = bnb_config(dtype)
             quant.llm_int8_skip_modules = ["score"]

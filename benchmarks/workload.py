@@ -183,7 +183,8 @@ def load_bench_tokenizer(args: Workload):
     """The model's tokenizer (or --tokenizer_name_or_path's), folded into a preset's vocabulary as in training."""
     from trainer.model.loading import load_tokenizer
 
-    return load_tokenizer(args.model_name_or_path, args.preset_overrides, args.tokenizer_name_or_path)
+    return load_tokenizer(args.model_name_or_path, args.preset_overrides, args.tokenizer_name_or_path,
+                          args.trust_remote_code)
 
 
 def export_tokenizer(args: Workload) -> None:
@@ -228,7 +229,8 @@ def hidden_size(args: Workload, vocab_size: int) -> int:
 
     if args.model_name_or_path in PRESETS:
         return preset_config(args.model_name_or_path, vocab_size, args.preset_overrides).hidden_size
-    return AutoConfig.from_pretrained(str(resolve_model_path(args.model_name_or_path))).hidden_size
+    return AutoConfig.from_pretrained(str(resolve_model_path(args.model_name_or_path)),
+                                      trust_remote_code=args.trust_remote_code).hidden_size
 
 
 def head_weights(hidden_size: int, seed: int) -> dict[str, torch.Tensor]:

@@ -265,3 +265,30 @@ def test_an_empty_out_folder_becomes_the_export(tmp_path):
     assert (out / "model.safetensors").is_file()
     assert json.loads((out / "export.json").read_text())["base"] == "tiny-llama"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "out"]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_adapter_holding_nan_or_inf_is_refused_in_one_line_naming_the_tensor_and_nothing_is_written(
+        tmp_path, capsys, bad):
+    from safetensors.torch import load_file, save_file
+
+    from foundation.cli import run
+    from trainer.config import ModelArguments
+    from trainer.export import main
+
+    args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", lora_r=4, lora_alpha=8,
+                          lora_dropout=0.0)
+    adapter, _ = saved_policy(tmp_path / "adapter", args)
+    weights = adapter / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    key = sorted(k for k in tensors if "lora_B" in k)[-1]
+    tensors[key][0, 0] = bad
+    save_file(tensors, str(weights))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        run(main, ["--adapter", str(adapter), "--out", str(out)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert exit_info.value.code == 1
+    assert err == [f"error: --adapter: {weights} holds NaN or inf values in {key}: the adapter is unusable (its "
+                   "training diverged); export an earlier checkpoint's adapter"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]

@@ -75,7 +75,7 @@ def compare_policies(run_dir: Path, args: PipelineArguments) -> dict[str, Any]:
     model_args = base_model_args(adapters["sft"], trust_remote_code=trusts_remote_code(args),
                                  allow_with="--overrides trust_remote_code=true", gradient_checkpointing=False)
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
-                               model_args.tokenizer_name_or_path)
+                               model_args.tokenizer_name_or_path, model_args.trust_remote_code)
     specs = [AdapterSpec(name, init_from=str(path)) for name, path in adapters.items()]
     specs.append(AdapterSpec(REWARD, init_from=str(run_dir / "reward" / "adapter"), head=True))
     model = build_shared_model(model_args, specs, vocab_size=len(tokenizer), device=pick_device()).eval()

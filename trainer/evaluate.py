@@ -147,7 +147,7 @@ def evaluate(task: str, args: EvalArguments) -> dict:
                                  quantization=args.quantization, gradient_checkpointing=False)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
-                               model_args.tokenizer_name_or_path)
+                               model_args.tokenizer_name_or_path, model_args.trust_remote_code)
     parse = parser_for(data_args, tokenizer)
     if args.split == "all":
         pairs, report = load_pairs(data_args, limit=args.limit, parse=parse)  # skips counted among the rows read only
@@ -234,7 +234,7 @@ def evaluate_answers(args: EvalArguments) -> dict:
     model_args = answer_model_args(args)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
-                               model_args.tokenizer_name_or_path)
+                               model_args.tokenizer_name_or_path, model_args.trust_remote_code)
     data_args = DataArguments(dataset=args.data, on_bad_row=args.on_bad_row, data_format="prompt_only")
     pairs, report = load_pairs(data_args, limit=args.limit, parse=parser_for(data_args, tokenizer))
     prompts, tok_report = tokenize_prompts(pairs, tokenizer, data_args)

