@@ -48,6 +48,10 @@ PINNED_BY_TESTS = [
      "tests/test_config_errors.py::test_a_pipeline_override_goes_only_to_the_stages_that_have_the_setting"),
     ("44.11", "a run resumed after its reward file was edited",
      "tests/test_reward_functions.py::test_a_run_resumed_after_its_reward_file_changed_says_so_once"),
+    ("65.G", "an --sft_adapter whose adapter_config.json names another base folder (peft saved its embeddings)",
+     "tests/test_adapter_fit.py::test_a_saved_adapter_never_holds_the_base_embeddings"),
+    ("65.F", "run_report --help made ./--help/report.md",
+     "tests/test_run_report.py::test_the_command_prints_its_usage_for_help_and_writes_the_report_of_a_run"),
 ]
 
 
@@ -322,8 +326,207 @@ CASES += [
 ]
 
 
-# Issue 65: what a hostile user could still do (each also pinned by a test)
-CASES += [
+def code_folder(s: Scratch, name: str, config_file: str) -> str:
+    """SmolLM2's tokenizer files in a folder whose `config_file` names (auto_map) a module that writes `RAN`
+    beside itself when imported: config.json a model type, tokenizer_config.json a tokenizer class, unknown."""
+    from trainer.model.loading import embedded_model_dir
+
+    folder = s.path(name)
+    if not folder.exists():
+        shutil.copytree(embedded_model_dir(), folder, ignore=shutil.ignore_patterns("*.safetensors", "*config.json"))
+        shutil.copy(embedded_model_dir() / "tokenizer_config.json", folder)
+        (folder / "custom.py").write_text(f"from pathlib import Path\nPath({str(folder / 'RAN')!r}).write_text('ran')\n")
+        if config_file == "config.json":
+            values = {"model_type": "custom", "auto_map": {"AutoConfig": "custom.Config",
+                                                           "AutoModelForCausalLM": "custom.Model"}}
+        else:
+            values = {**json.loads((folder / config_file).read_text()), "tokenizer_class": "CustomTokenizer",
+                      "auto_map": {"AutoTokenizer": ["custom.CustomTokenizer", None]}}
+        (folder / config_file).write_text(json.dumps(values))
+    return str(folder)
+
+
+def nan_adapter(s: Scratch) -> str:
+    """A copy of the tiny adapter with one NaN in its last LoRA B matrix."""
+    from safetensors.torch import load_file, save_file
+
+    folder = s.path("nan-adapter")
+    shutil.copytree(s.adapter(), folder)
+    weights = folder / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    tensors[sorted(k for k in tensors if "lora_B" in k)[-1]][0, 0] = float("nan")
+    save_file(tensors, str(weights))
+    return str(folder)
+
+
+def run_folder(s: Scratch, name: str, stage_file: str, text: str) -> list[str]:
+    """`python -m trainer.run_report` on a run folder whose sft/STAGE_FILE holds `text`."""
+    folder = s.path(name)
+    (folder / "sft").mkdir(parents=True, exist_ok=True)
+    (folder / "sft" / stage_file).write_text(text)
+    return ["-m", "trainer.run_report", str(folder)]
+
+
+def without_wandb_login(s: Scratch) -> list[str]:
+    """A tiny SFT run reporting to wandb where wandb has no key: no WANDB_* settings, no netrc."""
+    home = s.path("no-wandb-home")
+    home.mkdir(exist_ok=True)
+    code = ("import os, sys; env = {k: v for k, v in os.environ.items() if not k.startswith('WANDB_')}; "
+            "env.update(HOME=sys.argv[1], NETRC=os.path.join(sys.argv[1], '.netrc')); "
+            "os.execve(sys.executable, [sys.executable, '-m', 'trainer.sft', *sys.argv[2:]], env)")
+    return ["-c", code, str(home), "--config", TINY_SFT, "--output_dir", str(s.path("wandb-run")), *QUICK,
+            "--report_to", "wandb"]
+
+
+def planted_entry(s: Scratch, name: str, kind: str) -> list[str]:
+    """A run folder where `name` is a link to something outside it, a FIFO, or a folder."""
+    out = s.path(f"planted-{name}-{kind}")
+    out.mkdir()
+    outside = s.path(f"outside-{name}-{kind}")
+    if kind == "link":
+        outside.mkdir()
+        target = outside if "." not in name else outside / "precious.txt"
+        if target != outside:
+            target.write_text("keep me")
+        (out / name).symlink_to(target)
+    elif kind == "fifo":
+        os.mkfifo(out / name)
+    else:
+        (out / name).mkdir()
+    return ["-m", "trainer.sft", "--config", TINY_SFT, "--output_dir", str(out), *QUICK]
+
+
+# `ulimit -f 1` (1 KiB), set by the command itself: the SFT stage's entry point under that limit
+FILE_LIMIT = ("import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024)); "
+              "from foundation.cli import run; from trainer.sft import main; run(main)")
+
+
+def mounted(s: Scratch, name: str, options: str) -> Path:
+    """A 64 KiB tmpfs at $SCRATCH/NAME (`options`: ro, or rw then filled to the last byte)."""
+    mount = s.path(name)
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=64k,{options}", "tmpfs", str(mount)], check=True,
+                   capture_output=True)
+    s.mounts = getattr(s, "mounts", []) + [mount]
+    if options == "rw":
+        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:  # ENOSPC: full to the last page
+            pass
+        finally:
+            os.close(fd)
+    return mount
+
+
+def full_at_the_lock(s: Scratch) -> list[str]:
+    return ["-m", "trainer.sft", "--config", TINY_SFT, "--output_dir", str(mounted(s, "full", "rw") / "run"), *QUICK]
+
+
+def a_file(s: Scratch) -> str:
+    path = s.path("a-file")
+    path.write_text("mine")
+    return str(path)
+
+
+def a_folder(s: Scratch) -> str:
+    path = s.path("a-folder")
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
+ESTIMATE = ["-m", "profiling.estimate", "--model", "llama-2-7b", "--stage", "sft"]
+
+
+def many_members(s: Scratch) -> list[str]:
+    """A GPU-kit archive of 100,000 empty files (an uncompressed tar: quick to make)."""
+    path = s.path("many.tar")
+    with tarfile.open(path, "w") as tar:
+        for i in range(100_000):
+            tar.addfile(tarfile.TarInfo(f"memory/f{i}"))
+    return ["-m", "benchmarks.gpu.collect", str(path), "--results_dir", str(s.path("results")),
+            "--readme", str(s.path("README.md"))]
+
+
+def not_an_archive(s: Scratch) -> list[str]:
+    path = s.path("notes.tar.gz")
+    path.write_text("not an archive\n")
+    return ["-m", "benchmarks.gpu.collect", str(path), "--results_dir", str(s.path("results")),
+            "--readme", str(s.path("README.md"))]
+
+
+def checkpointed(s: Scratch, name: str, **state) -> str:
+    """A copy of a tiny SFT run with a checkpoint at step 2 (trained once), its state.json fields set to `state`
+    and its manifest rewritten to match (an edit, not damage)."""
+    from trainer.engine.checkpoint import write_manifest
+
+    made = s.path("checkpointed")
+    if not made.exists():
+        subprocess.run([sys.executable, "-m", "trainer.sft", "--config", TINY_SFT, "--output_dir", str(made),
+                        "--max_steps", "2", "--save_every", "2", "--eval_every", "0"], cwd=PROJECT_ROOT, check=True,
+                       capture_output=True)
+    out = s.path(name)
+    shutil.copytree(made, out)
+    checkpoint = out / "checkpoint-0000002"
+    saved = json.loads((checkpoint / "state.json").read_text())
+    (checkpoint / "state.json").write_text(json.dumps({**saved, **state}))
+    write_manifest(checkpoint)
+    return str(out)
+
+
+def resume(s: Scratch, name: str, *extra: str, **state) -> list[str]:
+    run = checkpointed(s, name, **state)
+    return ["-m", "trainer.sft", "--config", TINY_SFT, "--output_dir", run, "--save_every", "2", "--eval_every", "0",
+            *extra]
+
+
+def adapter_files(s: Scratch, name: str, config: dict, pickled: bool = False) -> str:
+    """A copy of the tiny adapter with `config` over its adapter_config.json; `pickled`: its weights as
+    adapter_model.bin (a pickle, torch.save's) instead of adapter_model.safetensors."""
+    import torch
+    from safetensors.torch import load_file
+
+    folder = s.path(name)
+    if not folder.exists():
+        shutil.copytree(s.adapter(), folder)
+        saved = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**saved, **config}))
+        if pickled:
+            torch.save(load_file(str(folder / "adapter_model.safetensors")), folder / "adapter_model.bin")
+            (folder / "adapter_model.safetensors").unlink()
+    return str(folder)
+
+
+def model_config(s: Scratch, name: str, config) -> str:
+    """A model folder holding only `config` as its config.json."""
+    folder = s.path(name)
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+# Issue 65: what a hostile user could still do (each also pinned by a test), listed by item
+CASES += sorted([
+    ("65.A", "export: the adapter's base is a model folder whose config.json names its own code (auto_map)",
+     lambda s: ["-m", "trainer.export", "--adapter", s.adapter_copy(
+         "on-code-model", lambda r: r.update(model_name_or_path=code_folder(s, "code-model", "config.json"))),
+         "--out", str(s.path("x65a"))]),
+    ("65.A", "evaluate: the same adapter",
+     lambda s: ["-m", "trainer.evaluate", "sft", "--adapter", str(s.path("on-code-model")), "--data",
+                rows_file(s.path("eval.jsonl"), [hh_row(i) for i in range(8)])]),
+    ("65.A", "sft: --model_name_or_path a folder whose config.json names its own code",
+     lambda s: ["-m", "trainer.sft", "--config", TINY_SFT, "--output_dir", str(s.path("code-run")), *QUICK,
+                "--model_name_or_path", code_folder(s, "code-model", "config.json")]),
+    ("65.A", "sft: --tokenizer_name_or_path a folder whose tokenizer_config.json names its own code",
+     lambda s: ["-m", "trainer.sft", "--config", TINY_SFT, "--output_dir", str(s.path("code-run")), *QUICK,
+                "--tokenizer_name_or_path", code_folder(s, "code-tok", "tokenizer_config.json")]),
+    ("65.A", "export: the adapter's base_model.json names such a tokenizer",
+     lambda s: ["-m", "trainer.export", "--adapter", s.adapter_copy(
+         "on-code-tok", lambda r: r.update(tokenizer_name_or_path=code_folder(s, "code-tok", "tokenizer_config.json"))),
+         "--out", str(s.path("x65a"))]),
+    ("65.C", "export: an adapter holding a NaN",
+     lambda s: ["-m", "trainer.export", "--adapter", nan_adapter(s), "--out", str(s.path("x65c"))]),
     ("65.C", "a reward of -3e38 (float32 holds it, not its square)",
      lambda s: rewarded(s, "minus", "def f(completions, **_):\n    return [-3e38] * len(completions)\n")),
     ("65.D", "os._exit(0) inside a reward function",
@@ -342,7 +545,82 @@ CASES += [
     ("65.D", "a reward whose float() raises",
      lambda s: rewarded(s, "odd_float", "class Odd(float):\n    def __float__(self):\n        raise ValueError('no')\n"
                                         "def f(completions, **_):\n    return [Odd(1.0)] * len(completions)\n")),
-]
+    ("65.F", "run_report: strings in metrics.jsonl",
+     lambda s: run_folder(s, "report-strings", "metrics.jsonl", '{"step": 1, "train/loss": "high", "perf/step_s": 2.0}\n'
+                          '{"step": 2, "train/loss": 1.5, "perf/step_s": "slow"}\n')),
+    ("65.F", "run_report: 10**400 in metrics.jsonl",
+     lambda s: run_folder(s, "report-huge", "metrics.jsonl", '{"step": 1, "train/loss": 1' + "0" * 400 + "}\n")),
+    ("65.F", "run_report: results.json is a JSON list", lambda s: run_folder(s, "report-list", "results.json", "[1, 2]")),
+    ("65.F", "run_report: results.json is not JSON",
+     lambda s: run_folder(s, "report-not-json", "results.json", '{"stage": ')),
+    ("65.F", "run_report: RUN_DIR is a file", lambda s: ["-m", "trainer.run_report", rows_file(s.path("a-file.txt"), [])]),
+    ("65.F", "run_report: a mistyped RUN_DIR", lambda s: ["-m", "trainer.run_report", str(s.path("runs") / "dmeo")]),
+    ("65.F", "run_report: no RUN_DIR", lambda s: ["-m", "trainer.run_report"]),
+    ("65.I", "--report_to wandb without a key (online mode, no login)", without_wandb_login),
+    ("65.I", "--eval_size 0 (nothing held out: no evaluation, no eval figures; the run goes on)",
+     lambda s: sft(s, "--eval_size", "0")),
+    ("65.I", "--split_seed -1", lambda s: sft(s, "--split_seed", "-1")),
+    ("65.I", "--mixed_precision fp16 on the CPU", lambda s: sft(s, "--mixed_precision", "fp16")),
+    ("65.I", 'YAML max_steps: "ten"', lambda s: yaml_file(s, "ten.yaml", 'train:\n  max_steps: "ten"\n')),
+    ("65.I", "a 0-byte config file", lambda s: yaml_file(s, "empty.yaml", "")),
+    ("65.I", "a config file of comments only", lambda s: yaml_file(s, "comments.yaml", "# train:\n#   max_steps: 3\n")),
+    ("65.I", "estimate --max_length 999999999999",
+     lambda s: ["-m", "profiling.estimate", "--model", "llama-2-7b", "--stage", "sft", "--max_length", "999999999999"]),
+    ("65.I", "pipeline --overrides output_dir=... (outside --run_dir)",
+     lambda s: ["-m", "trainer.pipeline", "--run_dir", str(s.path("pipe")), "--overrides",
+                f"output_dir={s.path('outside')},max_steps=1"]),
+    ("65.J", "accelerate launch -q of a run with a bad flag (the launcher's traceback left out)",
+     lambda s: ["-m", "accelerate.commands.launch", "-q", "--cpu", "--num_processes", "1", "trainer/sft.py",
+                "--config", TINY_SFT, "--output_dir", str(s.path("launched")), "--max_steps", "0"]),
+    ("65.planner", "PPO --auto_fit: --micro_batch_size 4 without checkpointing fits only the whole 0.04 GiB "
+     "budget, rollout rows left auto (planned to 4; starts)",
+     lambda s: ["-m", "trainer.ppo", "--config", TINY_PPO, "--output_dir", str(s.path("p65-fits")), "--auto_fit", "true",
+                "--memory_budget_gib", "0.04", "--micro_batch_size", "4", "--no_gradient_checkpointing",
+                "--rollout_micro_batch_size", "auto", *QUICK]),
+    ("65.planner", "the same at 0.035 GiB: nothing fits; the error names the given micro-batch",
+     lambda s: ["-m", "trainer.ppo", "--config", TINY_PPO, "--output_dir", str(s.path("p65-over")), "--auto_fit", "true",
+                "--memory_budget_gib", "0.035", "--micro_batch_size", "4", "--no_gradient_checkpointing",
+                "--rollout_micro_batch_size", "auto", *QUICK]),
+    ("65.B", "metrics.jsonl is a link to a file outside the run folder", lambda s: planted_entry(s, "metrics.jsonl", "link")),
+    ("65.B", "tensorboard/ is a link to a folder outside", lambda s: planted_entry(s, "tensorboard", "link")),
+    ("65.B", "metrics.jsonl is a FIFO", lambda s: planted_entry(s, "metrics.jsonl", "fifo")),
+    ("65.E", "config.json in the run folder is a folder", lambda s: planted_entry(s, "config.json", "folder")),
+    ("65.E", "ulimit -f 1 (1 KiB) at start-up", lambda s: ["-c", FILE_LIMIT, *sft(s)[2:]]),
+    ("65.E", "a full disk while taking the run lock (a 64 KiB tmpfs, filled)", full_at_the_lock),
+    ("65.E", "estimate --out_dir names a file", lambda s: [*ESTIMATE, "--out_dir", a_file(s)]),
+    ("65.E", "estimate --json names a folder", lambda s: [*ESTIMATE, "--json", a_folder(s)]),
+    ("65.E", "estimate --out_dir on a read-only filesystem",
+     lambda s: [*ESTIMATE, "--out_dir", str(mounted(s, "ro-out", "ro") / "reports")]),
+    ("65.E", "estimate --json on a read-only filesystem",
+     lambda s: [*ESTIMATE, "--json", str(mounted(s, "ro-json", "ro") / "estimate.json")]),
+    ("65.E", "collect --results_dir names a file",
+     lambda s: [*collect(s, "good", GOOD_MANIFEST)[:-4], "--results_dir", a_file(s), "--readme", str(s.path("README.md"))]),
+    ("65.I", "collect: an archive of 100,000 members", many_members),
+    ("65.I", "collect: a file that is not an archive", not_an_archive),
+    ("65.G", "resume onto another base under --resume_config_check false",
+     lambda s: resume(s, "other-base", "--max_steps", "4", "--preset_overrides", "num_hidden_layers=3",
+                      "--resume_config_check", "false")),
+    ("65.G", "adapter_config.json says r=8, its weights are r=4",
+     lambda s: ["-m", "trainer.export", "--adapter", adapter_files(s, "rank-8", {"r": 8}), "--out", str(s.path("x65"))]),
+    ("65.G", "--init_adapter: an adapter_model.bin (a pickle)",
+     lambda s: sft(s, "--init_adapter", adapter_files(s, "pickled", {}, pickled=True))),
+    ("65.G", "export: the same adapter",
+     lambda s: ["-m", "trainer.export", "--adapter", adapter_files(s, "pickled", {}, pickled=True), "--out",
+                str(s.path("x65"))]),
+    ("65.G", "evaluate: the same adapter",
+     lambda s: ["-m", "trainer.evaluate", "sft", "--adapter", adapter_files(s, "pickled", {}, pickled=True), "--data",
+                rows_file(s.path("eval65.jsonl"), [hh_row(i) for i in range(8)])]),
+    ("65.G", "estimate: a model config.json without hidden_size",
+     lambda s: ["-m", "profiling.estimate", "--model_name_or_path",
+                model_config(s, "odd-model", {"model_type": "llama", "num_hidden_layers": 2})]),
+    ("65.H", "state.json: step -5",
+     lambda s: resume(s, "step-negative", "--max_steps", "3", "--resume",
+                      str(s.path("step-negative") / "checkpoint-0000002"), step=-5)),
+    ("65.H", "state.json: step 10**30",
+     lambda s: resume(s, "step-huge", "--max_steps", "3", "--resume", str(s.path("step-huge") / "checkpoint-0000002"),
+                      step=10**30)),
+    ("65.H", "a checkpoint of a longer run (step 2, --max_steps 1)", lambda s: resume(s, "longer", "--max_steps", "1")),
+], key=lambda case: case[0])
 
 def loha(s: Scratch) -> str:
     """A copy of the tiny adapter whose adapter_config.json says LOHA."""
