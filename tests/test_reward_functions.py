@@ -280,8 +280,8 @@ def test_every_bad_function_stops_with_one_line_naming_it_and_the_row(tmp_path, 
 
 def test_a_reward_weight_or_sum_past_the_reward_limit_stops_naming_the_function_or_the_row(tmp_path,
                                                                                            smol_tokenizer):
-    """A reward float32 holds but whose square does not (-3e38 gave -Infinity scores and an Infinity std in
-    metrics.jsonl), a weight that takes a value there, and a sum of two that gets there: each one line."""
+    """A reward float32 holds but whose square does not (its batch's std and value loss would be infinite), a
+    weight that takes a value there, and a sum of two that gets there: each one line."""
     from trainer.rl.rewards import RewardFunctionError
 
     code = ("def huge(completions, **_):\n    return [10.0, -3e38]\n"
@@ -388,8 +388,8 @@ def hostile_outcomes(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_a_function_that_exits_hangs_or_attacks_its_process_leaves_the_trainer_one_line(hostile_outcomes, case):
-    """os._exit in the function or at import (exit 0, no message, a stale run.lock), a regex a thread cannot stop,
-    KeyboardInterrupt, a float() that raises: each one line naming the function; closing sys.stdout is harmless."""
+    """os._exit in the function or at import, a regex no thread can stop, KeyboardInterrupt, a float() that
+    raises: each one line naming the function, the trainer's process alive; closing sys.stdout is harmless."""
     assert case in hostile_outcomes, "the trainer's process did not survive it"
     said, message = hostile_outcomes[case], HOSTILE[case][2]
     if message is None:
@@ -398,9 +398,70 @@ def test_a_function_that_exits_hangs_or_attacks_its_process_leaves_the_trainer_o
         assert isinstance(said, str) and "\n" not in said and re.search(message, said), said
 
 
+def test_numpy_and_torch_scalars_are_rewards_as_python_numbers_are(tmp_path, smol_tokenizer):
+    """`list(predictions == answers)` gives numpy bools; a torch or numpy float is a number too."""
+    code = ("import numpy, torch\n"
+            "def f(completions, **_):\n    return [numpy.bool_(True), numpy.float32(1.5)]\n"
+            "def g(completions, **_):\n    return torch.tensor([2.0, -1.0])\n")
+    ids, att, p, rmask = batch(smol_tokenizer, [" Hi.", " No."])
+    assert scorer_of(tmp_path, smol_tokenizer, code, "f,g")(None, ids, att, p, rmask, examples(2)).tolist() == [3.0, 0.5]
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    import os
+    import time
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a child of this process that has exited is a zombie until reaped
+            if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                return True
+        except ChildProcessError:
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def test_a_function_past_its_limit_is_killed_with_what_it_started_and_a_killed_trainer_takes_its_worker(
+        tmp_path, smol_tokenizer):
+    """The timeout kills the worker's process group (a `sleep` the function started too); a trainer killed with
+    SIGKILL leaves no worker behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from trainer.rl.rewards import RewardFunctionError
+
+    started = tmp_path / "started.pid"
+    code = ("import subprocess, time\n"
+            "def f(completions, **_):\n"
+            f"    open({str(started)!r}, 'w').write(str(subprocess.Popen(['sleep', '1000']).pid))\n"
+            "    time.sleep(1000)\n")
+    ids, att, p, rmask = batch(smol_tokenizer, [" Hi.", " No."])
+    with pytest.raises(RewardFunctionError, match="ran past --reward_timeout_s 2"):
+        scorer_of(tmp_path, smol_tokenizer, code, "f", reward_timeout_s=2)(None, ids, att, p, rmask, examples(2))
+    assert _gone(int(started.read_text()))
+
+    (tmp_path / "idle.py").write_text("def f(completions, **_):\n    return [0.0] * len(completions)\n")
+    trainer = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                                "from trainer.rl.rewards import load_reward_functions\n"
+                                "(f,) = load_reward_functions([sys.argv[1]], [1.0])\n"
+                                "print(f.worker.process.pid, flush=True)\ntime.sleep(1000)\n",
+                                f"{tmp_path / 'idle.py'}:f"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    worker = int(trainer.stdout.readline())
+    os.kill(trainer.pid, signal.SIGKILL)
+    trainer.wait()
+    assert _gone(worker)
+
+
 def test_a_grpo_run_whose_function_exits_the_process_stops_with_one_line_and_frees_its_folder(tmp_path):
-    """os._exit(0) in a reward function ended a GRPO run with exit code 0, no adapter, no message and a stale
-    run.lock; now the run ends with exit code 2 and the line, and the folder is free."""
+    """os._exit(0) in a reward function: the GRPO run ends with exit code 2 and the line, no adapter, and its
+    folder free (no run.lock left)."""
     import os
     import subprocess
     import sys

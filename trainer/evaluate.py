@@ -40,7 +40,7 @@ from trainer.model.loading import load_tokenizer
 from trainer.model.shared_base import AdapterSpec, build_shared_model, check_adapter_folder
 from trainer.reward import reward_accuracy
 from trainer.rl.policy_eval import check_answers
-from trainer.rl.rewards import Scorer, describe, load_reward_functions, split_specs
+from trainer.rl.rewards import Scorer, close_workers, describe, load_reward_functions, split_specs
 from trainer.run_report import wilson_interval
 from trainer.sft import completion_perplexity
 
@@ -246,6 +246,7 @@ def evaluate_answers(args: EvalArguments) -> dict:
     with accelerator.autocast():
         checks = check_answers(model, prompts, Scorer(functions, tokenizer, adapter=None), tokenizer,
                                args.max_new_tokens, args.batch_size, progress=args.progress_bar)
+    close_workers(functions)
     lengths = [float(n) for n in checks.lengths]
     samples = [{"source": e.source, **{k: v for k, v in e.columns.items() if k != "prompt"}, "response": r}
                for e, r in zip(prompts[: args.samples], checks.responses)]

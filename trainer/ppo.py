@@ -75,6 +75,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     scorer = make_scorer(args, ctx.tokenizer)  # reward functions imported before the model loads: a bad one fails fast
     model = build_model(ctx)
     state = train(ctx, model, prompts, held_out, scorer)
+    scorer.close()  # the reward functions' worker, if any: done with them
     return finish_stage(ctx, "ppo", model, POLICY, prompts=len(prompts), update_micro_batch=state.micro_batch_size)
 
 

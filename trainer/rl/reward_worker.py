@@ -5,8 +5,9 @@
 (`os._exit` included), hangs past `--reward_timeout_s` (the child is killed: a thread cannot stop a catastrophic
 regex), raises anything or returns what cannot be a reward ends the run with one line (`RewardFunctionError`),
 never silently and never with a traceback. Each call unpickles its own copy of the rows, so a function that edits
-them in place changes nothing the next one sees. This module imports only the standard library and foundation.cli:
-the child starts in a fraction of a second, and what the user's code imports is its own business.
+them in place changes nothing the next one sees. The worker leads its own process group: a kill ends what the
+function started too. This module imports only the standard library and foundation.cli, so the child's start-up
+is the interpreter's.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ FLOAT32_MAX = 3.4028234663852886e38  # scores are float32 tensors
 # A reward (after its weight) must stay below this: past it, float32 sums of squares over a batch (a group's
 # variance, a value loss) overflow, and a run would log infinite statistics instead of learning.
 REWARD_LIMIT = 1e15
+LOAD_TIMEOUT_S = 600.0  # importing a file (numpy, transformers ...) may take longer than a call is allowed
+_WAIT_LIMIT_S = 1e6  # the longest wait a pipe's poll takes (past ~2.1e6 s it raises)
+_START = ("import sys; del sys.path[0]; "  # the current folder is the user's: a trainer.py there must not shadow ours
+          "from trainer.rl.reward_worker import main; main(sys.argv[1:])")
 
 
 class RewardFunctionError(UsageError):
@@ -55,7 +60,10 @@ class TrainerState:
 
 
 def one_line(text: Any) -> str:
-    return " ".join(str(text).split())[:300]
+    try:
+        return " ".join(str(text).split())[:300]
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises: its type is what we can say
+        return f"<{type(text).__name__}>"
 
 
 def _shown(value: Any, width: int) -> str:
@@ -79,6 +87,8 @@ def checked_values(who: str, weight: float, values: Any, sources: Sequence[str])
                                   f"{sources[0]} ...)")
     out: list[Optional[float]] = []
     for value, source in zip(values, sources):
+        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a numpy or torch scalar (numpy's bool too)
+            value = value.item()
         if value is not None and not isinstance(value, numbers.Real):
             raise RewardFunctionError(f"{who} returned {type(value).__name__} {_shown(value, 60)}, not a number, "
                                       f"for row {source}")
@@ -114,55 +124,56 @@ class RewardWorker:
         root = str(Path(__file__).resolve().parents[2])  # the trainer package importable wherever the run started
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "trainer.rl.reward_worker", str(to_child), str(from_child), str(os.getpid())],
-            stdin=subprocess.DEVNULL, pass_fds=(to_child, from_child), env=env)
+            [sys.executable, "-c", _START, str(to_child), str(from_child), str(os.getpid())],
+            stdin=subprocess.DEVNULL, pass_fds=(to_child, from_child), env=env, start_new_session=True)
         os.close(to_child)
         os.close(from_child)
         self.requests = Connection(self._requests, readable=False)
         self.replies = Connection(self._replies_fd, writable=False)
         self.requests.send(("path", list(sys.path)))  # a module named by --reward_fn resolves as it would here
 
-    def _ask(self, message: tuple, timeout_s: Optional[float]) -> tuple:
+    def _ask(self, message: tuple, timeout_s: float) -> tuple:
         """The child's reply to `message`: ("gone", exit code) if it died, ("late",) past `timeout_s` (killed)."""
         try:
             self.requests.send(message)
-            if not self.replies.poll(timeout_s):
+            if not self.replies.poll(min(timeout_s, _WAIT_LIMIT_S)):
                 self.close(kill=True)
                 return ("late",)
             return self.replies.recv()
         except (EOFError, OSError):
-            return ("gone", self.process.wait())
+            self.close(kill=True)  # gone already; its group may not be
+            return ("gone", self.process.returncode)
 
-    def load(self, spec: str, target: str, name: str, timeout_s: Optional[float]) -> tuple:
+    def load(self, spec: str, target: str, name: str) -> tuple:
         """("ok",) once `target` is imported and has a function `name`, else ("error", what) / ("gone", code) /
-        ("late",)."""
-        return self._ask(("load", spec, target, name), timeout_s)
+        ("late",) past LOAD_TIMEOUT_S."""
+        return self._ask(("load", spec, target, name), LOAD_TIMEOUT_S)
 
     def call(self, spec: str, who: str, weight: float, kwargs: dict, sources: Sequence[str],
              timeout_s: float) -> tuple:
         """("values", checked floats) | ("raised", type, text, failing row or None) | ("bad", what) | ("gone",
         exit code) | ("late",)."""
         reply = self._ask(("call", spec, who, weight, kwargs, list(sources)), timeout_s)
-        if reply[0] == "raised":  # which row alone makes it raise: the child tries each, given the time again
-            found = self._ask(("find_row",), timeout_s * len(sources))
+        if reply[0] == "raised":  # which row alone makes it raise: the child tries each, all in the time of one call
+            found = self._ask(("find_row",), timeout_s)
             reply = (*reply, found[1] if found[0] == "row" else None)
         return reply
 
     def close(self, kill: bool = False) -> None:
-        if self.process.poll() is None:
-            if kill:
-                self.process.kill()
-            else:
-                for end in (self.requests, self.replies):
-                    end.close()
-                try:
-                    self.process.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self.process.kill()
-            self.process.wait()
+        """End the worker: asked to (EOF on its pipe), or killed with its process group after 5 s or at once."""
         for end in (self.requests, self.replies):
             if not end.closed:
                 end.close()
+        if not kill:
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # what the function started, and the worker if it still runs
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait()
 
 
 # ---- the child's side -------------------------------------------------------------------------------------
@@ -214,7 +225,10 @@ def _serve(requests: Connection, replies: Connection) -> None:
             except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt at import too
                 replies.send(("error", f"cannot import {target}: {type(exc).__name__}: {one_line(exc)}"))
                 continue
-            fn = getattr(modules[target], name, None)
+            try:
+                fn = getattr(modules[target], name, None)
+            except BaseException:  # noqa: BLE001 - a module __getattr__ that raises
+                fn = None
             if not callable(fn):
                 replies.send(("error", f"{target} has no function {name}"))
                 continue
@@ -233,6 +247,9 @@ def _serve(requests: Connection, replies: Connection) -> None:
                 replies.send(("values", checked_values(who, weight, values, sources)))
             except RewardFunctionError as exc:
                 replies.send(("bad", str(exc)))
+            except BaseException as exc:  # noqa: BLE001 - what it returned fails to convert or to send
+                replies.send(("bad", f"{who} returned {type(values).__name__}, which could not be read as "
+                                     f"{len(sources)} rewards ({type(exc).__name__}: {one_line(exc)})"))
         elif kind == "find_row":
             replies.send(("row", _failing_row(*last) if last else None))
 

@@ -29,11 +29,13 @@ import torch
 
 from foundation.settings import BUILTINS, check_builtin, check_spec, split_specs
 from foundation.stages import REWARD
-from trainer.rl.reward_worker import REWARD_LIMIT, RewardFunctionError, RewardWorker, TrainerState, checked_values
+from trainer.rl.reward_worker import (
+    LOAD_TIMEOUT_S, REWARD_LIMIT, RewardFunctionError, RewardWorker, TrainerState, checked_values,
+)
 from trainer.rl.scoring import sequence_scores
 
-__all__ = ["RewardFunction", "RewardFunctionError", "Scorer", "TrainerState", "describe", "load_reward_functions",
-           "source_hashes", "split_specs"]
+__all__ = ["RewardFunction", "RewardFunctionError", "Scorer", "TrainerState", "close_workers", "describe",
+           "load_reward_functions", "source_hashes", "split_specs"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +96,9 @@ def source_hashes(specs: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def load_reward_functions(specs: Sequence[str], weights: Sequence[float],
-                          timeout_s: float = 600.0) -> list[RewardFunction]:
+def load_reward_functions(specs: Sequence[str], weights: Sequence[float]) -> list[RewardFunction]:
     """The functions `specs` name, with their weights and unique metric names. User code is imported in one
-    `RewardWorker` process (each file once, within `timeout_s`); a failure there is one line."""
+    `RewardWorker` process (each file once); a failure there is one line."""
     worker: Optional[RewardWorker] = None
     out: list[RewardFunction] = []
     for spec, weight in zip(specs, weights):
@@ -107,7 +108,7 @@ def load_reward_functions(specs: Sequence[str], weights: Sequence[float],
             function = builtin(spec)
         else:
             worker = worker or _start_worker()
-            _loaded(worker.load(spec, target, name, timeout_s), spec, target, timeout_s)
+            _loaded(worker, worker.load(spec, target, name), spec, target)
             function = RewardFunction(name, None, origin=target, spec=spec, worker=worker)
         taken, unique, k = {f.name for f in out}, function.name, 1
         while unique in taken:  # two functions of one name (length:4,length:8): length, length_2
@@ -117,7 +118,7 @@ def load_reward_functions(specs: Sequence[str], weights: Sequence[float],
     return out
 
 
-_workers: list[RewardWorker] = []
+_workers: list[RewardWorker] = []  # this process's, closed at exit at the latest
 
 
 def _start_worker() -> RewardWorker:
@@ -126,19 +127,25 @@ def _start_worker() -> RewardWorker:
     return worker
 
 
-@atexit.register
-def _close_workers() -> None:
-    for worker in _workers:
+def close_workers(functions: Optional[Sequence[RewardFunction]] = None) -> None:
+    """End the workers of `functions` (None: every worker of this process)."""
+    ending = {id(w) for w in _workers} if functions is None else {id(f.worker) for f in functions}
+    for worker in [w for w in _workers if id(w) in ending]:
         worker.close()
+        _workers.remove(worker)
 
 
-def _loaded(reply: tuple, spec: str, target: str, timeout_s: float) -> None:
+atexit.register(close_workers)
+
+
+def _loaded(worker: RewardWorker, reply: tuple, spec: str, target: str) -> None:
     if reply[0] == "ok":
         return
-    _close_workers()
+    worker.close(kill=True)
+    _workers.remove(worker)
     what = {"error": lambda: reply[1],
             "gone": lambda: f"cannot import {target}: its process ended (exit code {reply[1]}) while importing it",
-            "late": lambda: f"cannot import {target}: importing it ran past --reward_timeout_s {timeout_s:g}"}
+            "late": lambda: f"cannot import {target}: importing it ran past {LOAD_TIMEOUT_S:g} s"}
     raise RewardFunctionError(f"--reward_fn {spec!r}: {what[reply[0]]()}")
 
 
@@ -223,6 +230,10 @@ class Scorer:
         if nan_unscored and self.adapter is None:
             total = torch.where(scored, total, math.nan)
         return total, metrics
+
+    def close(self) -> None:
+        """End the worker process of its reward functions (a later call would fail: use it when done)."""
+        close_workers(self.functions)
 
     def _say_never_applied(self, function: RewardFunction) -> None:
         if function.name not in self._never_applied:

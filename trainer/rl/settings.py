@@ -44,7 +44,7 @@ def warn_if_learning_unlikely(args: RolloutArguments) -> None:
 
 def make_scorer(args: RolloutArguments, tokenizer) -> Scorer:
     """The reward functions (imported here) plus the frozen reward adapter + head, if one is set."""
-    functions = load_reward_functions(*reward_functions(args), timeout_s=args.reward_timeout_s)
+    functions = load_reward_functions(*reward_functions(args))
     if functions:
         logger.info("%s", describe(functions))
     return Scorer(functions, tokenizer, REWARD if args.reward_adapter is not None else None, args.reward_timeout_s)
