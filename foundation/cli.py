@@ -237,8 +237,8 @@ def parse(types: Sequence[type], argv: Sequence[str], defaults: Optional[dict[st
 
 
 def _flag_given(name: str, argv: Sequence[str]) -> bool:
-    """`--name` (or --name-with-dashes) is on the command line."""
-    flags = {f"--{name}", f"--{name.replace('_', '-')}"}
+    """`--name` (or --name-with-dashes, or a true/false field's `--no_name`) is on the command line."""
+    flags = {f"--{prefix}{spelled}" for prefix in ("", "no_", "no-") for spelled in (name, name.replace("_", "-"))}
     return any(arg.partition("=")[0] in flags for arg in argv)
 
 
@@ -248,7 +248,8 @@ def _as_flags_read(parser, types: Sequence[type], values: dict[str, Any], argv: 
     string to YAML, is 2e-4); one that does not read so is refused naming `source` and the key (argparse would
     name a flag never given). A key whose flag is given is left as it is: its value is not used."""
     kinds = {name: hint for t in types for name, hint in typing.get_type_hints(t).items()}
-    actions = {action.dest: action for action in parser._actions}
+    actions = {action.dest: action for action in parser._actions  # not a true/false field's --no_NAME complement
+               if f"--{action.dest}" in action.option_strings}
     out = dict(values)
     for name, value in values.items():
         action = actions.get(name)

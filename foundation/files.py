@@ -208,9 +208,9 @@ def reported_write_failure(what: str, folder: Path) -> Iterator[None]:
 
 @contextmanager
 def staged_files(folder: Union[str, os.PathLike]) -> Iterator[Path]:
-    """Yield an empty temporary folder inside `folder`; on success its files are renamed into `folder` (replacing
-    those of the same name), on error it is removed: a set of reports appears whole, never a part of it beside
-    what the folder held before."""
+    """Yield an empty temporary folder inside `folder`; on success its files are renamed into `folder` one by one
+    (replacing those of the same name; renames do not fail for want of space), on error it is removed: a write that
+    fails leaves none of the set beside what the folder held before."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".staged-", dir=folder))

@@ -227,6 +227,11 @@ def test_a_config_value_is_read_as_its_flag_would_be_or_refused_naming_the_file_
     config.write_text("stage:\n  missing_eos_penalty: none\n  max_new_tokens: 16\n")
     stage = parse_config(PPOArguments, ["--config", str(config)])[3]
     assert stage.missing_eos_penalty is None and stage.max_new_tokens == 16
+    config.write_text('model:\n  gradient_checkpointing: "false"\n')  # a field true by default has a --no_ flag too
+    assert parse_config(SFTArguments, ["--config", str(config)])[0].gradient_checkpointing is False
+    config.write_text("model:\n  gradient_checkpointing: maybe\n")
+    assert parse_config(SFTArguments, ["--config", str(config), "--no_gradient_checkpointing"])[0] \
+        .gradient_checkpointing is False  # the flag given replaces the bad value
 
 
 @pytest.mark.parametrize("text", ["", "# every line commented out\n# max_steps: 3\n", "model:\ntrain:\n"],

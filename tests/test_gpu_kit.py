@@ -507,7 +507,7 @@ def test_collect_refuses_an_archive_that_unpacks_past_its_limit(lab, tmp_path, c
 
 
 def test_collect_refuses_an_archive_of_too_many_members_before_unpacking_any(lab, tmp_path, capsys):
-    """A tar of many empty files (issue 65 unpacked 100,000): refused once the count passes the cap, one line."""
+    """A tar of many empty files: refused in one line once the count passes the cap, before unpacking any."""
     from benchmarks.gpu.collect import MAX_MEMBERS
 
     archive = part_archive(tmp_path / "part.tar.gz", GOOD_MANIFEST,

@@ -225,9 +225,8 @@ def test_a_full_disk_while_checkpointing_stops_in_one_line_and_keeps_the_previou
 
 def test_a_full_disk_at_the_lock_or_the_metrics_stops_in_one_line(tmp_path, monkeypatch, capsys,
                                                                   fresh_accelerate_state):
-    """No room for the lock file's few bytes, or for a line of metrics.jsonl (2 KB / 8 KB free, issue 44): one
-    line naming the file, no traceback (closing the lock file, whose buffered name cannot be flushed either, adds
-    none: issue 65)."""
+    """No room for the lock file's few bytes, or for a line of metrics.jsonl (2 KB / 8 KB free): one line naming
+    the file, no traceback (closing the lock file, whose buffered name cannot be flushed either, adds none)."""
     import builtins
 
     import trainer.engine.run_lock as run_lock

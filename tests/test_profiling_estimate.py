@@ -684,7 +684,7 @@ def test_an_odd_model_config_is_one_line_naming_the_file_and_the_key(tmp_path, c
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {tmp_path / 'config.json'}: {says}"]
 
 
-# ---- where the estimate is written (issue 65) -----------------------------------------------------
+# ---- where the estimate is written -----------------------------------------------------------
 
 def estimate_exit(capsys, *argv: str) -> tuple[int, list[str]]:
     from foundation.cli import run

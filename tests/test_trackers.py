@@ -42,7 +42,7 @@ def no_wandb_login(tmp_path, monkeypatch):
 
 def test_wandb_without_a_key_stops_the_run_at_start_in_one_line(tmp_path, no_wandb_login, capsys,
                                                                  fresh_accelerate_state):
-    """wandb.init raised its traceback once the model was loaded; the run now stops before it writes anything."""
+    """wandb with no key, login or offline mode: the run stops in one line before it writes anything."""
     from foundation.cli import run
     from trainer.sft import main
 

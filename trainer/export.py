@@ -135,7 +135,7 @@ def export(args: ExportArguments) -> Path:
         value = getattr(tokenizer, key, None)
         if value is not None:
             setattr(merged.generation_config, key, value)
-    from trainer.engine.checkpoint import reported_write_failure
+    from foundation.files import reported_write_failure
 
     try:  # a disk that fills while writing: one line, nothing half-written (the temporary folder goes)
         with atomic_folder(out, into_empty=True) as tmp, reported_write_failure(f"--out {out}", out.parent):

@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from foundation.cli import InputError, argument_parser, run
-from foundation.files import write_atomic
+from foundation.files import reported_write_failure, write_atomic
 from trainer.config import PIPELINE_STAGES
-from trainer.engine.checkpoint import reported_write_failure
 from trainer.engine.metrics import METRICS_FILE, read_metrics
 
 logger = logging.getLogger("trainer.run_report")  # the same name under `python -m`
@@ -84,7 +83,7 @@ def read_json_object(path: Path) -> dict:
     """A JSON file holding an object, or one InputError line naming it."""
     try:
         value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, not UTF-8, an int past 4300 digits
         raise InputError(f"{path}: not a readable JSON file ({type(exc).__name__}: {str(exc)[:160]})") from None
     if not isinstance(value, dict):
         raise InputError(f"{path}: a JSON {type(value).__name__}, not the object a run writes there; "

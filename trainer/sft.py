@@ -94,6 +94,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         return StepOutput(step_mean_share(loss_sum, normaliser), tokens=int(batch["attention_mask"].sum()))
 
     def evaluate(engine) -> dict[str, float]:
+        if not held_out:  # every held-out row dropped (too long): no figures, not a perplexity of 1 over none
+            return {}
         return completion_perplexity(engine.model, held_out, collate, targs.eval_batch_size, ctx.accelerator,
                                      max_batches=targs.eval_batches, progress=targs.progress_bar)
 

@@ -22,11 +22,12 @@ from typing import Callable, Iterator, Optional, Protocol
 import torch
 
 from foundation.cli import InputError, first_line
+from foundation.files import reported_write_failure
 from foundation.settings import ONLINE_RL_STAGES
 from profiling.plan import auto_fit_on
 from trainer.engine.batches import batch_stream, make_loader
 from trainer.engine.budget import context_at_start
-from trainer.engine.checkpoint import load_checkpoint, reported_write_failure, save_checkpoint
+from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
 from trainer.engine.launch import describe_engine, fill_deepspeed_autos, is_deepspeed
 from trainer.engine.metrics import (
     MetricsLog, all_finite, flat_config, format_line, largest_weight, mean_over_ranks, peak_memory_gb,

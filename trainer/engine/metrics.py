@@ -36,7 +36,7 @@ class MetricsLog:
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self.accelerator.log(metrics, step=step)
         if self.accelerator.is_main_process:
-            from trainer.engine.checkpoint import reported_write_failure
+            from foundation.files import reported_write_failure
 
             with reported_write_failure(str(self.path), self.path.parent), open(self.path, "a") as f:
                 f.write(json.dumps({"step": step, **metrics}) + "\n")

@@ -19,13 +19,13 @@ from accelerate.utils import set_seed
 
 from foundation.cli import FieldError, InputError, UsageError
 from foundation.settings import ONLINE_RL_STAGES, split_specs
-from foundation.files import entry_problem, write_atomic
+from foundation.files import entry_problem, reported_write_failure, write_atomic
 from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import LoadReport, Splits, load_splits
 from trainer.engine.budget import check_budget, context_at_start, fit_to_budget, outside_allocator_gib
 from trainer.engine.checkpoint import (
-    PREFIX, RUN_ARTIFACTS, gathered_trainable, remove_save_debris, reported_write_failure, saved_config,
+    PREFIX, RUN_ARTIFACTS, gathered_trainable, remove_save_debris, saved_config,
     select_checkpoint, set_aside_newer, set_aside_previous_run,
 )
 from trainer.engine.harness import TrainingDiverged
