@@ -191,7 +191,7 @@ def bad_inputs(folder: Path, result: dict) -> Row:
     cases = result["cases"]
     one_line = sum(1 for c in cases if c.get("one_line"))
     codes = Counter(c["exit_code"] for c in cases)
-    counts = ", ".join(f"{codes[code]} exit {code}" + (" (the bad row counted and skipped)" if code == 0 else "")
+    counts = ", ".join(f"{codes[code]} exit {code}" + (" (handled: the run goes on)" if code == 0 else "")
                        for code in sorted(codes, reverse=True))
     return Row((5, 0), "bad inputs (`benchmarks.bad_inputs`)", f"{len(cases)} bad inputs, each a real command",
                f"{one_line} of {len(cases)} print one line: {counts}", *_when(result["provenance"]),
