@@ -261,8 +261,9 @@ def check_state(state: Any, file: Path) -> dict[str, Any]:
     return state
 
 
-def verify_checkpoint(path: Path, deepspeed: bool = False) -> None:
+def verify_checkpoint(path: Path, deepspeed: bool = False) -> dict[str, Any]:
     """Check `path` against its manifest and read every file it holds; raise CheckpointError naming a bad file.
+    Returns its state.json, range-checked.
 
     Reading is the real test: a file with the right checksum but pickled objects in it is refused too.
     """
@@ -284,7 +285,7 @@ def verify_checkpoint(path: Path, deepspeed: bool = False) -> None:
     else:
         logger.warning("%s has no %s (saved by an older version): its files are read but not checksummed",
                        path, MANIFEST_FILE)
-    check_state(_read_json(path / STATE_FILE), path / STATE_FILE)
+    state = check_state(_read_json(path / STATE_FILE), path / STATE_FILE)
     if deepspeed != (path / ENGINE_TAG).is_dir():
         if deepspeed:
             raise CheckpointError(f"{path} was not written under DeepSpeed (no {ENGINE_TAG}/ folder); resume it with "
@@ -308,6 +309,7 @@ def verify_checkpoint(path: Path, deepspeed: bool = False) -> None:
                     f.keys()
             except Exception as exc:
                 raise CheckpointError(f"{weights}: unreadable ({type(exc).__name__}: {str(exc)[:160]})") from None
+    return state
 
 
 def select_checkpoint(output_dir: str | os.PathLike, resume: str, deepspeed: bool = False,
@@ -323,27 +325,25 @@ def select_checkpoint(output_dir: str | os.PathLike, resume: str, deepspeed: boo
         path = Path(resume)
         if not (path / STATE_FILE).is_file():
             raise CheckpointError(f"--resume {resume}: not a complete checkpoint folder (no {STATE_FILE})")
-        verify_checkpoint(path, deepspeed)
-        return within_run(path, max_steps)
+        return within_run(path, verify_checkpoint(path, deepspeed)["step"], max_steps)
     candidates = complete_checkpoints(output_dir)[::-1]
     for i, path in enumerate(candidates):
         try:
-            verify_checkpoint(path, deepspeed)
+            step = verify_checkpoint(path, deepspeed)["step"]
         except CheckpointError as exc:
             after = f"trying {candidates[i + 1].name}" if i + 1 < len(candidates) else "no older checkpoint is left"
             logger.warning("skipping damaged checkpoint: %s; %s", exc, after)
             continue
-        return within_run(path, max_steps)
+        return within_run(path, step, max_steps)
     if candidates:
         raise CheckpointError(f"{output_dir}: none of its {len(candidates)} checkpoints can be resumed (see the warnings "
                               "above); start over with --resume no, or pass --resume CHECKPOINT_DIR")
     return None
 
 
-def within_run(path: Path, max_steps: Optional[int]) -> Path:
-    """`path`, unless it was saved past `max_steps`: then it is a point of a longer run, which this one would
-    'resume' by doing nothing, and the run stops with one line saying how to continue it."""
-    step = _read_json(path / STATE_FILE)["step"]
+def within_run(path: Path, step: int, max_steps: Optional[int]) -> Path:
+    """`path`, saved at `step`, unless that is past `max_steps`: then it is a point of a longer run, which this one
+    would 'resume' by doing nothing, and the run stops with one line saying how to continue it."""
     if max_steps is not None and step > max_steps:
         raise CheckpointError(f"{path / STATE_FILE}: step {step}, past --max_steps {max_steps}: {path.name} is a "
                               f"checkpoint of a longer run; continue it with --max_steps above {step}, or start "
