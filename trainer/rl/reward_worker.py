@@ -1,6 +1,6 @@
 """The process user reward functions run in: the trainer survives whatever they do.
 
-`RewardWorker` starts `python -m trainer.rl.reward_worker` once per run; the child imports the files and modules
+`RewardWorker` starts this module's `main` in a child Python once per run; the child imports the files and modules
 `--reward_fn` names and calls their functions on batches the trainer sends over a pipe. A function that exits
 (`os._exit` included), hangs past `--reward_timeout_s` (the child is killed: a thread cannot stop a catastrophic
 regex), raises anything or returns what cannot be a reward ends the run with one line (`RewardFunctionError`),
@@ -119,8 +119,8 @@ class RewardWorker:
     """The child process holding the user's reward functions; `load` each, `call` them, `close` at the end."""
 
     def __init__(self) -> None:
-        to_child, self._requests = os.pipe()
-        self._replies_fd, from_child = os.pipe()
+        to_child, requests = os.pipe()
+        replies, from_child = os.pipe()
         root = str(Path(__file__).resolve().parents[2])  # the trainer package importable wherever the run started
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         self.process = subprocess.Popen(
@@ -128,8 +128,8 @@ class RewardWorker:
             stdin=subprocess.DEVNULL, pass_fds=(to_child, from_child), env=env, start_new_session=True)
         os.close(to_child)
         os.close(from_child)
-        self.requests = Connection(self._requests, readable=False)
-        self.replies = Connection(self._replies_fd, writable=False)
+        self.requests = Connection(requests, readable=False)
+        self.replies = Connection(replies, writable=False)
         self.requests.send(("path", list(sys.path)))  # a module named by --reward_fn resolves as it would here
 
     def _ask(self, message: tuple, timeout_s: float) -> tuple:
