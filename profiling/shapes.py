@@ -8,13 +8,18 @@ norms stay in the compute dtype; LoRA weights are fp32: r x (in + out) per targe
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 from foundation.cli import InputError, UsageError, first_line
+
+logger = logging.getLogger(__name__)
 
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
@@ -66,6 +71,17 @@ PRESETS: dict[str, dict] = {
 KNOWN_MODELS: dict[str, dict] = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True),
+}
+# Hub ids whose config.json has a preset's (or a known model's) shape: offline, with no copy in the local
+# Hugging Face cache, the estimator sizes them by that preset. Matched case-insensitively, as the hub does.
+HUB_SHAPES: dict[str, str] = {
+    "meta-llama/Llama-2-7b-hf": "llama-2-7b", "meta-llama/Llama-2-7b-chat-hf": "llama-2-7b",
+    "meta-llama/Llama-2-13b-hf": "llama-2-13b", "meta-llama/Llama-2-13b-chat-hf": "llama-2-13b",
+    "meta-llama/Llama-3.1-8B": "llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+    "meta-llama/Meta-Llama-3.1-8B": "llama-3.1-8b", "meta-llama/Meta-Llama-3.1-8B-Instruct": "llama-3.1-8b",
+    "Qwen/Qwen2.5-7B": "qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
+    "mistralai/Mistral-7B-v0.3": "mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3": "mistral-7b",
+    "HuggingFaceTB/SmolLM2-135M": "smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m",
 }
 
 
@@ -176,18 +192,100 @@ def read_model_config(config_file: Path, given: Optional[dict] = None) -> dict:
     return cfg
 
 
+def hub_offline() -> bool:
+    """Whether the hub may not be asked (the variables huggingface_hub and transformers read)."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE or os.environ.get("TRANSFORMERS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def is_hub_id(name: str) -> bool:
+    """`owner/name` as the hub spells a model id, and no local path of that name."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.count("/") != 1 or name.startswith((".", "~")) or Path(name).exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_unreachable(timeout_s: float = 3.0) -> Optional[str]:
+    """Why the hub's host takes no connection within `timeout_s`, else None: without a network the download
+    would retry for most of a minute before failing."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+    except OSError as exc:
+        return f"{url.hostname}: {first_line(exc, 80)}"
+    return None
+
+
+@functools.cache
+def hub_config(repo_id: str) -> tuple[Optional[Path], str]:
+    """(the config.json of hub model `repo_id`: from the local Hugging Face cache, else from the hub when online;
+    None and why not). Asked once per process."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id, "config.json")
+    if isinstance(cached, str):
+        return Path(cached), "cached"
+    if hub_offline():
+        return None, "not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE)"
+    unreachable = hub_unreachable()
+    if unreachable:
+        return None, f"not in the local Hugging Face cache and the hub is unreachable ({unreachable})"
+    try:
+        return Path(hf_hub_download(repo_id, "config.json", etag_timeout=10)), "downloaded"
+    except Exception as exc:  # no network, a gated or missing repo: each is said, then the preset or one line
+        return None, f"not in the local Hugging Face cache and the hub did not give it ({first_line(exc, 160)})"
+
+
+def hub_shape_config(repo_id: str, vocab_size: Optional[int], overrides: Optional[str]) -> dict:
+    """A hub model's config: its config.json (cache or hub), else the preset of the same shape, said in one line;
+    else UsageError saying how to give the model."""
+    config_file, why = hub_config(repo_id)
+    if config_file is not None:
+        return read_model_config(config_file, {} if vocab_size is None else {"vocab_size": vocab_size})
+    preset = {k.lower(): v for k, v in HUB_SHAPES.items()}.get(repo_id.lower())
+    if preset is None:
+        raise UsageError(f"model '{repo_id}': its config.json is {why}. Give a folder holding it (huggingface-cli "
+                         f"download {repo_id} config.json --local-dir DIR, then --model_name_or_path DIR), "
+                         f"or a preset ({', '.join(PRESETS)})")
+    said_once(f"model '{repo_id}': config.json {why}; sizing it as the '{preset}' preset, which has its shape")
+    return preset_config(preset, vocab_size or SMOLLM2_TOKENIZER_VOCAB, overrides).to_dict() if preset in PRESETS \
+        else dict(KNOWN_MODELS[preset])
+
+
+@functools.cache
+def said_once(line: str) -> None:
+    logger.warning(line)
+
+
 def load_shape(model: str, vocab_size: Optional[int] = None, overrides: Optional[str] = None) -> ModelShape:
-    """Shape of a preset ('tiny-llama', 'llama-2-7b', ...), the embedded 'smollm2-135m', or an HF folder."""
+    """Shape of a preset ('tiny-llama', 'llama-2-7b', ...), the embedded 'smollm2-135m', an HF folder or a hub id
+    (`hub_shape_config`)."""
     if model in PRESETS:
         cfg = preset_config(model, vocab_size or SMOLLM2_TOKENIZER_VOCAB, overrides).to_dict()
     elif model in KNOWN_MODELS:
         cfg = dict(KNOWN_MODELS[model])
+    elif (Path(model).expanduser() / "config.json").is_file():
+        cfg = read_model_config(Path(model).expanduser() / "config.json",
+                                {} if vocab_size is None else {"vocab_size": vocab_size})
+    elif is_hub_id(model):
+        cfg = hub_shape_config(model, vocab_size, overrides)
     else:
-        config_file = Path(model).expanduser() / "config.json"
-        if not config_file.is_file():
-            raise UsageError(f"unknown model '{model}': use a preset ({', '.join(PRESETS)}), "
-                             f"{', '.join(KNOWN_MODELS)}, or a folder holding a Hugging Face config.json")
-        cfg = read_model_config(config_file, {} if vocab_size is None else {"vocab_size": vocab_size})
+        raise UsageError(f"unknown model '{model}': use a preset ({', '.join(PRESETS)}), "
+                         f"{', '.join(KNOWN_MODELS)}, a folder holding a Hugging Face config.json, "
+                         "or a hub id like meta-llama/Llama-2-7b-hf")
     if vocab_size is not None:
         cfg["vocab_size"] = vocab_size
     return ModelShape.from_config(model, cfg)

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from foundation.cli import UsageError
 from profiling import activations as A
 from profiling import components as C
 from profiling import predict
@@ -185,11 +186,18 @@ def test_shape_from_a_config_folder_and_from_flags(tmp_path):
 
 
 def test_estimate_cli_for_llama2_7b_ppo_prints_a_total_and_writes_reports(tmp_path):
+    """The 7B recipe as it is (its model a hub id), offline with an empty Hugging Face cache: sized by the preset of
+    the same shape, said in one line."""
     out = tmp_path / "est.json"
-    done = subprocess.run([sys.executable, "-m", "profiling.estimate", "--model", "llama-2-7b", "--stage", "ppo",
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub-cache")}
+    done = subprocess.run([sys.executable, "-m", "profiling.estimate", "--config", "trainer/configs/llama2_7b/ppo.yaml",
                            "--json", str(out), "--out-dir", str(tmp_path / "report")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+                          cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "model 'meta-llama/Llama-2-7b-hf': config.json not in the local Hugging Face cache and the hub is offline "
+        "(HF_HUB_OFFLINE); sizing it as the 'llama-2-7b' preset, which has its shape"]
+    assert "meta-llama/Llama-2-7b-hf (6.74B parameters), stage ppo" in done.stdout
     assert "| **total** |" in done.stdout and "peak:" in done.stdout and "fits" in done.stdout
     data = json.loads(out.read_text())
     assert [p["phase"] for p in data["phases"]] == ["generate", "score", "update", "optimizer_step"]
@@ -497,7 +505,6 @@ def test_cards_lists_which_cards_hold_the_run_with_the_plan_each_gets_and_the_sm
     assert "smallest card that holds it: 48 GiB" in out
     main(["--model", "llama-2-7b", "--stage", "sft", "--quantization", "none", "--cards", "1"])
     assert "none of the cards holds it (largest 1 GiB)" in capsys.readouterr().out
-    from foundation.cli import UsageError
 
     with pytest.raises(UsageError, match="--cards '8,x': must be card sizes in GiB"):
         parse_estimate(["--cards", "8,x"])
@@ -600,7 +607,6 @@ def test_a_simulated_card_leaves_the_cuda_context_and_later_kernels_outside_the_
     to load later, so that the device memory the run holds (NVML) stays within G; a card too small for even
     that is refused in one line, and a CPU run ignores the cap."""
     import trainer.engine.budget as budget
-    from foundation.cli import UsageError
     from trainer.engine.setup import simulate_gpu_memory
 
     fractions = []
@@ -682,6 +688,111 @@ def test_an_odd_model_config_is_one_line_naming_the_file_and_the_key(tmp_path, c
         run(main, ["--model_name_or_path", str(tmp_path)])
     assert exit_info.value.code == 1
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {tmp_path / 'config.json'}: {says}"]
+
+
+# ---- hub ids --------------------------------------------------------------------------------
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty local Hugging Face cache; the hub lookups of earlier tests forgotten."""
+    from huggingface_hub import constants
+
+    from profiling import shapes
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    shapes.hub_config.cache_clear()
+    yield tmp_path / "hub"
+    shapes.hub_config.cache_clear()
+
+
+def cache_config(cache: Path, repo_id: str, config: dict) -> None:
+    """`repo_id`'s config.json laid out in `cache` as huggingface_hub stores a download."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123" / "config.json").write_text(json.dumps(config))
+
+
+def test_a_hub_id_reads_its_config_from_the_local_cache(hub_cache, caplog):
+    cache_config(hub_cache, "someone/my-model", {"model_type": "qwen2", "hidden_size": 96, "intermediate_size": 200,
+                                                 "num_hidden_layers": 3, "num_attention_heads": 6,
+                                                 "num_key_value_heads": 2, "vocab_size": 1000})
+    with caplog.at_level(logging.WARNING):
+        shape = load_shape("someone/my-model")
+    assert (shape.name, shape.hidden_size, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.qkv_bias) == \
+        ("someone/my-model", 96, 3, 2, 16, True)
+    assert caplog.records == []  # nothing to say: the model's own config.json
+
+
+def test_a_cached_config_wins_over_the_preset_of_a_well_known_id(hub_cache):
+    cache_config(hub_cache, "meta-llama/Llama-2-7b-hf", {"hidden_size": 64, "intermediate_size": 172,
+                                                         "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                         "vocab_size": 100})
+    assert load_shape("meta-llama/Llama-2-7b-hf").hidden_size == 64
+
+
+@pytest.mark.parametrize("repo_id, preset", [("meta-llama/Llama-2-7b-chat-hf", "llama-2-7b"),
+                                             ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b"),
+                                             ("qwen/qwen2.5-7b-instruct", "qwen2.5-7b"),
+                                             ("mistralai/Mistral-7B-v0.3", "mistral-7b"),
+                                             ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m")])
+def test_offline_and_uncached_a_well_known_id_is_sized_by_its_preset_said_once(hub_cache, repo_id, preset, caplog):
+    from profiling import shapes
+
+    shapes.said_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="profiling.shapes"):
+        shape, again = load_shape(repo_id), load_shape(repo_id)
+    assert shape == again and shape.name == repo_id
+    assert shape.total_params() == load_shape(preset).total_params()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"model '{repo_id}': config.json not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE); "
+        f"sizing it as the '{preset}' preset, which has its shape"]
+
+
+def test_offline_and_uncached_any_other_id_is_one_line_saying_how_to_give_a_folder(hub_cache, capsys):
+    from foundation.cli import run
+    from profiling.estimate import main
+
+    with pytest.raises(SystemExit) as stop:
+        run(main, ["--model_name_or_path", "someone/unknown-7b"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: model 'someone/unknown-7b': its config.json is not in the local Hugging Face cache and the hub is "
+        "offline (HF_HUB_OFFLINE). Give a folder holding it (huggingface-cli download someone/unknown-7b config.json "
+        "--local-dir DIR, then --model_name_or_path DIR), or a preset (tiny-llama, llama-2-7b, llama-2-13b, "
+        "llama-3.1-8b, qwen2.5-7b, mistral-7b)"]
+
+
+def test_online_a_hub_id_downloads_its_config_and_a_failed_download_is_said(hub_cache, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    from profiling import shapes
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 32, "intermediate_size": 64,
+                                                      "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                      "vocab_size": 50}))
+    asked = []
+    monkeypatch.setattr(shapes, "hub_offline", lambda: False)
+    monkeypatch.setattr(shapes, "hub_unreachable", lambda: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda repo_id, filename, **kw: asked.append((repo_id, filename)) or str(tmp_path / filename))
+    assert load_shape("someone/online-model").hidden_size == 32 and asked == [("someone/online-model", "config.json")]
+
+    def gated(repo_id, filename, **kw):
+        raise OSError(f"401: {repo_id} is gated, log in")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", gated)
+    with pytest.raises(UsageError, match=r"the hub did not give it \(401: someone/gated is gated, log in\)"):
+        load_shape("someone/gated")
+
+
+def test_the_hub_s_host_refusing_a_connection_counts_as_unreachable(monkeypatch):
+    from huggingface_hub import constants
+
+    from profiling.shapes import hub_unreachable
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
+    assert hub_unreachable(timeout_s=2).startswith("127.0.0.1: ")
 
 
 # ---- where the estimate is written -----------------------------------------------------------
