@@ -168,18 +168,23 @@ def load_tokenizer(name: str, preset_overrides: Optional[str] = None, tokenizer_
     return tokenizer
 
 
+def base_config(args: ModelArguments, vocab_size: Optional[int] = None):
+    """The base model's transformers config, read without loading weights (a preset's needs `vocab_size`)."""
+    name = args.model_name_or_path
+    if name in PRESETS:
+        if vocab_size is None:
+            raise ModelLoadError(f"preset '{name}' needs the tokenizer's vocab size")
+        return preset_config(name, vocab_size, args.preset_overrides)
+    from transformers import AutoConfig
+
+    path = resolve_model_path(name)
+    return hub_call(AutoConfig.from_pretrained, str(path) if path else name, "model config", args.trust_remote_code)
+
+
 def max_positions(args: ModelArguments, vocab_size: int) -> Optional[int]:
     """The token positions the base model was built for (its config's max_position_embeddings), read
     without loading weights; None where the config does not say."""
-    name = args.model_name_or_path
-    if name in PRESETS:
-        config = preset_config(name, vocab_size, args.preset_overrides)
-    else:
-        from transformers import AutoConfig
-
-        path = resolve_model_path(name)
-        config = hub_call(AutoConfig.from_pretrained, str(path) if path else name, "model config",
-                          args.trust_remote_code)
+    config = base_config(args, vocab_size)
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
@@ -227,23 +232,59 @@ def precision_record(args: ModelArguments, device: torch.device) -> dict[str, st
     return {"quantization": "nf4" if four_bit else "none", "dtype": str(dtype).removeprefix("torch.")}
 
 
-def pick_attention(requested: str, device: torch.device) -> str:
-    """flash_attention_2 when importable on CUDA, else sdpa (PyTorch's fused kernels), else eager."""
-    if requested not in ("auto", "flash_attention_2", "sdpa", "eager"):
-        raise ModelLoadError(f"unknown attn_implementation '{requested}': use auto, flash_attention_2, sdpa or eager")
-    if requested in ("auto", "flash_attention_2"):
-        missing = None
-        if device.type != "cuda":
-            missing = "no CUDA device"
-        elif importlib.util.find_spec("flash_attn") is None:
-            missing = "flash-attn is not installed (pip install 'onebase-rlhf[flash]')"
-        if missing is None:
-            return "flash_attention_2"
-        note = f"flash_attention_2 unavailable: {missing}; using sdpa"
-        (logger.warning if requested == "flash_attention_2" else logger.info)(note)
-    if requested == "eager":
-        return "eager"
-    return "sdpa" if hasattr(torch.nn.functional, "scaled_dot_product_attention") else "eager"
+ATTENTION_CHOICES = ("auto", "flash_attention_2", "sdpa", "eager")
+_SUPPORT_FLAGS = {"flash_attention_2": "_supports_flash_attn", "sdpa": "_supports_sdpa"}  # on transformers' classes
+
+
+def causal_lm_class(config) -> Optional[type]:
+    """The transformers causal-LM class `config` builds; None where transformers maps none (a model with its
+    own code), whose attention support is then not known before loading."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers.models.auto.auto_factory import _get_model_class  # what from_pretrained resolves with
+
+        return _get_model_class(config, AutoModelForCausalLM._model_mapping)
+    except (ImportError, KeyError, ValueError):
+        return None
+
+
+def pick_attention(requested: str, device: torch.device, model_class: Optional[type] = None) -> str:
+    """The attention implementation to load with. auto: flash_attention_2 where flash-attn is importable on CUDA
+    and `model_class` supports it, else sdpa where it supports that, else eager, said in one log line with why.
+    Support is transformers' own per-class flag (`_supports_flash_attn`, `_supports_sdpa`); an unknown class
+    (None) is taken to support both. An explicit choice the class does not support is one line (UsageError);
+    an explicit flash_attention_2 the machine cannot run falls back to sdpa with a warning."""
+    if requested not in ATTENTION_CHOICES:
+        raise ModelLoadError(f"unknown attn_implementation '{requested}': use {', '.join(ATTENTION_CHOICES)}")
+    name = model_class.__name__ if model_class is not None else "the model"
+
+    def unsupported(kind: str) -> Optional[str]:
+        if model_class is None or getattr(model_class, _SUPPORT_FLAGS[kind], False):
+            return None
+        return f"{name} does not support {kind}"
+
+    if requested in _SUPPORT_FLAGS and (why := unsupported(requested)):
+        raise UsageError(f"--attn_implementation {requested}: {why}; use auto (picks what it supports) or eager")
+    if requested in ("sdpa", "eager"):
+        return requested
+    flash = unsupported("flash_attention_2")
+    if flash is None and device.type != "cuda":
+        flash = "no CUDA device"
+    elif flash is None and importlib.util.find_spec("flash_attn") is None:
+        flash = "flash-attn is not installed (pip install 'onebase-rlhf[flash]')"
+    if flash is None:
+        if requested == "auto":
+            logger.info("attention auto -> flash_attention_2: flash-attn is installed and %s supports it", name)
+        return "flash_attention_2"
+    fallback = "eager" if unsupported("sdpa") else "sdpa"
+    if requested == "flash_attention_2":
+        logger.warning("flash_attention_2 unavailable: %s; using %s", flash, fallback)
+    elif fallback == "sdpa":
+        logger.info("attention auto -> sdpa: flash_attention_2 unavailable (%s)", flash)
+    else:
+        logger.info("attention auto -> eager: %s (flash_attention_2: %s)", unsupported("sdpa"), flash)
+    return fallback
 
 
 def bnb_config(compute_dtype: torch.dtype, quant_storage: torch.dtype = torch.uint8):
@@ -384,13 +425,11 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
 
     device = device or pick_device()
     four_bit, dtype = resolve_precision(args, device)
-    attn = pick_attention(args.attn_implementation, device)
     name = args.model_name_or_path
     path = resolve_model_path(name)
+    config = base_config(args, vocab_size)
+    attn = pick_attention(args.attn_implementation, device, causal_lm_class(config))
     if name in PRESETS:
-        if vocab_size is None:
-            raise ModelLoadError(f"preset '{name}' needs the tokenizer's vocab size")
-        config = preset_config(name, vocab_size, args.preset_overrides)
         config._attn_implementation = attn
         torch.manual_seed(args.model_seed)
         with torch.device(device):

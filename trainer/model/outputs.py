@@ -123,7 +123,14 @@ class Outputs:
         dtype = self.causal_lm.get_input_embeddings().weight.dtype
         if torch.is_autocast_enabled(input_ids.device.type):
             dtype = torch.get_autocast_dtype(input_ids.device.type)
-        mask = pair_attention_mask(segments, dtype, additive=self.causal_lm.config._attn_implementation == "eager")
+        config = self.causal_lm.config
+        additive = config._attn_implementation == "eager"
+        mask = pair_attention_mask(segments, dtype, additive)
+        window = getattr(config, "sliding_window", None)  # None where the model has none or leaves it off
+        if window:  # a custom mask is taken as it is: the sliding layers' window must be in it
+            windowed = pair_attention_mask(segments, dtype, additive, window)
+            types = getattr(config, "layer_types", None)  # none: every layer slides (Mistral)
+            mask = {kind: windowed if kind == "sliding_attention" else mask for kind in types} if types else windowed
         with self.use_adapter(adapter):
             return self.causal_lm.base_model(input_ids=input_ids, attention_mask=mask,
                                              position_ids=pair_positions(segments), use_cache=False).last_hidden_state

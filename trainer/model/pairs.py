@@ -9,20 +9,27 @@ predicted from the last prompt token). Tested against separate rows in tests/tes
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 PROMPT, CHOSEN, REJECTED, PADDING = 0, 1, 2, -1
 MASK_IMPLEMENTATIONS = ("sdpa", "eager")  # attention that takes a custom 4D mask (flash-attention does not)
 
 
-def pair_attention_mask(segments: torch.Tensor, dtype: torch.dtype, additive: bool) -> torch.Tensor:
+def pair_attention_mask(segments: torch.Tensor, dtype: torch.dtype, additive: bool,
+                        window: Optional[int] = None) -> torch.Tensor:
     """(B, 1, T, T) mask: boolean (True: attend; for SDPA) or additive (0 / dtype min; for eager attention).
+    `window`: a sliding-window layer's, counted in positions (`pair_positions`), as in a row of its own.
 
     Padding queries attend to themselves only, so no row of the softmax is empty (their outputs are unused)."""
     t = segments.shape[1]
     causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()
     q, k = segments[:, :, None], segments[:, None, :]
     allowed = causal & (k != PADDING) & ((k == PROMPT) | (k == q)) & (q != PADDING)
+    if window is not None:
+        positions = pair_positions(segments)
+        allowed &= positions[:, :, None] - positions[:, None, :] < window
     allowed |= torch.eye(t, dtype=torch.bool, device=segments.device)
     allowed = allowed[:, None]
     if not additive:
