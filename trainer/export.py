@@ -1,7 +1,9 @@
 """Take a trained policy out: its LoRA adapter merged into a full-precision copy of the base, written as a
-standalone Hugging Face model folder that plain `transformers` loads with no project code and no PEFT.
+standalone Hugging Face model folder that plain `transformers` loads with no project code and no PEFT, or
+(`--format gguf`) as one GGUF file for llama.cpp and Ollama, the tokenizer and chat template inside.
 
     python -m trainer.export --adapter runs/demo/ppo/adapter --out exported/ppo [--dtype bfloat16]
+    python -m trainer.export --adapter runs/demo/ppo/adapter --out exported/ppo-gguf --format gguf [--gguf_type q8_0]
 
 The base is rebuilt from the adapter's `base_model.json` and checked against it. An adapter trained on an NF4
 base merges by default into the NF4-rounded weights it learned against (`--nf4_rounding`). Reward adapters
@@ -13,17 +15,19 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
-from foundation.cli import Checked, InputError, UsageError, one_of, parse, run
-from foundation.files import atomic_folder, check_writable
+from foundation.cli import Checked, InputError, UsageError, given, one_of, parse, run
+from foundation.files import atomic_folder, check_writable, reported_write_failure
 from trainer.engine.setup import base_model_args
+from trainer.gguf_export import GGUF_TYPES, MODEL_FILE, check_exportable, prepared_gguf, write_file
 from trainer.model.adapter_fit import WEIGHTS_FILE, check_adapter_fits, saved_base
-from trainer.model.loading import load_base_model, load_tokenizer
+from trainer.model.loading import base_config, load_base_model, load_tokenizer
 from trainer.model.shared_base import HEAD_FILE, check_adapter_folder
 
 logger = logging.getLogger(__name__)
@@ -35,19 +39,24 @@ class ExportArguments(Checked):
     adapter: str = field(default="", metadata={
         "help": "A saved policy adapter (STAGE_DIR/adapter of sft, ppo, grpo, dpo, or a checkpoint's adapters/policy)."})
     out: str = field(default="", metadata={"help": "The model folder to write (must not exist, or be empty)."})
+    format: str = field(default="hf", metadata={
+        "help": "hf: a Hugging Face model folder; gguf: a GGUF file for llama.cpp and Ollama (Llama, Mistral, Qwen2)."})
     dtype: str = field(default="auto", metadata={
-        "help": "Weights of the export: float32, bfloat16, float16, or auto (the dtype the base computed in)."})
+        "help": "Weights of an hf export: float32, bfloat16, float16, or auto (the dtype the base computed in)."})
+    gguf_type: str = field(default="f16", metadata={
+        "help": "Weights of a gguf export: f16, bf16, q8_0 (8-bit, about half f16's size) or f32."})
     nf4_rounding: bool = field(default=True, metadata={
         "help": "For an adapter trained on an NF4 base: export the NF4-rounded base weights it was trained against "
                 "(false: the original full-precision weights)."})
     trust_remote_code: bool = field(default=False, metadata={
         "help": "Allow the base model's own code from the hub (never taken from the adapter's files)."})
 
-    RULES = {"dtype": one_of("auto", *DTYPES)}
+    RULES = {"format": one_of("hf", "gguf"), "dtype": one_of("auto", *DTYPES), "gguf_type": one_of(*GGUF_TYPES)}
 
     def check(self) -> None:
         if not self.adapter or not self.out:
-            raise UsageError("usage: python -m trainer.export --adapter DIR --out DIR [--dtype bfloat16]")
+            raise UsageError("usage: python -m trainer.export --adapter DIR --out DIR [--dtype bfloat16 | "
+                             "--format gguf [--gguf_type q8_0]]")
 
 
 def trained_on(adapter: Path) -> dict:
@@ -85,6 +94,11 @@ def check_finite_weights(adapter: Path) -> None:
 
 def check_inputs(args: ExportArguments) -> tuple[Path, Path]:
     adapter, out = Path(args.adapter), Path(args.out)
+    if args.format == "hf" and "gguf_type" in given(args):
+        raise UsageError(f"--gguf_type {args.gguf_type}: is for --format gguf; a Hugging Face folder takes --dtype")
+    if args.format == "gguf" and "dtype" in given(args):
+        raise UsageError(f"--dtype {args.dtype}: is for --format hf; a GGUF file takes --gguf_type "
+                         f"({', '.join(GGUF_TYPES)})")
     check_adapter_folder(adapter, "--adapter")
     if (adapter / HEAD_FILE).is_file():
         raise InputError(f"--adapter {adapter}: a reward adapter (it has {HEAD_FILE}), not a language model; "
@@ -121,6 +135,8 @@ def export(args: ExportArguments) -> Path:
     trained = trained_on(adapter)
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
                                model_args.tokenizer_name_or_path, model_args.trust_remote_code)
+    if args.format == "gguf":  # what GGUF export cannot write (an architecture, a tokenizer) before the base loads
+        check_exportable(base_config(model_args, len(tokenizer)), tokenizer)
     base = load_base_model(model_args, vocab_size=len(tokenizer), device=torch.device("cpu"))
     check_adapter_fits(adapter, base, model_args.model_name_or_path, "--adapter")
     check_finite_weights(adapter)
@@ -128,6 +144,10 @@ def export(args: ExportArguments) -> Path:
         layers = round_like_nf4_(base, DTYPES.get(trained["dtype"], torch.bfloat16))
         logger.info("base weights of %d layers rounded as NF4 rounded them in training (--nf4_rounding)", layers)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    record = {"adapter": str(adapter), "base": model_args.model_name_or_path, "trained_on": trained,
+              "nf4_rounding": args.nf4_rounding}
+    if args.format == "gguf":
+        return export_gguf(merged, tokenizer, out, args.gguf_type, record)
     dtype = DTYPES[trained["dtype"] if args.dtype == "auto" else args.dtype]
     merged = merged.to(dtype)
     merged.config.use_cache = True
@@ -135,20 +155,38 @@ def export(args: ExportArguments) -> Path:
         value = getattr(tokenizer, key, None)
         if value is not None:
             setattr(merged.generation_config, key, value)
-    from foundation.files import reported_write_failure
-
-    try:  # a disk that fills while writing: one line, nothing half-written (the temporary folder goes)
-        with atomic_folder(out, into_empty=True) as tmp, reported_write_failure(f"--out {out}", out.parent):
-            merged.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            (tmp / "export.json").write_text(json.dumps({
-                "adapter": str(adapter), "base": model_args.model_name_or_path, "trained_on": trained,
-                "dtype": str(dtype).removeprefix("torch."), "nf4_rounding": args.nf4_rounding}, indent=2))
-    except FileExistsError:  # something was written to --out while the export ran: it stays as it is
-        raise UsageError(f"--out {out}: exists and is not an empty folder (it was filled while exporting; "
-                         "left as it is); pick a new one") from None
+    with publishing(out) as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "export.json").write_text(json.dumps({
+            **record, "format": "hf", "dtype": str(dtype).removeprefix("torch.")}, indent=2))
     logger.info("exported %s merged into %s (%s) to %s", adapter, model_args.model_name_or_path,
                 str(dtype).removeprefix("torch."), out)
+    return out
+
+
+@contextmanager
+def publishing(out: Path) -> Iterator[Path]:
+    """A temporary folder that becomes --out when the block ends. A disk that fills while writing is one line
+    and leaves nothing half-written; an --out that something filled meanwhile is left as it is, and refused."""
+    try:
+        with atomic_folder(out, into_empty=True) as tmp, reported_write_failure(f"--out {out}", out.parent):
+            yield tmp
+    except FileExistsError:
+        raise UsageError(f"--out {out}: exists and is not an empty folder (it was filled while exporting; "
+                         "left as it is); pick a new one") from None
+
+
+def export_gguf(merged, tokenizer, out: Path, gguf_type: str, record: dict) -> Path:
+    """--out as a folder holding the GGUF file, an Ollama Modelfile naming it, and export.json."""
+    writer, tensors = prepared_gguf(merged, tokenizer, gguf_type, name=Path(record["base"]).name)
+    with publishing(out) as tmp:
+        write_file(writer, tmp / MODEL_FILE)
+        (tmp / "Modelfile").write_text(f"FROM ./{MODEL_FILE}\n")
+        (tmp / "export.json").write_text(json.dumps({
+            **record, "format": "gguf", "gguf_type": gguf_type, "tensors": tensors}, indent=2))
+    logger.info("exported %s merged into %s to %s (%s)", record["adapter"], record["base"], out / MODEL_FILE,
+                gguf_type)
     return out
 
 
