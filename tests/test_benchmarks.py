@@ -211,8 +211,10 @@ def test_markdown_lists_each_rounds_ratio_when_there_are_several():
 
 
 def test_decode_times_each_decode_path_on_the_same_rows(tmp_path):
-    """benchmarks.gpu.decode --paths --weights: one row per (path, weights, batch), each timing the rollouts'
-    decode loop (compiled_whole: the compiled step without decoder-layer regions, beside it)."""
+    """benchmarks.gpu.decode --paths --weights (the speed part's decode, here the tiny preset on the CPU): one row
+    per (path, weights, batch), each timing the rollouts' decode loop (compiled_whole: the compiled step without
+    decoder-layer regions, beside it) against the bandwidth bound; a compiled first call's time is told apart by
+    torch.compile's own timers (an eager one compiles nothing)."""
     from benchmarks.gpu.decode import main as decode
 
     result = decode(["--model_name_or_path", "tiny-llama", "--batches", "2", "--prompt_tokens", "4", "--new_tokens",
@@ -223,6 +225,13 @@ def test_decode_times_each_decode_path_on_the_same_rows(tmp_path):
         (path, weights, 2) for weights in ("quantized", "dequantized")
         for path in ("eager", "compiled", "compiled_whole")]
     assert all(r["tokens_per_s"] > 0 and r["first_call_s"] > 0 for r in result["rows"])
+    assert all(0 < r["bandwidth_fraction"] < 1 for r in result["rows"])
+    for row in result["rows"]:
+        if row["path"] == "eager":
+            assert row["first_call_compile_s"] == {}
+        else:
+            assert 0 < row["first_call_compile_s"]["_compile.compile_inner"] <= row["first_call_s"]
+    assert result["bytes_per_decode_step"] > result["bytes_read_per_decode_step"]["base_weights"] > 0
     assert result["rows_planned"] == len(result["rows"]) and "stopped before" not in (tmp_path / "decode.md").read_text()
     from benchmarks.gpu.decode import markdown  # a run stopped part-way: its finished rows, said so
     assert "- rows: 2 of 6: the run stopped before the rest" in markdown({**result, "rows": result["rows"][:2]})

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# `speed` runs in smoke mode the code of `first`'s last two steps (its GPU-only steps are pinned below).
+# `speed` runs in smoke mode the code of `first`'s last two steps and the decode benchmark (tests/test_benchmarks.py
+# times each decode path); its GPU-only steps are pinned below.
 PARTS = ("first", "check", "memory", "ladder", "stages", "grpo_recipe")
 FIRST_STEPS = ["gpu-tests", "sft+reward", "ppo", "vs-estimate", "ppo_vs_trl"]
 
@@ -72,25 +73,40 @@ def test_check_runs_the_gpu_tests_which_skip_without_cuda(smoke):
 
 
 def test_memory_records_each_stage_and_compares_it_with_the_estimator(smoke):
+    """The memory part's SFT, reward and GRPO runs; its PPO run in smoke mode is the first call's (the same
+    stage_run command, which the memory part leaves out there)."""
+    from benchmarks.gpu.parts import PartArguments, steps_for
+
     _, unpacked = smoke
-    for stage in ("sft", "reward", "ppo", "grpo"):
-        memory = json.loads((unpacked / "memory" / stage / "memory.json").read_text())
+    runs = {"sft": unpacked / "memory" / "sft", "reward": unpacked / "memory" / "reward",
+            "ppo": unpacked / "first" / "ppo", "grpo": unpacked / "memory" / "grpo"}
+    for stage, run in runs.items():
+        memory = json.loads((run / "memory.json").read_text())
         assert memory["phases"] and not memory["command"].startswith("/")
-        compared = json.loads((unpacked / "memory" / stage / "vs_estimate.json").read_text())
+        compared = json.loads((run / "vs_estimate.json").read_text())
         phases = {p["phase"]: p for p in compared["phases"]}
         assert phases, stage
         for phase in phases.values():
             rows = {r["component"]: r for r in phase["components"]}
             # tensor-counted components are exact closed forms of the estimator: ratio 1 on any device
             assert rows["base_weights"]["ratio"] == pytest.approx(1.0), (stage, phase["phase"])
-    ppo = {p["phase"] for p in json.loads((unpacked / "memory" / "ppo" / "vs_estimate.json").read_text())["phases"]}
+    ppo = {p["phase"] for p in json.loads((runs["ppo"] / "vs_estimate.json").read_text())["phases"]}
     assert {"generate", "score", "update", "optimizer_step"} <= ppo  # fused passes: one scoring phase
-    grpo = {p["phase"] for p in json.loads((unpacked / "memory" / "grpo" / "vs_estimate.json").read_text())["phases"]}
+    grpo = {p["phase"] for p in json.loads((runs["grpo"] / "vs_estimate.json").read_text())["phases"]}
     assert grpo == {"generate", "score", "update", "optimizer_step"}
-    components = json.loads((unpacked / "memory" / "grpo" / "memory.json").read_text())["phases"][-1]["components"]
+    components = json.loads((runs["grpo"] / "memory.json").read_text())["phases"][-1]["components"]
     assert "adapter/value" not in components and "adapter/reward" in components  # three adapters, no critic
-    config = json.loads((unpacked / "memory" / "ppo" / "config.json").read_text())
+    config = json.loads((runs["ppo"] / "config.json").read_text())
     assert config["stage"]["min_new_tokens"] == config["stage"]["max_new_tokens"]  # fixed-length generation
+    # on the GPU the memory part runs its own SFT, reward and 3 PPO steps, the PPO command the first call's but
+    # for its step count, and compares all four with the estimator
+    steps = steps_for(PartArguments(part="memory", out=str(unpacked)), unpacked)
+    first = steps_for(PartArguments(part="first", out=str(unpacked)), unpacked, 1000.0)
+    assert [s.name for s in steps] == ["sft", "reward", "ppo", "grpo", "vs-estimate"]
+    ppo_argv, first_ppo = steps[2].argv, next(s for s in first if s.name == "ppo").argv
+    assert ppo_argv[:-1] == first_ppo[:-1] and (ppo_argv[-2:], first_ppo[-2:]) == (["--max_steps", "3"],
+                                                                                     ["--max_steps", "2"])
+    assert steps[-1].argv[3:] == [str(unpacked / s) for s in ("sft", "reward", "ppo", "grpo")]
 
 
 def test_the_first_call_runs_its_steps_in_the_order_of_their_value(smoke):
@@ -193,35 +209,56 @@ def test_a_side_out_of_time_is_recorded_as_cut_not_as_a_result(tmp_path):
     assert "status cut" in (out / "ppo_vs_trl.md").read_text()
 
 
-def test_decode_measures_tokens_per_second_against_the_bandwidth_bound(tmp_path):
-    """The decode benchmark the speed part runs (here: the tiny preset on the CPU), eager and compiled; a
-    compiled first call's time is told apart by torch.compile's own timers (an eager one compiles nothing).
-    Enough tokens and repeats that decoding outlasts the prefill on a busy machine too."""
-    from benchmarks.gpu.decode import main
+def test_stages_compare_dpo_with_trl_on_the_planned_rows(smoke, tmp_path):
+    """The smoke run's stages part is DPO only, and CI's one run of the DPO comparison (SFT and reward with the
+    same flags: tests/test_stages_vs_trl.py): both sides train on the planned rows, the same tensor walk counts
+    the same gradients and optimizer states on both, and one evaluation scores both. On the GPU the part runs all
+    three stages on random weights: speed and memory only."""
+    from benchmarks.gpu.parts import PartArguments, steps_for
+    from benchmarks.stages_report import render_table, update_readme
+    from foundation.provenance import shown_command
 
-    result = main(["--model_name_or_path", "tiny-llama", "--quantization", "nf4", "--batches", "2", "--prompt_tokens",
-                   "8", "--new_tokens", "16", "--repeats", "2", "--copy_gib", "0.05", "--paths", "eager,compiled",
-                   "--out_dir", str(tmp_path)])
-    assert [(r["path"], r["batch"]) for r in result["rows"]] == [("eager", 2), ("compiled", 2)]
-    assert all(r["tokens_per_s"] > 0 and 0 < r["bandwidth_fraction"] < 1 for r in result["rows"])
-    eager, compiled = (r["first_call_compile_s"] for r in result["rows"])
-    assert eager == {} and 0 < compiled["_compile.compile_inner"] <= result["rows"][1]["first_call_s"]
-    assert result["bytes_per_decode_step"] > result["bytes_read_per_decode_step"]["base_weights"] > 0
-    assert (tmp_path / "decode.md").is_file()
-
-
-def test_stages_compare_dpo_with_trl_on_the_planned_rows(smoke):
-    """The smoke run's stages part is DPO only; SFT and reward with the same flags: tests/test_stages_vs_trl.py."""
     _, unpacked = smoke
     assert sorted(p.name for p in (unpacked / "stages").glob("stages_vs_trl-*")) == ["stages_vs_trl-dpo"]
-    report = json.loads((unpacked / "stages" / "stages_vs_trl-dpo" / "stages_vs_trl.json").read_text())
+    out = unpacked / "stages" / "stages_vs_trl-dpo"
+    report = json.loads((out / "stages_vs_trl.json").read_text())
     assert report["stage"] == "dpo" and report["rows"]["train_rows"] == 2 * 2
-    for name in ("ours", "trl"):
-        side = report["sides"][name]
+    ours, trl = report["sides"]["ours"], report["sides"]["trl"]
+    for side in (ours, trl):
         assert side["status"] == "ok", side["error"]
-        assert side["rows_as_planned"] is True and "evaluation" not in side  # speed and memory only
-        assert side["summary"]["measured_steps"] == 1 and side["summary"]["tokens_per_s"] > 0
-    assert not report["command"].startswith("/") and "--stage dpo" in report["command"]
+        assert side["rows_as_planned"] is True  # every micro-batch held the planned rows, in order
+        assert [s["step"] for s in side["steps"]] == [1, 2]
+        summary = side["summary"]
+        assert summary["measured_steps"] == 1 and summary["step_s"] > 0 and summary["tokens_per_s"] > 0
+        assert summary["peak_rss_bytes"] > 0
+    # the same walk on both sides: the same LoRA shape and optimizer give the same gradients and states (ours
+    # keeps its largest forward_backward, with these rows the second step's: after the first optimizer step)
+    mine, theirs = ours["memory"]["resident"], trl["memory"]["resident"]
+    assert mine["gradients"] == theirs["gradients"] > 0
+    assert mine["optimizer_states"] == theirs["optimizer_states"] > 0
+    assert ours["memory"]["saved_for_backward"] > 0 and trl["memory"]["saved_for_backward"] > 0
+    assert "## Tensor-counted memory" in (out / "stages_vs_trl.md").read_text()
+    assert ours["evaluation"]["pairs"] == trl["evaluation"]["pairs"] > 0  # the same held-out pairs for both
+    for side in (ours, trl):
+        low, high = side["evaluation"]["accuracy_ci95"]
+        assert low <= side["evaluation"]["rewards/accuracies"] <= high and low < high
+    tokens = report["rows"]["tokens_per_step"]
+    assert len(tokens) == len(ours["computed_tokens_per_step"]) == len(trl["computed_tokens_per_step"]) == 2
+    assert all(c >= t for c, t in zip(trl["computed_tokens_per_step"], tokens))  # rows x the longest row
+    assert sum(ours["computed_tokens_per_step"]) < sum(trl["computed_tokens_per_step"])  # the prompt once a pair
+    assert report["ratios"]["step_time_speedup"] > 0
+    assert report["command"].startswith("python -m benchmarks.stages_vs_trl ") and "--stage dpo" in report["command"]
+    assert shown_command(report).endswith(report["command"])
+    assert f"- command: `{shown_command(report)}`" in (out / "stages_vs_trl.md").read_text()  # settings first
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- stages-results -->\n## next section\n")
+    for _ in range(2):  # the second write replaces the first table
+        update_readme(readme, render_table([report]), "python -m benchmarks.stages_vs_trl --table ...")
+    text = readme.read_text()
+    assert text.count("| dpo | ") == 1 and text.index("<!-- /stages-results -->") < text.index("## next")
+    gpu = [s.argv for s in steps_for(PartArguments(part="stages", out=str(tmp_path)), tmp_path)]
+    assert [argv[argv.index("--stage") + 1] for argv in gpu] == ["sft", "reward", "dpo"]
+    assert all(argv[argv.index("--evaluate") + 1] == "false" and "--profile_memory" not in argv for argv in gpu)
 
 
 def test_the_flag_ladder_ran_each_rung_with_its_flag(smoke):
@@ -264,7 +301,7 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
     folders = main([*map(str, sorted(out.glob("*.tar.gz"))), "--results_dir", str(results), "--readme", str(readme)])
     assert sorted(f.name for f in folders) == sorted(f"{p}-tiny-llama-smoke" for p in PARTS)
     info = json.loads((results / "memory-tiny-llama-smoke" / "provenance.json").read_text())
-    assert info["device_name"] and info["date"] and info["git_revision"] and info["steps"]["ppo"]["status"] == "ok"
+    assert info["device_name"] and info["date"] and info["git_revision"] and info["steps"]["grpo"]["status"] == "ok"
     text = readme.read_text()
     assert "No GPU run has been collected yet" in text and "old" not in text and text.endswith("rest\n")
     # A GPU result (here: the smoke folder relabelled) is tabulated from its files.
@@ -276,10 +313,10 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
 
     update_readme(readme, results)
     text = readme.read_text()
-    assert "| memory-llama-2-7b-nvidia-h100 | ppo | update |" in text
-    compared = json.loads((gpu / "ppo" / "vs_estimate.json").read_text())
+    assert "| memory-llama-2-7b-nvidia-h100 | grpo | update |" in text
+    compared = json.loads((gpu / "grpo" / "vs_estimate.json").read_text())
     update = next(p for p in compared["phases"] if p["phase"] == "update")
-    row = text.split("| memory-llama-2-7b-nvidia-h100 | ppo | update |")[-1].split("\n")[0]
+    row = text.split("| memory-llama-2-7b-nvidia-h100 | grpo | update |")[-1].split("\n")[0]
     assert f"{update['predicted_total'] / 2**30:.2f}" in row
     assert row.count("|") == 6  # peak allocated, its estimate and ratio, then the whole phase's three
     # The first call's folder: its PPO memory, decode speed and the comparison with TRL are tabulated too.
@@ -682,7 +719,7 @@ def test_vs_estimate_estimates_with_the_cuda_context_the_run_measured_at_its_sta
     from profiling import components as C
 
     run = tmp_path / "ppo"
-    shutil.copytree(ROOT / "benchmarks" / "results" / "memory-tiny-llama-smoke" / "ppo", run)
+    shutil.copytree(ROOT / "benchmarks" / "results" / "first-tiny-llama-smoke" / "ppo", run)
     memory = json.loads((run / "memory.json").read_text())
     memory["device"] = "cuda:0"
     for i, phase in enumerate(memory["phases"]):

@@ -107,17 +107,18 @@ def stage_run(args: PartArguments, stage: str, out: Path, *extra: str) -> list[s
 
 def stages_vs_trl(args: PartArguments, stage: str, out: Path) -> list[str]:
     """`benchmarks.stages_vs_trl` at 7B NF4 under the cap: a few steps, speed and memory only (random weights)."""
-    if args.smoke:
+    if args.smoke:  # CI's one run of the DPO comparison: 64 pairs to draw its rows from (not the whole split
+        # tokenized), and the tensor walk and held-out scoring of both sides (tests/test_gpu_kit.py checks them)
         work = ["--max_length", "96", "--min_prompt_tokens", "4", "--micro_batch_size", "2",
                 "--gradient_accumulation_steps", "1", "--max_steps", "2", "--optimizer", "adamw_8bit",
-                "--mixed_precision", "no", "--dtype", "float32"]
+                "--mixed_precision", "no", "--dtype", "float32", "--reward_size", "64", "--profile_memory", "true"]
     else:
         work = ["--max_length", "512", "--micro_batch_size", "4", "--gradient_accumulation_steps", "2",
                 "--max_steps", "3", "--optimizer", "paged_adamw_8bit", "--gradient_checkpointing", "true",
                 "--attn_implementation", "sdpa", "--lora_r", "16", "--lora_alpha", "32"]
     return [python(), "-m", "benchmarks.stages_vs_trl", "--stage", stage, *model_flags(args), *data_flags(args),
-            *cap_flags(args), *work, "--eval_size", "16", "--warmup_runs", "1", "--evaluate", "false",
-            "--out_dir", str(out / f"stages_vs_trl-{stage}")]
+            *cap_flags(args), *work, "--eval_size", "16", "--warmup_runs", "1",
+            "--evaluate", "true" if args.smoke else "false", "--out_dir", str(out / f"stages_vs_trl-{stage}")]
 
 
 def grpo_recipe_run(args: PartArguments, out: Path, name: str = "grpo", *extra: str, planned: bool = False
@@ -179,13 +180,17 @@ def seed_ppo_steps(args: PartArguments, out: Path, ppo_steps: int) -> list[Step]
         return [Step("sft", stage_run(args, "sft", out)),
                 Step("reward", stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"))),
                 ppo_step]
-    # The first call reports no SFT or reward figure: their one step each only makes the adapters PPO starts
-    # from, so they share one process (one start, one CUDA context). PPO keeps its own, so that nothing an
-    # earlier stage left behind can show in its memory.
+    # PPO keeps a process of its own, so that nothing an earlier stage left behind can show in its memory.
+    return [sft_and_reward_in_one_process(args, out), ppo_step]
+
+
+def sft_and_reward_in_one_process(args: PartArguments, out: Path) -> Step:
+    """One step each of SFT and reward, in ONE process (one start, one CUDA context): where no SFT or reward
+    figure is reported, they only make the adapters the RL stage starts from."""
     sft = stage_run(args, "sft", out, "--max_steps", "1")
     reward = stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"), "--max_steps", "1")
-    return [Step("sft+reward", [python(), "-m", "benchmarks.gpu.in_one_process", "sft", *sft[2:], "::",
-                                "reward", *reward[2:]]), ppo_step]
+    return Step("sft+reward", [python(), "-m", "benchmarks.gpu.in_one_process", "sft", *sft[2:], "::",
+                               "reward", *reward[2:]])
 
 
 def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Step]:
@@ -209,10 +214,12 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                 "--eval_prompts", "0", "--min_new_tokens", "128" if not args.smoke else "8"]
         grpo += (["--max_new_tokens", "8", "--rollout_batch_size", "2", "--num_generations", "2",
                   "--rollout_micro_batch_size", "4", "--mini_batch_size", "2"] if args.smoke else [])
-        return [*seed_ppo_steps(args, out, ppo_steps=3),
-                Step("grpo", stage_run(args, "grpo", out, *grpo, "--max_steps", "2")),
-                Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate",
-                                     *(str(out / s) for s in ("sft", "reward", "ppo", "grpo"))])]
+        # Smoke: the first call's smoke runs the seed PPO (the same stage_run), so here SFT and reward share one
+        # process and GRPO follows; the estimator comparison still reads SFT, reward and GRPO.
+        runs = [sft_and_reward_in_one_process(args, out)] if args.smoke else seed_ppo_steps(args, out, ppo_steps=3)
+        stages = ("sft", "reward", "grpo") if args.smoke else ("sft", "reward", "ppo", "grpo")
+        return [*runs, Step("grpo", stage_run(args, "grpo", out, *grpo, "--max_steps", "2")),
+                Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", *(str(out / s) for s in stages)])]
     if args.part == "speed":  # the rollouts as the stages run them (--decode and --generation_weights auto, the
         # planner's picks) in TRL's GRPO recipe, 3 steps (the third past any one-off cost of the second); decode
         # alone; then the first call's PPO work against TRL, ours with its decoder layers compiled for the update
@@ -260,12 +267,9 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
         if args.smoke:
             ppo += ["--max_new_tokens", "8", "--rollout_batch_size", "4", "--rollout_micro_batch_size", "4",
                     "--mini_batch_size", "2"]
-        sft = stage_run(args, "sft", out, "--max_steps", "1")
-        reward = stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"), "--max_steps", "1")
         return [Step("grpo_vs_trl", [python(), "-m", "benchmarks.grpo_vs_trl", *work, *data_flags(args),
                                      "--sides", "ours,ours_4bit,trl", "--out_dir", str(out / "grpo_vs_trl")]),
-                Step("sft+reward", [python(), "-m", "benchmarks.gpu.in_one_process", "sft", *sft[2:], "::",
-                                    "reward", *reward[2:]]),
+                sft_and_reward_in_one_process(args, out),
                 Step("ppo-12gb", stage_run(args, "ppo", out, *ppo, "--max_steps", "2",
                                            *([] if args.smoke else ["--simulate_gpu_gib", "12"]),
                                            "--memory_budget_gib", "12")),
@@ -274,10 +278,13 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
         # then under an 8 GB cap and budget, the planner choosing micro-batches and offloads: does an 8 GB card
         # hold it? (an over-budget plan stops the run at its start, naming what to change)
         small = ("--memory_budget_gib", "8") if args.smoke else ("--simulate_gpu_gib", "8", "--memory_budget_gib", "8")
-        return [Step("grpo", grpo_recipe_run(args, out)),
-                Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "grpo")]),
-                Step("grpo-8gb", grpo_recipe_run(args, out, "grpo_8gb", *small, planned=True)),
-                Step("vs-estimate-8gb", [python(), "-m", "benchmarks.gpu.vs_estimate", str(out / "grpo_8gb")])]
+        compare = [python(), "-m", "benchmarks.gpu.vs_estimate"]
+        runs = [Step("grpo", grpo_recipe_run(args, out)),
+                Step("grpo-8gb", grpo_recipe_run(args, out, "grpo_8gb", *small, planned=True))]
+        if args.smoke:  # no budget to order the steps by: one comparison of both runs, one process start
+            return [*runs, Step("vs-estimate", [*compare, str(out / "grpo"), str(out / "grpo_8gb")])]
+        return [runs[0], Step("vs-estimate", [*compare, str(out / "grpo")]),
+                runs[1], Step("vs-estimate-8gb", [*compare, str(out / "grpo_8gb")])]
     if args.part == "stages":
         stages = ("dpo",) if args.smoke else ("sft", "reward", "dpo")  # smoke: see the module's docstring
         return [Step(f"stages_vs_trl-{stage}", stages_vs_trl(args, stage, out)) for stage in stages]
