@@ -15,6 +15,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch.compile compiles in its own pool of worker processes: on two cores they would compete with the other
+# test worker, which the pool is not told of
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 # Under pytest-xdist (make test runs files on parallel workers) the workers share the cores: each
 # one, and every process it starts, gets its share of threads instead of all of them.
@@ -70,6 +73,42 @@ def fresh_accelerate_state():
     reset_accelerate()
     yield
     reset_accelerate()
+
+
+def in_process(module: str, argv: list[str]):
+    """`python -m MODULE ARGV` in this process: its `main` through `foundation.cli.run` (our errors end in one
+    line and SystemExit), with fresh Accelerate singletons before and after. For module-scoped fixtures too."""
+    import importlib
+
+    from foundation.cli import run
+    from trainer.engine.launch import reset_accelerate
+
+    reset_accelerate()
+    try:
+        return run(importlib.import_module(module).main, argv)
+    finally:
+        reset_accelerate()
+
+
+def in_process_command(module: str, argv: list[str]):
+    """`in_process` as `subprocess.run(capture_output=True)` of `python -m MODULE ARGV` with OMP_NUM_THREADS=1 sees
+    it: one torch thread (a matrix product's summation order may change with the thread count), stdout and stderr
+    captured, the exit code of our one-line errors (0 when `main` returns). Without a process start, which costs a
+    tiny run most of its time (importing torch, transformers, bitsandbytes)."""
+    import io
+    import subprocess
+    from contextlib import redirect_stderr, redirect_stdout
+
+    out, err, threads, code = io.StringIO(), io.StringIO(), torch.get_num_threads(), 0
+    torch.set_num_threads(1)
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            in_process(module, argv)
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess([module, *argv], code, out.getvalue(), err.getvalue())
 
 
 def saved_head(folder: Path, hidden_size: int, seed: int = 0) -> str:

@@ -872,7 +872,7 @@ def test_decoding_a_grouped_query_model_folds_each_step_s_heads_and_decodes_the_
     monkeypatch.setitem(__import__("transformers").AttentionInterface._global_mapping, attention.DECODE_ATTENTION,
                         counted)
     ids, mask = batch(b=3, t=7)
-    sampling = greedy(5, path, min_new=5)  # greedy: the compiled step's random draws differ between two compiles
+    sampling = greedy(5, path, min_new=5)  # greedy: a compiled step draws other random numbers than the eager loop
     module.compile_anew(tiny.causal_lm)
     got = decode(tiny, ids, mask, sampling, eos_id=1, pad_id=0)
     assert config._attn_implementation == "sdpa"
@@ -881,46 +881,36 @@ def test_decoding_a_grouped_query_model_folds_each_step_s_heads_and_decodes_the_
     assert delegated == [7] * layers  # only the prefill goes to transformers' sdpa
     if path == "eager":
         assert len(calls) == layers * 5
-    with monkeypatch.context() as patch:
+    with monkeypatch.context() as patch:  # transformers' sdpa, in the eager loop
         patch.setattr(module, "decode_attention", lambda causal_lm: nullcontext())
-        module.compile_anew(tiny.causal_lm)
-        want = decode(tiny, ids, mask, sampling, eos_id=1, pad_id=0)
+        want = decode(tiny, ids, mask, greedy(5, min_new=5), eos_id=1, pad_id=0)
     module.compile_anew(tiny.causal_lm)
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
 
 
-def nf4_policy_of(architecture: str):
-    """A 4-bit base with a perturbed policy adapter: tiny-llama, or Qwen2's layers (q/k/v biases) at its sizes."""
-    overrides = ("num_hidden_layers=2,hidden_size=64,intermediate_size=172,num_attention_heads=4,num_key_value_heads=2,"
-                 "vocab_size=512")
-    args = tiny_args("nf4")
-    if architecture == "qwen2":
-        args = replace(args, model_name_or_path="qwen2.5-7b", preset_overrides=overrides)
-    torch.manual_seed(0)
-    model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
-    with torch.no_grad():
-        for p in model.trainable_parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    return model
-
-
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_the_compiled_step_multiplies_each_sibling_group_s_one_matrix_once(architecture, monkeypatch):
+def test_the_compiled_step_multiplies_each_sibling_group_s_one_matrix_once(monkeypatch):
     """Compiled from the dense copy under autocast, q/k/v and gate/up are one matmul each: four per decoder layer
-    where each layer's own matmul made seven (Qwen2's q/k/v biases included), with the same tokens and
-    log-probs. Eager, each layer multiplies only its own rows: the same matmuls, of the same sizes, as
-    without the groups."""
+    where each layer's own matmul made seven, with the same tokens and log-probs. Eager, each layer multiplies
+    only its own rows: the same matmuls, of the same sizes, as without the groups. On Qwen2's layers at
+    tiny-llama's sizes: a group with biases (q/k/v) and one without (gate/up, as all of Llama's)."""
     import torch._dynamo
     import torch._inductor.config as inductor_config
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from trainer.model import decode as module, decode_weights
 
-    model = nf4_policy_of(architecture)
+    overrides = ("num_hidden_layers=2,hidden_size=64,intermediate_size=172,num_attention_heads=4,num_key_value_heads=2,"
+                 "vocab_size=512")
+    torch.manual_seed(0)
+    model = build_shared_model(replace(tiny_args("nf4"), model_name_or_path="qwen2.5-7b", preset_overrides=overrides),
+                               [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
+    with torch.no_grad():
+        for p in model.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.3)
     layers = model.causal_lm.config.num_hidden_layers
-    assert all(layer.self_attn.q_proj.base_layer.bias is not None for layer in model.causal_lm.model.layers) == (
-        architecture == "qwen2")
+    for layer in model.causal_lm.model.layers:
+        assert layer.self_attn.q_proj.base_layer.bias is not None and layer.mlp.gate_proj.base_layer.bias is None
     ids, mask = batch(b=3, t=8)
     matmuls = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
 

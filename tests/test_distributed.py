@@ -36,13 +36,17 @@ CURVE = ("--max_steps", "4", "--save_every", "0", "--eval_every", "2", "--lora_d
 CURVE_KEYS = ("train/loss", "train/grad_norm", "train/lr", "train/skipped_steps", "eval/loss", "eval/accuracy",
               "eval/margin")
 
-# SFT with a NaN loss on one chosen micro-batch: RLHF_TEST_POISON="RANK:CALL" (1-based call on that rank).
-POISON = """
+# SFT with two probes: a NaN loss on one chosen micro-batch (RLHF_TEST_POISON="RANK:CALL", 1-based call on that
+# rank), and rank 0's gradient of the first optimizer step (after DDP's all-reduce) saved to OUTPUT_DIR/gradient.pt.
+PROBED_SFT = """
 import os, sys
 sys.path.insert(0, {root!r})
-from trainer import sft
+from pathlib import Path
 
 import torch
+
+from trainer import sft
+from trainer.engine.harness import Engine
 
 real, calls = sft.completion_nll, [0]
 rank, call = (int(x) for x in os.environ["RLHF_TEST_POISON"].split(":"))
@@ -55,33 +59,22 @@ def poisoned(model, batch, adapter):
             loss_sum = loss_sum * float("nan")
     return loss_sum, count
 
-sft.completion_nll = poisoned
-sft.main(sys.argv[1:])
-"""
-# SFT that saves its first optimizer step's gradient (rank 0's, after DDP's all-reduce) to OUTPUT_DIR/gradient.pt.
-GRADIENT = """
-import os, sys
-sys.path.insert(0, {root!r})
-from pathlib import Path
-
-import torch
-
-from trainer import sft
-from trainer.engine.harness import Engine
-
-real, out = Engine.optimizer_step, Path(sys.argv[sys.argv.index("--output_dir") + 1])
+real_step, out = Engine.optimizer_step, Path(sys.argv[sys.argv.index("--output_dir") + 1])
 
 def saving(self, finite=True):
     if int(os.environ.get("RANK", "0")) == 0 and not (out / "gradient.pt").exists():
         torch.save({{n.removeprefix("module."): p.grad.detach().clone() for n, p in self.model.named_parameters()
                     if p.grad is not None}}, out / "gradient.pt")
-    return real(self, finite)
+    return real_step(self, finite)
 
-Engine.optimizer_step = saving
-sft.main(sys.argv[1:])
+sft.completion_nll, Engine.optimizer_step = poisoned, saving
+try:
+    sft.main(sys.argv[1:])
+finally:  # the one-process run is in the test's process
+    sft.completion_nll, Engine.optimizer_step = real, real_step
 """
-# Step 2 of a 2-process run with accumulation 2 is batches 4-7 of the shuffled order: rank 1 reads
-# batches 5 and 7, so its 3rd call is batch 5, the 6th call of one process with accumulation 4.
+# Step 2 (micro-batch calls 5-8 of one process with accumulation 4) takes the NaN on the one process's 6th call,
+# and on rank 1's 3rd call (its first of step 2) of two processes with accumulation 2.
 POISON_ONE_PROCESS, POISON_TWO_PROCESSES = "0:6", "1:3"
 NAN_STEP = ((2, "train/loss"), (2, "train/grad_norm"))
 
@@ -95,20 +88,23 @@ def free_port() -> int:
 def launch(script: Path | str, output_dir: Path, *extra: str, config: str | None = None, processes: int = 1,
            trace: Path | None = None, expect_ok: bool = True, train_config: Path = TINY_SFT,
            poison: str | None = None) -> str:
-    """`python script` (config None) or `accelerate launch --config_file accelerate_configs/CONFIG`; with `trace`,
-    the script runs under benchmarks/row_trace.py, which records the rows each rank trains on into that folder."""
+    """`accelerate launch --config_file accelerate_configs/CONFIG script`, or with config None `python script` in
+    this process (the one-process reference runs; see `run_here`); with `trace`, the rows each rank trains on are
+    recorded into that folder (benchmarks/row_trace.py)."""
     from trainer.config import cache_dir
 
+    args = ["--config", str(train_config), "--output_dir", str(output_dir), *extra]
+    if config is None:
+        assert expect_ok
+        run_here(script, args, trace, {} if poison is None else {"RLHF_TEST_POISON": poison})
+        return ""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache_dir() / "torch_extensions")}
     if poison is not None:
         env["RLHF_TEST_POISON"] = poison
     target = [str(script)] if trace is None else [str(ROW_TRACE), str(trace), str(script)]
-    cmd = [sys.executable, *target]
-    if config is not None:
-        cmd = [ACCELERATE, "launch", "--config_file", str(CONFIGS / config), "--num_processes", str(processes),
-               "--main_process_port", str(free_port()), *target]
-    cmd += ["--config", str(train_config), "--output_dir", str(output_dir), *extra]
+    cmd = [ACCELERATE, "launch", "--config_file", str(CONFIGS / config), "--num_processes", str(processes),
+           "--main_process_port", str(free_port()), *target, *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     if expect_ok:
@@ -116,6 +112,30 @@ def launch(script: Path | str, output_dir: Path, *extra: str, config: str | None
     else:
         assert proc.returncode != 0, out[-4000:]
     return out
+
+
+def run_here(script: Path | str, args: list[str], trace: Path | None, env: dict[str, str]) -> None:
+    """`python script ARGS` in this process (its `__main__`, as row_trace runs it), on one thread as each launched
+    process runs, with `env` set and fresh Accelerate singletons; the scripts here undo their patches at the end."""
+    import runpy
+    from contextlib import nullcontext
+
+    from benchmarks.row_trace import traced
+    from trainer.engine.launch import reset_accelerate
+
+    threads, argv = torch.get_num_threads(), sys.argv
+    sys.argv = [str(script), *args]
+    torch.set_num_threads(1)
+    reset_accelerate()
+    try:
+        with pytest.MonkeyPatch.context() as patch, traced(trace) if trace else nullcontext():
+            for key, value in env.items():
+                patch.setenv(key, value)
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
+        reset_accelerate()
 
 
 def curve(run_dir: Path) -> dict[tuple[int, str], float]:
@@ -187,16 +207,17 @@ def assert_two_processes_match_one(one: Path, two: Path, rows_per_step: int, ski
 
 @pytest.fixture(scope="module")
 def sft_runs(tmp_path_factory):
-    """One SFT run three ways (1 process x accumulation 4; 2 processes x 2 under DDP and under DeepSpeed
-    ZeRO-2 offload), each with a NaN loss in step 2 on one rank."""
+    """One SFT run three ways (1 process x accumulation 4, micro-batches in shuffled order; 2 processes x 2,
+    grouped by length, under DDP and under DeepSpeed ZeRO-2 offload), each with a NaN loss in step 2 on one rank
+    and the gradient of step 1 saved."""
     root = tmp_path_factory.mktemp("sft")
-    script = root / "poisoned_sft.py"
-    script.write_text(POISON.format(root=str(ROOT)))
+    script = root / "probed_sft.py"
+    script.write_text(PROBED_SFT.format(root=str(ROOT)))
     args = (*CURVE, "--save_every", "1", "--keep_checkpoints", "5")
-    launch(script, root / "one", *args, "--gradient_accumulation_steps", "4", trace=root / "one" / "rows",
-           poison=POISON_ONE_PROCESS)
-    launch(script, root / "ddp", *args, "--gradient_accumulation_steps", "2", config="cpu_2proc.yaml", processes=2,
-           trace=root / "ddp" / "rows", poison=POISON_TWO_PROCESSES)
+    launch(script, root / "one", *args, "--gradient_accumulation_steps", "4", "--group_by_length", "false",
+           trace=root / "one" / "rows", poison=POISON_ONE_PROCESS)
+    launch(script, root / "ddp", *args, "--gradient_accumulation_steps", "2", "--group_by_length", "true",
+           config="cpu_2proc.yaml", processes=2, trace=root / "ddp" / "rows", poison=POISON_TWO_PROCESSES)
     log = launch(script, root / "zero2", *args, "--gradient_accumulation_steps", "2", "--optimizer", "paged_adamw_8bit",
                  config="deepspeed_zero2_offload.yaml", processes=2, trace=root / "zero2" / "rows",
                  poison=POISON_TWO_PROCESSES)
@@ -220,17 +241,12 @@ def test_two_gloo_processes_train_the_reward_model_like_one_process_with_twice_t
 
 
 @pytest.mark.slow
-def test_an_sft_step_has_the_same_gradient_on_two_processes_grouped_as_on_one_ungrouped(tmp_path):
+def test_an_sft_step_has_the_same_gradient_on_two_processes_grouped_as_on_one_ungrouped(sft_runs):
     """Every completion token of a step weighs the same, whichever rank and micro-batch holds it: one process
     accumulating 4 micro-batches in shuffled order, and two accumulating 2 each grouped by length, take the
     same 16 real hh-rlhf rows to the same gradient, to float rounding."""
-    script = tmp_path / "gradient_sft.py"
-    script.write_text(GRADIENT.format(root=str(ROOT)))
-    one, two = tmp_path / "one", tmp_path / "two"
-    args = ("--max_steps", "1", "--save_every", "0", "--eval_every", "0", "--eval_batches", "1", "--lora_dropout", "0")
-    launch(script, one, *args, "--gradient_accumulation_steps", "4", "--group_by_length", "false", trace=one / "rows")
-    launch(script, two, *args, "--gradient_accumulation_steps", "2", "--group_by_length", "true",
-           config="cpu_2proc.yaml", processes=2, trace=two / "rows")
+    root, _ = sft_runs
+    one, two = root / "one", root / "ddp"
     single, rank0, rank1 = traced_rows(one / "rows", 0), traced_rows(two / "rows", 0), traced_rows(two / "rows", 1)
     assert sorted(rank0[1] + rank1[1]) == sorted(single[1]) and len(single[1]) == 16  # the same rows
     reference, distributed = torch.load(one / "gradient.pt"), torch.load(two / "gradient.pt")
@@ -448,75 +464,71 @@ def test_every_launch_config_parses_and_points_at_its_deepspeed_file():
     assert (zero3["stage"], zero3["offload_param"]["device"]) == (3, "cpu")
 
 
-PPO_CHECKSUM = """
-import sys
+# PPO where every rank saves its trainable weights before and after training, and appends each (KL, beta) of the
+# adaptive KL controller, each into its own file beside the script.
+PPO_PROBES = """
+import json, os, sys
 from pathlib import Path
 import torch
+import trainer.rl.kl_control as kl_control
 import trainer.ppo as ppo
-real_train = ppo.train
+real_update, real_train = kl_control.AdaptiveKLController.update, ppo.train
+here, rank = Path(__file__).parent, os.environ.get("RANK", "0")
+
+def update(self, current_kl, n_steps):
+    real_update(self, current_kl, n_steps)
+    with open(here / f"beta_rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps({"kl": float(current_kl), "beta": self.value}) + "\\n")
+
 def train(ctx, model, prompts, held_out, scorer):
-    # every rank saves its trainable weights before and after training, each into its own file
-    rank = ctx.accelerator.process_index
     weights = lambda: [p.detach().cpu().clone() for p in model.trainable_parameters()]
     before = weights()
     state = real_train(ctx, model, prompts, held_out, scorer)
-    torch.save({"before": before, "after": weights()}, Path(__file__).parent / f"weights_rank{rank}.pt")
+    torch.save({"before": before, "after": weights()}, here / f"weights_rank{rank}.pt")
     return state
+
+kl_control.AdaptiveKLController.update = update
 ppo.train = train
 ppo.main(sys.argv[1:])
 """
 
 
+@pytest.fixture(scope="module")
+def ppo_ddp(tmp_path_factory):
+    """Two steps of PPO under DDP on two gloo processes, with the adaptive KL controller: the run folder."""
+    root = tmp_path_factory.mktemp("ppo_ddp")
+    script = root / "ppo_probes.py"
+    script.write_text(PPO_PROBES)
+    launch(script, root / "ppo", "--max_steps", "2", "--save_every", "0", "--adaptive_kl", "true", "--target_kl", "0.01",
+           "--kl_horizon", "40", "--init_kl_coef", "0.2", config="cpu_2proc.yaml", processes=2, train_config=TINY_PPO)
+    return root
+
+
 @pytest.mark.slow
-def test_ppo_under_ddp_keeps_both_ranks_policy_and_value_identical(tmp_path):
+def test_ppo_under_ddp_keeps_both_ranks_policy_and_value_identical(ppo_ddp):
     """Each rank samples its own prompts; synced gradients keep the trainable weights equal."""
     import math
 
-    script = tmp_path / "ppo_checksum.py"
-    script.write_text(PPO_CHECKSUM)
-    out = launch(script, tmp_path / "ppo", "--max_steps", "2", "--save_every", "0", config="cpu_2proc.yaml",
-                 processes=2, train_config=ROOT / "tests" / "configs" / "tiny_ppo.yaml")
-    ranks = [torch.load(tmp_path / f"weights_rank{rank}.pt") for rank in (0, 1)]
+    ranks = [torch.load(ppo_ddp / f"weights_rank{rank}.pt") for rank in (0, 1)]
     for before, after in zip(ranks[0]["before"], ranks[0]["after"]):
         assert before.shape == after.shape
     assert any(not torch.equal(b, a) for b, a in zip(ranks[0]["before"], ranks[0]["after"])), "nothing trained"
     for w0, w1 in zip(ranks[0]["after"], ranks[1]["after"]):
-        assert torch.equal(w0, w1), out[-2000:]
-    first = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()][1]
+        assert torch.equal(w0, w1)
+    first = [json.loads(line) for line in (ppo_ddp / "ppo" / "metrics.jsonl").read_text().splitlines()][1]
     assert first["step"] == 1 and all(math.isfinite(v) for v in first.values())  # finite, logged once
 
 
-PPO_KL_TRACE = """
-import json, os, sys
-from pathlib import Path
-import trainer.rl.kl_control as kl_control
-real_update = kl_control.AdaptiveKLController.update
-def update(self, current_kl, n_steps):
-    real_update(self, current_kl, n_steps)
-    rank = os.environ.get("RANK", "0")
-    with open(Path(__file__).parent / f"beta_rank{rank}.jsonl", "a") as f:
-        f.write(json.dumps({"kl": float(current_kl), "beta": self.value}) + "\\n")
-kl_control.AdaptiveKLController.update = update
-import trainer.ppo as ppo
-ppo.main(sys.argv[1:])
-"""
-
-
 @pytest.mark.slow
-def test_adaptive_kl_coefficient_moves_alike_on_every_rank(tmp_path):
+def test_adaptive_kl_coefficient_moves_alike_on_every_rank(ppo_ddp):
     """The ranks sample different prompts, so their KLs differ: the controller must see the KL averaged
     over ranks, or each rank's beta drifts its own way (and only rank 0's is checkpointed)."""
-    script = tmp_path / "ppo_kl.py"
-    script.write_text(PPO_KL_TRACE)
-    launch(script, tmp_path / "ppo", "--max_steps", "3", "--save_every", "0", "--adaptive_kl", "true",
-           "--target_kl", "0.01", "--kl_horizon", "40", "--init_kl_coef", "0.2", config="cpu_2proc.yaml", processes=2,
-           train_config=ROOT / "tests" / "configs" / "tiny_ppo.yaml")
-    traces = [[json.loads(line) for line in (tmp_path / f"beta_rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
-    assert len(traces[0]) == len(traces[1]) == 3
+    traces = [[json.loads(line) for line in (ppo_ddp / f"beta_rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert len(traces[0]) == len(traces[1]) == 2
     assert [t["kl"] for t in traces[0]] == [t["kl"] for t in traces[1]]  # the controller saw one KL
     assert [t["beta"] for t in traces[0]] == [t["beta"] for t in traces[1]]
     assert traces[0][-1]["beta"] != 0.2  # it did adapt
-    logged = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (ppo_ddp / "ppo" / "metrics.jsonl").read_text().splitlines()]
     kls = [r["objective/kl"] for r in logged if "objective/kl" in r]
     assert [t["kl"] for t in traces[0]] == pytest.approx(kls, rel=1e-9)  # the logged (rank-averaged) KL
 

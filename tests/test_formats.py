@@ -1,14 +1,10 @@
-"""Bring your own data: TRL's plain and conversational preference rows beside hh-rlhf's, chat templates, and
-the whole pipeline on a conversational file (rows made here from the shared hh-rlhf rows)."""
+"""Bring your own data: TRL's plain and conversational preference rows beside hh-rlhf's, and chat templates (the
+whole pipeline on a conversational file made with `conversational` below: tests/test_pipeline.py)."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,7 +12,6 @@ from trainer.config import DataArguments
 from trainer.data.formats import ChatRenderer, row_parser
 from trainer.data.hh_rlhf import DataError, RawRow, load_pairs, parse_row
 
-ROOT = Path(__file__).resolve().parent.parent
 HH = {"chosen": "\n\nHuman: How do I bake bread?\n\nAssistant: Knead it.\n\nHuman: And then?\n\nAssistant: Bake it "
                 "at 220 C.",
       "rejected": "\n\nHuman: How do I bake bread?\n\nAssistant: Knead it.\n\nHuman: And then?\n\nAssistant: No."}
@@ -117,29 +112,3 @@ def test_bad_rows_of_every_format_are_named_counted_and_refused_under_error(tmp_
     assert len(pairs) == 1 and report.skipped["wrong_format"] == 2
     with pytest.raises(DataError, match=r"mixed.jsonl:3: not_string: 'rejected' is int"):
         load_pairs(DataArguments(dataset=str(path), on_bad_row="error"), parse=row_parser())
-
-
-def test_the_pipeline_runs_end_to_end_on_a_conversational_file_with_smollm2s_chat_template(tmp_path, shared_data):
-    """Every stage (SFT, reward, PPO, DPO) and the comparison, on rows in TRL's conversational format made
-    from the shared hh-rlhf rows, rendered with SmolLM2's chat template (the tiny preset borrows SmolLM2's
-    tokenizer and its template)."""
-    data = tmp_path / "chat.jsonl"
-    with gzip.open(shared_data / "helpful-base" / "test.jsonl.gz", "rt") as f, data.open("w") as out:
-        for i, line in enumerate(f):
-            if i >= 400:
-                break
-            row = json.loads(line)
-            out.write(json.dumps(conversational(row, implicit=i % 2 == 0)) + "\n")
-    run_dir = tmp_path / "run"
-    overrides = f"dataset={data},data_format=conversational,chat_template=auto,max_length=160"
-    proc = subprocess.run([sys.executable, "-m", "trainer.pipeline", "--recipe", "tests/configs/tiny_recipe",
-                           "--run_dir", str(run_dir), "--with_dpo", "true", "--overrides", overrides,
-                           "--eval_prompts", "4", "--eval_max_new_tokens", "6"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for stage in ("sft", "reward", "ppo", "dpo"):
-        assert (run_dir / stage / "adapter" / "adapter_model.safetensors").is_file(), stage
-        assert json.loads((run_dir / stage / "config.json").read_text())["data"]["data_format"] == "conversational"
-    comparison = json.loads((run_dir / "comparison.json").read_text())
-    assert set(comparison["policies"]) == {"sft", "ppo", "dpo"}
-    assert all(s["prompt"].endswith("<|im_start|>assistant\n") for s in comparison["samples"])  # templated prompts

@@ -1,32 +1,46 @@
-"""The one-command pipeline on the tiny recipe: every stage, the comparison, the report, resume."""
+"""The one-command pipeline on the tiny recipe: every stage, the comparison, the report, resume - on rows in TRL's
+conversational format made from the shared hh-rlhf rows, rendered with SmolLM2's chat template (the tiny preset
+borrows SmolLM2's tokenizer and its template)."""
 
 from __future__ import annotations
 
+import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import in_process
+from test_bad_rows import one_line_error
+from test_formats import conversational
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "tests" / "configs" / "tiny_recipe"
 STAGES = ("sft", "reward", "ppo", "grpo", "rloo", "dpo")
 
 
-def pipeline(run_dir: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "trainer.pipeline", "--recipe", str(RECIPE), "--run_dir", str(run_dir),
-                           "--with_dpo", "true", "--algorithm", "ppo,grpo,rloo", "--eval_prompts", "4",
-                           "--eval_max_new_tokens", "6"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+def chat_rows(run_dir: Path) -> str:
+    """The --overrides that train on the conversational rows beside `run_dir` (chat.jsonl)."""
+    return f"dataset={run_dir.parent / 'chat.jsonl'},data_format=conversational,chat_template=auto,max_length=160"
+
+
+def pipeline(run_dir: Path) -> dict:
+    """`python -m trainer.pipeline` on the tiny recipe, every stage, in this process (as it runs its stages)."""
+    return in_process("trainer.pipeline", ["--recipe", str(RECIPE), "--run_dir", str(run_dir), "--with_dpo", "true",
+                                           "--algorithm", "ppo,grpo,rloo", "--overrides", chat_rows(run_dir),
+                                           "--eval_prompts", "4", "--eval_max_new_tokens", "6"])
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
+def run_dir(tmp_path_factory, shared_data) -> Path:
+    """The pipeline's run on 400 helpful-base rows, conversational with and without an explicit prompt."""
     out = tmp_path_factory.mktemp("pipeline") / "run"
+    source, chat = shared_data / "helpful-base" / "test.jsonl.gz", out.parent / "chat.jsonl"
+    with gzip.open(source, "rt") as f, chat.open("w") as rows:
+        for i, line in enumerate(f):
+            if i >= 400:
+                break
+            rows.write(json.dumps(conversational(json.loads(line), implicit=i % 2 == 0)) + "\n")
     pipeline(out)
     return out
 
@@ -44,6 +58,14 @@ def test_pipeline_runs_every_stage_and_feeds_each_the_previous_adapters(run_dir)
         assert cfg["sft_adapter"] == str(run_dir / "sft" / "adapter")
     advantages = [json.loads((run_dir / s / "config.json").read_text())["stage"]["advantage"] for s in ("grpo", "rloo")]
     assert advantages == ["grpo", "rloo"]
+
+
+def test_every_stage_trains_on_the_conversational_rows_and_the_comparison_prompts_are_templated(run_dir):
+    for stage in STAGES:
+        assert (run_dir / stage / "adapter" / "adapter_model.safetensors").is_file(), stage
+        assert json.loads((run_dir / stage / "config.json").read_text())["data"]["data_format"] == "conversational"
+    samples = json.loads((run_dir / "comparison.json").read_text())["samples"]
+    assert samples and all(s["prompt"].endswith("<|im_start|>assistant\n") for s in samples)
 
 
 def test_comparison_scores_every_policy_and_the_report_shows_it(run_dir):
@@ -82,21 +104,23 @@ def test_comparison_scores_every_policy_and_the_report_shows_it(run_dir):
         assert image.size[0] > 1000
 
 
-def test_a_second_run_skips_finished_stages(run_dir):
+def test_a_second_run_skips_finished_stages(run_dir, capsys):
     before = (run_dir / "ppo" / "results.json").stat().st_mtime_ns
-    proc = pipeline(run_dir)
-    assert proc.stderr.count("done already") + proc.stdout.count("done already") == len(STAGES)
+    capsys.readouterr()
+    pipeline(run_dir)
+    said = capsys.readouterr()
+    assert said.err.count("done already") + said.out.count("done already") == len(STAGES)
     assert (run_dir / "ppo" / "results.json").stat().st_mtime_ns == before
 
 
-def test_a_rerun_with_other_settings_does_not_reuse_finished_stages(run_dir):
+def test_a_rerun_with_other_settings_does_not_reuse_finished_stages(run_dir, capsys):
     before = (run_dir / "sft" / "results.json").read_text()
-    proc = subprocess.run([sys.executable, "-m", "trainer.pipeline", "--recipe", str(RECIPE), "--run_dir", str(run_dir),
-                           "--with_dpo", "true", "--overrides", "max_steps=3,learning_rate=0.01"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert f"stage sft in {run_dir / 'sft'} was finished with other settings" in proc.stderr
-    assert "train.max_steps: 2 -> 3" in proc.stderr and "train.learning_rate: 0.002 -> 0.01" in proc.stderr
+    overrides = chat_rows(run_dir) + ",max_steps=3,learning_rate=0.01"
+    code, line = one_line_error("trainer.pipeline", ["--recipe", str(RECIPE), "--run_dir", str(run_dir), "--with_dpo",
+                                                     "true", "--overrides", overrides], capsys)
+    assert code == 2, line
+    assert f"stage sft in {run_dir / 'sft'} was finished with other settings" in line
+    assert "train.max_steps: 2 -> 3" in line and "train.learning_rate: 0.002 -> 0.01" in line
     assert (run_dir / "sft" / "results.json").read_text() == before
 
 
@@ -140,14 +164,13 @@ def test_dpo_loss_on_a_batch_matches_the_formula_by_hand(run_dir, smol_tokenizer
     assert float(losses_of_stage.mean()) == pytest.approx(sum(losses) / len(losses), rel=1e-4, abs=1e-6)
 
 
-def test_evaluate_dpo_on_the_runs_eval_split_reproduces_the_stages_final_evaluation(run_dir):
+def test_evaluate_dpo_on_the_runs_eval_split_reproduces_the_stages_final_evaluation(run_dir, capsys):
     """`evaluate dpo --split eval` finds the reference (the run's SFT adapter), the split and beta from
     the run's config.json, and scores the same pairs the DPO stage evaluated at its last step."""
-    proc = subprocess.run([sys.executable, "-m", "trainer.evaluate", "dpo", "--adapter", str(run_dir / "dpo" / "adapter"),
-                           "--split", "eval", "--batch_size", "4", "--output_file", str(run_dir / "dpo" / "evaluation-eval.json")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    capsys.readouterr()
+    in_process("trainer.evaluate", ["dpo", "--adapter", str(run_dir / "dpo" / "adapter"), "--split", "eval",
+                                    "--batch_size", "4", "--output_file", str(run_dir / "dpo" / "evaluation-eval.json")])
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     saved = json.loads((run_dir / "dpo" / "evaluation-eval.json").read_text())
     assert saved.pop("provenance")["git_revision"] and saved == line
     final = json.loads((run_dir / "dpo" / "results.json").read_text())["eval_after"]
@@ -160,29 +183,27 @@ def test_evaluate_dpo_on_the_runs_eval_split_reproduces_the_stages_final_evaluat
     assert 0.0 <= low <= line["rewards/accuracies"] <= high <= 1.0
 
 
-def test_evaluate_split_without_a_run_config_names_what_to_do(run_dir, tmp_path):
+def test_evaluate_split_without_a_run_config_names_what_to_do(run_dir, tmp_path, capsys, fresh_accelerate_state):
     import shutil
 
     lone = tmp_path / "adapter"
     shutil.copytree(run_dir / "dpo" / "adapter", lone)
-    proc = subprocess.run([sys.executable, "-m", "trainer.evaluate", "dpo", "--adapter", str(lone), "--split", "eval"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "config.json does not exist: use --split all --data PATH" in proc.stderr
+    code, line = one_line_error("trainer.evaluate", ["dpo", "--adapter", str(lone), "--split", "eval"], capsys)
+    assert code != 0
+    assert "config.json does not exist: use --split all --data PATH" in line
 
 
 @pytest.mark.parametrize("stage", ["ppo", "grpo"])
-def test_online_rl_with_an_absent_earlier_stage_names_it_and_the_command_that_makes_it(tmp_path, stage):
+def test_online_rl_with_an_absent_earlier_stage_names_it_and_the_command_that_makes_it(tmp_path, stage, capsys,
+                                                                                      fresh_accelerate_state):
     """A stage script trains only its own stage: an absent SFT adapter stops the run at start, in one line."""
     sft = tmp_path / "sft" / "adapter"
-    proc = subprocess.run([sys.executable, f"trainer/{stage}.py", "--config", str(RECIPE / f"{stage}.yaml"),
-                           "--output_dir", str(tmp_path / stage), "--sft_adapter", str(sft)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    (line,) = [x for x in proc.stderr.splitlines() if str(sft) in x]
+    code, line = one_line_error(f"trainer.{stage}", ["--config", str(RECIPE / f"{stage}.yaml"), "--output_dir",
+                                                     str(tmp_path / stage), "--sft_adapter", str(sft)], capsys)
+    assert code == 1 and str(sft) in line
     assert "python -m trainer.pipeline" in line
     assert f"trainer/sft.py --config trainer/configs/sft.yaml --output_dir {sft.parent}" in line
-    assert "Traceback" not in proc.stderr and not (tmp_path / "sft").exists()
+    assert not (tmp_path / "sft").exists()
 
 
 def test_a_stage_run_in_process_leaves_no_model_behind_for_the_next(shared_data, tmp_path):
