@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import Payload
+from conftest import Payload, in_process_command
 
+from trainer.config import DATA_ENV
 from trainer.engine.checkpoint import (
     MANIFEST_FILE, CheckpointError, complete_checkpoints, select_checkpoint, write_manifest,
 )
@@ -23,10 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
 
 
-def run_sft(out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "trainer" / "sft.py"), "--config", str(TINY_SFT),
-                           "--output_dir", str(out), "--eval_every", "0", *extra], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+def run_sft(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`trainer/sft.py` on tiny_sft.yaml into `out`, in this process: what these tests read is the run's folder, its
+    log and its one error line, not the process around it."""
+    return in_process_command("trainer.sft", ["--config", str(TINY_SFT), "--output_dir", str(out), "--eval_every",
+                                              "0", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -143,10 +143,11 @@ def test_the_checkpoints_own_settings_decide_not_the_folders_config(run_copy):
     assert "train.learning_rate: 0.002 -> 0.001" in proc.stderr and "checkpoint-0000004" in proc.stderr
 
 
-def test_other_files_behind_dataset_auto_count_as_a_data_change(run_copy, shared_data, tmp_path):
+def test_other_files_behind_dataset_auto_count_as_a_data_change(run_copy, shared_data, tmp_path, monkeypatch):
     subset = tmp_path / "data"
     shutil.copytree(shared_data / "harmless-base", subset / "harmless-base")
-    proc = run_sft(run_copy, "--max_steps", "6", env={"RLHF_DATA": str(subset)})
+    monkeypatch.setenv(DATA_ENV, str(subset))
+    proc = run_sft(run_copy, "--max_steps", "6")
     assert proc.returncode != 0
     assert "resolved.dataset_fingerprint" in proc.stderr
 

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
+from conftest import in_process_command
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
 
 
 def start(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, f"trainer/{script}.py", "--config", str(TINY_SFT), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    """`trainer/SCRIPT.py --config tiny_sft.yaml ARGS` in this process (its exit code, stdout and stderr): what is
+    tested is the message the entry point ends with, not the process around it."""
+    return in_process_command(f"trainer.{script}", ["--config", str(TINY_SFT), *args])
 
 
 def test_missing_adapter_folder_is_named(tmp_path):
@@ -53,14 +53,13 @@ def test_a_budget_too_small_stops_before_loading_with_what_to_change(tmp_path):
 def test_unknown_config_key_names_the_file_and_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  max_stepz: 3\n")
-    proc = subprocess.run([sys.executable, "trainer/sft.py", "--config", str(bad)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = in_process_command("trainer.sft", ["--config", str(bad)])
     assert proc.returncode == 2 and f"{bad}: unknown key 'max_stepz' in section 'train'" in proc.stderr
 
 
 def test_pipeline_with_an_unknown_recipe_fails_at_start(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "trainer.pipeline", "--recipe", str(tmp_path / "nothing"),
-                           "--run_dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = in_process_command("trainer.pipeline", ["--recipe", str(tmp_path / "nothing"), "--run_dir",
+                                                   str(tmp_path / "run")])
     assert proc.returncode != 0 and "no sft.yaml, reward.yaml, ppo.yaml" in proc.stderr
 
 

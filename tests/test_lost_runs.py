@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import in_process_command
 
 from foundation.cli import run
 from trainer.engine.checkpoint import complete_checkpoints, verify_checkpoint
@@ -83,7 +84,7 @@ def test_a_second_run_on_a_busy_output_dir_stops_in_one_line_naming_host_and_pid
     out = tmp_path / "run"
     holder = hold_lock(out)
     try:
-        proc = run_sft(out, "--max_steps", "1")
+        proc = in_process_command("trainer.sft", sft_argv(out, "--max_steps", "1"))
     finally:
         holder.communicate("")
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -190,9 +191,12 @@ def test_the_lock_is_released_when_a_run_ends_and_when_it_fails(tmp_path, fresh_
     out = tmp_path / "run"
     sft.main(sft_argv(out, "--max_steps", "1", "--save_every", "0"))
     assert (out / "adapter").is_dir() and not (out / LOCK_FILE).exists()
-    # A failure after the lock was taken (no such checkpoint): the process's exit frees the folder.
-    failed = run_sft(tmp_path / "failed", "--resume", str(tmp_path))
-    assert failed.returncode == 1 and "not a complete checkpoint folder" in failed.stderr
+    # A failure after the lock was taken (no adapter to start from): the process's exit frees the folder. The lock
+    # file left there (claiming nothing) goes only with a lock this run took.
+    (tmp_path / "failed").mkdir()
+    (tmp_path / "failed" / LOCK_FILE).write_text("{}")
+    failed = run_sft(tmp_path / "failed", "--init_adapter", str(tmp_path / "no-adapter"))
+    assert failed.returncode == 1 and "--init_adapter" in failed.stderr and "is not a saved adapter" in failed.stderr
     assert not (tmp_path / "failed" / LOCK_FILE).exists()
 
 

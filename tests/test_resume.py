@@ -1,21 +1,24 @@
 """Resume across epoch boundaries: a run killed with SIGKILL at a random step and resumed ends with
 the same parameters and the same logged figures as the run that was never interrupted, for every
-stage (SFT, reward, DPO, PPO and GRPO) on the tiny preset and real hh-rlhf rows."""
+stage (SFT, reward, DPO, PPO and GRPO) on the tiny preset and real hh-rlhf rows. The killed run has a
+process of its own; the uninterrupted and the resumed run run in the test's process; all with one thread."""
 
 from __future__ import annotations
 
 import json
-import os
+import multiprocessing
 import random
 import signal
-import subprocess
-import sys
 import time
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import in_process, in_process_command
 from safetensors.torch import load_file
+
+from benchmarks.row_trace import traced
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
@@ -42,20 +45,40 @@ KEYS = ("train/loss", "train/grad_norm", "train/lr", "objective/scores", "object
         "eval/score_policy")
 
 
-def launch(stage: str, out: Path, wait: bool = True, trace: Path | None = None):
+def stage_argv(stage: str, out: Path) -> list[str]:
     config, extra, _, _ = STAGES[stage]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    script = [str(ROOT / "trainer" / f"{stage}.py")]
-    if trace is not None:  # the rows each step reads, recorded from outside the trainer
-        script = ["-m", "benchmarks.row_trace", str(trace), *script]
-    cmd = [sys.executable, *script, "--config", str(config), "--output_dir", str(out),
-           "--save_every", "1", "--keep_checkpoints", "20", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if not wait:
-        return proc
-    log, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, log[-3000:]
-    return log
+    return ["--config", str(config), "--output_dir", str(out), "--save_every", "1", "--keep_checkpoints", "20", *extra]
+
+
+# What a run imports, the stages and what they load on their way: most of a tiny run's time.
+PRELOAD = [*(f"trainer.{stage}" for stage in STAGES), "benchmarks.row_trace", "peft", "bitsandbytes", "deepspeed",
+           "transformers.models.llama.modeling_llama", "transformers.conversion_mapping"]
+
+
+@pytest.fixture(scope="module")
+def forks():
+    """Processes forked from one that imported `PRELOAD` once (multiprocessing's forkserver): each run that is
+    killed gets a process of its own without importing torch, transformers and the rest again."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def run_to_be_killed(stage: str, out: Path, trace: Path, log: Path) -> None:
+    """The body of the process that is killed: the stage's run with one thread, as the runs in this process, the
+    rows each step reads recorded from outside the trainer, its output into `log`."""
+    torch.set_num_threads(1)
+    with open(log, "w") as f, redirect_stdout(f), redirect_stderr(f), traced(trace):
+        in_process(f"trainer.{stage}", stage_argv(stage, out))
+
+
+def run_here(stage: str, out: Path, trace: Path) -> str:
+    """A run that is not killed, in this process with one thread as the killed one (`in_process_command`), its
+    rows recorded alike: its log."""
+    with traced(trace):
+        proc = in_process_command(f"trainer.{stage}", stage_argv(stage, out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
 
 
 def logged(out: Path) -> list[dict]:
@@ -74,25 +97,28 @@ def final_weights(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
-def test_sigkill_at_a_random_step_past_epoch_boundaries_resumes_to_the_uninterrupted_run(stage, tmp_path):
+def test_sigkill_at_a_random_step_past_epoch_boundaries_resumes_to_the_uninterrupted_run(stage, tmp_path, forks):
     _, _, per_epoch, total = STAGES[stage]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    launch(stage, straight, trace=tmp_path / "trace-straight")
+    run_here(stage, straight, tmp_path / "trace-straight")
     # A step after the first epoch boundary, so the resumed run starts inside epoch 1 or later and
     # then crosses another boundary before the end.
     seed = random.randrange(10**6)
     kill_after = random.Random(seed).randint(per_epoch + 1, total - 2)
-    proc = launch(stage, killed, wait=False, trace=tmp_path / "trace-killed")
+    killed_log = tmp_path / "killed.log"
+    proc = forks.Process(target=run_to_be_killed, args=(stage, killed, tmp_path / "trace-killed", killed_log))
+    proc.start()
     checkpoint = killed / f"checkpoint-{kill_after:07d}"
     deadline = time.time() + 300
     while not checkpoint.is_dir():
-        assert proc.poll() is None, f"(seed {seed}) run ended before step {kill_after}: {proc.stdout.read()[-2000:]}"
+        assert proc.is_alive(), f"(seed {seed}) run ended before step {kill_after}: {killed_log.read_text()[-2000:]}"
         assert time.time() < deadline, f"(seed {seed}) no checkpoint at step {kill_after}"
         time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.kill()  # SIGKILL
+    proc.join()
+    assert proc.exitcode == -signal.SIGKILL
     assert not (killed / "adapter").exists(), f"(seed {seed}) the run finished before the kill"
-    log = launch(stage, killed, trace=tmp_path / "trace-resumed")
+    log = run_here(stage, killed, tmp_path / "trace-resumed")
     assert "resumed from" in log
     assert logged(killed) == logged(straight), f"seed {seed}, killed after step {kill_after}"
     # Row by row, the killed run up to its checkpoint and then the resumed run read exactly the rows

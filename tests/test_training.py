@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import in_process_command
 from safetensors.torch import load_file
 
 from trainer.engine.checkpoint import complete_checkpoints
@@ -21,15 +22,12 @@ TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
 DETERMINISTIC_KEYS = ("train/loss", "train/grad_norm", "train/lr", "eval/loss", "eval/perplexity")
 
 
-def run_sft(output_dir: Path, *extra: str, env_extra: dict | None = None, wait: bool = True):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    cmd = [sys.executable, str(ROOT / "trainer" / "sft.py"), "--config", str(TINY_SFT), "--output_dir", str(output_dir), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if not wait:
-        return proc
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
-    return out
+def run_sft(output_dir: Path, *extra: str) -> str:
+    """`trainer/sft.py` on tiny_sft.yaml in this process, one thread (`in_process_command`): its log. Only the run
+    that is killed needs a process of its own."""
+    proc = in_process_command("trainer.sft", ["--config", str(TINY_SFT), "--output_dir", str(output_dir), *extra])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
@@ -207,10 +205,8 @@ def test_sft_loss_is_cross_entropy_on_completion_tokens_only(tiny_sft_data, smol
 def test_resuming_under_other_data_settings_is_refused_naming_the_fields(uninterrupted, tmp_path):
     out = tmp_path / "changed"
     shutil.copytree(uninterrupted, out)
-    proc = subprocess.run([sys.executable, str(ROOT / "trainer" / "sft.py"), "--config", str(TINY_SFT),
-                           "--output_dir", str(out), "--max_length", "64", "--learning_rate", "0.01"],
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=600)
+    proc = in_process_command("trainer.sft", ["--config", str(TINY_SFT), "--output_dir", str(out), "--max_length", "64",
+                                              "--learning_rate", "0.01"])
     assert proc.returncode != 0
     message = proc.stdout + proc.stderr
     assert "would resume from checkpoint-0000008" in message, message[-2000:]
