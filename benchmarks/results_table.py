@@ -1,11 +1,12 @@
-"""The table of the latest result of every benchmark, read from the files under benchmarks/results/.
+"""The tables of the results under benchmarks/results/: every folder in docs/results.md, and in README.md the
+newest result of each benchmark a user reads (GPU first).
 
-    python -m benchmarks.results_table            # rewrite the table in README.md and benchmarks/README.md
+    python -m benchmarks.results_table            # rewrite both tables
     python -m benchmarks.results_table --check    # exit 1 when either table differs from the files
-    python -m benchmarks.results_table --print    # the table on stdout (links from the repository root)
+    python -m benchmarks.results_table --print    # the full table on stdout (links from the repository root)
 
-One row per result folder: the benchmark, its setting, the headline figure, the device, the date and a link
-to the folder's report. Every cell comes from the folder's files and their provenance; none is typed.
+A row: the benchmark, its setting, the headline figure, the device, the date and a link to the folder's
+report. Every cell comes from the folder's files and their provenance; none is typed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from foundation.files import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-READMES = {ROOT / "README.md": "benchmarks/results", ROOT / "benchmarks" / "README.md": "results"}
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
 COMMAND = "python -m benchmarks.results_table"
 STAGES = ("sft", "reward", "dpo", "ppo", "grpo", "rloo")
@@ -31,13 +31,25 @@ TRAINERS = {"sft": ("SFT", "SFTTrainer"), "reward": ("Reward model", "RewardTrai
 
 @dataclass
 class Row:
-    rank: tuple  # where the row sorts: benchmark kind first, then its order within the kind
+    rank: tuple  # where the row sorts: benchmark kind first (the GPU kit's at 0), then its order within the kind
     benchmark: str
     setting: str
     headline: str
     device: str
-    date: str
+    date: str  # the provenance's ISO date and time: the newest row of a benchmark is the README's
     report: str  # path of the folder's report, relative to benchmarks/results/
+    key: str = ""  # the benchmark the README shows one row of, when not `benchmark` (stages of one comparison)
+    user: bool = True  # False: a check of the project's own machinery, in docs/results.md only
+
+
+@dataclass(frozen=True)
+class Page:
+    prefix: str  # the results folder as a link from the page
+    summary: bool  # the newest user row of each benchmark (README) rather than every folder's
+
+
+PAGES = {ROOT / "README.md": Page("benchmarks/results", summary=True),
+         ROOT / "docs" / "results.md": Page("../benchmarks/results", summary=False)}
 
 
 def _load(path: Path) -> dict:
@@ -49,7 +61,7 @@ def _load(path: Path) -> dict:
 
 def _when(record: dict) -> tuple[str, str]:
     """(device, date) from a file's provenance."""
-    return record.get("device_name") or record.get("device") or "?", (record.get("date") or "?")[:10]
+    return record.get("device_name") or record.get("device") or "?", record.get("date") or "?"
 
 
 def _report(folder: Path, preferred: str = "README.md") -> str:
@@ -84,7 +96,7 @@ def ppo_vs_trl(folder: Path) -> Row:
             headline += f"; {kind} TRL / ours {memory:.2f}x"
     else:
         headline = "; ".join(f"{name} {side.get('status')}" for name, side in sides.items())
-    return Row((0, 0), "PPO step, ours vs TRL PPOTrainer", setting, headline, *_when(rep),
+    return Row((1, 0), "PPO step, ours vs TRL PPOTrainer", setting, headline, *_when(rep),
                f"{folder.name}/ppo_vs_trl.md")
 
 
@@ -107,8 +119,8 @@ def stages_vs_trl(folder: Path) -> Row:
     headline = (f"{quality}; tokens/s {ratios['tokens_per_s_ratio']:.2f}x TRL's; "
                 f"peak RSS TRL / ours {ratios['peak_rss_trl_over_ours']:.2f}x")
     name, trainer = TRAINERS[stage]
-    return Row((1, STAGES.index(stage)), f"{name} stage, ours vs TRL {trainer}", setting,
-               headline, *_when(rep), f"{folder.name}/stages_vs_trl.md")
+    return Row((2, STAGES.index(stage)), f"{name} stage, ours vs TRL {trainer}", setting,
+               headline, *_when(rep), f"{folder.name}/stages_vs_trl.md", key="stages_vs_trl")
 
 
 def estimate(folder: Path) -> Row:
@@ -118,7 +130,7 @@ def estimate(folder: Path) -> Row:
                f"checkpointing {'on' if s['gradient_checkpointing'] else 'off'}")
     headline = (f"predicted peak {est['peak_bytes'] / 2**30:.3f} GiB ({est['peak_phase']}) against "
                 f"{est['budget_bytes'] / 2**30:.0f} GiB: {'fits' if est['fits'] else 'does not fit'}")
-    return Row((2, 0), "memory estimate (a prediction, not a measurement)", setting, headline, *_when(est),
+    return Row((3, 0), "memory estimate (a prediction, not a measurement)", setting, headline, *_when(est),
                f"{folder.name}/estimate.md")
 
 
@@ -130,7 +142,7 @@ def cards(folder: Path) -> Row:
     smallest = record.get("smallest_gib")
     headline = (f"smallest card that holds it: {smallest:g} GiB" if smallest is not None else "no card listed holds it")
     headline += f" (fits {', '.join(fits) or 'none'}; not {', '.join(left) or 'none'})"
-    return Row((2, 1), "cards that hold a recipe (`profiling.estimate --cards`, a prediction)",
+    return Row((3, 1), "cards that hold a recipe (`profiling.estimate --cards`, a prediction)",
                f"{record['model']} {record['stage']}, {record.get('setting', '-')}", headline, *_when(record),
                f"{folder.name}/cards.md")
 
@@ -166,7 +178,7 @@ def training_run(folder: Path) -> Row:
     if compared:
         figures.append(f"reward-model win rate vs SFT on {comparison['prompts']} held-out prompts: " + ", ".join(
             f"{s} {comparison['policies'][s]['win_rate_vs_sft']:.2f}" for s in compared))
-    return Row((3, 0), "training run (`benchmarks.collect_run`)", setting, "; ".join(figures), *_when(prov),
+    return Row((4, 0), "training run (`benchmarks.collect_run`)", setting, "; ".join(figures), *_when(prov),
                _report(folder, "report.md"))
 
 
@@ -183,7 +195,7 @@ def learning_margin(folder: Path, result: dict) -> Row:
     setting = (f"{', '.join(stages)} learning checks, seeds {', '.join(map(str, seeds))}, "
                f"threads {', '.join(map(str, threads))}"
                + (", and the update's sign flipped" if any(r["flipped"] for r in result["runs"]) else ""))
-    return Row((4, 0), "learning margin (`benchmarks.learning_margin`)", setting, "; ".join(figures),
+    return Row((5, 0), "learning margin (`benchmarks.learning_margin`)", setting, "; ".join(figures),
                *_when(result["provenance"]), f"{folder.name}/README.md")
 
 
@@ -193,9 +205,9 @@ def bad_inputs(folder: Path, result: dict) -> Row:
     codes = Counter(c["exit_code"] for c in cases)
     counts = ", ".join(f"{codes[code]} exit {code}" + (" (handled: the run goes on)" if code == 0 else "")
                        for code in sorted(codes, reverse=True))
-    return Row((5, 0), "bad inputs (`benchmarks.bad_inputs`)", f"{len(cases)} bad inputs, each a real command",
+    return Row((6, 0), "bad inputs (`benchmarks.bad_inputs`)", f"{len(cases)} bad inputs, each a real command",
                f"{one_line} of {len(cases)} print one line: {counts}", *_when(result["provenance"]),
-               f"{folder.name}/README.md")
+               f"{folder.name}/README.md", user=False)
 
 
 def trl_grpo_recipe(folder: Path, result: dict) -> Row:
@@ -212,7 +224,7 @@ def trl_grpo_recipe(folder: Path, result: dict) -> Row:
                        + (f" ({', '.join(offloads)})" if offloads else ""))
     targets = result.get("targets_gib", {})
     goal = " / ".join(f"{k} <= {v} GiB" for k, v in targets.items())
-    return Row((3, 1), "TRL's QLoRA GRPO recipe, estimated (`benchmarks.trl_grpo_recipe`)",
+    return Row((4, 1), "TRL's QLoRA GRPO recipe, estimated (`benchmarks.trl_grpo_recipe`)",
                "Qwen2.5-7B NF4, r=32, 8 x 256-token completions, beta 0, reward functions",
                "; ".join(figures) + (f" ({goal})" if goal else ""), *_when(prov), _report(folder))
 
@@ -220,9 +232,9 @@ def trl_grpo_recipe(folder: Path, result: dict) -> Row:
 def code_size(folder: Path, result: dict) -> Row:
     first, last = result["revisions"][0], result["revisions"][-1]
     lines = {r["revision"]: sum(r["python_lines"].values()) for r in (first, last)}
-    return Row((7, 0), "code size (`benchmarks.code_size`)", f"`{first['revision']}` -> `{last['revision']}`",
+    return Row((8, 0), "code size (`benchmarks.code_size`)", f"`{first['revision']}` -> `{last['revision']}`",
                f"Python lines {lines[first['revision']]} -> {lines[last['revision']]}; PPO settings "
-               f"{first['ppo_settings']} -> {last['ppo_settings']}", *_when(result), _report(folder))
+               f"{first['ppo_settings']} -> {last['ppo_settings']}", *_when(result), _report(folder), user=False)
 
 
 def launches(folder: Path, result: dict) -> Row:
@@ -241,8 +253,9 @@ def launches(folder: Path, result: dict) -> Row:
     torches = {r.get("versions", {}).get("torch") for r in runs}
     details = ([architecture] if architecture != "llama" else []) + (
         [f"torch {torches.pop()}"] if len(torches) == 1 and None not in torches else [])
-    return Row((7, 1), "operations launched per decoder layer (`benchmarks.launches`"
-               + "".join(f", {d}" for d in details) + ")", revisions, figures, *_when(result), _report(folder))
+    return Row((8, 1), "operations launched per decoder layer (`benchmarks.launches`"
+               + "".join(f", {d}" for d in details) + ")", revisions, figures, *_when(result), _report(folder),
+               user=False)
 
 
 def probe(folder: Path) -> Row:
@@ -261,7 +274,8 @@ def probe(folder: Path) -> Row:
 def other(folder: Path) -> Row:
     """A folder of a kind this table does not know (a GPU kit part, say): its provenance and first report."""
     prov = _load(folder / "provenance.json") if (folder / "provenance.json").is_file() else {}
-    return Row((6, 0), folder.name, prov.get("command", "-"), "see the report", *_when(prov), _report(folder))
+    return Row((7, 0), folder.name, prov.get("command", "-"), "see the report", *_when(prov), _report(folder),
+               user=False)
 
 
 def gpu_kit(folder: Path) -> Row:
@@ -276,8 +290,9 @@ def gpu_kit(folder: Path) -> Row:
     if not prov.get("smoke"):
         headline = "; ".join([headline, *gpu_figures(folder, prov.get("git_revision") or "")])
     mode = "smoke, tiny preset on the CPU" if prov.get("smoke") else prov.get("model", "?")
-    return Row((5, 0), f"GPU kit `{prov.get('part', folder.name)}` ({mode})", prov.get("command", "-"), headline,
-               *_when(prov), f"{folder.name}/manifest.json")
+    part = prov.get("part", folder.name)
+    return Row((0, 0), f"GPU kit `{part}` ({mode})", prov.get("command", "-"), headline, *_when(prov),
+               f"{folder.name}/manifest.json", user=not prov.get("smoke") and part != "check")  # check: the GPU tests
 
 
 def gpu_figures(folder: Path, revision: str) -> list[str]:
@@ -324,7 +339,7 @@ def activation_check(folder: Path) -> Row:
                 and (row["phase"] == "optimizer_step") == phase_is_step]
         return f"{sum(1 for t in held if t['within'])} of {len(held)}"
 
-    return Row((3, 2), "activations measured on the CPU (`benchmarks.activation_check`)",
+    return Row((4, 2), "activations measured on the CPU (`benchmarks.activation_check`)",
                "sft, reward, dpo, ppo, grpo on the tiny preset and SmolLM2, with and without checkpointing",
                f"terms of >= {result['significant_bytes'] // 2**20} MiB within {result['tolerance']:.0%} of the "
                f"estimate: layer activations {count('activations')}, logits {count('logits')}, optimizer "
@@ -348,7 +363,7 @@ def arithmetic_task(folder: Path) -> Row:
 
     headline = (f"exact match {change('correct')}; format {change('formatted')}; mean length "
                 f"{before['mean_length']['mean']:.1f} -> {after['mean_length']['mean']:.1f} tokens")
-    return Row((3, 3), "arithmetic task, GRPO with reward functions (`benchmarks/arithmetic/recipe.sh`)", setting,
+    return Row((4, 3), "arithmetic task, GRPO with reward functions (`benchmarks/arithmetic/recipe.sh`)", setting,
                headline, *_when(after["provenance"]), _report(folder))
 
 
@@ -357,22 +372,10 @@ KINDS: list[tuple[str, Callable[[Path], Row]]] = [  # the file that marks a fold
     ("arithmetic.json", arithmetic_task), ("result.json", probe)]
 
 
-def ppo_step_by_revision(folder: Path) -> Row:
-    """Our side of ppo_vs_trl alone at several revisions (one subfolder each): its step time at each."""
-    runs = [(_load(f), f.parent.name) for f in folder.glob("*/ppo_vs_trl.json")]
-    runs.sort(key=lambda r: r[0].get("date") or "")
-    figures = [f"`{name}` {data['sides']['ours']['summary']['step_s']:.2f} s" for data, name in runs]
-    return Row((1, 1), "our PPO step at several revisions (`benchmarks.ppo_vs_trl --sides ours`)",
-               runs[-1][0]["settings"].get("model_name_or_path", "?") if runs else "-",
-               "step " + ", ".join(figures), *_when(runs[-1][0] if runs else {}), _report(folder))
-
-
 def row_for(folder: Path) -> Row:
     for name, reader in KINDS:
         if (folder / name).is_file():
             return reader(folder)
-    if any(folder.glob("*/ppo_vs_trl.json")):
-        return ppo_step_by_revision(folder)
     if any((folder / s / "results.json").is_file() for s in STAGES):
         return training_run(folder)
     return other(folder)
@@ -383,33 +386,45 @@ def rows(results: Path = RESULTS) -> list[Row]:
     return sorted((row_for(f) for f in folders), key=lambda r: (r.rank, r.report))
 
 
-def table(results: Path = RESULTS, prefix: str = "benchmarks/results") -> str:
-    """The Markdown table, its links starting with `prefix` (the results folder seen from the file it goes in)."""
+def newest_of_each(all_rows: list[Row]) -> list[Row]:
+    """The newest user row of each benchmark, in the table's order: the README's rows."""
+    newest: dict[str, Row] = {}
+    for r in all_rows:
+        key = r.key or r.benchmark
+        if r.user and (key not in newest or r.date > newest[key].date):
+            newest[key] = r
+    kept = {id(r) for r in newest.values()}
+    return [r for r in all_rows if id(r) in kept]
+
+
+def table(results: Path = RESULTS, page: Page = Page("benchmarks/results", summary=False)) -> str:
+    """The Markdown table for `page`: its rows, links starting with its prefix."""
     lines = ["| benchmark | setting | headline | device | date | result |", "|---|---|---|---|---|---|"]
-    for r in rows(results):
-        lines.append(f"| {r.benchmark} | {r.setting} | {r.headline} | {r.device} | {r.date} | "
-                     f"[{r.report.split('/')[0]}]({prefix}/{r.report}) |")
+    chosen = rows(results)
+    for r in newest_of_each(chosen) if page.summary else chosen:
+        lines.append(f"| {r.benchmark} | {r.setting} | {r.headline} | {r.device} | {r.date[:10]} | "
+                     f"[{r.report.split('/')[0]}]({page.prefix}/{r.report}) |")
     return "\n".join(lines) + "\n"
 
 
-def section(results: Path = RESULTS, prefix: str = "benchmarks/results") -> str:
+def section(results: Path, page: Page) -> str:
     return (f"{START}\n\n_Generated by `{COMMAND}` from the files under `benchmarks/results/`; do not edit by "
-            f"hand._\n\n{table(results, prefix)}\n{END}")
+            f"hand._\n\n{table(results, page)}\n{END}")
 
 
-def rewritten(readme: Path, results: Path, prefix: str) -> tuple[str, str]:
+def rewritten(path: Path, results: Path, page: Page) -> tuple[str, str]:
     """(the file's text now, its text with the table regenerated)."""
-    text = readme.read_text()
+    text = path.read_text()
     if START not in text or END not in text:
-        raise InputError(f"{readme}: no {START} ... {END} section for the table")
+        raise InputError(f"{path}: no {START} ... {END} section for the table")
     head, rest = text.split(START, 1)
-    return text, head + section(results, prefix) + rest.split(END, 1)[1]
+    return text, head + section(results, page) + rest.split(END, 1)[1]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argument_parser(COMMAND, __doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="Exit 1 when a README's table is stale; write nothing.")
-    parser.add_argument("--print", action="store_true", help="Print the table; write nothing.")
+    parser.add_argument("--check", action="store_true", help="Exit 1 when a page's table is stale; write nothing.")
+    parser.add_argument("--print", action="store_true", help="Print the full table; write nothing.")
     parser.add_argument("--results_dir", type=Path, default=RESULTS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.check and args.print:
@@ -418,12 +433,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(table(args.results_dir), end="")
         return 0
     stale = []
-    for readme, prefix in READMES.items():
-        now, new = rewritten(readme, args.results_dir, prefix)
+    for path, page in PAGES.items():
+        now, new = rewritten(path, args.results_dir, page)
         if now != new:
-            stale.append(readme.relative_to(ROOT).as_posix())
+            stale.append(path.relative_to(ROOT).as_posix())
             if not args.check:
-                write_atomic(readme, new)
+                write_atomic(path, new)
     if args.check and stale:
         raise InputError(f"stale results table in {', '.join(stale)}: run {COMMAND}")
     done = "stale: none" if args.check else f"rewrote: {', '.join(stale) or 'none (already current)'}"

@@ -1,5 +1,6 @@
-"""The results table in the READMEs is generated from the committed result files, and every relative link
-in the user documentation points at a file of the repository."""
+"""The results tables (README.md: the newest result of each benchmark; docs/results.md: every folder) are
+generated from the committed result files, and every relative link in the user documentation points at a file
+of the repository."""
 
 import re
 import shutil
@@ -61,10 +62,37 @@ def test_a_gpu_kit_row_names_the_figures_of_its_files_and_the_revision_of_a_kept
     assert rt.row_for(folder).headline == "1 of 2 steps ok in 507 s"
 
 
-@pytest.mark.parametrize("readme", list(rt.READMES), ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_the_readme_table_equals_the_generator_output(readme):
-    now, regenerated = rt.rewritten(readme, rt.RESULTS, rt.READMES[readme])
-    assert now == regenerated, f"stale results table in {readme}: run python -m benchmarks.results_table"
+@pytest.mark.parametrize("page", list(rt.PAGES), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_the_page_table_equals_the_generator_output(page):
+    now, regenerated = rt.rewritten(page, rt.RESULTS, rt.PAGES[page])
+    assert now == regenerated, f"stale results table in {page}: run python -m benchmarks.results_table"
+
+
+def table_rows(text: str) -> list[str]:
+    section = text.split(rt.START, 1)[1].split(rt.END, 1)[0]
+    return [line for line in section.splitlines() if line.startswith("| ")][1:]  # the header row left out
+
+
+def test_the_readme_shows_at_most_12_rows_one_per_benchmark_gpu_first_and_docs_every_folder():
+    readme = table_rows((ROOT / "README.md").read_text())
+    assert 0 < len(readme) <= 12
+    folders = [p for p in rt.RESULTS.iterdir() if p.is_dir()]
+    assert len(table_rows((ROOT / "docs" / "results.md").read_text())) == len(folders)
+    benchmarks = [line.split(" | ")[0] for line in readme]
+    assert len(set(benchmarks)) == len(benchmarks)
+    on_gpu = [" | NVIDIA " in line for line in readme]
+    assert on_gpu[0] and on_gpu == sorted(on_gpu, reverse=True)  # the GPU rows first, then the CPU's
+
+
+def test_the_summary_keeps_the_newest_user_row_of_each_benchmark():
+    def row(benchmark, date, key="", user=True):
+        return rt.Row((0, 0), benchmark, "-", "-", "-", date, f"{benchmark}-{date}/", key, user)
+
+    rows = [row("speed", "2026-11-27T02:28"), row("speed", "2026-11-27T19:20"), row("check", "2026-11-28", user=False),
+            row("SFT stage", "2026-11-25T04:12", "stages"), row("DPO stage", "2026-11-25T11:43", "stages"),
+            row("demo", "2026-11-28")]
+    assert [r.report for r in rt.newest_of_each(rows)] == [
+        "speed-2026-11-27T19:20/", "DPO stage-2026-11-25T11:43/", "demo-2026-11-28/"]
 
 
 def test_check_fails_on_a_stale_table_and_the_rewrite_fixes_it(tmp_path, monkeypatch):
@@ -72,7 +100,7 @@ def test_check_fails_on_a_stale_table_and_the_rewrite_fixes_it(tmp_path, monkeyp
     shutil.copytree(rt.RESULTS / "bad_inputs", results / "bad_inputs")
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{rt.START}\nold\n{rt.END}\nafter\n")
-    monkeypatch.setattr(rt, "READMES", {readme: "results"})
+    monkeypatch.setattr(rt, "PAGES", {readme: rt.Page("results", summary=False)})
     monkeypatch.setattr(rt, "ROOT", tmp_path)
     with pytest.raises(rt.InputError, match="stale results table in README.md"):
         rt.main(["--check", "--results_dir", str(results)])

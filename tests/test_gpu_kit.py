@@ -333,7 +333,7 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
     # paths (from its committed smoke result).
     recipe, speed = results / "grpo_recipe-llama-2-7b-nvidia-h100", results / "speed-llama-2-7b-nvidia-h100"
     shutil.copytree(results / "grpo_recipe-tiny-llama-smoke", recipe)
-    shutil.copytree(ROOT / "benchmarks" / "results" / "speed-tiny-llama-smoke", speed)
+    shutil.copytree(ROOT / "tests" / "fixtures" / "kit" / "speed-tiny-llama-smoke", speed)
     for folder in (recipe, speed):
         part_info = json.loads((folder / "provenance.json").read_text())
         (folder / "provenance.json").write_text(json.dumps({**part_info, "smoke": False, "device": "cuda"}))
@@ -665,7 +665,7 @@ def test_the_grpo_vs_trl_part_runs_trl_s_recipe_on_both_sides_then_the_seed_ppo_
         return ppo[len(ppo) - 1 - ppo[::-1].index(flag) + 1]
 
     assert last("--simulate_gpu_gib") == "12" and last("--memory_budget_gib") == "12" and "trainer/ppo.py" in ppo
-    smoke = ROOT / "benchmarks" / "results" / "grpo_vs_trl-tiny-llama-smoke"
+    smoke = ROOT / "tests" / "fixtures" / "kit" / "grpo_vs_trl-tiny-llama-smoke"
     rows = grpo_trl_rows(smoke)
     sides = json.loads((smoke / "grpo_vs_trl" / "grpo_vs_trl.json").read_text())["sides"]
     ours = [side for side in ("ours", "ours_4bit") if side in sides]
@@ -719,7 +719,7 @@ def test_vs_estimate_estimates_with_the_cuda_context_the_run_measured_at_its_sta
     from profiling import components as C
 
     run = tmp_path / "ppo"
-    shutil.copytree(ROOT / "benchmarks" / "results" / "first-tiny-llama-smoke" / "ppo", run)
+    shutil.copytree(ROOT / "tests" / "fixtures" / "kit" / "first-tiny-llama-smoke" / "ppo", run)
     memory = json.loads((run / "memory.json").read_text())
     memory["device"] = "cuda:0"
     for i, phase in enumerate(memory["phases"]):
