@@ -170,7 +170,8 @@ def measure_overhead(repeats: int = 5) -> list[dict]:
     from profiling.recorder import MemoryRecorder
     from trainer.config import ModelArguments
     from trainer.model.shared_base import AdapterSpec, build_shared_model
-    from trainer.rl.rollout import Sampling, sample_responses
+    from trainer.model.decode import Generator, Sampling
+    from trainer.rl.rollout import sample_responses
 
     torch.manual_seed(0)
     args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", lora_r=16, lora_alpha=32)
@@ -192,7 +193,7 @@ def measure_overhead(repeats: int = 5) -> list[dict]:
         model.eval()
         prompts = ids[:, :PROMPT_LENGTH]
         with recorder.phase("generate"):
-            sample_responses(model, prompts, torch.ones_like(prompts), sampling, eos_id=0, pad_id=0,
+            sample_responses(Generator(model), prompts, torch.ones_like(prompts), sampling, eos_id=0, pad_id=0,
                              with_logprobs=True)
 
     rows, threads = [], torch.get_num_threads()

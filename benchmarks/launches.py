@@ -92,38 +92,44 @@ def nf4_policy(layers):
     model = build_shared_model(args, [AdapterSpec("policy", trainable=True)], vocab_size=512)
     return model, torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(0))
 
+def decoder(model, path, weights, **sampling):
+    """(decode(ids), compile_anew(regions=True)) as this revision's rollouts decode: its Generator, or before it
+    its decode function, whose sampling named the path and the weights."""
+    import trainer.model.decode as D
+    if hasattr(D, "Generator"):
+        generator, chosen = D.Generator(model, path, weights), D.Sampling(**sampling)
+        return lambda ids: generator.sample(ids, torch.ones_like(ids), chosen, 1, 0), generator.compile_anew
+    chosen = D.Sampling(**sampling, decode=path, generation_weights=weights)
+    return (lambda ids: D.decode(model, ids, torch.ones_like(ids), chosen, 1, 0),
+            lambda regions=True: D.compile_anew(model.causal_lm, regions=regions))
+
 def decode_counts(layers):
-    from trainer.model.decode import Sampling, decode
     model, ids = nf4_policy(layers)
-    sampling = Sampling(max_new_tokens=TOKENS, min_new_tokens=TOKENS, temperature=0, decode="eager",
-                        generation_weights="dequantized")
+    decode, _ = decoder(model, "eager", "dequantized", max_new_tokens=TOKENS, min_new_tokens=TOKENS, temperature=0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        decode(model, ids, torch.ones_like(ids), sampling, 1, 0)
+        decode(ids)
         with Count() as count:
-            decode(model, ids, torch.ones_like(ids), sampling, 1, 0)
+            decode(ids)
     return count.launched
 
 def compiled_decode_work(layers):
-    """A model whose 4-bit base decodes from its dense copy, 4 prompts and a compiled greedy sampling."""
-    from trainer.model.decode import Sampling
+    """A model whose 4-bit base decodes from its dense copy, 4 prompts, and a compiled greedy decoder."""
     model, ids = nf4_policy(layers)
-    return model, ids, Sampling(max_new_tokens=4, min_new_tokens=4, temperature=0, decode="compiled",
-                                generation_weights="dequantized")
+    return ids, decoder(model, "compiled", "dequantized", max_new_tokens=4, min_new_tokens=4, temperature=0)
 
 def compiled_matmuls(layers):
     """Matmuls in the compiled decode step's graphs, after inductor's own graph passes (each an extern GEMM
     launched on a GPU); compiled whole, so every layer is in its graph."""
     import torch._dynamo
     import torch._inductor.config as inductor_config
-    from trainer.model.decode import compile_anew, decode
-    model, ids, sampling = compiled_decode_work(layers)
+    ids, (decode, compile_anew) = compiled_decode_work(layers)
     matmuls = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
     seen = []
     torch._dynamo.reset()
-    compile_anew(model.causal_lm, regions=False)
+    compile_anew(regions=False)
     count = lambda graph: seen.append(sum(n.op == "call_function" and str(n.target) in matmuls for n in graph.nodes))
     with inductor_config.patch(post_grad_custom_post_pass=count), torch.autocast("cpu", dtype=torch.bfloat16):
-        decode(model, ids, torch.ones_like(ids), sampling, 1, 0)
+        decode(ids)
     return sum(seen)
 
 def traced_instructions(layers):
@@ -131,18 +137,17 @@ def traced_instructions(layers):
     rollouts compile it), under autocast from the dense copy."""
     import torch._dynamo
     import torch._dynamo.symbolic_convert as convert
-    from trainer.model.decode import compile_anew, decode
-    model, ids, sampling = compiled_decode_work(layers)
+    ids, (decode, compile_anew) = compiled_decode_work(layers)
     traced, step = [0], convert.InstructionTranslatorBase.step
     def counted(self):
         traced[0] += 1
         return step(self)
     torch._dynamo.reset()
-    compile_anew(model.causal_lm)
+    compile_anew()
     convert.InstructionTranslatorBase.step = counted
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            decode(model, ids, torch.ones_like(ids), sampling, 1, 0)
+            decode(ids)
     finally:
         convert.InstructionTranslatorBase.step = step
     return traced[0]

@@ -24,6 +24,7 @@ from trainer.model.loading import resolve_precision
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.engine.phases import watching
 from trainer.rl.algorithms.ppo import PPO
+from trainer.model.decode import Generator
 from trainer.rl.online import rl_step
 from trainer.rl.rewards import Scorer
 
@@ -122,13 +123,16 @@ def run_steps(engine: Engine, algorithm, scorer, args, prompts: list[list[int]],
     optimizer are dropped after, also on errors."""
     collate = PromptCollator(tokenizer.pad_token_id)
     state = algorithm.start(args.micro_batch_size, args.seed)
+    generator = Generator(engine.raw, algorithm.args.decode, algorithm.args.generation_weights,
+                          recorder=engine.recorder)
     phases, counter, b = StepPhases(clock), StepCounter(engine.optimizer), args.rollout_batch_size
     try:
         for i in range(args.total_steps):
             batch = collate([PromptExample(r, "bench") for r in prompts[i * b : (i + 1) * b]])
             clock.start()
             with watching(phases):
-                out = rl_step(engine, batch, algorithm, state, scorer, tokenizer.eos_token_id, tokenizer.pad_token_id)
+                out = rl_step(engine, generator, batch, algorithm, state, scorer, tokenizer.eos_token_id,
+                              tokenizer.pad_token_id)
             update_lap = clock.lap()
             result["steps"].append(step_record(i + 1, i < args.warmup_runs, phases.rollout, update_lap, clock.parts,
                                                optimizer_steps=counter.take(), **record(state)))
@@ -137,7 +141,7 @@ def run_steps(engine: Engine, algorithm, scorer, args, prompts: list[list[int]],
                         update_lap.seconds)
         if kernel_profile:
             batch = collate([PromptExample(r, "bench") for r in prompts[:b]])
-            profile_step(lambda: rl_step(engine, batch, algorithm, state, scorer, tokenizer.eos_token_id,
+            profile_step(lambda: rl_step(engine, generator, batch, algorithm, state, scorer, tokenizer.eos_token_id,
                                          tokenizer.pad_token_id),
                          engine.accelerator.device, Path(kernel_profile), f"{type(algorithm).__name__} step, ours")
     finally:

@@ -202,13 +202,13 @@ def resident(shape: ModelShape, args: EstimateArguments) -> dict:
 
 def _decodes_under_autocast(args: EstimateArguments) -> bool:
     """Whether the run's rollouts decode under mixed precision
-    (trainer.model.decode_weights.lora_compute_copies)."""
+    (trainer.model.decode_weights.DecodeWeights.lora_copies)."""
     return args.stage in ONLINE_RL_STAGES and args.autocast_dtype in ("bf16", "fp16")
 
 
 def decode_lora_bytes(shape: ModelShape, args: EstimateArguments) -> int:
     """The policy's LoRA weights copied into the autocast dtype for a rollout's decoding
-    (trainer.model.decode_weights.lora_compute_copies): lora_B, and lora_A unless a dense copy of the base holds
+    (trainer.model.decode_weights.DecodeWeights.lora_copies): lora_B, and lora_A unless a dense copy of the base holds
     it (`generation_weight_bytes`); none without mixed precision."""
     if not _decodes_under_autocast(args):
         return 0
@@ -218,7 +218,7 @@ def decode_lora_bytes(shape: ModelShape, args: EstimateArguments) -> int:
 
 def generation_weight_bytes(shape: ModelShape, dtype_bytes: int, args: Optional[EstimateArguments] = None) -> int:
     """The dense copy of every 4-bit linear layer in the compute dtype
-    (trainer.model.decode_weights.generation_weights); with `args` of a run that decodes under mixed precision,
+    (trainer.model.decode_weights.DecodeWeights.dense); with `args` of a run that decodes under mixed precision,
     also the rows under each LoRA target's matrix that hold the policy's LoRA-A weights
     (trainer.model.decode_weights.DequantizedLinear)."""
     rows = 0 if args is None or not _decodes_under_autocast(args) else \

@@ -86,6 +86,7 @@ class MemoryRecorder:
         self.resident_label = resident_label or (C.ROLLOUT_BUFFERS if stage in ONLINE_RL_STAGES else C.OTHER_TENSORS)
         self.records: dict[tuple[str, str], PhaseRecord] = {}
         self.extra: dict[str, object] = {}
+        self.holders: list = []  # objects holding tensors for the model outside its tree (its decoder)
         self._open: list[dict] = []  # the phases entered and not yet left, outermost first
         self.vocab_size = vocab_size  # what makes a tensor logits on the CPU (default: the model's LM head)
         self.cpu_timeline = cpu_timeline  # CPU phases: transient peaks from the allocator's events
@@ -98,8 +99,11 @@ class MemoryRecorder:
 
         self.command = relative_command()
 
-    def track(self, model=None, optimizer=None, **extra) -> None:
-        """Point the recorder at objects created later (the optimizer, a rollout buffer: component=tensors)."""
+    def track(self, model=None, optimizer=None, holder=None, **extra) -> None:
+        """Point the recorder at objects created later (the optimizer, a rollout buffer: component=tensors, a
+        holder of tensors for the model: `profiling.tensors.add_model`)."""
+        if holder is not None:
+            self.holders.append(holder)
         if model is not None:
             self.model = model
             self.device = D.normalize(self._explicit_device or _device_of(model))
@@ -110,7 +114,7 @@ class MemoryRecorder:
 
     def count(self) -> TensorLedger:
         """One walk over the tracked model, its gradients, the optimizer and the extra tensors."""
-        return count_tensors(self.model, self.optimizer, self.extra)
+        return count_tensors(self.model, self.optimizer, self.extra, self.holders)
 
     def sample(self) -> None:
         """Re-count inside a phase, e.g. after backward and before zero_grad frees the gradients."""

@@ -147,27 +147,17 @@ def model_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter, str]
             yield name, param, component
 
 
-# A module attribute listing the dense copies of 4-bit weights a decode reads (trainer.model.decode): counted
-# as generation_weights, before the walk meets them as buffers of the layers they stand in for.
-HELD_GENERATION_WEIGHTS = "held_generation_weights"
-# Likewise the copies of an adapter's LoRA weights in the autocast dtype that a decode multiplies by.
-HELD_DECODE_LORA = "held_decode_lora"
-# The 4-bit layers a decode's dense copies stand in for while it runs: out of the module tree, still held.
-HELD_SWAPPED_OUT = "held_swapped_out"
-# The KV caches a compiled decode keeps between rollouts (its CUDA graphs read their addresses).
-HELD_KV_CACHE = "held_kv_cache"
-
-
-def add_model(ledger: TensorLedger, model: nn.Module, gradients: bool = True) -> None:
-    """Weights, quantization constants, adapters and heads of `model`; then their .grad tensors."""
+def add_model(ledger: TensorLedger, model: nn.Module, gradients: bool = True, holders: Iterable = ()) -> None:
+    """Weights, quantization constants, adapters and heads of `model`; then their .grad tensors. `holders` hold
+    tensors for the model outside its module tree (a decoder, `trainer.model.decode.Generator`): `held()`,
+    component -> tensors, counted first (a dense copy swapped into the tree is a buffer there), and
+    `swapped_out()`, the layers those copies stand in for, counted as the model's own."""
     swapped_out = []
-    for module in model.modules():
-        for held in (HELD_GENERATION_WEIGHTS, HELD_DECODE_LORA):
-            for tensor in getattr(module, held, None) or ():
-                ledger.add(C.GENERATION_WEIGHTS, tensor)
-        for tensor in getattr(module, HELD_KV_CACHE, None) or ():
-            ledger.add(C.KV_CACHE, tensor)
-        swapped_out += getattr(module, HELD_SWAPPED_OUT, None) or ()
+    for holder in holders:
+        for component, tensors in holder.held().items():
+            for tensor in tensors:
+                ledger.add(component, tensor)
+        swapped_out += holder.swapped_out()
     params = [*model_parameters(model), *(p for layer in swapped_out for p in model_parameters(layer))]
     for _, param, component in params:
         ledger.add(component, param)
@@ -224,11 +214,13 @@ def add_optimizer(ledger: TensorLedger, optimizer) -> None:
                 ledger.add(C.OPTIMIZER_STATES, t)
 
 
-def count_tensors(model: Optional[nn.Module] = None, optimizer=None, extra: Optional[dict] = None) -> TensorLedger:
-    """One walk over a model (with gradients) and an optimizer; `extra` maps component -> tensors."""
+def count_tensors(model: Optional[nn.Module] = None, optimizer=None, extra: Optional[dict] = None,
+                  holders: Iterable = ()) -> TensorLedger:
+    """One walk over a model (with gradients, and what `holders` hold for it: `add_model`) and an optimizer;
+    `extra` maps component -> tensors."""
     ledger = TensorLedger()
     if model is not None:
-        add_model(ledger, model)
+        add_model(ledger, model, holders=holders)
     if optimizer is not None:
         add_optimizer(ledger, optimizer)
     for component, tensors in (extra or {}).items():

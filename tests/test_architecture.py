@@ -209,3 +209,56 @@ def test_docs_code_map_names_real_files_at_most_four_a_flag_and_its_declaration_
         assert files and len(files) <= 4 and all((ROOT / f).is_file() for f in files), row
         flag = re.match(r"\| `--(\w+)", row).group(1)
         assert re.search(rf"^    {flag}: ", (ROOT / files[0]).read_text(), re.MULTILINE), (flag, files[0])
+
+
+# What changes a container in place: a module-level name used so is state every caller shares.
+MUTATING = {"append", "add", "update", "setdefault", "pop", "popitem", "clear", "discard", "remove", "extend",
+            "insert"}
+
+
+def module_state(path: Path) -> list[str]:
+    """The module-level names of `path` that its code changes in place (an item or attribute set or deleted, a
+    mutating method called) or rebinds (`global`): state kept between calls, outside any object."""
+    tree = ast.parse(path.read_text())
+    names = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    changed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            changed.update(node.names)
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else (
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            if isinstance(target, (ast.Subscript, ast.Attribute)) and isinstance(target.value, ast.Name):
+                changed.add(target.value.id)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATING
+                and isinstance(node.func.value, ast.Name)):
+            changed.add(node.func.value.id)
+    return sorted(names & changed)
+
+
+def test_the_model_and_rl_code_keep_no_state_at_module_level():
+    """What decoding and the RL step keep between calls lives in objects a run owns (the Generator, the
+    state), never in a module: two models, two runs or two tests in one process cannot see each other's."""
+    found = {module_name(p): module_state(p) for folder in ("trainer/model", "trainer/rl")
+             for p in (ROOT / folder).rglob("*.py")}
+    assert {m: names for m, names in found.items() if names} == {}
+
+
+def test_the_state_check_sees_a_cache_a_flag_and_a_rebinding(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("import weakref\n_CACHE = weakref.WeakKeyDictionary()\n_FLAG = [False]\n_SEEN = set()\n"
+                       "COUNT = 0\nTABLE = {'a': 1}\n"
+                       "def f(m):\n    _CACHE[m] = 1\n    _FLAG[0] = True\n    _SEEN.add(m)\n    global COUNT\n"
+                       "    COUNT += 1\n    return TABLE['a']\n")
+    assert module_state(planted) == ["COUNT", "_CACHE", "_FLAG", "_SEEN"]
+
+
+def test_nothing_in_the_trainer_writes_an_attribute_onto_a_model_for_the_memory_recorder():
+    """The recorder learns what decoding holds from the decoder itself (`MemoryRecorder.track(holder=...)`):
+    no attribute set on a module for it to find."""
+    import re
+
+    for path in (ROOT / "trainer").rglob("*.py"):
+        assert not re.search(r"HELD_[A-Z_]+", path.read_text()), path
+    assert not re.search(r"^HELD_", (ROOT / "profiling" / "tensors.py").read_text(), re.MULTILINE)

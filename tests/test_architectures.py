@@ -187,11 +187,12 @@ def policy(tiny_model):
 
 
 def test_greedy_decoding_equals_transformers_generate(policy):
-    from trainer.rl.rollout import Sampling, sample_responses
+    from trainer.model.decode import Generator, Sampling
+    from trainer.rl.rollout import sample_responses
 
     model, tok, ids, mask = policy
     greedy = Sampling(max_new_tokens=10, temperature=0.0)
-    ours = sample_responses(model, ids, mask, greedy, tok.eos_token_id, tok.pad_token_id)[0]
+    ours = sample_responses(Generator(model), ids, mask, greedy, tok.eos_token_id, tok.pad_token_id)[0]
     with torch.no_grad(), model.use_adapter("policy"):
         theirs = model.peft.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -200,13 +201,14 @@ def test_greedy_decoding_equals_transformers_generate(policy):
 
 
 def test_log_probs_stored_while_sampling_equal_a_scoring_pass(policy):
-    from trainer.rl.rollout import Sampling, sample_responses
+    from trainer.model.decode import Generator, Sampling
+    from trainer.rl.rollout import sample_responses
     from trainer.rl.scoring import response_logprobs
 
     model, tok, ids, mask = policy
     sampling = Sampling(max_new_tokens=10, temperature=0.8)
     torch.manual_seed(0)
-    ids, mask, response_mask, _, stored, _ = sample_responses(model, ids, mask, sampling, tok.eos_token_id,
+    ids, mask, response_mask, _, stored, _ = sample_responses(Generator(model), ids, mask, sampling, tok.eos_token_id,
                                                               tok.pad_token_id, with_logprobs=True)
     with torch.no_grad():
         scored, _ = response_logprobs(model, ids, mask, response_mask.shape[1], "policy", 0.8)
@@ -294,12 +296,12 @@ def test_a_decode_s_dense_copies_multiply_each_sibling_group_as_one_matrix_as_it
     family keeps them apart, share one matrix, whose rows of each layer (the compiled step's product) give what
     the layer's own copy gives, biases too (Qwen2); a family that fuses them in its checkpoint has no group."""
     from trainer.config import ModelArguments
-    from trainer.model.decode_weights import DequantizedLinear, generation_weights
+    from trainer.model.decode_weights import DecodeWeights, DequantizedLinear
     from trainer.model.loading import load_base_model
 
     base = load_base_model(ModelArguments(model_name_or_path=str(tiny_model), quantization="nf4"), device=CPU)
     x = torch.randn(3, base.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    with generation_weights(base, "dequantized"):
+    with DecodeWeights(base, "dequantized").dense():
         copies = {name.rpartition(".")[2]: m for name, m in base.named_modules() if isinstance(m, DequantizedLinear)}
         grouped = {name for name, m in copies.items() if m.group is not None}
         own = {name: copies[name](x.to(copies[name].dtype)) for name in grouped}

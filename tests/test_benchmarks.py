@@ -373,10 +373,10 @@ def test_a_decode_row_that_fails_is_said_and_the_others_are_timed(tmp_path, monk
 
     timed = bench.time_generation
 
-    def flaky(model, ids, new_tokens, repeats, path, weights):
-        if weights == "quantized":
+    def flaky(generator, ids, new_tokens, repeats):
+        if generator.weights.choice == "quantized":
             raise RuntimeError("no kernel image is available\nfor execution on the device")
-        return timed(model, ids, new_tokens, repeats, path, weights)
+        return timed(generator, ids, new_tokens, repeats)
 
     monkeypatch.setattr(bench, "time_generation", flaky)
     result = bench.main(["--model_name_or_path", "tiny-llama", "--batches", "2", "--prompt_tokens", "4",
@@ -395,7 +395,7 @@ def test_a_decode_no_longer_than_its_prefill_is_listed_as_not_timed_not_given_a_
     tokens on a busy machine), the row says so instead of a tokens/s made of a clamped difference."""
     import benchmarks.gpu.decode as bench
 
-    monkeypatch.setattr(bench, "time_generation", lambda model, ids, new_tokens, *a: (0.5, 0.02))
+    monkeypatch.setattr(bench, "time_generation", lambda generator, ids, new_tokens, *a: (0.5, 0.02))
     result = bench.main(["--model_name_or_path", "tiny-llama", "--batches", "2", "--prompt_tokens", "4",
                          "--new_tokens", "3", "--repeats", "1", "--copy_gib", "0.01", "--paths", "eager",
                          "--out_dir", str(tmp_path)])

@@ -13,7 +13,8 @@ from conftest import dense_copies_made
 from test_shared_base import VOCAB, batch, perturbed_ppo_model, sft_adapter, tiny_args  # noqa: F401 (fixture)
 
 from foundation.cli import UsageError
-from trainer.model.decode import CHECK_EVERY, Sampling, check_path, decode, pick_tokens, truncated
+from profiling import components as C
+from trainer.model.decode import CHECK_EVERY, Generator, Sampling, check_path, pick_tokens, truncated
 from trainer.model.shared_base import AdapterSpec, build_shared_model
 
 
@@ -39,8 +40,20 @@ def tiny():
     return model.eval()
 
 
-def greedy(new, path="eager", min_new=0):
-    return Sampling(max_new_tokens=new, min_new_tokens=min_new, temperature=0.0, decode=path)
+@pytest.fixture(scope="module")
+def compiled(tiny):
+    """`tiny`'s compiled decoder, kept across the module's tests as a run keeps its one: its step compiles once
+    per batch size."""
+    return Generator(tiny, "compiled")
+
+
+def greedy(new, min_new=0):
+    return Sampling(max_new_tokens=new, min_new_tokens=min_new, temperature=0.0)
+
+
+def decode(model, ids, mask, sampling, eos_id, pad_id, path="eager", weights="quantized"):
+    """One decode by a decoder of its own: nothing kept from another call."""
+    return Generator(model, path, weights).sample(ids, mask, sampling, eos_id, pad_id)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64])
@@ -94,17 +107,11 @@ def test_min_new_tokens_bars_eos_until_then_as_generate_does(tiny, path):
     its step once for the steps on both sides of min_new_tokens (the bar is a tensor, not a guarded flag)."""
     from torch._dynamo.utils import counters
 
-    from trainer.model.decode import compile_anew
-
     ids, mask = batch(b=3, t=7)
     eos = int(hf_greedy(tiny, ids, mask, 1, eos_id=VOCAB + 1, pad_id=0)[0, 0])  # row 0's first greedy token
     want = hf_greedy(tiny, ids, mask, 6, eos_id=eos, pad_id=0, min_new_tokens=4)
-    compile_anew(tiny.causal_lm)
     compiled_before = counters["stats"]["unique_graphs"]
-    try:
-        got = decode(tiny, ids, mask, greedy(6, path, min_new=4), eos_id=eos, pad_id=0)
-    finally:
-        compile_anew(tiny.causal_lm)  # the other tests find the model with no compiled batch
+    got = decode(tiny, ids, mask, greedy(6, min_new=4), eos_id=eos, pad_id=0, path=path)
     assert counters["stats"]["unique_graphs"] - compiled_before == (path == "compiled")
     assert torch.equal(got.tokens[:, :want.shape[1]], want)
     assert (got.tokens[:, :4] != eos).all()
@@ -177,19 +184,17 @@ def test_a_decode_path_outside_the_loop_s_is_refused_by_name():
         check_path("static")
 
 
-def test_the_compiled_step_decodes_the_eager_tokens_and_log_probs_and_keeps_its_cache(tiny):
+def test_the_compiled_step_decodes_the_eager_tokens_and_log_probs_and_keeps_its_cache(tiny, compiled):
     """--decode compiled: a full-length static KV cache and a torch.compile'd step (CUDA graphs on CUDA), kept
-    for the next rollout; the eager loop's tokens and log-probs."""
-    from trainer.model.decode import _COMPILED
-
+    by the decoder for the next rollout; the eager loop's tokens and log-probs."""
     ids, mask = batch(b=2, t=8)
     eager = decode(tiny, ids, mask, greedy(6), eos_id=VOCAB + 1, pad_id=0)
-    compiled = decode(tiny, ids, mask, greedy(6, "compiled"), eos_id=VOCAB + 1, pad_id=0)
-    assert torch.equal(compiled.tokens, eager.tokens)
-    torch.testing.assert_close(compiled.logprobs, eager.logprobs, rtol=1e-4, atol=1e-4)
-    length, cache = _COMPILED[tiny.causal_lm].caches[2]
-    again = decode(tiny, ids[:, 2:], mask[:, 2:], greedy(6, "compiled"), eos_id=VOCAB + 1, pad_id=0)
-    assert _COMPILED[tiny.causal_lm].caches[2][1] is cache and length == 128  # 8 + 6 positions, rounded up
+    got = compiled.sample(ids, mask, greedy(6), eos_id=VOCAB + 1, pad_id=0)
+    assert torch.equal(got.tokens, eager.tokens)
+    torch.testing.assert_close(got.logprobs, eager.logprobs, rtol=1e-4, atol=1e-4)
+    length, cache = compiled.compiled.caches[2]
+    again = compiled.sample(ids[:, 2:], mask[:, 2:], greedy(6), eos_id=VOCAB + 1, pad_id=0)
+    assert compiled.compiled.caches[2][1] is cache and length == 128  # 8 + 6 positions, rounded up
     # the bytes it keeps are the estimator's (profiling.activations.compiled_kv_cache)
     from profiling import activations as A
     from profiling.predict import EstimateArguments, forward_spec
@@ -201,49 +206,49 @@ def test_the_compiled_step_decodes_the_eager_tokens_and_log_probs_and_keeps_its_
     assert torch.equal(again.tokens, decode(tiny, ids[:, 2:], mask[:, 2:], greedy(6), VOCAB + 1, 0).tokens)
 
 
-def test_the_compiled_step_compiles_its_decoder_layers_as_one_reused_region(tiny):
+def test_the_compiled_step_compiles_its_decoder_layers_as_one_reused_region(tiny, compiled):
     """The compiled step marks every decoder layer's forward as one nested compile region (compiled once,
     stamped out for the others); the mark is a no-op outside a compile (the eager and training passes) and
     comes off where the step compiles whole. A layer whose forward is replaced already (--compile_layers)
     keeps it."""
-    from trainer.model.decode import _COMPILED, compile_anew, layer_regions
-
     ids, mask = batch(b=2, t=8)
-    decode(tiny, ids, mask, greedy(4, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    compiled.sample(ids, mask, greedy(4), eos_id=VOCAB + 1, pad_id=0)
     layers = list(tiny.causal_lm.model.layers)
-    assert _COMPILED[tiny.causal_lm].regions == len(layers) == 2
+    assert compiled.compiled.regions.count == len(layers) == 2
     assert all("forward" in vars(layer) for layer in layers)
     eager = decode(tiny, ids, mask, greedy(4), eos_id=VOCAB + 1, pad_id=0)  # through the marked forwards
-    compile_anew(tiny.causal_lm, regions=False)
-    assert all("forward" not in vars(layer) for layer in layers) and _COMPILED[tiny.causal_lm].regions == 0
-    whole = decode(tiny, ids, mask, greedy(4, "compiled"), eos_id=VOCAB + 1, pad_id=0)
-    assert torch.equal(whole.tokens, eager.tokens)
+    whole = Generator(tiny, "compiled")
+    whole.compile_anew(regions=False)
+    assert all("forward" not in vars(layer) for layer in layers) and whole.compiled.regions.count == 0
+    assert torch.equal(whole.sample(ids, mask, greedy(4), eos_id=VOCAB + 1, pad_id=0).tokens, eager.tokens)
     own = layers[0].forward = lambda *a, **k: None  # as --compile_layers replaces it
     try:
-        assert layer_regions(tiny.causal_lm, True) == 1 and layers[0].forward is own
+        whole.compile_anew()
+        assert whole.compiled.regions.count == 1 and layers[0].forward is own
     finally:
         del layers[0].forward
-        compile_anew(tiny.causal_lm)
+        compiled.compile_anew()  # the module's decoder marks the layers again
 
 
-def test_a_memory_record_counts_the_caches_the_compiled_step_keeps_as_kv_cache(tiny):
-    """The compiled step keeps one full-length cache per batch size between rollouts: a memory record's walk
-    counts its keys and values as kv_cache (in every phase, as the estimator does), none before it exists."""
+def test_a_memory_record_counts_the_caches_the_compiled_step_keeps_as_kv_cache(tiny, compiled):
+    """The compiled step keeps one full-length cache per batch size between rollouts: a memory record the
+    decoder reports to counts its keys and values as kv_cache (in every phase, as the estimator does), none
+    before it exists."""
     from profiling import components as C
-    from profiling.tensors import TensorLedger, add_model
-    from trainer.model.decode import _COMPILED, compile_anew
+    from profiling.recorder import MemoryRecorder
+
+    recorder = MemoryRecorder("ppo", model=tiny)
+    recorder.track(holder=compiled)
+    compiled.compile_anew()  # no cache yet
 
     def kv_bytes():
-        ledger = TensorLedger()
-        add_model(ledger, tiny)
-        return ledger.components().get(C.KV_CACHE, 0)
+        return recorder.count().components().get(C.KV_CACHE, 0)
 
-    compile_anew(tiny.causal_lm)
     assert kv_bytes() == 0
     ids, mask = batch(b=2, t=8)
-    decode(tiny, ids, mask, greedy(4, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    compiled.sample(ids, mask, greedy(4), eos_id=VOCAB + 1, pad_id=0)
     config = tiny.causal_lm.config
-    (length, _), = _COMPILED[tiny.causal_lm].caches.values()
+    (length, _), = compiled.compiled.caches.values()
     head_dim = config.hidden_size // config.num_attention_heads
     size = next(tiny.causal_lm.parameters()).element_size()
     assert kv_bytes() == config.num_hidden_layers * 2 * 2 * config.num_key_value_heads * length * head_dim * size > 0
@@ -268,9 +273,9 @@ def test_the_compiled_step_traces_one_decoder_layer_and_stamps_it_out_for_the_ot
 
     def run():
         traced = len(timers.get("invoke_subgraph_trace", []))
-        module.compile_anew(model.causal_lm)
-        out = decode(model, ids, mask, greedy(5, "compiled", min_new=5), eos_id=1, pad_id=0)
-        (_, cache), = module._COMPILED[model.causal_lm].caches.values()
+        generator = Generator(model, "compiled")
+        out = generator.sample(ids, mask, greedy(5, min_new=5), eos_id=1, pad_id=0)
+        (_, cache), = generator.compiled.caches.values()
         kept = [(layer.keys.clone(), layer.values.clone(), int(layer.cumulative_length)) for layer in cache.layers]
         return out, len(timers.get("invoke_subgraph_trace", [])) - traced, kept
 
@@ -294,14 +299,12 @@ def test_the_compiled_step_traces_one_decoder_layer_and_stamps_it_out_for_the_ot
         assert held == want_held == 7 + 4  # the prompt, then every step but the last one's token
         torch.testing.assert_close(keys, want_keys, rtol=0, atol=1e-6)
         torch.testing.assert_close(values, want_values, rtol=0, atol=1e-6)
-    module.compile_anew(model.causal_lm)
 
 
 def test_with_compile_layers_the_compiled_step_marks_the_no_grad_forward_of_each_compiled_layer():
     """--compile_layers replaces every decoder layer's forward; a compiled decode marks their no-grad forward
     (the one it runs) as the reused region and decodes the eager tokens; compiled whole, the mark comes off."""
     from trainer.model.compiled import CompiledLayer
-    from trainer.model.decode import _COMPILED, _layer_step, compile_anew
 
     torch.manual_seed(0)
     model = build_shared_model(tiny_args(compile_layers=True), [AdapterSpec("policy", trainable=True)],
@@ -310,29 +313,27 @@ def test_with_compile_layers_the_compiled_step_marks_the_no_grad_forward_of_each
     assert model.compiled_parts == len(layers) and all(isinstance(vars(x)["forward"], CompiledLayer) for x in layers)
     ids, mask = batch(b=2, t=8)
     eager = decode(model, ids, mask, greedy(4), eos_id=VOCAB + 1, pad_id=0)
-    regions = decode(model, ids, mask, greedy(4, "compiled"), eos_id=VOCAB + 1, pad_id=0)
-    assert _COMPILED[model.causal_lm].regions == len(layers)
-    assert all(vars(x)["forward"].eager is _layer_step for x in layers)
+    generator = Generator(model, "compiled")
+    regions = generator.sample(ids, mask, greedy(4), eos_id=VOCAB + 1, pad_id=0)
+    assert generator.compiled.regions.count == len(layers)
+    assert all(vars(x)["forward"].eager == generator.compiled.regions.layer_step for x in layers)
     assert torch.equal(regions.tokens, eager.tokens)
-    compile_anew(model.causal_lm, regions=False)
+    generator.compile_anew(regions=False)
     assert all(vars(x)["forward"].eager is type(x).forward for x in layers)
 
 
-def test_each_step_compiled_anew_compiles_whatever_was_compiled_before_it(tiny):
-    """Every compiled step (a model's, or one compiled anew) keeps its compiled frames apart from the others':
+def test_each_step_compiled_anew_compiles_whatever_was_compiled_before_it(tiny, compiled):
+    """Every compiled step (a decoder's, or one compiled anew) keeps its compiled frames apart from the others':
     sharing one list, the steps past dynamo's recompile limit would run eagerly, with one warning."""
     from torch._dynamo.utils import counters
-
-    from trainer.model.decode import compile_anew
 
     ids, mask = batch(b=2, t=8)
     with torch._dynamo.config.patch(recompile_limit=1):
         for _ in range(2):
-            compile_anew(tiny.causal_lm)
+            compiled.compile_anew()
             before = counters["stats"]["unique_graphs"]
-            decode(tiny, ids, mask, greedy(3, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+            compiled.sample(ids, mask, greedy(3), eos_id=VOCAB + 1, pad_id=0)
             assert counters["stats"]["unique_graphs"] > before
-    compile_anew(tiny.causal_lm)
 
 
 def test_a_checkpointed_model_decodes_compiled_in_one_graph():
@@ -352,7 +353,7 @@ def test_a_checkpointed_model_decodes_compiled_in_one_graph():
     with torch.no_grad():
         assert not embeddings(ids).requires_grad
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-    decode(model, ids, mask, greedy(3, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+    decode(model, ids, mask, greedy(3), eos_id=VOCAB + 1, pad_id=0, path="compiled")
     assert counters["stats"]["unique_graphs"] - graphs == 1
     assert sum(counters["graph_break"].values()) == breaks
 
@@ -366,14 +367,15 @@ def test_a_compiled_step_that_breaks_into_pieces_says_where_in_one_warning(caplo
     torch.manual_seed(0)
     model = build_shared_model(tiny_args(), [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
     ids, mask = batch(b=2, t=8)
+    generator = Generator(model, "compiled")
     with caplog.at_level(logging.WARNING, logger="trainer.model.decode"):
-        decode(model, ids, mask, greedy(3, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+        generator.sample(ids, mask, greedy(3), eos_id=VOCAB + 1, pad_id=0)
     assert not [r for r in caplog.records if "graph break" in r.message]
     model.causal_lm.model.norm.register_forward_hook(lambda *_: torch._dynamo.graph_break())
     for rows in (3, 3):  # the first decode at 3 rows compiles (and says so), the second replays
         ids, mask = batch(b=rows, t=8)
         with caplog.at_level(logging.WARNING, logger="trainer.model.decode"):
-            decode(model, ids, mask, greedy(3, "compiled"), eos_id=VOCAB + 1, pad_id=0)
+            generator.sample(ids, mask, greedy(3), eos_id=VOCAB + 1, pad_id=0)
     said = [r.message for r in caplog.records if "graph break" in r.message]
     assert len(said) == 1
     graphs = re.match(r"decode compiled for 3 rows: graph breaks split the step into (\d+) graphs, which each token "
@@ -382,33 +384,28 @@ def test_a_compiled_step_that_breaks_into_pieces_says_where_in_one_warning(caplo
     assert "graph_break()" in said[0] and "\n" not in said[0]
 
 
-def test_decoder_layer_regions_that_do_not_compile_fall_back_to_the_whole_step(tiny, monkeypatch, caplog):
+def test_decoder_layer_regions_that_do_not_compile_fall_back_to_the_whole_step(tiny, compiled, monkeypatch, caplog):
     """Where the regions fail to compile (a torch without their support for a layer), the rollout compiles its
     step whole, says so in one line and decodes the same tokens."""
     import torch._dynamo.exc
-
-    from trainer.model import decode as module
 
     def failing_region(forward):
         def marked(*args, **kwargs):
             raise torch._dynamo.exc.TorchDynamoException("regions unsupported here")
         return marked
 
-    module.layer_regions(tiny.causal_lm, False)  # the real marks off before the failing ones go on
-    monkeypatch.setattr(torch.compiler, "nested_compile_region", failing_region)
-    monkeypatch.setattr(module, "_REGIONS", {})
     ids, mask = batch(b=2, t=8)
     want = decode(tiny, ids, mask, greedy(5), eos_id=VOCAB + 1, pad_id=0)
-    module.compile_anew(tiny.causal_lm)
+    monkeypatch.setattr(torch.compiler, "nested_compile_region", failing_region)
+    generator = Generator(tiny, "compiled")
     try:
         with caplog.at_level("WARNING", logger="trainer.model.decode"):
-            got = decode(tiny, ids, mask, greedy(5, "compiled"), eos_id=VOCAB + 1, pad_id=0)
-        assert torch.equal(got.tokens, want.tokens) and module._COMPILED[tiny.causal_lm].regions == 0
+            got = generator.sample(ids, mask, greedy(5), eos_id=VOCAB + 1, pad_id=0)
+        assert torch.equal(got.tokens, want.tokens) and generator.compiled.regions.count == 0
         assert "did not compile as one reused region (TorchDynamoException: regions unsupported here)" in caplog.text
     finally:
-        module.layer_regions(tiny.causal_lm, False)
         monkeypatch.undo()
-        module.compile_anew(tiny.causal_lm)
+        compiled.compile_anew()  # the module's decoder marks the layers again
 
 
 @pytest.mark.parametrize("path", ["eager", "compiled"])
@@ -423,8 +420,7 @@ def test_under_autocast_the_lora_products_multiply_copies_in_its_dtype_to_the_sa
 
     from torch._dynamo.utils import counters
 
-    from profiling.tensors import HELD_DECODE_LORA
-    from trainer.model import decode as module
+    from trainer.model.decode_weights import DecodeWeights
 
     torch.manual_seed(0)
     tiny = build_shared_model(tiny_args(dtype="bfloat16"), [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
@@ -433,16 +429,17 @@ def test_under_autocast_the_lora_products_multiply_copies_in_its_dtype_to_the_sa
             p.add_(torch.randn_like(p) * 0.3)
     assert {p.dtype for p in tiny.trainable_parameters()} == {torch.float32}  # trained in fp32, multiplied in bf16
     ids, mask = batch(b=2, t=8)
+    generator = Generator(tiny, path)
 
     def run():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return decode(tiny, ids, mask, greedy(6, path), eos_id=VOCAB + 1, pad_id=0)
+            return generator.sample(ids, mask, greedy(6), eos_id=VOCAB + 1, pad_id=0)
 
     layers = [layer for layer in tiny.lora_layers if "policy" in layer.lora_A]
     routed = [layer.forward for layer in layers]
     got = run()
     compiled_before = counters["stats"]["unique_graphs"]
-    held = getattr(tiny.causal_lm, HELD_DECODE_LORA)
+    held = generator.held()[C.GENERATION_WEIGHTS]
     assert not any("decode_lora_copies" in vars(layer) for layer in layers)  # only while decoding
     assert [layer.forward for layer in layers] == routed
     if path == "eager":
@@ -461,7 +458,7 @@ def test_under_autocast_the_lora_products_multiply_copies_in_its_dtype_to_the_sa
         got = run()
         assert counters["stats"]["unique_graphs"] == compiled_before  # the first decode's graph serves the others
     with monkeypatch.context() as patch:
-        patch.setattr(module, "lora_compute_copies", lambda *args, **kwargs: nullcontext())
+        patch.setattr(DecodeWeights, "lora_copies", lambda *args, **kwargs: nullcontext())
         want = run()
     assert torch.equal(got.tokens, want.tokens)
     # compiled, the copies' LoRA-B product is a sum in fp32 rounded once, not a bf16 matmul: bf16's rounding
@@ -476,7 +473,7 @@ def test_under_autocast_the_lora_a_copies_hold_the_scaling_so_no_step_multiplies
 
     from conftest import dispatch_counter
 
-    from trainer.model import decode as module
+    from trainer.model.decode_weights import DecodeWeights
 
     torch.manual_seed(0)
     tiny = build_shared_model(tiny_args(dtype="bfloat16"), [AdapterSpec("policy", trainable=True)], vocab_size=VOCAB)
@@ -490,11 +487,11 @@ def test_under_autocast_the_lora_a_copies_hold_the_scaling_so_no_step_multiplies
     def run():
         with torch.autocast("cpu", dtype=torch.bfloat16), \
                 dispatch_counter(lambda func: func._schema.name in ("aten::mul", "aten::mul_")) as counted:
-            return decode(tiny, ids, mask, greedy(6, "eager"), eos_id=VOCAB + 1, pad_id=0), counted.count
+            return decode(tiny, ids, mask, greedy(6), eos_id=VOCAB + 1, pad_id=0), counted.count
 
     got, multiplications = run()
     with monkeypatch.context() as patch:
-        patch.setattr(module, "lora_compute_copies", lambda *args, **kwargs: nullcontext())
+        patch.setattr(DecodeWeights, "lora_copies", lambda *args, **kwargs: nullcontext())
         want, scaled_apart = run()
     # scaling the products at the prefill and 5 steps, against scaling each LoRA-A copy once per decode
     assert scaled_apart - multiplications == len(layers) * 6 - len(layers)
@@ -556,28 +553,26 @@ def test_a_dense_copy_of_the_4bit_weights_decodes_the_same_tokens_and_log_probs(
     """The copy holds what the 4-bit layers' forward multiplies by: the same tokens and log-probs as decoding
     from the 4-bit weights (rows > 1: bitsandbytes dequantizes for them too). After, the model holds its 4-bit
     layers again; `dequantized` frees the copy, `resident` keeps it for the next rollout."""
-    from profiling.tensors import HELD_GENERATION_WEIGHTS
-    from trainer.model.decode_weights import _RESIDENT, drop_resident_weights
-
     ids, mask = batch(b=3, t=8)
     layers = four_bit_layers(tiny_nf4)
     sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8)
     torch.manual_seed(5)
     want = decode(tiny_nf4, ids, mask, sampling, eos_id=1, pad_id=0)
+    generator = Generator(tiny_nf4, "eager", weights)
     torch.manual_seed(5)
-    got = decode(tiny_nf4, ids, mask, Sampling(**{**vars(sampling), "generation_weights": weights}), 1, 0)
+    got = generator.sample(ids, mask, sampling, 1, 0)
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-6)
-    assert four_bit_layers(tiny_nf4) == layers  # swapped back
-    held = getattr(tiny_nf4.causal_lm, HELD_GENERATION_WEIGHTS)
+    assert four_bit_layers(tiny_nf4) == layers and generator.swapped_out() == []  # swapped back
+    held = generator.held()[C.GENERATION_WEIGHTS]
     if weights == "resident":
-        assert len(held) == len(layers) and tiny_nf4.causal_lm in _RESIDENT
-        kept = _RESIDENT[tiny_nf4.causal_lm]
-        decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=2, generation_weights="resident"), 1, 0)
-        assert _RESIDENT[tiny_nf4.causal_lm] is kept  # made once
-        drop_resident_weights(tiny_nf4.causal_lm)
+        assert len(held) == len(layers)
+        generator.sample(ids, mask, Sampling(max_new_tokens=2), 1, 0)
+        assert [t.data_ptr() for t in generator.held()[C.GENERATION_WEIGHTS]] == [t.data_ptr() for t in held]  # once
+        generator.release()
+        assert generator.held()[C.GENERATION_WEIGHTS] == []
     else:
-        assert held == [] and tiny_nf4.causal_lm not in _RESIDENT
+        assert held == []
 
 
 def test_under_autocast_the_dense_copy_gives_the_lora_a_products_of_the_decoded_adapter_in_its_own_matmul(
@@ -595,12 +590,12 @@ def test_under_autocast_the_dense_copy_gives_the_lora_a_products_of_the_decoded_
 
     made = dense_copies_made(monkeypatch)
     ids, mask = batch(b=3, t=8)
-    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8, generation_weights="dequantized")
+    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0.8)
 
     def run():
         torch.manual_seed(5)
         with torch.autocast("cpu", dtype=torch.bfloat16), matmuls() as counted:
-            return decode(tiny_nf4, ids, mask, sampling, 1, 0), counted.count
+            return decode(tiny_nf4, ids, mask, sampling, 1, 0, weights="dequantized"), counted.count
 
     (fused, fused_matmuls), copies = run(), list(made)
     monkeypatch.setattr(decode_module, "_rows_for", lambda *a: 0)
@@ -638,15 +633,14 @@ def test_the_compiled_step_multiplies_lora_b_without_a_matmul(weights, monkeypat
                    for n in graph.nodes)
 
     ids, mask = batch(b=3, t=8)
-    sampling = Sampling(max_new_tokens=4, min_new_tokens=4, temperature=0.0, decode="compiled",
-                        generation_weights=weights)
+    sampling = Sampling(max_new_tokens=4, min_new_tokens=4, temperature=0.0)
 
     def run():
         seen = []
         torch._dynamo.reset()  # compiled anew, its graphs through the pass below
         with inductor_config.patch(post_grad_custom_post_pass=lambda graph: seen.append(over_the_rank(graph))), \
                 torch.autocast("cpu", dtype=torch.bfloat16):
-            return decode(model, ids, mask, sampling, 1, 0), sum(seen)
+            return decode(model, ids, mask, sampling, 1, 0, path="compiled", weights=weights), sum(seen)
 
     summed, summed_matmuls = run()
     monkeypatch.setattr(module, "_times_lora_b", lambda products, b: torch.nn.functional.linear(products, b))
@@ -663,44 +657,36 @@ def test_the_recorder_counts_the_copy_as_generation_weights_at_the_estimator_s_s
     from profiling import components as C
     from profiling.predict import generation_weight_bytes
     from profiling.shapes import load_shape
-    from profiling.tensors import TensorLedger, add_model
-    from trainer.model.decode_weights import drop_resident_weights, generation_weights
+    from profiling.recorder import MemoryRecorder
+
+    recorder = MemoryRecorder("ppo", model=tiny_nf4)
+    per_rollout = Generator(tiny_nf4, "eager", "dequantized", recorder=recorder)
+    resident = Generator(tiny_nf4, "eager", "resident", recorder=recorder)
 
     def components():
-        ledger = TensorLedger()
-        add_model(ledger, tiny_nf4)
-        return ledger.components()
+        return recorder.count().components()
 
     outside = components()
-    with generation_weights(tiny_nf4.causal_lm, "dequantized"):
+    with per_rollout.holding():
         inside = components()
     assert inside[C.GENERATION_WEIGHTS] > 0
     assert {c: inside[c] for c in outside} == outside
     assert components() == outside
     ids, mask = batch(b=2, t=6)
-    decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=2, generation_weights="resident"), 1, 0)
-    ledger = TensorLedger()
-    add_model(ledger, tiny_nf4)
-    counted = ledger.components()[C.GENERATION_WEIGHTS]
-    drop_resident_weights(tiny_nf4.causal_lm)
+    resident.sample(ids, mask, Sampling(max_new_tokens=2), 1, 0)
+    counted = components()[C.GENERATION_WEIGHTS]
+    resident.release()
     assert counted == generation_weight_bytes(load_shape("tiny-llama", VOCAB), 2)  # bf16, the compute dtype
-    ledger = TensorLedger()
-    add_model(ledger, tiny_nf4)
-    assert C.GENERATION_WEIGHTS not in ledger.components()
+    assert C.GENERATION_WEIGHTS not in components()
 
 
 def test_a_model_without_4bit_layers_decodes_as_it_is_with_a_dense_copy_asked(tiny, caplog):
-    import logging
-
-    from trainer.model.decode_weights import _said
-
-    _said.clear()
     ids, mask = batch(b=2, t=6)
+    generator = Generator(tiny, "eager", "dequantized")
     with caplog.at_level(logging.INFO, logger="trainer.model.decode_weights"):
-        got = decode(tiny, ids, mask, Sampling(max_new_tokens=4, temperature=0, generation_weights="dequantized"),
-                     VOCAB + 1, 0)
-    assert torch.equal(got.tokens, decode(tiny, ids, mask, greedy(4), VOCAB + 1, 0).tokens)
-    assert "no 4-bit layer to dequantize" in caplog.text
+        got = [generator.sample(ids, mask, greedy(4), VOCAB + 1, 0) for _ in range(2)]
+    assert all(torch.equal(g.tokens, decode(tiny, ids, mask, greedy(4), VOCAB + 1, 0).tokens) for g in got)
+    assert caplog.text.count("no 4-bit layer to dequantize") == 1  # said once
 
 
 def test_a_rollout_makes_one_copy_and_records_it_as_generation_weights_in_generate(tiny_nf4, monkeypatch):
@@ -718,11 +704,11 @@ def test_a_rollout_makes_one_copy_and_records_it_as_generation_weights_in_genera
 
     made = dense_copies_made(monkeypatch)
     ids, mask = batch(b=4, t=6)
-    args = RolloutArguments(max_new_tokens=3, min_new_tokens=3, rollout_micro_batch_size=2,
-                            generation_weights="dequantized")
+    args = RolloutArguments(max_new_tokens=3, min_new_tokens=3, rollout_micro_batch_size=2)
     recorder = MemoryRecorder("grpo", model=tiny_nf4)
+    generator = Generator(tiny_nf4, "eager", "dequantized", recorder=recorder)
     with watching(recorder.phase):
-        make_rollout(tiny_nf4, ids, mask, args, Scorer(adapter=None), eos_id=1, pad_id=0, reference=False)
+        make_rollout(generator, ids, mask, args, Scorer(adapter=None), eos_id=1, pad_id=0, reference=False)
     assert len(made) == len(four_bit_layers(tiny_nf4))  # two chunks, one copy
     generate = recorder.records[("grpo", "generate")].components
     assert generate[C.GENERATION_WEIGHTS] == generation_weight_bytes(load_shape("tiny-llama", VOCAB), 2)
@@ -754,7 +740,6 @@ def test_a_per_rollout_copy_is_gone_when_the_rollout_ends(tiny_nf4, monkeypatch)
     import weakref
 
     from trainer.model import decode_weights as decode_module
-    from trainer.model.decode_weights import drop_resident_weights
 
     copies = []
 
@@ -765,13 +750,17 @@ def test_a_per_rollout_copy_is_gone_when_the_rollout_ends(tiny_nf4, monkeypatch)
 
     monkeypatch.setattr(decode_module, "DequantizedLinear", Watched)
     ids, mask = batch(b=2, t=6)
-    decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=2, generation_weights="dequantized"), 1, 0)
+    decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=2), 1, 0, weights="dequantized")
     gc.collect()
     assert copies and all(ref() is None for ref in copies)
     copies.clear()
-    decode(tiny_nf4, ids, mask, Sampling(max_new_tokens=2, generation_weights="resident"), 1, 0)
+    generator = Generator(tiny_nf4, "eager", "resident")
+    generator.sample(ids, mask, Sampling(max_new_tokens=2), 1, 0)
+    gc.collect()
     assert copies and all(ref() is not None for ref in copies)
-    drop_resident_weights(tiny_nf4.causal_lm)
+    generator.release()
+    gc.collect()
+    assert all(ref() is None for ref in copies)
 
 
 def test_a_compiled_step_counts_a_placing_of_the_dense_copies_only_where_no_earlier_decode_found_them():
@@ -780,21 +769,18 @@ def test_a_compiled_step_counts_a_placing_of_the_dense_copies_only_where_no_earl
     from types import SimpleNamespace
     from unittest import mock
 
-    from profiling.tensors import HELD_GENERATION_WEIGHTS
     from trainer.model.decode import _Compiled
 
-    compiled, model = SimpleNamespace(placings={}, caches={}), SimpleNamespace()
+    compiled = SimpleNamespace(placings={}, caches={})
     a, b = [torch.zeros(4), torch.zeros(2)], [torch.zeros(4), torch.zeros(2)]
 
     def placing(copies, rows=8, adapter="policy"):
-        setattr(model, HELD_GENERATION_WEIGHTS, copies)
-        return _Compiled.placing(compiled, model, rows, adapter)
+        return _Compiled.placing(compiled, copies, rows, adapter)
 
     assert [placing(a), placing(a), placing(b), placing(a), placing(b)] == [0, 0, 2, 0, 0]
     assert placing([torch.zeros(1)]) == 3 and placing(a, rows=16) == 0  # the first decode of 16 rows records anyway
     assert placing(a, adapter="reference") == 0 and placing(b, adapter="reference") == 2  # its own LoRA copies
-    delattr(model, HELD_GENERATION_WEIGHTS)  # decoding from the 4-bit weights: nothing to place
-    assert _Compiled.placing(compiled, model, 1, "policy") == 0 == _Compiled.placing(compiled, model, 1, "policy")
+    assert placing([], rows=1) == 0 == placing([], rows=1)  # decoding from the 4-bit weights: nothing to place
     config = SimpleNamespace(num_hidden_layers=1)  # a longer rollout: a new cache, so every graph is recorded anew
     compiled.caches[8] = (128, None)
     with mock.patch("transformers.StaticCache", lambda **kwargs: "cache"):
@@ -802,17 +788,15 @@ def test_a_compiled_step_counts_a_placing_of_the_dense_copies_only_where_no_earl
     assert placing(b) == 0 and placing(a) == 2 and placing(a, rows=16) == 0
 
 
-def test_fewer_rows_than_a_compiled_batch_decode_in_its_graph_and_cache(tiny):
+def test_fewer_rows_than_a_compiled_batch_decode_in_its_graph_and_cache(tiny, compiled):
     """--decode compiled with fewer rows than a batch size it has compiled for (a rollout's last chunk, an
     evaluation's last batch): the rows ride in that batch's graph and KV cache (no new compilation, no second
     cache the estimate does not price), the added rows start as ended, and the tokens are the eager loop's."""
-    from trainer.model.decode import _COMPILED
-
     ids, mask = batch(b=5, t=8)
-    decode(tiny, ids, mask, greedy(5, "compiled"), eos_id=VOCAB + 1, pad_id=0)
-    kept = dict(_COMPILED[tiny.causal_lm].caches)
-    got = decode(tiny, ids[1:], mask[1:], greedy(5, "compiled"), eos_id=VOCAB + 1, pad_id=0)
-    assert _COMPILED[tiny.causal_lm].caches.keys() == kept.keys() and 5 in kept and 4 not in kept
+    compiled.sample(ids, mask, greedy(5), eos_id=VOCAB + 1, pad_id=0)
+    kept = dict(compiled.compiled.caches)
+    got = compiled.sample(ids[1:], mask[1:], greedy(5), eos_id=VOCAB + 1, pad_id=0)
+    assert compiled.compiled.caches.keys() == kept.keys() and 5 in kept and 4 not in kept
     want = decode(tiny, ids[1:], mask[1:], greedy(5), eos_id=VOCAB + 1, pad_id=0)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.ended, want.ended)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=1e-4, atol=1e-4)
@@ -872,9 +856,8 @@ def test_decoding_a_grouped_query_model_folds_each_step_s_heads_and_decodes_the_
     monkeypatch.setitem(__import__("transformers").AttentionInterface._global_mapping, attention.DECODE_ATTENTION,
                         counted)
     ids, mask = batch(b=3, t=7)
-    sampling = greedy(5, path, min_new=5)  # greedy: a compiled step draws other random numbers than the eager loop
-    module.compile_anew(tiny.causal_lm)
-    got = decode(tiny, ids, mask, sampling, eos_id=1, pad_id=0)
+    sampling = greedy(5, min_new=5)  # greedy: a compiled step draws other random numbers than the eager loop
+    got = decode(tiny, ids, mask, sampling, eos_id=1, pad_id=0, path=path)
     assert config._attn_implementation == "sdpa"
     layers = config.num_hidden_layers
     assert calls[:layers] == [7] * layers and set(calls[layers:]) == {1}  # prefill, then one token a step
@@ -884,7 +867,6 @@ def test_decoding_a_grouped_query_model_folds_each_step_s_heads_and_decodes_the_
     with monkeypatch.context() as patch:  # transformers' sdpa, in the eager loop
         patch.setattr(module, "decode_attention", lambda causal_lm: nullcontext())
         want = decode(tiny, ids, mask, greedy(5, min_new=5), eos_id=1, pad_id=0)
-    module.compile_anew(tiny.causal_lm)
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
 
@@ -917,13 +899,13 @@ def test_the_compiled_step_multiplies_each_sibling_group_s_one_matrix_once(monke
     def compiled():
         seen = []
         torch._dynamo.reset()
-        module.compile_anew(model.causal_lm, regions=False)  # every layer in the step's one graph
-        sampling = Sampling(max_new_tokens=5, min_new_tokens=5, temperature=0.0, decode="compiled",
-                            generation_weights="dequantized")
+        generator = Generator(model, "compiled", "dequantized")
+        generator.compile_anew(regions=False)  # every layer in the step's one graph
+        sampling = Sampling(max_new_tokens=5, min_new_tokens=5, temperature=0.0)
         count = lambda graph: seen.append(sum(n.op == "call_function" and str(n.target) in matmuls
                                               for n in graph.nodes))
         with inductor_config.patch(post_grad_custom_post_pass=count), torch.autocast("cpu", dtype=torch.bfloat16):
-            return decode(model, ids, mask, sampling, 1, 0), sum(seen)
+            return generator.sample(ids, mask, sampling, 1, 0), sum(seen)
 
     class Sizes(TorchDispatchMode):  # each matmul's (rows, columns) of the matrix it multiplies by
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -932,10 +914,10 @@ def test_the_compiled_step_multiplies_each_sibling_group_s_one_matrix_once(monke
             return func(*args, **(kwargs or {}))
 
     def eager():
-        sampling = Sampling(max_new_tokens=3, min_new_tokens=3, temperature=0.0, generation_weights="dequantized")
+        sampling = Sampling(max_new_tokens=3, min_new_tokens=3, temperature=0.0)
         with torch.autocast("cpu", dtype=torch.bfloat16), Sizes() as sizes:
             sizes.seen = []
-            decode(model, ids, mask, sampling, 1, 0)
+            decode(model, ids, mask, sampling, 1, 0, weights="dequantized")
         return sorted(sizes.seen)
 
     grouped, grouped_matmuls = compiled()

@@ -97,6 +97,7 @@ def test_a_ppo_step_on_cuda_moves_only_policy_value_and_value_head(tmp_path):
     from trainer.model.shared_base import build_shared_model, stage_specs
     from trainer.ppo import PPOArguments
     from trainer.engine.phases import watching
+    from trainer.model.decode import Generator
     from trainer.rl.algorithms.ppo import PPO
     from trainer.rl.online import rl_step
     from trainer.rl.rewards import Scorer
@@ -117,7 +118,7 @@ def test_a_ppo_step_on_cuda_moves_only_policy_value_and_value_head(tmp_path):
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     with watching(engine.recorder.phase):
-        result = rl_step(engine, batch, algorithm, state, Scorer(), eos_id=2, pad_id=0)
+        result = rl_step(engine, Generator(model), batch, algorithm, state, Scorer(), eos_id=2, pad_id=0)
     assert result.stepped and all(torch.isfinite(torch.tensor(v)) for v in result.metrics.values())
     after = {name: model.adapter_state(name) for name in model.adapter_names}
     for name in ("reference", "reward"):
@@ -148,20 +149,20 @@ def test_old_logprobs_read_while_sampling_on_cuda_equal_a_policy_scoring_pass(tm
     model = build_shared_model(tiny_args(), specs, vocab_size=VOCAB, device=cuda())
     model.eval()
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
-    args = RolloutArguments(max_new_tokens=8, min_new_tokens=8, temperature=0.7, decode=decode,
-                            rollout_micro_batch_size=4)
+    from trainer.model.decode import Generator, Sampling
+
+    args = RolloutArguments(max_new_tokens=8, min_new_tokens=8, temperature=0.7, rollout_micro_batch_size=4)
+    generator = Generator(model, decode)
 
     def rollout():
         torch.manual_seed(0)
-        return make_rollout(model, ids, torch.ones_like(ids), args, Scorer(), eos_id=2, pad_id=0, value=True)
-
-    from trainer.model.decode import _COMPILED, Sampling, decode as run_decode
+        return make_rollout(generator, ids, torch.ones_like(ids), args, Scorer(), eos_id=2, pad_id=0, value=True)
 
     rollout()  # the compiled path compiles and records its graphs on its first call
     sampled = rollout()
-    assert (model.causal_lm in _COMPILED) == (decode == "compiled")
-    greedy = [run_decode(model, ids, torch.ones_like(ids), Sampling(max_new_tokens=8, temperature=0, decode=path),
-                         eos_id=2, pad_id=0) for path in ("eager", decode)]
+    assert (generator.compiled is not None) == (decode == "compiled")
+    greedy = [g.sample(ids, torch.ones_like(ids), Sampling(max_new_tokens=8, temperature=0), eos_id=2, pad_id=0)
+              for g in (Generator(model), generator)]
     assert_same_greedy(greedy[1], greedy[0], atol=2e-2)
     with torch.no_grad():
         scored, entropy = response_logprobs(model, sampled.input_ids, sampled.attention_mask, sampled.response_length,
@@ -181,21 +182,21 @@ def test_a_dense_copy_of_the_nf4_weights_decodes_as_the_4bit_layers_do_on_cuda(d
     as CUDA graphs, and the model holds its 4-bit layers again after each."""
     from bitsandbytes.nn import Linear4bit
 
-    from trainer.model.decode import Sampling, decode as run_decode
-    from trainer.model.decode_weights import DequantizedLinear, drop_resident_weights
+    from trainer.model.decode import Generator, Sampling
+    from trainer.model.decode_weights import DequantizedLinear
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
     mask = torch.ones_like(ids)
     layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
-    runs = {}
+    runs, generators = {}, {w: Generator(model, decode, w) for w in ("quantized", "dequantized", "resident")}
     for weights in ("quantized", "dequantized", "resident", "resident"):
         torch.manual_seed(0)
-        runs.setdefault(weights, []).append(run_decode(model, ids, mask, Sampling(
-            max_new_tokens=8, min_new_tokens=8, temperature=0.7, decode=decode, generation_weights=weights), 2, 0))
+        runs.setdefault(weights, []).append(generators[weights].sample(ids, mask, Sampling(
+            max_new_tokens=8, min_new_tokens=8, temperature=0.7), 2, 0))
         assert [m for m in model.modules() if isinstance(m, Linear4bit)] == layers
-    drop_resident_weights(model.causal_lm)
+    generators["resident"].release()
     want = runs["quantized"][0]
     for got in (runs["dequantized"][0], *runs["resident"]):
         assert torch.equal(got.tokens, want.tokens)
@@ -214,24 +215,22 @@ def test_on_cuda_under_autocast_the_dense_copy_s_lora_a_rows_decode_as_a_matmul_
     from conftest import dense_copies_made
 
     import trainer.model.decode_weights as decode_module
-    from trainer.model.decode import Sampling, decode as run_decode
-    from trainer.model.decode_weights import drop_resident_weights
+    from trainer.model.decode import Generator, Sampling
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
 
     def rollouts(decode: str):
-        sampling = Sampling(max_new_tokens=8, min_new_tokens=8, temperature=0, decode=decode,
-                            generation_weights="resident")
-        out = []
+        sampling = Sampling(max_new_tokens=8, min_new_tokens=8, temperature=0)
+        generator, out = Generator(model, decode, "resident"), []
         for shift in (0.0, 0.05):
             with torch.no_grad():  # B != 0, then the policy after an update
                 for p in model.trainable_parameters():
                     p.normal_(shift, 0.05, generator=torch.Generator(cuda()).manual_seed(p.numel()))
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                out.append(run_decode(model, ids, torch.ones_like(ids), sampling, 2, 0))
-        drop_resident_weights(model.causal_lm)
+                out.append(generator.sample(ids, torch.ones_like(ids), sampling, 2, 0))
+        generator.release()
         return out
 
     made = dense_copies_made(monkeypatch)
@@ -253,21 +252,21 @@ def test_the_compiled_step_compiles_its_layers_as_one_region_on_cuda_as_the_whol
 
     from torch._dynamo.utils import compilation_time_metrics as timers
 
-    from trainer.model.decode import _COMPILED, Sampling, compile_anew, decode as run_decode
-    from trainer.model.decode_weights import drop_resident_weights
+    from trainer.model.decode import Generator, Sampling
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
-    sampling = Sampling(max_new_tokens=8, temperature=0, decode="compiled", generation_weights=weights)
+    sampling = Sampling(max_new_tokens=8, temperature=0)
+    generator = Generator(model, "compiled", weights)
     traced = len(timers.get("invoke_subgraph_trace", []))
-    regions = run_decode(model, ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
-    assert _COMPILED[model.causal_lm].regions == len(model.causal_lm.model.layers) > 1
+    regions = generator.sample(ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
+    assert generator.compiled.regions.count == len(model.causal_lm.model.layers) > 1
     if weights == "resident" and importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph"):
         assert len(timers.get("invoke_subgraph_trace", [])) - traced == 1
-    compile_anew(model.causal_lm, regions=False)
-    whole = run_decode(model, ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
-    drop_resident_weights(model.causal_lm)
+    generator.compile_anew(regions=False)
+    whole = generator.sample(ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
+    generator.release()
     assert_same_greedy(regions, whole, atol=2e-2)
 
 
@@ -280,20 +279,21 @@ def test_on_cuda_the_compiled_step_serves_the_steps_before_and_after_min_new_tok
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from trainer.model.decode import Sampling, compile_anew, decode as run_decode
+    from trainer.model.decode import Generator, Sampling
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     torch._dynamo.reset()
     model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
-    greedy = dict(max_new_tokens=6, min_new_tokens=3, temperature=0)
+    greedy = Sampling(max_new_tokens=6, min_new_tokens=3, temperature=0)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        eos = int(run_decode(model, ids, torch.ones_like(ids), Sampling(max_new_tokens=1, temperature=0), 0, 0)
+        eos = int(Generator(model).sample(ids, torch.ones_like(ids), Sampling(max_new_tokens=1, temperature=0), 0, 0)
                   .tokens[0, 0])  # row 0's first greedy token: barred, the rows must pick another
-        eager = run_decode(model, ids, torch.ones_like(ids), Sampling(**greedy), eos, 0)
-        compile_anew(model.causal_lm)
+        eager = Generator(model).sample(ids, torch.ones_like(ids), greedy, eos, 0)
+        generator = Generator(model, "compiled")
+        generator.compile_anew()
         graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-        compiled = run_decode(model, ids, torch.ones_like(ids), Sampling(**greedy, decode="compiled"), eos, 0)
+        compiled = generator.sample(ids, torch.ones_like(ids), greedy, eos, 0)
     assert all(layer.gradient_checkpointing for layer in model.causal_lm.model.layers)
     assert counters["stats"]["unique_graphs"] - graphs == 1
     assert sum(counters["graph_break"].values()) == breaks
@@ -309,23 +309,24 @@ def test_under_bf16_autocast_on_cuda_the_lora_copies_decode_the_tokens_autocast_
     casts give, their log-probs to bf16 rounding."""
     from contextlib import nullcontext
 
-    from trainer.model import decode as module, decode_weights
+    from trainer.model.decode import Generator, Sampling
+    from trainer.model.decode_weights import DecodeWeights
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
-    sampling = module.Sampling(max_new_tokens=8, temperature=0, decode=decode, generation_weights="resident")
+    sampling, generator = Sampling(max_new_tokens=8, temperature=0), Generator(model, decode, "resident")
 
     def run():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            return module.decode(model, ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
+            return generator.sample(ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
 
     got = run()
-    assert (decode_weights._LORA_COPIES.get(model) is not None) == (decode == "compiled")
+    assert bool(generator.weights.lora) == (decode == "compiled")  # kept for the compiled step's CUDA graphs
     with monkeypatch.context() as patch:
-        patch.setattr(module, "lora_compute_copies", lambda *args, **kwargs: nullcontext())
+        patch.setattr(DecodeWeights, "lora_copies", lambda *args, **kwargs: nullcontext())
         want = run()
-    decode_weights.drop_resident_weights(model.causal_lm)
+    generator.release()
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=2e-2)
 
@@ -455,12 +456,11 @@ def test_on_cuda_a_grouped_query_model_decodes_with_its_heads_folded_as_with_rep
     model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
     assert model.causal_lm.config.num_key_value_heads < model.causal_lm.config.num_attention_heads
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
-    sampling = module.Sampling(max_new_tokens=8, temperature=0, decode=decode)
+    sampling = module.Sampling(max_new_tokens=8, temperature=0)
 
     def run():
-        module.compile_anew(model.causal_lm)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            return module.decode(model, ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
+            return module.Generator(model, decode).sample(ids, torch.ones_like(ids), sampling, eos_id=2, pad_id=0)
 
     folded = run()
     with monkeypatch.context() as patch:
@@ -539,22 +539,21 @@ def test_on_cuda_a_per_rollout_copy_that_lies_elsewhere_is_decoded_from_where_it
 
     from conftest import dense_copies_made
 
-    from trainer.model.decode import Sampling, compile_anew, decode as run_decode
+    from trainer.model.decode import Generator, Sampling
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     model = build_shared_model(tiny_args(), stage_specs("sft", {}), vocab_size=VOCAB, device=cuda()).eval()
     ids = torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0)).to(cuda())
-    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0, decode="compiled",
-                        generation_weights="dequantized")
-    compile_anew(model.causal_lm)
+    sampling = Sampling(max_new_tokens=6, min_new_tokens=6, temperature=0)
+    generator = Generator(model, "compiled", "dequantized")
     made = dense_copies_made(monkeypatch)  # holds every copy: the next is made elsewhere
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        first = run_decode(model, ids, torch.ones_like(ids), sampling, 2, 0)
+        first = generator.sample(ids, torch.ones_like(ids), sampling, 2, 0)
         with torch.no_grad():
             for copy in made:  # the old copies' memory no longer holds the weights
                 copy.weight.fill_(float("nan"))
         with caplog.at_level(logging.INFO, logger="trainer.model.decode"):
-            moved = run_decode(model, ids, torch.ones_like(ids), sampling, 2, 0)
+            moved = generator.sample(ids, torch.ones_like(ids), sampling, 2, 0)
     made.clear()
     assert "the dense copies lie where no earlier decode found them (placing 2)" in caplog.text
     assert torch.equal(moved.tokens, first.tokens)

@@ -104,7 +104,8 @@ def test_grpo_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_p
     from trainer.data.tokenization import tokenize_prompts
     from trainer.engine.setup import start_run
     from trainer.grpo import GRPOArguments, build_model
-    from trainer.rl.rollout import Sampling, make_rollout
+    from trainer.model.decode import Generator, Sampling
+    from trainer.rl.rollout import make_rollout
     from trainer.rl.settings import make_scorer
     from trainer.rl.scoring import response_logprobs
 
@@ -121,7 +122,7 @@ def test_grpo_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_p
     batch = PromptCollator(tok.pad_token_id)(prompts)
     scorer = make_scorer(ctx.stage_args, tok)
     torch.manual_seed(0)
-    sampled = make_rollout(model, batch["input_ids"], batch["attention_mask"], ctx.stage_args, scorer,
+    sampled = make_rollout(Generator(model), batch["input_ids"], batch["attention_mask"], ctx.stage_args, scorer,
                            tok.eos_token_id, tok.pad_token_id, group=ctx.stage_args.num_generations)
     model.eval()
     with torch.no_grad():
@@ -200,7 +201,7 @@ class FixedRolloutUpdate:
         algorithm = GRPO(args)
         state = algorithm.start(micro_batch, seed=3)
         batch = {"input_ids": self.rollout.input_ids[::5, :6], "attention_mask": self.rollout.attention_mask[::5, :6]}
-        rl_step(self.engine, batch, algorithm, state, None, 0, 0)
+        rl_step(self.engine, None, batch, algorithm, state, None, 0, 0)  # the rollout is made up: no decoder
         assert bool(self.failed) == bool(oom_at)
         assert state.micro_batch_size == (micro_batch // 2 if oom_at else micro_batch)
         return self.grads

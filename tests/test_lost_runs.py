@@ -396,19 +396,19 @@ def test_a_run_out_of_memory_keeps_its_memory_record_saying_where_it_stopped(tmp
     saying where and what to change; memory.json still holds step 1's phases and says where the run stopped, and
     the GPU tables mark that phase."""
     import trainer.grpo as grpo
-    import trainer.rl.rollout as rollout
     from benchmarks.gpu.collect import memory_rows
     from benchmarks.gpu.vs_estimate import compare
+    from trainer.model.decode import Generator
 
-    real_decode, calls = rollout.decode, []
+    real_sample, calls = Generator.sample, []
 
     def decode_out_of_memory_at_the_second_rollout(*args, **kwargs):  # two decodes a rollout: 16 rows, 8 a pass
         calls.append(1)
         if len(calls) == 3:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_decode(*args, **kwargs)
+        return real_sample(*args, **kwargs)
 
-    monkeypatch.setattr(rollout, "decode", decode_out_of_memory_at_the_second_rollout)
+    monkeypatch.setattr(Generator, "sample", decode_out_of_memory_at_the_second_rollout)
     out = tmp_path / "result" / "grpo"
     with pytest.raises(SystemExit) as exit_info:
         run(grpo.main, ["--config", str(ROOT / "tests" / "configs" / "tiny_grpo.yaml"), "--output_dir", str(out),

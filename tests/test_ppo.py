@@ -44,13 +44,14 @@ class PPOSetup:
     """A PPO run's pieces as trainer/ppo.py makes them, for tests that drive them one by one."""
 
     def __init__(self, ctx, model, prompts, held_out):
-        from trainer.rl.rollout import Sampling
+        from trainer.model.decode import Generator, Sampling
         from trainer.rl.settings import make_scorer
 
         self.ctx, self.model, self.train_prompts, self.eval_prompts = ctx, model, prompts, held_out
         self.args, tok = ctx.stage_args, ctx.tokenizer
         self.eos_id, self.pad_id = tok.eos_token_id, tok.pad_token_id
         self.sampling, self.scorer = Sampling.of(self.args), make_scorer(self.args, tok)
+        self.generator = Generator(model, self.args.decode, self.args.generation_weights)  # the run's decoder
 
     def rows(self, n: int):
         """The run's settings with generation and scoring `n` rows at a time."""
@@ -68,7 +69,7 @@ class PPOSetup:
     def evaluate(self) -> dict:
         from trainer.rl.policy_eval import policy_vs_reference
 
-        return policy_vs_reference(self.model, self.eval_prompts, self.args, self.scorer, self.eos_id, self.pad_id,
+        return policy_vs_reference(self.generator, self.eval_prompts, self.args, self.scorer, self.eos_id, self.pad_id,
                                    self.ctx.accelerator)
 
 
@@ -103,7 +104,7 @@ def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_
     assert (model.compiled_parts > 0) == compiled
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
     torch.manual_seed(0)
-    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
+    rollout = make_rollout(trainer.generator, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
                            trainer.eos_id, trainer.pad_id, value=True)
     assert rollout.input_ids.shape[1] == batch["input_ids"].shape[1] + rollout.response_length
     # policy and reference start from the same SFT weights: zero KL on every token
@@ -136,7 +137,7 @@ def test_a_bf16_rollout_sampled_at_a_temperature_starts_the_update_at_ratio_one(
         model.causal_lm.get_output_embeddings().weight.mul_(40)
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
     torch.manual_seed(0)
-    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(4), trainer.scorer,
+    rollout = make_rollout(trainer.generator, batch["input_ids"], batch["attention_mask"], trainer.rows(4), trainer.scorer,
                            trainer.eos_id, trainer.pad_id, value=True)
     ids, mask, width = trimmed_to_longest_response(rollout.input_ids, rollout.attention_mask, rollout.response_mask)
     model.train()
@@ -215,7 +216,7 @@ def test_out_of_memory_halving_of_an_odd_micro_batch_leaves_every_token_its_weig
     trainer, model = build_trainer(tmp_path, stage_adapters)
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:5])
     torch.manual_seed(0)
-    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(5), trainer.scorer,
+    rollout = make_rollout(trainer.generator, batch["input_ids"], batch["attention_mask"], trainer.rows(5), trainer.scorer,
                            trainer.eos_id, trainer.pad_id, value=True)
     mask = (torch.arange(rollout.response_length) < torch.tensor([1, 6, 2, 5, 3])[:, None]).float()
     rollout = replace(rollout, response_mask=mask, logprobs=rollout.logprobs * mask,
@@ -313,7 +314,7 @@ def test_evaluation_kl_is_scored_at_the_sampling_temperature(tmp_path, stage_ada
     ids, mask = batch["input_ids"], batch["attention_mask"]
     torch.manual_seed(trainer.args.eval_seed)
     with torch.no_grad():
-        full, att, rmask, _ = sample_responses(model, ids, mask, trainer.sampling, trainer.eos_id, trainer.pad_id,
+        full, att, rmask, _ = sample_responses(trainer.generator, ids, mask, trainer.sampling, trainer.eos_id, trainer.pad_id,
                                                adapter="policy")
         p = ids.shape[1]
         kl = ((_logprobs_at(model, full, att, p, "policy", temperature)
@@ -334,7 +335,7 @@ def test_truncated_sampling_is_scored_as_the_full_policy_and_said_once(tmp_path,
     assert len(notes) == 1 and "top_k" in notes[0], notes
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:2])
     torch.manual_seed(0)
-    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
+    rollout = make_rollout(trainer.generator, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
                            trainer.eos_id, trainer.pad_id, value=True)
     with torch.no_grad():
         expected = _logprobs_at(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_length, "policy", 0.7)
@@ -352,7 +353,7 @@ def test_ppo_turns_lora_dropout_off_so_the_first_ratio_is_one(tmp_path, stage_ad
     assert "lora_dropout 0.05 -> 0" in capsys.readouterr().out
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
     torch.manual_seed(0)
-    rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(4), trainer.scorer,
+    rollout = make_rollout(trainer.generator, batch["input_ids"], batch["attention_mask"], trainer.rows(4), trainer.scorer,
                            trainer.eos_id, trainer.pad_id, value=True)
     adv = compute_advantages(rollout, 0.05, trainer.args)
     model.train()
@@ -378,7 +379,7 @@ def test_routed_passes_give_the_rollout_and_the_steps_that_one_pass_per_adapter_
                                        "--eval_every", "0")
         batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
         torch.manual_seed(0)
-        rollout = make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
+        rollout = make_rollout(trainer.generator, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
                                trainer.eos_id, trainer.pad_id, value=True)
         trainer.train()
         ends[fused] = rollout, {name: model.adapter_state(name) for name in ("policy", "value")}
@@ -419,7 +420,7 @@ def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, 
 
     def rollout(eos_id: int):
         torch.manual_seed(0)
-        return make_rollout(model, batch["input_ids"], batch["attention_mask"], trainer.rows(4), trainer.scorer,
+        return make_rollout(trainer.generator, batch["input_ids"], batch["attention_mask"], trainer.rows(4), trainer.scorer,
                             eos_id, trainer.pad_id, value=True)
 
     # The untrained policy seldom samples EOS: the token row 0 samples fourth stands in for it, so that
@@ -427,10 +428,8 @@ def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, 
     eos_id = int(rollout(trainer.eos_id).input_ids[0, batch["input_ids"].shape[1] + 3])
     routed.clear()
     sampled = rollout(eos_id)
-    # the compiled path really ran compiled: the loop keeps the compiled step and its cache per model
-    from trainer.model.decode import _COMPILED
-
-    assert (model.causal_lm in _COMPILED) == (decode == "compiled")
+    # the compiled path really ran compiled: the run's decoder keeps the compiled step and its cache
+    assert (trainer.generator.compiled is not None) == (decode == "compiled")
     assert routed == [("reference", "value", "reward")] * 2  # two micro-batches, no policy group
     ends = sampled.response_mask.sum(1)
     assert ends.min() < sampled.response_length  # a row stopped at EOS before the others
@@ -466,7 +465,7 @@ def test_sampling_runs_min_length_then_temperature_and_top_k_then_draws(tmp_path
     handle = model.causal_lm.register_forward_hook(eos_first)
     try:
         torch.manual_seed(0)
-        ids, _, _, ended = sample_responses(model, batch["input_ids"], batch["attention_mask"], trainer.sampling,
+        ids, _, _, ended = sample_responses(trainer.generator, batch["input_ids"], batch["attention_mask"], trainer.sampling,
                                             eos, trainer.pad_id)
     finally:
         handle.remove()

@@ -85,20 +85,17 @@ def test_generate_s_transient_is_the_kv_cache_an_eager_decode_grows_else_activat
     """generate's transient peak is the KV cache an eager decode grows; where a compiled decode's full-length
     cache is held (counted from its tensors in every phase, as the estimator prices it) the peak beyond it is
     the prompt's forward and the steps' work: activations, the estimator's name for them."""
-    from profiling.tensors import HELD_KV_CACHE
+    from types import SimpleNamespace
 
     _, model = sft_model
     components = {}
-    try:
-        for held in ([], [torch.zeros(4096)]):
-            setattr(model.causal_lm, HELD_KV_CACHE, held)
-            recorder = MemoryRecorder("grpo", model=model)
-            with recorder.phase("generate"):
-                work = torch.ones(100_000)
-                del work
-            components[len(held)] = recorder.records[("grpo", "generate")].components
-    finally:
-        setattr(model.causal_lm, HELD_KV_CACHE, [])
+    for held in ([], [torch.zeros(4096)]):
+        recorder = MemoryRecorder("grpo", model=model)
+        recorder.track(holder=SimpleNamespace(held=lambda: {C.KV_CACHE: held}, swapped_out=lambda: []))  # a decoder
+        with recorder.phase("generate"):
+            work = torch.ones(100_000)
+            del work
+        components[len(held)] = recorder.records[("grpo", "generate")].components
     assert components[0][C.KV_CACHE] >= 400_000 and C.ACTIVATIONS not in components[0]
     assert components[1][C.KV_CACHE] == 4 * 4096 and components[1][C.ACTIVATIONS] >= 400_000
 

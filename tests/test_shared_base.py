@@ -681,7 +681,7 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
     from conftest import compiled_calls
     from torch._dynamo.utils import counters
 
-    from trainer.model.decode import Sampling, decode
+    from trainer.model.decode import Generator, Sampling
 
     args, sft_dir, _ = sft_adapter
     if args.quantization != "none":
@@ -698,7 +698,7 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
     graphs = counters["stats"]["unique_graphs"]
     with compiled_calls(monkeypatch) as calls, torch.no_grad():
         models[1].fused(ids, mask, ["reference", "value", "reward"], ["logits", "scores", "scores"], keep_last=5)
-        sequences = [decode(m, ids, mask, Sampling(max_new_tokens=4, temperature=0), eos_id=1, pad_id=0).tokens
+        sequences = [Generator(m).sample(ids, mask, Sampling(max_new_tokens=4, temperature=0), eos_id=1, pad_id=0).tokens
                      for m in models]
     assert not calls and counters["stats"]["unique_graphs"] == graphs  # scoring and decoding: eager, nothing compiled
     assert torch.equal(sequences[0], sequences[1])

@@ -26,11 +26,11 @@ from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import load_splits
 from trainer.data.tokenization import tokenize_prompts
 from trainer.engine.setup import base_model_args
+from trainer.model.decode import Generator, Sampling
 from trainer.model.loading import load_tokenizer, pick_device
 from trainer.model.shared_base import AdapterSpec, build_shared_model
 from trainer.rl.policy_eval import sample_policies
 from trainer.rl.rewards import Scorer
-from trainer.rl.rollout import Sampling
 
 logger = logging.getLogger(__name__)
 SEED = 0
@@ -81,7 +81,7 @@ def compare_policies(run_dir: Path, args: PipelineArguments) -> dict[str, Any]:
     model = build_shared_model(model_args, specs, vocab_size=len(tokenizer), device=pick_device()).eval()
     prompts, texts = held_out_prompts(run_dir, tokenizer, args.eval_prompts)
     sampling = Sampling(max_new_tokens=args.eval_max_new_tokens)
-    samples = sample_policies(model, prompts, list(adapters), "sft", Scorer(), sampling,
+    samples = sample_policies(Generator(model), prompts, list(adapters), "sft", Scorer(), sampling,
                               tokenizer.eos_token_id, tokenizer.pad_token_id, BATCH_SIZE, SEED, tokenizer=tokenizer)
     result: dict[str, Any] = {"prompts": len(prompts), "sampling": asdict(sampling), "policies": {}}
     for name, mine in samples.items():

@@ -36,6 +36,7 @@ from trainer.data.hh_rlhf import load_pairs, load_splits
 from trainer.data.tokenization import tokenize_pairs, tokenize_prompts, tokenize_sft
 from trainer.dpo import DPOArguments, implicit_reward_accuracy
 from trainer.engine.setup import base_model_args
+from trainer.model.decode import Generator
 from trainer.model.loading import load_tokenizer
 from trainer.model.shared_base import AdapterSpec, build_shared_model, check_adapter_folder
 from trainer.reward import reward_accuracy
@@ -244,7 +245,7 @@ def evaluate_answers(args: EvalArguments) -> dict:
     spec = AdapterSpec(POLICY, init_from=None if args.adapter == BASE else args.adapter)
     model = build_shared_model(model_args, [spec], vocab_size=len(tokenizer), device=accelerator.device)
     with accelerator.autocast():
-        checks = check_answers(model, prompts, Scorer(functions, tokenizer, adapter=None), tokenizer,
+        checks = check_answers(Generator(model), prompts, Scorer(functions, tokenizer, adapter=None), tokenizer,
                                args.max_new_tokens, args.batch_size, progress=args.progress_bar)
     close_workers(functions)
     lengths = [float(n) for n in checks.lengths]

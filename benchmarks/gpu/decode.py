@@ -31,8 +31,7 @@ from profiling.decode import bytes_per_decode_step, copy_bandwidth, sync
 from trainer.config import ModelArguments
 from trainer.engine.launch import resolve_mixed_precision
 from trainer.engine.phases import phase
-from trainer.model.decode import DECODE_PATHS, Sampling, compile_anew, decode
-from trainer.model.decode_weights import drop_resident_weights
+from trainer.model.decode import DECODE_PATHS, Generator, Sampling
 
 PROFILE_TOKENS = 8  # tokens of the profiled decode: a prefill and a few steps show where a step's time goes
 FIRST_CALL_PHASE_S = 0.5  # compile phases of a first call worth listing
@@ -75,11 +74,22 @@ def batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def rollout_sampling(new_tokens: int, path: str, weights: str) -> Sampling:
-    """Exactly `new_tokens` tokens sampled as rollouts sample (temperature 1) on `path` from `weights`."""
-    return Sampling(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=1.0,
-                    decode="compiled" if path == WHOLE else path,
-                    generation_weights="resident" if weights == "dequantized" else weights)
+def rollout_sampling(new_tokens: int) -> Sampling:
+    """Exactly `new_tokens` tokens sampled as rollouts sample (temperature 1)."""
+    return Sampling(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=1.0)
+
+
+def row_generator(model, path: str, weights: str) -> Generator:
+    """A decoder on `path` from `weights`: a dequantized copy kept (resident), made before the timing; a compiled
+    path compiled anew, so that its first call is its own (the whole step, without layer regions, for WHOLE)."""
+    generator = Generator(model, "compiled" if path == WHOLE else path,
+                          "resident" if weights == "dequantized" else weights)
+    if path in ("compiled", WHOLE):
+        generator.compile_anew(regions=path == "compiled")
+    if weights == "dequantized":
+        with run_autocast(next(model.parameters()).device), generator.holding():  # makes the copy, and keeps it
+            pass
+    return generator
 
 
 def run_autocast(device: torch.device):
@@ -99,18 +109,17 @@ def compile_seconds() -> dict[str, float]:
     return {name: float(value) for name, value in zip(names, values)}
 
 
-def time_generation(model, ids: torch.Tensor, new_tokens: int, repeats: int, path: str,
-                    weights: str = "quantized") -> tuple[float, float]:
+def time_generation(generator: Generator, ids: torch.Tensor, new_tokens: int, repeats: int) -> tuple[float, float]:
     """(first call's, best later call's) wall time of decoding exactly `new_tokens` tokens for the rows of `ids`,
-    sampled as rollouts sample (temperature 1) on decode path `path` from `weights`: the first call warms kernels
-    and caches up (and compiles, on the compiled path). A dequantized copy is made once, outside the timing."""
-    mask, sampling = torch.ones_like(ids), rollout_sampling(new_tokens, path, weights)
+    sampled as rollouts sample (temperature 1) by `generator`: the first call warms kernels and caches up (and
+    compiles, on the compiled path)."""
+    mask, sampling = torch.ones_like(ids), rollout_sampling(new_tokens)
     times = []
     for _ in range(repeats + 1):
         sync(ids.device)
         started = time.perf_counter()
         with run_autocast(ids.device):
-            decode(model, ids, mask, sampling, eos_id=0, pad_id=0)
+            generator.sample(ids, mask, sampling, eos_id=0, pad_id=0)
         sync(ids.device)
         times.append(time.perf_counter() - started)
     return times[0], min(times[1:])
@@ -148,17 +157,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
         mask = torch.ones_like(ids)
         for path, weights in [(p, w) for w in choices for p in args.paths.split(",")]:
             bound = batch * bandwidth / sum(reads[weights].values())
-            if weights == "dequantized":  # the copy is made before the timing, and kept (resident)
-                with run_autocast(device):
-                    decode(model, ids[:, :1], mask[:, :1], Sampling(max_new_tokens=1, generation_weights="resident"),
-                           0, 0)
-            if path in ("compiled", WHOLE):  # each compiled row compiles anew: its first call is its own
-                compile_anew(model.causal_lm, regions=path == "compiled")
+            generator = row_generator(model, path, weights)
             compiled_before = compile_seconds()
             try:
-                first, full = time_generation(model, ids, args.new_tokens, args.repeats, path, weights)
+                first, full = time_generation(generator, ids, args.new_tokens, args.repeats)
                 spent = {name: s - compiled_before.get(name, 0.0) for name, s in compile_seconds().items()}
-                _, prefill = time_generation(model, ids, 1, args.repeats, path, weights)
+                _, prefill = time_generation(generator, ids, 1, args.repeats)
                 error = None if full > prefill else (  # noise larger than the decoding: no made-up figure
                     f"not timed: generating {args.new_tokens} tokens ({full:.4f} s) took no longer than the "
                     f"prefill ({prefill:.4f} s); decode more tokens")
@@ -168,6 +172,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 failed.append({"path": path, "weights": weights, "batch": batch, "error": error})
                 print(f"{path}, {weights}, batch {batch}: failed: {error}", flush=True)
                 write_result(result, out)
+                generator.release()
                 continue
             first_call_compile = {name: round(s, 2) for name, s in spent.items() if s >= FIRST_CALL_PHASE_S}
             decode_s = full - prefill
@@ -182,16 +187,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
                   f"first call {first:.2f} s", flush=True)
             write_result(result, out)  # after every row: a run stopped part-way keeps the rows it finished
             if args.kernel_profile and len(rows) == 1:  # the first row, warm: where a decode step's time goes
-                sampling = rollout_sampling(PROFILE_TOKENS, path, weights)
+                sampling = rollout_sampling(PROFILE_TOKENS)
 
                 def generate():
                     with phase("generate"), run_autocast(device):
-                        decode(model, ids, mask, sampling, eos_id=0, pad_id=0)
+                        generator.sample(ids, mask, sampling, eos_id=0, pad_id=0)
 
                 profile_step(generate, device, Path(args.kernel_profile),
                              f"decode, {path} from {weights} weights, {batch} rows x {PROFILE_TOKENS} tokens",
                              phases=("generate",))
-        drop_resident_weights(model.causal_lm)
+            generator.release()
     write_result(result, out)
     return result
 

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 DECODE_ATTENTION = "sdpa_decode"
-_switched: list[bool] = [False]  # whether a decode runs its model's attention through `single_token_gqa` now
 
 
 def _sdpa():
@@ -94,15 +93,7 @@ def decode_attention(causal_lm: nn.Module) -> Iterator[None]:
         yield
         return
     config._attn_implementation = DECODE_ATTENTION
-    _switched[0] = True
     try:
         yield
     finally:
-        _switched[0] = False
         config._attn_implementation = "sdpa"
-
-
-def decoding_through_it() -> bool:
-    """Whether the decode running now has switched its model's attention to `single_token_gqa` (which takes
-    `decode_kv`): read in a compiled step's trace, a global one cheap read, where the model's config is not."""
-    return _switched[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 from functools import partial
+from typing import Optional
 
 import torch
 
@@ -44,10 +45,10 @@ def compile_layers(model) -> int:
     if missing:
         logger.warning("--compile_layers ignored: %s; the layers run eagerly", missing)
         return 0
-    count = 0
+    count, said = 0, set()  # the layers' warnings, each said once
     for layer in model.modules():
         if isinstance(layer, GradientCheckpointingLayer):
-            layer.forward = CompiledLayer(layer)
+            layer.forward = CompiledLayer(layer, said)
             count += 1
     logger.info("compiled %d decoder layers for the passes that train (torch.compile, dynamic shapes); "
                 "the first update compiles them", count)
@@ -57,15 +58,6 @@ def compile_layers(model) -> int:
 # What transformers' checkpointing wrapper turns off before checkpointing a layer: the cache is not
 # written in a recomputation (a layer that only reads it, `_can_checkpoint_with_cache`, keeps it).
 _CACHE_KWARGS = ("past_key_values", "layer_past", "use_cache")
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning(message)
 
 
 def _checkpointed(forward, layer, *args, **kwargs):
@@ -80,10 +72,10 @@ class CompiledLayer:
     compiled where it does not, and transformers' eager forward without autograd. It holds its layer: a
     deep copy of the model would run the original's layers, so compile the copy anew."""
 
-    def __init__(self, layer: torch.nn.Module):
-        self.layer = layer
+    def __init__(self, layer: torch.nn.Module, said: Optional[set[str]] = None):
+        self.layer, self.said = layer, set() if said is None else said
         # transformers' checkpointing wrapper around the layer's own forward, run without autograd: a compiled decode
-        # marks it as a nested compile region (trainer.model.decode.layer_regions)
+        # marks it as a nested compile region (trainer.model.decode._Regions)
         self.eager = type(layer).forward
         self.own = inspect.unwrap(self.eager)
         self.compiled = torch.compile(self.own, dynamic=True)
@@ -103,13 +95,18 @@ class CompiledLayer:
                 try:  # fullgraph: a failure is raised while tracing, before anything runs
                     return self.compiled_checkpointed(self.own, layer, *args, **kwargs)
                 except FailOnRecompileLimitHit:  # this variant only
-                    _warn_once(f"--compile_layers: more checkpointed {type(layer).__name__} variants than torch "
+                    self._warn_once(f"--compile_layers: more checkpointed {type(layer).__name__} variants than torch "
                                "compiles; the others compile their forward inside the eager checkpoint")
                 except TorchDynamoException as err:  # a graph break, an op it cannot trace: the other path
                     # traces the same code, so whatever it cannot do either surfaces there
                     self.whole = False
                     reason = first_line(err, 1000)
-                    _warn_once(f"--compile_layers: {type(layer).__name__} does not compile with its checkpoint "
+                    self._warn_once(f"--compile_layers: {type(layer).__name__} does not compile with its checkpoint "
                                f"({reason}); its forward compiles inside the eager checkpoint instead")
             return layer._gradient_checkpointing_func(partial(self.compiled, layer, **kwargs), *args)
         return self.compiled(layer, *args, **kwargs)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self.said:
+            self.said.add(message)
+            logger.warning(message)

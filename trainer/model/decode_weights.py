@@ -6,7 +6,7 @@ one dense matrix per layer instead of dequantizing it again: `dequantized` build
 rollout and frees it after, `resident` keeps it, `quantized` decodes from the 4-bit weights (bitsandbytes'
 own 4-bit matmul, which picks its fused kernels for a few rows). Under the run's mixed precision the LoRA
 products likewise multiply copies of the adapter's weights in the autocast dtype, made once per decode
-(`lora_compute_copies`), not cast again at every step, and a dense copy holds the adapter's LoRA-A weights
+(`DecodeWeights.lora_copies`), not cast again at every step, and a dense copy holds the adapter's LoRA-A weights
 as extra rows: one matmul per layer and token gives the base output and the LoRA-A products. Sibling layers that
 always multiply the same input (`SHARED_INPUT`: q/k/v, gate/up) are copied into one matrix, which the compiled
 step multiplies once for all of them (`SharedProducts`): four matmuls per decoder layer where there were seven.
@@ -15,11 +15,10 @@ step multiplies once for all of them (`SharedProducts`): four matmuls per decode
 from __future__ import annotations
 
 import logging
-import weakref
 from itertools import accumulate
 from contextlib import contextmanager
 from types import MethodType
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +26,6 @@ from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from foundation.stages import POLICY
-from profiling.tensors import HELD_DECODE_LORA, HELD_GENERATION_WEIGHTS, HELD_SWAPPED_OUT
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +39,7 @@ class DequantizedLinear(nn.Module):
     output back to the input's), so the same values come out.
 
     `lora_rank` > 0 leaves that many rows under the matrix for the LoRA-A weights of the adapter a decode
-    multiplies (`lora_compute_copies` fills them): while `rows_for` names that adapter one matmul gives the
+    multiplies (`DecodeWeights.lora_copies` fills them): while `rows_for` names that adapter one matmul gives the
     base output and the LoRA-A products side by side, the last `lora_rank` columns, where a separate small
     matmul would launch for each (a split-K GEMM and its reduction on a GPU, per layer and token).
 
@@ -145,53 +143,128 @@ def _four_bit_layers(causal_lm: nn.Module) -> list[tuple[nn.Module, str, nn.Modu
             if isinstance(child, Linear4bit)]
 
 
-_RESIDENT: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
-_SWAPPED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # models decoding from a copy now
-_said: set[str] = set()
+class DecodeWeights:
+    """What a decode multiplies in place of a model's own weights, and what it keeps of them between decodes:
+    the dense copies of the 4-bit layers (`--generation_weights`) and the LoRA compute copies. Owned by one
+    `trainer.model.decode.Generator`; its `tensors` and `swapped_out` are what a memory record counts."""
 
+    def __init__(self, causal_lm: nn.Module, choice: str):
+        self.causal_lm, self.choice = causal_lm, choice
+        self.resident: Optional[list] = None  # `resident`: the swaps, made once and kept
+        self.swaps: list = []  # the swaps in place now
+        self.lora: dict[tuple[str, torch.dtype], list] = {}  # (adapter, dtype) -> [A copy, B copy] kept per LoRA layer
+        self.passing: list = []  # a per-decode LoRA copy's pairs while it runs
+        self.said = False
 
-@contextmanager
-def generation_weights(causal_lm: nn.Module, choice: str, adapter: str = POLICY) -> Iterator[None]:
-    """The body decodes from dense copies of the 4-bit layers, swapped in place of each layer and swapped back
-    after, also on errors (`dequantized`: made here and freed after, their blocks left in the allocator's cache
-    for the next rollout's copy, which lands where this one lay unless other tensors took them - then a compiled
-    step's CUDA graphs are recorded anew, said in the log (`trainer.model.decode`); `resident`: made once, kept,
-    and served to either choice after). `quantized` (or "auto" left unplanned)
-    changes nothing. Nested in an outer one (a rollout's generate phase holding one copy for all its chunks),
-    it changes nothing either. A model with no 4-bit layer has nothing to copy: said once. Under autocast in
-    the layers' compute dtype each copy has rows for `adapter`'s LoRA-A weights (`DequantizedLinear`, filled
-    by `lora_compute_copies`)."""
-    if causal_lm in _SWAPPED or choice in ("quantized", "auto"):
-        yield
-        return
-    swaps = _RESIDENT.get(causal_lm)
-    if swaps is None:  # the layers are looked for only when copies are made, not at every rollout
-        layers = _four_bit_layers(causal_lm)
-        if not layers:
-            if choice not in _said:
-                _said.add(choice)
-                logger.info("generation_weights %s: the model has no 4-bit layer to dequantize; decoding as it is",
-                            choice)
+    def tensors(self) -> list[torch.Tensor]:
+        """The copies alive: the dense ones in place or kept, and the LoRA copies kept or held by a decode."""
+        swaps = self.swaps or self.resident or []
+        pairs = [*(pair for pairs in self.lora.values() for pair in pairs), *self.passing]
+        return [copy.weight for *_, copy in swaps] + [t for pair in pairs for t in pair if t is not None]
+
+    def swapped_out(self) -> list[nn.Module]:
+        """The 4-bit layers the dense copies stand in for now: out of the module tree, still held."""
+        return [layer for _, _, layer, _ in self.swaps]
+
+    def release(self) -> None:
+        """Free resident dense copies (the next `resident` decode makes them again)."""
+        self.resident = None
+
+    @contextmanager
+    def dense(self, adapter: str = POLICY) -> Iterator[None]:
+        """The body decodes from dense copies of the 4-bit layers, swapped in place of each layer and swapped back
+        after, also on errors (`dequantized`: made here and freed after, their blocks left in the allocator's
+        cache for the next rollout's copy, which lands where this one lay unless other tensors took them - then
+        a compiled step's CUDA graphs are recorded anew, said in the log (`trainer.model.decode`); `resident`:
+        made once and kept). `quantized` (or "auto" left unplanned) changes nothing; so does a body inside
+        another (a rollout's generate phase holding one copy for all its chunks). A model with no 4-bit layer
+        has nothing to copy: said once. Under autocast in the layers' compute dtype each copy has rows for
+        `adapter`'s LoRA-A weights (`DequantizedLinear`, filled by `lora_copies`)."""
+        if self.swaps or self.choice in ("quantized", "auto"):
             yield
             return
-        swaps = _dense_copies(causal_lm, layers, adapter)
-        if choice == "resident":
-            _RESIDENT[causal_lm] = swaps
-    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [copy.weight for *_, copy in swaps])
-    setattr(causal_lm, HELD_SWAPPED_OUT, [layer for _, _, layer, _ in swaps])  # a memory record still counts them
-    for parent, name, _, copy in swaps:
-        setattr(parent, name, copy)
-    _SWAPPED.add(causal_lm)
-    try:
-        yield
-    finally:
-        _SWAPPED.discard(causal_lm)
-        for parent, name, layer, _ in swaps:
-            setattr(parent, name, layer)
-        setattr(causal_lm, HELD_SWAPPED_OUT, [])
-        kept = _RESIDENT.get(causal_lm)  # a per-rollout copy goes now; a kept one stays counted
-        held = [copy.weight for *_, copy in kept] if kept else []
-        setattr(causal_lm, HELD_GENERATION_WEIGHTS, held)
+        swaps = self.resident
+        if swaps is None:  # the layers are looked for only when copies are made, not at every rollout
+            layers = _four_bit_layers(self.causal_lm)
+            if not layers:
+                if not self.said:
+                    self.said = True
+                    logger.info("generation_weights %s: the model has no 4-bit layer to dequantize; decoding as it "
+                                "is", self.choice)
+                yield
+                return
+            swaps = _dense_copies(self.causal_lm, layers, adapter)
+            if self.choice == "resident":
+                self.resident = swaps
+        for parent, name, _, copy in swaps:
+            setattr(parent, name, copy)
+        self.swaps = swaps
+        try:
+            yield
+        finally:
+            self.swaps = []
+            for parent, name, layer, _ in swaps:
+                setattr(parent, name, layer)
+
+    @contextmanager
+    def lora_copies(self, model, adapter: str, device_type: str, keep: bool) -> Iterator[None]:
+        """The body's LoRA products of `adapter` multiply copies of its weights in the autocast dtype the rollout
+        computes in (bf16 under mixed precision), cast once per decode where autocast would cast the fp32
+        weights at every step (two small kernels per LoRA layer and step); the LoRA-A copy holds the weights
+        times the adapter's scaling, so no step scales the products (a kernel per LoRA layer and step; the same
+        values where the scaling is a power of two, alpha/r's usual case, else to the copy's rounding). `keep`
+        (a compiled step, whose CUDA graphs read fixed addresses): made once per adapter and dtype and
+        refreshed in place; else made here and freed after. A dense copy of the base layer with room for it
+        holds the A copy in its rows (`DequantizedLinear`), none of its own. Meanwhile those LoRA layers run
+        `_copies_forward` in place of the routed one. Without autocast, with weights in its dtype already, or
+        where peft's own layers add the LoRA outputs (a model that cannot route: `trainer.model.routing`),
+        nothing changes."""
+        if not torch.is_autocast_enabled(device_type) or not getattr(model, "routable", False):
+            yield
+            return
+        dtype = torch.get_autocast_dtype(device_type)
+        layers = [layer for layer in model.lora_layers if adapter in getattr(layer, "lora_A", {})
+                  and layer.lora_A[adapter].weight.dtype != dtype and _dense(layer.lora_A[adapter].weight)]
+        if not layers:
+            yield
+            return
+        rows = [_rows_of(layer.base_layer, layer.lora_A[adapter].weight.shape[0], dtype) for layer in layers]
+        held = self.lora if keep else {}
+        copies = held.setdefault((adapter, dtype), [[None, None] for _ in layers])
+
+        def refreshed(copy, source: torch.Tensor) -> torch.Tensor:
+            if copy is None:
+                copy = source.to(dtype)
+                if keep:  # static inputs of the compiled step, as parameters are: its CUDA graphs read them in place
+                    torch._dynamo.mark_static_address(copy)
+            else:
+                copy.copy_(source)
+            return copy
+
+        with torch.no_grad():
+            for layer, pair, room in zip(layers, copies, rows):
+                scaled_a = layer.lora_A[adapter].weight * layer.scaling[adapter]
+                if room is not None:  # the dense copy holds A: no copy of its own
+                    room.copy_(scaled_a)
+                else:
+                    pair[0] = refreshed(pair[0], scaled_a)
+                pair[1] = refreshed(pair[1], layer.lora_B[adapter].weight)
+        routed = [layer.__dict__.get("forward") for layer in layers]
+        for layer, pair, room in zip(layers, copies, rows):
+            layer.__dict__[COPIES_IN_USE] = (None if room is not None else pair[0], pair[1])
+            layer.forward = MethodType(_copies_forward, layer)
+            if room is not None:
+                layer.base_layer.rows_for = adapter
+        self.passing = [] if keep else copies
+        try:
+            yield
+        finally:
+            self.passing = []
+            for layer, forward, room in zip(layers, routed, rows):
+                del layer.__dict__[COPIES_IN_USE]
+                layer.forward = forward
+                if room is not None:
+                    layer.base_layer.rows_for = None
 
 
 def _rows_for(parent: nn.Module, layer: nn.Module, adapter: str) -> int:
@@ -208,13 +281,6 @@ def _rows_for(parent: nn.Module, layer: nn.Module, adapter: str) -> int:
     return lora_a.weight.shape[0] if on else 0
 
 
-def drop_resident_weights(causal_lm: nn.Module) -> None:
-    """Free a model's resident dense copies (the next `resident` decode makes them again)."""
-    _RESIDENT.pop(causal_lm, None)
-    setattr(causal_lm, HELD_GENERATION_WEIGHTS, [])
-
-
-_LORA_COPIES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 COPIES_IN_USE = "decode_lora_copies"  # a LoRA layer's __dict__ entry while a decode multiplies copies: (A or None, B)
 
 
@@ -223,69 +289,8 @@ def _dense(weight: torch.Tensor) -> bool:
     return type(weight.data) is torch.Tensor and weight.numel() > 0 and not hasattr(weight, "ds_id")
 
 
-@contextmanager
-def lora_compute_copies(model, adapter: str, device_type: str, keep: bool) -> Iterator[None]:
-    """The body's LoRA products of `adapter` multiply copies of its weights in the autocast dtype the rollout
-    computes in (bf16 under mixed precision), cast once per decode where autocast would cast the fp32 weights
-    at every step (two small kernels per LoRA layer and step); the LoRA-A copy holds the weights times the
-    adapter's scaling, so no step scales the products (a kernel per LoRA layer and step; the same values where
-    the scaling is a power of two, alpha/r's usual case, else to the copy's rounding). `keep` (a compiled
-    step, whose CUDA graphs read fixed addresses): made once per model, adapter and dtype and refreshed in
-    place; else made here and freed after. A dense copy of the base layer with room for it holds the A copy in its rows
-    (`DequantizedLinear`), none of its own. Meanwhile those LoRA layers run `_copies_forward` in place of the
-    routed one. Without autocast, with weights in its dtype already, or where peft's own layers add the LoRA
-    outputs (a model that cannot route: `trainer.model.routing`), nothing changes."""
-    if not torch.is_autocast_enabled(device_type) or not getattr(model, "routable", False):
-        yield
-        return
-    dtype = torch.get_autocast_dtype(device_type)
-    layers = [layer for layer in model.lora_layers if adapter in getattr(layer, "lora_A", {})
-              and layer.lora_A[adapter].weight.dtype != dtype and _dense(layer.lora_A[adapter].weight)]
-    if not layers:
-        yield
-        return
-    rows = [_rows_of(layer.base_layer, layer.lora_A[adapter].weight.shape[0], dtype) for layer in layers]
-    held = _LORA_COPIES.setdefault(model, {}) if keep else {}
-    copies = held.setdefault((adapter, dtype), [[None, None] for _ in layers])
-
-    def refreshed(copy, source: torch.Tensor) -> torch.Tensor:
-        if copy is None:
-            copy = source.to(dtype)
-            if keep:  # static inputs of the compiled step, as parameters are: its CUDA graphs read them in place
-                torch._dynamo.mark_static_address(copy)
-        else:
-            copy.copy_(source)
-        return copy
-
-    with torch.no_grad():
-        for layer, pair, room in zip(layers, copies, rows):
-            scaled_a = layer.lora_A[adapter].weight * layer.scaling[adapter]
-            if room is not None:  # the dense copy holds A: no copy of its own
-                room.copy_(scaled_a)
-            else:
-                pair[0] = refreshed(pair[0], scaled_a)
-            pair[1] = refreshed(pair[1], layer.lora_B[adapter].weight)
-    routed = [layer.__dict__.get("forward") for layer in layers]
-    for layer, pair, room in zip(layers, copies, rows):
-        layer.__dict__[COPIES_IN_USE] = (None if room is not None else pair[0], pair[1])
-        layer.forward = MethodType(_copies_forward, layer)
-        if room is not None:
-            layer.base_layer.rows_for = adapter
-    _list_copies(model, () if keep else copies)
-    try:
-        yield
-    finally:
-        for layer, forward, room in zip(layers, routed, rows):
-            del layer.__dict__[COPIES_IN_USE]
-            layer.forward = forward
-            if room is not None:
-                layer.base_layer.rows_for = None
-        if not keep:
-            _list_copies(model)
-
-
 def _copies_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """A LoRA layer's forward while a decode multiplies its adapter's copies (`lora_compute_copies`): the base
+    """A LoRA layer's forward while a decode multiplies its adapter's copies (`DecodeWeights.lora_copies`): the base
     layer's output plus the adapter's LoRA output, none of the routed forward's checks, which the decode settled
     for all layers (one adapter active, eval mode: no dropout): what a compiled step traces per LoRA layer. The
     LoRA-A products come from the dense copy's rows, beside its output (`DequantizedLinear`), or from A's copy."""
@@ -314,13 +319,6 @@ def _rows_of(base: nn.Module, rank: int, dtype: torch.dtype):
     if isinstance(base, DequantizedLinear) and base.lora_rank == rank and base.weight.dtype == dtype:
         return base.weight[base.out_features :]
     return None
-
-
-def _list_copies(model, passing: Sequence[tuple] = ()) -> None:
-    """Name the LoRA copies alive - the kept ones, and `passing` while a decode holds them - where the memory
-    recorder counts them (as generation_weights)."""
-    kept = [pair for pairs in _LORA_COPIES.get(model, {}).values() for pair in pairs]
-    setattr(model.causal_lm, HELD_DECODE_LORA, [t for pair in (*kept, *passing) for t in pair if t is not None])
 
 
 class SharedProducts(CustomGraphPass):

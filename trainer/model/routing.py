@@ -173,7 +173,7 @@ def _routed_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     per decode step, where decoding is bound by such per-call work. One function bound to each layer, not an
     object per layer: torch.compile then traces every layer's call alike (an object per layer is guarded by
     its identity, and compiled layers would compile once per layer). A decode with copies of the adapter's
-    weights runs its own (`trainer.model.decode_weights.lora_compute_copies`)."""
+    weights runs its own (`trainer.model.decode_weights.DecodeWeights.lora_copies`)."""
     output = layer.base_layer(x, *args, **kwargs)
     added = layer.__dict__[ROUTER]._add_routed_lora(layer, x, output)
     return output if added is None else added

@@ -28,7 +28,7 @@ from profiling.decode import bandwidth_fraction, bytes_per_decode_step, copy_ban
 from trainer.data.collators import PromptCollator
 from trainer.engine.harness import Engine, Harness, StepResult
 from trainer.engine.phases import phase
-from trainer.model.decode import Sampling
+from trainer.model.decode import Generator, Sampling
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.kl_control import KLController
 from trainer.rl.policy_eval import policy_vs_reference
@@ -43,14 +43,14 @@ logger = logging.getLogger(__name__)
 class RLState:
     """What an online-RL run carries from step to step; saved in every checkpoint."""
 
-    generator: torch.Generator  # minibatch order
+    minibatch_rng: torch.Generator  # minibatch order
     micro_batch_size: int  # the update's micro-batch, halved after an out-of-memory error
     kl: Optional[KLController] = None  # PPO's KL coefficient and its controller
     steps_here: int = 0  # steps taken by this process (not saved): the first one meters saved activations
     decode_bound: Optional[tuple[float, int]] = None  # CUDA: (copy bandwidth, bytes read per decode step)
 
     def state_dict(self) -> dict[str, Any]:
-        saved = {"minibatch_rng": self.generator.get_state().tolist(), "update_micro_batch": self.micro_batch_size}
+        saved = {"minibatch_rng": self.minibatch_rng.get_state().tolist(), "update_micro_batch": self.micro_batch_size}
         return saved if self.kl is None else {"kl_controller": self.kl.state_dict(), **saved}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -59,7 +59,7 @@ class RLState:
                 self.kl.load_state_dict(state["kl_controller"])
             except ValueError as exc:  # adaptive_kl changed, and --resume_config_check false let it through
                 raise UsageError(f"{exc}: resume with the --adaptive_kl setting the checkpoint was saved with") from None
-        self.generator.set_state(torch.tensor(state["minibatch_rng"], dtype=torch.uint8))
+        self.minibatch_rng.set_state(torch.tensor(state["minibatch_rng"], dtype=torch.uint8))
         self.micro_batch_size = state.get("update_micro_batch", self.micro_batch_size)
 
 
@@ -100,16 +100,17 @@ class Algorithm(ABC):
         """Carry what the step learned to the next one (PPO: the KL controller)."""
 
 
-def rl_step(engine: Engine, batch: dict[str, torch.Tensor], algorithm: Algorithm, state: RLState, scorer: Scorer,
-            eos_id: int, pad_id: int) -> StepResult:
-    """Rollout -> advantages -> update -> after, for one batch of prompts."""
+def rl_step(engine: Engine, generator: Generator, batch: dict[str, torch.Tensor], algorithm: Algorithm,
+            state: RLState, scorer: Scorer, eos_id: int, pad_id: int) -> StepResult:
+    """Rollout (sampled by `generator`, on `engine.raw`) -> advantages -> update -> after, for one batch of
+    prompts."""
     acc, raw, args = engine.accelerator, engine.raw, algorithm.args
     started = time.perf_counter()
     # Generation and the no-grad scoring passes go around the DDP / DeepSpeed wrapper (DDP has no
     # generate, and no gradient sync is wanted there); the update goes through it. Both run under the run's
     # autocast: the old log-probs come from the products the update's first forward computes again.
     with acc.autocast():
-        rollout = make_rollout(raw, batch["input_ids"].to(acc.device), batch["attention_mask"].to(acc.device), args,
+        rollout = make_rollout(generator, batch["input_ids"].to(acc.device), batch["attention_mask"].to(acc.device), args,
                                scorer, eos_id, pad_id, group=algorithm.group, reference=algorithm.reference,
                                value=algorithm.value, nan_unscored=algorithm.nan_unscored,
                                examples=batch.get("examples"))
@@ -189,17 +190,19 @@ def train_online(ctx, stage: str, model, algorithm: Algorithm, adapters: list[st
     def evaluate(engine: Engine) -> dict[str, float]:
         if REFERENCE not in model.adapter_names:  # GRPO with beta 0: no reference to compare with
             return {}
-        return policy_vs_reference(engine.raw, held_out, args, scorer, tok.eos_token_id, tok.pad_token_id,
+        return policy_vs_reference(generator, held_out, args, scorer, tok.eos_token_id, tok.pad_token_id,
                                    ctx.accelerator, progress=targs.progress_bar) or {}
 
     harness = Harness(ctx, model, stage, adapters, prompts, PromptCollator(tok.pad_token_id),
                       args.rollout_batch_size, evaluate, extra_state=state,
                       accumulation_steps=args.mini_batch_size // targs.micro_batch_size, log_keys=log_keys)
+    # the run's one decoder, for its rollouts and evaluations; its memory record counts what it holds
+    generator = Generator(harness.engine.raw, args.decode, args.generation_weights, recorder=harness.engine.recorder)
 
     def step(step_number: int, batches) -> StepResult:
         scorer.trainer_state = TrainerState.before_step(step_number, targs.max_steps, args.rollout_batch_size,
                                                         len(prompts))
-        return rl_step(harness.engine, next(batches), algorithm, state, scorer, tok.eos_token_id, tok.pad_token_id)
+        return rl_step(harness.engine, generator, next(batches), algorithm, state, scorer, tok.eos_token_id, tok.pad_token_id)
 
     harness.train(step)
     if state.micro_batch_size != targs.micro_batch_size:

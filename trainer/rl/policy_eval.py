@@ -17,7 +17,8 @@ from foundation.stages import POLICY, REFERENCE
 from trainer.data.collators import PromptCollator
 from trainer.data.tokenization import PromptExample
 from trainer.rl.rewards import Scorer
-from trainer.rl.rollout import Sampling, sample_responses
+from trainer.model.decode import Generator, Sampling
+from trainer.rl.rollout import sample_responses
 from trainer.rl.scoring import response_logprobs
 
 
@@ -39,10 +40,11 @@ class PolicySamples:
 
 
 @torch.no_grad()
-def sample_policies(model, prompts: Sequence[PromptExample], policies: Sequence[str], reference: str,
+def sample_policies(generator: Generator, prompts: Sequence[PromptExample], policies: Sequence[str], reference: str,
                     scorer: Scorer, sampling: Sampling, eos_id: int, pad_id: int, batch_size: int, seed: int,
                     accelerator=None, tokenizer=None, progress: bool = True) -> dict[str, PolicySamples]:
-    """Sample every policy on `prompts` (this rank's share of them under `accelerator`, gathered after).
+    """Sample every policy on `prompts` with `generator` (this rank's share of them under `accelerator`, gathered
+    after), scored on its model.
 
     Sampling noise is seeded per batch, the same for every policy, and forked from the caller's RNG so
     training draws the same numbers whether or not it evaluated. With a `tokenizer` the responses are
@@ -51,6 +53,7 @@ def sample_policies(model, prompts: Sequence[PromptExample], policies: Sequence[
     from accelerate.utils import gather_object
     from tqdm.auto import tqdm
 
+    model = generator.model
     rank, ranks = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
     device = accelerator.device if accelerator is not None else next(model.parameters()).device
     mine = list(prompts[rank::ranks])
@@ -67,7 +70,7 @@ def sample_policies(model, prompts: Sequence[PromptExample], policies: Sequence[
             ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             for name in policies:
                 torch.manual_seed(seed + start)  # the same sampling noise for every policy
-                full, att, rmask, _ = sample_responses(model, ids, mask, sampling, eos_id, pad_id, adapter=name)
+                full, att, rmask, _ = sample_responses(generator, ids, mask, sampling, eos_id, pad_id, adapter=name)
                 width = rmask.shape[1]
                 out = results[name]
                 out.scores += scorer(model, full, att, ids.shape[1], rmask, examples).float().tolist()
@@ -88,14 +91,14 @@ def sample_policies(model, prompts: Sequence[PromptExample], policies: Sequence[
     return results
 
 
-def policy_vs_reference(model, prompts: Sequence[PromptExample], args, scorer: Scorer, eos_id: int, pad_id: int,
+def policy_vs_reference(generator: Generator, prompts: Sequence[PromptExample], args, scorer: Scorer, eos_id: int, pad_id: int,
                         accelerator, reference: str = REFERENCE, progress: bool = True) -> Optional[dict[str, float]]:
     """PPO's and GRPO's evaluation figures, `policy` against `reference` with the run's rollout settings
     (`args`: sampling, rows per pass, `eval_seed`): both policies' scores, the policy's win rate and KL,
     response lengths."""
     if not prompts:
         return None
-    samples = sample_policies(model, prompts, [POLICY, reference], reference, scorer, Sampling.of(args), eos_id,
+    samples = sample_policies(generator, prompts, [POLICY, reference], reference, scorer, Sampling.of(args), eos_id,
                               pad_id, args.rollout_micro_batch_size, args.eval_seed, accelerator, progress=progress)
     mine, base = samples[POLICY].summary(samples[reference]), samples[reference].summary(samples[reference])
     return {"score_policy": mine["mean_score"], "score_sft": base["mean_score"], "win_rate": mine["win_rate"],
@@ -113,12 +116,13 @@ class AnswerChecks:
 
 
 @torch.no_grad()
-def check_answers(model, prompts: Sequence[PromptExample], scorer: Scorer, tokenizer, max_new_tokens: int,
+def check_answers(generator: Generator, prompts: Sequence[PromptExample], scorer: Scorer, tokenizer, max_new_tokens: int,
                   batch_size: int, adapter: str = POLICY, progress: bool = True) -> AnswerChecks:
     """Answer every prompt greedily under `adapter` and run each of the scorer's functions on the answers:
     `trainer.evaluate exact_match`'s loop (one process)."""
     from tqdm.auto import tqdm
 
+    model = generator.model
     device = next(model.parameters()).device
     collate, sampling = PromptCollator(tokenizer.pad_token_id), Sampling(max_new_tokens=max_new_tokens, temperature=0)
     out = AnswerChecks({f.name: [] for f in scorer.functions})
@@ -128,7 +132,7 @@ def check_answers(model, prompts: Sequence[PromptExample], scorer: Scorer, token
         examples = prompts[start : start + batch_size]
         batch = collate(examples)
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-        full, att, rmask, _ = sample_responses(model, ids, mask, sampling, tokenizer.eos_token_id,
+        full, att, rmask, _ = sample_responses(generator, ids, mask, sampling, tokenizer.eos_token_id,
                                                tokenizer.pad_token_id, adapter=adapter)
         for name, values in zip(out.values, scorer.function_values(full, att, ids.shape[1], rmask, examples)):
             out.values[name] += values

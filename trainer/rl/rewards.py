@@ -118,31 +118,28 @@ def load_reward_functions(specs: Sequence[str], weights: Sequence[float]) -> lis
     return out
 
 
-_workers: list[RewardWorker] = []  # this process's, closed at exit at the latest
-
-
 def _start_worker() -> RewardWorker:
+    """A new worker process, ended when its functions are closed (`close_workers`) or at exit at the latest."""
     worker = RewardWorker()
-    _workers.append(worker)
+    atexit.register(worker.close)
     return worker
 
 
-def close_workers(functions: Optional[Sequence[RewardFunction]] = None) -> None:
-    """End the workers of `functions` (None: every worker of this process)."""
-    ending = {id(w) for w in _workers} if functions is None else {id(f.worker) for f in functions}
-    for worker in [w for w in _workers if id(w) in ending]:
-        worker.close()
-        _workers.remove(worker)
+def _end(worker: RewardWorker, kill: bool = False) -> None:
+    atexit.unregister(worker.close)
+    worker.close(kill=kill)
 
 
-atexit.register(close_workers)
+def close_workers(functions: Sequence[RewardFunction]) -> None:
+    """End the workers of `functions`."""
+    for worker in {id(f.worker): f.worker for f in functions if f.worker is not None}.values():
+        _end(worker)
 
 
 def _loaded(worker: RewardWorker, reply: tuple, spec: str, target: str) -> None:
     if reply[0] == "ok":
         return
-    worker.close(kill=True)
-    _workers.remove(worker)
+    _end(worker, kill=True)
     what = {"error": lambda: reply[1],
             "gone": lambda: f"cannot import {target}: its process ended (exit code {reply[1]}) while importing it",
             "late": lambda: f"cannot import {target}: importing it ran past {LOAD_TIMEOUT_S:g} s"}

@@ -1,7 +1,7 @@
 """Experience for every online-RL method: sample G responses per prompt with `policy`, then score the same
 tokens with every other adapter the method needs.
 
-All passes run on the ONE shared base: `policy` samples (KV cache on, left-padded prompts, `trainer.model.decode`),
+All passes run on the ONE shared base: `policy` samples (the run's `trainer.model.decode.Generator`),
 then under `torch.no_grad` the `reference` log-probs of the response tokens, the `value` adapter's per-token
 values (PPO) and the reward adapter's score, as ONE routed pass of the base (`trainer.rl.scoring`: each base
 layer runs once for all adapters); reward functions (`trainer.rl.rewards`) add theirs. The policy's own ("old")
@@ -20,8 +20,7 @@ import torch
 from foundation.stages import POLICY
 from profiling.decode import sync
 from trainer.engine.phases import errors_in, phase
-from trainer.model.decode import Sampling, decode
-from trainer.model.decode_weights import generation_weights
+from trainer.model.decode import Generator, Sampling
 from trainer.rl.rewards import Scorer
 from trainer.rl.scoring import rollout_scores
 
@@ -84,12 +83,12 @@ def response_mask_after_eos(responses: torch.Tensor, eos_id: int, pad_id: int) -
 
 
 @torch.no_grad()
-def sample_responses(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
+def sample_responses(generator: Generator, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling,
                      eos_id: int, pad_id: int, adapter: str = POLICY,
                      with_logprobs: bool = False) -> tuple[torch.Tensor, ...]:
-    """Sample under `adapter` (`trainer.model.decode`). Returns (input_ids, attention_mask, response_mask, ended),
-    and with `with_logprobs` the (B, R) log-probs and entropy of the sampled tokens under the logits sampled from."""
-    decoded = decode(model, prompt_ids, prompt_mask, sampling, eos_id, pad_id, adapter=adapter)
+    """Sample under `adapter`. Returns (input_ids, attention_mask, response_mask, ended), and with
+    `with_logprobs` the (B, R) log-probs and entropy of the sampled tokens under the logits sampled from."""
+    decoded = generator.sample(prompt_ids, prompt_mask, sampling, eos_id, pad_id, adapter=adapter)
     response_mask, ended = response_mask_after_eos(decoded.tokens, eos_id, pad_id)
     responses = decoded.tokens.masked_fill(response_mask == 0, pad_id)
     input_ids = torch.cat([prompt_ids, responses], dim=1)
@@ -110,11 +109,11 @@ class Samples:
     entropy: Optional[torch.Tensor] = None  # (B, R) likewise
 
 
-def sample_in_chunks(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, eos_id: int,
+def sample_in_chunks(generator: Generator, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, eos_id: int,
                      pad_id: int, rows: int, with_logprobs: bool = False) -> Samples:
     """`sample_responses` over chunks of `rows` prompts, joined: chunks can stop at different lengths, so
     every response (and its sampled log-probs and entropy) is right-padded to the longest."""
-    parts = [sample_responses(model, prompt_ids[i : i + rows], prompt_mask[i : i + rows], sampling, eos_id, pad_id,
+    parts = [sample_responses(generator, prompt_ids[i : i + rows], prompt_mask[i : i + rows], sampling, eos_id, pad_id,
                               with_logprobs=with_logprobs) for i in range(0, prompt_ids.shape[0], rows)]
     width = max(p[0].shape[1] for p in parts)
     response_width = width - prompt_ids.shape[1]
@@ -136,10 +135,10 @@ def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
 
 
 @torch.no_grad()
-def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, args, scorer: Scorer, eos_id: int,
+def make_rollout(generator: Generator, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, args, scorer: Scorer, eos_id: int,
                  pad_id: int, *, group: int = 1, reference: bool = True, value: bool = False,
                  nan_unscored: bool = False, examples: Optional[Sequence] = None) -> Rollout:
-    """Sample `group` responses per prompt, then score them, `args.rollout_micro_batch_size` rows at a time
+    """Sample `group` responses per prompt with `generator`, then score them on its model, `args.rollout_micro_batch_size` rows at a time
     (`args`: the rollout settings, `trainer.rl.settings.RolloutArguments`: sampling, rows per pass, the
     missing-EOS penalty). `reference` / `value`: whether the scoring pass reads those adapters. `examples` are
     the prompts' dataset rows, whose columns the reward functions read; a response no function scored is 0, or
@@ -148,10 +147,11 @@ def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, arg
     The policy's log-probs and entropy are read from the logits it sampled from (phase "generate"); the
     reference, value and reward passes run as ONE routed pass of the base per micro-batch (phase "score").
     """
+    model = generator.model
     was_training = model.training
     model.eval()  # no dropout: these log-probs and values are the fixed "old" ones of the update
     try:
-        return _make_rollout(model, prompt_ids.repeat_interleave(group, dim=0),
+        return _make_rollout(generator, prompt_ids.repeat_interleave(group, dim=0),
                              prompt_mask.repeat_interleave(group, dim=0), args, scorer, eos_id, pad_id, group,
                              reference, value, nan_unscored,
                              None if examples is None else [e for e in examples for _ in range(group)])
@@ -159,16 +159,16 @@ def make_rollout(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, arg
         model.train(was_training)
 
 
-def _make_rollout(model, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, group, reference, value,
-                  nan_unscored, examples) -> Rollout:
-    sampling, rows = Sampling.of(args), args.rollout_micro_batch_size
+def _make_rollout(generator: Generator, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, group, reference,
+                  value, nan_unscored, examples) -> Rollout:
+    model, sampling, rows = generator.model, Sampling.of(args), args.rollout_micro_batch_size
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
     # One copy of the generation weights for every chunk, made before the phase's entry count: the memory
     # record shows it as its own component, not inside the KV cache's transient peak.
-    with errors_in("generate"), generation_weights(model.causal_lm, sampling.generation_weights), phase("generate"):
+    with errors_in("generate"), generator.holding(), phase("generate"):
         sync(prompt_ids.device)
         started = time.perf_counter()
-        samples = sample_in_chunks(model, prompt_ids, prompt_mask, sampling, eos_id, pad_id, rows, with_logprobs=True)
+        samples = sample_in_chunks(generator, prompt_ids, prompt_mask, sampling, eos_id, pad_id, rows, with_logprobs=True)
         sync(prompt_ids.device)
         generate_s = time.perf_counter() - started
     input_ids, attention_mask, response_mask = samples.input_ids, samples.attention_mask, samples.response_mask

@@ -1,6 +1,6 @@
 """The update PPO and GRPO run over one rollout:
 
-    for epoch:                      shuffled rollout rows (`state.generator`)
+    for epoch:                      shuffled rollout rows (`state.minibatch_rng`)
         for minibatch:              one optimizer step each
             for micro-batch:        backward of its loss, weighed by its share of the minibatch's rows or tokens
 
@@ -55,7 +55,7 @@ def run_update(engine: Engine, state, update: Update, size: int) -> tuple[dict[s
     (mean statistics, with the gradient norm as `update.grad_norm_key`; every minibatch finite; any stepped).
     A minibatch whose loss or gradient is not finite is skipped. `state`: the stage's state (`generator`,
     `micro_batch_size`)."""
-    orders = [torch.randperm(size, generator=state.generator) for _ in range(update.epochs)]
+    orders = [torch.randperm(size, generator=state.minibatch_rng) for _ in range(update.epochs)]
     totals = UpdateTotals()
     while True:
         try:
