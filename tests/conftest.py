@@ -48,17 +48,15 @@ def smol_tokenizer():
 
 @pytest.fixture
 def learning_run(tmp_path):
-    """Run `trainer/STAGE.py --config CONFIG` in a subprocess (one thread) and return (results.json, run
-    folder): the learning checks of PPO and GRPO on the embedded SmolLM2."""
+    """Run `trainer/STAGE.py --config CONFIG` in this process with one thread (`in_process_command`, as
+    benchmarks.learning_margin's one-thread runs) and return (results.json, run folder): the learning checks of
+    PPO and GRPO on the embedded SmolLM2."""
     import json
-    import subprocess
-    import sys
 
     def run(stage: str, config: str) -> tuple[dict, Path]:
         out = tmp_path / stage
-        proc = subprocess.run([sys.executable, f"trainer/{stage}.py", "--config", config, "--output_dir", str(out)],
-                              cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              capture_output=True, text=True, timeout=1500)
+        proc = in_process_command(f"trainer.{stage}", ["--config", str(Path(__file__).resolve().parent.parent / config),
+                                                       "--output_dir", str(out)])
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return json.loads((out / "results.json").read_text()), out
 
@@ -192,3 +190,18 @@ class Payload:
 
     def __reduce__(self):
         return os.makedirs, (str(self.marker),)
+
+
+@pytest.fixture
+def traced_not_generated(monkeypatch):
+    """torch.compile with the aot_eager backend: dynamo traces (graphs, breaks, regions, guards, recompiles) and
+    AOTAutograd partitions as under inductor, and the graphs then run eagerly, with no C++ code generated and
+    compiled. For tests whose claim is about tracing or the code around it, not inductor's kernels (those a GPU
+    run generates with Triton: tests/test_gpu.py); inductor's own passes are tested with inductor."""
+    compile_ = torch.compile
+
+    def aot_eager(model=None, *, options=None, backend="inductor", **kwargs):
+        return compile_(model, backend="aot_eager", **kwargs) if model is not None else (
+            lambda fn: compile_(fn, backend="aot_eager", **kwargs))
+
+    monkeypatch.setattr(torch, "compile", aot_eager)

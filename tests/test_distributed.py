@@ -2,7 +2,8 @@
 
 Two gloo processes train exactly like one process with twice the accumulation, each rank on its
 own rows; DeepSpeed ZeRO-2 with CPU optimizer offload steps, skips a NaN step as DDP does, and
-resumes from its engine checkpoint; the launch modes a run cannot use are refused in one line.
+resumes from its engine checkpoint; the launch modes a run cannot use are refused in one line. A launch runs
+several stages one after another in the same processes, as the pipeline does.
 
 The DeepSpeed tests need DeepSpeed's cpu_adam and shm_comm ops, which `make test` compiles first (tests/build_ops.py),
 cached under $TORCH_EXTENSIONS_DIR (default: the project cache), so CI pays it once.
@@ -28,7 +29,6 @@ TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
 TINY_PPO = ROOT / "tests" / "configs" / "tiny_ppo.yaml"
 CONFIGS = ROOT / "accelerate_configs"
 ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
-ROW_TRACE = ROOT / "benchmarks" / "row_trace.py"
 # A curve that moves: a 10x larger learning rate than tiny_sft's, and no dropout (its masks would
 # differ between one process and two).
 CURVE = ("--max_steps", "4", "--save_every", "0", "--eval_every", "2", "--lora_dropout", "0",
@@ -85,26 +85,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(script: Path | str, output_dir: Path, *extra: str, config: str | None = None, processes: int = 1,
-           trace: Path | None = None, expect_ok: bool = True, train_config: Path = TINY_SFT,
+def stage_args(output_dir: Path, *extra: str, train_config: Path = TINY_SFT) -> list[str]:
+    return ["--config", str(train_config), "--output_dir", str(output_dir), *extra]
+
+
+def launch(config: str, processes: int, script: Path, *args: str, expect_ok: bool = True,
            poison: str | None = None) -> str:
-    """`accelerate launch --config_file accelerate_configs/CONFIG script`, or with config None `python script` in
-    this process (the one-process reference runs; see `run_here`); with `trace`, the rows each rank trains on are
-    recorded into that folder (benchmarks/row_trace.py)."""
+    """`accelerate launch --config_file accelerate_configs/CONFIG --num_processes N script ARGS`, one thread a
+    process: the log of every process (stdout, then stderr)."""
     from trainer.config import cache_dir
 
-    args = ["--config", str(train_config), "--output_dir", str(output_dir), *extra]
-    if config is None:
-        assert expect_ok
-        run_here(script, args, trace, {} if poison is None else {"RLHF_TEST_POISON": poison})
-        return ""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache_dir() / "torch_extensions")}
     if poison is not None:
         env["RLHF_TEST_POISON"] = poison
-    target = [str(script)] if trace is None else [str(ROW_TRACE), str(trace), str(script)]
     cmd = [ACCELERATE, "launch", "--config_file", str(CONFIGS / config), "--num_processes", str(processes),
-           "--main_process_port", str(free_port()), *target, *args]
+           "--main_process_port", str(free_port()), str(script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     if expect_ok:
@@ -114,9 +110,51 @@ def launch(script: Path | str, output_dir: Path, *extra: str, config: str | None
     return out
 
 
+# The runs of one launch, in turn in the same processes (the process group stays up between them, as between the
+# pipeline's stages): each {"script", "args", "trace"} through its `__main__` with fresh Accelerate singletons, the
+# rows each rank trains on recorded into "trace" where given (benchmarks/row_trace.py); a {"copy": [FROM, TO]}
+# copies a folder on rank 0 while the other ranks wait.
+RUNS = """
+import json, runpy, shutil, sys
+sys.path.insert(0, {root!r})
+from contextlib import nullcontext
+
+import torch.distributed as dist
+
+from benchmarks.row_trace import traced
+from trainer.engine.launch import reset_accelerate
+
+for run in json.loads(sys.argv[1]):
+    if "copy" in run:
+        if dist.get_rank() == 0:
+            shutil.copytree(*run["copy"])
+        dist.barrier()
+        continue
+    sys.argv = [run["script"], *run["args"]]
+    reset_accelerate()
+    with traced(run["trace"]) if run["trace"] else nullcontext():
+        runpy.run_path(run["script"], run_name="__main__")
+"""
+
+
+def launch_runs(folder: Path, config: str, runs: list[dict], poison: str | None = None) -> str:
+    """Two processes under accelerate_configs/CONFIG that run `runs` (see `RUNS`) in turn: the launch's log."""
+    driver = folder / "runs.py"
+    driver.write_text(RUNS.format(root=str(ROOT)))
+    return launch(config, 2, driver, json.dumps(runs), poison=poison)
+
+
+def stage_run(script: Path, output_dir: Path, *extra: str, trace: Path | None = None,
+              train_config: Path = TINY_SFT) -> dict:
+    """One entry of `launch_runs`."""
+    return {"script": str(script), "args": stage_args(output_dir, *extra, train_config=train_config),
+            "trace": str(trace) if trace else None}
+
+
 def run_here(script: Path | str, args: list[str], trace: Path | None, env: dict[str, str]) -> None:
-    """`python script ARGS` in this process (its `__main__`, as row_trace runs it), on one thread as each launched
-    process runs, with `env` set and fresh Accelerate singletons; the scripts here undo their patches at the end."""
+    """`python script ARGS` in this process (its `__main__`, as row_trace runs it; the one-process reference runs),
+    on one thread as each launched process runs, with `env` set and fresh Accelerate singletons; the scripts here
+    undo their patches at the end. With `trace`, the rows it trains on are recorded into that folder."""
     import runpy
     from contextlib import nullcontext
 
@@ -205,47 +243,65 @@ def assert_two_processes_match_one(one: Path, two: Path, rows_per_step: int, ski
     assert not (two / "rows" / "rows-rank2.jsonl").exists()
 
 
+SFT = ROOT / "trainer" / "sft.py"
+REWARD = ROOT / "trainer" / "reward.py"
+PPO_DDP = ("--max_steps", "2", "--save_every", "0", "--adaptive_kl", "true", "--target_kl", "0.01",
+           "--kl_horizon", "40", "--init_kl_coef", "0.2")
+
+
 @pytest.fixture(scope="module")
-def sft_runs(tmp_path_factory):
-    """One SFT run three ways (1 process x accumulation 4, micro-batches in shuffled order; 2 processes x 2,
-    grouped by length, under DDP and under DeepSpeed ZeRO-2 offload), each with a NaN loss in step 2 on one rank
-    and the gradient of step 1 saved."""
-    root = tmp_path_factory.mktemp("sft")
-    script = root / "probed_sft.py"
+def launches(tmp_path_factory):
+    """The runs the tests below read, in two launches of two processes and one run in this process: (the folder
+    that holds them, the DeepSpeed launch's log).
+
+    One SFT run three ways, each with a NaN loss in step 2 on one rank and the gradient of step 1 saved: "one" (1
+    process x accumulation 4, micro-batches in shuffled order), "ddp" and "zero2" (2 processes x 2, grouped by length,
+    under DDP and under DeepSpeed ZeRO-2 offload). After "ddp" in its launch, "reward" (the reward model, 2 x 2) and
+    "ppo" (two PPO steps with the adaptive KL controller, `PPO_PROBES`); after "zero2" in its launch, "resumed": SFT
+    resumed from a copy of zero2's checkpoint 2."""
+    root = tmp_path_factory.mktemp("runs")
+    script, ppo = root / "probed_sft.py", root / "ppo_probes.py"
     script.write_text(PROBED_SFT.format(root=str(ROOT)))
+    ppo.write_text(PPO_PROBES)
     args = (*CURVE, "--save_every", "1", "--keep_checkpoints", "5")
-    launch(script, root / "one", *args, "--gradient_accumulation_steps", "4", "--group_by_length", "false",
-           trace=root / "one" / "rows", poison=POISON_ONE_PROCESS)
-    launch(script, root / "ddp", *args, "--gradient_accumulation_steps", "2", "--group_by_length", "true",
-           config="cpu_2proc.yaml", processes=2, trace=root / "ddp" / "rows", poison=POISON_TWO_PROCESSES)
-    log = launch(script, root / "zero2", *args, "--gradient_accumulation_steps", "2", "--optimizer", "paged_adamw_8bit",
-                 config="deepspeed_zero2_offload.yaml", processes=2, trace=root / "zero2" / "rows",
-                 poison=POISON_TWO_PROCESSES)
+    run_here(script, stage_args(root / "one", *args, "--gradient_accumulation_steps", "4",
+                                "--group_by_length", "false"), root / "one" / "rows",
+             {"RLHF_TEST_POISON": POISON_ONE_PROCESS})
+    launch_runs(root, "cpu_2proc.yaml", [
+        stage_run(script, root / "ddp", *args, "--gradient_accumulation_steps", "2", "--group_by_length", "true",
+                  trace=root / "ddp" / "rows"),
+        stage_run(REWARD, root / "reward", *CURVE, "--gradient_accumulation_steps", "2",
+                  trace=root / "reward" / "rows"),
+        stage_run(ppo, root / "ppo", *PPO_DDP, train_config=TINY_PPO)], poison=POISON_TWO_PROCESSES)
+    zero2 = (*args, "--gradient_accumulation_steps", "2", "--optimizer", "paged_adamw_8bit")
+    ckpt = "checkpoint-0000002"  # the skipped step
+    log = launch_runs(root, "deepspeed_zero2_offload.yaml", [
+        stage_run(script, root / "zero2", *zero2, trace=root / "zero2" / "rows"),
+        {"copy": [str(root / "zero2" / ckpt), str(root / "resumed" / ckpt)]},
+        stage_run(SFT, root / "resumed", *zero2)], poison=POISON_TWO_PROCESSES)
     return root, log
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_train_sft_like_one_process_with_twice_the_accumulation(sft_runs):
-    root, _ = sft_runs
+def test_two_gloo_processes_train_sft_like_one_process_with_twice_the_accumulation(launches):
+    root, _ = launches
     assert_two_processes_match_one(root / "one", root / "ddp", rows_per_step=4 * 4, skip=NAN_STEP)
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_train_the_reward_model_like_one_process_with_twice_the_accumulation(tmp_path):
-    script = ROOT / "trainer" / "reward.py"
-    one, two = tmp_path / "one", tmp_path / "two"
-    launch(script, one, *CURVE, "--gradient_accumulation_steps", "4", trace=one / "rows")
-    launch(script, two, *CURVE, "--gradient_accumulation_steps", "2", config="cpu_2proc.yaml", processes=2,
-           trace=two / "rows")
-    assert_two_processes_match_one(one, two, rows_per_step=4 * 4)  # one row per pair (the prompt once)
+def test_two_gloo_processes_train_the_reward_model_like_one_process_with_twice_the_accumulation(launches, tmp_path):
+    root, _ = launches
+    one = tmp_path / "one"
+    run_here(REWARD, stage_args(one, *CURVE, "--gradient_accumulation_steps", "4"), one / "rows", {})
+    assert_two_processes_match_one(one, root / "reward", rows_per_step=4 * 4)  # one row per pair (the prompt once)
 
 
 @pytest.mark.slow
-def test_an_sft_step_has_the_same_gradient_on_two_processes_grouped_as_on_one_ungrouped(sft_runs):
+def test_an_sft_step_has_the_same_gradient_on_two_processes_grouped_as_on_one_ungrouped(launches):
     """Every completion token of a step weighs the same, whichever rank and micro-batch holds it: one process
     accumulating 4 micro-batches in shuffled order, and two accumulating 2 each grouped by length, take the
     same 16 real hh-rlhf rows to the same gradient, to float rounding."""
-    root, _ = sft_runs
+    root, _ = launches
     one, two = root / "one", root / "ddp"
     single, rank0, rank1 = traced_rows(one / "rows", 0), traced_rows(two / "rows", 0), traced_rows(two / "rows", 1)
     assert sorted(rank0[1] + rank1[1]) == sorted(single[1]) and len(single[1]) == 16  # the same rows
@@ -258,8 +314,8 @@ def test_an_sft_step_has_the_same_gradient_on_two_processes_grouped_as_on_one_un
 
 
 @pytest.mark.slow
-def test_a_nan_loss_on_one_rank_skips_the_whole_step_on_every_rank_in_every_launch_mode(sft_runs):
-    root, _ = sft_runs
+def test_a_nan_loss_on_one_rank_skips_the_whole_step_on_every_rank_in_every_launch_mode(launches):
+    root, _ = launches
     for run in ("one", "ddp", "zero2"):
         metrics = curve(root / run)
         assert [metrics[s, "train/skipped_steps"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 1.0, 1.0], run
@@ -271,20 +327,20 @@ def test_a_nan_loss_on_one_rank_skips_the_whole_step_on_every_rank_in_every_laun
 
 
 @pytest.mark.slow
-def test_deepspeed_zero2_offload_initialises_on_cpu_and_takes_the_same_steps_as_ddp(sft_runs):
-    root, log = sft_runs
+def test_deepspeed_zero2_offload_initialises_on_cpu_and_takes_the_same_steps_as_ddp(launches):
+    root, log = launches
     assert "DeepSpeed ZeRO-2 with CPU optimizer offload: optimizer DeepSpeedCPUAdam, 2 micro-batches a step, " \
            "clipping at 1.0, 2 ranks" in log
     warning = ("optimizer paged_adamw_8bit -> DeepSpeed AdamW on the CPU (optimizer offload): the DeepSpeed config "
                "offloads the optimizer to CPU")
-    assert log.count(warning) == 1  # one line, from rank 0 only
+    assert log.count(warning) == 2  # one line a run (zero2, resumed), from rank 0 only
     # DeepSpeedCPUAdam's fp32 AdamW kernel rounds differently from torch.optim.AdamW (measured: 8e-6 at most).
     assert_two_processes_match_one(root / "one", root / "zero2", rows_per_step=4 * 4, skip=NAN_STEP, adapter_atol=5e-5)
 
 
 @pytest.mark.slow
-def test_deepspeed_checkpoint_holds_engine_shards_without_the_frozen_base_and_resumes(sft_runs, tmp_path):
-    root, _ = sft_runs
+def test_deepspeed_checkpoint_holds_engine_shards_without_the_frozen_base_and_resumes(launches):
+    root, log = launches
     ckpt = root / "zero2" / "checkpoint-0000002"
     files = sorted(p.name for p in (ckpt / "deepspeed").iterdir())
     assert files == ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -295,14 +351,9 @@ def test_deepspeed_checkpoint_holds_engine_shards_without_the_frozen_base_and_re
     assert module and all(".lora_" in key for key in module)  # exclude_frozen_parameters: no base weights
     assert not list(root.glob("zero2/*.tmp"))
 
-    # Resume a copy of checkpoint 2 (the skipped step) to step 4: the same steps 3-4 as the straight run.
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(ckpt, resumed / ckpt.name)
-    log = launch(ROOT / "trainer" / "sft.py", resumed, *CURVE, "--save_every", "1", "--keep_checkpoints", "5",
-                 "--gradient_accumulation_steps", "2", "--optimizer", "paged_adamw_8bit",
-                 config="deepspeed_zero2_offload.yaml", processes=2)
-    assert "resumed from" in log and "checkpoint-0000002" in log
+    # A copy of checkpoint 2 (the skipped step) resumed to step 4: the same steps 3-4 as the straight run.
+    resumed = root / "resumed"
+    assert f"resumed from {resumed / ckpt.name} (step 2)" in log
     straight, again = curve(root / "zero2"), curve(resumed)
     # DeepSpeedCPUAdam recomputes beta^t with pow() after a load instead of multiplying it up step by
     # step, so the resumed run matches to float rounding, not bit for bit.
@@ -315,7 +366,8 @@ def test_deepspeed_checkpoint_holds_engine_shards_without_the_frozen_base_and_re
 @pytest.mark.slow
 def test_ppo_under_zero3_is_refused_at_start_in_one_line(tmp_path):
     out = tmp_path / "ppo"
-    log = launch(ROOT / "trainer" / "ppo.py", out, train_config=TINY_PPO, config="deepspeed_zero3.yaml",
+    # One process: the refusal comes before any collective, and the launcher reports it as for more.
+    log = launch("deepspeed_zero3.yaml", 1, ROOT / "trainer" / "ppo.py", *stage_args(out, train_config=TINY_PPO),
                  expect_ok=False)
     line = ("error: ppo under DeepSpeed ZeRO-3 is not supported: it generates with and switches its adapters on one "
             "base whose weights DeepSpeed ZeRO-3 partitions across ranks (untested, and every switch or decoded token "
@@ -465,7 +517,7 @@ def test_every_launch_config_parses_and_points_at_its_deepspeed_file():
 
 
 # PPO where every rank saves its trainable weights before and after training, and appends each (KL, beta) of the
-# adaptive KL controller, each into its own file beside the script.
+# adaptive KL controller, each into its own file beside the script (in `launches`).
 PPO_PROBES = """
 import json, os, sys
 from pathlib import Path
@@ -487,48 +539,41 @@ def train(ctx, model, prompts, held_out, scorer):
     torch.save({"before": before, "after": weights()}, here / f"weights_rank{rank}.pt")
     return state
 
-kl_control.AdaptiveKLController.update = update
-ppo.train = train
-ppo.main(sys.argv[1:])
+kl_control.AdaptiveKLController.update, ppo.train = update, train
+try:
+    ppo.main(sys.argv[1:])
+finally:
+    kl_control.AdaptiveKLController.update, ppo.train = real_update, real_train
 """
 
 
-@pytest.fixture(scope="module")
-def ppo_ddp(tmp_path_factory):
-    """Two steps of PPO under DDP on two gloo processes, with the adaptive KL controller: the run folder."""
-    root = tmp_path_factory.mktemp("ppo_ddp")
-    script = root / "ppo_probes.py"
-    script.write_text(PPO_PROBES)
-    launch(script, root / "ppo", "--max_steps", "2", "--save_every", "0", "--adaptive_kl", "true", "--target_kl", "0.01",
-           "--kl_horizon", "40", "--init_kl_coef", "0.2", config="cpu_2proc.yaml", processes=2, train_config=TINY_PPO)
-    return root
-
-
 @pytest.mark.slow
-def test_ppo_under_ddp_keeps_both_ranks_policy_and_value_identical(ppo_ddp):
+def test_ppo_under_ddp_keeps_both_ranks_policy_and_value_identical(launches):
     """Each rank samples its own prompts; synced gradients keep the trainable weights equal."""
     import math
 
-    ranks = [torch.load(ppo_ddp / f"weights_rank{rank}.pt") for rank in (0, 1)]
+    root, _ = launches
+    ranks = [torch.load(root / f"weights_rank{rank}.pt") for rank in (0, 1)]
     for before, after in zip(ranks[0]["before"], ranks[0]["after"]):
         assert before.shape == after.shape
     assert any(not torch.equal(b, a) for b, a in zip(ranks[0]["before"], ranks[0]["after"])), "nothing trained"
     for w0, w1 in zip(ranks[0]["after"], ranks[1]["after"]):
         assert torch.equal(w0, w1)
-    first = [json.loads(line) for line in (ppo_ddp / "ppo" / "metrics.jsonl").read_text().splitlines()][1]
+    first = [json.loads(line) for line in (root / "ppo" / "metrics.jsonl").read_text().splitlines()][1]
     assert first["step"] == 1 and all(math.isfinite(v) for v in first.values())  # finite, logged once
 
 
 @pytest.mark.slow
-def test_adaptive_kl_coefficient_moves_alike_on_every_rank(ppo_ddp):
+def test_adaptive_kl_coefficient_moves_alike_on_every_rank(launches):
     """The ranks sample different prompts, so their KLs differ: the controller must see the KL averaged
     over ranks, or each rank's beta drifts its own way (and only rank 0's is checkpointed)."""
-    traces = [[json.loads(line) for line in (ppo_ddp / f"beta_rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    root, _ = launches
+    traces = [[json.loads(line) for line in (root / f"beta_rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
     assert len(traces[0]) == len(traces[1]) == 2
     assert [t["kl"] for t in traces[0]] == [t["kl"] for t in traces[1]]  # the controller saw one KL
     assert [t["beta"] for t in traces[0]] == [t["beta"] for t in traces[1]]
     assert traces[0][-1]["beta"] != 0.2  # it did adapt
-    logged = [json.loads(line) for line in (ppo_ddp / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (root / "ppo" / "metrics.jsonl").read_text().splitlines()]
     kls = [r["objective/kl"] for r in logged if "objective/kl" in r]
     assert [t["kl"] for t in traces[0]] == pytest.approx(kls, rel=1e-9)  # the logged (rank-averaged) KL
 

@@ -93,15 +93,22 @@ def build_trainer(tmp_path, stage_adapters, *extra) -> tuple[PPOSetup, object]:
 def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_adapters, fresh_accelerate_state,
                                                                 monkeypatch, compiled):
     """Scoring and the first update forward agree: ratio 1, nothing clipped, approx KL 0 - also where the
-    update runs through compiled decoder layers (--compile_layers) and the rollout eagerly."""
+    update runs through the decoder layers --compile_layers wraps and the rollout eagerly. The wrapped layers'
+    checkpointed forward runs uncompiled here: compiled, it gives the eager outputs and gradients of this routed
+    pass (test_shared_base.py::test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eagerly)."""
     from conftest import compiled_calls
 
     from trainer.data.collators import PromptCollator
+    from trainer.model.compiled import CompiledLayer, _checkpointed
     from trainer.rl.algorithms.ppo import compute_advantages, micro_loss
     from trainer.rl.rollout import make_rollout
 
     trainer, model = build_trainer(tmp_path, stage_adapters, "--compile_layers", str(compiled).lower())
     assert (model.compiled_parts > 0) == compiled
+    wrapped = [m.forward for m in model.modules() if isinstance(vars(m).get("forward"), CompiledLayer)]
+    assert len(wrapped) == model.compiled_parts
+    for layer in wrapped:
+        monkeypatch.setattr(layer, "compiled_checkpointed", _checkpointed)
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
     torch.manual_seed(0)
     rollout = make_rollout(trainer.generator, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
@@ -113,7 +120,7 @@ def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_
     model.train()
     with compiled_calls(monkeypatch) as calls:
         _, stats = micro_loss(model, rollout, adv.advantages, adv.returns, trainer.args, 1.0)
-    assert (len(calls) > 0) == compiled  # the update's parts ran compiled (the rollout's, eagerly, are not counted)
+    assert (len(calls) > 0) == compiled  # the update ran through the wrapped layers (the rollout's are not counted)
     assert float(stats["val/ratio"]) == pytest.approx(1.0, abs=1e-5)
     assert float(stats["policy/clipfrac_avg"]) == 0.0
     assert float(stats["policy/approxkl_avg"]) < 1e-10
@@ -398,7 +405,8 @@ def test_routed_passes_give_the_rollout_and_the_steps_that_one_pass_per_adapter_
 
 @pytest.mark.parametrize("decode", ["eager", "compiled"])
 def test_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, stage_adapters, monkeypatch,
-                                                                      fresh_accelerate_state, decode):
+                                                                      fresh_accelerate_state, decode,
+                                                                      traced_not_generated):
     """The old log-probs and entropy, read from the logits each token was sampled from, equal a policy
     scoring pass over the sampled rows to fp32 tolerance, at a temperature, with top-k truncated sampling,
     left-padded prompts and rows that stop early; the rollout's scoring pass has no policy group. On every

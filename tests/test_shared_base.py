@@ -672,9 +672,10 @@ def assert_same_passes(results, want, passes=COMPILED_PASSES):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=lambda m: f"{adapter}: {m}")
 
 
-def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eagerly(sft_adapter, monkeypatch):
-    """--compile_layers: checkpointed passes that train - routed (policy + value, then value + policy) and under
-    one adapter - give the eager model's outputs and gradients to fp32 rounding, each under its own adapters (a
+def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eagerly(sft_adapter, monkeypatch,
+                                                                                 traced_not_generated):
+    """--compile_layers: checkpointed passes that train - routed (policy + value) and under one adapter (value,
+    then policy) - give the eager model's outputs and gradients to fp32 rounding, each under its own adapters (a
     graph compiled under one route is not reused under another). Each layer compiles WITH its checkpoint: one
     call per layer and pass, the recomputation inside the compiled backward (the forward compiled alone never
     runs). Passes without autograd (scoring, generation) run eagerly and compile nothing."""
@@ -690,11 +691,12 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
               for c in (False, True)]
     assert models[0].compiled_parts == 0 and models[1].compiled_parts == 2  # one graph per decoder layer
     ids, mask = batch(b=4, t=12)
-    want, eager_calls, _ = train_passes(models[0], ids, mask, monkeypatch)
-    got, calls, alone = train_passes(models[1], ids, mask, monkeypatch)
-    assert eager_calls == 0 and calls == 2 * len(COMPILED_PASSES) and alone == 0
+    passes = COMPILED_PASSES[:3]  # the routed pass, then two adapters alone: one route compiled, then another
+    want, eager_calls, _ = train_passes(models[0], ids, mask, monkeypatch, passes)
+    got, calls, alone = train_passes(models[1], ids, mask, monkeypatch, passes)
+    assert eager_calls == 0 and calls == 2 * len(passes) and alone == 0
     assert all(m.forward.whole for m in models[1].modules() if hasattr(m.forward, "whole"))
-    assert_same_passes(got, want)
+    assert_same_passes(got, want, passes)
     graphs = counters["stats"]["unique_graphs"]
     with compiled_calls(monkeypatch) as calls, torch.no_grad():
         models[1].fused(ids, mask, ["reference", "value", "reward"], ["logits", "scores", "scores"], keep_last=5)
@@ -704,7 +706,7 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
     assert torch.equal(sequences[0], sequences[1])
 
 
-def test_compiled_layers_compile_one_graph_for_all_their_layers(monkeypatch):
+def test_compiled_layers_compile_one_graph_for_all_their_layers(monkeypatch, traced_not_generated):
     """Every LoRA layer's forward is one function bound to its layer, so torch.compile traces the decoder layers
     alike: a routed training pass through 6 compiled layers compiles one graph, no layer recompiles (an
     object per layer, guarded by its identity, compiled each layer anew until torch's variant limit)."""
@@ -726,7 +728,8 @@ def test_compiled_layers_compile_one_graph_for_all_their_layers(monkeypatch):
     assert all(m.forward.whole for m in model.modules() if hasattr(m.forward, "whole"))
 
 
-def test_compiled_layers_that_cannot_compile_with_their_checkpoint_stay_exact(sft_adapter, monkeypatch, caplog):
+def test_compiled_layers_that_cannot_compile_with_their_checkpoint_stay_exact(sft_adapter, monkeypatch, caplog,
+                                                                              traced_not_generated):
     """Where a checkpointed layer does not compile whole - past torch's variant limit (here 1), or a graph
     break - its forward compiles inside transformers' eager checkpoint (and past the limit there too, runs
     eagerly), recomputing under the route of its forward: the eager outputs and gradients, said once."""
@@ -736,14 +739,15 @@ def test_compiled_layers_that_cannot_compile_with_their_checkpoint_stay_exact(sf
     if args.quantization != "none":
         pytest.skip("compiled 4-bit layers are a CUDA path")
     ids, mask = batch(b=4, t=12)
+    passes = COMPILED_PASSES[:2]  # a routed pass, then one adapter: two variants, one past the limit
     eager = perturbed_ppo_model(tiny_args(checkpointing=True, lora_dropout=0.0), sft_dir)
-    want, _, _ = train_passes(eager, ids, mask, monkeypatch)
+    want, _, _ = train_passes(eager, ids, mask, monkeypatch, passes)
 
     torch._dynamo.reset()  # the variant count is per code object: start from none
     limited = perturbed_ppo_model(tiny_args(checkpointing=True, lora_dropout=0.0, compile_layers=True), sft_dir)
     with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level("WARNING", "trainer.model.compiled"):
-        got, _, alone = train_passes(limited, ids, mask, monkeypatch)
-    assert_same_passes(got, want)
+        got, _, alone = train_passes(limited, ids, mask, monkeypatch, passes)
+    assert_same_passes(got, want, passes)
     assert alone > 0 and sum("variants than torch compiles" in r.message for r in caplog.records) == 1
 
     def broken(forward, layer, *a, **kw):
@@ -756,13 +760,13 @@ def test_compiled_layers_that_cannot_compile_with_their_checkpoint_stay_exact(sf
     for w in wrappers:
         w.compiled_checkpointed = torch.compile(broken, dynamic=True, fullgraph=True)
     with caplog.at_level("WARNING", "trainer.model.compiled"):
-        got, _, alone = train_passes(breaking, ids, mask, monkeypatch)
-    assert_same_passes(got, want)
+        got, _, alone = train_passes(breaking, ids, mask, monkeypatch, passes)
+    assert_same_passes(got, want, passes)
     assert alone > 0 and not any(w.whole for w in wrappers)
     assert sum("does not compile with its checkpoint" in r.message for r in caplog.records) == 1
 
 
-def test_compiled_checkpointed_layers_recompute_the_dropout_of_their_forward(sft_adapter):
+def test_compiled_checkpointed_layers_recompute_the_dropout_of_their_forward(sft_adapter, traced_not_generated):
     """With LoRA dropout, a layer compiled with its checkpoint recomputes, in the backward, the masks its
     forward drew: the gradient is the derivative of that very (reseeded, compiled) forward - a central
     difference along the gradient agrees with its norm (other masks were measured 1.6% off) - and a second
