@@ -104,10 +104,11 @@ def command(args: BenchArguments, variant: Variant, run_dir: Path) -> list[str]:
     import os
 
     config = args.config or f"trainer/configs/{args.stage}.yaml"
-    launch_config = variant.launch_config if cuda_available() else "accelerate_configs/cpu.yaml"
+    # On the CPU (one process, accelerate_configs/cpu.yaml) the launcher would only start the script: it runs alone.
+    launch = ([sys.executable, "-m", "accelerate.commands.launch", "--config_file", variant.launch_config]
+              if cuda_available() else [sys.executable])
     # Paths relative to the project root (the variants run there): the recorded commands name no machine's folders.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", launch_config,
-           f"trainer/{args.stage}.py", "--config", config, "--output_dir", os.path.relpath(run_dir, ROOT),
+    cmd = [*launch, f"trainer/{args.stage}.py", "--config", config, "--output_dir", os.path.relpath(run_dir, ROOT),
            "--model_name_or_path", args.model_name_or_path, "--max_steps", str(args.steps),
            "--profile_memory", "true", "--report_to", "none", "--save_every", "0", "--eval_every", "0",
            "--eval_batches", "1", "--progress_bar", "false", "--warmup_steps", "0",

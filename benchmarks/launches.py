@@ -10,9 +10,9 @@ An eager pass on a GPU launches a kernel per operation and pays host time for ea
 autograd): where kernels are short, as in the PPO update of a 7B model in 4-bit, that host time is the pass's
 time. This counts the operations torch dispatches (views left out), forward, checkpoint recompute and backward,
 per decoder layer: the difference between a 4-layer and a 2-layer Llama of the `tiny-llama` shape divided by
-two, so the count is what every layer of a 7B Llama adds (`--architecture qwen2`: Qwen2's
-layers at those sizes). On the CPU, in bf16 under autocast, LoRA r 4 on
-every linear layer, gradient checkpointing on, no dropout (PPO's and GRPO's update); the base in bf16, not
+two (`--layers`: other layer counts), so the count is what every layer of a 7B Llama adds (`--architecture
+qwen2`: Qwen2's layers at those sizes). On the CPU, in bf16 under autocast, LoRA r 4 on every linear layer,
+gradient checkpointing on, no dropout (PPO's and GRPO's update); the base in bf16, not
 4-bit (bitsandbytes' CPU kernels are not CUDA's), except for decoding, which reads a dense copy of 4-bit
 weights (`--generation_weights dequantized`). A proxy for host time per pass, not a time; on a GPU a matmul
 may launch more than one kernel (a split-K GEMM and its reduction). A compiled decode step replays CUDA graphs
@@ -47,6 +47,7 @@ from trainer.config import ModelArguments
 from trainer.model.shared_base import HEAD_FILE, AdapterSpec, ScalarHead, build_shared_model
 
 NAME, OVERRIDES = sys.argv[1], sys.argv[2]  # the architecture (ARCHITECTURES) every count builds
+LOW, HIGH = (int(n) for n in sys.argv[3].split(","))  # the layer counts whose difference is counted
 
 def shape(layers):
     return dict(model_name_or_path=NAME, preset_overrides=",".join(filter(None, (OVERRIDES, f"num_hidden_layers={layers}"))))
@@ -155,11 +156,11 @@ def traced_instructions(layers):
 TOKENS = 8  # the prompt's forward and 7 steps
 folder = Path(tempfile.mkdtemp())
 ScalarHead(64).save(folder / HEAD_FILE)
-two, four = counts(2, str(folder)), counts(4, str(folder))
-per_layer = {name: (four[name] - two[name]) // 2 for name in two}
-per_layer["decode_token"] = (decode_counts(4) - decode_counts(2)) // (2 * TOKENS)
-per_layer["compiled_decode_matmuls"] = (compiled_matmuls(4) - compiled_matmuls(2)) // 2
-per_layer["compiled_decode_traced"] = (traced_instructions(4) - traced_instructions(2)) // 2
+low, high, span = counts(LOW, str(folder)), counts(HIGH, str(folder)), HIGH - LOW
+per_layer = {name: (high[name] - low[name]) // span for name in low}
+per_layer["decode_token"] = (decode_counts(HIGH) - decode_counts(LOW)) // (span * TOKENS)
+per_layer["compiled_decode_matmuls"] = (compiled_matmuls(HIGH) - compiled_matmuls(LOW)) // span
+per_layer["compiled_decode_traced"] = (traced_instructions(HIGH) - traced_instructions(LOW)) // span
 import peft, transformers
 print(json.dumps({"per_layer": per_layer, "versions": {"torch": torch.__version__,
                   "transformers": transformers.__version__, "peft": peft.__version__}}))
@@ -183,13 +184,13 @@ ARCHITECTURES = {"llama": ("tiny-llama", ""),
                                          "num_key_value_heads=2,vocab_size=512")}
 
 
-def figures(spec: str, architecture: str = "llama") -> dict:
+def figures(spec: str, architecture: str = "llama", layers: str = "2,4") -> dict:
     """The counts at `spec`: a git revision, or REVISION@FOLDER to import the libraries in FOLDER (an unpacked
-    wheel, e.g. another transformers) ahead of this environment's."""
+    wheel, e.g. another transformers) ahead of this environment's; per layer from models of `layers` layers."""
     revision, _, libraries = spec.partition("@")
     with revision_tree(revision) as (sha, tree):
         path = os.pathsep.join(filter(None, (str(tree), libraries and str(Path(libraries).resolve()))))
-        done = subprocess.run([sys.executable, "-c", COUNTING, *ARCHITECTURES[architecture]], cwd=tree,
+        done = subprocess.run([sys.executable, "-c", COUNTING, *ARCHITECTURES[architecture], layers], cwd=tree,
                               capture_output=True, text=True, timeout=600,
                               env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
                                    "OMP_NUM_THREADS": "1"})
@@ -211,6 +212,8 @@ def markdown(data: dict) -> str:
     versions = sorted({", ".join(f"{k} {v}" for k, v in r.get("versions", data["versions"]).items()) for r in runs})
     lines = ["# Operations launched per decoder layer", "", f"- date: {data['date']}; git `{data['git_revision']}`",
              f"- command: `{data['command']}`", f"- architecture: {data.get('architecture', 'llama')}",
+             *([f"- layers: per layer from {data['layers'].replace(',', ' and ')} layers"]
+               if data.get("layers", "2,4") != "2,4" else []),
              "- versions: " + "; ".join(versions),
              "- what: " + " ".join(__doc__.split("\n\n")[2].split()), "",
              "| pass | " + " | ".join(column(r, runs) for r in runs) + " |", "|---|" + "---:|" * len(runs)]
@@ -219,10 +222,26 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def layer_pair(text: str) -> str:
+    """`--layers LOW,HIGH`: two layer counts, the second the larger."""
+    import argparse
+
+    try:
+        low, high = (int(n) for n in text.split(","))
+    except ValueError:
+        low = high = 0
+    if not 1 <= low < high:
+        raise argparse.ArgumentTypeError(f"{text!r}: give two layer counts, the second the larger, like 2,4")
+    return f"{low},{high}"
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     return main_at_revisions("launches", __doc__, figures, markdown, argv, options={
         "--architecture": dict(default="llama", choices=sorted(ARCHITECTURES),
-                               help="the architecture counted: llama (tiny-llama) or qwen2 (Qwen2.5's, at its sizes)")})
+                               help="the architecture counted: llama (tiny-llama) or qwen2 (Qwen2.5's, at its sizes)"),
+        "--layers": dict(default="2,4", type=layer_pair,
+                         help="the two layer counts whose models' difference, per layer, is counted (1,2: the "
+                              "smallest, fewer operations to compile)")})
 
 
 if __name__ == "__main__":

@@ -211,19 +211,20 @@ def test_markdown_lists_each_rounds_ratio_when_there_are_several():
 
 
 def test_decode_times_each_decode_path_on_the_same_rows(tmp_path):
-    """benchmarks.gpu.decode --paths --weights (the speed part's decode, here the tiny preset on the CPU): one row
-    per (path, weights, batch), each timing the rollouts' decode loop (compiled_whole: the compiled step without
-    decoder-layer regions, beside it) against the bandwidth bound; a compiled first call's time is told apart by
-    torch.compile's own timers (an eager one compiles nothing)."""
+    """benchmarks.gpu.decode --paths (the speed part's decode, from the dense copy as it decodes, here the tiny preset
+    on the CPU): one row per (path, weights, batch), each timing the rollouts' decode loop (compiled_whole: the
+    compiled step without decoder-layer regions, beside it) against the bandwidth bound; a compiled first call's time
+    is told apart by torch.compile's own timers (an eager one compiles nothing). Every (path, weights) of several
+    --weights, in order: test_a_decode_no_longer_than_its_prefill_...; compiling from the 4-bit weights:
+    tests/test_decode.py."""
     from benchmarks.gpu.decode import main as decode
 
     result = decode(["--model_name_or_path", "tiny-llama", "--batches", "2", "--prompt_tokens", "4", "--new_tokens",
                      "3", "--repeats", "1", "--copy_gib", "0.01", "--paths", "eager,compiled,compiled_whole",
-                     "--weights", "quantized,dequantized", "--out_dir", str(tmp_path),
+                     "--weights", "dequantized", "--out_dir", str(tmp_path),
                      "--kernel_profile", str(tmp_path / "kernels")])
     assert [(r["path"], r["weights"], r["batch"]) for r in result["rows"]] == [
-        (path, weights, 2) for weights in ("quantized", "dequantized")
-        for path in ("eager", "compiled", "compiled_whole")]
+        (path, "dequantized", 2) for path in ("eager", "compiled", "compiled_whole")]
     assert all(r["tokens_per_s"] > 0 and r["first_call_s"] > 0 for r in result["rows"])
     assert all(0 < r["bandwidth_fraction"] < 1 for r in result["rows"])
     for row in result["rows"]:
@@ -234,10 +235,10 @@ def test_decode_times_each_decode_path_on_the_same_rows(tmp_path):
     assert result["bytes_per_decode_step"] > result["bytes_read_per_decode_step"]["base_weights"] > 0
     assert result["rows_planned"] == len(result["rows"]) and "stopped before" not in (tmp_path / "decode.md").read_text()
     from benchmarks.gpu.decode import markdown  # a run stopped part-way: its finished rows, said so
-    assert "- rows: 2 of 6: the run stopped before the rest" in markdown({**result, "rows": result["rows"][:2]})
+    assert "- rows: 2 of 3: the run stopped before the rest" in markdown({**result, "rows": result["rows"][:2]})
     assert "| compiled | dequantized | 2 |" in (tmp_path / "decode.md").read_text()
     profile = json.loads((tmp_path / "kernels" / "kernels.json").read_text())  # the first row's, decoded again
-    assert profile["title"].startswith("decode, eager from quantized weights, 2 rows")
+    assert profile["title"].startswith("decode, eager from dequantized weights, 2 rows")
     assert profile["profiled_phases"] == ["generate"] and profile["ops"] and profile["busy_s"] > 0
 
 
@@ -392,17 +393,21 @@ def test_a_decode_row_that_fails_is_said_and_the_others_are_timed(tmp_path, monk
 
 def test_a_decode_no_longer_than_its_prefill_is_listed_as_not_timed_not_given_a_figure(tmp_path, monkeypatch):
     """Decode time is the generation's less the prefill's: where noise makes the prefill the longer (too few new
-    tokens on a busy machine), the row says so instead of a tokens/s made of a clamped difference."""
+    tokens on a busy machine), the row says so instead of a tokens/s made of a clamped difference. Every (path,
+    weights) is tried, each path for the first weights, then for the next (nothing decodes here: no compilation)."""
     import benchmarks.gpu.decode as bench
 
     monkeypatch.setattr(bench, "time_generation", lambda generator, ids, new_tokens, *a: (0.5, 0.02))
     result = bench.main(["--model_name_or_path", "tiny-llama", "--batches", "2", "--prompt_tokens", "4",
-                         "--new_tokens", "3", "--repeats", "1", "--copy_gib", "0.01", "--paths", "eager",
+                         "--new_tokens", "3", "--repeats", "1", "--copy_gib", "0.01", "--paths",
+                         "eager,compiled,compiled_whole", "--weights", "quantized,dequantized",
                          "--out_dir", str(tmp_path)])
     assert result["rows"] == []
-    assert result["failed"] == [{"path": "eager", "weights": "quantized", "batch": 2,
+    assert result["failed"] == [{"path": path, "weights": weights, "batch": 2,
                                  "error": "not timed: generating 3 tokens (0.0200 s) took no longer than the prefill "
-                                          "(0.0200 s); decode more tokens"}]
+                                          "(0.0200 s); decode more tokens"}
+                                for weights in ("quantized", "dequantized")
+                                for path in ("eager", "compiled", "compiled_whole")]
     assert "stopped before" not in (tmp_path / "decode.md").read_text()
 
 
@@ -439,16 +444,19 @@ def test_kernel_profile_profiles_the_phases_named_and_ranks_their_ops(tmp_path):
 
 def test_launches_counts_each_pass_per_layer_at_a_revision_and_a_routed_pass_launches_alike_for_any_groups(tmp_path):
     """`benchmarks.launches` at HEAD: operations per decoder layer of each RL pass, written as JSON and a table;
-    PPO's scoring (3 row groups) launches what GRPO's (2) does, and an update launches more than a scoring."""
+    PPO's scoring (3 row groups) launches what GRPO's (2) does, and an update launches more than a scoring. Per
+    layer from 1 and 2 layers (`--layers 1,2`, the least to compile), not the default 2 and 4."""
     from benchmarks.launches import PASSES, main
 
-    data = main(["HEAD", "--out_dir", str(tmp_path)])
+    data = main(["HEAD", "--layers", "1,2", "--out_dir", str(tmp_path)])
+    assert data["layers"] == "1,2" and data["command"].endswith("HEAD --layers 1,2")
     counts = data["revisions"][0]["per_layer"]
     assert set(counts) == set(PASSES) and all(n > 0 for n in counts.values())
     assert counts["ppo_scoring"] == counts["grpo_scoring"] < counts["grpo_update"] < counts["ppo_update"]
     assert json.loads((tmp_path / "result.json").read_text()) == data
     text = (tmp_path / "README.md").read_text()
     assert f"`{data['revisions'][0]['revision']}`" in text and f"| {counts['ppo_update']} |" in text
+    assert "- layers: per layer from 1 and 2 layers" in text
 
 
 def test_launches_counts_an_architecture_with_the_libraries_a_revision_names(tmp_path, monkeypatch):
@@ -480,13 +488,13 @@ def test_launches_counts_an_architecture_with_the_libraries_a_revision_names(tmp
     monkeypatch.setattr(launches.subprocess, "run", counting)
     data = launches.main([f"abcdef1@{tmp_path / 'old'}", "abcdef1", "--architecture", "qwen2",
                           "--out_dir", str(tmp_path / "out")])
-    assert [argv for argv, _ in calls] == [list(launches.ARCHITECTURES["qwen2"])] * 2
+    assert [argv for argv, _ in calls] == [[*launches.ARCHITECTURES["qwen2"], "2,4"]] * 2  # the default layers
     assert calls[0][1].split(os.pathsep) == [str(tmp_path / "tree"), str(tmp_path / "old")]
     assert calls[1][1] == str(tmp_path / "tree")
     assert data["architecture"] == "qwen2" and data["command"].endswith("abcdef1 --architecture qwen2")
     text = (tmp_path / "out" / "README.md").read_text()
     assert "| pass | `abcdef1` transformers 5.17.0 | `abcdef1` transformers 5.23.0 |" in text
-    assert "- architecture: qwen2" in text
+    assert "- architecture: qwen2" in text and "- layers:" not in text
     from benchmarks.results_table import launches as row
 
     label = row(tmp_path / "out", data).benchmark  # the results table names the torch every column was counted under

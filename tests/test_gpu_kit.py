@@ -73,8 +73,8 @@ def test_check_runs_the_gpu_tests_which_skip_without_cuda(smoke):
 
 
 def test_memory_records_each_stage_and_compares_it_with_the_estimator(smoke):
-    """The memory part's SFT, reward and GRPO runs; its PPO run in smoke mode is the first call's (the same
-    stage_run command, which the memory part leaves out there)."""
+    """The memory part's SFT, reward and GRPO runs (in smoke mode one process runs the three); its PPO run in smoke
+    mode is the first call's (the same stage_run command, which the memory part leaves out there)."""
     from benchmarks.gpu.parts import PartArguments, steps_for
 
     _, unpacked = smoke
@@ -301,7 +301,8 @@ def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tm
     folders = main([*map(str, sorted(out.glob("*.tar.gz"))), "--results_dir", str(results), "--readme", str(readme)])
     assert sorted(f.name for f in folders) == sorted(f"{p}-tiny-llama-smoke" for p in PARTS)
     info = json.loads((results / "memory-tiny-llama-smoke" / "provenance.json").read_text())
-    assert info["device_name"] and info["date"] and info["git_revision"] and info["steps"]["grpo"]["status"] == "ok"
+    assert info["device_name"] and info["date"] and info["git_revision"]
+    assert info["steps"]["sft+reward+grpo"]["status"] == "ok"
     text = readme.read_text()
     assert "No GPU run has been collected yet" in text and "old" not in text and text.endswith("rest\n")
     # A GPU result (here: the smoke folder relabelled) is tabulated from its files.

@@ -181,16 +181,23 @@ def seed_ppo_steps(args: PartArguments, out: Path, ppo_steps: int) -> list[Step]
                 Step("reward", stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"))),
                 ppo_step]
     # PPO keeps a process of its own, so that nothing an earlier stage left behind can show in its memory.
-    return [sft_and_reward_in_one_process(args, out), ppo_step]
+    return [in_one_process("sft+reward", sft_and_reward(args, out)), ppo_step]
 
 
-def sft_and_reward_in_one_process(args: PartArguments, out: Path) -> Step:
-    """One step each of SFT and reward, in ONE process (one start, one CUDA context): where no SFT or reward
-    figure is reported, they only make the adapters the RL stage starts from."""
-    sft = stage_run(args, "sft", out, "--max_steps", "1")
-    reward = stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"), "--max_steps", "1")
-    return Step("sft+reward", [python(), "-m", "benchmarks.gpu.in_one_process", "sft", *sft[2:], "::",
-                               "reward", *reward[2:]])
+def sft_and_reward(args: PartArguments, out: Path) -> list[list[str]]:
+    """One step each of SFT and reward: where no SFT or reward figure is reported, they only make the adapters the
+    RL stage starts from."""
+    return [stage_run(args, "sft", out, "--max_steps", "1"),
+            stage_run(args, "reward", out, "--sft_adapter", str(out / "sft" / "adapter"), "--max_steps", "1")]
+
+
+def in_one_process(name: str, runs: list[list[str]]) -> Step:
+    """Stage runs (each `python trainer/STAGE.py ARGS`) one after another in ONE process: one start, one CUDA
+    context (`benchmarks.gpu.in_one_process`)."""
+    argv = [python(), "-m", "benchmarks.gpu.in_one_process"]
+    for i, stage in enumerate(runs):
+        argv += [*(["::"] if i else []), Path(stage[1]).stem, *stage[2:]]
+    return Step(name, argv)
 
 
 def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Step]:
@@ -214,12 +221,14 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                 "--eval_prompts", "0", "--min_new_tokens", "128" if not args.smoke else "8"]
         grpo += (["--max_new_tokens", "8", "--rollout_batch_size", "2", "--num_generations", "2",
                   "--rollout_micro_batch_size", "4", "--mini_batch_size", "2"] if args.smoke else [])
-        # Smoke: the first call's smoke runs the seed PPO (the same stage_run), so here SFT and reward share one
-        # process and GRPO follows; the estimator comparison still reads SFT, reward and GRPO.
-        runs = [sft_and_reward_in_one_process(args, out)] if args.smoke else seed_ppo_steps(args, out, ppo_steps=3)
+        # Smoke: the first call's smoke runs the seed PPO (the same stage_run), so here SFT, reward and GRPO run in
+        # one process; the estimator comparison still reads SFT, reward and GRPO.
+        grpo_run = stage_run(args, "grpo", out, *grpo, "--max_steps", "2")
+        runs = ([in_one_process("sft+reward+grpo", [*sft_and_reward(args, out), grpo_run])] if args.smoke else
+                [*seed_ppo_steps(args, out, ppo_steps=3), Step("grpo", grpo_run)])
         stages = ("sft", "reward", "grpo") if args.smoke else ("sft", "reward", "ppo", "grpo")
-        return [*runs, Step("grpo", stage_run(args, "grpo", out, *grpo, "--max_steps", "2")),
-                Step("vs-estimate", [python(), "-m", "benchmarks.gpu.vs_estimate", *(str(out / s) for s in stages)])]
+        compare = [python(), "-m", "benchmarks.gpu.vs_estimate", *(str(out / s) for s in stages)]
+        return [*runs, Step("vs-estimate", compare)]
     if args.part == "speed":  # the rollouts as the stages run them (--decode and --generation_weights auto, the
         # planner's picks) in TRL's GRPO recipe, 3 steps (the third past any one-off cost of the second); decode
         # alone; then the first call's PPO work against TRL, ours with its decoder layers compiled for the update
@@ -269,7 +278,7 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
                     "--mini_batch_size", "2"]
         return [Step("grpo_vs_trl", [python(), "-m", "benchmarks.grpo_vs_trl", *work, *data_flags(args),
                                      "--sides", "ours,ours_4bit,trl", "--out_dir", str(out / "grpo_vs_trl")]),
-                sft_and_reward_in_one_process(args, out),
+                in_one_process("sft+reward", sft_and_reward(args, out)),
                 Step("ppo-12gb", stage_run(args, "ppo", out, *ppo, "--max_steps", "2",
                                            *([] if args.smoke else ["--simulate_gpu_gib", "12"]),
                                            "--memory_budget_gib", "12")),
@@ -279,12 +288,12 @@ def steps_for(args: PartArguments, out: Path, deadline: float = 0.0) -> list[Ste
         # hold it? (an over-budget plan stops the run at its start, naming what to change)
         small = ("--memory_budget_gib", "8") if args.smoke else ("--simulate_gpu_gib", "8", "--memory_budget_gib", "8")
         compare = [python(), "-m", "benchmarks.gpu.vs_estimate"]
-        runs = [Step("grpo", grpo_recipe_run(args, out)),
-                Step("grpo-8gb", grpo_recipe_run(args, out, "grpo_8gb", *small, planned=True))]
-        if args.smoke:  # no budget to order the steps by: one comparison of both runs, one process start
-            return [*runs, Step("vs-estimate", [*compare, str(out / "grpo"), str(out / "grpo_8gb")])]
-        return [runs[0], Step("vs-estimate", [*compare, str(out / "grpo")]),
-                runs[1], Step("vs-estimate-8gb", [*compare, str(out / "grpo_8gb")])]
+        runs = [grpo_recipe_run(args, out), grpo_recipe_run(args, out, "grpo_8gb", *small, planned=True)]
+        if args.smoke:  # no budget to order the steps by: both runs in one process, then one comparison of both
+            return [in_one_process("grpo+grpo-8gb", runs),
+                    Step("vs-estimate", [*compare, str(out / "grpo"), str(out / "grpo_8gb")])]
+        return [Step("grpo", runs[0]), Step("vs-estimate", [*compare, str(out / "grpo")]),
+                Step("grpo-8gb", runs[1]), Step("vs-estimate-8gb", [*compare, str(out / "grpo_8gb")])]
     if args.part == "stages":
         stages = ("dpo",) if args.smoke else ("sft", "reward", "dpo")  # smoke: see the module's docstring
         return [Step(f"stages_vs_trl-{stage}", stages_vs_trl(args, stage, out)) for stage in stages]
