@@ -167,10 +167,10 @@ def measure_overhead(repeats: int = 5) -> list[dict]:
 
     import torch
 
+    from foundation.settings import ModelArguments
     from profiling.recorder import MemoryRecorder
-    from trainer.config import ModelArguments
-    from trainer.model.shared_base import AdapterSpec, build_shared_model
     from trainer.model.decode import Generator, Sampling
+    from trainer.model.shared_base import AdapterSpec, build_shared_model
     from trainer.rl.rollout import sample_responses
 
     torch.manual_seed(0)

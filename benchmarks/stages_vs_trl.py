@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.row_trace import row_hash  # what the row trace of our side writes
 from foundation.cli import Checked, UsageError, at_least, one_of, parse, run
-from trainer.config import DataArguments, ModelArguments, TrainArguments
+from foundation.settings import DataArguments, ModelArguments, TrainArguments
 
 logger = logging.getLogger("benchmarks.stages_vs_trl")
 ROOT = Path(__file__).resolve().parent.parent

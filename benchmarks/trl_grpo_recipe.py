@@ -58,8 +58,8 @@ class RecipeArguments(Checked):
 def seed_ppo_arguments() -> EstimateArguments:
     """The seed's PPO stage as its config sets it (the random-weight llama-2-7b preset for the model), read the
     way the stage's budget check reads it (trainer.engine.budget.estimate_arguments) on a CUDA device."""
+    from foundation.settings import PPOArguments
     from trainer.config import parse_config
-    from trainer.ppo import PPOArguments
 
     sections = parse_config(PPOArguments, ["--config", str(PROJECT_ROOT / SEED_PPO_CONFIG),
                                            "--model_name_or_path", "llama-2-7b"])

@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.measure import Lap, MemoryProbe, PhaseClock, StepCounter, step_record
 from benchmarks.workload import Workload, trl_batch_settings
-from trainer.config import ModelArguments
+from foundation.settings import ModelArguments
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,9 @@ def load_score_model(model_args: ModelArguments, vocab_size: int, device: torch.
     from transformers import AutoModelForSequenceClassification
 
     from profiling.shapes import PRESETS, preset_config
-    from trainer.model.loading import bnb_config, pick_attention, quantize_linears_, resolve_model_path, resolve_precision
+    from trainer.model.loading import (
+        bnb_config, pick_attention, quantize_linears_, resolve_model_path, resolve_precision
+    )
 
     four_bit, dtype = resolve_precision(model_args, device)  # the rule trainer.model.loading.load_base_model uses
     attn = pick_attention(model_args.attn_implementation, device)

@@ -205,8 +205,7 @@ def to_our_adapter(w, trl_dir: Path, out: Path) -> None:
 
     from safetensors.torch import load_file, save_file
 
-    from trainer.engine.setup import BASE_MODEL_FILE
-    from trainer.model.shared_base import HEAD_FILE
+    from trainer.model.adapter_fit import BASE_MODEL_FILE, HEAD_FILE
 
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads((trl_dir / "adapter_config.json").read_text())

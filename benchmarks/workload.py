@@ -17,8 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from foundation.cli import Checked, UsageError, at_least, parse
-from trainer.config import DataArguments, ModelArguments, TrainArguments
-from trainer.ppo import PPOArguments
+from foundation.settings import DataArguments, ModelArguments, PPOArguments, TrainArguments
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +250,7 @@ def write_heads(heads: dict[str, torch.Tensor], folder) -> dict[str, str]:
 
     from safetensors.torch import save_file
 
-    from trainer.model.shared_base import HEAD_FILE
+    from trainer.model.adapter_fit import HEAD_FILE
 
     out = {}
     for name, weight in heads.items():

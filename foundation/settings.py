@@ -1,5 +1,6 @@
 """Every setting of a run, declared once: the argument dataclasses of the model, the data, the training loop
-and the online RL stages, and the one YAML reader of their config files.
+and the online RL stages. Their config files are read by `foundation.config_files`; the reward-function specs
+some fields hold by `foundation.reward_specs`.
 
 The trainer parses them (`trainer.config.parse_config`) and the memory estimator reads the same objects
 (`profiling.predict.EstimateArguments` derives from them), so a setting has one name, one default and one
@@ -9,16 +10,12 @@ their help, their rules (`foundation.cli.Checked`) and the checks between fields
 
 from __future__ import annotations
 
-import math
-import os
-from collections.abc import Hashable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
-
-import yaml
+from typing import Optional
 
 from foundation.cli import Checked, UsageError, above, at_least, between, one_of
+from foundation.reward_specs import check_builtin, check_spec, parse_weights, split_specs
 
 # ---- the choices a setting takes ----------------------------------------------------------------------
 
@@ -33,7 +30,6 @@ DECODE_CHOICES = ("auto", *DECODE_PATHS)  # --decode: auto is compiled on CUDA (
 KL_ESTIMATORS = ("k1", "k2", "k3")  # trainer/losses.py
 GROUP_ADVANTAGES = ("grpo", "rloo")
 LOSS_NORMALISATIONS = ("sequence", "token", "fixed")
-BUILTINS = ("keyword", "length", "chars")  # the built-in reward functions (trainer/rl/rewards.py)
 HUB_DATASET = "Anthropic/hh-rlhf"
 DATA_ENV = "RLHF_DATA"
 BAD_ROW_POLICIES = ("skip", "error")
@@ -284,48 +280,6 @@ def _trackers_rule(value: str) -> Optional[str]:
 
 # ---- online RL (PPO, GRPO / RLOO) ----------------------------------------------------------------
 
-def check_builtin(spec: str, flag: str = "--reward_fn") -> tuple[str, str]:
-    """(kind, argument) of a built-in reward spec - `keyword:WORD`, `length:N` or `chars:N` - or a UsageError in
-    one line (`trainer.rl.rewards.builtin` makes the function)."""
-    kind, _, arg = spec.partition(":")
-    if kind not in BUILTINS or not arg:
-        raise UsageError(f"{flag} {spec!r}: use keyword:WORD, length:N or chars:N")
-    if kind != "keyword" and (not arg.isdigit() or int(arg) < 1):
-        raise UsageError(f"{flag} {spec!r}: N must be a whole number of at least 1")
-    return kind, arg
-
-
-def split_specs(text: Optional[str]) -> list[str]:
-    return [part.strip() for part in (text or "").split(",") if part.strip()]
-
-
-def check_spec(spec: str) -> None:
-    """A UsageError unless `spec` reads as a built-in, `PATH.py:NAME` or `package.module:NAME` (not imported)."""
-    if spec.partition(":")[0] in BUILTINS:  # a built-in wins over a module of its name (the standard `keyword`)
-        check_builtin(spec)
-        return
-    target, sep, name = spec.rpartition(":")
-    dotted = all(part.isidentifier() for part in target.split("."))
-    if not sep or not name.isidentifier() or not (target.endswith(".py") or dotted):
-        raise UsageError(f"--reward_fn {spec!r}: use PATH.py:NAME, package.module:NAME, keyword:WORD, length:N or "
-                         "chars:N (several: comma-separated)")
-
-
-def parse_weights(text: Optional[str], count: int) -> list[float]:
-    """The --reward_weights of `count` functions (1 each when unset)."""
-    if not text:
-        return [1.0] * count
-    try:
-        weights = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--reward_weights {text!r}: use comma-separated numbers, one per --reward_fn") from None
-    if len(weights) != count:
-        raise UsageError(f"--reward_weights {text!r}: {len(weights)} weights for {count} reward functions")
-    if not all(math.isfinite(w) for w in weights):
-        raise UsageError(f"--reward_weights {text!r}: every weight must be a finite number")
-    return weights
-
-
 def _temperature_rule(name: str, value: float):
     """0 is greedy; a tiny temperature makes every draw the argmax and every log-prob 0: nothing to learn."""
     return None if value == 0 or 0.01 <= value <= 100 else "must be 0 (greedy) or in [0.01, 100]"
@@ -472,137 +426,3 @@ class GRPOArguments(RolloutArguments):
             raise UsageError(f"{deterministic} samples the {self.num_generations} responses of a prompt alike: their "
                              "rewards tie, every advantage is 0 and nothing is learned; sample with a temperature "
                              "above 0 (1.0 is usual) and top_k 0 or above 1")
-
-
-# ---- config files ---------------------------------------------------------------------------------
-
-SECTIONS = ("model", "data", "train", "stage")
-
-
-class DuplicateKey(yaml.YAMLError):
-    """A mapping that names one key twice (PyYAML would silently keep the last value)."""
-
-
-class UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping: a section, or a key in a section."""
-
-    def construct_document(self, node):
-        self.root, self.sections = node, {}
-        return super().construct_document(node)
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            top = node is getattr(self, "root", None)
-            seen: dict[Any, int] = {}
-            for key_node, value_node in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue  # `<<: *defaults` and then an override is what YAML merges are for
-                key = self.construct_object(key_node, deep=True)
-                if not isinstance(key, Hashable):
-                    continue  # SafeLoader refuses it itself
-                line = key_node.start_mark.line + 1
-                if key in seen:
-                    if top:
-                        raise DuplicateKey(f"section '{key}' appears twice (lines {seen[key]} and {line}): merge "
-                                           "them into one")
-                    section = self.sections.get(id(node))
-                    where = f"section '{section}'" if section is not None else "one mapping"
-                    raise DuplicateKey(f"key '{key}' appears twice in {where} (lines {seen[key]} and {line}): "
-                                       "keep one")
-                seen[key] = line
-                if top:
-                    self.sections[id(value_node)] = key
-        return super().construct_mapping(node, deep)
-
-
-MAX_YAML_VALUES = 100_000  # values a config may hold once its aliases are expanded: far past any real config
-
-
-def _expanded_size(node, sizes: dict) -> int:
-    """How many values `node` holds once every alias in it is expanded (a shared node counts each time)."""
-    if id(node) not in sizes:
-        sizes[id(node)] = 0  # a node that holds itself (a recursive alias) counts once
-        children = [item for pair in node.value for item in pair] if isinstance(node, yaml.MappingNode) else \
-            node.value if isinstance(node, yaml.SequenceNode) else []
-        sizes[id(node)] = min(1 + sum(_expanded_size(child, sizes) for child in children), MAX_YAML_VALUES + 1)
-    return sizes[id(node)]
-
-
-def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    """A config file's sections as written (a key or section written twice is refused), unchecked. Aliases
-    that expand past MAX_YAML_VALUES values, and nesting Python cannot follow, are refused in one line."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"config file not found: {path}")
-    try:
-        text = path.read_text()
-        node = yaml.compose(text, Loader=UniqueKeyLoader)
-        if node is not None and _expanded_size(node, {}) > MAX_YAML_VALUES:
-            raise UsageError(f"{path}: its aliases expand to more than {MAX_YAML_VALUES:,} values; write the "
-                             "config out without them")
-        raw = yaml.load(text, Loader=UniqueKeyLoader) or {}
-    except RecursionError:
-        raise UsageError(f"{path}: nested too deep to read") from None
-    except DuplicateKey as exc:
-        raise UsageError(f"{path}: {exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise UsageError(f"{path}: not valid YAML{where} ({getattr(exc, 'problem', None) or exc})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{path}: cannot be read ({exc})") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"{path}: expected sections {', '.join(SECTIONS)}, got a {type(raw).__name__}")
-    return raw
-
-
-def config_flag(argv: list[str]) -> tuple[Optional[str], list[str]]:
-    """(the --config file, the other flags): every command that reads a config file takes it so."""
-    argv = list(argv)
-    if "--config" not in argv:
-        return None, argv
-    i = argv.index("--config")
-    if i + 1 >= len(argv):
-        raise UsageError("--config needs a YAML file path")
-    path = argv[i + 1]
-    del argv[i : i + 2]
-    return path, argv
-
-
-def load_yaml(path: str | os.PathLike, section_types: dict[str, type],
-              beside: Sequence[str] = ()) -> dict[str, Any]:
-    """The values of a sectioned YAML config, flattened, after checking every section and key.
-
-    `section_types` maps each allowed section to its dataclass; a key must belong to its section's class,
-    but in the sections named by `beside`, whose keys the reader does not take (the memory estimator reading
-    a stage's method settings), which are left out.
-    """
-    path = Path(path)
-    raw = read_yaml(path)
-    if not any(raw.values()):  # a config that sets nothing is a wrong or truncated file, not a run on the defaults
-        raise UsageError(f"{path}: sets nothing (empty, only comments or only empty sections): write key: value lines "
-                         f"under {', '.join(f'{s}:' for s in section_types)}, or leave out --config for the defaults")
-    flat: dict[str, Any] = {}
-    for section, values in raw.items():
-        if section not in section_types:
-            owner = _owner(section, section_types)
-            hint = f" ('{section}' is a key of section '{owner}': put it under {owner}:)" if owner else ""
-            raise UsageError(f"{path}: unknown section '{section}'; sections: {', '.join(section_types)}{hint}")
-        if values is None:
-            continue
-        if not isinstance(values, dict):
-            raise UsageError(f"{path}: section '{section}' must hold key: value lines")
-        known = {f.name for f in fields(section_types[section])}
-        for key, value in values.items():
-            if key not in known and section in beside:
-                continue
-            if key not in known:
-                owner = _owner(key, section_types)
-                hint = f" (it belongs in section '{owner}')" if owner else f"; known keys: {', '.join(sorted(known))}"
-                raise UsageError(f"{path}: unknown key '{key}' in section '{section}'{hint}")
-            flat[key] = value
-    return flat
-
-
-def _owner(key: str, section_types: dict[str, type]) -> Optional[str]:
-    return next((s for s, cls in section_types.items() if key in {f.name for f in fields(cls)}), None)

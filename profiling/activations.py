@@ -210,12 +210,6 @@ def training_parts(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: i
     return casts, layer + back, kept
 
 
-def training_activations(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int, adapters: int = 1) -> int:
-    """Peak activation bytes (logits excluded) of forward + backward over `tokens` tokens."""
-    kept, layer, _ = training_parts(shape, spec, tokens, seq_len, adapters)
-    return kept + layer
-
-
 def saved_for_backward(shape: ModelShape, spec: ForwardSpec, tokens: int, seq_len: int) -> int:
     """Bytes saved by one forward without checkpointing (the figure `SavedTensorMeter` measures): with autocast
     also the LoRA weights' casts, less layer 0's q, k, v lora_A (their input needs no gradient)."""

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Optional
 
 from foundation.cli import given, parse, run
-from foundation.settings import ONLINE_RL_STAGES, DataArguments, ModelArguments, TrainArguments, config_flag, load_yaml
+from foundation.config_files import config_flag, load_yaml
 from foundation.files import check_writable, reported_write_failure, staged_files, write_atomic
 from foundation.provenance import provenance
+from foundation.settings import ONLINE_RL_STAGES, DataArguments, ModelArguments, TrainArguments
 from profiling import components as C
 from profiling.advice import advice_lines
 from profiling.plan import PLANNABLE, planned_settings, plans, rollout_rows

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from foundation.settings import DECODE_CHOICES, DTYPES, GENERATION_WEIGHTS, OPTIMIZER_NAMES, QUANTIZATIONS  # noqa: F401
+from foundation.settings import DECODE_CHOICES, DTYPES, OPTIMIZER_NAMES, QUANTIZATIONS
 
 def bitsandbytes_unavailable_reason() -> Optional[str]:
     """None when bitsandbytes imports here, else a one-line reason."""

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import DATA_ENV, SHARED_DATA
+from foundation.settings import DATA_ENV
+from trainer.config import SHARED_DATA
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -113,7 +114,8 @@ def saved_head(folder: Path, hidden_size: int, seed: int = 0) -> str:
     """A folder holding a random scalar head (head.safetensors): what a frozen head must be loaded from."""
     import torch
 
-    from trainer.model.shared_base import HEAD_FILE, ScalarHead
+    from trainer.model.adapter_fit import HEAD_FILE
+    from trainer.model.shared_base import ScalarHead
 
     torch.manual_seed(seed)
     Path(folder).mkdir(parents=True, exist_ok=True)

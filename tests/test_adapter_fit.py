@@ -28,7 +28,7 @@ OTHER_BASES = {
 
 
 def tiny_args(**changes):
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
 
     return replace(ModelArguments(model_name_or_path="tiny-llama", quantization="none", lora_r=4, lora_alpha=8,
                                   lora_dropout=0.0, gradient_checkpointing=False), **changes)

@@ -262,3 +262,75 @@ def test_nothing_in_the_trainer_writes_an_attribute_onto_a_model_for_the_memory_
     for path in (ROOT / "trainer").rglob("*.py"):
         assert not re.search(r"HELD_[A-Z_]+", path.read_text()), path
     assert not re.search(r"^HELD_", (ROOT / "profiling" / "tensors.py").read_text(), re.MULTILINE)
+
+
+def defined_and_imported() -> dict[str, tuple[set[str], set[str]]]:
+    """Each project module: (the names it defines at module level, the names it imports at module level)."""
+    out = {}
+    for module, path in project_modules().items():
+        defined, imported = set(), set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                imported.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                defined.update(t.id for t in targets if isinstance(t, ast.Name))
+        out[module] = (defined, imported)
+    return out
+
+
+def project_from_imports(path: Path) -> list[tuple[int, str, str]]:
+    """(line, module, name) of every `from MODULE import NAME` of a project module in `path`, at any depth."""
+    return [(node.lineno, node.module, alias.name) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+            and node.module.split(".")[0] in PACKAGES for alias in node.names]
+
+
+def test_every_name_is_imported_from_the_module_that_defines_it():
+    """No re-export shims: a name comes from its owner, never from a module that only imported it itself."""
+    modules, owners = project_modules(), defined_and_imported()
+    files = [*modules.values(), *(ROOT / "tests").rglob("*.py")]
+    wrong = [f"{path.relative_to(ROOT)}:{line}: {name} from {module}" for path in files
+             for line, module, name in project_from_imports(path)
+             if module in owners and name in owners[module][1] and name not in owners[module][0]
+             and f"{module}.{name}" not in modules]
+    assert wrong == []
+
+
+def test_no_module_passes_on_what_it_imports():
+    """A project name a module imports is one it uses (else it is there to be imported from it), and no module
+    lists an `__all__`."""
+    unused = []
+    for module, path in project_modules().items():
+        tree = ast.parse(path.read_text())
+        used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        assert "__all__" not in used, module
+        unused += [f"{module}: {alias.asname or alias.name}" for node in tree.body
+                   if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES
+                   for alias in node.names if (alias.asname or alias.name) not in used]
+    assert unused == []
+
+
+def test_no_test_imports_a_private_name():
+    """Tests hold the code to its behaviour through public names."""
+    private = [f"{path.name}:{line}: {module}.{name}" for path in (ROOT / "tests").rglob("*.py")
+               for line, module, name in project_from_imports(path) if name.startswith("_")]
+    assert private == []
+
+
+def test_no_function_is_there_only_for_the_tests():
+    """Every module-level function and class of the project is used by the project (a decorated one is, by its
+    decorator): one that only tests call holds behaviour no run has."""
+    import re
+
+    texts = {path: path.read_text() for path in project_modules().values()}
+    unused = []
+    for path, text in texts.items():
+        for node in ast.parse(text).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.decorator_list:
+                uses = sum(len(re.findall(rf"\b{node.name}\b", other)) for other in texts.values())
+                if uses < 2:  # its definition only
+                    unused.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert unused == []

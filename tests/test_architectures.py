@@ -167,7 +167,7 @@ def test_one_grpo_step_trains_the_policy(tiny_model, hh_rows, sft_and_reward, tm
 def policy(tiny_model):
     """The model on the shared base with a policy adapter and a value adapter and head, both off the base (random
     LoRA), in eval mode, and three left-padded prompts of different lengths, longer than the sliding windows."""
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.model.loading import load_tokenizer
     from trainer.model.shared_base import AdapterSpec, build_shared_model
 
@@ -242,7 +242,7 @@ def test_one_row_per_pair_scores_what_two_rows_per_pair_score(policy, hh_rows):
     """Reward and DPO batches with the prompt computed once give each completion's score and log-probs as a row
     of its own does - through sliding windows too, counted in the pair's positions; where the logits are
     soft-capped (Gemma 2) the batches are two rows per pair."""
-    from trainer.config import DataArguments
+    from foundation.settings import DataArguments
     from trainer.data.collators import PairCollator, SharedPromptPairCollator, pair_collator
     from trainer.data.hh_rlhf import load_pairs
     from trainer.data.tokenization import tokenize_pairs
@@ -269,7 +269,7 @@ def test_the_export_of_an_sft_adapter_computes_what_the_adapter_does(tiny_model,
     """The merged folder, loaded by plain transformers, gives the log-probs of the base with the adapter."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.export import main
     from trainer.model.shared_base import AdapterSpec, build_shared_model
 
@@ -295,7 +295,7 @@ def test_a_decode_s_dense_copies_multiply_each_sibling_group_as_one_matrix_as_it
     """A 4-bit base decoding from dense copies (--generation_weights dequantized): q/k/v and gate/up, where the
     family keeps them apart, share one matrix, whose rows of each layer (the compiled step's product) give what
     the layer's own copy gives, biases too (Qwen2); a family that fuses them in its checkpoint has no group."""
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.model.decode_weights import DecodeWeights, DequantizedLinear
     from trainer.model.loading import load_base_model
 
@@ -317,7 +317,7 @@ def test_a_decode_s_dense_copies_multiply_each_sibling_group_as_one_matrix_as_it
 @pytest.mark.parametrize("family", FAMILIES)
 def test_attention_auto_is_what_the_architecture_supports_said_in_one_line(family, tmp_path_factory,
                                                                            smol_tokenizer, caplog):
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.model.loading import load_base_model
 
     folder = saved_model(family, tmp_path_factory.getbasetemp(), smol_tokenizer)

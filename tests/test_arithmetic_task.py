@@ -61,11 +61,11 @@ def test_the_result_says_whether_a_figure_moved_beyond_its_interval():
 
 
 def test_the_result_counts_the_answers_a_policy_gives_and_names_a_collapse():
-    from benchmarks.arithmetic.report import _counts, answer_counts, collapse
+    from benchmarks.arithmetic.report import answer_counts, collapse, described_counts
 
     responses = ["Answer: 10", "Answer: 10", "x\nAnswer: 7", "no idea"]
     counts = answer_counts({"rows": 4, "samples": [{"response": r} for r in responses]})
-    assert _counts(counts) == "3 distinct; most often 10 50%, 7 25%, no answer line 25%"
+    assert described_counts(counts) == "3 distinct; most often 10 50%, 7 25%, no answer line 25%"
     assert collapse(counts).startswith("The trained policy answers 10 to 50% of the problems")
     assert collapse(counts, share=0.6) is None
     assert answer_counts({"rows": 5, "samples": [{"response": r} for r in responses]}) is None  # not all kept

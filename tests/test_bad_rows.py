@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from foundation.cli import run
-from trainer.config import DataArguments
+from foundation.settings import DataArguments
 from trainer.data.formats import ChatRenderer, row_parser
 from trainer.data.hh_rlhf import DataError, RawRow, load_pairs
 

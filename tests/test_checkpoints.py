@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import Payload, in_process_command
 
-from trainer.config import DATA_ENV
+from foundation.settings import DATA_ENV
 from trainer.engine.checkpoint import (
     MANIFEST_FILE, CheckpointError, complete_checkpoints, select_checkpoint, write_manifest,
 )

@@ -123,7 +123,7 @@ def test_an_alias_bomb_a_deep_nest_and_a_huge_value_are_one_short_line(tmp_path)
     """A 9^7-value alias bomb is refused before it is built; 20,000 nested lists are refused, not a
     RecursionError; an error echoing a huge value is cut to a readable line."""
     from foundation.cli import FieldError, UsageError
-    from trainer.config import read_yaml
+    from foundation.config_files import read_yaml
 
     lines = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 7)]
@@ -175,9 +175,8 @@ def test_a_pipeline_override_goes_only_to_the_stages_that_have_the_setting(tmp_p
 def test_help_lists_each_stage_s_flags_by_section_in_order():
     """--help reads as TRL's configs do: model, data, training, memory, rollout, method; each flag in one."""
     from foundation.cli import HELP_SECTIONS, parser_for
-    from trainer.config import DataArguments, ModelArguments, TrainArguments
+    from foundation.settings import DataArguments, ModelArguments, PPOArguments, TrainArguments
     from trainer.dpo import DPOArguments
-    from trainer.ppo import PPOArguments
 
     def sections(stage_cls) -> dict[str, list[str]]:
         text = parser_for([ModelArguments, DataArguments, TrainArguments, stage_cls]).format_help()
@@ -206,8 +205,8 @@ def test_a_config_value_is_read_as_its_flag_would_be_or_refused_naming_the_file_
     string); one that does not read so names the config file and key, never a flag that was not given. A flag
     given for the key replaces the bad value, as it replaces any config value."""
     from foundation.cli import UsageError
+    from foundation.settings import PPOArguments
     from trainer.config import parse_config
-    from trainer.ppo import PPOArguments
     from trainer.sft import SFTArguments
 
     config = tmp_path / "config.yaml"

@@ -15,7 +15,7 @@ import torch
 
 import trainer.data.hh_rlhf as data
 from foundation.cli import UsageError
-from trainer.config import DATA_ENV, HUB_DATASET, DataArguments
+from foundation.settings import DATA_ENV, HUB_DATASET, DataArguments
 from trainer.data.collators import PairCollator, PromptCollator, SFTCollator
 from trainer.data.hh_rlhf import ASSISTANT, DataError, PreferencePair, load_pairs, load_splits, split_pairs
 from trainer.data.tokenization import (

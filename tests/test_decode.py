@@ -672,8 +672,8 @@ def test_the_recorder_counts_the_copy_as_generation_weights_at_the_estimator_s_s
     stands in for the 4-bit layers, their weights still count as the base's."""
     from profiling import components as C
     from profiling.predict import generation_weight_bytes
-    from profiling.shapes import load_shape
     from profiling.recorder import MemoryRecorder
+    from profiling.shapes import load_shape
 
     recorder = MemoryRecorder("ppo", model=tiny_nf4)
     per_rollout = Generator(tiny_nf4, "eager", "dequantized", recorder=recorder)
@@ -709,6 +709,7 @@ def test_a_rollout_makes_one_copy_and_records_it_as_generation_weights_in_genera
     """`dequantized` over a rollout of several chunks: one copy for the whole generate phase (not one per
     chunk), recorded as its own component there at the estimator's size, not inside the KV cache's transient;
     freed before the score phase."""
+    from foundation.settings import RolloutArguments
     from profiling import components as C
     from profiling.predict import generation_weight_bytes
     from profiling.recorder import MemoryRecorder
@@ -716,7 +717,6 @@ def test_a_rollout_makes_one_copy_and_records_it_as_generation_weights_in_genera
     from trainer.engine.phases import watching
     from trainer.rl.rewards import Scorer
     from trainer.rl.rollout import make_rollout
-    from trainer.rl.settings import RolloutArguments
 
     made = dense_copies_made(monkeypatch)
     ids, mask = batch(b=4, t=6)
@@ -785,13 +785,13 @@ def test_a_compiled_step_counts_a_placing_of_the_dense_copies_only_where_no_earl
     from types import SimpleNamespace
     from unittest import mock
 
-    from trainer.model.decode import _Compiled
+    from trainer.model.decode import CompiledStep
 
     compiled = SimpleNamespace(placings={}, caches={})
     a, b = [torch.zeros(4), torch.zeros(2)], [torch.zeros(4), torch.zeros(2)]
 
     def placing(copies, rows=8, adapter="policy"):
-        return _Compiled.placing(compiled, copies, rows, adapter)
+        return CompiledStep.placing(compiled, copies, rows, adapter)
 
     assert [placing(a), placing(a), placing(b), placing(a), placing(b)] == [0, 0, 2, 0, 0]
     assert placing([torch.zeros(1)]) == 3 and placing(a, rows=16) == 0  # the first decode of 16 rows records anyway
@@ -800,7 +800,7 @@ def test_a_compiled_step_counts_a_placing_of_the_dense_copies_only_where_no_earl
     config = SimpleNamespace(num_hidden_layers=1)  # a longer rollout: a new cache, so every graph is recorded anew
     compiled.caches[8] = (128, None)
     with mock.patch("transformers.StaticCache", lambda **kwargs: "cache"):
-        assert _Compiled.cache(compiled, SimpleNamespace(config=config), 8, 200) == (256, "cache")
+        assert CompiledStep.cache(compiled, SimpleNamespace(config=config), 8, 200) == (256, "cache")
     assert placing(b) == 0 and placing(a) == 2 and placing(a, rows=16) == 0
 
 

@@ -432,7 +432,7 @@ def test_fsdp_launch_on_a_cpu_machine_is_refused_with_what_to_use_instead(monkey
 def test_deepspeed_optimizer_offload_replaces_a_client_optimizer_and_says_so_for_8bit(asked, caplog):
     from accelerate.utils import DummyOptim
 
-    from trainer.config import TrainArguments
+    from foundation.settings import TrainArguments
     from trainer.engine.optim import build_loop_optimizer
 
     config = json.loads(json.dumps(ZERO2_OFFLOAD))
@@ -457,7 +457,7 @@ def test_deepspeed_optimizer_offload_replaces_a_client_optimizer_and_says_so_for
 def test_4bit_base_is_stored_in_the_compute_dtype_only_where_zero3_or_fsdp_shard_it():
     import copy
 
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.engine.launch import quant_storage_for
     from trainer.model.loading import load_base_model, quantize_linears_
 

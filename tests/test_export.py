@@ -76,7 +76,7 @@ def plain_load(out: Path, tmp_path: Path) -> dict:
 
 
 def test_an_exported_smollm2_policy_loads_with_plain_transformers_and_matches_the_adapter(tmp_path, smol_tokenizer):
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.export import main
 
     args = ModelArguments(model_name_or_path="smollm2-135m", quantization="none", lora_r=8, lora_alpha=16,
@@ -106,7 +106,7 @@ def test_an_nf4_trained_adapter_exports_the_base_it_was_trained_against(tmp_path
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.export import main
     from trainer.model.loading import load_tokenizer
 
@@ -206,7 +206,7 @@ def test_a_disk_that_fills_while_exporting_is_one_line_and_leaves_nothing(tmp_pa
     from transformers import PreTrainedModel
 
     from foundation.cli import run
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.export import main
 
     args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", lora_r=4, lora_alpha=8,
@@ -233,7 +233,7 @@ def test_an_out_folder_filled_while_exporting_is_left_as_it_is_and_refused_in_on
     published over it, the file stays, and no temporary folder is left behind."""
     import trainer.export
     from foundation.cli import run
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
 
     args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", lora_r=4, lora_alpha=8,
                           lora_dropout=0.0)
@@ -258,7 +258,7 @@ def test_an_out_folder_filled_while_exporting_is_left_as_it_is_and_refused_in_on
 
 
 def test_an_empty_out_folder_becomes_the_export(tmp_path):
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.export import main
 
     args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", lora_r=4, lora_alpha=8,
@@ -277,7 +277,7 @@ def test_an_adapter_holding_nan_or_inf_is_refused_in_one_line_naming_the_tensor_
     from safetensors.torch import load_file, save_file
 
     from foundation.cli import run
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.export import main
 
     args = ModelArguments(model_name_or_path="tiny-llama", quantization="none", lora_r=4, lora_alpha=8,
@@ -349,7 +349,7 @@ def tiny_base(tmp_path: Path, arch: str):
     tied embeddings and 20 embedding rows past its tokenizer's tokens."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
 
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from trainer.config import DataArguments
+from foundation.settings import DataArguments
 from trainer.data.formats import ChatRenderer, row_parser
 from trainer.data.hh_rlhf import DataError, RawRow, load_pairs, parse_row
 

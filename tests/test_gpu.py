@@ -21,7 +21,7 @@ def cuda() -> torch.device:
 
 
 def tiny_args(**kw):
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
 
     values = dict(model_name_or_path="tiny-llama", quantization="nf4", gradient_checkpointing=True, lora_r=8,
                   lora_alpha=16, lora_dropout=0.0, preset_overrides="hidden_size=256,intermediate_size=704")
@@ -91,13 +91,12 @@ def test_a_ppo_step_on_cuda_moves_only_policy_value_and_value_head(tmp_path):
     reference and reward adapters and the reward head are bit-for-bit what they were."""
     from conftest import saved_head
 
-    from trainer.config import TrainArguments
+    from foundation.settings import PPOArguments, TrainArguments
     from trainer.engine.harness import Engine
     from trainer.engine.launch import make_accelerator
-    from trainer.model.shared_base import build_shared_model, stage_specs
-    from trainer.ppo import PPOArguments
     from trainer.engine.phases import watching
     from trainer.model.decode import Generator
+    from trainer.model.shared_base import build_shared_model, stage_specs
     from trainer.rl.algorithms.ppo import PPO
     from trainer.rl.online import rl_step
     from trainer.rl.rewards import Scorer
@@ -138,11 +137,11 @@ def test_old_logprobs_read_while_sampling_on_cuda_equal_a_policy_scoring_pass(tm
     rollout replays the graphs the first recorded, with the same tokens as the eager loop."""
     from conftest import saved_head
 
+    from foundation.settings import RolloutArguments
     from trainer.model.shared_base import build_shared_model, stage_specs
     from trainer.rl.rewards import Scorer
     from trainer.rl.rollout import make_rollout
     from trainer.rl.scoring import response_logprobs
-    from trainer.rl.settings import RolloutArguments
 
     specs = stage_specs("ppo", {})
     specs[-1].head_from = saved_head(tmp_path / "reward-head", 256)
@@ -379,7 +378,7 @@ def test_the_simulated_card_caps_the_allocator():
 def test_fp16_loss_scaling_skips_an_overflow_step_and_trains_on(tmp_path):
     """fp16 AMP: a step with an inf gradient is skipped by the scaler (not counted as bad), the scale comes
     down, and the next step runs (the scaler must see every step, or unscale_ fails the next one)."""
-    from trainer.config import TrainArguments
+    from foundation.settings import TrainArguments
     from trainer.engine.harness import Engine
     from trainer.engine.launch import make_accelerator, reset_accelerate
     from trainer.model.shared_base import AdapterSpec, build_shared_model

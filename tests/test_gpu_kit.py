@@ -367,7 +367,7 @@ def test_the_speed_part_runs_the_recipes_as_the_stages_decode_then_each_decode_p
     comparison with TRL (ours decoding as the stage does, its layers compiled for the update); last, decode
     alone at the GRPO recipe's shape (its model, adapter rank, rows and lengths), profiled."""
     from benchmarks.gpu.parts import PartArguments, grpo_recipe_run, steps_for
-    from trainer.model.decode import DECODE_PATHS
+    from foundation.settings import DECODE_PATHS
 
     def flag(argv, name):  # argparse keeps a flag's last value
         return argv[len(argv) - 1 - argv[::-1].index(name) + 1]

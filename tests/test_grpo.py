@@ -100,14 +100,15 @@ def test_out_of_memory_in_the_grpo_update_retries_with_half_the_micro_batch(tmp_
 def test_grpo_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_path, fresh_accelerate_state):
     """The critic-free rollout reads the old log-probs while sampling, as PPO's does: what a policy scoring
     pass over the sampled rows gives, to fp32 tolerance; the reference's log-probs differ from them."""
+    from foundation.settings import GRPOArguments
     from trainer.data.collators import PromptCollator
     from trainer.data.tokenization import tokenize_prompts
     from trainer.engine.setup import start_run
-    from trainer.grpo import GRPOArguments, build_model
+    from trainer.grpo import build_model
     from trainer.model.decode import Generator, Sampling
     from trainer.rl.rollout import make_rollout
-    from trainer.rl.settings import make_scorer
     from trainer.rl.scoring import response_logprobs
+    from trainer.rl.settings import make_scorer
 
     ctx = start_run(GRPOArguments, ["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"),
                                     "--temperature", "0.8"])
@@ -143,9 +144,10 @@ class FixedRolloutUpdate:
     def __init__(self, tmp_path, monkeypatch):
         import trainer.rl.algorithms.grpo as grpo_maths
         import trainer.rl.online as online
+        from foundation.settings import GRPOArguments
         from trainer.engine.harness import Engine
         from trainer.engine.setup import start_run
-        from trainer.grpo import GRPOArguments, build_model
+        from trainer.grpo import build_model
         from trainer.rl.rollout import Rollout
         from trainer.rl.scoring import response_logprobs
 

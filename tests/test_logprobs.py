@@ -10,13 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from trainer.model.logprobs import (
-    entropy_from_logits,
-    head_chunk_positions,
-    head_logprobs,
-    shift_for_next_token,
-    token_logprobs,
-)
+from profiling.activations import head_chunk_positions
+from trainer.model.logprobs import entropy_from_logits, head_logprobs, shift_for_next_token, token_logprobs
 
 LN2 = math.log(2.0)
 # softmax of these logits is (1/4, 1/2, 1/4): log-probs -2 ln2, -ln2, -2 ln2.

@@ -369,8 +369,9 @@ def test_largest_weight_is_the_largest_magnitude_over_all_tensors_and_nan_wins()
 # ---- sampling under which the policy can hardly learn ---------------------------------------------
 
 def test_sampling_that_can_learn_but_hardly_is_warned_about_once(caplog):
-    from trainer.grpo import GRPOArguments, check_settings as grpo_settings
-    from trainer.ppo import PPOArguments, check_settings as ppo_settings
+    from foundation.settings import GRPOArguments, PPOArguments
+    from trainer.grpo import check_settings as grpo_settings
+    from trainer.ppo import check_settings as ppo_settings
 
     cases = [(ppo_settings, PPOArguments(scripted_reward="length:5", temperature=5.0), "--temperature 5.0: "),
              (ppo_settings, PPOArguments(scripted_reward="length:5", temperature=0.0), "--temperature 0 (greedy)"),

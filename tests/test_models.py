@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from foundation.cli import UsageError
+from foundation.settings import DataArguments, ModelArguments
 from profiling.shapes import KNOWN_MODELS, load_shape, preset_config
-from trainer.config import ModelArguments
-from trainer.config import DataArguments
 from trainer.data.hh_rlhf import load_pairs
 from trainer.model.loading import (
     ModelLoadError, embedded_model_dir, load_base_model, load_tokenizer, pick_attention, resolve_precision,
@@ -248,7 +247,7 @@ def test_an_exported_tokenizer_folder_stands_in_for_the_embedded_package(tmp_pat
                                                  ("mistral-7b", "MistralForCausalLM")])
 def test_each_family_preset_trains_an_adapter_on_the_shared_base(family, model_class):
     """A family preset shrunk by --preset_overrides builds, routes adapters and takes a gradient step."""
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.model.loading import load_tokenizer
     from trainer.model.shared_base import AdapterSpec, build_shared_model
 

@@ -35,7 +35,7 @@ def test_an_empty_completion_is_read_at_the_last_prompt_token_not_at_column_minu
 
 @pytest.fixture(scope="module")
 def examples(shared_data, smol_tokenizer):
-    from trainer.config import DataArguments
+    from foundation.settings import DataArguments
     from trainer.data.hh_rlhf import load_pairs
     from trainer.data.tokenization import tokenize_pairs
 
@@ -45,7 +45,7 @@ def examples(shared_data, smol_tokenizer):
 
 
 def tiny_model(vocab: int, attention: str):
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.model.shared_base import AdapterSpec, build_shared_model
 
     args = ModelArguments(model_name_or_path="tiny-llama", lora_r=4, lora_alpha=8, gradient_checkpointing=False,

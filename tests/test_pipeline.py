@@ -128,13 +128,13 @@ def test_dpo_loss_on_a_batch_matches_the_formula_by_hand(run_dir, smol_tokenizer
     """The DPO stage's loss equals -log sigmoid(beta * margin) computed from separate log-prob passes."""
     import math
 
+    from foundation.settings import DataArguments
     from trainer.data.collators import PairCollator
-    from trainer.config import DataArguments
     from trainer.data.hh_rlhf import load_pairs
+    from trainer.data.tokenization import tokenize_pairs
     from trainer.dpo import DPOArguments, dpo_terms
     from trainer.engine.setup import base_model_args
     from trainer.model.shared_base import AdapterSpec, build_shared_model
-    from trainer.data.tokenization import tokenize_pairs
 
     adapter = run_dir / "dpo" / "adapter"
     model_args = base_model_args(adapter, gradient_checkpointing=False)

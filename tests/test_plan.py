@@ -10,13 +10,13 @@ import pytest
 
 from foundation.cli import UsageError
 
+from foundation.settings import PPOArguments
 from profiling import components as C
 from profiling.plan import OFFLOADS, offloads_allowed, plan_rl
 from profiling.predict import EstimateArguments, estimate
 from profiling.shapes import load_shape
 from trainer.config import parse_config
 from trainer.engine.setup import run_config
-from trainer.ppo import PPOArguments
 
 SEVEN_B = load_shape("llama-2-7b")
 # trainer/configs/llama2_7b/ppo.yaml's settings (NF4, bf16, paged 8-bit AdamW, LoRA r=16 all-linear)
@@ -90,8 +90,8 @@ def test_nothing_fits_gives_no_plan():
 
 
 def test_auto_fit_is_off_on_cpu_by_default(tmp_path, capfd, fresh_accelerate_state):
+    from foundation.settings import PPOArguments
     from trainer.engine.setup import start_run
-    from trainer.ppo import PPOArguments
 
     ctx = start_run(PPOArguments, ["--config", "tests/configs/tiny_ppo.yaml", "--rollout_micro_batch_size", "auto",
                                    "--output_dir", str(tmp_path)], stage="ppo")
@@ -108,8 +108,8 @@ PLANNING = ["--config", "tests/configs/tiny_ppo.yaml", "--auto_fit", "true", "--
 
 def test_explicit_flags_survive_planning_and_the_same_flags_left_auto_are_planned(tmp_path, capfd,
                                                                                   fresh_accelerate_state):
+    from foundation.settings import PPOArguments
     from trainer.engine.setup import start_run
-    from trainer.ppo import PPOArguments
 
     given = start_run(PPOArguments, [*PLANNING, "--gradient_checkpointing", "true", "--micro_batch_size", "2",
                                      "--output_dir", str(tmp_path / "given")], stage="ppo")
@@ -131,9 +131,9 @@ def test_explicit_flags_survive_planning_and_the_same_flags_left_auto_are_planne
 
 
 def test_an_explicit_value_that_does_not_fit_stops_the_run_naming_it_and_the_phase(tmp_path, fresh_accelerate_state):
+    from foundation.settings import PPOArguments
     from trainer.engine.budget import BudgetError
     from trainer.engine.setup import start_run
-    from trainer.ppo import PPOArguments
 
     with pytest.raises(BudgetError, match=r"--rollout_micro_batch_size 8 needs an estimated 0\.044 GiB in phase "
                                           r"'score', over memory_budget_gib=0\.04"):
@@ -205,8 +205,8 @@ def test_no_keeping_the_configured_ones_warning_precedes_the_budget_error(tmp_pa
 
 
 def test_auto_in_a_config_file_leaves_the_field_to_the_planner(tmp_path, capfd, fresh_accelerate_state):
+    from foundation.settings import PPOArguments
     from trainer.engine.setup import start_run
-    from trainer.ppo import PPOArguments
 
     config = tmp_path / "ppo.yaml"
     config.write_text(Path("tests/configs/tiny_ppo.yaml").read_text().replace("micro_batch_size: 2",
@@ -217,8 +217,8 @@ def test_auto_in_a_config_file_leaves_the_field_to_the_planner(tmp_path, capfd, 
 
 
 def test_grpo_applies_the_plan_when_asked(tmp_path, capfd, fresh_accelerate_state):
+    from foundation.settings import GRPOArguments
     from trainer.engine.setup import start_run
-    from trainer.grpo import GRPOArguments
 
     ctx = start_run(GRPOArguments, ["--config", "tests/configs/tiny_grpo.yaml", "--rollout_micro_batch_size", "auto",
                                     "--output_dir", str(tmp_path / "on"), "--auto_fit", "true"], stage="grpo")

@@ -25,7 +25,7 @@ def test_response_mask_stops_after_the_first_eos():
 @pytest.fixture(scope="module")
 def stage_adapters(tmp_path_factory, smol_tokenizer):
     """An 'SFT' and a 'reward' adapter (perturbed fresh LoRA; the reward one with a head)."""
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.model.shared_base import AdapterSpec, build_shared_model
 
     root = tmp_path_factory.mktemp("adapters")
@@ -74,9 +74,10 @@ class PPOSetup:
 
 
 def build_trainer(tmp_path, stage_adapters, *extra) -> tuple[PPOSetup, object]:
+    from foundation.settings import PPOArguments
     from trainer.data.tokenization import tokenize_prompts
     from trainer.engine.setup import start_run
-    from trainer.ppo import PPOArguments, build_model, check_settings
+    from trainer.ppo import build_model, check_settings
 
     sft_dir, reward_dir = stage_adapters
     argv = ["--config", str(TINY_PPO), "--output_dir", str(tmp_path / "ppo"), "--sft_adapter", str(sft_dir),
@@ -263,7 +264,8 @@ def test_out_of_memory_halving_of_an_odd_micro_batch_leaves_every_token_its_weig
 
 def test_scripted_rewards_score_the_decoded_response(smol_tokenizer):
     """--scripted_reward names a built-in reward function, scored on the decoded response (length: on its tokens)."""
-    from trainer.rl.settings import RolloutArguments, make_scorer
+    from foundation.settings import RolloutArguments
+    from trainer.rl.settings import make_scorer
 
     tok = smol_tokenizer
     prompt = tok(["\n\nHuman: hi\n\nAssistant:"], add_special_tokens=False)["input_ids"][0]

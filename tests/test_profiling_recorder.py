@@ -8,13 +8,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from profiling import activations as A
-from profiling import components as C
+from foundation.settings import ModelArguments
+from profiling import activations as A, components as C
 from profiling.device import cuda_unavailable_reason, read_nvml
 from profiling.predict import EstimateArguments, forward_spec, resolve_shape
 from profiling.recorder import MemoryRecorder
 from profiling.tensors import count_tensors
-from trainer.config import ModelArguments
 from trainer.model.shared_base import AdapterSpec, build_shared_model
 
 VOCAB = 512

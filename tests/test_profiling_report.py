@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from foundation.settings import ModelArguments
 from profiling import components as C
 from profiling.chart import DPI, FIGSIZE
 from profiling.recorder import MemoryRecorder
 from profiling.report import markdown_table
-from trainer.config import ModelArguments
 from trainer.model.shared_base import AdapterSpec, build_shared_model
 
 ROOT = Path(__file__).resolve().parent.parent

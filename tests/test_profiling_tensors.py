@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import saved_head
 
+from foundation.settings import ModelArguments
 from profiling import components as C
 from profiling.shapes import nf4_bytes
 from profiling.tensors import count_tensors, quant_state_tensors
-from trainer.config import ModelArguments
 from trainer.model.shared_base import AdapterSpec, build_shared_model
 
 VOCAB = 512

@@ -145,7 +145,8 @@ def examples(n: int, **columns):
 
 
 def scorer_of(tmp_path, tok, code: str, reward_fn: str, **settings):
-    from trainer.rl.settings import RolloutArguments, make_scorer
+    from foundation.settings import RolloutArguments
+    from trainer.rl.settings import make_scorer
 
     (tmp_path / "fns.py").write_text(code)
     spec = ",".join(f"{tmp_path / 'fns.py'}:{name}" for name in reward_fn.split(","))
@@ -195,7 +196,7 @@ def test_a_function_that_never_applies_is_said_once_and_logs_no_nan(tmp_path, sm
 
 
 def test_a_trl_function_that_names_trainer_state_gets_the_step(tmp_path, smol_tokenizer):
-    from trainer.rl.rewards import TrainerState
+    from trainer.rl.reward_worker import TrainerState
 
     code = "def staged(completions, trainer_state, **_):\n    return [float(trainer_state.global_step)] * len(completions)\n"
     scorer = scorer_of(tmp_path, smol_tokenizer, code, "staged")
@@ -207,7 +208,8 @@ def test_a_trl_function_that_names_trainer_state_gets_the_step(tmp_path, smol_to
 
 def test_built_ins_and_imported_functions_score_alike_and_share_names_apart(tmp_path, smol_tokenizer):
     """--scripted_reward and --reward_fn's built-ins are the same functions; two of one name log apart."""
-    from trainer.rl.settings import RolloutArguments, make_scorer
+    from foundation.settings import RolloutArguments
+    from trainer.rl.settings import make_scorer
 
     ids, att, p, rmask = batch(smol_tokenizer, [" Thank you.", " No."])
     scorer = make_scorer(RolloutArguments(reward_fn="keyword:you,length:2", scripted_reward="length:4"),
@@ -222,7 +224,8 @@ def test_built_ins_and_imported_functions_score_alike_and_share_names_apart(tmp_
 
 def test_a_module_path_and_a_file_path_import_the_arithmetic_tasks_functions(smol_tokenizer):
     """package.module:NAME and PATH.py:NAME; conversational rows get their completions as assistant messages."""
-    from trainer.rl.settings import RolloutArguments, make_scorer
+    from foundation.settings import RolloutArguments
+    from trainer.rl.settings import make_scorer
 
     scorer = make_scorer(RolloutArguments(reward_fn="benchmarks.arithmetic.rewards:correct,"
                                                     f"{ROOT / 'benchmarks' / 'arithmetic' / 'rewards.py'}:formatted"),
@@ -268,7 +271,7 @@ BAD = {  # case: (code, function, what the one line says)
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_every_bad_function_stops_with_one_line_naming_it_and_the_row(tmp_path, smol_tokenizer, case):
-    from trainer.rl.rewards import RewardFunctionError
+    from trainer.rl.reward_worker import RewardFunctionError
 
     code, name, message = BAD[case]
     ids, att, p, rmask = batch(smol_tokenizer, [" Hi.", ""])  # the second response is empty
@@ -282,7 +285,7 @@ def test_a_reward_weight_or_sum_past_the_reward_limit_stops_naming_the_function_
                                                                                            smol_tokenizer):
     """A reward float32 holds but whose square does not (its batch's std and value loss would be infinite), a
     weight that takes a value there, and a sum of two that gets there: each one line."""
-    from trainer.rl.rewards import RewardFunctionError
+    from trainer.rl.reward_worker import RewardFunctionError
 
     code = ("def huge(completions, **_):\n    return [10.0, -3e38]\n"
             "def big(completions, **_):\n    return [10.0, 6e14]\n"
@@ -304,7 +307,7 @@ def test_a_reward_weight_or_sum_past_the_reward_limit_stops_naming_the_function_
 def test_a_function_past_its_time_limit_stops_the_run_naming_it(tmp_path, smol_tokenizer):
     import time
 
-    from trainer.rl.rewards import RewardFunctionError
+    from trainer.rl.reward_worker import RewardFunctionError
 
     code = "import time\ndef slow(completions, **_):\n    time.sleep(30)\n    return [0.0] * len(completions)\n"
     ids, att, p, rmask = batch(smol_tokenizer, [" Hi.", " No."])
@@ -435,7 +438,7 @@ def test_a_function_past_its_limit_is_killed_with_what_it_started_and_a_killed_t
     import subprocess
     import sys
 
-    from trainer.rl.rewards import RewardFunctionError
+    from trainer.rl.reward_worker import RewardFunctionError
 
     started = tmp_path / "started.pid"
     code = ("import subprocess, time\n"
@@ -500,7 +503,8 @@ def test_each_function_gets_its_own_copies_of_the_rows(tmp_path, smol_tokenizer)
 
 def test_a_missing_file_a_bad_spec_and_wrong_weights_are_refused(tmp_path):
     from foundation.cli import UsageError
-    from trainer.rl.settings import RolloutArguments, make_scorer
+    from foundation.settings import RolloutArguments
+    from trainer.rl.settings import make_scorer
 
     with pytest.raises(UsageError, match=r"--reward_fn '.*nowhere.py:f': no such file"):
         make_scorer(RolloutArguments(reward_fn=f"{tmp_path}/nowhere.py:f"), None)
@@ -537,7 +541,7 @@ def parsed(record: dict, render=None):
 
 
 def test_prompt_only_rows_keep_their_other_columns_and_feed_only_ppo_and_grpo(smol_tokenizer):
-    from trainer.config import DataArguments
+    from foundation.settings import DataArguments
     from trainer.data.formats import ChatRenderer
     from trainer.data.tokenization import tokenize_prompts, tokenize_sft
 

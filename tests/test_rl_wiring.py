@@ -121,9 +121,10 @@ def test_ppo_rewards_advantages_and_returns_match_hand_computed_gae(estimator, w
 
 def ppo_engine(tmp_path, *extra):
     """(ctx, model, engine) as trainer/ppo.py makes them on the tiny random Llama, the policy off its reference."""
+    from foundation.settings import PPOArguments
     from trainer.engine.harness import Engine
     from trainer.engine.setup import start_run
-    from trainer.ppo import PPOArguments, build_model
+    from trainer.ppo import build_model
 
     ctx = start_run(PPOArguments, ["--config", str(TINY_PPO), "--output_dir", str(tmp_path / "run"), *extra])
     model = build_model(ctx)
@@ -162,7 +163,7 @@ def test_one_ppo_update_raises_positive_advantage_tokens_lowers_negative_ones_an
     over two micro-batches, has the gradient (norm) and losses of the whole minibatch in one pass."""
     from trainer.rl.algorithms.ppo import PPO, Advantages, micro_loss
     from trainer.rl.online import rl_update
-    from trainer.rl.scoring import response_values
+    from trainer.rl.scoring import policy_and_values
 
     ctx, model, engine = ppo_engine(tmp_path, "--min_new_tokens", "6", "--learning_rate", "0.002")
     args = replace(ctx.stage_args, ppo_epochs=1, mini_batch_size=4)
@@ -173,7 +174,7 @@ def test_one_ppo_update_raises_positive_advantage_tokens_lowers_negative_ones_an
                      kl=torch.zeros_like(sign), advantages=sign.clone(), returns=rollout.values + 1.0)
     before = own_logprobs(model, ids, att, p, "policy")
     with torch.no_grad():
-        values_before = response_values(model, ids, att, width)
+        values_before = policy_and_values(model, ids, att, width, 1.0)[2]  # the update's values
 
     # the whole minibatch in one pass: its gradient norm and losses
     engine.model.train()
@@ -196,7 +197,7 @@ def test_one_ppo_update_raises_positive_advantage_tokens_lowers_negative_ones_an
     up, down = moved[sign[:, 0] > 0], moved[sign[:, 0] < 0]
     assert up.mean() > 0 > down.mean(), (up, down)
     with torch.no_grad():
-        values_moved = response_values(model, ids, att, width) - values_before
+        values_moved = policy_and_values(model, ids, att, width, 1.0)[2] - values_before
     assert values_moved.mean() > 0, values_moved
 
 
@@ -375,9 +376,10 @@ def test_ppo_entropy_bonus_is_the_mean_entropy_of_the_response_tokens_only(tmp_p
 
 
 def grpo_context(tmp_path, *extra):
+    from foundation.settings import GRPOArguments
     from trainer.engine.harness import Engine
     from trainer.engine.setup import start_run
-    from trainer.grpo import GRPOArguments, build_model
+    from trainer.grpo import build_model
 
     ctx = start_run(GRPOArguments, ["--config", str(TINY_GRPO), "--output_dir", str(tmp_path / "run"),
                                     "--rollout_batch_size", "2", "--mini_batch_size", "8", *extra])
@@ -539,7 +541,7 @@ def own_sequence_logprob(model, prompt: list[int], completion: list[int], adapte
 
 
 def dpo_model(tokenizer):
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.model.shared_base import build_shared_model, stage_specs
 
     args = ModelArguments(model_name_or_path="tiny-llama", lora_r=4, lora_alpha=8, lora_dropout=0.0)

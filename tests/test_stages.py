@@ -18,8 +18,8 @@ TINY_SFT = ROOT / "tests" / "configs" / "tiny_sft.yaml"
 
 @pytest.fixture(scope="module")
 def pair_batch(shared_data, smol_tokenizer):
+    from foundation.settings import DataArguments
     from trainer.data.collators import PairCollator
-    from trainer.config import DataArguments
     from trainer.data.hh_rlhf import load_pairs
     from trainer.data.tokenization import tokenize_pairs
 
@@ -30,7 +30,7 @@ def pair_batch(shared_data, smol_tokenizer):
 
 
 def tiny_reward_model(vocab):
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.model.shared_base import AdapterSpec, build_shared_model
 
     args = ModelArguments(model_name_or_path="tiny-llama", lora_r=4, lora_alpha=8, gradient_checkpointing=False)
@@ -43,7 +43,7 @@ def tiny_reward_model(vocab):
 
 
 def test_reward_stage_scores_chosen_and_rejected_in_one_forward_pass(pair_batch, smol_tokenizer):
-    from trainer.losses import pairwise_ranking_loss, ranking_stats
+    from trainer.losses import pairwise_ranking_losses, ranking_stats
     from trainer.reward import pair_rewards
 
     examples, collate = pair_batch
@@ -53,7 +53,7 @@ def test_reward_stage_scores_chosen_and_rejected_in_one_forward_pass(pair_batch,
                                          with_kwargs=True)
     batch = collate(examples)
     rc, rr = pair_rewards(model, batch)  # what the reward stage's step body scores
-    loss, accuracy = pairwise_ranking_loss(rc, rr), ranking_stats(rc, rr)["accuracy"]
+    loss, accuracy = pairwise_ranking_losses(rc, rr), ranking_stats(rc, rr)["accuracy"]
     handle.remove()
     assert calls == [torch.Size([6, batch["input_ids"].shape[1]])]  # one pass over 2B rows
     # Same rewards as scoring each side on its own (row i of the batch pairs with row i + B).
@@ -62,7 +62,7 @@ def test_reward_stage_scores_chosen_and_rejected_in_one_forward_pass(pair_batch,
         for ids, sink in ((ex.prompt_ids + ex.chosen_ids, chosen), (ex.prompt_ids + ex.rejected_ids, rejected)):
             t = torch.tensor([ids])
             sink.append(model(t, torch.ones_like(t), adapter="reward", output="scores")[0, -1])
-    expected = pairwise_ranking_loss(torch.stack(chosen), torch.stack(rejected))
+    expected = pairwise_ranking_losses(torch.stack(chosen), torch.stack(rejected))
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
     expected_acc = (torch.stack(chosen) > torch.stack(rejected)).float().mean()
     assert float(accuracy) == pytest.approx(float(expected_acc))
@@ -139,7 +139,7 @@ def test_evaluate_on_the_runs_eval_split_reproduces_the_stages_final_evaluation(
 
 
 def test_a_stage_with_profile_memory_writes_the_memory_report(launched_runs, smol_tokenizer):
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.model.shared_base import AdapterSpec, build_shared_model
 
     data = json.loads((launched_runs / "sft" / "memory.json").read_text())

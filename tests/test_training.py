@@ -83,7 +83,7 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_one_readable(uninter
 
 @pytest.fixture(scope="module")
 def tiny_sft_data(shared_data, smol_tokenizer):
-    from trainer.config import DataArguments
+    from foundation.settings import DataArguments
     from trainer.data.hh_rlhf import load_splits
     from trainer.data.tokenization import tokenize_sft
 
@@ -96,7 +96,7 @@ def tiny_sft_data(shared_data, smol_tokenizer):
 
 
 def tiny_policy(vocab: int, dropout: float = 0.0):
-    from trainer.config import ModelArguments
+    from foundation.settings import ModelArguments
     from trainer.model.shared_base import AdapterSpec, build_shared_model
 
     args = ModelArguments(model_name_or_path="tiny-llama", lora_r=4, lora_alpha=8, lora_dropout=dropout,

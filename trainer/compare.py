@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from foundation.cli import InputError, UsageError, parse, parse_assignments, run
+from foundation.config_files import read_yaml
 from foundation.files import write_atomic
+from foundation.settings import DataArguments
 from foundation.stages import REWARD
-from trainer.config import RECIPES, DataArguments, PipelineArguments, read_yaml
+from trainer.config import RECIPES, PipelineArguments
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import load_splits
 from trainer.data.tokenization import tokenize_prompts

@@ -16,10 +16,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from foundation.cli import Checked, at_least, parse
-from foundation.settings import (  # noqa: F401  (declared there, one owner; named here for the stages)
-    BAD_ROW_POLICIES, DATA_ENV, DATA_FORMATS, HUB_DATASET, SECTIONS, TRACKERS, DataArguments, ModelArguments,
-    TrainArguments, config_flag, load_yaml, read_yaml,
-)
+from foundation.config_files import config_flag, load_yaml
+from foundation.settings import DataArguments, ModelArguments, TrainArguments
 
 # Where the shared hh-rlhf rows live on the development machines, relative to the project root.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent

@@ -28,8 +28,9 @@ import torch
 
 from foundation.cli import Checked, InputError, UsageError, above, at_least, one_of, run
 from foundation.files import write_atomic
+from foundation.reward_specs import split_specs
+from foundation.settings import BAD_ROW_POLICIES, DataArguments, ModelArguments
 from foundation.stages import POLICY, REFERENCE, REWARD
-from trainer.config import BAD_ROW_POLICIES, DataArguments, ModelArguments
 from trainer.data.collators import SFTCollator, pair_collator
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import load_pairs, load_splits
@@ -41,7 +42,7 @@ from trainer.model.loading import load_tokenizer
 from trainer.model.shared_base import AdapterSpec, build_shared_model, check_adapter_folder
 from trainer.reward import reward_accuracy
 from trainer.rl.policy_eval import check_answers
-from trainer.rl.rewards import Scorer, close_workers, describe, load_reward_functions, split_specs
+from trainer.rl.rewards import Scorer, close_workers, describe, load_reward_functions
 from trainer.run_report import wilson_interval
 from trainer.sft import completion_perplexity
 

@@ -26,9 +26,9 @@ from foundation.cli import Checked, InputError, UsageError, given, one_of, parse
 from foundation.files import atomic_folder, check_writable, reported_write_failure
 from trainer.engine.setup import base_model_args
 from trainer.gguf_export import GGUF_TYPES, MODEL_FILE, check_exportable, prepared_gguf, write_file
-from trainer.model.adapter_fit import WEIGHTS_FILE, check_adapter_fits, saved_base
+from trainer.model.adapter_fit import HEAD_FILE, WEIGHTS_FILE, check_adapter_fits, saved_base
 from trainer.model.loading import base_config, load_base_model, load_tokenizer
-from trainer.model.shared_base import HEAD_FILE, check_adapter_folder
+from trainer.model.shared_base import check_adapter_folder
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

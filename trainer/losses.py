@@ -73,11 +73,6 @@ def pairwise_ranking_losses(r_chosen: torch.Tensor, r_rejected: torch.Tensor) ->
     return -F.logsigmoid(r_chosen - r_rejected)
 
 
-def pairwise_ranking_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
-    """(N,), (N,) rewards -> scalar Bradley-Terry loss, the mean of `pairwise_ranking_losses`."""
-    return pairwise_ranking_losses(r_chosen, r_rejected).mean()
-
-
 def ranking_stats(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> dict[str, torch.Tensor]:
     """(N,), (N,) -> {"accuracy": fraction with r_chosen > r_rejected (ties count wrong), "margin": mean difference}."""
     diff = (r_chosen - r_rejected).detach()

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from foundation.cli import UsageError, given, parse, parse_assignments, run
+from foundation.config_files import load_yaml
 from foundation.files import write_atomic
-from trainer.config import (PIPELINE_STAGES, RECIPES, DataArguments, PipelineArguments, load_yaml,
-                            parse_config)
+from foundation.settings import DataArguments
+from trainer.config import PIPELINE_STAGES, RECIPES, PipelineArguments, parse_config
 from trainer.engine.launch import reset_accelerate
 from trainer.engine.setup import COSMETIC_FIELDS, config_changes, run_config
 
@@ -38,7 +39,7 @@ def stage_module(name: str):
 
 def stage_sections(name: str) -> dict[str, type]:
     """The config sections of stage `name` and their argument classes."""
-    from trainer.config import ModelArguments, TrainArguments
+    from foundation.settings import ModelArguments, TrainArguments
 
     return {"model": ModelArguments, "data": DataArguments, "train": TrainArguments,
             "stage": stage_module(name).ARGUMENTS}

@@ -67,7 +67,8 @@ def answer_counts(evaluation: dict) -> Optional[Counter]:
     return Counter(parse_answer(s["response"]) for s in samples)
 
 
-def _counts(counts: Counter) -> str:
+def described_counts(counts: Counter) -> str:
+    """How many distinct answers, and the three given most often with their shares."""
     total = sum(counts.values())
     top = ", ".join(f"{'no answer line' if a is None else a} {n / total:.0%}" for a, n in counts.most_common(3))
     return f"{len(counts)} distinct; most often {top}"
@@ -116,7 +117,7 @@ def readme(result: dict) -> str:
                  f"{_figure(after['mean_length'], 1)} |")
     counts = [answer_counts(ev) for ev in (before, after)]
     if all(counts):
-        lines.append(f"| answers given | {_counts(counts[0])} | {_counts(counts[1])} |")
+        lines.append(f"| answers given | {described_counts(counts[0])} | {described_counts(counts[1])} |")
     lines += ["", verdict("Exact-match accuracy", before["checks"][ACCURACY], after["checks"][ACCURACY]),
               verdict("Format compliance", before["checks"][FORMAT], after["checks"][FORMAT])]
     if counts[1] and collapse(counts[1]):

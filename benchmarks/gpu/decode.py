@@ -27,11 +27,11 @@ from benchmarks.kernels import profile_step
 from foundation.cli import Checked, UsageError, above, at_least, parse, run
 from foundation.files import write_atomic
 from foundation.provenance import provenance, relative_command
+from foundation.settings import DECODE_PATHS, ModelArguments
 from profiling.decode import bytes_per_decode_step, copy_bandwidth, sync
-from trainer.config import ModelArguments
 from trainer.engine.launch import resolve_mixed_precision
 from trainer.engine.phases import phase
-from trainer.model.decode import DECODE_PATHS, Generator, Sampling
+from trainer.model.decode import Generator, Sampling
 
 PROFILE_TOKENS = 8  # tokens of the profiled decode: a prefill and a few steps show where a step's time goes
 FIRST_CALL_PHASE_S = 0.5  # compile phases of a first call worth listing

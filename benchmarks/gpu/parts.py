@@ -83,7 +83,8 @@ def data_path(args: PartArguments) -> str:
     """The carried rows on the GPU machine; the shared rows ($RLHF_DATA or ../shared) for the smoke run."""
     if not args.smoke:
         return args.data
-    from trainer.config import DATA_ENV, SHARED_DATA
+    from foundation.settings import DATA_ENV
+    from trainer.config import SHARED_DATA
 
     return os.path.relpath(os.environ.get(DATA_ENV) or SHARED_DATA, ROOT)
 

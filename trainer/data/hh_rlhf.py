@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from foundation.cli import InputError
-from trainer.config import DATA_ENV, HUB_DATASET, SHARED_DATA, DataArguments
+from foundation.settings import DATA_ENV, HUB_DATASET, DataArguments
+from trainer.config import SHARED_DATA
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from trainer.config import DataArguments
+from foundation.settings import DataArguments
 from trainer.data.hh_rlhf import (
     NO_COMPLETION, NO_PROMPT, NO_REJECTED, TOO_LONG, DataError, PreferencePair, apply_policy,
 )

@@ -29,7 +29,7 @@ import torch
 
 from foundation.cli import InputError, first_line
 from foundation.files import (  # the write-failure reporting, shared with every writer
-    SaveError, free_space, publish_folder, reported_write_failure, write_failure,
+    SaveError, free_space, publish_folder, write_failure,
 )
 
 logger = logging.getLogger(__name__)

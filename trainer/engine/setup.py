@@ -18,9 +18,10 @@ import torch
 from accelerate.utils import set_seed
 
 from foundation.cli import FieldError, InputError, UsageError
-from foundation.settings import ONLINE_RL_STAGES, split_specs
 from foundation.files import entry_problem, reported_write_failure, write_atomic
-from trainer.config import DataArguments, ModelArguments, TrainArguments, parse_config
+from foundation.reward_specs import split_specs
+from foundation.settings import ONLINE_RL_STAGES, DataArguments, ModelArguments, TrainArguments
+from trainer.config import parse_config
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import LoadReport, Splits, load_splits
 from trainer.engine.budget import check_budget, context_at_start, fit_to_budget, outside_allocator_gib

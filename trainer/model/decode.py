@@ -32,7 +32,7 @@ from torch import nn
 from transformers.cache_utils import StaticLayer
 
 from foundation.cli import UsageError
-from foundation.settings import DECODE_CHOICES, DECODE_PATHS  # noqa: F401  (declared once)
+from foundation.settings import DECODE_CHOICES
 from foundation.stages import POLICY
 from profiling import components as C, resolve
 from profiling.decode import sync
@@ -227,7 +227,7 @@ def _layer_with_cache(layer, hidden_states, attention_mask, position_ids, cos, s
                                position_embeddings=(cos, sin), decode_kv=(keys, values, held))
 
 
-class _Compiled:
+class CompiledStep:
     """A compiled decode step and one full-length KV cache per batch size, reset between rollouts and kept
     between them (the estimator prices it in every phase): prompt + new tokens rounded up to CACHE_ROUND,
     grown only when a longer rollout comes. `regions`: its decoder layers compiled as one reused region
@@ -343,7 +343,7 @@ class Generator:
         on_host = causal_lm.get_input_embeddings().weight.device != device  # --offload_embeddings
         self.model, self.decode = model, check_path(decode, device.type, on_host)
         self.weights = DecodeWeights(model.causal_lm, generation_weights)
-        self.compiled: Optional[_Compiled] = None
+        self.compiled: Optional[CompiledStep] = None
         if recorder is not None:
             recorder.track(holder=self)
 
@@ -367,7 +367,7 @@ class Generator:
         """From the next compiled decode on, compile the step anew (fresh caches too), its decoder layers as one
         reused region or the step whole: the fallback when the regions do not compile, and the decode
         benchmark's comparison of the two."""
-        self.compiled = _Compiled(self.model.causal_lm, regions=regions)
+        self.compiled = CompiledStep(self.model.causal_lm, regions=regions)
 
     @torch.no_grad()
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: Sampling, eos_id: int,

@@ -306,7 +306,7 @@ def _copies_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 def _times_lora_b(products: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """LoRA-A `products` (..., r) times the LoRA-B copy `b` (out, r). Being compiled (the compiled step), written as
-    the rank-wide sum it is, which inductor unrolls into the kernel that reads the result (`_Compiled` lets it
+    the rank-wide sum it is, which inductor unrolls into the kernel that reads the result (`CompiledStep` lets it
     unroll sums as long as a rank): no matmul of its own, where a GPU would launch a small GEMM per LoRA layer
     and token. The same bytes read; fp32 sums rounded once. Eager, a matmul."""
     if torch.compiler.is_compiling():

@@ -18,9 +18,10 @@ from torch import nn
 
 from foundation.cli import InputError, UsageError
 from foundation.files import atomic_folder
+from foundation.settings import ModelArguments
 from profiling import resolve
 from profiling.shapes import PRESETS, preset_config
-from trainer.config import ModelArguments, cache_dir
+from trainer.config import cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from profiling.activations import HEAD_CHUNK_ELEMENTS, head_chunk_positions  # noqa: F401  (the estimator sizes it too)
+from profiling.activations import head_chunk_positions
 
 IGNORE_INDEX = -100
 # Positions upcast to fp32 at once: 1024 x 32k vocab x 4 bytes = 128 MiB, against ~4 GiB for the

@@ -22,8 +22,8 @@ from torch import nn
 
 from foundation.cli import InputError
 from foundation.files import atomic_folder
+from foundation.settings import ModelArguments
 from foundation.stages import stage_adapters
-from trainer.config import ModelArguments
 from trainer.model.adapter_fit import HEAD_FILE, PICKLED_WEIGHTS_FILE, WEIGHTS_FILE, check_adapter_fits
 from trainer.model.offload import SavedToHost
 from trainer.model.outputs import Outputs

@@ -32,7 +32,8 @@ from trainer.model.decode import Generator, Sampling
 from trainer.model.shared_base import build_shared_model, stage_specs
 from trainer.rl.kl_control import KLController
 from trainer.rl.policy_eval import policy_vs_reference
-from trainer.rl.rewards import Scorer, TrainerState
+from trainer.rl.reward_worker import TrainerState
+from trainer.rl.rewards import Scorer
 from trainer.rl.rollout import Rollout, make_rollout
 from trainer.rl.update import Update, run_update
 

@@ -27,15 +27,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from foundation.settings import BUILTINS, check_builtin, check_spec, split_specs
+from foundation.reward_specs import BUILTINS, check_builtin, check_spec
 from foundation.stages import REWARD
 from trainer.rl.reward_worker import (
     LOAD_TIMEOUT_S, REWARD_LIMIT, RewardFunctionError, RewardWorker, TrainerState, checked_values,
 )
 from trainer.rl.scoring import sequence_scores
-
-__all__ = ["RewardFunction", "RewardFunctionError", "Scorer", "TrainerState", "close_workers", "describe",
-           "load_reward_functions", "source_hashes", "split_specs"]
 
 logger = logging.getLogger(__name__)
 

@@ -63,12 +63,6 @@ def next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature:
     return token_logprobs(logits, tokens), entropy_from_logits(logits) if with_entropy else None
 
 
-def response_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int,
-                    adapter: str = VALUE) -> torch.Tensor:
-    """(B, width) value estimates for the states before each response token."""
-    return model(input_ids, attention_mask, adapter=adapter, output="scores", keep_last=width + 1)[:, :-1]
-
-
 def policy_and_values(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int,
                       temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-probs, entropy, values) of the response under `policy` and `value`, from one routed pass of

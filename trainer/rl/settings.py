@@ -8,11 +8,10 @@ from __future__ import annotations
 import logging
 
 from foundation.cli import UsageError
-from foundation.settings import RolloutArguments, parse_weights, split_specs
+from foundation.reward_specs import parse_weights, split_specs
+from foundation.settings import RolloutArguments
 from foundation.stages import REWARD
 from trainer.rl.rewards import Scorer, describe, load_reward_functions
-
-__all__ = ["RolloutArguments", "make_scorer", "require_scorer", "warn_if_learning_unlikely"]
 
 logger = logging.getLogger(__name__)
 
