@@ -351,6 +351,9 @@ def _merged(*parts: dict) -> dict:
 def estimate(shape: ModelShape, args: EstimateArguments) -> dict:
     """The estimate in the recorder's JSON layout: one entry per phase, components in bytes."""
     args = args.resolved()
+    if args.attn_implementation == "auto":  # as the model loads it: an eager one holds each layer's seq x seq scores
+        args = replace(args, attn_implementation=resolve.attention("auto", args.device,
+                                                                   resolve.class_of_model_type(shape.model_type))[0])
     res = resident(shape, args)
     spec = forward_spec(args, res["dtype_bytes"])
     phases = []

@@ -1,10 +1,12 @@
-"""What the 'auto' settings become on a device: the one rule for quantization, compute dtype, optimizer
-and the rollouts' decode path, used alike by the trainer (what it loads), the estimator (what it predicts) and the
+"""What the 'auto' settings become on a device: the one rule for quantization, compute dtype, optimizer,
+attention and the rollouts' decode path, used alike by the trainer (what it loads), the estimator (what it predicts) and the
 benchmarks (what both sides of a comparison run with).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Optional
 
 from foundation.settings import DECODE_CHOICES, DTYPES, OPTIMIZER_NAMES, QUANTIZATIONS
@@ -70,3 +72,54 @@ def decode_path(decode: str, device_type: str, offload_embeddings: bool = False,
     if decode != "auto":
         return decode
     return "compiled" if device_type == "cuda" and not offload_embeddings and not sharded else "eager"
+
+
+ATTENTION_SUPPORT = {"flash_attention_2": "_supports_flash_attn", "sdpa": "_supports_sdpa"}  # transformers' flags
+
+
+def causal_lm_class(config) -> Optional[type]:
+    """The transformers causal-LM class `config` builds; None where transformers maps none (a model with its
+    own code), whose attention support is then not known before loading."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers.models.auto.auto_factory import _get_model_class  # what from_pretrained resolves with
+
+        return _get_model_class(config, AutoModelForCausalLM._model_mapping)
+    except (ImportError, KeyError, ValueError):
+        return None
+
+
+@functools.cache
+def class_of_model_type(model_type: str) -> Optional[type]:
+    """The causal-LM class of a config's `model_type` (llama, gemma2, ...); None where transformers has none."""
+    from transformers import AutoConfig
+
+    try:
+        return causal_lm_class(AutoConfig.for_model(model_type))
+    except (KeyError, ValueError):
+        return None
+
+
+def unsupported_attention(kind: str, model_class: Optional[type]) -> Optional[str]:
+    """Why `model_class` cannot run attention `kind` (flash_attention_2, sdpa), or None (an unknown class: it can)."""
+    if model_class is None or getattr(model_class, ATTENTION_SUPPORT[kind], False):
+        return None
+    return f"{model_class.__name__} does not support {kind}"
+
+
+def attention(requested: str, device_type: str, model_class: Optional[type] = None) -> tuple[str, Optional[str]]:
+    """(the attention implementation a model of `model_class` loads with, why not flash_attention_2 or None).
+    auto and flash_attention_2: flash-attention 2 where flash-attn imports on CUDA and the class supports it,
+    else sdpa where it supports that, else eager; sdpa and eager as given (whether the class supports an
+    explicit choice is the loader's check)."""
+    if requested in ("sdpa", "eager"):
+        return requested, None
+    flash = unsupported_attention("flash_attention_2", model_class)
+    if flash is None and device_type != "cuda":
+        flash = "no CUDA device"
+    elif flash is None and importlib.util.find_spec("flash_attn") is None:
+        flash = "flash-attn is not installed (pip install 'onebase-rlhf[flash]')"
+    if flash is None:
+        return "flash_attention_2", None
+    return ("eager" if unsupported_attention("sdpa", model_class) else "sdpa"), flash

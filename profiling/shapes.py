@@ -100,6 +100,7 @@ class ModelShape:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: biases on q, k and v (Llama's attention_bias: on o as well)
     o_bias: bool = False
+    model_type: str = "llama"  # its config's: which transformers class it loads as (its attention support)
 
     @classmethod
     def from_config(cls, name: str, cfg: dict) -> "ModelShape":
@@ -111,7 +112,7 @@ class ModelShape:
             num_kv_heads=cfg.get("num_key_value_heads") or heads, vocab_size=cfg["vocab_size"],
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=qwen2 or llama_bias, o_bias=llama_bias and not qwen2,
+            qkv_bias=qwen2 or llama_bias, o_bias=llama_bias and not qwen2, model_type=cfg.get("model_type", "llama"),
         )
 
     def bias_params(self) -> int:

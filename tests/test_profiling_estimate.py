@@ -138,6 +138,24 @@ def test_checkpointing_cuts_llama2_7b_training_activations(llama7b):
     assert with_ckpt > tokens * 32 * 4096 * 2
 
 
+def test_attention_auto_is_priced_as_the_model_loads_it_eager_where_its_class_has_no_sdpa():
+    """A Gemma2 runs eager attention under auto (transformers gives its class no sdpa): the estimate prices the
+    scores every layer holds, as an explicit eager does; a Llama under auto is priced as sdpa."""
+    from profiling.shapes import ModelShape
+
+    def peak(model_type: str, attention: str) -> int:
+        shape = replace(load_shape("llama-2-7b"), model_type=model_type)
+        args = EstimateArguments(model_name_or_path="llama-2-7b", stage="sft", micro_batch_size=2, max_length=1024,
+                                 quantization="none", dtype="bfloat16", device="cpu", attn_implementation=attention)
+        return estimate(shape, args)["peak_bytes"]
+
+    config = dict(model_type="gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, vocab_size=100)
+    assert ModelShape.from_config("tiny-gemma2", config).model_type == "gemma2"  # read from its config.json
+    assert peak("gemma2", "auto") == peak("gemma2", "eager") == peak("llama", "eager") > peak("llama", "auto")
+    assert peak("llama", "auto") == peak("llama", "sdpa")
+
+
 def test_over_budget_estimate_suggests_changes_and_a_plan_that_fits(llama7b):
     args = EstimateArguments(model_name_or_path="llama-2-7b", stage="sft", micro_batch_size=16, max_length=2048,
                              gradient_checkpointing=False, optimizer="adamw_torch")

@@ -234,20 +234,6 @@ def precision_record(args: ModelArguments, device: torch.device) -> dict[str, st
 
 
 ATTENTION_CHOICES = ("auto", "flash_attention_2", "sdpa", "eager")
-_SUPPORT_FLAGS = {"flash_attention_2": "_supports_flash_attn", "sdpa": "_supports_sdpa"}  # on transformers' classes
-
-
-def causal_lm_class(config) -> Optional[type]:
-    """The transformers causal-LM class `config` builds; None where transformers maps none (a model with its
-    own code), whose attention support is then not known before loading."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        from transformers.models.auto.auto_factory import _get_model_class  # what from_pretrained resolves with
-
-        return _get_model_class(config, AutoModelForCausalLM._model_mapping)
-    except (ImportError, KeyError, ValueError):
-        return None
 
 
 def pick_attention(requested: str, device: torch.device, model_class: Optional[type] = None) -> str:
@@ -259,33 +245,22 @@ def pick_attention(requested: str, device: torch.device, model_class: Optional[t
     if requested not in ATTENTION_CHOICES:
         raise ModelLoadError(f"unknown attn_implementation '{requested}': use {', '.join(ATTENTION_CHOICES)}")
     name = model_class.__name__ if model_class is not None else "the model"
-
-    def unsupported(kind: str) -> Optional[str]:
-        if model_class is None or getattr(model_class, _SUPPORT_FLAGS[kind], False):
-            return None
-        return f"{name} does not support {kind}"
-
-    if requested in _SUPPORT_FLAGS and (why := unsupported(requested)):
+    if requested in resolve.ATTENTION_SUPPORT and (why := resolve.unsupported_attention(requested, model_class)):
         raise UsageError(f"--attn_implementation {requested}: {why}; use auto (picks what it supports) or eager")
+    chosen, flash = resolve.attention(requested, device.type, model_class)
     if requested in ("sdpa", "eager"):
-        return requested
-    flash = unsupported("flash_attention_2")
-    if flash is None and device.type != "cuda":
-        flash = "no CUDA device"
-    elif flash is None and importlib.util.find_spec("flash_attn") is None:
-        flash = "flash-attn is not installed (pip install 'onebase-rlhf[flash]')"
-    if flash is None:
+        return chosen
+    if chosen == "flash_attention_2":
         if requested == "auto":
             logger.info("attention auto -> flash_attention_2: flash-attn is installed and %s supports it", name)
-        return "flash_attention_2"
-    fallback = "eager" if unsupported("sdpa") else "sdpa"
-    if requested == "flash_attention_2":
-        logger.warning("flash_attention_2 unavailable: %s; using %s", flash, fallback)
-    elif fallback == "sdpa":
+    elif requested == "flash_attention_2":
+        logger.warning("flash_attention_2 unavailable: %s; using %s", flash, chosen)
+    elif chosen == "sdpa":
         logger.info("attention auto -> sdpa: flash_attention_2 unavailable (%s)", flash)
     else:
-        logger.info("attention auto -> eager: %s (flash_attention_2: %s)", unsupported("sdpa"), flash)
-    return fallback
+        logger.info("attention auto -> eager: %s (flash_attention_2: %s)", resolve.unsupported_attention(
+            "sdpa", model_class), flash)
+    return chosen
 
 
 def bnb_config(compute_dtype: torch.dtype, quant_storage: torch.dtype = torch.uint8):
@@ -429,7 +404,7 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
     name = args.model_name_or_path
     path = resolve_model_path(name)
     config = base_config(args, vocab_size)
-    attn = pick_attention(args.attn_implementation, device, causal_lm_class(config))
+    attn = pick_attention(args.attn_implementation, device, resolve.causal_lm_class(config))
     if name in PRESETS:
         config._attn_implementation = attn
         torch.manual_seed(args.model_seed)
