@@ -413,7 +413,7 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
         if four_bit:
             quantize_linears_(model, dtype, device, quant_storage=quant_storage)
     else:
-        kwargs = dict(dtype=dtype, attn_implementation=attn, use_safetensors=True)
+        kwargs = dict(config=config, dtype=dtype, attn_implementation=attn, use_safetensors=True)  # read once
         if four_bit:
             kwargs["quantization_config"] = bnb_config(dtype, quant_storage)
             kwargs["device_map"] = {"": device}
