@@ -170,14 +170,30 @@ def rollout_rows(args: EstimateArguments) -> int:
     return args.rollout_batch_size * (args.num_generations if args.stage == "grpo" else 1)
 
 
-def offloads_allowed(decode: str, compile_layers: bool, sharded: bool = False) -> tuple[str, ...]:
-    """The offloads a plan may turn on: neither where ZeRO-3 / FSDP shard the base, the embedding only with
-    eager decoding, given or auto (a compiled decode step cannot look rows up in host memory; auto then
-    decodes eagerly), the activations not through compiled layers (they run no saved-tensor hooks)."""
+def offload_conflict(offload: str, decode: str, compile_layers: bool, sharded: Optional[str] = None) -> Optional[str]:
+    """Why `offload` (OFFLOADS) cannot run with a run's other settings - the rest of a one-line refusal after its
+    flag - or None where it can. `sharded` names the launch that partitions the base (ZeRO-3, FSDP), if any. The
+    one rule for the run's start-up check (`trainer.engine.memory_options`) and the planner (`offloads_allowed`):
+    neither offload where the base is partitioned, the embedding only with eager decoding, given or auto (a
+    compiled decode step cannot look rows up in host memory; auto then decodes eagerly), the activations not
+    through compiled layers (they run no saved-tensor hooks)."""
+    if sharded and offload == "offload_embeddings":
+        return f"is not supported under {sharded}, which partitions the embedding across ranks already; drop --{offload}"
     if sharded:
-        return ()
-    return (("offload_embeddings",) if decode != "compiled" else ()) + (
-        ("offload_activations",) if not compile_layers else ())
+        return (f"is not supported under {sharded}: the weights it gathers would be taken for activations and copied "
+                f"to the host; drop --{offload}")
+    if offload == "offload_embeddings" and decode == "compiled":
+        return ("needs --decode eager: each decode step looks its token's row up in host memory, which a compiled "
+                "decode step cannot capture")
+    if offload == "offload_activations" and compile_layers:
+        return "and --compile_layers do not combine: compiled layers do not run saved-tensor hooks; drop one"
+    return None
+
+
+def offloads_allowed(decode: str, compile_layers: bool, sharded: bool = False) -> tuple[str, ...]:
+    """The offloads a plan may turn on (`offload_conflict`: none with the others' settings)."""
+    return tuple(name for name in OFFLOADS if offload_conflict(name, decode, compile_layers, "sharded" if sharded
+                                                                else None) is None)
 
 
 def planned_settings(shape: ModelShape, args: EstimateArguments, planned: Collection[str]) -> tuple[

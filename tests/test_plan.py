@@ -393,3 +393,36 @@ def test_decode_auto_plans_the_compiled_step_where_it_keeps_half_the_rows_else_e
     assert plan_rl(SEVEN_B, replace(auto, memory_budget_gib=24, decode="eager"), mini_batch_size=8).decode == "eager"
     assert plan_rl(load_shape("tiny-llama"), replace(auto, model_name_or_path="tiny-llama", device="cpu",
                                                      quantization="none"), mini_batch_size=8).decode == "eager"
+
+
+def test_the_start_up_check_refuses_exactly_the_offloads_the_planner_never_turns_on():
+    """One rule (`profiling.plan.offload_conflict`) decides both: an offload given that the run's other settings
+    or launch rule out stops it at start, in one line naming it; one left auto is never planned there."""
+    from itertools import product
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate.utils import DistributedType
+
+    from trainer.engine.launch import LaunchError
+    from trainer.engine.memory_options import MemoryOptions
+
+    seen = set()
+    for decode, compiled_layers, fsdp in product(("auto", "eager", "compiled"), (False, True), (False, True)):
+        accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP if fsdp else DistributedType.MULTI_GPU,
+                                      state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config={})),
+                                      device=torch.device("cuda"))
+        planned = MemoryOptions(False, False, compiled_layers, decode).may_offload(accelerator)
+        assert planned == offloads_allowed(decode, compiled_layers, sharded=fsdp)
+        for name in OFFLOADS:
+            options = MemoryOptions(name == "offload_embeddings", name == "offload_activations", compiled_layers, decode)
+            try:
+                options.check(accelerator)
+                refused = False
+            except LaunchError as exc:
+                refused = str(exc).startswith(f"--{name} ")
+                assert refused or str(exc).startswith("--compile_layers is not supported under FSDP"), exc
+                assert "\n" not in str(exc)
+            assert refused == (name not in planned), (name, decode, compiled_layers, fsdp)
+            seen.add(refused)
+    assert seen == {True, False}

@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 
 from profiling import resolve
-from profiling.plan import offloads_allowed
+from profiling.plan import OFFLOADS, offload_conflict, offloads_allowed
 from trainer.engine.launch import LaunchError, is_fsdp, shards_parameters
 
 logger = logging.getLogger(__name__)
@@ -50,24 +50,14 @@ class MemoryOptions:
 
     def check(self, accelerator) -> None:
         """Refuse, in one line, what cannot run together or under this launch (ZeRO-3 / FSDP shard the base)."""
-        if shards_parameters(accelerator):
-            mode = "FSDP" if is_fsdp(accelerator) else "DeepSpeed ZeRO-3"
-            if self.offload_embeddings:
-                raise LaunchError(f"--offload_embeddings is not supported under {mode}, which partitions the "
-                                  "embedding across ranks already; drop --offload_embeddings")
-            if self.offload_activations:
-                raise LaunchError(f"--offload_activations is not supported under {mode}: the weights it gathers "
-                                  "would be taken for activations and copied to the host; drop --offload_activations")
-            if self.compile_layers:
-                raise LaunchError(f"--compile_layers is not supported under {mode}: its module hooks, which gather "
-                                  "the partitioned weights, would run inside the compiled decoder layers (untested); "
-                                  "drop --compile_layers")
-        if self.offload_activations and self.compile_layers:
-            raise LaunchError("--offload_activations and --compile_layers do not combine: compiled layers do not "
-                              "run saved-tensor hooks; drop one")
-        if self.offload_embeddings and self.decode == "compiled":
-            raise LaunchError(f"--offload_embeddings needs --decode eager: each decode step looks its token's row "
-                              f"up in host memory, which a {self.decode} decode step cannot capture")
+        mode = ("FSDP" if is_fsdp(accelerator) else "DeepSpeed ZeRO-3") if shards_parameters(accelerator) else None
+        for name in OFFLOADS:  # the planner's rule (`offload_conflict`), for the offloads given
+            if getattr(self, name) and (why := offload_conflict(name, self.decode, self.compile_layers, mode)):
+                raise LaunchError(f"--{name} {why}")
+        if mode and self.compile_layers:
+            raise LaunchError(f"--compile_layers is not supported under {mode}: its module hooks, which gather "
+                              "the partitioned weights, would run inside the compiled decoder layers (untested); "
+                              "drop --compile_layers")
 
     def may_offload(self, accelerator) -> tuple[str, ...]:
         """The offloads a budget plan may turn on under this launch (`profiling.plan.offloads_allowed`)."""
