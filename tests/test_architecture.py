@@ -324,13 +324,11 @@ def test_no_function_is_there_only_for_the_tests():
     """Every module-level function and class of the project is used by the project (a decorated one is, by its
     decorator): one that only tests call holds behaviour no run has."""
     import re
+    from collections import Counter
 
     texts = {path: path.read_text() for path in project_modules().values()}
-    unused = []
-    for path, text in texts.items():
-        for node in ast.parse(text).body:
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.decorator_list:
-                uses = sum(len(re.findall(rf"\b{node.name}\b", other)) for other in texts.values())
-                if uses < 2:  # its definition only
-                    unused.append(f"{path.relative_to(ROOT)}: {node.name}")
+    words = Counter(word for text in texts.values() for word in re.findall(r"\w+", text))
+    unused = [f"{path.relative_to(ROOT)}: {node.name}" for path, text in texts.items() for node in ast.parse(text).body
+              if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.decorator_list
+              and words[node.name] < 2]  # its definition only
     assert unused == []

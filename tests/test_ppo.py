@@ -92,15 +92,14 @@ def build_trainer(tmp_path, stage_adapters, *extra) -> tuple[PPOSetup, object]:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled layers"])
 def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_adapters, fresh_accelerate_state,
-                                                                monkeypatch, compiled):
+                                                                monkeypatch, compiled, traced_not_generated):
     """Scoring and the first update forward agree: ratio 1, nothing clipped, approx KL 0 - also where the
-    update runs through the decoder layers --compile_layers wraps and the rollout eagerly. The wrapped layers'
-    checkpointed forward runs uncompiled here: compiled, it gives the eager outputs and gradients of this routed
-    pass (test_shared_base.py::test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eagerly)."""
+    update runs through the compiled decoder layers (--compile_layers; traced by dynamo, run as aot_eager) and
+    the rollout eagerly."""
     from conftest import compiled_calls
 
     from trainer.data.collators import PromptCollator
-    from trainer.model.compiled import CompiledLayer, _checkpointed
+    from trainer.model.compiled import CompiledLayer
     from trainer.rl.algorithms.ppo import compute_advantages, micro_loss
     from trainer.rl.rollout import make_rollout
 
@@ -108,8 +107,6 @@ def test_rollout_logprobs_match_the_update_pass_before_any_step(tmp_path, stage_
     assert (model.compiled_parts > 0) == compiled
     wrapped = [m.forward for m in model.modules() if isinstance(vars(m).get("forward"), CompiledLayer)]
     assert len(wrapped) == model.compiled_parts
-    for layer in wrapped:
-        monkeypatch.setattr(layer, "compiled_checkpointed", _checkpointed)
     batch = PromptCollator(trainer.pad_id)(trainer.train_prompts[:4])
     torch.manual_seed(0)
     rollout = make_rollout(trainer.generator, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
