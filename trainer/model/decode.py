@@ -387,7 +387,8 @@ class Generator:
 
                     cache = DynamicCache(config=model.causal_lm.config)
                     length = prompt_ids.shape[1] + sampling.max_new_tokens
-                    return self._loop(_step, cache, length, prompt_ids, prompt_mask, sampling, eos_id, pad_id)
+                    return self._loop(_step, cache, length, prompt_ids, prompt_mask, sampling, eos_id, pad_id,
+                                      static=False)
                 try:
                     return self._compiled(prompt_ids, prompt_mask, sampling, eos_id, pad_id, adapter)
                 except compile_errors() as exc:
@@ -419,7 +420,8 @@ class Generator:
         length, cache = held.cache(causal_lm, batch, prompt_length + sampling.max_new_tokens)
         device = prompt_ids.device
         placing = held.placing(self.weights.tensors(), batch, adapter) if device.type == "cuda" else 0
-        out = self._loop(held.step, cache, length, prompt_ids, prompt_mask, sampling, eos_id, pad_id, live=live)
+        out = self._loop(held.step, cache, length, prompt_ids, prompt_mask, sampling, eos_id, pad_id, static=True,
+                         live=live)
         if first_call:
             sync(device)
             logger.info("decode compiled for %d rows (%s): the first decode took %.1f s, compilation%s included "
@@ -445,13 +447,13 @@ class Generator:
                                     use_cache=True, logits_to_keep=1).logits[:, -1]
 
     def _loop(self, step, cache, length: int, prompt_ids, prompt_mask, sampling: Sampling, eos_id: int,
-              pad_id: int, live: Optional[int] = None) -> Decoded:
+              pad_id: int, static: bool, live: Optional[int] = None) -> Decoded:
         """Prefill, then `step` once per new token until `max_new_tokens` or every row ended (read every
-        CHECK_EVERY steps, not before `min_new_tokens`). A static `cache` holds its `length` positions from the
+        CHECK_EVERY steps, not before `min_new_tokens`). A `static` cache holds its `length` positions from the
         start (so each step's mask is the whole); a dynamic one grows a position a step, its mask with it. The
         first `live` rows are returned."""
         (batch, prompt_length), device = prompt_ids.shape, prompt_ids.device
-        new, live, grows = sampling.max_new_tokens, batch if live is None else live, not hasattr(cache, "reset")
+        new, live = sampling.max_new_tokens, batch if live is None else live
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(batch, length - prompt_length)], dim=1)
         positions = (prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
         barred, free = _eos_bars(sampling, device)
@@ -465,10 +467,10 @@ class Generator:
             if t + 1 == new or ((t + 1) % CHECK_EVERY == 0 and t + 1 > sampling.min_new_tokens
                                 and bool(out.ended.all())):
                 return out.first(live, t + 1)
-            if not grows and device.type == "cuda":
+            if static and device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()  # this step's inputs are copies: the last replay's may go
             tokens, logprobs, entropy = step(self.model.causal_lm, tokens[:, None], positions,
-                                             cache_position, mask[:, : prompt_length + t + 1] if grows else mask,
+                                             cache_position, mask if static else mask[:, : prompt_length + t + 1],
                                              cache, sampling, eos_id, barred if t + 1 < sampling.min_new_tokens
                                              else free)
             positions, cache_position = positions + 1, cache_position + 1
