@@ -26,6 +26,7 @@ from foundation.files import write_atomic
 from foundation.provenance import PROJECT_ROOT, provenance
 from profiling import components as C
 from profiling.predict import EstimateArguments, estimate, resolve_shape
+from profiling.report import table_lines
 
 MIB = C.MIB
 SIGNIFICANT = 16 * MIB  # terms at least this large are held to TOLERANCE
@@ -99,7 +100,7 @@ def stage_command(stage: str, variant: str, data: Path, out: Path, adapters: dic
 def estimate_for(run_dir: Path, stage: str) -> dict:
     """The estimate of the run's own saved settings on the CPU (online RL turns LoRA dropout off)."""
     config = json.loads((run_dir / "config.json").read_text())
-    sections = [SimpleNamespace(**config.get(k, {})) for k in ("model", "data", "train", "stage")]
+    sections = [SimpleNamespace(**config.get(k, {})) for k in ("plan", "model", "data", "train", "stage")]
     args = EstimateArguments.of_run(*sections, stage=stage, device="cpu")
     return estimate(resolve_shape(args), args)
 
@@ -258,15 +259,13 @@ def markdown(result: dict) -> str:
              "(generate) and the optimizer's temporaries (optimizer_step)",
              f"- cells: measured / estimated MiB (ratio); terms of at least {SIGNIFICANT // MIB} MiB are held to "
              f"within {TOLERANCE:.0%}: **{within} of {len(held)}** are", ""]
-    lines += ["| term | held (at least 16 MiB) | within 10% |", "|---|---:|---:|"]
-    for term in ("activations", "kv_cache + activations", "optimizer_temporaries", "logits", "transient"):
-        mine = [(r, t) for r, t in held if _term_name(r["phase"], t) == term]
-        lines.append(f"| {term} | {len(mine)} | {sum(1 for r, t in mine if r[t]['within'])} |")
-    lines += ["", "| variant | stage | phase | activations | logits | transient (both at once) |",
-              "|---|---|---|---:|---:|---:|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['variant']} | {r['stage']} | {r['phase']} | {_cell(r['activations'])} | "
-                     f"{_cell(r['logits'])} | {_cell(r['transient'])} |")
+    terms = {term: [(r, t) for r, t in held if _term_name(r["phase"], t) == term]
+             for term in ("activations", "kv_cache + activations", "optimizer_temporaries", "logits", "transient")}
+    lines += table_lines(["term", "held (at least 16 MiB)", "within 10%"], "lrr",
+                         [[term, len(mine), sum(1 for r, t in mine if r[t]["within"])] for term, mine in terms.items()])
+    lines += ["", *table_lines(["variant", "stage", "phase", "activations", "logits", "transient (both at once)"],
+                               "lllrrr", [[r["variant"], r["stage"], r["phase"], *(_cell(r[t]) for t in
+                                           ("activations", "logits", "transient"))] for r in result["rows"]])]
     off = [(r, t) for r, t in held if not r[t]["within"]]
     if off:
         lines += ["", "## Terms off by more than the tolerance, by cause", ""]
@@ -280,14 +279,14 @@ def markdown(result: dict) -> str:
                     _off_group(phase, term, items) for (phase, term), items in groups.items()))
     if result.get("overhead"):
         lines += ["", f"## Overhead of the measurement (tiny preset, one process on one thread, median of "
-                  f"{result['overhead_repeats']})", "", "| work | recorder | CPU s | x recorder off |",
-                  "|---|---|---:|---:|"]
-        lines += [f"| {r['work']} | {r['mode']} | {r['median_s']:.3f} | {r['ratio']:.2f} |" for r in result["overhead"]]
+                  f"{result['overhead_repeats']})", "", *table_lines(
+                      ["work", "recorder", "CPU s", "x recorder off"], "llrr",
+                      [[r["work"], r["mode"], f"{r['median_s']:.3f}", f"{r['ratio']:.2f}"] for r in result["overhead"]])]
     failed = [r for r in result["runs"] if r["exit_code"]]
     if failed:
         lines += ["", "## Runs that failed", ""] + [f"- {r['variant']} {r['stage']}: {r.get('error')}" for r in failed]
-    lines += ["", "## Runs", "", "| variant | stage | s | command |", "|---|---|---:|---|"]
-    lines += [f"| {r['variant']} | {r['stage']} | {r['wall_s']} | `{r['command']}` |" for r in result["runs"]]
+    lines += ["", "## Runs", "", *table_lines(["variant", "stage", "s", "command"], "llrl", [
+        [r["variant"], r["stage"], r["wall_s"], f"`{r['command']}`"] for r in result["runs"]])]
     return "\n".join(lines) + "\n"
 
 

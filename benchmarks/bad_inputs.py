@@ -24,6 +24,7 @@ from typing import Callable
 
 from foundation.files import write_atomic
 from foundation.provenance import PROJECT_ROOT, provenance
+from profiling.report import table_lines
 
 TINY_SFT = "tests/configs/tiny_sft.yaml"
 TINY_PPO = "tests/configs/tiny_ppo.yaml"
@@ -666,10 +667,8 @@ def main(argv=None) -> None:
                 holder.kill()
             for mount in getattr(s, "mounts", []):
                 subprocess.run(["umount", str(mount)], capture_output=True)
-    lines = ["| item | bad input | exit | one line printed (or the counted bad row) |", "|---|---|---|---|"]
-    for r in rows:
-        text = r["line"].replace("|", "\\|")
-        lines.append(f"| {r['item']} | {r['case']} | {r['exit_code']} | `{text}` |")
+    lines = table_lines(["item", "bad input", "exit", "one line printed (or the counted bad row)"], "llll", [
+        [r["item"], r["case"], r["exit_code"], "`" + r["line"].replace("|", "\\|") + "`"] for r in rows])
     lines += ["", "Pinned by tests only (a fault in the middle of a command):", ""]
     lines += [f"- item {item}: {what}: `{test}`" for item, what, test in PINNED_BY_TESTS]
     out = Path(args.out_dir)

@@ -23,7 +23,8 @@ from typing import Optional
 from foundation.cli import Checked, UsageError, above, at_least, one_of, parse, parse_assignments, run
 from foundation.files import write_atomic
 from foundation.stages import STAGES
-from profiling.components import GIB
+from profiling.components import GIB, gib
+from profiling.report import table_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -169,24 +170,18 @@ def run_variant(args: BenchArguments, variant: Variant, out_dir: Path, index: in
     return {**row, "status": "ok", **read_result(run_dir, args.stage)}
 
 
-def _gib(value: Optional[int]) -> str:
-    return "-" if value is None else f"{value / GIB:.2f}"
-
-
 def markdown(data: dict) -> str:
     lines = [f"# Flag benchmark: {data['stage']} on {data['model']}", "",
              f"- device: {data['device_name']}; date {data['date']}; git `{data['git_revision']}`",
              f"- command: `{data['command']}`",
              f"- {data['steps']} optimizer steps per variant, medians over steps 2+; CUDA cap "
              f"{data['simulate_gpu_gib'] or 'none'} GiB", "",
-             "| variant | status | peak allocated (GiB) | peak reserved (GiB) | peak RSS (GiB) | step (s) | tokens/s |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for r in data["rows"]:
-        if r["status"] != "ok":
-            lines.append(f"| {r['name']} | {r['status']}{': ' + r['reason'] if r.get('reason') else ''} | | | | | |")
-            continue
-        lines.append(f"| {r['name']} | ok | {_gib(r['peak_allocated_bytes'])} | {_gib(r['peak_reserved_bytes'])} | "
-                     f"{_gib(r['peak_rss_bytes'])} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} |")
+             *table_lines(["variant", "status", "peak allocated (GiB)", "peak reserved (GiB)", "peak RSS (GiB)",
+                           "step (s)", "tokens/s"], "ll" + "r" * 5, [
+                 [r["name"], "ok", gib(r["peak_allocated_bytes"], 2), gib(r["peak_reserved_bytes"], 2),
+                  gib(r["peak_rss_bytes"], 2), f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}"] if r["status"] == "ok"
+                 else [r["name"], r["status"] + (": " + r["reason"] if r.get("reason") else ""), *[None] * 5]
+                 for r in data["rows"]])]
     return "\n".join(lines) + "\n"
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
@@ -28,13 +27,15 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from benchmarks.measure import MemoryProbe, PhaseClock, StepCounter, release_memory, step_record
+from benchmarks.measure import PhaseClock, StepCounter, log_to_stdout, release_memory, side_errors, step_record
 from benchmarks.ours import as_the_stage_plans, run_steps
 from benchmarks.ppo_vs_trl import summarize
-from benchmarks.processes import without_options
+from benchmarks.processes import side_in_own_process
 from benchmarks.workload import fixed_length_prompts, lora_targets, parse_parts, part_attribute
 from foundation.cli import Checked, at_least, run
 from foundation.settings import DataArguments, GRPOArguments, ModelArguments, TrainArguments
+from profiling.device import MemoryProbe
+from profiling.report import table_lines
 
 logger = logging.getLogger("benchmarks.grpo_vs_trl")
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,21 +112,22 @@ def run_ours(args: GRPOWorkload, prompts: list[list[int]], tokenizer, accelerato
     from trainer.rl.algorithms.grpo import GRPO
     from trainer.rl.settings import make_scorer
 
-    args = as_the_stage_plans("grpo", args, accelerator)
+    plan = as_the_stage_plans("grpo", args, accelerator)
     clock = PhaseClock(probe)
     clock.start()
     ctx = SimpleNamespace(model_args=args.model, stage_args=args.grpo, tokenizer=tokenizer, accelerator=accelerator,
-                          quant_storage=lambda model_args: torch.uint8)
+                          plan=plan, quant_storage=lambda: torch.uint8)
     model = build_model(ctx)
-    engine = Engine(model, args.train, accelerator, "grpo", accumulation_steps=args.mini_batch_size // args.micro_batch_size)
+    engine = Engine(model, args.train, accelerator, "grpo", accumulation_steps=args.mini_batch_size // plan.micro_batch_size,
+                    optimizer=plan.optimizer)
     setup = clock.lap()
     result["setup"] = {"model": f"ONE {args.model_name_or_path} base, adapters {', '.join(model.adapter_names)}",
                        "trainable_parameters": sum(p.numel() for p in model.trainable_parameters()),
                        "step": "trainer.rl.online.rl_step with trainer.rl.algorithms.grpo.GRPO",
-                       "generation": f"decode {args.grpo.decode}, from {args.grpo.generation_weights} weights (as the "
+                       "generation": f"decode {plan.decode}, from {plan.generation_weights} weights (as the "
                                      "stage's budget plan picks them)"}
     result.update(setup_s=setup.seconds, setup_peak=setup.peaks)
-    run_steps(engine, GRPO(args.grpo), make_scorer(args.grpo, tokenizer), args, prompts, tokenizer, clock, result)
+    run_steps(engine, GRPO(args.grpo), make_scorer(args.grpo, tokenizer), args, plan, prompts, tokenizer, clock, result)
 
 
 def run_trl(args: GRPOWorkload, prompts: list[list[int]], tokenizer, accelerator, probe: MemoryProbe,
@@ -216,30 +218,11 @@ def run_side(name: str, args: GRPOWorkload, prompts, tokenizer, accelerator, pro
                               "setup": {}}
     release_memory()
     set_seed(args.seed)
-    try:
+    with side_errors(name, result):
         (run_ours if name in OURS else run_trl)(args, prompts, tokenizer, accelerator, probe, result)
-    except torch.OutOfMemoryError as exc:
-        result.update(status="out_of_memory", error=f"{type(exc).__name__}: {str(exc)[:500]}")
-    except Exception as exc:  # a broken side still leaves the other side's figures
-        result.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:500]}")
-        logger.exception("%s failed", name)
     result["nvml_used_max_bytes"], probe.nvml_max = probe.nvml_max, None
     release_memory()
     return result
-
-
-def run_isolated(name: str, argv: list[str]) -> dict:
-    """`run_side` in a fresh Python process: nothing one side leaves behind slows or fills the other."""
-    with tempfile.TemporaryDirectory(prefix="grpo-bench-side-") as folder:
-        record = Path(folder) / "side.json"
-        own = ("--sides", "--side_run_out", "--isolate")
-        command = [sys.executable, "-m", "benchmarks.grpo_vs_trl", *without_options(argv, own), "--sides", name,
-                   "--isolate", "false", "--side_run_out", str(record)]
-        code = subprocess.run(command, cwd=ROOT).returncode
-        if code == 0 and record.exists():
-            return json.loads(record.read_text())
-    return {"side": name, "label": SIDES[name], "status": "failed", "steps": [], "setup": {},
-            "error": f"its process exited with status {code} before writing its record"}
 
 
 RATIO_KEYS = ("step_s", "rollout_s", "update_s", "peak_allocated_bytes", "peak_reserved_bytes", "nvml_used_max_bytes")
@@ -264,14 +247,13 @@ def markdown(report: dict) -> str:
              f"- work: {report['tokens_per_step']['generated']} generated tokens per step "
              f"({report['settings']['rollout_batch_size']} prompts x {report['settings']['num_generations']}); "
              f"{report['alloc_conf'] or 'PYTORCH_CUDA_ALLOC_CONF unset'}", "",
-             "| side | status | step s | rollout s | update s | peak allocated GiB | peak reserved GiB | "
-             "device used GiB (NVML) | peak RSS GiB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for side in report["sides"].values():
-        s = side["summary"]
-        lines.append(f"| {side['label']} | {side['status']} | {sec(s.get('step_s'))} | {sec(s.get('rollout_s'))} | "
-                     f"{sec(s.get('update_s'))} | {gib(s.get('peak_allocated_bytes'))} | "
-                     f"{gib(s.get('peak_reserved_bytes'))} | {gib(s.get('nvml_used_max_bytes'))} | "
-                     f"{gib(s.get('peak_rss_bytes'))} |")
+             *table_lines(["side", "status", "step s", "rollout s", "update s", "peak allocated GiB", "peak reserved GiB",
+                           "device used GiB (NVML)", "peak RSS GiB"], "ll" + "r" * 7, [
+                 [side["label"], side["status"],
+                  *(sec(side["summary"].get(k)) for k in ("step_s", "rollout_s", "update_s")),
+                  *(gib(side["summary"].get(k)) for k in ("peak_allocated_bytes", "peak_reserved_bytes",
+                                                          "nvml_used_max_bytes", "peak_rss_bytes"))]
+                 for side in report["sides"].values()])]
     found = report.get("ratios") or {}
     for side in OURS:
         over = [f"{key.removesuffix('_s').removesuffix('_bytes')} {found[f'{key}_{side}_over_trl']:.2f}x"
@@ -293,15 +275,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = GRPOWorkload.parse(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    log_to_stdout()
     scratch = tempfile.mkdtemp(prefix="grpo-bench-")
     sides = args.sides.split(",")
     try:
         if args.isolate and not args.side_run_out:  # the parent starts no CUDA context: NVML sees each side alone
             set_allocator_defaults()  # the sides' processes inherit it
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            records = {name: run_isolated(name, argv) for name in sides}
+            records = {name: side_in_own_process("benchmarks.grpo_vs_trl", name, SIDES[name], argv,
+                                                  ("--sides", "--side_run_out", "--isolate")) for name in sides}
         else:
             accelerator = make_accelerator(replace(args.train, output_dir=scratch))  # the allocator's defaults too
             device, probe = accelerator.device, MemoryProbe(accelerator.device)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from profiling.report import table_lines
 from trainer.engine.phases import watching
 
 TOP_OPS = 40
@@ -129,19 +130,21 @@ def render(report: dict) -> str:
              "shares, not seconds)",
              f"- wall-clock {report['wall_s']:.3f} s (the profiler's starts, stops and bookkeeping, "
              f"{report['profiler_overhead_s']:.3f} s, left out); {clock} busy in the profiled phases (each kernel "
-             f"once) {busy:.3f} s", "",
-             f"| phase | wall s | {clock} s (its kernels; nested phases in their outer one's) | {clock} busy |",
-             "|---|---:|---:|---:|"]
+             f"once) {busy:.3f} s", ""]
+    rows = []
     for p in report["phases"]:
         ops_s = p["ops_s"]
         share = "-" if ops_s is None or not p["wall_s"] else f"{ops_s / p['wall_s']:.0%}"
-        lines.append(f"| {p['phase']} | {p['wall_s']:.3f} | {'-' if ops_s is None else f'{ops_s:.3f}'} | {share} |")
+        rows.append([p["phase"], f"{p['wall_s']:.3f}", "-" if ops_s is None else f"{ops_s:.3f}", share])
+    lines += table_lines(["phase", "wall s", f"{clock} s (its kernels; nested phases in their outer one's)",
+                          f"{clock} busy"], "lrrr", rows)
     lines += ["", f"The {len(report['ops'])} ops of the profiled phases with the most {clock} time of their own (an "
-              "op's own device time is that of the kernels it launched, which are listed too):", "",
-              f"| op | calls | own {clock} s | share of busy | own CPU s |", "|---|---:|---:|---:|---:|"]
+              "op's own device time is that of the kernels it launched, which are listed too):", ""]
+    rows = []
     for op in report["ops"]:
         name = " ".join(op["op"].split()).replace("|", "\\|")
         name = name if len(name) <= 90 else name[:90] + "..."
         share = f"{op['self_s'] / busy:.1%}" if busy else "-"
-        lines.append(f"| `{name}` | {op['calls']} | {op['self_s']:.4f} | {share} | {op['self_cpu_s']:.4f} |")
+        rows.append([f"`{name}`", op["calls"], f"{op['self_s']:.4f}", share, f"{op['self_cpu_s']:.4f}"])
+    lines += table_lines(["op", "calls", f"own {clock} s", "share of busy", "own CPU s"], "lrrrr", rows)
     return "\n".join(lines) + "\n"

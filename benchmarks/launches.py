@@ -36,6 +36,7 @@ from typing import Optional
 
 from benchmarks.processes import main_at_revisions, revision_tree
 from foundation.cli import run
+from profiling.report import table_lines
 
 # What a revision's own code runs: the passes through public calls every revision has.
 COUNTING = r'''
@@ -216,9 +217,8 @@ def markdown(data: dict) -> str:
                if data.get("layers", "2,4") != "2,4" else []),
              "- versions: " + "; ".join(versions),
              "- what: " + " ".join(__doc__.split("\n\n")[2].split()), "",
-             "| pass | " + " | ".join(column(r, runs) for r in runs) + " |", "|---|" + "---:|" * len(runs)]
-    for key, label in PASSES.items():
-        lines.append(f"| {label} | " + " | ".join(str(r["per_layer"].get(key, "-")) for r in runs) + " |")
+             *table_lines(["pass", *(column(r, runs) for r in runs)], "l" + "r" * len(runs),
+                          [[label, *(r["per_layer"].get(key, "-") for r in runs)] for key, label in PASSES.items()])]
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from foundation.files import write_atomic
 from foundation.provenance import PROJECT_ROOT, provenance
+from profiling.report import table_lines
 
 CONFIGS = {"ppo": "tests/configs/smol_ppo_chars.yaml", "grpo": "tests/configs/smol_grpo_chars.yaml"}
 # The advantage function each stage's step calls, and how to negate its output.
@@ -53,17 +54,14 @@ def run_one(stage: str, seed: int, threads: int, flipped: bool, out: Path) -> di
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| stage | seed | threads | update | score SFT | score policy | gain | win rate | KL | s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    cells = []
     for r in rows:
-        sign = "flipped" if r["flipped"] else "as is"
-        if r["exit_code"]:
-            lines.append(f"| {r['stage']} | {r['seed']} | {r['threads']} | {sign} | failed: {r['error']} |||||| ")
-            continue
-        lines.append(f"| {r['stage']} | {r['seed']} | {r['threads']} | {sign} | {r['score_sft']:.3f} | "
-                     f"{r['score_policy']:.3f} | {r['gain']:+.3f} | {r['win_rate']:.3f} | {r['kl']:.2f} | "
-                     f"{r['wall_s']:.0f} |")
-    return "\n".join(lines)
+        run = [r["stage"], r["seed"], r["threads"], "flipped" if r["flipped"] else "as is"]
+        cells.append([*run, f"failed: {r['error']}", *[None] * 5] if r["exit_code"] else [
+            *run, f"{r['score_sft']:.3f}", f"{r['score_policy']:.3f}", f"{r['gain']:+.3f}", f"{r['win_rate']:.3f}",
+            f"{r['kl']:.2f}", f"{r['wall_s']:.0f}"])
+    return "\n".join(table_lines(["stage", "seed", "threads", "update", "score SFT", "score policy", "gain", "win rate",
+                                  "KL", "s"], "l" * 10, cells))
 
 
 def main(argv=None) -> None:

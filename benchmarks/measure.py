@@ -1,57 +1,42 @@
-"""Wall time and peak memory per phase, read the same way for every side of a benchmark.
-
-On CUDA the figures are the caching allocator's (`max_memory_allocated` / `max_memory_reserved`,
-reset at each phase boundary) plus NVML's device-wide reading; on CPU they are the process's
-resident set: its peak (VmHWM) is reset at each boundary through /proc/self/clear_refs, so two
-sides run one after the other in one process each get their own peak. A figure the device cannot
-give is None, never estimated.
-"""
+"""Wall time and peak memory per phase, read the same way for every side of a benchmark: the memory
+figures are profiling.device's MemoryProbe, reset at each phase boundary; and how a side that breaks is
+recorded, so the other sides' figures stay."""
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import re
-import resource
+import logging
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
+from profiling.device import MemoryProbe
+
+logger = logging.getLogger(__name__)
 
 
-def _status_kib(field: str) -> Optional[int]:
+def log_to_stdout() -> None:
+    """A benchmark's progress lines, timestamped, on stdout (where the GPU kit's logs collect them)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+
+
+@contextmanager
+def side_errors(name: str, result: dict) -> Iterator[None]:
+    """A side that runs out of memory or fails: its status and error in `result`, not an exception."""
     try:
-        match = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
-    except OSError:
-        return None
-    return int(match.group(1)) if match else None
-
-
-def rss_bytes() -> Optional[int]:
-    kib = _status_kib("VmRSS")
-    return None if kib is None else kib * 1024
-
-
-def reset_peak_rss() -> bool:
-    """Set the peak resident set (VmHWM) back to the current one (Linux 4.0+); False where not possible."""
-    try:
-        _CLEAR_REFS.write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def peak_rss_bytes() -> int:
-    kib = _status_kib("VmHWM")
-    if kib is not None:
-        return kib * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        yield
+    except torch.OutOfMemoryError as exc:
+        result.update(status="out_of_memory", error=f"{type(exc).__name__}: {str(exc)[:500]}")
+        logger.error("%s ran out of memory: %s", name, str(exc)[:300])
+    except Exception as exc:
+        result.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:500]}")
+        logger.exception("%s failed", name)
 
 
 def release_memory() -> None:
@@ -63,46 +48,6 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-class MemoryProbe:
-    """Peak memory since the last `reset()` on one device."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.rss_resettable = reset_peak_rss()
-        self.nvml_max: Optional[int] = None
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def reset(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            reset_peak_rss()
-
-    def now(self) -> dict[str, Optional[int]]:
-        if self.cuda:
-            return {"allocated_bytes": torch.cuda.memory_allocated(self.device),
-                    "reserved_bytes": torch.cuda.memory_reserved(self.device), "rss_bytes": rss_bytes()}
-        return {"allocated_bytes": None, "reserved_bytes": None, "rss_bytes": rss_bytes()}
-
-    def peak(self) -> dict[str, Optional[int]]:
-        if self.cuda:
-            self._read_nvml()
-            return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
-                    "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.device), "peak_rss_bytes": None}
-        return {"peak_allocated_bytes": None, "peak_reserved_bytes": None, "peak_rss_bytes": peak_rss_bytes()}
-
-    def _read_nvml(self) -> None:
-        from profiling.device import read_nvml
-
-        used = read_nvml(self.device).used
-        if used is not None:
-            self.nvml_max = max(self.nvml_max or 0, used)
 
 
 @dataclass

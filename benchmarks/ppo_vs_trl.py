@@ -10,7 +10,6 @@ dtype and reward head. Each side runs in a fresh process, in alternating order o
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import os
@@ -18,19 +17,20 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
-from benchmarks.measure import MemoryProbe, release_memory
-from benchmarks.processes import EXIT_CUT, run_stoppable, without_options
+from benchmarks.measure import log_to_stdout, release_memory, side_errors
+from benchmarks.processes import CUT, EXIT_CUT, side_in_own_process
 from benchmarks.workload import (
     TRL_SIDES, Workload, export_tokenizer, fixed_length_prompts, head_weights, hidden_size, load_bench_tokenizer,
     trl_batch_settings, write_heads,
 )
 from foundation.cli import run
+from foundation.provenance import library_versions
+from profiling.device import MemoryProbe
 
 logger = logging.getLogger("benchmarks.ppo_vs_trl")
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +100,7 @@ def run_side(name: str, args: Workload, prompts, tokenizer, accelerator, probe: 
     result["at_start"] = probe.now()
     result["load_average_at_start"] = os.getloadavg()  # other jobs on the machine stretch wall times
     graphs = compiled_graphs()
-    try:
+    with side_errors(name, result):
         if name not in TRL_SIDES:
             from benchmarks.ours import run_ours
 
@@ -110,12 +110,6 @@ def run_side(name: str, args: Workload, prompts, tokenizer, accelerator, probe: 
             from benchmarks.trl_ppo import run_trl
 
             run_trl(args, prompts, tokenizer, accelerator, probe, heads, result, compiled=name == "trl_compiled")
-    except torch.OutOfMemoryError as exc:
-        result.update(status="out_of_memory", error=f"{type(exc).__name__}: {str(exc)[:500]}")
-        logger.error("%s ran out of memory: %s", name, str(exc)[:300])
-    except Exception as exc:  # a broken side still leaves the other side's figures
-        result.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:500]}")
-        logger.exception("%s failed", name)
     result["compiled_graphs"] = compiled_graphs() - graphs  # what torch.compile compiled during this side
     # NVML's device-wide reading (CUDA context and paged optimizer states included) at phase ends.
     result["nvml_used_max_bytes"] = probe.nvml_max
@@ -127,30 +121,6 @@ def run_side(name: str, args: Workload, prompts, tokenizer, accelerator, probe: 
 
 
 ISOLATE_OWN = ("--sides", "--rounds", "--out_dir", "--isolate", "--side_run_out", "--stop_at")
-CUT = "cut"  # the side's time (--stop_at) ran out before or while it ran: no figure, not a failure
-
-
-def run_side_isolated(name: str, argv: list[str], stop_at: float = 0.0) -> dict:
-    """`run_side` in a fresh Python process: this command again for side `name` alone, once, its record
-    read back from a file. Nothing one side leaves in a process (compiled kernels, allocator state, thread
-    pools) can then slow the next. With `stop_at` (Unix time) a side still running then is stopped: cut."""
-    def record_of(status: str, error: str) -> dict:
-        return {"side": name, "label": SIDE_NAMES[name], "status": status, "steps": [], "setup": {}, "error": error}
-
-    left = stop_at - time.time() if stop_at else None
-    if left is not None and left <= 0:
-        return record_of(CUT, "the time given (--stop_at) was spent before this side started")
-    with tempfile.TemporaryDirectory(prefix="ppo-bench-side-") as folder:
-        record = Path(folder) / "side.json"
-        command = [sys.executable, "-m", "benchmarks.ppo_vs_trl", *without_options(argv, ISOLATE_OWN),
-                   "--sides", name, "--rounds", "1", "--isolate", "false", "--side_run_out", str(record)]
-        logger.info("%s: in a process of its own", name)
-        code = run_stoppable(command, left, cwd=ROOT)
-        if code is None:
-            return record_of(CUT, f"stopped after {left:.0f} s: the time given (--stop_at) ran out")
-        if code == 0 and record.exists():
-            return json.loads(record.read_text())
-    return record_of("failed", f"its process exited with status {code} before writing its record")
 
 
 def compiled_graphs() -> int:
@@ -203,8 +173,7 @@ def default_out_dir(args: Workload, device: torch.device) -> Path:
 def main(argv: Optional[list[str]] = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = Workload.parse(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    log_to_stdout()
     quiet_libraries()
     if args.bench.export_tokenizer:
         export_tokenizer(args)
@@ -231,7 +200,7 @@ def run_benchmark(args: Workload, argv: list[str], accelerator) -> dict:
     out_dir = Path(args.bench.out_dir) if args.bench.out_dir else default_out_dir(args, device)
     command = "python -m benchmarks.ppo_vs_trl " + relative_command(argv)
     report = {"kind": "ppo_vs_trl", "device_kind": "cuda" if device.type == "cuda" else "cpu",
-              **provenance(device, command), "trl_version": _version("trl"),
+              **provenance(device, command), "trl_version": library_versions(["trl"])["trl"],
               "mixed_precision": accelerator.mixed_precision,
               "settings": {k: relative_path(v) if isinstance(v, str) else v
                            for part in args.settings().values() for k, v in part.items()},
@@ -264,7 +233,8 @@ def side_runner(args: Workload, argv: list[str], accelerator, probe: MemoryProbe
     or in this one - a child of --isolate, or --isolate false - with the memory cap, TRL's import, the
     tokenizer, the prompts and the head weights set up once for every side."""
     if args.bench.isolate and not args.bench.side_run_out:
-        return lambda name: run_side_isolated(name, argv, args.bench.stop_at)
+        return lambda name: side_in_own_process("benchmarks.ppo_vs_trl", name, SIDE_NAMES[name], argv, ISOLATE_OWN,
+                                                ["--rounds", "1"], args.bench.stop_at)
     from accelerate.utils import set_seed
 
     from trainer.engine.setup import simulate_gpu_memory
@@ -298,13 +268,6 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\..*")
     warnings.filterwarnings("ignore", message=".*generation_config.*generation-related arguments.*")
     logging.getLogger("accelerate.accelerator").setLevel(logging.WARNING)
-
-
-def _version(package: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def write_report(report: dict, out_dir: Path) -> None:

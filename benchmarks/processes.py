@@ -3,11 +3,14 @@ revision's tree to run commands in."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import tarfile
 import tempfile
+import time
 from contextlib import contextmanager
 from io import BytesIO
 from pathlib import Path
@@ -17,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The exit status of a benchmark whose time (--stop_at) ran out before any side gave a figure: its report says
 # so, and the GPU kit counts the step cut, not done, so collecting it keeps the last run that measured.
 EXIT_CUT = 3
+CUT = "cut"  # a side whose time (--stop_at) ran out before or while it ran: no figure, not a failure
 
 
 @contextmanager
@@ -70,6 +74,30 @@ def run_stoppable(argv: list[str], timeout: Optional[float], **popen) -> Optiona
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return None
+
+
+def side_in_own_process(module: str, name: str, label: str, argv: list[str], own: Sequence[str],
+                        flags: Sequence[str] = (), stop_at: float = 0.0) -> dict:
+    """Side `name` of the benchmark `module` in a fresh Python process: this command again less the options
+    `own`, for that side alone (plus `flags`), its record read back from a file. Nothing one side leaves in a
+    process (compiled kernels, allocator state, thread pools) can then slow the next. With `stop_at` (Unix
+    time) a side still running then is stopped: cut."""
+    def record_of(status: str, error: str) -> dict:
+        return {"side": name, "label": label, "status": status, "steps": [], "setup": {}, "error": error}
+
+    left = stop_at - time.time() if stop_at else None
+    if left is not None and left <= 0:
+        return record_of(CUT, "the time given (--stop_at) was spent before this side started")
+    with tempfile.TemporaryDirectory(prefix="bench-side-") as folder:
+        record = Path(folder) / "side.json"
+        command = [sys.executable, "-m", module, *without_options(argv, own), "--sides", name, *flags,
+                   "--isolate", "false", "--side_run_out", str(record)]
+        code = run_stoppable(command, left, cwd=ROOT)
+        if code is None:
+            return record_of(CUT, f"stopped after {left:.0f} s: the time given (--stop_at) ran out")
+        if code == 0 and record.exists():
+            return json.loads(record.read_text())
+    return record_of("failed", f"its process exited with status {code} before writing its record")
 
 
 def without_options(argv: list[str], names: Sequence[str]) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from foundation.provenance import shown_command
+from profiling.report import table_lines, table_row
 
 GIB = 2**30
 
@@ -101,8 +102,7 @@ def render_markdown(report: dict) -> str:
               f"{s.get('warmup_runs', s.get('warmup_steps'))} warm-up step(s) then {s['steps']} measured step(s) per "
               "side" + (f", in each of {s['rounds']} rounds (the order of the sides reversed every other round)"
                         if s.get("rounds", 1) > 1 else "") + ".", ""]
-    lines += ["## Results", "", "| | ours | TRL | TRL / ours |", "|---|---:|---:|---:|"]
-    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in result_rows(report)]
+    lines += ["## Results", "", *table_lines([None, "ours", "TRL", "TRL / ours"], "lrrr", result_rows(report))]
     lines += ["", "TRL / ours above 1 means ours is faster (times) or lighter (memory). Times are means over the "
               "measured steps; peaks are over all steps, model loading excluded."]
     if not cuda:
@@ -149,15 +149,14 @@ def round_lines(report: dict) -> list[str]:
     if len(rounds) < 2:
         return []
     names = list(report["sides"])
-    lines = ["", "## Rounds (the figures above are over all of them)", "",
-             "| round | order | " + " | ".join(f"{n} step (s)" for n in names) + " | TRL / ours |",
-             "|---:|---|" + "---:|" * len(names) + "---:|"]
+    rows = []
     for r in rounds:
         times = r["step_s"]
         ratio = times["trl"] / times["ours"] if times.get("trl") and times.get("ours") else None
-        lines.append(f"| {r['round']} | {', '.join(r['order'])} | " + " | ".join(_num(times.get(n)) for n in names)
-                     + f" | {_ratio(ratio)} |")
-    return lines
+        rows.append([r["round"], ", ".join(r["order"]), *(_num(times.get(n)) for n in names), _ratio(ratio)])
+    return ["", "## Rounds (the figures above are over all of them)", "",
+            *table_lines(["round", "order", *(f"{n} step (s)" for n in names), "TRL / ours"],
+                         "rl" + "r" * (len(names) + 1), rows)]
 
 
 def ablation_lines(report: dict) -> list[str]:
@@ -172,18 +171,15 @@ def _variant_lines(report: dict, main: str, title: str) -> list[str]:
     ablations = [n for n in sides if n.startswith(main + "_")]
     if not ours or not ablations:
         return []
-    lines = ["", f"## {title} (same command, same work)", "",
-             f"| | {main} | " + " | ".join(ablations) + " |", "|---|---:|" + "---:|" * len(ablations)]
     figures = [("whole PPO step (s)", "step_s"), ("rollout (s)", "rollout_s"), ("  of which generation (s)", "generate_s"),
                ("update (s)", "update_s"), ("whole PPO step, process CPU time (s)", "step_cpu_s")]
     memory = "peak_allocated_bytes" if report["device_kind"] == "cuda" else "peak_rss_bytes"
-    for label, key in figures:
-        cells = [_num(sides[n].get("summary", {}).get(key)) for n in ablations]
-        lines.append(f"| {label} | {_num(ours.get(key))} | " + " | ".join(cells) + " |")
-    cells = [_gib(sides[n].get("summary", {}).get(memory)) for n in ablations]
-    lines.append(f"| peak {'allocated' if memory == 'peak_allocated_bytes' else 'RSS'} (GiB) | "
-                 f"{_gib(ours.get(memory))} | " + " | ".join(cells) + " |")
-    return lines
+    rows = [[label, *(_num(s.get("summary", {}).get(key)) for s in [sides[main]] + [sides[n] for n in ablations])]
+            for label, key in figures]
+    rows.append([f"peak {'allocated' if memory == 'peak_allocated_bytes' else 'RSS'} (GiB)",
+                 *(_gib(s.get("summary", {}).get(memory)) for s in [sides[main]] + [sides[n] for n in ablations])])
+    return ["", f"## {title} (same command, same work)", "",
+            *table_lines([None, main, *ablations], "lr" + "r" * len(ablations), rows)]
 
 
 def summary_tables(reports: list[tuple[str, dict]]) -> str:
@@ -194,11 +190,10 @@ def summary_tables(reports: list[tuple[str, dict]]) -> str:
         if not rows:
             continue
         memory = "peak allocated / reserved GiB, ours | TRL" if kind == "cuda" else "peak RSS GiB, ours / TRL"
-        cpu_col = "" if kind == "cuda" else " CPU-time speedup |"
-        out += [f"**{title}**", "",
-                f"| result | device | model, work | step s, ours / TRL | speedup |{cpu_col} rollout tok/s, ours / TRL "
-                f"| update tok/s, ours / TRL | {memory} | TRL / ours memory |",
-                "|---|---|---|---|---:|" + ("---:|" if cpu_col else "") + "---|---|---|---:|"]
+        cpu_col = [] if kind == "cuda" else ["CPU-time speedup"]
+        out += [f"**{title}**", "", *table_lines(
+            ["result", "device", "model, work", "step s, ours / TRL", "speedup", *cpu_col, "rollout tok/s, ours / TRL",
+             "update tok/s, ours / TRL", memory, "TRL / ours memory"], "llllr" + "r" * len(cpu_col) + "lllr")]
         for name, r in rows:
             s, sides, ratio = {**r["settings"], **r.get("resolved", {})}, r["sides"], r.get("ratios", {})
             o, t = sides.get("ours", {}).get("summary", {}), sides.get("trl", {}).get("summary", {})
@@ -214,12 +209,11 @@ def summary_tables(reports: list[tuple[str, dict]]) -> str:
                 mem_ratio = _ratio(ratio.get("peak_rss_trl_over_ours"))
             status = "" if all(x.get("status") == "ok" for x in sides.values()) else " (" + ", ".join(
                 f"{n}: {x.get('status')}" for n, x in sides.items()) + ")"
-            cpu = "" if kind == "cuda" else f" {_ratio(ratio.get('step_cpu_time_speedup'))} |"
-            out.append(f"| [{name}](results/{name}/ppo_vs_trl.md){status} | {device} | {work} | {_num(o.get('step_s'))} / "
-                       f"{_num(t.get('step_s'))} | {_ratio(ratio.get('step_time_speedup'))} |{cpu} "
-                       f"{_num(o.get('rollout_tokens_per_s'), '{:.1f}')} / {_num(t.get('rollout_tokens_per_s'), '{:.1f}')} | "
-                       f"{_num(o.get('update_tokens_per_s'), '{:.1f}')} / {_num(t.get('update_tokens_per_s'), '{:.1f}')} | "
-                       f"{mem} | {mem_ratio} |")
+            cpu = [] if kind == "cuda" else [_ratio(ratio.get("step_cpu_time_speedup"))]
+            pair = [f"{_num(o.get(k), f)} / {_num(t.get(k), f)}" for k, f in
+                    (("step_s", "{:.2f}"), ("rollout_tokens_per_s", "{:.1f}"), ("update_tokens_per_s", "{:.1f}"))]
+            out.append(table_row([f"[{name}](results/{name}/ppo_vs_trl.md){status}", device, work, pair[0],
+                                  _ratio(ratio.get("step_time_speedup")), *cpu, *pair[1:], mem, mem_ratio]))
         out.append("")
     return "\n".join(out)
 

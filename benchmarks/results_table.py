@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 from foundation.cli import InputError, UsageError, argument_parser, run
 from foundation.files import write_atomic
+from profiling.report import table_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -210,33 +211,6 @@ def bad_inputs(folder: Path, result: dict) -> Row:
                f"{folder.name}/README.md", user=False)
 
 
-def trl_grpo_recipe(folder: Path, result: dict) -> Row:
-    """The estimator on TRL's QLoRA GRPO recipe, each label (before / after a change) side by side."""
-    labels = list(result["runs"])
-    figures, prov = [], {}
-    for label in dict.fromkeys((labels[0], labels[-1])):  # the first and the latest
-        entry = result["runs"][label]
-        prov = entry.get("provenance") or prov
-        peak = entry["recipes"]["trl_grpo_prompt256"]["summary"]
-        offloads = [f"{name.rsplit('offload_', 1)[1]} offloaded {recipe['summary']['peak_gib']:.2f}"
-                    for name, recipe in entry["recipes"].items() if name.startswith("trl_grpo_prompt256_offload")]
-        figures.append(f"{label}: {peak['peak_gib']:.2f} GiB in {peak['peak_phase']}"
-                       + (f" ({', '.join(offloads)})" if offloads else ""))
-    targets = result.get("targets_gib", {})
-    goal = " / ".join(f"{k} <= {v} GiB" for k, v in targets.items())
-    return Row((4, 1), "TRL's QLoRA GRPO recipe, estimated (`benchmarks.trl_grpo_recipe`)",
-               "Qwen2.5-7B NF4, r=32, 8 x 256-token completions, beta 0, reward functions",
-               "; ".join(figures) + (f" ({goal})" if goal else ""), *_when(prov), _report(folder))
-
-
-def code_size(folder: Path, result: dict) -> Row:
-    first, last = result["revisions"][0], result["revisions"][-1]
-    lines = {r["revision"]: sum(r["python_lines"].values()) for r in (first, last)}
-    return Row((8, 0), "code size (`benchmarks.code_size`)", f"`{first['revision']}` -> `{last['revision']}`",
-               f"Python lines {lines[first['revision']]} -> {lines[last['revision']]}; PPO settings "
-               f"{first['ppo_settings']} -> {last['ppo_settings']}", *_when(result), _report(folder), user=False)
-
-
 def launches(folder: Path, result: dict) -> Row:
     from benchmarks.launches import column
 
@@ -261,9 +235,7 @@ def launches(folder: Path, result: dict) -> Row:
 def probe(folder: Path) -> Row:
     result = _load(folder / "result.json")
     if "revisions" in result:
-        return launches(folder, result) if "per_layer" in result["revisions"][0] else code_size(folder, result)
-    if isinstance(result.get("runs"), dict):
-        return trl_grpo_recipe(folder, result)
+        return launches(folder, result)
     if "runs" in result:
         return learning_margin(folder, result)
     if "cases" in result:
@@ -399,12 +371,10 @@ def newest_of_each(all_rows: list[Row]) -> list[Row]:
 
 def table(results: Path = RESULTS, page: Page = Page("benchmarks/results", summary=False)) -> str:
     """The Markdown table for `page`: its rows, links starting with its prefix."""
-    lines = ["| benchmark | setting | headline | device | date | result |", "|---|---|---|---|---|---|"]
     chosen = rows(results)
-    for r in newest_of_each(chosen) if page.summary else chosen:
-        lines.append(f"| {r.benchmark} | {r.setting} | {r.headline} | {r.device} | {r.date[:10]} | "
-                     f"[{r.report.split('/')[0]}]({page.prefix}/{r.report}) |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(table_lines(["benchmark", "setting", "headline", "device", "date", "result"], "llllll", [
+        [r.benchmark, r.setting, r.headline, r.device, r.date[:10], f"[{r.report.split('/')[0]}]({page.prefix}/{r.report})"]
+        for r in (newest_of_each(chosen) if page.summary else chosen)])) + "\n"
 
 
 def section(results: Path, page: Page) -> str:

@@ -15,6 +15,7 @@ from typing import Optional
 from foundation.cli import parse, run
 from profiling import components as C
 from profiling.predict import EstimateArguments, estimate, resolve_shape
+from profiling.report import table_lines
 from profiling.shapes import ModelShape, lora_tensor_sizes
 
 SEED_GB = {  # component: (low, high), from the seed's design card
@@ -105,11 +106,11 @@ def compare_seed(shape: ModelShape, args, est: dict) -> tuple[str, list[dict]]:
     rows, lines = [], []
     if shape.name != "llama-2-7b":
         lines.append(f"(the seed's breakdown is for Llama-2-7B; this estimate is for {shape.name})")
-    lines += ["", "| seed 000 (7B, 4090) | seed GB | ours GiB | why they differ |", "|---|---:|---:|---|"]
     for key, (low, high) in SEED_GB.items():
-        seed = f"{low:g}" if low == high else f"{low:g}-{high:g}"
-        lines.append(f"| {key} | {seed} | {C.gib(mine[key])} | {why[key]} |")
         rows.append({"component": key, "seed_low": low, "seed_high": high, "ours_bytes": mine[key], "why": why[key]})
+    lines += ["", *table_lines(["seed 000 (7B, 4090)", "seed GB", "ours GiB", "why they differ"], "lrrl", [
+        [key, f"{low:g}" if low == high else f"{low:g}-{high:g}", C.gib(mine[key]), why[key]]
+        for key, (low, high) in SEED_GB.items()])]
     return "\n".join(lines), rows
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import logging
 import os
 import sys
 import time
@@ -22,11 +21,10 @@ from typing import Optional
 
 import torch
 
-from benchmarks.measure import MemoryProbe, release_memory
+from benchmarks.measure import log_to_stdout, release_memory, side_errors
 from benchmarks.stages_vs_trl import ABLATIONS, StageWorkload, training_rows
 from profiling import components as C
-
-logger = logging.getLogger("benchmarks.stage_side")
+from profiling.device import MemoryProbe
 
 
 def stage_argv(w: StageWorkload, output_dir: Path) -> list[str]:
@@ -84,8 +82,7 @@ def run_trl_side(w: StageWorkload, side_dir: Path, result: dict, device: torch.d
 
 def main(argv: Optional[list[str]] = None) -> dict:
     name, settings, side_dir = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    log_to_stdout()
     w = StageWorkload.from_dict(json.loads(Path(settings).read_text()))
     side_dir = Path(side_dir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -99,16 +96,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
               "load_average_at_start": os.getloadavg()}
     probe.reset()
     started = time.perf_counter()
-    try:
+    with side_errors(name, result):
         if name.startswith("ours"):
             run_ours(replace(w, train=replace(w.train, **ABLATIONS.get(name, {}))), side_dir, result)
         else:
             run_trl_side(w, side_dir, result, device)
-    except torch.OutOfMemoryError as exc:
-        result.update(status="out_of_memory", error=f"{type(exc).__name__}: {str(exc)[:500]}")
-    except Exception as exc:  # the report keeps the other side's figures and says what broke here
-        result.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:500]}")
-        logger.exception("%s side failed", name)
     probe.sync()
     result["side_s"] = time.perf_counter() - started
     result.update(probe.peak())

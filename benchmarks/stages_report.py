@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from foundation.provenance import shown_command
+from profiling.report import table_lines
 
 GB = 1e9
 METRIC = {"sft": ("perplexity", "held-out completion perplexity (lower is better)"),
@@ -56,16 +57,17 @@ def render_markdown(report: dict) -> str:
              f"- quality: {METRIC[stage][1]} on the held-out split (eval_size {data['eval_size']}, split_seed "
              f"{data['split_seed']}), both adapters scored by the same code (trainer.evaluate)"
              + (f"; re-scored on {report['rescored']['date']} at revision {report['rescored']['git_revision']} by "
-                f"`{report['rescored']['command']}`" if report.get("rescored") else ""), "",
-             "| side | status | rows as planned | held-out | step s (mean) | CPU s / step | tokens/s | computed tokens "
-             "/ step (x real) | peak RSS GB | peak RSS above start GB | peak allocated GB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+                f"`{report['rescored']['command']}`" if report.get("rescored") else ""), ""]
+    rows = []
     for side in report["sides"].values():
         m = side.get("summary") or {}
-        lines.append(f"| {side.get('label', side['side'])} | {side['status']} | {side.get('rows_as_planned')} | "
-                     f"{quality(report, side)} | {_f(m.get('step_s'), '.2f')} | {_f(m.get('step_cpu_s'), '.2f')} | "
-                     f"{_f(m.get('tokens_per_s'), '.0f')} | {_computed(m)} | {_f(m.get('peak_rss_bytes'), '.2f', GB)} | "
-                     f"{_f(m.get('peak_rss_above_start_bytes'), '.2f', GB)} | {_f(m.get('peak_allocated_bytes'), '.2f', GB)} |")
+        rows.append([side.get("label", side["side"]), side["status"], side.get("rows_as_planned"),
+                     quality(report, side), _f(m.get("step_s"), ".2f"), _f(m.get("step_cpu_s"), ".2f"),
+                     _f(m.get("tokens_per_s"), ".0f"), _computed(m), _f(m.get("peak_rss_bytes"), ".2f", GB),
+                     _f(m.get("peak_rss_above_start_bytes"), ".2f", GB), _f(m.get("peak_allocated_bytes"), ".2f", GB)])
+    lines += table_lines(["side", "status", "rows as planned", "held-out", "step s (mean)", "CPU s / step", "tokens/s",
+                          "computed tokens / step (x real)", "peak RSS GB", "peak RSS above start GB",
+                          "peak allocated GB"], "l" * 11, rows)
     r = report.get("ratios")
     if r:
         lines += ["", f"Ours vs TRL: step time {_f(r['step_time_speedup'], '.2f')}x faster, CPU time "
@@ -96,19 +98,16 @@ def memory_lines(report: dict) -> list[str]:
     def cell(value: Optional[float]) -> str:
         return "-" if value is None else f"{value / mib:.0f}"
 
-    lines = ["", "## Tensor-counted memory (MiB; `--profile_memory true`)", "",
-             "| | " + " | ".join(s.get("label", n) for n, s in sides.items()) + " |", "|---|" + "---:|" * len(sides)]
-    for c in components:
-        lines.append(f"| {c} | " + " | ".join(cell(s["memory"]["resident"].get(c, 0)) for s in sides.values()) + " |")
     resident = {n: sum(s["memory"]["resident"].values()) for n, s in sides.items()}
     saved = {n: s["memory"].get("saved_for_backward") for n, s in sides.items()}
-    lines.append("| **tensors alive** | " + " | ".join(cell(resident[n]) for n in sides) + " |")
-    lines.append("| saved for backward, first step's micro-batches | " + " | ".join(cell(saved[n]) for n in sides) + " |")
     peaks = {n: (s.get("summary") or {}).get("peak_rss_bytes") for n, s in sides.items()}
-    lines.append("| peak RSS | " + " | ".join(cell(peaks[n]) for n in sides) + " |")
     rest = {n: peaks[n] - resident[n] - (saved[n] or 0) if peaks[n] is not None else None for n in sides}
-    lines.append("| peak RSS less both (temporaries, runtime, heap) | " + " | ".join(cell(rest[n]) for n in sides) + " |")
-    return lines
+    rows = [[c, *(cell(s["memory"]["resident"].get(c, 0)) for s in sides.values())] for c in components]
+    rows += [[label, *(cell(figure[n]) for n in sides)] for label, figure in (
+        ("**tensors alive**", resident), ("saved for backward, first step's micro-batches", saved),
+        ("peak RSS", peaks), ("peak RSS less both (temporaries, runtime, heap)", rest))]
+    return ["", "## Tensor-counted memory (MiB; `--profile_memory true`)", "",
+            *table_lines([None, *(s.get("label", n) for n, s in sides.items())], "l" + "r" * len(sides), rows)]
 
 
 def not_worse(report: dict) -> str:
@@ -128,23 +127,23 @@ def not_worse(report: dict) -> str:
 def render_table(reports: list[dict], links: Optional[list[str]] = None) -> str:
     """One row per (stage, device) run: quality of both sides, speed and memory ratios; `links[i]`, the
     path of report i's Markdown relative to the README the table goes into."""
-    lines = ["| stage | device | steps x rows | held-out: ours | held-out: TRL | ours not worse | step s ours / TRL "
-             "| tokens/s ratio | peak RSS ours / TRL GB | source |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     links = links or [""] * len(reports)
     for rep, link in sorted(zip(reports, links), key=lambda r: ("sft", "reward", "dpo").index(r[0]["stage"])):
         ours, trl = rep["sides"].get("ours", {}), rep["sides"].get("trl", {})
         mo, mt = ours.get("summary") or {}, trl.get("summary") or {}
         train = rep["settings"]["train"]
-        lines.append(
-            f"| {rep['stage']} | {rep['device_name']} | {train['max_steps']} x "
-            f"{train['micro_batch_size'] * train['gradient_accumulation_steps']} | {quality(rep, ours)} | "
-            f"{quality(rep, trl)} | {not_worse(rep)} | {_f(mo.get('step_s'), '.2f')} / {_f(mt.get('step_s'), '.2f')} | "
-            f"{_f((rep.get('ratios') or {}).get('tokens_per_s_ratio'), '.2f')}x | "
-            f"{_f(mo.get('peak_rss_bytes'), '.2f', GB)} / {_f(mt.get('peak_rss_bytes'), '.2f', GB)} | "
-            f"{f'[{link}]({link}): ' if link else ''}`{rep['command']}` ({rep['date'][:10]}, "
-            f"{(rep.get('git_revision') or '')[:10]}) |")
-    return "\n".join(lines) + "\n"
+        rows.append([rep["stage"], rep["device_name"],
+                     f"{train['max_steps']} x {train['micro_batch_size'] * train['gradient_accumulation_steps']}",
+                     quality(rep, ours), quality(rep, trl), not_worse(rep),
+                     f"{_f(mo.get('step_s'), '.2f')} / {_f(mt.get('step_s'), '.2f')}",
+                     f"{_f((rep.get('ratios') or {}).get('tokens_per_s_ratio'), '.2f')}x",
+                     f"{_f(mo.get('peak_rss_bytes'), '.2f', GB)} / {_f(mt.get('peak_rss_bytes'), '.2f', GB)}",
+                     f"{f'[{link}]({link}): ' if link else ''}`{rep['command']}` ({rep['date'][:10]}, "
+                     f"{(rep.get('git_revision') or '')[:10]})"])
+    return "\n".join(table_lines(["stage", "device", "steps x rows", "held-out: ours", "held-out: TRL", "ours not worse",
+                                  "step s ours / TRL", "tokens/s ratio", "peak RSS ours / TRL GB", "source"],
+                                 "l" * 10, rows)) + "\n"
 
 
 START, END = "<!-- stages-results -->", "<!-- /stages-results -->"

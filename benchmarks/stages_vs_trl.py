@@ -18,14 +18,16 @@ import shutil
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
+from benchmarks.measure import log_to_stdout
 from benchmarks.row_trace import row_hash  # what the row trace of our side writes
 from foundation.cli import Checked, UsageError, at_least, one_of, parse, run
+from foundation.provenance import library_versions
 from foundation.settings import DataArguments, ModelArguments, TrainArguments
 
 logger = logging.getLogger("benchmarks.stages_vs_trl")
@@ -275,8 +277,7 @@ def default_out_dir(w: StageWorkload, device: torch.device) -> Path:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    log_to_stdout()
     if "--table" in argv:  # --table FILE... [--readme README]: the summary table, printed or put into README
         from benchmarks.stages_report import render_table, update_readme
 
@@ -345,7 +346,7 @@ def run_benchmark(w: StageWorkload, argv: list[str]) -> dict:
     tokens = step_tokens(w, rows)
     command = _command(argv)
     report = {"kind": "stages_vs_trl", "stage": w.stage, "device_kind": device.type, **provenance(device, command),
-              "trl_version": _version("trl"), "settings": w.to_dict(),
+              "trl_version": library_versions(["trl"])["trl"], "settings": w.to_dict(),
               "rows": {"train_rows": len(rows), "rows_per_step": w.rows_per_step,
                        "tokens_per_step_mean": statistics.fmean(tokens), "tokens_per_step": tokens},
               "sides": {}}
@@ -380,15 +381,6 @@ def _command(argv: Sequence[str]) -> str:
     from foundation.provenance import relative_command
 
     return "python -m benchmarks.stages_vs_trl " + relative_command(list(argv))
-
-
-def _version(package: str) -> Optional[str]:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

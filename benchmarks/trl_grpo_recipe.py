@@ -22,6 +22,7 @@ from foundation.files import write_atomic
 from foundation.provenance import PROJECT_ROOT, provenance
 from profiling import components as C
 from profiling.predict import EstimateArguments, estimate, resolve_shape
+from profiling.report import table_lines
 
 CUDA_CONTEXT_GIB = 0.5
 TARGETS_GIB = {"goal": 8.9, "moonshot": 8.0}  # the peak, CUDA context included
@@ -111,12 +112,9 @@ def phase_table(est: dict) -> str:
     """Components down, phases across, GiB; the total includes allocator overhead and the CUDA context."""
     phases = est["phases"]
     names = C.ordered(c for p in phases for c in p["components"])
-    rows = ["| component (GiB) | " + " | ".join(p["phase"] for p in phases) + " |", "|---|" + "---:|" * len(phases)]
-    for name in names:
-        rows.append(f"| {name} | " + " | ".join(C.gib(p["components"][name]) if name in p["components"] else ""
-                                               for p in phases) + " |")
-    rows.append("| **total** | " + " | ".join(f"**{C.gib(p['total'])}**" for p in phases) + " |")
-    return "\n".join(rows)
+    rows = [[name, *(C.gib(p["components"][name]) if name in p["components"] else "" for p in phases)] for name in names]
+    rows.append(["**total**", *(f"**{C.gib(p['total'])}**" for p in phases)])
+    return "\n".join(table_lines(["component (GiB)", *(p["phase"] for p in phases)], "l" + "r" * len(phases), rows))
 
 
 def _settings_line(est: dict) -> str:
@@ -144,15 +142,17 @@ def readme(data: dict) -> str:
              f"allocated) and the CUDA context, in its column as each label's estimate had it (today's: {context}). "
              "GiB = 2^30 bytes. Regenerate with "
              "`python -m benchmarks.trl_grpo_recipe --label LABEL` (each label keeps its own entry in result.json).",
-             "", "## Peaks", "", "| label | recipe | peak phase | peak GiB | CUDA context | without context | goal | "
-             "moonshot |", "|---|---|---|---:|---:|---:|---|---|"]
+             "", "## Peaks", ""]
+    rows = []
     for label, entry in data["runs"].items():
         for name, recipe in entry["recipes"].items():
             s = recipe["summary"]
             met = ["yes" if s["targets_met"][k] else "no" for k in TARGETS_GIB] if name.startswith("trl") else ["", ""]
-            lines.append(f"| {label} | {name} | {s['peak_phase']} | {s['peak_gib']:.3f} | "
-                         f"{s['peak_gib'] - s['peak_without_context_gib']:.3f} | {s['peak_without_context_gib']:.3f} | "
-                         f"{met[0]} | {met[1]} |")
+            rows.append([label, name, s["peak_phase"], f"{s['peak_gib']:.3f}",
+                         f"{s['peak_gib'] - s['peak_without_context_gib']:.3f}", f"{s['peak_without_context_gib']:.3f}",
+                         *met])
+    lines += table_lines(["label", "recipe", "peak phase", "peak GiB", "CUDA context", "without context", "goal",
+                          "moonshot"], "lllrrrll", rows)
     for label, entry in data["runs"].items():
         p = entry["provenance"]
         lines += ["", f"## {label}", "", f"- command: `{p['command']}`", f"- date: {p['date']}",

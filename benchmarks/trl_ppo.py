@@ -16,9 +16,10 @@ from typing import Optional
 
 import torch
 
-from benchmarks.measure import Lap, MemoryProbe, PhaseClock, StepCounter, step_record
+from benchmarks.measure import Lap, PhaseClock, StepCounter, step_record
 from benchmarks.workload import Workload, trl_batch_settings
 from foundation.settings import ModelArguments
+from profiling.device import MemoryProbe
 
 logger = logging.getLogger(__name__)
 

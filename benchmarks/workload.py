@@ -18,6 +18,8 @@ import torch
 
 from foundation.cli import Checked, UsageError, at_least, parse
 from foundation.settings import DataArguments, ModelArguments, PPOArguments, TrainArguments
+from profiling.plan import PLANNABLE
+from trainer.engine.settle import check_batch_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +37,13 @@ def lora_targets(spec: str) -> list[str]:
 
 # Where a benchmark's defaults differ from training's: a short fixed-length workload, a constant
 # learning rate (TRL's PPO loop has no warmup or decay), no LoRA dropout (TRL turns it off), no logs.
+# The work itself is given: the settings a stage's budget planner may choose (PLANNABLE) at their field defaults
+# unless the command sets them, so our side's plan (`benchmarks.ours.as_the_stage_plans`) settles only how it decodes.
+WORK_DEFAULTS = {f.name: f.default for cls in (ModelArguments, TrainArguments, PPOArguments) for f in fields(cls)
+                 if f.name in PLANNABLE}
 BENCH_DEFAULTS = {"max_new_tokens": 16, "learning_rate": 5e-5, "warmup_steps": 0, "min_lr_ratio": 1.0,
                   "lora_dropout": 0.0, "report_to": "none", "progress_bar": False, "eval_prompts": 0,
-                  "check_budget": False}
+                  "check_budget": False, **WORK_DEFAULTS}
 
 
 @dataclass
@@ -144,10 +150,7 @@ class Workload:
         return sides
 
     def check(self) -> None:
-        b, mini, micro = self.ppo.rollout_batch_size, self.ppo.mini_batch_size, self.train.micro_batch_size
-        if b % mini or mini % micro:
-            raise UsageError(f"--rollout_batch_size ({b}) must be a multiple of --mini_batch_size ({mini}), and that "
-                             f"a multiple of --micro_batch_size ({micro})")
+        check_batch_sizes("ppo", self.ppo, self.train.micro_batch_size)
         if self.train.warmup_steps or self.train.min_lr_ratio != 1.0:
             raise UsageError("our side must run a constant learning rate, as TRL's PPO loop does: --warmup_steps 0 "
                              "--min_lr_ratio 1 (--warmup_runs sets the steps left out of the figures)")

@@ -69,9 +69,9 @@ def table_unit(largest: int | float) -> tuple[str, int]:
     return ("GiB", GIB) if largest >= GIB else ("MiB", MIB)
 
 
-def gib(n: int | float | None) -> str:
-    """Bytes as GiB with 3 decimals; '-' for an unknown figure."""
-    return "-" if n is None else f"{n / GIB:.3f}"
+def gib(n: int | float | None, digits: int = 3) -> str:
+    """Bytes as GiB with `digits` decimals; '-' for an unknown figure."""
+    return "-" if n is None else f"{n / GIB:.{digits}f}"
 
 
 def human(n: int | float | None) -> str:

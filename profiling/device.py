@@ -1,4 +1,5 @@
-"""Device-side readings: torch.cuda allocator statistics and the pynvml device total.
+"""Device-side readings: torch.cuda allocator statistics, the pynvml device total, and on CPU the
+process's resident set.
 
 Every reader returns either figures or a one-line reason why there are none; none of them raises
 on a machine without a GPU, and none of them invents a figure.
@@ -6,10 +7,16 @@ on a machine without a GPU, and none of them invents a figure.
 
 from __future__ import annotations
 
+import re
+import resource
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
 def cuda_unavailable_reason(device: Optional[torch.device] = None) -> Optional[str]:
@@ -47,6 +54,80 @@ def read_allocator(device: torch.device) -> AllocatorSample:
         peak_allocated=torch.cuda.max_memory_allocated(device),
         peak_reserved=torch.cuda.max_memory_reserved(device),
     )
+
+
+def _status_kib(field: str) -> Optional[int]:
+    try:
+        match = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def rss_bytes() -> Optional[int]:
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Set the peak resident set (VmHWM) back to the current one (Linux 4.0+); False where not possible."""
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_bytes() -> int:
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def peak_bytes(device: torch.device) -> tuple[int, str]:
+    """(peak bytes, "gpu") from the CUDA allocator, or on CPU (the process's peak resident set, "rss")."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "gpu"
+    return peak_rss_bytes(), "rss"
+
+
+class MemoryProbe:
+    """Peak memory since the last `reset()` on one device: the allocator's on CUDA (reset at each phase
+    boundary), the resident set's on CPU (its peak reset through /proc/self/clear_refs, so two sides run
+    one after the other in one process each get their own peak); a figure the device cannot give is None."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.rss_resettable = reset_peak_rss()
+        self.nvml_max: Optional[int] = None
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            reset_peak_rss()
+
+    def now(self) -> dict[str, Optional[int]]:
+        if self.cuda:
+            return {"allocated_bytes": torch.cuda.memory_allocated(self.device),
+                    "reserved_bytes": torch.cuda.memory_reserved(self.device), "rss_bytes": rss_bytes()}
+        return {"allocated_bytes": None, "reserved_bytes": None, "rss_bytes": rss_bytes()}
+
+    def peak(self) -> dict[str, Optional[int]]:
+        if self.cuda:
+            used = read_nvml(self.device).used
+            if used is not None:
+                self.nvml_max = max(self.nvml_max or 0, used)
+            sample = read_allocator(self.device)
+            return {"peak_allocated_bytes": sample.peak_allocated, "peak_reserved_bytes": sample.peak_reserved,
+                    "peak_rss_bytes": None}
+        return {"peak_allocated_bytes": None, "peak_reserved_bytes": None, "peak_rss_bytes": peak_rss_bytes()}
 
 
 @dataclass

@@ -63,6 +63,11 @@ class Plan:
         lines = [f"budget plan (estimate within {C.gib(self.usable_bytes)} of {C.gib(self.budget_bytes)} GiB):"]
         for name, value in self.settings().items():
             lines.append(f"  {name} {_shown(value)}  ({'planned' if name in self.planned else 'set'})")
+        return "\n".join(lines + self.estimate_table().splitlines()[1:])
+
+    def estimate_table(self) -> str:
+        """The predicted peak per phase, under the budget it was planned within."""
+        lines = [f"budget plan (estimate within {C.gib(self.usable_bytes)} of {C.gib(self.budget_bytes)} GiB):"]
         for phase, total in self.phases:
             mark = "  <- peak" if phase == self.peak_phase else ""
             lines.append(f"  {phase:<15} {C.gib(total):>7} GiB{mark}")
@@ -173,7 +178,7 @@ def rollout_rows(args: EstimateArguments) -> int:
 def offload_conflict(offload: str, decode: str, compile_layers: bool, sharded: Optional[str] = None) -> Optional[str]:
     """Why `offload` (OFFLOADS) cannot run with a run's other settings - the rest of a one-line refusal after its
     flag - or None where it can. `sharded` names the launch that partitions the base (ZeRO-3, FSDP), if any. The
-    one rule for the run's start-up check (`trainer.engine.memory_options`) and the planner (`offloads_allowed`):
+    one rule for the run's start-up check (`trainer.engine.settle`) and the planner (`offloads_allowed`):
     neither offload where the base is partitioned, the embedding only with eager decoding, given or auto (a
     compiled decode step cannot look rows up in host memory; auto then decodes eagerly), the activations not
     through compiled layers (they run no saved-tensor hooks)."""

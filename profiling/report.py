@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 from foundation.cli import InputError, UsageError, argument_parser, run
 from foundation.files import write_atomic
@@ -20,6 +20,16 @@ from profiling.chart import write_chart
 
 JSON_NAME, MD_NAME, PNG_NAME = "memory.json", "memory.md", "memory.png"
 REQUIRED_KEYS = ("device", "device_name", "date", "command", "git_revision", "config", "budget_bytes", "phases")
+
+
+def table_lines(head: Sequence, align: str, rows: Iterable[Sequence] = ()) -> list[str]:
+    """A Markdown table: the header, the alignment line (`align`: a letter a column, "r" right, else left), and
+    a line a row. A cell None is blank ("| |"); "" is an empty cell ("|  |")."""
+    return [table_row(head), "|" + "".join("---:|" if a == "r" else "---|" for a in align), *map(table_row, rows)]
+
+
+def table_row(cells: Sequence) -> str:
+    return "|" + "|".join(" " if c is None else f" {c} " for c in cells) + "|"
 
 
 def _cell(value: Optional[int], size: int) -> str:
@@ -33,15 +43,12 @@ def markdown_table(data: dict) -> str:
     totals = [C.total(p["components"]) for p in phases]
     unit, size = C.table_unit(max(totals, default=0))
     head = [f"component ({unit})"] + [f"{p['stage']}/{p['phase']}" for p in phases]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" + "---:|" * len(phases)]
-    for component in names:
-        cells = [_cell(p["components"][component], size) if component in p["components"] else "" for p in phases]
-        rows.append(f"| {component} | " + " | ".join(cells) + " |")
-    rows.append("| **total** | " + " | ".join(f"**{t / size:.3f}**" for t in totals) + " |")
     budget = data.get("budget_bytes", C.DEFAULT_BUDGET_BYTES)
-    rows.append("| budget | " + " | ".join(f"{budget / size:.3f}" for _ in phases) + " |")
-    rows.append("| fits | " + " | ".join("yes" if t <= budget else "**no**" for t in totals) + " |")
-    return "\n".join(rows)
+    rows = [[component, *(_cell(p["components"][component], size) if component in p["components"] else ""
+                          for p in phases)] for component in names]
+    rows += [["**total**", *(f"**{t / size:.3f}**" for t in totals)], ["budget", *(f"{budget / size:.3f}" for _ in phases)],
+             ["fits", *("yes" if t <= budget else "**no**" for t in totals)]]
+    return "\n".join(table_lines(head, "l" + "r" * len(phases), rows))
 
 
 def markdown(data: dict) -> str:

@@ -55,8 +55,10 @@ def stage_saved(run_dir: Path, args) -> Path:
 
     from trainer.engine.launch import reset_accelerate
     from trainer.engine.setup import save_final_adapter
+    from trainer.model.loading import model_plan
 
-    ctx = SimpleNamespace(accelerator=Accelerator(cpu=True), model_args=args, output_dir=run_dir)
+    ctx = SimpleNamespace(accelerator=Accelerator(cpu=True), model_args=args, output_dir=run_dir,
+                          plan=model_plan(args, torch.device("cpu")))
     adapter = save_final_adapter(ctx, trained_policy(args), "policy")
     reset_accelerate()  # the command under test makes its own Accelerator
     return adapter

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Optional
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("foundation", "trainer", "profiling", "benchmarks")
@@ -209,6 +212,44 @@ def test_docs_code_map_names_real_files_at_most_four_a_flag_and_its_declaration_
         assert files and len(files) <= 4 and all((ROOT / f).is_file() for f in files), row
         flag = re.match(r"\| `--(\w+)", row).group(1)
         assert re.search(rf"^    {flag}: ", (ROOT / files[0]).read_text(), re.MULTILINE), (flag, files[0])
+
+
+# The ten flags of docs/code.md's table, and what names a settings object or a run's plan in trainer/.
+FLAGS = ("cliprange", "num_generations", "init_kl_coef", "adaptive_kl", "advantage", "micro_batch_size",
+         "gradient_checkpointing", "offload_activations", "generation_weights", "decode")
+SETTINGS_OBJECTS = {"args", "model_args", "data_args", "train_args", "targs", "stage_args", "plan", "settings"}
+
+
+def flag_readers(flag: str) -> set[str]:
+    """The modules of trainer/ that read `flag` from a settings object or the plan: `X.flag` or
+    `getattr(X, "flag", ...)` with X (or its last attribute: `ctx.plan`) one of SETTINGS_OBJECTS."""
+    def named(node) -> Optional[str]:
+        return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+    readers = set()
+    for path in sorted((ROOT / "trainer").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            read = isinstance(node, ast.Attribute) and node.attr == flag and named(node.value) in SETTINGS_OBJECTS
+            read = read or (isinstance(node, ast.Call) and named(node.func) == "getattr" and len(node.args) >= 2
+                            and isinstance(node.args[1], ast.Constant) and node.args[1].value == flag
+                            and named(node.args[0]) in SETTINGS_OBJECTS)
+            if read:
+                readers.add(str(path.relative_to(ROOT)))
+    return readers
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+def test_a_flag_is_read_in_at_most_four_modules_and_docs_code_md_names_each(flag):
+    """From a flag to its effect: the modules that read it from the settings or the run's plan, found in the code,
+    are at most four, and docs/code.md's rows for the flag name every one."""
+    import re
+
+    readers = flag_readers(flag)
+    rows = [line for line in (ROOT / "docs" / "code.md").read_text().splitlines()
+            if re.match(rf"\| `--{flag}\b|\| .*`--{flag}`", line)]
+    named = {f for row in rows for f in re.findall(r"`((?:trainer|profiling|foundation)/[\w/]+\.py)`", row)}
+    assert readers and len(readers) <= 4, (flag, sorted(readers))
+    assert readers <= named, (flag, sorted(readers - named))
 
 
 # What changes a container in place: a module-level name used so is state every caller shares.

@@ -44,16 +44,18 @@ def test_our_side_plans_what_the_command_leaves_auto_as_the_stage_does():
     from accelerate.utils import DistributedType
 
     from benchmarks.ours import as_the_stage_plans
+    from profiling.plan import PLANNABLE
 
     cpu = SimpleNamespace(device=torch.device("cpu"), distributed_type=DistributedType.NO, state=SimpleNamespace())
     args = Workload.parse([*TINY, "--auto_fit", "true"])
     assert (args.ppo.decode, args.ppo.generation_weights) == ("auto", "auto")
     planned = as_the_stage_plans("ppo", args, cpu)
-    assert planned.ppo.decode in ("eager", "compiled") and planned.ppo.generation_weights != "auto"
-    assert (planned.micro_batch_size, planned.rollout_micro_batch_size, planned.model.gradient_checkpointing) == (
+    assert planned.decode in ("eager", "compiled") and planned.generation_weights != "auto"
+    assert (planned.micro_batch_size, planned.rollout_micro_batch_size, planned.gradient_checkpointing) == (
         args.micro_batch_size, args.rollout_micro_batch_size, args.model.gradient_checkpointing)
+    assert not planned.planned & set(PLANNABLE)
     unplanned = as_the_stage_plans("ppo", Workload.parse(TINY), cpu)
-    assert unplanned.ppo.decode == "auto"  # auto_fit off: as the stage on the CPU, nothing planned
+    assert unplanned.decode == "eager"  # auto_fit off: as the stage on the CPU, auto decodes eagerly
 
 
 def test_trl_batch_settings_reproduce_our_rollout_minibatch_and_micro_batch_sizes():
@@ -74,13 +76,14 @@ def test_trl_reward_and_value_models_compute_our_reward_and_initial_value_functi
     from benchmarks.ours import build_model
     from benchmarks.trl_ppo import add_value_lora, load_score_model
     from benchmarks.workload import write_heads
-    from trainer.model.loading import load_tokenizer
+    from trainer.model.loading import load_tokenizer, model_plan
 
     args = Workload.parse(["--model_name_or_path", "tiny-llama", "--lora_r", "4", "--lora_alpha", "8"])
     tokenizer = load_tokenizer("tiny-llama")
     device = torch.device("cpu")
     heads = head_weights(64, args.model_seed)
-    ours = build_model(args, len(tokenizer), device, write_heads(heads, tmp_path))  # the benchmark's own loading
+    plan = model_plan(args.model, device)
+    ours = build_model(args, plan, len(tokenizer), device, write_heads(heads, tmp_path))  # the benchmark's own loading
     reward, _ = load_score_model(args.model, len(tokenizer), device, heads["reward"])
     value, _ = load_score_model(args.model, len(tokenizer), device, heads["value"])
     add_value_lora(value, args)
@@ -210,7 +213,7 @@ def test_markdown_lists_each_rounds_ratio_when_there_are_several():
     assert "## Rounds" not in render_markdown(report)
 
 
-def test_decode_times_each_decode_path_on_the_same_rows(tmp_path):
+def test_decode_times_each_decode_path_on_the_same_rows(tmp_path, traced_not_generated):
     """benchmarks.gpu.decode --paths (the speed part's decode, from the dense copy as it decodes, here the tiny preset
     on the CPU): one row per (path, weights, batch), each timing the rollouts' decode loop (compiled_whole: the
     compiled step without decoder-layer regions, beside it) against the bandwidth bound; a compiled first call's time
@@ -276,10 +279,11 @@ def test_isolated_sides_rerun_this_command_for_one_side_once_and_a_failed_child_
     import subprocess
 
     import benchmarks.ppo_vs_trl as bench
+    from benchmarks.processes import without_options
 
     argv = ["--model_name_or_path", "smollm2-135m", "--sides=ours,trl", "--rounds", "2", "--out_dir", "x",
             "--steps", "1"]
-    assert bench.without_options(argv, bench.ISOLATE_OWN) == ["--model_name_or_path", "smollm2-135m", "--steps", "1"]
+    assert without_options(argv, bench.ISOLATE_OWN) == ["--model_name_or_path", "smollm2-135m", "--steps", "1"]
     seen = []
 
     class Died:  # the child process, exiting with status 3 before it writes its record
@@ -291,7 +295,7 @@ def test_isolated_sides_rerun_this_command_for_one_side_once_and_a_failed_child_
             return self.returncode
 
     monkeypatch.setattr(subprocess, "Popen", Died)
-    record = bench.run_side_isolated("trl", argv)
+    record = bench.side_runner(bench.Workload.parse(argv), argv, None, None)("trl")
     command = seen[0]
     assert command[1:3] == ["-m", "benchmarks.ppo_vs_trl"]
     assert command[3:7] == ["--model_name_or_path", "smollm2-135m", "--steps", "1"]

@@ -580,13 +580,13 @@ def test_adaptive_kl_coefficient_moves_alike_on_every_rank(launches):
 
 @pytest.mark.parametrize("kind, config", [("deepspeed", ZERO3), ("fsdp", None)])
 def test_compiled_layers_are_refused_where_the_base_is_sharded(kind, config):
-    from trainer.engine.launch import LaunchError
-    from trainer.engine.memory_options import MemoryOptions
+    from foundation.settings import ModelArguments
+    from trainer.engine.launch import Launch, LaunchError
+    from trainer.engine.settle import check_combinations
 
-    options = MemoryOptions(offload_embeddings=False, offload_activations=False, compile_layers=True)
     with pytest.raises(LaunchError, match="^--compile_layers is not supported under .*drop --compile_layers$"):
-        options.check(fake_accelerator(kind, config))
-    options.check(fake_accelerator("deepspeed", ZERO2_OFFLOAD))  # ZeRO-2: allowed
+        check_combinations(ModelArguments(compile_layers=True), None, Launch.of(fake_accelerator(kind, config)))
+    check_combinations(ModelArguments(compile_layers=True), None, Launch.of(fake_accelerator("deepspeed", ZERO2_OFFLOAD)))
 
 
 def test_decode_auto_is_compiled_on_cuda_and_eager_where_a_captured_step_cannot_run(caplog):
@@ -594,7 +594,8 @@ def test_decode_auto_is_compiled_on_cuda_and_eager_where_a_captured_step_cannot_
     FSDP; a path given is kept. The run says what auto chose, in one line."""
     import logging
 
-    from trainer.engine.memory_options import MemoryOptions
+    from trainer.engine.launch import Launch
+    from trainer.engine.settle import check_combinations, decode_path
 
     def on(kind, config=None, device="cuda"):
         accelerator = fake_accelerator(kind, config)
@@ -602,11 +603,12 @@ def test_decode_auto_is_compiled_on_cuda_and_eager_where_a_captured_step_cannot_
         return accelerator
 
     def path(decode="auto", offload_embeddings=False, accelerator=None):
-        options = MemoryOptions(offload_embeddings, offload_activations=False, compile_layers=False, decode=decode)
-        options.check(accelerator or on("ddp"))
-        return options.decode_path(accelerator or on("ddp"))
+        accelerator = accelerator or on("ddp")
+        check_combinations(ModelArguments(offload_embeddings=offload_embeddings), SimpleNamespace(decode=decode),
+                           Launch.of(accelerator))
+        return decode_path(decode, offload_embeddings, accelerator.device, Launch.of(accelerator))
 
-    with caplog.at_level(logging.INFO, logger="trainer.engine.memory_options"):
+    with caplog.at_level(logging.INFO, logger="trainer.engine.settle"):
         assert path() == "compiled"
     assert "decode auto: compiled (CUDA" in caplog.text
     assert path(accelerator=on("ddp", device="cpu")) == "eager"

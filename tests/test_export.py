@@ -46,7 +46,7 @@ def saved_policy(folder: Path, model_args, seed: int = 0) -> tuple[Path, object]
     """A policy adapter that really changes the model (random LoRA B), saved as a stage saves it."""
     from dataclasses import asdict
 
-    from trainer.model.loading import load_tokenizer, precision_record
+    from trainer.model.loading import load_tokenizer, model_plan
     from trainer.model.shared_base import AdapterSpec, build_shared_model
 
     tok = load_tokenizer(model_args.model_name_or_path)
@@ -57,7 +57,8 @@ def saved_policy(folder: Path, model_args, seed: int = 0) -> tuple[Path, object]
             if "lora_B" in name and ".policy." in name:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
     out = model.save_adapter("policy", folder)
-    trained_on = precision_record(model_args, torch.device("cpu"))
+    plan = model_plan(model_args, torch.device("cpu"))
+    trained_on = {"quantization": plan.quantization, "dtype": plan.dtype}
     (out / "base_model.json").write_text(json.dumps({**asdict(model_args), "trained_on": trained_on}))
     return out, model.eval()
 

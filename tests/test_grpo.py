@@ -123,7 +123,7 @@ def test_grpo_old_logprobs_read_while_sampling_equal_a_policy_scoring_pass(tmp_p
     batch = PromptCollator(tok.pad_token_id)(prompts)
     scorer = make_scorer(ctx.stage_args, tok)
     torch.manual_seed(0)
-    sampled = make_rollout(Generator(model), batch["input_ids"], batch["attention_mask"], ctx.stage_args, scorer,
+    sampled = make_rollout(Generator(model, rows=ctx.plan.rollout_micro_batch_size), batch["input_ids"], batch["attention_mask"], ctx.stage_args, scorer,
                            tok.eos_token_id, tok.pad_token_id, group=ctx.stage_args.num_generations)
     model.eval()
     with torch.no_grad():
@@ -195,6 +195,7 @@ class FixedRolloutUpdate:
         """One update's gradient per minibatch; a forward of `oom_at` rows runs out of memory once."""
         from dataclasses import replace
 
+        from trainer.model.decode import Generator
         from trainer.rl.algorithms.grpo import GRPO
         from trainer.rl.online import rl_step
 
@@ -203,7 +204,7 @@ class FixedRolloutUpdate:
         algorithm = GRPO(args)
         state = algorithm.start(micro_batch, seed=3)
         batch = {"input_ids": self.rollout.input_ids[::5, :6], "attention_mask": self.rollout.attention_mask[::5, :6]}
-        rl_step(self.engine, None, batch, algorithm, state, None, 0, 0)  # the rollout is made up: no decoder
+        rl_step(self.engine, Generator(self.engine.raw), batch, algorithm, state, None, 0, 0)  # the rollout: made up
         assert bool(self.failed) == bool(oom_at)
         assert state.micro_batch_size == (micro_batch // 2 if oom_at else micro_batch)
         return self.grads

@@ -380,12 +380,12 @@ def test_sampling_that_can_learn_but_hardly_is_warned_about_once(caplog):
     for check, args, text in cases:
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            check(args, 2)
+            check(args)
         warnings = warnings_of(caplog)
         assert len(warnings) == 1 and text in warnings[0], warnings
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        ppo_settings(PPOArguments(scripted_reward="length:5"), 2)
+        ppo_settings(PPOArguments(scripted_reward="length:5"))
     assert warnings_of(caplog) == []
 
 

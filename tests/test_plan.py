@@ -95,9 +95,9 @@ def test_auto_fit_is_off_on_cpu_by_default(tmp_path, capfd, fresh_accelerate_sta
 
     ctx = start_run(PPOArguments, ["--config", "tests/configs/tiny_ppo.yaml", "--rollout_micro_batch_size", "auto",
                                    "--output_dir", str(tmp_path)], stage="ppo")
-    assert ctx.stage_args.rollout_micro_batch_size == 8  # auto, unplanned: the field's default
-    assert ctx.stage_args.generation_weights == "auto"  # unplanned: decodes from the weights as they are
-    assert ctx.stage_args.decode == "eager"  # auto, on the CPU
+    assert ctx.plan.rollout_micro_batch_size == 8  # auto, unplanned: the field's default
+    assert ctx.plan.generation_weights == "quantized"  # auto, unplanned: decodes from the weights as they are
+    assert ctx.plan.decode == "eager"  # auto, on the CPU
     assert "budget plan" not in "".join(capfd.readouterr())
 
 
@@ -114,20 +114,20 @@ def test_explicit_flags_survive_planning_and_the_same_flags_left_auto_are_planne
     given = start_run(PPOArguments, [*PLANNING, "--gradient_checkpointing", "true", "--micro_batch_size", "2",
                                      "--output_dir", str(tmp_path / "given")], stage="ppo")
     table = "".join(capfd.readouterr())
-    assert given.model_args.gradient_checkpointing is True and given.train_args.micro_batch_size == 2
+    assert given.plan.gradient_checkpointing is True and given.plan.micro_batch_size == 2
     assert "gradient_checkpointing true  (set)" in table and "micro_batch_size 2  (set)" in table
     # the config's rollout_micro_batch_size 4 is given too
-    assert given.stage_args.rollout_micro_batch_size == 4 and "rollout_micro_batch_size 4  (set)" in table
+    assert given.plan.rollout_micro_batch_size == 4 and "rollout_micro_batch_size 4  (set)" in table
 
     auto = start_run(PPOArguments, [*PLANNING, "--gradient_checkpointing", "auto", "--micro_batch_size=auto",
                                     "--rollout_micro_batch_size", "auto", "--output_dir", str(tmp_path / "auto")],
                      stage="ppo")
     table = "".join(capfd.readouterr())
-    assert auto.model_args.gradient_checkpointing is False and auto.train_args.micro_batch_size == 4
-    assert auto.stage_args.rollout_micro_batch_size == 8
+    assert auto.plan.gradient_checkpointing is False and auto.plan.micro_batch_size == 4
+    assert auto.plan.rollout_micro_batch_size == 8
     assert "gradient_checkpointing false  (planned)" in table and "micro_batch_size 4  (planned)" in table
     saved = json.loads((tmp_path / "auto" / "config.json").read_text())
-    assert saved["train"]["micro_batch_size"] == 4  # the run records what it runs with
+    assert saved["plan"]["micro_batch_size"] == 4  # the run records what it runs with
 
 
 def test_an_explicit_value_that_does_not_fit_stops_the_run_naming_it_and_the_phase(tmp_path, fresh_accelerate_state):
@@ -165,9 +165,9 @@ def test_a_given_value_that_fits_only_the_whole_budget_has_the_auto_fields_plann
 
     ctx = start_run(PPOArguments, [*TIGHT, "--memory_budget_gib", "0.04", "--output_dir", str(tmp_path)], stage="ppo")
     logs = "".join(capfd.readouterr())
-    assert ctx.stage_args.rollout_micro_batch_size == 4 and "rollout_micro_batch_size 4  (planned)" in logs
+    assert ctx.plan.rollout_micro_batch_size == 4 and "rollout_micro_batch_size 4  (planned)" in logs
     assert "memory estimate: peak 0.037 GiB (update) within the 0.040 GiB budget" in logs
-    assert json.loads((tmp_path / "config.json").read_text())["stage"]["rollout_micro_batch_size"] == 4
+    assert json.loads((tmp_path / "config.json").read_text())["plan"]["rollout_micro_batch_size"] == 4
 
 
 def test_where_nothing_fits_the_error_names_the_given_setting_not_a_phase_left_auto(tmp_path, fresh_accelerate_state):
@@ -201,7 +201,7 @@ def test_no_keeping_the_configured_ones_warning_precedes_the_budget_error(tmp_pa
                                    "--output_dir", str(tmp_path / "unchecked")], stage="ppo")
     assert "nothing fits memory_budget_gib=0.035 with the settings given; keeping the configured ones" in \
         "".join(capfd.readouterr())
-    assert (ctx.train_args.micro_batch_size, ctx.stage_args.rollout_micro_batch_size) == (4, 8)  # auto: its default
+    assert (ctx.plan.micro_batch_size, ctx.plan.rollout_micro_batch_size) == (4, 8)  # auto: its default
 
 
 def test_auto_in_a_config_file_leaves_the_field_to_the_planner(tmp_path, capfd, fresh_accelerate_state):
@@ -213,7 +213,7 @@ def test_auto_in_a_config_file_leaves_the_field_to_the_planner(tmp_path, capfd, 
                                                                               "micro_batch_size: auto"))
     ctx = start_run(PPOArguments, ["--config", str(config), *PLANNING[2:], "--output_dir", str(tmp_path / "run")],
                     stage="ppo")
-    assert ctx.train_args.micro_batch_size == 4 and "micro_batch_size 4  (planned)" in "".join(capfd.readouterr())
+    assert ctx.plan.micro_batch_size == 4 and "micro_batch_size 4  (planned)" in "".join(capfd.readouterr())
 
 
 def test_grpo_applies_the_plan_when_asked(tmp_path, capfd, fresh_accelerate_state):
@@ -222,7 +222,7 @@ def test_grpo_applies_the_plan_when_asked(tmp_path, capfd, fresh_accelerate_stat
 
     ctx = start_run(GRPOArguments, ["--config", "tests/configs/tiny_grpo.yaml", "--rollout_micro_batch_size", "auto",
                                     "--output_dir", str(tmp_path / "on"), "--auto_fit", "true"], stage="grpo")
-    assert ctx.stage_args.rollout_micro_batch_size == 16  # 4 prompts x 4 responses in one pass
+    assert ctx.plan.rollout_micro_batch_size == 16  # 4 prompts x 4 responses in one pass
     assert "budget plan" in "".join(capfd.readouterr())
 
 
@@ -404,20 +404,21 @@ def test_the_start_up_check_refuses_exactly_the_offloads_the_planner_never_turns
     import torch
     from accelerate.utils import DistributedType
 
-    from trainer.engine.launch import LaunchError
-    from trainer.engine.memory_options import MemoryOptions
+    from foundation.settings import ModelArguments
+    from trainer.engine.launch import Launch, LaunchError
+    from trainer.engine.settle import check_combinations
 
     seen = set()
     for decode, compiled_layers, fsdp in product(("auto", "eager", "compiled"), (False, True), (False, True)):
         accelerator = SimpleNamespace(distributed_type=DistributedType.FSDP if fsdp else DistributedType.MULTI_GPU,
                                       state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config={})),
                                       device=torch.device("cuda"))
-        planned = MemoryOptions(False, False, compiled_layers, decode).may_offload(accelerator)
-        assert planned == offloads_allowed(decode, compiled_layers, sharded=fsdp)
+        planned = offloads_allowed(decode, compiled_layers, sharded=Launch.of(accelerator).sharded is not None)
         for name in OFFLOADS:
-            options = MemoryOptions(name == "offload_embeddings", name == "offload_activations", compiled_layers, decode)
             try:
-                options.check(accelerator)
+                asked = ModelArguments(offload_embeddings=name == "offload_embeddings",
+                                       offload_activations=name == "offload_activations", compile_layers=compiled_layers)
+                check_combinations(asked, SimpleNamespace(decode=decode), Launch.of(accelerator))
                 refused = False
             except LaunchError as exc:
                 refused = str(exc).startswith(f"--{name} ")

@@ -51,13 +51,13 @@ class PPOSetup:
         self.args, tok = ctx.stage_args, ctx.tokenizer
         self.eos_id, self.pad_id = tok.eos_token_id, tok.pad_token_id
         self.sampling, self.scorer = Sampling.of(self.args), make_scorer(self.args, tok)
-        self.generator = Generator(model, self.args.decode, self.args.generation_weights)  # the run's decoder
+        plan = ctx.plan  # the run's decoder
+        self.generator = Generator(model, plan.decode, plan.generation_weights, rows=plan.rollout_micro_batch_size)
 
     def rows(self, n: int):
-        """The run's settings with generation and scoring `n` rows at a time."""
-        from dataclasses import replace
-
-        return replace(self.args, rollout_micro_batch_size=n)
+        """The run's settings, its generator sampling and scoring `n` rows at a time."""
+        self.generator.rows = n
+        return self.args
 
     def train(self):
         from trainer.ppo import train
@@ -83,7 +83,7 @@ def build_trainer(tmp_path, stage_adapters, *extra) -> tuple[PPOSetup, object]:
     argv = ["--config", str(TINY_PPO), "--output_dir", str(tmp_path / "ppo"), "--sft_adapter", str(sft_dir),
             "--reward_adapter", str(reward_dir), "--scripted_reward", "null", *extra]  # scored by the reward adapter
     ctx = start_run(PPOArguments, argv)
-    check_settings(ctx.stage_args, ctx.train_args.micro_batch_size)
+    check_settings(ctx.stage_args)
     model = build_model(ctx)
     prompts, _ = tokenize_prompts(ctx.splits.ppo, ctx.tokenizer, ctx.data_args)
     held_out, _ = tokenize_prompts(ctx.splits.eval[:4], ctx.tokenizer, ctx.data_args)

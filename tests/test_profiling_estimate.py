@@ -592,12 +592,16 @@ def test_a_cuda_run_s_budget_check_estimates_with_the_context_it_measured(monkey
     monkeypatch.setattr(budget, "warm_up", lambda device: None)
     monkeypatch.setattr(budget, "cuda_context_bytes", lambda device: (int(1.4 * 2**30), None))
     budget.cuda_context_gib.cache_clear()
-    cuda = SimpleNamespace(device=torch.device("cuda", 0), distributed_type="NO")
-    args = budget.estimate_arguments("ppo", ModelArguments(), DataArguments(), TrainArguments(), PPOArguments(), cuda)
+    from foundation.run_plan import RunPlan
+    from trainer.engine.launch import Launch
+
+    settings = (ModelArguments(), DataArguments(), TrainArguments(), PPOArguments())
+    plan, cuda = RunPlan.of(settings[0], settings[2], settings[3]), torch.device("cuda", 0)
+    args = budget.estimate_arguments("ppo", plan, settings, cuda, Launch())
     assert args.cuda_context_gib == pytest.approx(1.4)
     monkeypatch.setattr(budget, "cuda_context_bytes", lambda device: (None, "no NVML here"))
     budget.cuda_context_gib.cache_clear()
-    args = budget.estimate_arguments("ppo", ModelArguments(), DataArguments(), TrainArguments(), PPOArguments(), cuda)
+    args = budget.estimate_arguments("ppo", plan, settings, cuda, Launch())
     assert args.cuda_context_gib == EstimateArguments().cuda_context_gib  # the assumption, said in the log
     budget.cuda_context_gib.cache_clear()
 

@@ -10,7 +10,7 @@ import torch
 
 from foundation.settings import ModelArguments
 from profiling import activations as A, components as C
-from profiling.device import cuda_unavailable_reason, read_nvml
+from profiling.device import MemoryProbe, cuda_unavailable_reason, peak_bytes, read_nvml
 from profiling.predict import EstimateArguments, forward_spec, resolve_shape
 from profiling.recorder import MemoryRecorder
 from profiling.tensors import count_tensors
@@ -260,3 +260,20 @@ def test_metering_saved_tensors_frees_a_graph_that_is_never_run_backward():
     gc.collect()
     assert meter.bytes == 64 * 64 * 4 and metric.item() > 0
     assert alive() is None, "the meter kept a saved output alive through its own grad_fn"
+
+
+def test_the_memory_probe_gives_each_cpu_phase_its_own_resident_peak():
+    """On CPU the peak is the resident set's, reset at each phase boundary: a phase after one that held 256 MiB
+    reads a peak well below it, and the lifetime reader (the trainer's perf/peak_rss_gb) says "rss"."""
+    probe = MemoryProbe(torch.device("cpu"))
+    if not probe.rss_resettable:
+        pytest.skip("this kernel does not let a process reset its peak resident set")
+    probe.reset()
+    held = b"\x01" * (256 << 20)  # written, so every page is resident
+    first = probe.peak()["peak_rss_bytes"]
+    del held
+    probe.reset()
+    second = probe.peak()["peak_rss_bytes"]
+    assert first - second > 200 << 20
+    assert probe.peak()["peak_allocated_bytes"] is None and probe.now()["rss_bytes"] > 0
+    assert peak_bytes(torch.device("cpu"))[1] == "rss"

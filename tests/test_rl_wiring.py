@@ -148,8 +148,8 @@ def full_length_rollout(ctx, model, rows: int = 4):
     args, tok = ctx.stage_args, ctx.tokenizer
     batch = prompt_batch(ctx, rows)
     torch.manual_seed(0)
-    rollout = make_rollout(Generator(model), batch["input_ids"], batch["attention_mask"],
-                           replace(args, rollout_micro_batch_size=rows), make_scorer(args, tok), tok.eos_token_id,
+    rollout = make_rollout(Generator(model, rows=rows), batch["input_ids"], batch["attention_mask"],
+                           args, make_scorer(args, tok), tok.eos_token_id,
                            tok.pad_token_id, value=True)
     assert rollout.response_mask.sum() == rows * args.max_new_tokens
     return rollout
@@ -214,9 +214,10 @@ def test_ppo_step_tracks_its_rollout_buffers_at_their_exact_bytes(tmp_path, fres
     args, tok = replace(ctx.stage_args, rollout_batch_size=4, ppo_epochs=1), ctx.tokenizer
     batch = prompt_batch(ctx, 4)
     algorithm = PPO(args)
-    state = algorithm.start(ctx.train_args.micro_batch_size, 0)
+    state = algorithm.start(ctx.plan.micro_batch_size, 0)
     with watching(engine.recorder.phase):
-        rl_step(engine, Generator(engine.raw), batch, algorithm, state, make_scorer(args, tok), tok.eos_token_id, tok.pad_token_id)
+        rl_step(engine, Generator(engine.raw, rows=args.rollout_micro_batch_size),
+                batch, algorithm, state, make_scorer(args, tok), tok.eos_token_id, tok.pad_token_id)
     rows, prompt, response = 4, batch["input_ids"].shape[1], args.max_new_tokens
     expected = rows * (prompt + response) * 8 + 6 * rows * response * 4
     assert engine.recorder.records[("ppo", "update")].components[C.ROLLOUT_BUFFERS] == expected
@@ -236,7 +237,8 @@ def test_a_grpo_step_reports_its_rollout_buffers_and_saved_activations_as_ppo_do
     algorithm = GRPO(args)
     batch = prompt_batch(ctx, 2)
     with watching(engine.recorder.phase):
-        rl_step(engine, Generator(engine.raw), batch, algorithm, algorithm.start(ctx.train_args.micro_batch_size, 0),
+        rl_step(engine, Generator(engine.raw, rows=args.rollout_micro_batch_size),
+                batch, algorithm, algorithm.start(ctx.plan.micro_batch_size, 0),
                 FixedScores([1.0, 0.0, 2.0, 0.5] * 2), tok.eos_token_id, tok.pad_token_id)
     rows, prompt, response = 2 * args.num_generations, batch["input_ids"].shape[1], args.max_new_tokens
     update = engine.recorder.records[("grpo", "update")]
@@ -291,7 +293,8 @@ def test_ppo_rollout_subtracts_the_missing_eos_penalty_from_responses_without_eo
 
     def sample(eos=tok.eos_token_id):
         torch.manual_seed(0)
-        return make_rollout(Generator(model), batch["input_ids"], batch["attention_mask"], args, FixedScores(scores), eos,
+        return make_rollout(Generator(model, rows=args.rollout_micro_batch_size),
+                            batch["input_ids"], batch["attention_mask"], args, FixedScores(scores), eos,
                             tok.pad_token_id, value=True)
 
     p = batch["input_ids"].shape[1]
@@ -315,9 +318,10 @@ def test_a_ppo_step_at_a_temperature_starts_its_update_at_ratio_one(tmp_path, fr
     args, tok = replace(ctx.stage_args, rollout_batch_size=4, mini_batch_size=4, ppo_epochs=1), ctx.tokenizer
     assert args.temperature == 0.7
     algorithm = PPO(args)
-    state = algorithm.start(ctx.train_args.micro_batch_size, 0)
+    state = algorithm.start(ctx.plan.micro_batch_size, 0)
     torch.manual_seed(0)
-    result = rl_step(engine, Generator(engine.raw), prompt_batch(ctx, 4), algorithm, state, make_scorer(args, tok), tok.eos_token_id,
+    result = rl_step(engine, Generator(engine.raw, rows=args.rollout_micro_batch_size),
+                     prompt_batch(ctx, 4), algorithm, state, make_scorer(args, tok), tok.eos_token_id,
                      tok.pad_token_id)
     assert result.finite and result.stepped
     assert result.metrics["val/ratio"] == pytest.approx(1.0, abs=1e-5)
@@ -351,7 +355,8 @@ def test_ppo_entropy_bonus_is_the_mean_entropy_of_the_response_tokens_only(tmp_p
 
     def sample(eos=tok.eos_token_id):
         torch.manual_seed(0)
-        return make_rollout(Generator(model), batch["input_ids"], batch["attention_mask"], args,
+        return make_rollout(Generator(model, rows=args.rollout_micro_batch_size),
+                            batch["input_ids"], batch["attention_mask"], args,
                             FixedScores([0.5, -1.0, 2.0, 0.25]), eos, tok.pad_token_id, value=True)
 
     p = batch["input_ids"].shape[1]
@@ -397,7 +402,8 @@ def test_grpo_rollout_subtracts_the_missing_eos_penalty_from_responses_without_e
 
     def sample(eos=tok.eos_token_id):
         torch.manual_seed(0)
-        return make_rollout(Generator(model), batch["input_ids"], batch["attention_mask"], ctx.stage_args, FixedScores(scores),
+        return make_rollout(Generator(model, rows=ctx.plan.rollout_micro_batch_size),
+                            batch["input_ids"], batch["attention_mask"], ctx.stage_args, FixedScores(scores),
                             eos, tok.pad_token_id, group=ctx.stage_args.num_generations, nan_unscored=True)
 
     p = batch["input_ids"].shape[1]
@@ -478,10 +484,11 @@ def grpo_one_step(tmp_path, scores, *extra):
     args, tok = ctx.stage_args, ctx.tokenizer
     scorer = FixedScores(scores, reference=args.beta > 0)
     algorithm = GRPO(args)
-    state = algorithm.start(ctx.train_args.micro_batch_size, 0)
+    state = algorithm.start(ctx.plan.micro_batch_size, 0)
     torch.manual_seed(0)
     with watching(engine.recorder.phase):
-        result = rl_step(engine, Generator(engine.raw), prompt_batch(ctx, 2), algorithm, state, scorer, tok.eos_token_id, tok.pad_token_id)
+        result = rl_step(engine, Generator(engine.raw, rows=args.rollout_micro_batch_size),
+                         prompt_batch(ctx, 2), algorithm, state, scorer, tok.eos_token_id, tok.pad_token_id)
     assert result.finite and result.stepped
     assert scorer.seen["response_mask"].sum() == 8 * args.max_new_tokens
     return result.metrics, scorer, model

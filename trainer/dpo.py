@@ -20,9 +20,9 @@ from trainer.data.collators import PairCollator, pair_collator, pairs_in
 from trainer.data.tokenization import PairExample, tokenize_pairs
 from trainer.engine.batches import eval_batches
 from trainer.engine.harness import Harness, StepOutput, supervised_step
-from trainer.engine.setup import finish_stage, require_rows, start_run
+from trainer.engine.setup import finish_stage, start_run
 from trainer.losses import DPO_LOSS_TYPES, dpo_loss, step_mean_share
-from trainer.model.shared_base import build_shared_model, stage_specs
+from trainer.model.shared_base import stage_specs
 
 
 @dataclass
@@ -85,10 +85,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     # DPO learns from preference pairs: the reward model's subset (no reward model is trained).
     train, _ = tokenize_pairs(ctx.splits.reward, tok, data_args)
     held_out, _ = tokenize_pairs(ctx.splits.eval, tok, data_args)
-    require_rows(train, "DPO training pairs", targs.micro_batch_size, data_args)
+    ctx.require_batch(train, "DPO training pairs")
     specs = stage_specs("dpo", {POLICY: args.sft_adapter, REFERENCE: args.sft_adapter})
-    model = build_shared_model(ctx.model_args, specs, vocab_size=len(tok), device=ctx.accelerator.device,
-                               quant_storage=ctx.quant_storage())
+    model = ctx.build_model(specs)
     collate = pair_collator(tok.pad_token_id, targs.share_pair_prompts, model)
 
     def compute_loss(batch: dict[str, torch.Tensor], normaliser: float) -> StepOutput:
@@ -103,7 +102,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         return implicit_reward_accuracy(engine.model, held_out, collate, args, targs.eval_batch_size,
                                         ctx.accelerator, targs.eval_batches, targs.progress_bar)
 
-    harness = Harness(ctx, model, "dpo", [POLICY], train, collate, targs.micro_batch_size, evaluate,
+    harness = Harness(ctx, model, "dpo", [POLICY], train, collate, evaluate,
                       length_window=targs.length_window,
                       log_keys=["train/loss", "train/rewards/accuracies", "train/lr", "train/grad_norm",
                                 "perf/tokens_per_s", "perf/peak_gb"])

@@ -9,10 +9,9 @@ steps, the KL to the reference a k3 loss term (GRPO) or a reward penalty (RLOO).
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
-from foundation.cli import UsageError, run
+from foundation.cli import run
 from foundation.settings import GRPOArguments
 from foundation.stages import POLICY, REFERENCE, REWARD
 from trainer.data.tokenization import tokenize_prompts
@@ -23,15 +22,10 @@ from trainer.rl.online import RLState, build_online_model, train_online
 from trainer.rl.rewards import Scorer
 from trainer.rl.settings import make_scorer, require_scorer, warn_if_learning_unlikely
 
-logger = logging.getLogger(__name__)
 
-
-def check_settings(args: GRPOArguments, micro: int) -> None:
+def check_settings(args: GRPOArguments) -> None:
+    """What GRPO needs besides single fields (its batch sizes: `trainer.engine.settle`): a scorer."""
     require_scorer(args, "GRPO")
-    rows = args.rollout_batch_size * args.num_generations
-    if rows % args.mini_batch_size or args.mini_batch_size % micro:
-        raise UsageError(f"rollout_batch_size x num_generations ({rows}) must be a multiple of --mini_batch_size "
-                         f"({args.mini_batch_size}), and that a multiple of --micro_batch_size ({micro})")
     warn_if_learning_unlikely(args)
 
 
@@ -50,8 +44,6 @@ LOG_KEYS = ["reward", "reward_std", "kl", "clip_ratio", "completions/mean_length
 def train(ctx: RunContext, model, prompts, held_out, scorer: Scorer) -> RLState:
     """Run GRPO or RLOO (`--advantage`) on `model` for train_args.max_steps steps; returns the state it ended in."""
     args = ctx.stage_args
-    logger.info("%s: %d prompts x %d responses = %d rows per step", args.advantage, args.rollout_batch_size,
-                args.num_generations, args.rollout_batch_size * args.num_generations)
     algorithm = RLOO(args) if args.advantage == "rloo" else GRPO(args)
     return train_online(ctx, "grpo", model, algorithm, [POLICY], prompts, held_out, scorer, LOG_KEYS)
 
@@ -59,7 +51,7 @@ def train(ctx: RunContext, model, prompts, held_out, scorer: Scorer) -> RLState:
 def main(argv: Optional[list[str]] = None) -> dict:
     ctx = start_run(GRPOArguments, argv, stage="grpo")
     args = ctx.stage_args
-    check_settings(args, ctx.train_args.micro_batch_size)
+    check_settings(args)
     prompts, _ = tokenize_prompts(ctx.splits.ppo, ctx.tokenizer, ctx.data_args)
     held_out, _ = tokenize_prompts(ctx.splits.eval[: args.eval_prompts], ctx.tokenizer, ctx.data_args)
     require_rows(prompts, "GRPO prompts", args.rollout_batch_size, ctx.data_args)

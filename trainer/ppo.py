@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from foundation.cli import UsageError, run
+from foundation.cli import run
 from foundation.settings import PPOArguments
 from foundation.stages import POLICY, REFERENCE, REWARD, VALUE
 from trainer.data.tokenization import tokenize_prompts
@@ -26,12 +26,9 @@ from trainer.rl.settings import make_scorer, require_scorer, warn_if_learning_un
 logger = logging.getLogger(__name__)
 
 
-def check_settings(args: PPOArguments, micro: int) -> None:
-    """What PPO needs besides single fields: a scorer, and batch sizes that divide each other."""
+def check_settings(args: PPOArguments) -> None:
+    """What PPO needs besides single fields (its batch sizes: `trainer.engine.settle`): a scorer."""
     require_scorer(args, "PPO")
-    if args.rollout_batch_size % args.mini_batch_size or args.mini_batch_size % micro:
-        raise UsageError(f"--rollout_batch_size ({args.rollout_batch_size}) must be a multiple of --mini_batch_size "
-                         f"({args.mini_batch_size}), and that a multiple of --micro_batch_size ({micro})")
     truncating = [f"{k}={v}" for k, v, off in (("top_k", args.top_k, 0), ("top_p", args.top_p, 1.0),
                                                ("min_new_tokens", args.min_new_tokens, 0)) if v != off]
     if truncating:
@@ -68,7 +65,7 @@ def train(ctx: RunContext, model, prompts, held_out, scorer: Scorer) -> RLState:
 def main(argv: Optional[list[str]] = None) -> dict:
     ctx = start_run(PPOArguments, argv, stage="ppo")
     args = ctx.stage_args
-    check_settings(args, ctx.train_args.micro_batch_size)
+    check_settings(args)
     prompts, _ = tokenize_prompts(ctx.splits.ppo, ctx.tokenizer, ctx.data_args)
     held_out, _ = tokenize_prompts(ctx.splits.eval[: args.eval_prompts], ctx.tokenizer, ctx.data_args)
     require_rows(prompts, "PPO prompts", args.rollout_batch_size, ctx.data_args)

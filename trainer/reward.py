@@ -20,9 +20,9 @@ from trainer.data.collators import PairCollator, pair_collator, pairs_in
 from trainer.data.tokenization import PairExample, tokenize_pairs
 from trainer.engine.batches import eval_batches
 from trainer.engine.harness import Harness, StepOutput, supervised_step
-from trainer.engine.setup import finish_stage, require_rows, start_run
+from trainer.engine.setup import finish_stage, start_run
 from trainer.losses import last_token_values, pairwise_ranking_losses, ranking_stats, step_mean_share
-from trainer.model.shared_base import build_shared_model, stage_specs
+from trainer.model.shared_base import stage_specs
 
 
 @dataclass
@@ -68,10 +68,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     tok, data_args, targs = ctx.tokenizer, ctx.data_args, ctx.train_args
     train, _ = tokenize_pairs(ctx.splits.reward, tok, data_args)
     held_out, _ = tokenize_pairs(ctx.splits.eval, tok, data_args)
-    require_rows(train, "reward training pairs", targs.micro_batch_size, data_args)
-    model = build_shared_model(ctx.model_args, stage_specs("reward", {REWARD: ctx.stage_args.sft_adapter}),
-                               vocab_size=len(tok), device=ctx.accelerator.device,
-                               quant_storage=ctx.quant_storage())
+    ctx.require_batch(train, "reward training pairs")
+    model = ctx.build_model(stage_specs("reward", {REWARD: ctx.stage_args.sft_adapter}))
     collate = pair_collator(tok.pad_token_id, targs.share_pair_prompts, model)
 
     def compute_loss(batch: dict[str, torch.Tensor], normaliser: float) -> StepOutput:
@@ -85,7 +83,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         return reward_accuracy(engine.model, held_out, collate, targs.eval_batch_size, ctx.accelerator,
                                max_batches=targs.eval_batches, progress=targs.progress_bar)
 
-    harness = Harness(ctx, model, "reward", [REWARD], train, collate, targs.micro_batch_size, evaluate,
+    harness = Harness(ctx, model, "reward", [REWARD], train, collate, evaluate,
                       length_window=targs.length_window,
                       log_keys=["train/loss", "train/accuracy", "train/lr", "train/grad_norm", "perf/tokens_per_s",
                                 "perf/peak_gb"])

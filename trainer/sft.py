@@ -18,9 +18,9 @@ from trainer.data.collators import SFTCollator
 from trainer.data.tokenization import IGNORE_INDEX, SFTExample, pack_sft, tokenize_sft
 from trainer.engine.batches import eval_batches
 from trainer.engine.harness import Harness, StepOutput, supervised_step
-from trainer.engine.setup import finish_stage, require_rows, start_run
+from trainer.engine.setup import finish_stage, start_run
 from trainer.losses import step_mean_share
-from trainer.model.shared_base import build_shared_model, stage_specs
+from trainer.model.shared_base import stage_specs
 from trainer.run_report import bootstrap_perplexity_interval
 
 
@@ -83,10 +83,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     held_out, _ = tokenize_sft(ctx.splits.eval, tok, data_args)
     if ctx.stage_args.packing:
         train = pack_sft(train, data_args.max_length)
-    require_rows(train, "SFT training set", targs.micro_batch_size, data_args)
-    model = build_shared_model(ctx.model_args, stage_specs("sft", {POLICY: ctx.stage_args.init_adapter}),
-                               vocab_size=len(tok), device=ctx.accelerator.device,
-                               quant_storage=ctx.quant_storage())
+    ctx.require_batch(train, "SFT training set")
+    model = ctx.build_model(stage_specs("sft", {POLICY: ctx.stage_args.init_adapter}))
     collate = SFTCollator(tok.pad_token_id)
 
     def compute_loss(batch: dict[str, torch.Tensor], normaliser: float) -> StepOutput:
@@ -99,7 +97,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         return completion_perplexity(engine.model, held_out, collate, targs.eval_batch_size, ctx.accelerator,
                                      max_batches=targs.eval_batches, progress=targs.progress_bar)
 
-    harness = Harness(ctx, model, "sft", [POLICY], train, collate, targs.micro_batch_size, evaluate,
+    harness = Harness(ctx, model, "sft", [POLICY], train, collate, evaluate,
                       length_window=targs.length_window,
                       log_keys=["train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/peak_gb"])
     harness.train(supervised_step(harness.engine, compute_loss, targs.gradient_accumulation_steps, completion_tokens))

@@ -20,6 +20,7 @@ from typing import Optional
 from foundation.cli import InputError, argument_parser, run
 from foundation.files import write_atomic
 from foundation.provenance import provenance, shown_command
+from profiling.report import table_lines
 
 ACCURACY, FORMAT = "correct", "formatted"  # the check functions of benchmarks/arithmetic/rewards.py
 RUN_FILES = ("config.json", "results.json", "metrics.jsonl")
@@ -109,15 +110,13 @@ def readme(result: dict) -> str:
              "adding or taking away numbers under 10, after one worked example of the format, the answer asked "
              "for on a last line `Answer: N`), answered "
              f"greedily with at most {before['max_new_tokens']} new tokens before and after GRPO; 95% Wilson "
-             "intervals in brackets.", "",
-             "| | before (base model) | after GRPO |", "|---|---|---|"]
-    for label, name in rows:
-        lines.append(f"| {label} | {_figure(before['checks'][name])} | {_figure(after['checks'][name])} |")
-    lines.append(f"| mean response length (tokens) | {_figure(before['mean_length'], 1)} | "
-                 f"{_figure(after['mean_length'], 1)} |")
+             "intervals in brackets.", ""]
+    cells = [[label, _figure(before["checks"][name]), _figure(after["checks"][name])] for label, name in rows]
+    cells.append(["mean response length (tokens)", _figure(before["mean_length"], 1), _figure(after["mean_length"], 1)])
     counts = [answer_counts(ev) for ev in (before, after)]
     if all(counts):
-        lines.append(f"| answers given | {described_counts(counts[0])} | {described_counts(counts[1])} |")
+        cells.append(["answers given", *map(described_counts, counts)])
+    lines += table_lines([None, "before (base model)", "after GRPO"], "lll", cells)
     lines += ["", verdict("Exact-match accuracy", before["checks"][ACCURACY], after["checks"][ACCURACY]),
               verdict("Format compliance", before["checks"][FORMAT], after["checks"][FORMAT])]
     if counts[1] and collapse(counts[1]):
@@ -129,9 +128,9 @@ def readme(result: dict) -> str:
               f"temperature {stage['temperature']}), LoRA r={training['settings']['model']['lora_r']}, learning rate "
               f"{train['learning_rate']}, beta {stage['beta']}; {training['train_seconds'] / 60:.1f} min of steps. "
               f"Rewards: `{stage['reward_fn']}` weighted {stage['reward_weights']}.", "",
-              "| reward function | first step mean | last step mean |", "|---|---|---|"]
-    for key, (first, last) in training["reward_first_last"].items():
-        lines.append(f"| {key.split('/')[1]} | {first:.3f} | {last:.3f} |")
+              *table_lines(["reward function", "first step mean", "last step mean"], "lll", [
+                  [key.split("/")[1], f"{first:.3f}", f"{last:.3f}"]
+                  for key, (first, last) in training["reward_first_last"].items()])]
     lines += ["", "The run report with the training curves: [grpo report](report.md).", "", "## Commands", "",
               "All of it: `bash benchmarks/arithmetic/recipe.sh` (make data, evaluate, GRPO, evaluate, this folder).",
               "", f"- before: `{shown_command(before['provenance'])}`",
@@ -139,9 +138,8 @@ def readme(result: dict) -> str:
               f"- this folder: `{shown_command(result['provenance'])}`", "",
               f"Evaluated {after['provenance']['date']} on {after['provenance']['device_name']}, git revision "
               f"`{after['provenance']['git_revision']}`.", "", "## Samples after GRPO", "",
-              "| answer | response |", "|---|---|"]
-    for s in after.get("samples", [])[:SHOWN]:
-        lines.append(f"| {s.get('answer', '')} | {' '.join(s['response'].replace('|', '/').split())} |")
+              *table_lines(["answer", "response"], "ll", [[s.get("answer", ""), " ".join(
+                  s["response"].replace("|", "/").split())] for s in after.get("samples", [])[:SHOWN]])]
     return "\n".join(lines) + "\n"
 
 

@@ -21,12 +21,13 @@ from typing import Optional
 
 from foundation.cli import InputError, argument_parser, run
 from foundation.files import atomic_folder, check_writable, reported_write_failure, write_atomic
+from profiling.components import gib
+from profiling.report import table_lines, table_row
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 GPU_RESULTS = ROOT / "docs" / "gpu-results.md"
 START, END = "<!-- gpu-results:start -->", "<!-- gpu-results:end -->"
-GIB = 2**30
 MAX_UNPACKED = 256 * 2**20  # bytes an archive may unpack to: the kit's largest part packs a few MiB
 MAX_MEMBERS = 4096  # files and folders an archive may hold: a part packs fewer than a hundred
 
@@ -220,10 +221,6 @@ def _cell(value) -> str:
     return text if len(text) <= 60 else text[:60] + "..."
 
 
-def _gib(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value / GIB:.2f}"
-
-
 def gpu_folders(results: Path, part: str) -> list[Path]:
     found = []
     for folder in sorted(results.glob(f"{part}-*")):
@@ -252,13 +249,12 @@ def memory_rows(folder: Path) -> list[str]:
             name = _cell(phase["phase"])
             if ended and ended.get("phase") == phase["phase"]:  # where a run that stopped on an error stopped
                 name += f" **(stopped here at step {_cell(ended.get('step'))}: {_cell(ended.get('error'))})**"
-            rows.append(f"| {folder.name} | {stage} | {name} | {_gib(cuda.get('peak_allocated'))} | "
-                        f"{_gib(cuda.get('peak_reserved'))} | {_gib(cuda.get('nvml_used'))} | "
-                        f"{_gib(data['budget_bytes'])} |")
+            rows.append([folder.name, stage, name, *(gib(cuda.get(k), 2) for k in ("peak_allocated", "peak_reserved",
+                                                                                  "nvml_used")), gib(data["budget_bytes"], 2)])
         if ended and ended.get("phase") not in {phase["phase"] for phase in data["phases"]}:
-            rows.append(f"| {folder.name} | {stage} | **stopped at step {_cell(ended.get('step'))}, outside the "
-                        f"recorded phases: {_cell(ended.get('error'))}** | - | - | - | {_gib(data['budget_bytes'])} |")
-    return rows
+            rows.append([folder.name, stage, f"**stopped at step {_cell(ended.get('step'))}, outside the recorded "
+                         f"phases: {_cell(ended.get('error'))}**", "-", "-", "-", gib(data["budget_bytes"], 2)])
+    return [table_row(row) for row in rows]
 
 
 def estimate_rows(folder: Path) -> list[str]:
@@ -268,10 +264,10 @@ def estimate_rows(folder: Path) -> list[str]:
         for p in json.loads((run / "vs_estimate.json").read_text())["phases"]:
             ratio = "-" if p["total_ratio"] is None else f"{p['total_ratio']:.2f}"
             alloc = p.get("peak_allocated_ratio")
-            rows.append(f"| {folder.name} | {stage} | {_cell(p['phase'])} | {_gib(p.get('measured_peak_allocated'))} | "
-                        f"{_gib(p.get('predicted_peak_allocated'))} | {'-' if alloc is None else f'{alloc:.2f}'} | "
-                        f"{_gib(p['measured_total'])} | {_gib(p['predicted_total'])} | {ratio} |")
-    return rows
+            rows.append([folder.name, stage, _cell(p["phase"]), gib(p.get("measured_peak_allocated"), 2),
+                         gib(p.get("predicted_peak_allocated"), 2), "-" if alloc is None else f"{alloc:.2f}",
+                         gib(p["measured_total"], 2), gib(p["predicted_total"], 2), ratio])
+    return [table_row(row) for row in rows]
 
 
 def last_metrics(path: Path) -> dict:
@@ -293,23 +289,22 @@ def decode_rows(folder: Path) -> list[str]:
         last = last_metrics(run / "metrics.jsonl")
         if not last or not config_file.is_file():
             continue
-        stage_config = json.loads(config_file.read_text()).get("stage", {})
+        config = json.loads(config_file.read_text())
+        stage_config, plan = config.get("stage", {}), config.get("plan", config.get("stage", {}))
         fraction = last.get("perf/decode_bandwidth_fraction")
-        rows.append(f"| {folder.name} | {stage} | {_cell(stage_config.get('rollout_micro_batch_size'))} | "
-                    f"{_cell(stage_config.get('max_new_tokens'))} | {last['perf/decode_tokens_per_s']:.0f} | "
-                    f"{'-' if fraction is None else f'{fraction:.0%}'} |")
-    return rows
+        rows.append([folder.name, stage, _cell(plan.get("rollout_micro_batch_size")),
+                     _cell(stage_config.get("max_new_tokens")), f"{last['perf/decode_tokens_per_s']:.0f}",
+                     "-" if fraction is None else f"{fraction:.0%}"])
+    return [table_row(row) for row in rows]
 
 
 def decode_path_rows(folder: Path) -> list[str]:
     """The decode benchmark's rows (`benchmarks.gpu.decode`): each path and batch against the bandwidth bound."""
-    rows = []
-    for run in run_folders(folder, "decode.json"):
-        for r in json.loads((run / "decode.json").read_text())["rows"]:
-            rows.append(f"| {folder.name} | {_cell(run.name)} | {_cell(r['path'])} | "
-                        f"{_cell(r.get('weights', 'quantized'))} | {int(r['batch'])} | {r['ms_per_step']:.1f} | "
-                        f"{r['tokens_per_s']:.0f} | {r['bandwidth_fraction']:.1%} | {r['first_call_s']:.1f} |")
-    return rows
+    return [table_row([folder.name, _cell(run.name), _cell(r["path"]), _cell(r.get("weights", "quantized")),
+                       int(r["batch"]),
+             f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:.0f}", f"{r['bandwidth_fraction']:.1%}",
+             f"{r['first_call_s']:.1f}"])
+            for run in run_folders(folder, "decode.json") for r in json.loads((run / "decode.json").read_text())["rows"]]
 
 
 def kernel_rows(folder: Path) -> list[str]:
@@ -324,9 +319,13 @@ def kernel_rows(folder: Path) -> list[str]:
             if p.get("ops_s") is None:
                 continue
             busy = f"{p['ops_s'] / p['wall_s']:.0%}" if p["wall_s"] else "-"
-            rows.append(f"| {folder.name} | {_cell(path.parent.relative_to(folder))} | {_cell(p['phase'])} | "
-                        f"{p['wall_s']:.3f} | {p['ops_s']:.3f} | {busy} | {clock} | {top} |")
-    return rows
+            rows.append([folder.name, _cell(path.parent.relative_to(folder)), _cell(p["phase"]), f"{p['wall_s']:.3f}",
+                         f"{p['ops_s']:.3f}", busy, clock, top])
+    return [table_row(row) for row in rows]
+
+
+def _times(summary: dict) -> list[str]:
+    return ["-" if summary.get(k) is None else f"{summary[k]:.1f}" for k in ("step_s", "rollout_s", "update_s")]
 
 
 def trl_rows(folder: Path) -> list[str]:
@@ -339,13 +338,11 @@ def trl_rows(folder: Path) -> list[str]:
     for name in ("ours", "trl"):
         side = sides.get(name)
         if side is None:
-            rows.append(f"| {folder.name} | {name} | not reached | - | - | - | - |")
+            rows.append([folder.name, name, "not reached", "-", "-", "-", "-"])
             continue
         s = side.get("summary") or {}
-        times = " | ".join("-" if s.get(k) is None else f"{s[k]:.1f}" for k in ("step_s", "rollout_s", "update_s"))
-        rows.append(f"| {folder.name} | {name} | {_cell(side['status'])} | {times} | "
-                    f"{_gib(s.get('peak_reserved_bytes'))} |")
-    return rows
+        rows.append([folder.name, name, _cell(side["status"]), *_times(s), gib(s.get("peak_reserved_bytes"), 2)])
+    return [table_row(row) for row in rows]
 
 
 def grpo_trl_rows(folder: Path) -> list[str]:
@@ -358,23 +355,20 @@ def grpo_trl_rows(folder: Path) -> list[str]:
     rows = []
     for name, side in report.get("sides", {}).items():
         s = side.get("summary") or {}
-        times = " | ".join("-" if s.get(k) is None else f"{s[k]:.1f}" for k in ("step_s", "rollout_s", "update_s"))
-        rows.append(f"| {folder.name} | {_cell(name)} | {_cell(side.get('status'))} | {times} | "
-                    f"{_gib(s.get('peak_allocated_bytes'))} | {_gib(s.get('peak_reserved_bytes'))} | "
-                    f"{_gib(s.get('nvml_used_max_bytes'))} |")
+        rows.append([folder.name, _cell(name), _cell(side.get("status")), *_times(s),
+                     *(gib(s.get(k), 2) for k in ("peak_allocated_bytes", "peak_reserved_bytes", "nvml_used_max_bytes"))])
     found = report.get("ratios") or {}
     keys = ("step_s", "rollout_s", "update_s", "peak_allocated_bytes", "peak_reserved_bytes", "nvml_used_max_bytes")
     for side in ("ours", "ours_4bit"):  # each of ours over TRL's (benchmarks.grpo_vs_trl.ratios' keys)
         ratios = {k: found.get(f"{k}_{side}_over_trl") for k in keys}
         if any(ratios.values()):
-            rows.append(f"| {folder.name} | {side} / TRL | | " + " | ".join(
-                f"{ratios[k]:.2f}x" if ratios[k] else "-" for k in keys) + " |")
-    return rows
+            rows.append([folder.name, f"{side} / TRL", None, *(f"{ratios[k]:.2f}x" if ratios[k] else "-" for k in keys)])
+    return [table_row(row) for row in rows]
 
 
-def _table(caption: str, header: str, separator: str, rows: list[str]) -> list[str]:
+def _table(caption: str, head: list[str], align: str, rows: list[str]) -> list[str]:
     """A captioned table's lines, none when it has no rows."""
-    return ["", caption, "", header, separator, *rows] if rows else []
+    return ["", caption, "", *table_lines(head, align), *rows] if rows else []
 
 
 def readme_section(results: Path) -> str:
@@ -387,38 +381,33 @@ def readme_section(results: Path) -> str:
         return "\n".join(lines)
     lines += ["Measured memory per phase (7B architecture, NF4, under a simulated card of the budget column; a run "
               "that stopped on an error says where):", "",
-              "| result | run | phase | peak allocated GiB | peak reserved GiB | NVML device used GiB | budget GiB |",
-              "|---|---|---|---:|---:|---:|---:|"]
-    for folder in folders:
-        lines += memory_rows(folder)
-    lines += ["", "Measured against the estimator on the same settings (target ratio 0.85-1.15): the peak the "
+              *table_lines(["result", "run", "phase", "peak allocated GiB", "peak reserved GiB", "NVML device used GiB",
+                            "budget GiB"], "lllrrrr"), *(row for folder in folders for row in memory_rows(folder)),
+              "", "Measured against the estimator on the same settings (target ratio 0.85-1.15): the peak the "
               "allocator held for tensors, and the whole phase (device used: the allocator's cache and the CUDA "
               "context too):", "",
-              "| result | run | phase | peak allocated GiB | estimated GiB | ratio | whole phase GiB | "
-              "estimated GiB | ratio |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for folder in folders:
-        lines += estimate_rows(folder)
+              *table_lines(["result", "run", "phase", "peak allocated GiB", "estimated GiB", "ratio", "whole phase GiB",
+                            "estimated GiB", "ratio"], "lll" + "r" * 6),
+              *(row for folder in folders for row in estimate_rows(folder))]
     speed = gpu_folders(results, "speed")
     lines += _table("Rollout decoding (the run's last step; prefill included), against the bandwidth bound:",
-                    "| result | run | rows decoded together | new tokens | tokens/s | of the bound |",
-                    "|---|---|---:|---:|---:|---:|", [row for folder in folders for row in decode_rows(folder)])
+                    ["result", "run", "rows decoded together", "new tokens", "tokens/s", "of the bound"], "llrrrr",
+                    [row for folder in folders for row in decode_rows(folder)])
     lines += _table("Decoding alone (`benchmarks.gpu.decode`: 7B NF4, policy adapter, fixed length), per path and "
                     "batch, against the bandwidth bound; first call (warm-up, compilation) apart:",
-                    "| result | run | path | weights | batch | ms per step | tokens/s | of the bound | first call s |",
-                    "|---|---|---|---|---:|---:|---:|---:|---:|",
-                    [row for folder in speed for row in decode_path_rows(folder)])
+                    ["result", "run", "path", "weights", "batch", "ms per step", "tokens/s", "of the bound",
+                     "first call s"], "llll" + "r" * 5, [row for folder in speed for row in decode_path_rows(folder)])
     lines += _table("Where the time went (`benchmarks.kernels`: one extra step or decode under torch.profiler, which "
                     "slows it; a phase whose device is busy a small share of its wall time is launch-bound):",
-                    "| result | profile | phase | wall s | its ops s | busy | clock | top op (share of busy) |",
-                    "|---|---|---|---:|---:|---:|---|---|", [row for folder in speed for row in kernel_rows(folder)])
+                    ["result", "profile", "phase", "wall s", "its ops s", "busy", "clock", "top op (share of busy)"],
+                    "lllrrrll", [row for folder in speed for row in kernel_rows(folder)])
     lines += _table("One PPO step on the same 7B work, ours against TRL 1.12 (a side the budget cut has no figure):",
-                    "| result | side | status | step s | rollout s | update s | peak reserved GiB |",
-                    "|---|---|---|---:|---:|---:|---:|", [row for folder in folders for row in trl_rows(folder)])
+                    ["result", "side", "status", "step s", "rollout s", "update s", "peak reserved GiB"], "lllrrrr",
+                    [row for folder in folders for row in trl_rows(folder)])
     lines += _table("TRL's QLoRA GRPO recipe, ours against TRL's GRPOTrainer in the same call and cap (each side its "
                     "own process; the measured step after a warm-up):",
-                    "| result | side | status | step s | rollout s | update s | peak allocated GiB | "
-                    "peak reserved GiB | NVML device used GiB |", "|---|---|---|---:|---:|---:|---:|---:|---:|",
+                    ["result", "side", "status", "step s", "rollout s", "update s", "peak allocated GiB",
+                     "peak reserved GiB", "NVML device used GiB"], "lll" + "r" * 6,
                     [row for folder in gpu_folders(results, "grpo_vs_trl") for row in grpo_trl_rows(folder)])
     lines += ["", END]
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from foundation.files import write_atomic
 from foundation.provenance import provenance, relative_command
 from foundation.settings import DECODE_PATHS, ModelArguments
 from profiling.decode import bytes_per_decode_step, copy_bandwidth, sync
+from profiling.report import table_lines
 from trainer.engine.launch import resolve_mixed_precision
 from trainer.engine.phases import phase
 from trainer.model.decode import Generator, Sampling
@@ -220,13 +221,11 @@ def markdown(result: dict) -> str:
                f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in read.items())})"
                for weights, read in result.get("bytes_read_per_decode_step_by_weights",
                                                {"quantized": result["bytes_read_per_decode_step"]}).items()), "",
-             "| path | weights | batch | decoded tokens/s | ms per step | whole generation s (best) | first call s "
-             "| bound tokens/s | fraction of bound |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['path']} | {r.get('weights', 'quantized')} | {r['batch']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['ms_per_step']:.2f} | "
-                     f"{r['generate_s']:.3f} | {r['first_call_s']:.2f} | {r['bound_tokens_per_s']:.0f} "
-                     f"| {r['bandwidth_fraction']:.1%} |")
+             *table_lines(["path", "weights", "batch", "decoded tokens/s", "ms per step", "whole generation s (best)",
+                           "first call s", "bound tokens/s", "fraction of bound"], "ll" + "r" * 7, [
+                 [r["path"], r.get("weights", "quantized"), r["batch"], f"{r['tokens_per_s']:.1f}",
+                  f"{r['ms_per_step']:.2f}", f"{r['generate_s']:.3f}", f"{r['first_call_s']:.2f}",
+                  f"{r['bound_tokens_per_s']:.0f}", f"{r['bandwidth_fraction']:.1%}"] for r in result["rows"]])]
     timed = [r for r in result["rows"] if r.get("first_call_compile_s")]
     if timed:
         lines.append("")

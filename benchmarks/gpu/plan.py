@@ -18,6 +18,7 @@ from typing import Optional
 
 from foundation.cli import argument_parser, run
 from foundation.files import write_atomic
+from profiling.report import table_lines
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -179,22 +180,22 @@ def plan_table() -> str:
              f"Predicted for an H100 from the estimator's shapes: decoding at {DECODE_FRACTION:.0%} of the bandwidth "
              f"bound, other passes at {MFU:.0%} of the bf16 peak, {START_S} s per process start and {BUILD_S} s per "
              f"7B NF4 build (guesses until a GPU manifest replaces them). Each call adds ~{WHEELS_S} s of wheel "
-             f"install and ~{PACK_S} s of packing; the machine's start (1-3 minutes) comes before it.", "",
-             "| call | step | smoke s (CPU) | GPU s predicted | GPU s measured |", "|---|---|---:|---:|---:|"]
+             f"install and ~{PACK_S} s of packing; the machine's start (1-3 minutes) comes before it.", ""]
+    rows = []
     for part in ("first", "memory", "grpo_recipe", "speed", "grpo_vs_trl", "stages", "ladder", "check"):
         guess = predicted(part)
         smoke_steps = (smoke.get(part) or {}).get("steps") or {}
         gpu_steps = (gpu.get(part) or {}).get("steps") or {}
         names = list(guess) or list(smoke_steps) or list(gpu_steps)
-        for name in names:
-            lines.append(f"| `{part}` | {name} | {_step_seconds(smoke_steps.get(name))} | "
-                         f"{_seconds(guess.get(name))} | {_step_seconds(gpu_steps.get(name))} |")
+        rows += [[f"`{part}`", name, _step_seconds(smoke_steps.get(name)), _seconds(guess.get(name)),
+                  _step_seconds(gpu_steps.get(name))] for name in names]
         total = sum(guess.values()) if guess else None
         call = None if total is None else min(total, BUDGET_S[part]) + WHEELS_S + PACK_S
         measured = (gpu.get(part) or {}).get("seconds")
-        lines.append(f"| `{part}` | **the call** (steps within {BUDGET_S[part]} s, wheels, packing) | "
-                     f"{_seconds((smoke.get(part) or {}).get('seconds'))} | {_seconds(call)} | {_seconds(measured)} |")
-    lines += ["", END]
+        rows.append([f"`{part}`", f"**the call** (steps within {BUDGET_S[part]} s, wheels, packing)",
+                     _seconds((smoke.get(part) or {}).get("seconds")), _seconds(call), _seconds(measured)])
+    lines += [*table_lines(["call", "step", "smoke s (CPU)", "GPU s predicted", "GPU s measured"], "llrrr", rows),
+              "", END]
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ from foundation.files import write_atomic
 from foundation.provenance import git_revision
 from profiling import components as C
 from profiling.predict import EstimateArguments, estimate, resolve_shape
-from profiling.report import stopped_where
+from profiling.report import stopped_where, table_lines
 
 TARGET = (0.85, 1.15)
 
@@ -42,7 +42,8 @@ def predicted_for(run_dir: Path) -> tuple[dict, dict, str]:
     config, memory = json.loads(config_file.read_text()), json.loads(memory_file.read_text())
     stage = memory["phases"][0]["stage"] if memory["phases"] else "sft"
     device = "cuda" if str(memory.get("device", "")).startswith("cuda") else "cpu"
-    sections = [SimpleNamespace(**config.get(k, {})) for k in ("model", "data", "train", "stage")]
+    # what the run settled (its plan) over the settings asked for
+    sections = [SimpleNamespace(**config.get(k, {})) for k in ("plan", "model", "data", "train", "stage")]
     start = memory.get("cuda_context_at_start")
     extra = {"cuda_context_gib": start / C.GIB} if device == "cuda" and start else {}
     args = EstimateArguments.of_run(*sections, stage=stage, device=device, **extra)
@@ -92,10 +93,6 @@ def compare(run_dir: Path, revision: Optional[str] = None) -> dict:
     return result
 
 
-def _gib(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value / C.GIB:.3f}"
-
-
 def _r(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}"
 
@@ -110,17 +107,15 @@ def markdown(result: dict) -> str:
              *([f"- the estimate's CUDA context: {result['estimate_cuda_context']}"] if "estimate_cuda_context" in result
                else []),
              *([f"- **{stopped_where(result['ended'])}**"] if result.get("ended") else []),
-             "", "| phase | device memory, measured GiB | estimated GiB | ratio | peak allocated, "
-             "measured / estimated GiB | ratio |", "|---|---:|---:|---:|---:|---:|"]
+             "", *table_lines(["phase", "device memory, measured GiB", "estimated GiB", "ratio",
+                               "peak allocated, measured / estimated GiB", "ratio"], "lrrrrr", [
+                 [p["phase"], C.gib(p["measured_total"]), C.gib(p["predicted_total"]), _r(p["total_ratio"]),
+                  f"{C.gib(p['measured_peak_allocated'])} / {C.gib(p['predicted_peak_allocated'])}",
+                  _r(p["peak_allocated_ratio"])] for p in result["phases"]])]
     for p in result["phases"]:
-        lines.append(f"| {p['phase']} | {_gib(p['measured_total'])} | {_gib(p['predicted_total'])} | "
-                     f"{_r(p['total_ratio'])} | {_gib(p['measured_peak_allocated'])} / "
-                     f"{_gib(p['predicted_peak_allocated'])} | {_r(p['peak_allocated_ratio'])} |")
-    for p in result["phases"]:
-        lines += ["", f"## {p['phase']}", "", "| component | measured GiB | estimated GiB | ratio |",
-                  "|---|---:|---:|---:|"]
-        lines += [f"| {r['component']} | {_gib(r['measured'])} | {_gib(r['predicted'])} | {_r(r['ratio'])} |"
-                  for r in p["components"]]
+        lines += ["", f"## {p['phase']}", "", *table_lines(
+            ["component", "measured GiB", "estimated GiB", "ratio"], "lrrr",
+            [[r["component"], C.gib(r["measured"]), C.gib(r["predicted"]), _r(r["ratio"])] for r in p["components"]])]
     return "\n".join(lines) + "\n"
 
 

@@ -86,14 +86,15 @@ class Engine:
     it); `raw` is the model itself (generation and no-grad scoring go around the wrapper).
     """
 
-    def __init__(self, model, train_args, accelerator, stage: str, loader=None, accumulation_steps: Optional[int] = None):
+    def __init__(self, model, train_args, accelerator, stage: str, loader=None, accumulation_steps: Optional[int] = None,
+                 optimizer: Optional[str] = None):
         from profiling.components import GIB
         from profiling.recorder import MemoryRecorder
 
         self.args, self.accelerator, self.raw = train_args, accelerator, model
         if accumulation_steps is not None and is_deepspeed(accelerator):
             accelerator.gradient_accumulation_steps = accumulation_steps  # the engine fixes it at prepare
-        optimizer = build_loop_optimizer(model.trainable_parameters(), train_args, accelerator)
+        optimizer = build_loop_optimizer(model.trainable_parameters(), train_args, accelerator, optimizer)
         fill_deepspeed_autos(accelerator, model, train_args.max_grad_norm)
         if loader is None:
             self.model, self.optimizer = accelerator.prepare(model, optimizer)
@@ -191,16 +192,17 @@ StepBody = Callable[[int, Iterator[dict]], StepResult]
 class Harness:
     """Runs `engine` for train_args.max_steps optimizer steps around a stage's step body (see the module doc)."""
 
-    def __init__(self, ctx, model, stage: str, adapters: list[str], dataset, collate: Callable, batch_size: int,
+    def __init__(self, ctx, model, stage: str, adapters: list[str], dataset, collate: Callable,
                  evaluate: Callable[["Engine"], dict[str, float]], log_keys: list[str], extra_state: Optional[Stateful] = None,
-                 accumulation_steps: Optional[int] = None, length_window: int = 0):
+                 accumulation_steps: Optional[int] = None, length_window: int = 0, batch_size: Optional[int] = None):
         self.ctx, self.args, self.accelerator = ctx, ctx.train_args, ctx.accelerator
         self.stage, self.adapters, self.evaluate_fn, self.log_keys = stage, adapters, evaluate, log_keys
         self.extra_state = extra_state
         # The window spans every rank's share of a step: N processes with accumulation A group as one with N x A.
         ranks = self.accelerator.num_processes
+        batch_size = batch_size or ctx.plan.micro_batch_size  # a training micro-batch, or an RL step's prompts
         loader, self.sampler = make_loader(dataset, collate, batch_size, self.args.seed, length_window * ranks, ranks)
-        self.engine = Engine(model, self.args, self.accelerator, stage, loader, accumulation_steps)
+        self.engine = Engine(model, self.args, self.accelerator, stage, loader, accumulation_steps, ctx.plan.optimizer)
         self.output_dir = Path(self.args.output_dir)
         self.metrics_log = MetricsLog(self.accelerator, self.output_dir)
         self.state = {"epoch": 0, "batches_in_epoch": 0, "bad_steps_in_row": 0, "bad_steps_total": 0}

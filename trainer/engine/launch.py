@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -79,6 +80,19 @@ def offloads_optimizer(config: Optional[dict]) -> bool:
 def shards_parameters(accelerator) -> bool:
     """ZeRO-3 or FSDP: every parameter, the frozen base included, is split across ranks."""
     return is_fsdp(accelerator) or zero_stage(accelerator) == 3
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What a run's launch means for its memory choices (`trainer.engine.settle`)."""
+
+    sharded: Optional[str] = None  # "FSDP" or "DeepSpeed ZeRO-3" where every parameter is split across ranks
+    optimizer_offload: bool = False  # DeepSpeed keeps the optimizer states in host memory
+
+    @classmethod
+    def of(cls, accelerator) -> "Launch":
+        sharded = ("FSDP" if is_fsdp(accelerator) else "DeepSpeed ZeRO-3") if shards_parameters(accelerator) else None
+        return cls(sharded, offloads_optimizer(deepspeed_config(accelerator)))
 
 
 def accelerator_kwargs() -> dict:
@@ -267,7 +281,7 @@ def describe_engine(model) -> Optional[str]:
 
 def check_launch(accelerator, stage: Optional[str]) -> None:
     """Refuse, at start and in one line, the launch modes a stage cannot run under (the memory options'
-    own rules: `trainer.engine.memory_options`)."""
+    own rules: `trainer.engine.settle`)."""
     if not shards_parameters(accelerator):
         return
     mode = "FSDP" if is_fsdp(accelerator) else "DeepSpeed ZeRO-3"

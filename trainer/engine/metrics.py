@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from profiling.device import peak_bytes
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -106,9 +107,8 @@ def unusable_weights(peak: float) -> Optional[str]:
 
 def peak_memory_gb(device: torch.device) -> tuple[float, str]:
     """Peak device memory in GB (CUDA allocator) or, on CPU, the process's peak resident set."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9, "gpu"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9, "rss"
+    peak, kind = peak_bytes(device)
+    return peak / 1e9, kind
 
 
 def format_line(metrics: dict[str, float], keys: list[str]) -> str:

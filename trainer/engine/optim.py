@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from typing import Optional
 
 import torch
 
@@ -83,8 +84,8 @@ DEEPSPEED_ADAMW = {"type": "AdamW",
                    "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.999], "eps": 1e-8}}
 
 
-def build_loop_optimizer(params: list[torch.nn.Parameter], args, accelerator):
-    """The optimizer to hand `accelerator.prepare`, per launch mode.
+def build_loop_optimizer(params: list[torch.nn.Parameter], args, accelerator, name: Optional[str] = None):
+    """The optimizer to hand `accelerator.prepare`, per launch mode: `name` (a run's plan's), else `args.optimizer`.
 
     Under DeepSpeed with optimizer offload (or an "optimizer" section in its config) it is a
     placeholder (DummyOptim) from which the engine builds its own optimizer; elsewhere it is ours.
@@ -93,7 +94,7 @@ def build_loop_optimizer(params: list[torch.nn.Parameter], args, accelerator):
     ds_config = deepspeed_config(accelerator)
     if ds_config is not None and (offloads_optimizer(ds_config) or "optimizer" in ds_config):
         return deepspeed_optimizer(params, args, ds_config, accelerator.is_main_process)
-    return build_optimizer(params, args.optimizer, args.learning_rate, args.weight_decay, accelerator.device,
+    return build_optimizer(params, name or args.optimizer, args.learning_rate, args.weight_decay, accelerator.device,
                            fused=ds_config is None)
 
 

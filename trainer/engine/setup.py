@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -20,25 +20,27 @@ from accelerate.utils import set_seed
 from foundation.cli import FieldError, InputError, UsageError
 from foundation.files import entry_problem, reported_write_failure, write_atomic
 from foundation.reward_specs import split_specs
+from foundation.run_plan import RunPlan
 from foundation.settings import ONLINE_RL_STAGES, DataArguments, ModelArguments, TrainArguments
 from trainer.config import parse_config
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import LoadReport, Splits, load_splits
-from trainer.engine.budget import check_budget, context_at_start, fit_to_budget, outside_allocator_gib
+from trainer.engine.budget import context_at_start, outside_allocator_gib
 from trainer.engine.checkpoint import (
     PREFIX, RUN_ARTIFACTS, gathered_trainable, remove_save_debris, saved_config,
     select_checkpoint, set_aside_newer, set_aside_previous_run,
 )
 from trainer.engine.harness import TrainingDiverged
 from trainer.engine.launch import (
-    ALLOC_CONF, check_launch, is_deepspeed, make_accelerator, quant_storage_for, set_allocator_defaults, setup_logging,
+    ALLOC_CONF, Launch, check_launch, is_deepspeed, make_accelerator, quant_storage_for, set_allocator_defaults,
+    setup_logging,
 )
-from trainer.engine.memory_options import MemoryOptions
+from trainer.engine.settle import check_combinations, settle
 from trainer.engine.metrics import eval_history, largest_weight, unusable_weights
 from trainer.engine.run_lock import LOCK_FILE, RunLock, RunLocked, planted
 from trainer.model.adapter_fit import BASE_MODEL_FILE, base_identity, saved_base
-from trainer.model.loading import load_tokenizer, max_positions, precision_record, resolve_precision
-from trainer.model.shared_base import check_adapter_folder
+from trainer.model.loading import TORCH_DTYPES, load_tokenizer, max_positions
+from trainer.model.shared_base import build_shared_model, check_adapter_folder
 from trainer.rl.rewards import source_hashes
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class RunContext:
     accelerator: Any
     tokenizer: Any
     splits: Splits
+    plan: RunPlan  # every memory and speed choice, settled at start (`trainer.engine.settle`)
     resolved: dict[str, Any] = field(default_factory=dict)  # what "auto" settings became (the data source)
     resume_from: Optional[Path] = None  # the verified checkpoint this run continues, if any
     lock: Optional[RunLock] = None  # rank 0's lock on output_dir, released by finish_stage
@@ -63,19 +66,31 @@ class RunContext:
     def output_dir(self) -> Path:
         return Path(self.train_args.output_dir)
 
-    def quant_storage(self, model_args: Optional[ModelArguments] = None) -> torch.dtype:
+    def quant_storage(self) -> torch.dtype:
         """The storage dtype of the 4-bit base's packed weights under this launch (see quant_storage_for)."""
-        model_args = model_args or self.model_args
-        return quant_storage_for(resolve_precision(model_args, self.accelerator.device)[1], self.accelerator)
+        return quant_storage_for(TORCH_DTYPES[self.plan.dtype], self.accelerator)
+
+    def require_batch(self, rows: Sequence, what: str) -> None:
+        """Stop before any model loads when tokenization left fewer training rows than one micro-batch."""
+        require_rows(rows, what, self.plan.micro_batch_size, self.data_args)
+
+    def build_model(self, specs: list):
+        """The stage's adapters `specs` on one base (`trainer.model.shared_base`), built as the plan says."""
+        return build_shared_model(self.model_args, specs, vocab_size=len(self.tokenizer), device=self.accelerator.device,
+                                  quant_storage=self.quant_storage(), plan=self.plan)
 
     def config(self) -> dict[str, Any]:
         """The run's settings as plain JSON data: config.json, and every checkpoint's copy of it."""
-        return run_config(self.model_args, self.data_args, self.train_args, self.stage_args, self.resolved)
+        return run_config(self.model_args, self.data_args, self.train_args, self.stage_args, self.resolved, self.plan)
 
 
-def run_config(model_args, data_args, train_args, stage_args, resolved: dict[str, Any]) -> dict[str, Any]:
+def run_config(model_args, data_args, train_args, stage_args, resolved: dict[str, Any],
+               plan: Optional[RunPlan] = None) -> dict[str, Any]:
+    """The settings as asked (model, data, train, stage), what the run settled them to (plan) and the facts
+    it resolved (resolved) as plain JSON data."""
     sections = {"model": model_args, "data": data_args, "train": train_args, "stage": stage_args}
-    return json.loads(json.dumps({**{k: asdict(v) for k, v in sections.items()}, "resolved": resolved}))
+    record = {**{k: asdict(v) for k, v in sections.items()}, "resolved": resolved}
+    return json.loads(json.dumps(record | ({"plan": plan.record()} if plan else {})))
 
 
 ADAPTER_STAGES = {"sft_adapter": "sft", "reward_adapter": "reward"}  # the stage that makes each adapter setting's
@@ -197,7 +212,7 @@ COSMETIC_FIELDS = {
 RESUME_SAFE_FIELDS = {"train": COSMETIC_FIELDS["train"] | {"max_steps", "eval_every", "eval_batches",
                                                            "eval_batch_size", "save_every"},
                       # how rollouts decode: speed, not what is sampled (the same distribution and log-probs)
-                      "stage": {"decode", "generation_weights"},
+                      "stage": {"decode", "generation_weights"}, "plan": {"decode", "generation_weights"},
                       "resolved": {"reward_files"}}  # an edited reward file is said (warn_edited_rewards), not refused
 
 
@@ -295,7 +310,8 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
         logger.info("%s=%s: the CUDA allocator grows segments in place (set %s to choose otherwise)", ALLOC_CONF,
                     allocator, ALLOC_CONF)
     check_launch(accelerator, stage)
-    MemoryOptions.of(model_args, stage_args).check(accelerator)
+    launch = Launch.of(accelerator)
+    check_combinations(model_args, stage_args, launch)  # before the folders: nothing written yet
     check_output_dir(Path(train_args.output_dir))
     check_run_entries(Path(train_args.output_dir))
     lock = lock_output_dir(accelerator, Path(train_args.output_dir))
@@ -306,15 +322,10 @@ def start_run(stage_args_cls: type, argv: Optional[Sequence[str]] = None, stage:
     tokenizer = load_tokenizer(model_args.model_name_or_path, model_args.preset_overrides,
                                model_args.tokenizer_name_or_path, model_args.trust_remote_code)
     check_positions(stage, model_args, data_args, stage_args, len(tokenizer))
-    if stage in ONLINE_RL_STAGES:
-        model_args, train_args, stage_args = fit_to_budget(stage, model_args, data_args, train_args, stage_args,
-                                                           accelerator)
-        stage_args = replace(stage_args, decode=MemoryOptions.of(model_args, stage_args).decode_path(accelerator))
-    if stage is not None and train_args.check_budget:
-        check_budget(stage, model_args, data_args, train_args, stage_args, accelerator)
+    plan = settle(stage, (model_args, data_args, train_args, stage_args), accelerator.device, launch)
     splits, report = load_splits(data_args, parser_for(data_args, tokenizer))
-    check_split(stage, splits, report, data_args, train_args, stage_args)
-    ctx = RunContext(model_args, data_args, train_args, stage_args, accelerator, tokenizer, splits,
+    check_split(stage, splits, report, data_args, plan, stage_args)
+    ctx = RunContext(model_args, data_args, train_args, stage_args, accelerator, tokenizer, splits, plan,
                      resolved={"dataset_fingerprint": report.fingerprint, **reward_sources(stage_args)}, lock=lock)
     prepare_output_dir(ctx)
     return ctx
@@ -324,14 +335,14 @@ STAGE_SUBSETS = {"sft": "sft", "reward": "reward", "dpo": "reward", "ppo": "ppo"
 
 
 def check_split(stage: Optional[str], splits: Splits, report: LoadReport, data_args: DataArguments,
-                train_args: TrainArguments, stage_args) -> None:
+                plan: RunPlan, stage_args) -> None:
     """Stop at start when the data held enough usable pairs but the prompt-disjoint split left the stage's
     subset short of one batch (few distinct prompts: eval takes whole prompts, ppo one pair a prompt), so the
     message names the prompts rather than skipped rows (`require_rows` says those)."""
     subset = STAGE_SUBSETS.get(stage or "")
     if subset is None:
         return
-    needed = stage_args.rollout_batch_size if subset == "ppo" else train_args.micro_batch_size
+    needed = stage_args.rollout_batch_size if subset == "ppo" else plan.micro_batch_size
     rows = getattr(splits, subset)
     requested = getattr(data_args, f"{subset}_size")
     if len(rows) >= needed or requested < needed or report.kept < len(splits.eval) + needed:
@@ -358,7 +369,7 @@ def save_final_adapter(ctx: RunContext, model, adapter: str, folder: str = "adap
         if not ctx.accelerator.is_main_process:
             return None
         out = unwrapped.save_adapter(adapter, ctx.output_dir / folder)
-    trained_on = precision_record(ctx.model_args, ctx.accelerator.device)  # what trainer.export rebuilds
+    trained_on = {"quantization": ctx.plan.quantization, "dtype": ctx.plan.dtype}  # what trainer.export rebuilds
     record = {**asdict(ctx.model_args), "trained_on": trained_on, **base_identity(unwrapped.causal_lm)}
     write_atomic(out / BASE_MODEL_FILE, json.dumps(record, indent=2))
     logger.info("saved the %s adapter to %s", adapter, out)

@@ -335,15 +335,19 @@ class Generator:
     weights a step multiplies (`generation_weights`), and all a decode keeps between calls - the compiled step
     and its static KV caches, the dense copies and LoRA compute copies (`DecodeWeights`) - held here, none of
     it in module state or on the model. A memory recorder passed in counts what it holds (`held`,
-    `swapped_out`) in every phase. Rollouts, evaluation, `trainer.compare` and the decode benchmark call it."""
+    `swapped_out`) in every phase. `rows`: how many rows a rollout samples and scores together (a run's
+    rollout_micro_batch_size; None: all at once). Rollouts, evaluation, `trainer.compare` and the decode benchmark
+    call it."""
 
-    def __init__(self, model, decode: str = "eager", generation_weights: str = "quantized", recorder=None):
+    def __init__(self, model, decode: str = "eager", generation_weights: str = "quantized", recorder=None,
+                 rows: Optional[int] = None):
         causal_lm = model.causal_lm
         device = causal_lm.get_output_embeddings().weight.device  # where the steps run
         on_host = causal_lm.get_input_embeddings().weight.device != device  # --offload_embeddings
         self.model, self.decode = model, check_path(decode, device.type, on_host)
         self.weights = DecodeWeights(model.causal_lm, generation_weights)
         self.compiled: Optional[CompiledStep] = None
+        self.rows = rows
         if recorder is not None:
             recorder.track(holder=self)
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from foundation.cli import InputError, UsageError
 from foundation.files import atomic_folder
+from foundation.run_plan import RunPlan
 from foundation.settings import ModelArguments
 from profiling import resolve
 from profiling.shapes import PRESETS, preset_config
@@ -227,10 +228,11 @@ def resolve_precision(args: ModelArguments, device: torch.device) -> tuple[bool,
     return four_bit, TORCH_DTYPES[dtype]
 
 
-def precision_record(args: ModelArguments, device: torch.device) -> dict[str, str]:
-    """How the base computes on `device` ({quantization: nf4|none, dtype}), as saved beside an adapter."""
+def model_plan(args: ModelArguments, device: torch.device) -> RunPlan:
+    """The plan of a base built outside a run (export, evaluation, code): its settings as given, quantization and
+    dtype auto settled on `device` (a run's plan comes from `trainer.engine.settle`)."""
     four_bit, dtype = resolve_precision(args, device)
-    return {"quantization": "nf4" if four_bit else "none", "dtype": str(dtype).removeprefix("torch.")}
+    return RunPlan.of(args, quantization="nf4" if four_bit else "none", dtype=str(dtype).removeprefix("torch."))
 
 
 ATTENTION_CHOICES = ("auto", "flash_attention_2", "sdpa", "eager")
@@ -390,8 +392,10 @@ def _inputs_require_grad(module, args, output):
 
 
 def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, device: Optional[torch.device] = None,
-                    quant_storage: torch.dtype = torch.uint8, checkpointing: Optional[bool] = None):
-    """Load the frozen base model (weights requires_grad=False) on `device`, per `args`.
+                    quant_storage: torch.dtype = torch.uint8, checkpointing: Optional[bool] = None,
+                    plan: Optional[RunPlan] = None):
+    """Load the frozen base model (weights requires_grad=False) on `device`, per `args` as `plan` settled them
+    (quantization, dtype, checkpointing, the embedding's offload; by default `model_plan`).
 
     `quant_storage` is the dtype packed 4-bit weights are stored in: the compute dtype where ZeRO-3 or
     FSDP shard them (the engine says so: RunContext.quant_storage), else uint8.
@@ -400,7 +404,8 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
     from transformers import AutoModelForCausalLM
 
     device = device or pick_device()
-    four_bit, dtype = resolve_precision(args, device)
+    plan = plan or model_plan(args, device)
+    four_bit, dtype = plan.quantization == "nf4", TORCH_DTYPES[plan.dtype]
     name = args.model_name_or_path
     path = resolve_model_path(name)
     config = base_config(args, vocab_size)
@@ -423,14 +428,14 @@ def load_base_model(args: ModelArguments, vocab_size: Optional[int] = None, devi
             model.to(device)
     if four_bit and device.type == "cpu":
         keep_cpu_nf4_layout_(model)
-    if args.offload_embeddings:
+    if plan.offload_embeddings:
         offload_input_embeddings_(model, device)
     if device.type == "cuda":  # the load's transient blocks (weights before NF4) back to the device, not
         torch.cuda.empty_cache()  # left reserved for the whole run, where the card's budget counts them
     model.requires_grad_(False)
-    if args.gradient_checkpointing if checkpointing is None else checkpointing:
+    if plan.gradient_checkpointing if checkpointing is None else checkpointing:
         enable_checkpointing(model)
     logger.info("base %s: %s, dtype %s, attention %s, gradient checkpointing %s, device %s",
-                name, "4-bit NF4 (double quant)" if four_bit else "full precision", str(dtype).removeprefix("torch."),
-                attn, "on" if args.gradient_checkpointing else "off", device)
+                name, "4-bit NF4 (double quant)" if four_bit else "full precision", plan.dtype,
+                attn, "on" if plan.gradient_checkpointing else "off", device)
     return model

@@ -22,6 +22,7 @@ from torch import nn
 
 from foundation.cli import InputError
 from foundation.files import atomic_folder
+from foundation.run_plan import RunPlan
 from foundation.settings import ModelArguments
 from foundation.stages import stage_adapters
 from trainer.model.adapter_fit import HEAD_FILE, PICKLED_WEIGHTS_FILE, WEIGHTS_FILE, check_adapter_fits
@@ -445,22 +446,25 @@ def _set_dropout(peft_model, adapter: str, rate: float) -> None:
 
 
 def build_shared_model(args: ModelArguments, specs: list[AdapterSpec], vocab_size: Optional[int] = None,
-                       device: Optional[torch.device] = None,
-                       quant_storage: torch.dtype = torch.uint8) -> SharedBaseModel:
-    """Load the base per `args` and put the adapters of `specs` on it (`quant_storage`: see load_base_model)."""
+                       device: Optional[torch.device] = None, quant_storage: torch.dtype = torch.uint8,
+                       plan: Optional[RunPlan] = None) -> SharedBaseModel:
+    """Load the base per `args` as `plan` settled them (a run's `RunPlan`; by default `model_plan`) and put the
+    adapters of `specs` on it (`quant_storage`: see load_base_model)."""
     from trainer.model.compiled import compile_layers
-    from trainer.model.loading import enable_checkpointing, load_base_model
+    from trainer.model.loading import enable_checkpointing, load_base_model, model_plan, pick_device
 
     check_specs(specs)  # a wrong adapter folder stops here, before the base model loads
+    device = device or pick_device()
+    plan = plan or model_plan(args, device)
     base = load_base_model(args, vocab_size=vocab_size, device=device, quant_storage=quant_storage,
-                           checkpointing=False)
+                           checkpointing=False, plan=plan)
     torch.manual_seed(args.model_seed)
     model = SharedBaseModel.from_specs(base, args, specs)
-    if args.gradient_checkpointing:
+    if plan.gradient_checkpointing:
         enable_checkpointing(base, context_fn=model.checkpoint_contexts)
-    if args.compile_layers:
+    if plan.compile_layers:
         model.compiled_parts = compile_layers(base)
-    if args.offload_activations:
+    if plan.offload_activations:
         if next(base.parameters()).device.type == "cuda":
             model.saved_to_host = SavedToHost(model.parameters())
         else:

@@ -132,7 +132,7 @@ def rl_step(engine: Engine, generator: Generator, batch: dict[str, torch.Tensor]
 
     algorithm.after_update(metrics, state, acc)
     metrics.update(stats)
-    metrics.update(decode_metrics(raw, rollout, args.rollout_micro_batch_size, state, args.generation_weights))
+    metrics.update(decode_metrics(raw, rollout, generator.rows or rollout.rows, state, generator.weights.choice))
     metrics.update({"lr": lr, "perf/rollout_s": rollout_s, "perf/update_s": update_s,
                     "perf/generate_tokens_per_s": rollout.response_mask.sum().item() / max(rollout_s, 1e-9),
                     "perf/update_tokens_per_s": rollout.attention_mask.sum().item() * algorithm.epochs
@@ -178,15 +178,18 @@ def build_online_model(ctx, stage: str, sources: dict[str, Optional[str]], witho
                     dropout)
         model_args = replace(model_args, lora_dropout=dropout)
     return build_shared_model(model_args, stage_specs(stage, sources, without=without), vocab_size=len(ctx.tokenizer),
-                              device=ctx.accelerator.device, quant_storage=ctx.quant_storage(model_args))
+                              device=ctx.accelerator.device, quant_storage=ctx.quant_storage(), plan=ctx.plan)
 
 
 def train_online(ctx, stage: str, model, algorithm: Algorithm, adapters: list[str], prompts, held_out,
                  scorer: Scorer, log_keys: list[str]) -> RLState:
     """Stage `stage`: train `adapters` of `model` with `algorithm` for train_args.max_steps steps, evaluating
     the policy against the reference on `held_out` prompts; returns the state the run ended in."""
-    args, targs, tok = ctx.stage_args, ctx.train_args, ctx.tokenizer
-    state = algorithm.start(targs.micro_batch_size, targs.seed)
+    args, targs, plan, tok = ctx.stage_args, ctx.train_args, ctx.plan, ctx.tokenizer
+    state = algorithm.start(plan.micro_batch_size, targs.seed)
+    if algorithm.group > 1:
+        logger.info("%s: %d prompts x %d responses = %d rows per step", algorithm.name, args.rollout_batch_size,
+                    algorithm.group, args.rollout_batch_size * algorithm.group)
 
     def evaluate(engine: Engine) -> dict[str, float]:
         if REFERENCE not in model.adapter_names:  # GRPO with beta 0: no reference to compare with
@@ -194,11 +197,12 @@ def train_online(ctx, stage: str, model, algorithm: Algorithm, adapters: list[st
         return policy_vs_reference(generator, held_out, args, scorer, tok.eos_token_id, tok.pad_token_id,
                                    ctx.accelerator, progress=targs.progress_bar) or {}
 
-    harness = Harness(ctx, model, stage, adapters, prompts, PromptCollator(tok.pad_token_id),
-                      args.rollout_batch_size, evaluate, extra_state=state,
-                      accumulation_steps=args.mini_batch_size // targs.micro_batch_size, log_keys=log_keys)
+    harness = Harness(ctx, model, stage, adapters, prompts, PromptCollator(tok.pad_token_id), evaluate,
+                      batch_size=args.rollout_batch_size, extra_state=state,
+                      accumulation_steps=args.mini_batch_size // plan.micro_batch_size, log_keys=log_keys)
     # the run's one decoder, for its rollouts and evaluations; its memory record counts what it holds
-    generator = Generator(harness.engine.raw, args.decode, args.generation_weights, recorder=harness.engine.recorder)
+    generator = Generator(harness.engine.raw, plan.decode, plan.generation_weights, recorder=harness.engine.recorder,
+                          rows=plan.rollout_micro_batch_size)
 
     def step(step_number: int, batches) -> StepResult:
         scorer.trainer_state = TrainerState.before_step(step_number, targs.max_steps, args.rollout_batch_size,
@@ -206,7 +210,7 @@ def train_online(ctx, stage: str, model, algorithm: Algorithm, adapters: list[st
         return rl_step(harness.engine, generator, next(batches), algorithm, state, scorer, tok.eos_token_id, tok.pad_token_id)
 
     harness.train(step)
-    if state.micro_batch_size != targs.micro_batch_size:
+    if state.micro_batch_size != plan.micro_batch_size:
         logger.warning("the update settled on micro-batch %d (asked for %d) after running out of memory",
-                       state.micro_batch_size, targs.micro_batch_size)
+                       state.micro_batch_size, plan.micro_batch_size)
     return state

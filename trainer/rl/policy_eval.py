@@ -94,12 +94,12 @@ def sample_policies(generator: Generator, prompts: Sequence[PromptExample], poli
 def policy_vs_reference(generator: Generator, prompts: Sequence[PromptExample], args, scorer: Scorer, eos_id: int, pad_id: int,
                         accelerator, reference: str = REFERENCE, progress: bool = True) -> Optional[dict[str, float]]:
     """PPO's and GRPO's evaluation figures, `policy` against `reference` with the run's rollout settings
-    (`args`: sampling, rows per pass, `eval_seed`): both policies' scores, the policy's win rate and KL,
+    (`args`: sampling, `eval_seed`; `generator.rows` rows a pass): both policies' scores, the policy's win rate and KL,
     response lengths."""
     if not prompts:
         return None
     samples = sample_policies(generator, prompts, [POLICY, reference], reference, scorer, Sampling.of(args), eos_id,
-                              pad_id, args.rollout_micro_batch_size, args.eval_seed, accelerator, progress=progress)
+                              pad_id, generator.rows or len(prompts), args.eval_seed, accelerator, progress=progress)
     mine, base = samples[POLICY].summary(samples[reference]), samples[reference].summary(samples[reference])
     return {"score_policy": mine["mean_score"], "score_sft": base["mean_score"], "win_rate": mine["win_rate"],
             "kl": mine["kl"], "response_length_policy": mine["mean_length"],

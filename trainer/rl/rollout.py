@@ -138,9 +138,9 @@ def chunked(fn: Callable, size: int, batch: int, *tensors: torch.Tensor):
 def make_rollout(generator: Generator, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, args, scorer: Scorer, eos_id: int,
                  pad_id: int, *, group: int = 1, reference: bool = True, value: bool = False,
                  nan_unscored: bool = False, examples: Optional[Sequence] = None) -> Rollout:
-    """Sample `group` responses per prompt with `generator`, then score them on its model, `args.rollout_micro_batch_size` rows at a time
-    (`args`: the rollout settings, `trainer.rl.settings.RolloutArguments`: sampling, rows per pass, the
-    missing-EOS penalty). `reference` / `value`: whether the scoring pass reads those adapters. `examples` are
+    """Sample `group` responses per prompt with `generator`, then score them on its model, `generator.rows` rows at a
+    time (`args`: the rollout settings, `trainer.rl.settings.RolloutArguments`: sampling, the missing-EOS
+    penalty). `reference` / `value`: whether the scoring pass reads those adapters. `examples` are
     the prompts' dataset rows, whose columns the reward functions read; a response no function scored is 0, or
     NaN with `nan_unscored`.
 
@@ -161,8 +161,9 @@ def make_rollout(generator: Generator, prompt_ids: torch.Tensor, prompt_mask: to
 
 def _make_rollout(generator: Generator, prompt_ids, prompt_mask, args, scorer, eos_id, pad_id, group, reference,
                   value, nan_unscored, examples) -> Rollout:
-    model, sampling, rows = generator.model, Sampling.of(args), args.rollout_micro_batch_size
+    model, sampling = generator.model, Sampling.of(args)
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
+    rows = generator.rows or batch
     # One copy of the generation weights for every chunk, made before the phase's entry count: the memory
     # record shows it as its own component, not inside the KV cache's transient peak.
     with errors_in("generate"), generator.holding(), phase("generate"):
