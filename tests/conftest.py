@@ -155,9 +155,11 @@ def dense_copies_made(monkeypatch) -> list:
 
 
 # The slowest files first: `make test` hands whole files to two workers in collection order, so a long
-# file that starts last would run on alone while the other worker idles.
-SLOW_FIRST = ("test_gpu_kit.py", "test_decode.py", "test_shared_base.py", "test_ppo_learning.py", "test_benchmarks.py",
-              "test_distributed.py", "test_resume.py", "test_grpo_learning.py", "test_stages.py", "test_stages_vs_trl.py",
+# file that starts last would run on alone while the other worker idles. The distributed launches (two
+# processes) come after the other worker's first two files, so they do not share two cores with the GPU kit's
+# smoke runs.
+SLOW_FIRST = ("test_gpu_kit.py", "test_decode.py", "test_shared_base.py", "test_distributed.py", "test_ppo_learning.py",
+              "test_benchmarks.py", "test_resume.py", "test_grpo_learning.py", "test_stages.py", "test_stages_vs_trl.py",
               "test_profiling_live.py", "test_reward_functions.py", "test_pipeline.py", "test_file_modes.py",
               "test_training.py", "test_profiling_estimate.py", "test_plan.py", "test_checkpoints.py")
 

@@ -594,6 +594,7 @@ def test_decode_auto_is_compiled_on_cuda_and_eager_where_a_captured_step_cannot_
     FSDP; a path given is kept. The run says what auto chose, in one line."""
     import logging
 
+    from foundation.settings import ModelArguments
     from trainer.engine.launch import Launch
     from trainer.engine.settle import check_combinations, decode_path
 
