@@ -44,9 +44,11 @@ def settle(stage: Optional[str], settings: tuple, device: torch.device, launch: 
     plan = RunPlan.of(model_args, train_args, stage_args, quantization="nf4" if four_bit else "none",
                       dtype=str(dtype).removeprefix("torch."),
                       optimizer=resolve_optimizer_name(train_args.optimizer, device))
-    budget_plan = None
+    # left auto (not given: `foundation.cli.given`): the planner's to choose, else the field's default
+    left_auto = set(PLANNABLE) & set(plan.choices()) - given(model_args) - given(train_args) - given(stage_args)
+    plan, budget_plan = replace(plan, planned=plan.planned | left_auto), None
     if stage in ONLINE_RL_STAGES:
-        plan, budget_plan = _planned(stage, plan, settings, device, launch)
+        plan, budget_plan = _planned(stage, plan, settings, device, launch, left_auto)
         check_batch_sizes(stage, stage_args, plan.micro_batch_size)
     # auto left unplanned: eager or compiled by the device's rule; the weights as they are
     plan = replace(plan, decode=decode_path(plan.decode, plan.offload_embeddings, device, launch),
@@ -94,20 +96,19 @@ def decode_path(decode: str, offload_embeddings: bool, device: torch.device, lau
     return path
 
 
-def _planned(stage: str, plan: RunPlan, settings: tuple, device: torch.device, launch: Launch):
+def _planned(stage: str, plan: RunPlan, settings: tuple, device: torch.device, launch: Launch, planned: set[str]):
     """(the plan with the budget planner's choices, the planner's plan or None) of an online RL stage: with
-    `--auto_fit` on (its default on CUDA) the settings left auto (not given: `foundation.cli.given`) are chosen
+    `--auto_fit` on (its default on CUDA) the settings left auto (`planned`) are chosen
     from the estimate; `generation_weights` and `decode` auto become the planner's picks. Where nothing fits with
     the settings given, BudgetError names the given one that does not (with `check_budget` off, the run keeps
     its settings, warned)."""
-    model_args, _, train_args, stage_args = settings
+    _, _, train_args, stage_args = settings
     if not auto_fit_on(stage_args.auto_fit, device.type):
         return plan, None
     args = estimate_arguments(stage, plan, settings, device, launch)
     if launch.sharded:  # no compiled decode step to plan for (`decode_path`)
         args = replace(args, decode=resolve.decode_path(args.decode, "cuda", sharded=True))
     may_offload = offloads_allowed(plan.decode, plan.compile_layers, bool(launch.sharded))
-    planned = set(PLANNABLE) - given(model_args) - given(train_args) - given(stage_args)
     shape = resolve_shape(args)
     chosen = plan_rl(shape, args, stage_args.mini_batch_size, may_offload=may_offload, planned=planned)
     if chosen is None and train_args.check_budget:
