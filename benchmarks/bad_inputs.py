@@ -193,7 +193,8 @@ CASES: list[tuple[str, str, Callable[[Scratch], list[str]]]] = [
      lambda s: ["-m", "trainer.evaluate", "sft", "--adapter", str(s.adapter()), "--split", "eval",
                 "--model_name_or_path", "smollm2-135m"]),
     ("2", "export: a LoHa adapter",
-     lambda s: ["-m", "trainer.export", "--adapter", loha(s), "--out", str(s.path("x2"))]),
+     lambda s: ["-m", "trainer.export", "--adapter", adapter_files(s, "loha", {"peft_type": "LOHA"}), "--out",
+                str(s.path("x2"))]),
     ("2", "--learning_rate 1e30", lambda s: sft(s, "--learning_rate", "1e30")),
     ("2", "--learning_rate inf", lambda s: sft(s, "--learning_rate", "inf")),
     ("2", "--weight_decay inf", lambda s: sft(s, "--weight_decay", "inf")),
@@ -622,16 +623,6 @@ CASES += sorted([
                       step=10**30)),
     ("65.H", "a checkpoint of a longer run (step 2, --max_steps 1)", lambda s: resume(s, "longer", "--max_steps", "1")),
 ], key=lambda case: case[0])
-
-def loha(s: Scratch) -> str:
-    """A copy of the tiny adapter whose adapter_config.json says LOHA."""
-    folder = s.path("loha")
-    if not folder.exists():
-        shutil.copytree(s.adapter(), folder)
-        config = json.loads((folder / "adapter_config.json").read_text())
-        (folder / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "LOHA"}))
-    return str(folder)
-
 
 def run_case(s: Scratch, build: Callable[[Scratch], list[str]]) -> dict:
     try:

@@ -31,7 +31,7 @@ from benchmarks.measure import PhaseClock, StepCounter, log_to_stdout, release_m
 from benchmarks.ours import as_the_stage_plans, run_steps
 from benchmarks.ppo_vs_trl import summarize
 from benchmarks.processes import side_in_own_process
-from benchmarks.workload import fixed_length_prompts, lora_targets, parse_parts, part_attribute
+from benchmarks.workload import fixed_length_prompts, load_bench_tokenizer, lora_targets, parse_parts, part_attribute
 from foundation.cli import Checked, at_least, run
 from foundation.settings import DataArguments, GRPOArguments, ModelArguments, TrainArguments
 from profiling.device import MemoryProbe
@@ -271,7 +271,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
     from foundation.provenance import provenance, relative_command
     from trainer.engine.launch import ALLOC_CONF, make_accelerator, set_allocator_defaults
     from trainer.engine.setup import simulate_gpu_memory
-    from trainer.model.loading import load_tokenizer
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = GRPOWorkload.parse(argv)
@@ -288,8 +287,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             accelerator = make_accelerator(replace(args.train, output_dir=scratch))  # the allocator's defaults too
             device, probe = accelerator.device, MemoryProbe(accelerator.device)
             simulate_gpu_memory(args.simulate_gpu_gib, device)  # the same cap for each side
-            tokenizer = load_tokenizer(args.model_name_or_path, args.preset_overrides, args.tokenizer_name_or_path,
-                                       args.trust_remote_code)
+            tokenizer = load_bench_tokenizer(args)
             prompts = fixed_length_prompts(args, tokenizer, args.total_steps * args.rollout_batch_size)
             records = {name: run_side(name, args, prompts, tokenizer, accelerator, probe) for name in sides}
             if args.side_run_out:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 from foundation.provenance import shown_command
-from profiling.report import table_lines, table_row
+from profiling.report import table_lines
 
 GIB = 2**30
 
@@ -180,61 +180,3 @@ def _variant_lines(report: dict, main: str, title: str) -> list[str]:
                  *(_gib(s.get("summary", {}).get(memory)) for s in [sides[main]] + [sides[n] for n in ablations])])
     return ["", f"## {title} (same command, same work)", "",
             *table_lines([None, main, *ablations], "lr" + "r" * len(ablations), rows)]
-
-
-def summary_tables(reports: list[tuple[str, dict]]) -> str:
-    """One Markdown table per device kind over several ppo_vs_trl.json files (name, report)."""
-    out = []
-    for kind, title in (("cuda", "GPU"), ("cpu", "CPU (resident set, not GPU memory; compare only with CPU rows)")):
-        rows = [(name, r) for name, r in reports if r["device_kind"] == kind]
-        if not rows:
-            continue
-        memory = "peak allocated / reserved GiB, ours | TRL" if kind == "cuda" else "peak RSS GiB, ours / TRL"
-        cpu_col = [] if kind == "cuda" else ["CPU-time speedup"]
-        out += [f"**{title}**", "", *table_lines(
-            ["result", "device", "model, work", "step s, ours / TRL", "speedup", *cpu_col, "rollout tok/s, ours / TRL",
-             "update tok/s, ours / TRL", memory, "TRL / ours memory"], "llllr" + "r" * len(cpu_col) + "lllr")]
-        for name, r in rows:
-            s, sides, ratio = {**r["settings"], **r.get("resolved", {})}, r["sides"], r.get("ratios", {})
-            o, t = sides.get("ours", {}).get("summary", {}), sides.get("trl", {}).get("summary", {})
-            work = (f"{s['model_name_or_path']} {s['quantization']}, {s['rollout_batch_size']} x "
-                    f"({s['prompt_length']} + {s['max_new_tokens']}) tokens, {s['ppo_epochs']} epochs")
-            device = r["device_name"] + (f", {r['simulated_gpu_gib']:g} GiB cap" if r.get("simulated_gpu_gib") else "")
-            if kind == "cuda":
-                mem = (f"{_gib(o.get('peak_allocated_bytes'))} / {_gib(o.get('peak_reserved_bytes'))} | "
-                       f"{_gib(t.get('peak_allocated_bytes'))} / {_gib(t.get('peak_reserved_bytes'))}")
-                mem_ratio = _ratio(ratio.get("peak_allocated_trl_over_ours"))
-            else:
-                mem = f"{_gib(o.get('peak_rss_bytes'))} / {_gib(t.get('peak_rss_bytes'))}"
-                mem_ratio = _ratio(ratio.get("peak_rss_trl_over_ours"))
-            status = "" if all(x.get("status") == "ok" for x in sides.values()) else " (" + ", ".join(
-                f"{n}: {x.get('status')}" for n, x in sides.items()) + ")"
-            cpu = [] if kind == "cuda" else [_ratio(ratio.get("step_cpu_time_speedup"))]
-            pair = [f"{_num(o.get(k), f)} / {_num(t.get(k), f)}" for k, f in
-                    (("step_s", "{:.2f}"), ("rollout_tokens_per_s", "{:.1f}"), ("update_tokens_per_s", "{:.1f}"))]
-            out.append(table_row([f"[{name}](results/{name}/ppo_vs_trl.md){status}", device, work, pair[0],
-                                  _ratio(ratio.get("step_time_speedup")), *cpu, *pair[1:], mem, mem_ratio]))
-        out.append("")
-    return "\n".join(out)
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    """python -m benchmarks.report benchmarks/results/*/ppo_vs_trl.json  -> Markdown on stdout."""
-    import argparse
-    import json
-    from pathlib import Path
-
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.report",
-                                     description="The summary tables of benchmarks/README.md, in Markdown on stdout.")
-    parser.add_argument("results", nargs="+", type=Path, metavar="RESULT_DIR/ppo_vs_trl.json")
-    reports = []
-    for path in sorted(parser.parse_args(argv).results):
-        try:
-            reports.append((path.parent.name, json.loads(path.read_text())))
-        except (OSError, ValueError) as err:
-            raise SystemExit(f"{path}: not a readable result file ({err})") from None
-    print(summary_tables(reports))
-
-
-if __name__ == "__main__":
-    main()

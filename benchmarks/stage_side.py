@@ -70,13 +70,11 @@ def tensor_profile(memory: dict) -> Optional[dict]:
 
 def run_trl_side(w: StageWorkload, side_dir: Path, result: dict, device: torch.device) -> None:
     from benchmarks.trl_stages import run_trl
+    from benchmarks.workload import load_bench_tokenizer
     from trainer.engine.setup import simulate_gpu_memory
-    from trainer.model.loading import load_tokenizer
 
     simulate_gpu_memory(w.train.simulate_gpu_gib, device)  # the cap our stage script sets itself
-
-    tokenizer = load_tokenizer(w.model.model_name_or_path, w.model.preset_overrides, w.model.tokenizer_name_or_path,
-                               w.model.trust_remote_code)
+    tokenizer = load_bench_tokenizer(w.model)
     run_trl(w, training_rows(w, tokenizer), tokenizer, device, side_dir, result)
 
 

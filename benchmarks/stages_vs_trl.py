@@ -1,7 +1,6 @@
 """Our SFT, reward and DPO stages against TRL's SFTTrainer, RewardTrainer and DPOTrainer on the same work.
 
     python -m benchmarks.stages_vs_trl --stage reward                 # SmolLM2-135M, CPU or GPU
-    python -m benchmarks.stages_vs_trl --table benchmarks/results/stages_vs_trl-*/stages_vs_trl.json
 
 One stage per run, each side in its own process, with the same weights, LoRA shape, rows in the same order,
 batch sizes, optimizer and schedule objects and loss; both adapters are then scored by `trainer.evaluate` on
@@ -71,8 +70,6 @@ class StagesBenchArguments(Checked):
         "help": "Score both adapters on the held-out split (false: speed and memory only, e.g. random-weight presets)."})
     out_dir: Optional[str] = field(default=None, metadata={
         "help": "Default benchmarks/results/stages_vs_trl-STAGE-MODEL-DEVICE."})
-    table: bool = field(default=False, metadata={
-        "help": "Print the Markdown table of the stages_vs_trl.json files given as arguments, and exit."})
 
     RULES = {"stage": one_of(*STAGES), "warmup_runs": at_least(0)}
 
@@ -97,8 +94,10 @@ class StageWorkload:
 
     @classmethod
     def from_dict(cls, values: dict) -> "StageWorkload":
+        # a stored result's bench settings may name a flag removed since (--rescore reads old results)
+        bench = {k: v for k, v in values["bench"].items() if k in StagesBenchArguments.__dataclass_fields__}
         return cls(ModelArguments(**values["model"]), DataArguments(**values["data"]),
-                   TrainArguments(**values["train"]), StagesBenchArguments(**values["bench"]))
+                   TrainArguments(**values["train"]), StagesBenchArguments(**bench))
 
     def to_dict(self) -> dict[str, dict]:
         return {part: asdict(getattr(self, part)) for part in ("model", "data", "train", "bench")}
@@ -278,18 +277,6 @@ def default_out_dir(w: StageWorkload, device: torch.device) -> Path:
 def main(argv: Optional[list[str]] = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     log_to_stdout()
-    if "--table" in argv:  # --table FILE... [--readme README]: the summary table, printed or put into README
-        from benchmarks.stages_report import render_table, update_readme
-
-        readme = _flag(argv, "readme", "")
-        files = [a for a in argv if not a.startswith("--") and a != readme]
-        base = Path(readme).resolve().parent if readme else Path.cwd()
-        links = [os.path.relpath(Path(f).resolve().with_suffix(".md"), base) for f in files]
-        table = render_table([json.loads(Path(f).read_text()) for f in files], links)
-        if readme:
-            update_readme(Path(readme), table, _command(argv))
-        print(table)
-        return {}
     if "--rescore" in argv:  # --rescore DIR: a result's saved adapters scored again by today's trainer.evaluate
         return rescore(Path(_flag(argv, "rescore", "")), argv)
     w = StageWorkload.parse(argv)
@@ -317,11 +304,10 @@ def rescore(out_dir: Path, argv: list[str]) -> dict:
             side["evaluation"] = evaluate_side(w, side)
         saved = out_dir / name / "side.json"  # the side's own record keeps its row trace
         if side.get("computed_tokens_per_step") is None and saved.is_file():
-            from trainer.model.loading import load_tokenizer
+            from benchmarks.workload import load_bench_tokenizer
 
             if rows is None:
-                rows = training_rows(w, load_tokenizer(w.model.model_name_or_path, w.model.preset_overrides,
-                                                       w.model.tokenizer_name_or_path, w.model.trust_remote_code))
+                rows = training_rows(w, load_bench_tokenizer(w.model))
             side["computed_tokens_per_step"] = computed_tokens(w, rows, json.loads(saved.read_text())["trace"])
             side["summary"] = summarize(side, report["rows"]["tokens_per_step"], w.bench.warmup_runs)
     if {"ours", "trl"} <= set(report["sides"]):
@@ -334,15 +320,13 @@ def rescore(out_dir: Path, argv: list[str]) -> dict:
 
 
 def run_benchmark(w: StageWorkload, argv: list[str]) -> dict:
+    from benchmarks.workload import load_bench_tokenizer
     from foundation.provenance import provenance
-    from trainer.model.loading import load_tokenizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out_dir = Path(w.bench.out_dir) if w.bench.out_dir else default_out_dir(w, device)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(w.model.model_name_or_path, w.model.preset_overrides, w.model.tokenizer_name_or_path,
-                               w.model.trust_remote_code)
-    rows = training_rows(w, tokenizer)  # fails here, before any side runs, when the data is too short
+    rows = training_rows(w, load_bench_tokenizer(w.model))  # fails here, before any side runs, when the data is too short
     tokens = step_tokens(w, rows)
     command = _command(argv)
     report = {"kind": "stages_vs_trl", "stage": w.stage, "device_kind": device.type, **provenance(device, command),

@@ -181,8 +181,9 @@ def trl_batch_settings(args: Workload) -> dict[str, int]:
             "num_ppo_epochs": args.ppo_epochs}
 
 
-def load_bench_tokenizer(args: Workload):
-    """The model's tokenizer (or --tokenizer_name_or_path's), folded into a preset's vocabulary as in training."""
+def load_bench_tokenizer(args):
+    """The model's tokenizer (or --tokenizer_name_or_path's), folded into a preset's vocabulary as in training;
+    `args`: a workload, or the ModelArguments themselves."""
     from trainer.model.loading import load_tokenizer
 
     return load_tokenizer(args.model_name_or_path, args.preset_overrides, args.tokenizer_name_or_path,

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # benchmarks/ sits beside the installed packages, not inside them
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import render_markdown, summary_tables  # noqa: E402
+from benchmarks.report import render_markdown  # noqa: E402
 from benchmarks.workload import Workload, head_weights, trl_batch_settings  # noqa: E402
 
 TINY = ["--model_name_or_path", "tiny-llama", "--lora_r", "4", "--lora_alpha", "8", "--prompt_length", "16",
@@ -123,36 +123,6 @@ def test_markdown_shows_allocator_peaks_on_gpu_and_resident_set_on_cpu_never_bot
     assert "capped at 24 GiB" in gpu
     assert "| peak RSS, CPU (GiB) | 3.00 | 3.00 |" in cpu and "peak allocated" not in cpu
     assert "not GPU memory" in cpu and "process CPU time" in cpu
-
-
-def test_summary_keeps_one_table_per_device_kind():
-    text = summary_tables([("a-cuda", _report("cuda")), ("b-cpu", _report("cpu"))])
-    gpu_part, cpu_part = text.split("**CPU")
-    assert "a-cuda" in gpu_part and "b-cpu" not in gpu_part and "1.00 / 2.00" in gpu_part  # allocated / reserved
-    assert "b-cpu" in cpu_part and "a-cuda" not in cpu_part and "3.00 / 3.00" in cpu_part  # RSS
-
-
-def test_report_command_prints_the_tables_of_the_files_named_and_names_a_bad_one(tmp_path, capsys):
-    """`python -m benchmarks.report FILES`: the summary tables of those files on stdout; a file that is
-    missing or not JSON stops it with one line naming the file; --help answers."""
-    import re
-
-    from benchmarks.report import main
-
-    good = tmp_path / "b-cpu" / "ppo_vs_trl.json"
-    good.parent.mkdir()
-    good.write_text(json.dumps(_report("cpu")))
-    main([str(good)])
-    assert "b-cpu" in capsys.readouterr().out
-    bad = tmp_path / "c-cpu" / "ppo_vs_trl.json"
-    bad.parent.mkdir()
-    bad.write_text("{ cut short")
-    for path in (bad, tmp_path / "missing.json"):
-        with pytest.raises(SystemExit, match=re.escape(f"{path}: not a readable result file")):
-            main([str(good), str(path)])
-    with pytest.raises(SystemExit) as done:
-        main(["--help"])
-    assert done.value.code == 0 and "RESULT_DIR/ppo_vs_trl.json" in capsys.readouterr().out
 
 
 def test_collect_run_copies_reports_and_results_but_no_weights(tmp_path):

@@ -216,7 +216,6 @@ def test_stages_compare_dpo_with_trl_on_the_planned_rows(smoke, tmp_path):
     the same gradients and optimizer states on both, and one evaluation scores both. On the GPU the part runs all
     three stages on random weights: speed and memory only."""
     from benchmarks.gpu.parts import PartArguments, steps_for
-    from benchmarks.stages_report import render_table, update_readme
     from foundation.provenance import shown_command
 
     _, unpacked = smoke
@@ -251,12 +250,6 @@ def test_stages_compare_dpo_with_trl_on_the_planned_rows(smoke, tmp_path):
     assert report["command"].startswith("python -m benchmarks.stages_vs_trl ") and "--stage dpo" in report["command"]
     assert shown_command(report).endswith(report["command"])
     assert f"- command: `{shown_command(report)}`" in (out / "stages_vs_trl.md").read_text()  # settings first
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- stages-results -->\n## next section\n")
-    for _ in range(2):  # the second write replaces the first table
-        update_readme(readme, render_table([report]), "python -m benchmarks.stages_vs_trl --table ...")
-    text = readme.read_text()
-    assert text.count("| dpo | ") == 1 and text.index("<!-- /stages-results -->") < text.index("## next")
     gpu = [s.argv for s in steps_for(PartArguments(part="stages", out=str(tmp_path)), tmp_path)]
     assert [argv[argv.index("--stage") + 1] for argv in gpu] == ["sft", "reward", "dpo"]
     assert all(argv[argv.index("--evaluate") + 1] == "false" and "--profile_memory" not in argv for argv in gpu)
