@@ -22,7 +22,6 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -108,6 +107,7 @@ def run_ours(args: GRPOWorkload, prompts: list[list[int]], tokenizer, accelerato
     if result["side"] == "ours_4bit":
         args = replace(args, grpo=replace(args.grpo, generation_weights="quantized"))
     from trainer.engine.harness import Engine
+    from trainer.engine.setup import RunContext
     from trainer.grpo import build_model
     from trainer.rl.algorithms.grpo import GRPO
     from trainer.rl.settings import make_scorer
@@ -115,8 +115,8 @@ def run_ours(args: GRPOWorkload, prompts: list[list[int]], tokenizer, accelerato
     plan = as_the_stage_plans("grpo", args, accelerator)
     clock = PhaseClock(probe)
     clock.start()
-    ctx = SimpleNamespace(model_args=args.model, stage_args=args.grpo, tokenizer=tokenizer, accelerator=accelerator,
-                          plan=plan, quant_storage=lambda: torch.uint8)
+    # the stage's context, without the data it would train on: the model is built as the stage builds it
+    ctx = RunContext(args.model, args.data, args.train, args.grpo, accelerator, tokenizer, splits=None, plan=plan)
     model = build_model(ctx)
     engine = Engine(model, args.train, accelerator, "grpo", accumulation_steps=args.mini_batch_size // plan.micro_batch_size,
                     optimizer=plan.optimizer)

@@ -37,9 +37,7 @@ class RunPlan:
         values = {"micro_batch_size": 1, "optimizer": "none"}
         for settings in (model_args, train_args, stage_args):
             values.update({name: getattr(settings, name) for name in CHOICES if hasattr(settings, name)})
-        autos = {name for name, value in values.items() if value == "auto"}
-        return cls(**{name: value for name, value in values.items() if name in CHOICES} | settled,
-                   planned=frozenset(autos))
+        return cls(**values | settled, planned=frozenset(name for name, value in values.items() if value == "auto"))
 
     def table(self) -> str:
         """The plan as the log prints it at the start of a run: each choice marked set or planned."""

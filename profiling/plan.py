@@ -60,10 +60,10 @@ class Plan:
     def table(self) -> str:
         """The plan, each setting marked set (given) or planned, and the predicted peak per phase, as the log
         prints it at the start of a run."""
-        lines = [f"budget plan (estimate within {C.gib(self.usable_bytes)} of {C.gib(self.budget_bytes)} GiB):"]
-        for name, value in self.settings().items():
-            lines.append(f"  {name} {_shown(value)}  ({'planned' if name in self.planned else 'set'})")
-        return "\n".join(lines + self.estimate_table().splitlines()[1:])
+        header, *phases = self.estimate_table().splitlines()
+        settings = [f"  {name} {_shown(value)}  ({'planned' if name in self.planned else 'set'})"
+                    for name, value in self.settings().items()]
+        return "\n".join([header, *settings, *phases])
 
     def estimate_table(self) -> str:
         """The predicted peak per phase, under the budget it was planned within."""

@@ -24,14 +24,14 @@ import torch
 from foundation.cli import InputError, first_line
 from foundation.files import reported_write_failure
 from foundation.settings import ONLINE_RL_STAGES
+from profiling.device import peak_bytes
 from profiling.plan import auto_fit_on
 from trainer.engine.batches import batch_stream, make_loader
 from trainer.engine.budget import context_at_start
 from trainer.engine.checkpoint import load_checkpoint, save_checkpoint
 from trainer.engine.launch import describe_engine, fill_deepspeed_autos, is_deepspeed
 from trainer.engine.metrics import (
-    MetricsLog, all_finite, flat_config, format_line, largest_weight, mean_over_ranks, peak_memory_gb,
-    unusable_weights,
+    MetricsLog, all_finite, flat_config, format_line, largest_weight, mean_over_ranks, unusable_weights,
 )
 from trainer.engine.optim import build_loop_optimizer, schedule_for
 from trainer.engine.phases import phase, raised_in, watching
@@ -343,8 +343,8 @@ class Harness:
         acc = self.accelerator
         metrics = mean_over_ranks(acc, result.metrics)
         tokens = acc.reduce(torch.tensor(float(result.tokens), device=acc.device), "sum").item()
-        peak, kind = peak_memory_gb(acc.device)
-        peak = max(peak, self.engine.recorder.peak_allocated / 1e9)  # its phases reset CUDA's peak counter
+        peak, kind = peak_bytes(acc.device)
+        peak = max(peak, self.engine.recorder.peak_allocated) / 1e9  # its phases reset CUDA's peak counter
         # step_cpu_s: this process's CPU seconds in the step (all threads): steadier than wall time on a shared CPU
         metrics.update({"perf/step_s": elapsed, "perf/step_cpu_s": cpu_elapsed, f"perf/peak_{kind}_gb": peak,
                         "train/skipped_steps": float(self.state["bad_steps_total"])})

@@ -11,8 +11,6 @@ from typing import Any, Optional
 
 import torch
 
-from profiling.device import peak_bytes
-
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -103,12 +101,6 @@ def unusable_weights(peak: float) -> Optional[str]:
     if not math.isfinite(peak):
         return "NaN/inf trainable weights"
     return f"a trainable weight of {peak:.3g} (past {WEIGHT_LIMIT:.2g}, a forward through it overflows)"
-
-
-def peak_memory_gb(device: torch.device) -> tuple[float, str]:
-    """Peak device memory in GB (CUDA allocator) or, on CPU, the process's peak resident set."""
-    peak, kind = peak_bytes(device)
-    return peak / 1e9, kind
 
 
 def format_line(metrics: dict[str, float], keys: list[str]) -> str:

@@ -30,7 +30,7 @@ from profiling.predict import resolve_shape
 from trainer.engine.budget import BudgetError, advice, check_budget, estimate_arguments
 from trainer.engine.launch import Launch, LaunchError
 from trainer.engine.optim import resolve_optimizer_name
-from trainer.model.loading import resolve_precision
+from trainer.model.loading import model_plan
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +40,8 @@ def settle(stage: Optional[str], settings: tuple, device: torch.device, launch: 
     LaunchError for a combination that cannot run, BudgetError for a plan that does not fit the budget."""
     model_args, data_args, train_args, stage_args = settings
     check_combinations(model_args, stage_args, launch)
-    four_bit, dtype = resolve_precision(model_args, device)
-    plan = RunPlan.of(model_args, train_args, stage_args, quantization="nf4" if four_bit else "none",
-                      dtype=str(dtype).removeprefix("torch."),
-                      optimizer=resolve_optimizer_name(train_args.optimizer, device))
+    plan = replace(model_plan(model_args, device, train_args, stage_args),
+                   optimizer=resolve_optimizer_name(train_args.optimizer, device))
     # left auto (not given: `foundation.cli.given`): the planner's to choose, else the field's default
     left_auto = set(PLANNABLE) & set(plan.choices()) - given(model_args) - given(train_args) - given(stage_args)
     plan, budget_plan = replace(plan, planned=plan.planned | left_auto), None
@@ -122,6 +120,4 @@ def _planned(stage: str, plan: RunPlan, settings: tuple, device: torch.device, l
         logger.warning("auto_fit: nothing fits memory_budget_gib=%s with the settings given; keeping the "
                        "configured ones", train_args.memory_budget_gib)
         return plan, None
-    weights = chosen.generation_weights if plan.generation_weights == "auto" else plan.generation_weights
-    return replace(plan, **{**chosen.settings(), "generation_weights": weights},
-                   planned=plan.planned | chosen.planned), chosen
+    return replace(plan, **chosen.settings(), planned=plan.planned | chosen.planned), chosen

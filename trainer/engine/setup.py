@@ -74,10 +74,11 @@ class RunContext:
         """Stop before any model loads when tokenization left fewer training rows than one micro-batch."""
         require_rows(rows, what, self.plan.micro_batch_size, self.data_args)
 
-    def build_model(self, specs: list):
-        """The stage's adapters `specs` on one base (`trainer.model.shared_base`), built as the plan says."""
-        return build_shared_model(self.model_args, specs, vocab_size=len(self.tokenizer), device=self.accelerator.device,
-                                  quant_storage=self.quant_storage(), plan=self.plan)
+    def build_model(self, specs: list, model_args: Optional[ModelArguments] = None):
+        """The stage's adapters `specs` on one base (`trainer.model.shared_base`), built as the plan says, from
+        `model_args` where a stage changes the run's (online RL: no LoRA dropout)."""
+        return build_shared_model(model_args or self.model_args, specs, vocab_size=len(self.tokenizer),
+                                  device=self.accelerator.device, quant_storage=self.quant_storage(), plan=self.plan)
 
     def config(self) -> dict[str, Any]:
         """The run's settings as plain JSON data: config.json, and every checkpoint's copy of it."""

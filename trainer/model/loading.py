@@ -228,11 +228,13 @@ def resolve_precision(args: ModelArguments, device: torch.device) -> tuple[bool,
     return four_bit, TORCH_DTYPES[dtype]
 
 
-def model_plan(args: ModelArguments, device: torch.device) -> RunPlan:
-    """The plan of a base built outside a run (export, evaluation, code): its settings as given, quantization and
-    dtype auto settled on `device` (a run's plan comes from `trainer.engine.settle`)."""
+def model_plan(args: ModelArguments, device: torch.device, *settings) -> RunPlan:
+    """The plan of `args` (and a run's other `settings`: TrainArguments, a stage's) as given, quantization and
+    dtype auto settled on `device`: what a base built outside a run loads with (export, evaluation, code), and
+    where `trainer.engine.settle` starts a run's plan."""
     four_bit, dtype = resolve_precision(args, device)
-    return RunPlan.of(args, quantization="nf4" if four_bit else "none", dtype=str(dtype).removeprefix("torch."))
+    return RunPlan.of(args, *settings, quantization="nf4" if four_bit else "none",
+                      dtype=str(dtype).removeprefix("torch."))
 
 
 ATTENTION_CHOICES = ("auto", "flash_attention_2", "sdpa", "eager")

@@ -29,7 +29,7 @@ from trainer.data.collators import PromptCollator
 from trainer.engine.harness import Engine, Harness, StepResult
 from trainer.engine.phases import phase
 from trainer.model.decode import Generator, Sampling
-from trainer.model.shared_base import build_shared_model, stage_specs
+from trainer.model.shared_base import stage_specs
 from trainer.rl.kl_control import KLController
 from trainer.rl.policy_eval import policy_vs_reference
 from trainer.rl.reward_worker import TrainerState
@@ -177,8 +177,7 @@ def build_online_model(ctx, stage: str, sources: dict[str, Optional[str]], witho
         logger.info("%s trains without LoRA dropout: lora_dropout %s -> %g", stage.upper(), model_args.lora_dropout,
                     dropout)
         model_args = replace(model_args, lora_dropout=dropout)
-    return build_shared_model(model_args, stage_specs(stage, sources, without=without), vocab_size=len(ctx.tokenizer),
-                              device=ctx.accelerator.device, quant_storage=ctx.quant_storage(), plan=ctx.plan)
+    return ctx.build_model(stage_specs(stage, sources, without=without), model_args)
 
 
 def train_online(ctx, stage: str, model, algorithm: Algorithm, adapters: list[str], prompts, held_out,
