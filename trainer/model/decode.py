@@ -351,6 +351,10 @@ class Generator:
         if recorder is not None:
             recorder.track(holder=self)
 
+    def pass_rows(self, batch: int) -> int:
+        """Rows a pass over `batch` rows takes at a time: `rows`, or all of them."""
+        return self.rows or batch
+
     def held(self) -> dict[str, list[torch.Tensor]]:
         """What decoding keeps beside the model, by memory component."""
         return {C.GENERATION_WEIGHTS: self.weights.tensors(), C.KV_CACHE: list(self.compiled or ())}

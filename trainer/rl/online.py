@@ -132,7 +132,7 @@ def rl_step(engine: Engine, generator: Generator, batch: dict[str, torch.Tensor]
 
     algorithm.after_update(metrics, state, acc)
     metrics.update(stats)
-    metrics.update(decode_metrics(raw, rollout, generator.rows or rollout.rows, state, generator.weights.choice))
+    metrics.update(decode_metrics(raw, rollout, generator.pass_rows(rollout.rows), state, generator.weights.choice))
     metrics.update({"lr": lr, "perf/rollout_s": rollout_s, "perf/update_s": update_s,
                     "perf/generate_tokens_per_s": rollout.response_mask.sum().item() / max(rollout_s, 1e-9),
                     "perf/update_tokens_per_s": rollout.attention_mask.sum().item() * algorithm.epochs

@@ -99,7 +99,7 @@ def policy_vs_reference(generator: Generator, prompts: Sequence[PromptExample], 
     if not prompts:
         return None
     samples = sample_policies(generator, prompts, [POLICY, reference], reference, scorer, Sampling.of(args), eos_id,
-                              pad_id, generator.rows or len(prompts), args.eval_seed, accelerator, progress=progress)
+                              pad_id, generator.pass_rows(len(prompts)), args.eval_seed, accelerator, progress=progress)
     mine, base = samples[POLICY].summary(samples[reference]), samples[reference].summary(samples[reference])
     return {"score_policy": mine["mean_score"], "score_sft": base["mean_score"], "win_rate": mine["win_rate"],
             "kl": mine["kl"], "response_length_policy": mine["mean_length"],

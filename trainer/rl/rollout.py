@@ -163,7 +163,7 @@ def _make_rollout(generator: Generator, prompt_ids, prompt_mask, args, scorer, e
                   value, nan_unscored, examples) -> Rollout:
     model, sampling = generator.model, Sampling.of(args)
     batch, prompt_length = prompt_ids.shape[0], prompt_ids.shape[1]
-    rows = generator.rows or batch
+    rows = generator.pass_rows(batch)
     # One copy of the generation weights for every chunk, made before the phase's entry count: the memory
     # record shows it as its own component, not inside the KV cache's transient peak.
     with errors_in("generate"), generator.holding(), phase("generate"):
