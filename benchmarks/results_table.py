@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -200,17 +199,6 @@ def learning_margin(folder: Path, result: dict) -> Row:
                *_when(result["provenance"]), f"{folder.name}/README.md")
 
 
-def bad_inputs(folder: Path, result: dict) -> Row:
-    cases = result["cases"]
-    one_line = sum(1 for c in cases if c.get("one_line"))
-    codes = Counter(c["exit_code"] for c in cases)
-    counts = ", ".join(f"{codes[code]} exit {code}" + (" (handled: the run goes on)" if code == 0 else "")
-                       for code in sorted(codes, reverse=True))
-    return Row((6, 0), "bad inputs (`benchmarks.bad_inputs`)", f"{len(cases)} bad inputs, each a real command",
-               f"{one_line} of {len(cases)} print one line: {counts}", *_when(result["provenance"]),
-               f"{folder.name}/README.md", user=False)
-
-
 def launches(folder: Path, result: dict) -> Row:
     from benchmarks.launches import column
 
@@ -238,8 +226,6 @@ def probe(folder: Path) -> Row:
         return launches(folder, result)
     if "runs" in result:
         return learning_margin(folder, result)
-    if "cases" in result:
-        return bad_inputs(folder, result)
     return other(folder)
 
 

@@ -97,7 +97,7 @@ def test_the_summary_keeps_the_newest_user_row_of_each_benchmark():
 
 def test_check_fails_on_a_stale_table_and_the_rewrite_fixes_it(tmp_path, monkeypatch):
     results = tmp_path / "results"
-    shutil.copytree(rt.RESULTS / "bad_inputs", results / "bad_inputs")
+    shutil.copytree(rt.RESULTS / "learning_margin-smollm2-135m-cpu", results / "learning_margin-smollm2-135m-cpu")
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{rt.START}\nold\n{rt.END}\nafter\n")
     monkeypatch.setattr(rt, "PAGES", {readme: rt.Page("results", summary=False)})
@@ -107,7 +107,7 @@ def test_check_fails_on_a_stale_table_and_the_rewrite_fixes_it(tmp_path, monkeyp
     rt.main(["--results_dir", str(results)])
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith(f"{rt.END}\nafter\n")
-    assert "[bad_inputs](results/bad_inputs/README.md)" in text
+    assert "[learning_margin-smollm2-135m-cpu](results/learning_margin-smollm2-135m-cpu/README.md)" in text
     rt.main(["--check", "--results_dir", str(results)])
 
 
