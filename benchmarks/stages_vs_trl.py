@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.measure import log_to_stdout
 from benchmarks.row_trace import row_hash  # what the row trace of our side writes
-from foundation.cli import Checked, UsageError, at_least, one_of, parse, run
+from foundation.cli import Checked, UsageError, at_least, one_of, parse, run, unplanned
 from foundation.provenance import library_versions
 from foundation.settings import DataArguments, ModelArguments, TrainArguments
 
@@ -90,7 +90,7 @@ class StageWorkload:
             raise UsageError(f"--stage {stage!r}: must be one of {', '.join(STAGES)}")
         model, data, train, bench = parse([ModelArguments, DataArguments, TrainArguments, StagesBenchArguments], argv,
                                           {**BENCH_DEFAULTS, **STAGE_DEFAULTS[stage]})
-        return cls(model, data, train, bench)
+        return cls(unplanned(model), data, unplanned(train), bench)  # the work is set, the same for both sides
 
     @classmethod
     def from_dict(cls, values: dict) -> "StageWorkload":

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from foundation.cli import Checked, UsageError, at_least, parse
+from foundation.cli import Checked, UsageError, at_least, parse, unplanned_defaults
 from foundation.settings import DataArguments, ModelArguments, PPOArguments, TrainArguments
 from profiling.plan import PLANNABLE
 from trainer.engine.settle import check_batch_sizes
@@ -37,10 +37,11 @@ def lora_targets(spec: str) -> list[str]:
 
 # Where a benchmark's defaults differ from training's: a short fixed-length workload, a constant
 # learning rate (TRL's PPO loop has no warmup or decay), no LoRA dropout (TRL turns it off), no logs.
-# The work itself is given: the settings a stage's budget planner may choose (PLANNABLE) at their field defaults
-# unless the command sets them, so our side's plan (`benchmarks.ours.as_the_stage_plans`) settles only how it decodes.
-WORK_DEFAULTS = {f.name: f.default for cls in (ModelArguments, TrainArguments, PPOArguments) for f in fields(cls)
-                 if f.name in PLANNABLE}
+# The work itself is set: the settings a stage's budget planner may choose (PLANNABLE) at their values where nothing
+# plans them unless the command sets them, so our side's plan (`benchmarks.ours.as_the_stage_plans`) settles only how
+# it decodes.
+WORK_DEFAULTS = {name: value for cls in (ModelArguments, TrainArguments, PPOArguments)
+                 for name, value in unplanned_defaults(cls).items() if name in PLANNABLE}
 BENCH_DEFAULTS = {"max_new_tokens": 16, "learning_rate": 5e-5, "warmup_steps": 0, "min_lr_ratio": 1.0,
                   "lora_dropout": 0.0, "report_to": "none", "progress_bar": False, "eval_prompts": 0,
                   "check_budget": False, **WORK_DEFAULTS}

@@ -10,17 +10,19 @@ cross-field rules go in `check()`. `run(main)` wraps every entry point: a `Usage
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import math
 import os
 import re
 import sys
 import typing
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 NULL_WORDS = ("null", "None", "none", "~")
 AUTO = "auto"  # the value of a field the budget planner may choose (a class's PLANNED) left to it
+UNPLANNED = "unplanned"  # metadata of a planned true/false or number field: its value where nothing plans it
 
 
 class UsageError(Exception):
@@ -70,8 +72,22 @@ def _unwrap_optional(hint) -> tuple[Any, bool]:
     return hint, False
 
 
+def _auto_or(hint) -> Optional[type]:
+    """X of a planned field's `Union[X, str]` (X or auto), else None."""
+    args = typing.get_args(hint) if typing.get_origin(hint) is typing.Union else ()
+    return args[0] if len(args) == 2 and args[1] is str and args[0] is not type(None) else None
+
+
 def _check_type(name: str, hint, value):
     """`value` as the field's type (an int is a float too), or a FieldError."""
+    planned_kind = _auto_or(hint)
+    if planned_kind is not None:
+        if value == AUTO:
+            return value
+        try:
+            return _check_type(name, planned_kind, value)
+        except FieldError as exc:
+            raise FieldError(name, value, f"{exc.problem}, or auto") from None
     kind, optional = _unwrap_optional(hint)
     if optional and (value is None or value in NULL_WORDS):
         return None
@@ -111,7 +127,7 @@ class Checked:
     """Base of every argument dataclass: types and `RULES` are checked when an instance is made."""
 
     RULES: ClassVar[dict[str, Rule]] = {}
-    PLANNED: ClassVar[tuple[str, ...]] = ()  # fields a run settles at start where not given (`given`): planner, device
+    PLANNED: ClassVar[tuple[str, ...]] = ()  # fields a run settles at start where auto: the planner, the device
     SECTION: ClassVar[str] = ""  # the --help section of the fields this class declares (HELP_SECTIONS)
     IN_SECTION: ClassVar[dict[str, str]] = {}  # fields of this class shown in another section
 
@@ -121,7 +137,7 @@ class Checked:
             value = _check_type(f.name, hints[f.name], getattr(self, f.name))
             object.__setattr__(self, f.name, value)
             rule = self.RULES.get(f.name)
-            if rule is not None and value is not None:
+            if rule is not None and value is not None and not (value == AUTO and _auto_or(hints[f.name])):
                 problem = rule(f.name, value)
                 if problem:
                     raise FieldError(f.name, value, problem)
@@ -131,47 +147,30 @@ class Checked:
         """Rules between fields; raise UsageError."""
 
 
-# ---- which fields were given ----------------------------------------------------------------------
+# ---- fields left auto ----------------------------------------------------------------------------
 
-def planned_fields(types: Sequence[type]) -> set[str]:
-    """The fields of `types` a budget planner may choose (each class's PLANNED): each defaults to auto."""
-    return {name for t in types for name in getattr(t, "PLANNED", ())}
-
-
-def given(settings) -> frozenset[str]:
-    """The fields a command line or config file set explicitly (`parse` records them); an object built in
-    code has every field set."""
-    recorded = getattr(settings, "_given", None)
-    return recorded if recorded is not None else frozenset(f.name for f in fields(settings))
+def unplanned_defaults(cls: type) -> dict[str, Any]:
+    """{field: its value where nothing plans it} of `cls`'s planned true/false and number fields."""
+    return {f.name: f.metadata[UNPLANNED] for f in fields(cls) if UNPLANNED in f.metadata}
 
 
-def _without_auto(argv: list[str], defaults: dict[str, Any], planned: set[str]) -> tuple[list[str], dict[str, Any]]:
-    """`--field auto` flags and `field: auto` config values of planned fields dropped (a flag's auto drops the
-    config's value too): those fields are left to the planner."""
-    kept, skip, auto = [], False, set()
-    for i, arg in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
-        name = name.replace("-", "_")  # --micro-batch-size is --micro_batch_size
-        if name in planned and (value == AUTO if eq else i + 1 < len(argv) and argv[i + 1] == AUTO):
-            skip, auto = not eq, auto | {name}
-            continue
-        kept.append(arg)
-    return kept, {k: v for k, v in defaults.items() if k not in auto and not (k in planned and v == AUTO)}
+def auto_fields(settings) -> set[str]:
+    """The fields of `settings` a planner may choose (its class's PLANNED) that are left auto."""
+    return {name for name in type(settings).PLANNED if getattr(settings, name) == AUTO}
 
 
-class _Unset:
-    """A default no flag can produce: what is still it after parsing was not on the command line."""
+def unplanned(settings):
+    """`settings` with each true/false or number field left auto at its value where nothing plans it."""
+    values = unplanned_defaults(type(settings))
+    return replace(settings, **{name: value for name, value in values.items() if getattr(settings, name) == AUTO})
 
 
-def _given_on_command_line(types: Sequence[type], argv: Sequence[str]) -> set[str]:
-    probe = parser_for(types)
-    unset = _Unset()
-    probe.set_defaults(**{f.name: unset for t in types for f in fields(t)})
-    namespace, _ = probe.parse_known_args(args=list(argv))
-    return {name for name, value in vars(namespace).items() if value is not unset}
+def _or_auto(kind: Callable) -> Callable:
+    """An argparse `type` that also takes auto (argparse names `kind` in its message for a value it refuses)."""
+    def read(text):
+        return AUTO if text == AUTO else kind(text)
+    read.__name__ = kind.__name__
+    return read
 
 
 # ---- parsing --------------------------------------------------------------------------------------
@@ -195,6 +194,21 @@ def parser_for(types: Sequence[type]):
     class Parser(HfArgumentParser):
         def error(self, message: str):  # argparse would print the whole usage (dozens of flags) first
             raise UsageError(message)
+
+        @staticmethod
+        def _parse_dataclass_field(parser, field):
+            """A planned true/false or number field takes auto too (its default), and one true where nothing plans
+            it keeps its --no_NAME (transformers adds one where the default is True)."""
+            if UNPLANNED not in field.metadata:
+                return HfArgumentParser._parse_dataclass_field(parser, field)
+            unplanned_value, field = field.metadata[UNPLANNED], copy.copy(field)
+            field.metadata = {k: v for k, v in field.metadata.items() if k != UNPLANNED}
+            HfArgumentParser._parse_dataclass_field(parser, field)
+            action = parser._option_string_actions[f"--{field.name}"]
+            action.type = _or_auto(action.type)
+            if unplanned_value is True:
+                parser.add_argument(f"--no_{field.name}", f"--no-{field.name.replace('_', '-')}", action="store_false",
+                                    dest=field.name, default=False, help=field.metadata.get("help"))
 
     parser = Parser(list(types))
     if any(getattr(t, "SECTION", "") for t in types):
@@ -220,31 +234,23 @@ def _group_by_section(parser, types: Sequence[type]) -> None:
 def parse(types: Sequence[type], argv: Sequence[str], defaults: Optional[dict[str, Any]] = None,
           defaults_from: Optional[str] = None) -> tuple:
     """Instances of `types` from command-line `argv`, over `defaults` (a config file's values, named by
-    `defaults_from` in messages). Raises UsageError naming the flag or the config key at fault.
-
-    A planned field (`planned_fields`) given as `auto` counts as not given; each instance records the
-    fields that were given (`given`), so a planner changes only the others."""
-    argv, defaults = _without_auto(list(argv), dict(defaults or {}), planned_fields(types))
+    `defaults_from` in messages). Raises UsageError naming the flag or the config key at fault."""
     parser = parser_for(types)
     if defaults:
         parser.set_defaults(**_as_flags_read(parser, types, defaults, argv, defaults_from))
     try:
-        instances = tuple(parser.parse_args_into_dataclasses(args=list(argv)))
-        named = _given_on_command_line(types, argv) | set(defaults)
-        for obj in instances:
-            object.__setattr__(obj, "_given", frozenset(f.name for f in fields(obj) if f.name in named))
-        return instances
+        return tuple(parser.parse_args_into_dataclasses(args=list(argv)))
     except UsageError as exc:
         if not isinstance(exc, FieldError):
             raise
-        if defaults_from and not _flag_given(exc.name, argv) and exc.name in (defaults or {}):
+        if defaults_from and not flag_given(exc.name, argv) and exc.name in (defaults or {}):
             raise UsageError(f"{defaults_from}: {exc.name}: {exc.value!r} {exc.problem}") from None
         raise
     except ValueError as exc:  # HfArgumentParser's own complaint about flags it does not know
         raise UsageError(f"unrecognized arguments: {' '.join(_leftover(str(exc)))}; --help lists them") from None
 
 
-def _flag_given(name: str, argv: Sequence[str]) -> bool:
+def flag_given(name: str, argv: Sequence[str]) -> bool:
     """`--name` (or --name-with-dashes, or a true/false field's `--no_name`) is on the command line."""
     flags = {f"--{prefix}{spelled}" for prefix in ("", "no_", "no-") for spelled in (name, name.replace("_", "-"))}
     return any(arg.partition("=")[0] in flags for arg in argv)
@@ -261,7 +267,7 @@ def _as_flags_read(parser, types: Sequence[type], values: dict[str, Any], argv: 
     out = dict(values)
     for name, value in values.items():
         action = actions.get(name)
-        if not isinstance(value, str) or action is None or action.type in (None, str) or _flag_given(name, argv):
+        if not isinstance(value, str) or action is None or action.type in (None, str) or flag_given(name, argv):
             continue
         try:
             out[name] = action.type(value)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from foundation.cli import AUTO, unplanned_defaults
+
 # Every choice a plan holds, in the order its table prints them.
 CHOICES = ("quantization", "dtype", "optimizer", "gradient_checkpointing", "offload_embeddings", "offload_activations",
            "compile_layers", "micro_batch_size", "rollout_micro_batch_size", "decode", "generation_weights")
@@ -32,12 +34,18 @@ class RunPlan:
     @classmethod
     def of(cls, model_args, train_args=None, stage_args=None, **settled: Any) -> "RunPlan":
         """The plan of settings as given (ModelArguments, TrainArguments, a stage's arguments), with what a
-        caller settled (`settled`: quantization, dtype, optimizer where auto) in place of their values. Without
-        train arguments (a model built outside a run) micro_batch_size is 1 and the optimizer none."""
-        values = {"micro_batch_size": 1, "optimizer": "none"}
-        for settings in (model_args, train_args, stage_args):
-            values.update({name: getattr(settings, name) for name in CHOICES if hasattr(settings, name)})
-        return cls(**values | settled, planned=frozenset(name for name, value in values.items() if value == "auto"))
+        caller settled (`settled`: quantization, dtype, optimizer where auto) in place of their values; each
+        choice left auto is marked planned, and a true/false or number one takes its value where nothing plans
+        it (`foundation.cli.unplanned_defaults`). Without train arguments (a model built outside a run)
+        micro_batch_size is 1 and the optimizer none."""
+        values, planned = {"micro_batch_size": 1, "optimizer": "none"}, set()
+        for settings in filter(None, (model_args, train_args, stage_args)):
+            asked = {name: getattr(settings, name) for name in CHOICES if hasattr(settings, name)}
+            defaults = unplanned_defaults(type(settings))
+            planned |= {name for name, value in asked.items() if value == AUTO}
+            values.update({name: defaults.get(name, value) if value == AUTO else value
+                           for name, value in asked.items()})
+        return cls(**values | settled, planned=frozenset(planned))
 
     def table(self) -> str:
         """The plan as the log prints it at the start of a run: each choice marked set or planned."""

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
-from foundation.cli import Checked, UsageError, above, at_least, between, one_of
+from foundation.cli import AUTO, UNPLANNED, Checked, UsageError, above, at_least, between, one_of
 from foundation.reward_specs import check_builtin, check_spec, parse_weights, split_specs
 
 # ---- the choices a setting takes ----------------------------------------------------------------------
@@ -36,6 +36,13 @@ BAD_ROW_POLICIES = ("skip", "error")
 # The help of a field the online RL stages' budget planner may choose (a class's PLANNED).
 PLANNED_HELP = ("{}. auto (the default unless a config sets it): PPO / GRPO with --auto_fit plan it from the memory "
                 "estimate; otherwise {}. A value you give is kept.")
+
+
+def planned(unplanned: Union[bool, int], what: str):
+    """A true/false or number field the budget planner may choose (a class's PLANNED): auto by default, and
+    `unplanned` where nothing plans it (`foundation.cli.unplanned`)."""
+    shown = str(unplanned).lower() if isinstance(unplanned, bool) else str(unplanned)
+    return field(default=AUTO, metadata={UNPLANNED: unplanned, "help": PLANNED_HELP.format(what, shown)})
 
 
 ONLINE_RL_STAGES = ("ppo", "grpo")
@@ -72,17 +79,15 @@ class ModelArguments(Checked):
         default="auto",
         metadata={"help": "'flash_attention_2', 'sdpa', 'eager' or 'auto' (first that works, in that order)."},
     )
-    gradient_checkpointing: bool = field(default=True, metadata={"help": PLANNED_HELP.format(
-        "Recompute activations in backward", "true")})
-    offload_embeddings: bool = field(default=False, metadata={"help": PLANNED_HELP.format(
+    gradient_checkpointing: Union[bool, str] = planned(True, "Recompute activations in backward")
+    offload_embeddings: Union[bool, str] = planned(False,
         "Keep the input embedding in pinned host memory and send only each batch's rows to the GPU: vocab x hidden "
         "x 2 bytes less on the card (1 GiB at Qwen2.5-7B). Untied embeddings, eager decoding; the planner turns it "
-        "on only when nothing fits without it", "false")})
-    offload_activations: bool = field(default=False, metadata={"help": PLANNED_HELP.format(
+        "on only when nothing fits without it")
+    offload_activations: Union[bool, str] = planned(False,
         "Keep what a training pass saves for backward in pinned host memory until its backward (with "
         "checkpointing: each layer's input, layers x tokens x hidden x 2 bytes) - trainer/model/offload.py. CUDA; "
-        "not with ZeRO-3 / FSDP or --compile_layers; the planner turns it on only when nothing fits without it",
-        "false")})
+        "not with ZeRO-3 / FSDP or --compile_layers; the planner turns it on only when nothing fits without it")
     compile_layers: bool = field(default=False, metadata={
         "help": "torch.compile each decoder layer, with its checkpoint, for the passes that train (trainer/model/"
                 "compiled.py): elementwise work fuses and per-op overhead goes; generation and scoring stay eager. "
@@ -195,8 +200,8 @@ class TrainArguments(Checked):
     output_dir: str = field(default="runs/default", metadata={"help": "Run folder: checkpoints, adapters, logs."})
     seed: int = field(default=0, metadata={"help": "Seed for data order, dropout and initialisation."})
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps to train for."})
-    micro_batch_size: int = field(default=4, metadata={"help": PLANNED_HELP.format(
-        "Rows per forward/backward on each device (PPO / GRPO: of the update)", "4")})
+    micro_batch_size: Union[int, str] = planned(
+        4, "Rows per forward/backward on each device (PPO / GRPO: of the update)")
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-batches per optimizer step."})
     learning_rate: float = field(default=2e-4, metadata={"help": "Peak learning rate."})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
@@ -262,11 +267,6 @@ class TrainArguments(Checked):
              "report_to": lambda name, value: _trackers_rule(value), "memory_budget_gib": above(0),
              "simulate_gpu_gib": at_least(0)}
 
-    @property
-    def length_window(self) -> int:
-        """Rows of one optimizer step when they are grouped by length (`group_by_length`), else 0."""
-        return self.micro_batch_size * self.gradient_accumulation_steps if self.group_by_length else 0
-
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio", "comet_ml", "aim", "clearml", "dvclive", "swanlab")
 
@@ -322,8 +322,7 @@ class RolloutArguments(Checked):
     scripted_reward: Optional[str] = field(default=None, metadata={
         "help": "A built-in reward function, weight 1: keyword:WORD, length:N or chars:N (as in --reward_fn)."})
     rollout_batch_size: int = field(default=8, metadata={"help": "Prompts per step on each process."})
-    rollout_micro_batch_size: int = field(default=8, metadata={"help": PLANNED_HELP.format(
-        "Rows per generation / scoring pass", "8")})
+    rollout_micro_batch_size: Union[int, str] = planned(8, "Rows per generation / scoring pass")
     mini_batch_size: int = field(default=4, metadata={"help": "Rows per optimizer step in the update."})
     auto_fit: Optional[bool] = field(default=None, metadata={
         "help": "Plan the settings left auto (rollout_micro_batch_size, micro_batch_size, gradient_checkpointing, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
+from foundation.cli import unplanned
 from foundation.settings import ONLINE_RL_STAGES
 from profiling import components as C
 from profiling.predict import estimate
@@ -21,8 +22,9 @@ def _halve(value: int) -> int:
 
 
 def candidates(args) -> list[tuple[str, object]]:
-    """(description, changed arguments) in the order they are suggested; only real changes."""
-    out = []
+    """(description, changed arguments) in the order they are suggested; only real changes. A setting left auto
+    is changed from its value where nothing plans it (`foundation.cli.unplanned`)."""
+    out, args = [], unplanned(args)
     if args.micro_batch_size > 1:
         mb = _halve(args.micro_batch_size)
         out.append((f"micro_batch_size {args.micro_batch_size} -> {mb} (raise gradient_accumulation_steps to keep the batch)",

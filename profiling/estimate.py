@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
-from foundation.cli import given, parse, run
+from foundation.cli import auto_fields, flag_given, parse, run, unplanned
 from foundation.config_files import config_flag, load_yaml
 from foundation.files import check_writable, reported_write_failure, staged_files, write_atomic
 from foundation.provenance import provenance
@@ -116,7 +116,7 @@ def parse_estimate(argv: list[str]) -> EstimateArguments:
     sections = {"model": ModelArguments, "data": DataArguments, "train": TrainArguments, "stage": EstimateArguments}
     defaults = load_yaml(config_path, sections, beside=("stage",)) if config_path else {}
     (args,) = parse([EstimateArguments], argv, defaults, config_path)
-    named = given(args)
+    named = {name for name in ("reward_adapter", "reward_model") if name in defaults or flag_given(name, argv)}
     if "reward_adapter" in named and "reward_model" not in named:  # as a run reads it (`EstimateArguments.of_run`)
         (args,) = parse([EstimateArguments], argv, {**defaults, "reward_model": args.reward_adapter is not None},
                         config_path)
@@ -135,12 +135,13 @@ def check_outputs(args: EstimateArguments) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_estimate(argv)
+    planned = set(PLANNABLE) & auto_fields(args)  # what a run plans; estimated at their unplanned values otherwise
+    args = unplanned(args)
     check_outputs(args)
     if args.models:
         print(families_table(args))
         return 0
     shape = resolve_shape(args)
-    planned = set(PLANNABLE) - given(args)
     if args.cards:
         cards = card_fits(shape, args, planned)
         table = cards_markdown(shape, args, cards)

@@ -24,6 +24,7 @@ import functools
 from dataclasses import dataclass, replace
 from typing import Collection, Optional, Sequence
 
+from foundation.cli import unplanned
 from foundation.settings import ONLINE_RL_STAGES
 from profiling import components as C
 from profiling.predict import EstimateArguments, estimate, offloaded_embedding
@@ -101,12 +102,13 @@ def plan_rl(shape: ModelShape, args: EstimateArguments, mini_batch_size: int, ma
             may_offload: Sequence[str] = OFFLOADS, planned: Collection[str] = PLANNABLE) -> Optional[Plan]:
     """The plan for a PPO or GRPO run (`args.stage`; EstimateArguments of the run) with minibatches of
     `mini_batch_size` rows; None when nothing fits the whole budget with the settings given. Only the settings
-    in `planned` (of PLANNABLE) are chosen; the others keep their values in `args`. Where nothing fits, the
-    offloads the run allows (`may_offload`, planned ones) are turned on, each alone in OFFLOADS' order and then
-    together, until a plan fits; an offload that would change nothing (a tied embedding, the CPU) is not tried.
+    in `planned` (of PLANNABLE) are chosen; the others keep their values in `args` (auto: `unplanned`). Where
+    nothing fits, the offloads the run allows (`may_offload`, planned ones) are turned on, each alone in OFFLOADS'
+    order and then together, until a plan fits; an offload that would change nothing (a tied embedding, the CPU)
+    is not tried.
     All that within the budget less `margin`, else within the whole budget; a dense copy for decoding only ever
     within the margin (it saves time, never a run)."""
-    planned = frozenset(planned) & frozenset(PLANNABLE)
+    planned, args = frozenset(planned) & frozenset(PLANNABLE), unplanned(args)
     plan = _plan_within(shape, args, mini_batch_size, margin, may_offload, planned)
     if plan is None and margin > 0:  # a value given may fit only the whole budget: plan the rest around it
         plan = _plan_within(shape, args, mini_batch_size, 0.0, may_offload, planned)
@@ -223,7 +225,7 @@ def what_does_not_fit(shape: ModelShape, args: EstimateArguments, may_offload: S
     one row a pass, micro-batches of one, checkpointing, every offload allowed that moves something, eager
     decoding. The phase is the first over the budget that a given setting bears on; where none does, the peak,
     named with its settings' least values."""
-    planned = frozenset(planned) & frozenset(PLANNABLE)
+    planned, args = frozenset(planned) & frozenset(PLANNABLE), unplanned(args)
     least = {"rollout_micro_batch_size": 1, "micro_batch_size": 1, "gradient_checkpointing": True,
              **{name: name in may_offload and _moves_something(shape, replace(args, **{name: True}).resolved(), name)
                 for name in OFFLOADS}}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Optional
 
-from foundation.cli import UsageError, at_least, one_of
+from foundation.cli import UsageError, at_least, one_of, unplanned
 from foundation.settings import (
     ONLINE_RL_STAGES, DataArguments, GRPOArguments, ModelArguments, PPOArguments, RolloutArguments, TrainArguments,
     training_lora_dropout,
@@ -119,17 +119,19 @@ class EstimateArguments(ModelArguments, DataArguments, TrainArguments, PPOArgume
         return cls(**{**values, **given})
 
     def resolved(self) -> "EstimateArguments":
-        """The settings with 'auto' turned into what it means on `device` (profiling.resolve's rule)."""
-        nf4 = resolve.four_bit(self.quantization, self.device)
-        weights = self.generation_weights if nf4 and self.stage in ONLINE_RL_STAGES else "quantized"
-        return replace(self, quantization="nf4" if nf4 else "none",
-                       lora_dropout=training_lora_dropout(self.stage, self.lora_dropout),
+        """The settings with 'auto' turned into what it means on `device` (profiling.resolve's rule); a planned
+        setting still auto at its value where nothing plans it (`foundation.cli.unplanned`)."""
+        args = unplanned(self)
+        nf4 = resolve.four_bit(args.quantization, args.device)
+        weights = args.generation_weights if nf4 and args.stage in ONLINE_RL_STAGES else "quantized"
+        return replace(args, quantization="nf4" if nf4 else "none",
+                       lora_dropout=training_lora_dropout(args.stage, args.lora_dropout),
                        generation_weights="quantized" if weights == "auto" else weights,
-                       decode=resolve.decode_path(self.decode, self.device, self.offload_embeddings),
-                       dtype=resolve.compute_dtype(self.dtype, self.device, nf4),
-                       optimizer=self.optimizer if self.optimizer == "deepspeed_zero2_offload"
-                       else resolve.optimizer(self.optimizer, self.device),
-                       mixed_precision=self.autocast_dtype)
+                       decode=resolve.decode_path(args.decode, args.device, args.offload_embeddings),
+                       dtype=resolve.compute_dtype(args.dtype, args.device, nf4),
+                       optimizer=args.optimizer if args.optimizer == "deepspeed_zero2_offload"
+                       else resolve.optimizer(args.optimizer, args.device),
+                       mixed_precision=args.autocast_dtype)
 
     @property
     def autocast_dtype(self) -> str:

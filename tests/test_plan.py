@@ -98,7 +98,11 @@ def test_auto_fit_is_off_on_cpu_by_default(tmp_path, capfd, fresh_accelerate_sta
     assert ctx.plan.rollout_micro_batch_size == 8  # auto, unplanned: the field's default
     assert ctx.plan.generation_weights == "quantized"  # auto, unplanned: decodes from the weights as they are
     assert ctx.plan.decode == "eager"  # auto, on the CPU
-    assert "budget plan" not in "".join(capfd.readouterr())
+    assert ctx.plan.offload_embeddings is False and ctx.plan.offload_activations is False  # auto, unplanned
+    table = "".join(capfd.readouterr())
+    assert "budget plan" not in table
+    assert "rollout_micro_batch_size 8  (planned)" in table and "offload_activations false  (planned)" in table
+    assert "micro_batch_size 2  (set)" in table  # the config's
 
 
 # a simulated budget of 0.05 GiB: the tiny model's plan is every rollout row in one pass and the whole
@@ -346,20 +350,85 @@ def test_a_finished_stage_is_reused_where_its_planned_settings_were_left_auto(tm
         check_finished_stage("ppo", [*argv, "--micro_batch_size", "2"], out)
 
 
-@pytest.mark.parametrize("flags, given_fields", [
-    ([], {"micro_batch_size"}),  # the config sets it
-    (["--micro-batch-size", "auto"], set()), (["--micro_batch_size=auto"], set()),
-    (["--micro_batch_size", "3"], {"micro_batch_size"}),
+def test_a_planned_setting_left_auto_compares_on_resume_as_its_value_where_nothing_plans_it():
+    """auto matches auto, and the value it takes where nothing plans it (what a config.json may record); another
+    value is a change, and what a planner chose is compared in the plan section."""
+    from trainer.engine.setup import resume_config_changes
+
+    auto = {"model": {"offload_activations": "auto"}, "train": {"micro_batch_size": "auto"},
+            "plan": {"micro_batch_size": 2}}
+    unplanned = {"model": {"offload_activations": False}, "train": {"micro_batch_size": 4},
+                 "plan": {"micro_batch_size": 2}}
+    assert resume_config_changes(auto, auto) == resume_config_changes(auto, unplanned) == \
+        resume_config_changes(unplanned, auto) == []
+    other = {"model": {"offload_activations": True}, "train": {"micro_batch_size": 4}, "plan": {"micro_batch_size": 4}}
+    assert resume_config_changes(auto, other) == ["model.offload_activations: 'auto' -> True",
+                                                  "plan.micro_batch_size: 2 -> 4"]
+
+
+@pytest.mark.parametrize("flags, value", [
+    ([], 2),  # the config sets it
+    (["--micro-batch-size", "auto"], "auto"), (["--micro_batch_size=auto"], "auto"), (["--micro_batch_size", "3"], 3),
 ])
-def test_a_planned_field_is_given_unless_it_is_auto(flags, given_fields):
-    from foundation.cli import given
+def test_a_planned_field_is_auto_unless_a_value_is_given(flags, value):
+    from foundation.cli import auto_fields
 
     model, _, train, stage = parse_config(PPOArguments, ["--config", "tests/configs/tiny_ppo.yaml", *flags,
                                                          "--no_gradient_checkpointing"])
-    assert given(train) & {"micro_batch_size"} == given_fields
-    assert "gradient_checkpointing" in given(model) and model.gradient_checkpointing is False
-    assert "generation_weights" not in given(stage)  # its default, auto
-    assert train.micro_batch_size == (3 if "3" in flags else 2 if not flags else 4)
+    assert train.micro_batch_size == value
+    assert auto_fields(train) == ({"micro_batch_size"} if value == "auto" else set())
+    assert model.gradient_checkpointing is False and "gradient_checkpointing" not in auto_fields(model)
+    assert stage.generation_weights == "auto" and "generation_weights" in auto_fields(stage)
+
+
+def test_the_five_planned_fields_default_to_auto_from_flags_config_and_code_and_replace_keeps_it():
+    from foundation.cli import AUTO, parse
+    from foundation.settings import ModelArguments, TrainArguments
+
+    five = {"gradient_checkpointing", "offload_embeddings", "offload_activations", "micro_batch_size",
+            "rollout_micro_batch_size"}
+    for settings in (parse([ModelArguments, TrainArguments, PPOArguments], []),
+                     (ModelArguments(), TrainArguments(), PPOArguments())):
+        assert {name: getattr(obj, name) for obj in settings for name in five if hasattr(obj, name)} == \
+            dict.fromkeys(five, AUTO)
+    (train,) = parse([TrainArguments], [], {"micro_batch_size": "auto", "max_steps": 3}, "run.yaml")  # YAML auto
+    assert replace(train, learning_rate=1e-3).micro_batch_size == AUTO  # replace keeps it auto
+    assert replace(TrainArguments(micro_batch_size=2), learning_rate=1e-3).micro_batch_size == 2
+    model, _ = parse([ModelArguments, TrainArguments], ["--gradient_checkpointing", "--offload_embeddings", "false",
+                                                        "--offload_activations", "true"])
+    assert (model.gradient_checkpointing, model.offload_embeddings, model.offload_activations) == (True, False, True)
+
+
+@pytest.mark.parametrize("argv, defaults, message", [
+    (["--max_steps", "auto"], {}, "argument --max_steps/--max-steps: invalid int value: 'auto'"),
+    ([], {"max_steps": "auto"}, "run.yaml: max_steps: 'auto' must be a whole number"),
+    (["--micro_batch_size", "0"], {}, "--micro_batch_size 0: must be at least 1"),
+    (["--micro_batch_size", "two"], {}, "argument --micro_batch_size/--micro-batch-size: invalid int value: 'two'"),
+    ([], {"micro_batch_size": 2.5}, "run.yaml: micro_batch_size: 2.5 must be a whole number, or auto"),
+])
+def test_auto_is_refused_in_one_line_where_nothing_plans_the_field(argv, defaults, message):
+    from foundation.cli import parse
+    from foundation.settings import TrainArguments
+
+    with pytest.raises(UsageError) as exc:
+        parse([TrainArguments], argv, defaults, "run.yaml")
+    assert str(exc.value) == message
+
+
+def test_the_planned_fields_left_auto_take_their_unplanned_values_without_a_planner():
+    """On the CPU, or with --auto_fit off: checkpointing on, no offloads, micro-batches of 4, rollout passes of 8,
+    each marked planned; a value set is kept and marked set."""
+    from foundation.run_plan import RunPlan
+    from foundation.settings import ModelArguments, TrainArguments
+
+    plan = RunPlan.of(ModelArguments(), TrainArguments(), PPOArguments(), quantization="none", dtype="float32")
+    assert (plan.gradient_checkpointing, plan.offload_embeddings, plan.offload_activations, plan.micro_batch_size,
+            plan.rollout_micro_batch_size) == (True, False, False, 4, 8)
+    assert {"gradient_checkpointing", "offload_embeddings", "offload_activations", "micro_batch_size",
+            "rollout_micro_batch_size"} <= plan.planned
+    given = RunPlan.of(ModelArguments(gradient_checkpointing=False), TrainArguments(micro_batch_size=2))
+    assert "gradient_checkpointing false  (set)" in given.table() and "micro_batch_size 2  (set)" in given.table()
+    assert "offload_embeddings false  (planned)" in given.table()
 
 
 def test_decode_auto_plans_the_compiled_step_where_it_keeps_half_the_rows_else_eager():

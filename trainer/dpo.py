@@ -103,7 +103,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                         ctx.accelerator, targs.eval_batches, targs.progress_bar)
 
     harness = Harness(ctx, model, "dpo", [POLICY], train, collate, evaluate,
-                      length_window=targs.length_window,
+                      by_length=True,
                       log_keys=["train/loss", "train/rewards/accuracies", "train/lr", "train/grad_norm",
                                 "perf/tokens_per_s", "perf/peak_gb"])
     harness.train(supervised_step(harness.engine, compute_loss, targs.gradient_accumulation_steps, pairs_in))

@@ -22,7 +22,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from foundation.cli import Checked, InputError, UsageError, given, one_of, parse, run
+from foundation.cli import Checked, InputError, UsageError, one_of, parse, run
 from foundation.files import atomic_folder, check_writable, reported_write_failure
 from trainer.engine.setup import base_model_args
 from trainer.gguf_export import GGUF_TYPES, MODEL_FILE, check_exportable, prepared_gguf, write_file
@@ -41,10 +41,11 @@ class ExportArguments(Checked):
     out: str = field(default="", metadata={"help": "The model folder to write (must not exist, or be empty)."})
     format: str = field(default="hf", metadata={
         "help": "hf: a Hugging Face model folder; gguf: a GGUF file for llama.cpp and Ollama (Llama, Mistral, Qwen2)."})
-    dtype: str = field(default="auto", metadata={
-        "help": "Weights of an hf export: float32, bfloat16, float16, or auto (the dtype the base computed in)."})
-    gguf_type: str = field(default="f16", metadata={
-        "help": "Weights of a gguf export: f16, bf16, q8_0 (8-bit, about half f16's size) or f32."})
+    dtype: Optional[str] = field(default=None, metadata={
+        "help": "Weights of an hf export: float32, bfloat16, float16, or auto (the default: the dtype the base "
+                "computed in)."})
+    gguf_type: Optional[str] = field(default=None, metadata={
+        "help": "Weights of a gguf export: f16 (the default), bf16, q8_0 (8-bit, about half f16's size) or f32."})
     nf4_rounding: bool = field(default=True, metadata={
         "help": "For an adapter trained on an NF4 base: export the NF4-rounded base weights it was trained against "
                 "(false: the original full-precision weights)."})
@@ -94,9 +95,9 @@ def check_finite_weights(adapter: Path) -> None:
 
 def check_inputs(args: ExportArguments) -> tuple[Path, Path]:
     adapter, out = Path(args.adapter), Path(args.out)
-    if args.format == "hf" and "gguf_type" in given(args):
+    if args.format == "hf" and args.gguf_type is not None:
         raise UsageError(f"--gguf_type {args.gguf_type}: is for --format gguf; a Hugging Face folder takes --dtype")
-    if args.format == "gguf" and "dtype" in given(args):
+    if args.format == "gguf" and args.dtype is not None:
         raise UsageError(f"--dtype {args.dtype}: is for --format hf; a GGUF file takes --gguf_type "
                          f"({', '.join(GGUF_TYPES)})")
     check_adapter_folder(adapter, "--adapter")
@@ -147,8 +148,8 @@ def export(args: ExportArguments) -> Path:
     record = {"adapter": str(adapter), "base": model_args.model_name_or_path, "trained_on": trained,
               "nf4_rounding": args.nf4_rounding}
     if args.format == "gguf":
-        return export_gguf(merged, tokenizer, out, args.gguf_type, record)
-    dtype = DTYPES[trained["dtype"] if args.dtype == "auto" else args.dtype]
+        return export_gguf(merged, tokenizer, out, args.gguf_type or "f16", record)
+    dtype = DTYPES[trained["dtype"] if args.dtype in (None, "auto") else args.dtype]
     merged = merged.to(dtype)
     merged.config.use_cache = True
     for key in ("eos_token_id", "pad_token_id", "bos_token_id"):

@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Optional, Sequence
 
-from foundation.cli import UsageError, given, parse, parse_assignments, run
+from foundation.cli import UsageError, auto_fields, parse, parse_assignments, run
 from foundation.config_files import load_yaml
 from foundation.files import write_atomic
 from foundation.settings import DataArguments
@@ -89,7 +89,7 @@ def check_finished_stage(name: str, argv: Sequence[str], out: Path, module: Opti
     settings = parse_config(stage_module(module or name).ARGUMENTS, argv)
     now = run_config(*settings, resolved={})
     for section, obj in zip(("model", "data", "train", "stage"), settings):
-        for planned in set(type(obj).PLANNED) - given(obj):  # left auto: the saved value is the plan's
+        for planned in auto_fields(obj):  # left auto: whatever the finished stage's plan chose
             now[section].pop(planned, None)
     changes = config_changes(json.loads(saved_file.read_text()), now, COSMETIC_FIELDS)
     if changes:

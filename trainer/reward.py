@@ -84,7 +84,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                max_batches=targs.eval_batches, progress=targs.progress_bar)
 
     harness = Harness(ctx, model, "reward", [REWARD], train, collate, evaluate,
-                      length_window=targs.length_window,
+                      by_length=True,
                       log_keys=["train/loss", "train/accuracy", "train/lr", "train/grad_norm", "perf/tokens_per_s",
                                 "perf/peak_gb"])
     harness.train(supervised_step(harness.engine, compute_loss, targs.gradient_accumulation_steps, pairs_in))

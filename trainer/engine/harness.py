@@ -194,14 +194,16 @@ class Harness:
 
     def __init__(self, ctx, model, stage: str, adapters: list[str], dataset, collate: Callable,
                  evaluate: Callable[["Engine"], dict[str, float]], log_keys: list[str], extra_state: Optional[Stateful] = None,
-                 accumulation_steps: Optional[int] = None, length_window: int = 0, batch_size: Optional[int] = None):
+                 accumulation_steps: Optional[int] = None, by_length: bool = False, batch_size: Optional[int] = None):
         self.ctx, self.args, self.accelerator = ctx, ctx.train_args, ctx.accelerator
         self.stage, self.adapters, self.evaluate_fn, self.log_keys = stage, adapters, evaluate, log_keys
         self.extra_state = extra_state
         # The window spans every rank's share of a step: N processes with accumulation A group as one with N x A.
         ranks = self.accelerator.num_processes
         batch_size = batch_size or ctx.plan.micro_batch_size  # a training micro-batch, or an RL step's prompts
-        loader, self.sampler = make_loader(dataset, collate, batch_size, self.args.seed, length_window * ranks, ranks)
+        # `by_length` (SFT, reward, DPO) with --group_by_length: each optimizer step's rows grouped by length
+        window = batch_size * self.args.gradient_accumulation_steps if by_length and self.args.group_by_length else 0
+        loader, self.sampler = make_loader(dataset, collate, batch_size, self.args.seed, window * ranks, ranks)
         self.engine = Engine(model, self.args, self.accelerator, stage, loader, accumulation_steps, ctx.plan.optimizer)
         self.output_dir = Path(self.args.output_dir)
         self.metrics_log = MetricsLog(self.accelerator, self.output_dir)

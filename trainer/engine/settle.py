@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from foundation.cli import UsageError, given
+from foundation.cli import UsageError
 from foundation.run_plan import RunPlan
 from foundation.settings import ONLINE_RL_STAGES
 from profiling import components as C
@@ -42,9 +42,8 @@ def settle(stage: Optional[str], settings: tuple, device: torch.device, launch: 
     check_combinations(model_args, stage_args, launch)
     plan = replace(model_plan(model_args, device, train_args, stage_args),
                    optimizer=resolve_optimizer_name(train_args.optimizer, device))
-    # left auto (not given: `foundation.cli.given`): the planner's to choose, else the field's default
-    left_auto = set(PLANNABLE) & set(plan.choices()) - given(model_args) - given(train_args) - given(stage_args)
-    plan, budget_plan = replace(plan, planned=plan.planned | left_auto), None
+    # left auto (`RunPlan.of` marks them planned): the planner's to choose, else their unplanned values
+    left_auto, budget_plan = set(PLANNABLE) & plan.planned, None
     if stage in ONLINE_RL_STAGES:
         plan, budget_plan = _planned(stage, plan, settings, device, launch, left_auto)
         check_batch_sizes(stage, stage_args, plan.micro_batch_size)
@@ -73,8 +72,9 @@ def check_combinations(model_args, stage_args, launch: Launch) -> None:
     """Refuse, in one line, what the settings asked for cannot run together or under this launch (ZeRO-3 / FSDP
     shard the base): the offloads, compiled layers and the decode path (a stage without rollouts: eager)."""
     decode, compile_layers = getattr(stage_args, "decode", "eager"), model_args.compile_layers
-    for name in OFFLOADS:  # the planner's rule (`offload_conflict`), for the offloads given
-        if getattr(model_args, name) and (why := offload_conflict(name, decode, compile_layers, launch.sharded)):
+    for name in OFFLOADS:  # the planner's rule (`offload_conflict`), for the offloads set true (not auto)
+        why = offload_conflict(name, decode, compile_layers, launch.sharded)
+        if getattr(model_args, name) is True and why:
             raise LaunchError(f"--{name} {why}")
     if launch.sharded and compile_layers:
         raise LaunchError(f"--compile_layers is not supported under {launch.sharded}: its module hooks, which gather "

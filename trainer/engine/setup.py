@@ -17,11 +17,11 @@ from typing import Any, Optional, Sequence
 import torch
 from accelerate.utils import set_seed
 
-from foundation.cli import FieldError, InputError, UsageError
+from foundation.cli import AUTO, FieldError, InputError, UsageError, unplanned_defaults
 from foundation.files import entry_problem, reported_write_failure, write_atomic
 from foundation.reward_specs import split_specs
 from foundation.run_plan import RunPlan
-from foundation.settings import ONLINE_RL_STAGES, DataArguments, ModelArguments, TrainArguments
+from foundation.settings import ONLINE_RL_STAGES, DataArguments, ModelArguments, RolloutArguments, TrainArguments
 from trainer.config import parse_config
 from trainer.data.formats import parser_for
 from trainer.data.hh_rlhf import LoadReport, Splits, load_splits
@@ -232,6 +232,16 @@ def warn_edited_rewards(saved: dict[str, Any], now: dict[str, Any]) -> None:
                            "evaluations before and after it are scored by different functions", source)
 
 
+# A planned true/false or number setting compares as its value where nothing plans it: auto and that value ask for
+# the same run; what a planner chose is compared in the "plan" section.
+UNPLANNED_VALUES = {**unplanned_defaults(ModelArguments), **unplanned_defaults(TrainArguments),
+                    **unplanned_defaults(RolloutArguments)}
+
+
+def _asked(key: str, value: Any) -> Any:
+    return UNPLANNED_VALUES.get(key, value) if value == AUTO else value
+
+
 def config_changes(saved: dict[str, Any], now: dict[str, Any], allowed: dict[str, set[str]]) -> list[str]:
     """'section.field: saved -> now' for every field that differs, but those in `allowed` (evaluation-only
     stage fields, like eval_prompts, may always change; fields absent from the saved file are not compared)."""
@@ -243,7 +253,7 @@ def config_changes(saved: dict[str, Any], now: dict[str, Any], allowed: dict[str
                 continue
             if section == "stage" and key.startswith("eval"):
                 continue
-            if old_values[key] != value:
+            if _asked(key, old_values[key]) != _asked(key, value):
                 changes.append(f"{section}.{key}: {old_values[key]!r} -> {value!r}")
     return changes
 
