@@ -110,6 +110,23 @@ def in_process_command(module: str, argv: list[str]):
     return subprocess.CompletedProcess([module, *argv], code, out.getvalue(), err.getvalue())
 
 
+def plant_remote_code(folder: Path, marker: Path, config_file: str) -> str:
+    """`folder` (a model's or tokenizer's files) with its `config_file` naming (auto_map) a module that, imported,
+    writes `marker`: config.json a model of a type transformers does not know, tokenizer_config.json a tokenizer
+    class it does not know. What the trust_remote_code checks load, to see that nothing runs."""
+    import json
+
+    (folder / "custom.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n")
+    if config_file == "config.json":
+        values = {"model_type": "custom", "auto_map": {"AutoConfig": "custom.Config",
+                                                       "AutoModelForCausalLM": "custom.Model"}}
+    else:
+        values = {**json.loads((folder / config_file).read_text()), "tokenizer_class": "CustomTokenizer",
+                  "auto_map": {"AutoTokenizer": ["custom.CustomTokenizer", None]}}
+    (folder / config_file).write_text(json.dumps(values))
+    return str(folder)
+
+
 def saved_head(folder: Path, hidden_size: int, seed: int = 0) -> str:
     """A folder holding a random scalar head (head.safetensors): what a frozen head must be loaded from."""
     import torch

@@ -20,19 +20,12 @@ YES = "y\n" * 1000  # what `yes |` answers to any prompt
 
 
 def code_folder(folder: Path, tokenizer, marker: Path, config_file: str) -> str:
-    """A folder holding `tokenizer`'s files, whose `config_file` names (auto_map) a module that, imported,
-    writes `marker`; config.json: a model of a type transformers does not know; tokenizer_config.json: a
-    tokenizer class it does not know."""
+    """A folder holding `tokenizer`'s files, whose `config_file` names a module that writes `marker` when imported
+    (`conftest.plant_remote_code`)."""
+    from conftest import plant_remote_code
+
     tokenizer.save_pretrained(folder)
-    (folder / "custom.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n")
-    if config_file == "config.json":
-        values = {"model_type": "custom", "auto_map": {"AutoConfig": "custom.Config",
-                                                       "AutoModelForCausalLM": "custom.Model"}}
-    else:
-        values = {**json.loads((folder / config_file).read_text()), "tokenizer_class": "CustomTokenizer",
-                  "auto_map": {"AutoTokenizer": ["custom.CustomTokenizer", None]}}
-    (folder / config_file).write_text(json.dumps(values))
-    return str(folder)
+    return plant_remote_code(folder, marker, config_file)
 
 
 def adapter_on(folder: Path, **base) -> str:

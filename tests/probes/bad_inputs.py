@@ -24,8 +24,9 @@ from io import BytesIO
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]  # root, tests/
 
+from conftest import plant_remote_code
 from foundation.files import write_atomic
 from foundation.provenance import PROJECT_ROOT, provenance
 from profiling.report import table_lines
@@ -340,21 +341,14 @@ CASES += [
 
 def code_folder(s: Scratch, name: str, config_file: str) -> str:
     """SmolLM2's tokenizer files in a folder whose `config_file` names (auto_map) a module that writes `RAN`
-    beside itself when imported: config.json a model type, tokenizer_config.json a tokenizer class, unknown."""
+    beside itself when imported (`conftest.plant_remote_code`)."""
     from trainer.model.loading import embedded_model_dir
 
     folder = s.path(name)
     if not folder.exists():
         shutil.copytree(embedded_model_dir(), folder, ignore=shutil.ignore_patterns("*.safetensors", "*config.json"))
         shutil.copy(embedded_model_dir() / "tokenizer_config.json", folder)
-        (folder / "custom.py").write_text(f"from pathlib import Path\nPath({str(folder / 'RAN')!r}).write_text('ran')\n")
-        if config_file == "config.json":
-            values = {"model_type": "custom", "auto_map": {"AutoConfig": "custom.Config",
-                                                           "AutoModelForCausalLM": "custom.Model"}}
-        else:
-            values = {**json.loads((folder / config_file).read_text()), "tokenizer_class": "CustomTokenizer",
-                      "auto_map": {"AutoTokenizer": ["custom.CustomTokenizer", None]}}
-        (folder / config_file).write_text(json.dumps(values))
+        plant_remote_code(folder, folder / "RAN", config_file)
     return str(folder)
 
 
