@@ -15,7 +15,11 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: install demo test test-fast bench clean
+# The GPU kit's every-part smoke run (~6 minutes on 2 cores) runs before a GPU call (benchmarks/gpu/prepare.sh) and
+# on demand, not in `make test`: there the kit's stage commands run in the test's process (tests/test_gpu_kit.py).
+KIT_SMOKE := -m kit_smoke tests/test_gpu_kit.py
+
+.PHONY: install demo test test-fast kit-smoke bench clean
 
 # pip would byte-compile every module of every package it installs, though a run imports few of torch's and
 # transformers' (half the install's time); Python compiles what a run imports, once, on first use. So the tests
@@ -37,10 +41,13 @@ demo: install
 
 test: install
 	@$(PY) tests/build_ops.py 2>&1 | grep -v WARNING
-	$(PY) -m pytest -q $(XDIST) --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not kit_smoke" --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not kit_smoke" $(PYTEST_ARGS)
+
+kit-smoke: install
+	$(PY) -m pytest -q -p no:cacheprovider $(KIT_SMOKE) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

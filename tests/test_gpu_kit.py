@@ -2,6 +2,10 @@
 the CPU with the tiny preset, packs each part into one archive small enough to come back from the GPU
 machine, and `benchmarks.gpu.collect` files the archives and regenerates the GPU tables of docs/gpu-results.md.
 
+The every-part smoke run (the tests marked `kit_smoke`, ~6 minutes on two cores) runs where the kit is used:
+`make kit-smoke`, which benchmarks/gpu/prepare.sh runs before every GPU call. `make test` runs the rest: the
+recipes by the kit's own stage commands in this process, the budget's cuts, collect, and each part's commands.
+
 The smoke run's files are checked for what each part must measure: the flag ladder's rungs really ran
 with their flags, both sides of the TRL comparison did the same work, decode throughput and the
 estimator comparison were written.
@@ -43,6 +47,7 @@ def smoke(tmp_path_factory) -> tuple[Path, Path]:
     return out, unpacked
 
 
+@pytest.mark.kit_smoke
 def test_every_part_runs_and_packs_one_archive_that_can_come_back(smoke):
     out, unpacked = smoke
     archives = sorted(p.name for p in out.iterdir())
@@ -62,6 +67,7 @@ def test_every_part_runs_and_packs_one_archive_that_can_come_back(smoke):
         assert "/work/" not in manifest["command"]
 
 
+@pytest.mark.kit_smoke
 def test_check_runs_the_gpu_tests_which_skip_without_cuda(smoke):
     _, unpacked = smoke
     report = (unpacked / "check" / "gpu-tests.xml").read_text()
@@ -72,6 +78,7 @@ def test_check_runs_the_gpu_tests_which_skip_without_cuda(smoke):
     assert versions["torch"] and versions["bitsandbytes"] and versions["gpu"] is None
 
 
+@pytest.mark.kit_smoke
 def test_memory_records_each_stage_and_compares_it_with_the_estimator(smoke):
     """The memory part's SFT, reward and GRPO runs (in smoke mode one process runs the three); its PPO run in smoke
     mode is the first call's (the same stage_run command, which the memory part leaves out there)."""
@@ -109,6 +116,7 @@ def test_memory_records_each_stage_and_compares_it_with_the_estimator(smoke):
     assert steps[-1].argv[3:] == [str(unpacked / s) for s in ("sft", "reward", "ppo", "grpo")]
 
 
+@pytest.mark.kit_smoke
 def test_the_first_call_runs_its_steps_in_the_order_of_their_value(smoke):
     """One device call returns the headline figures: the CUDA path's tests, the seed recipe's PPO memory per
     component and phase against the estimator, decode at batch 16, then one PPO step against TRL's."""
@@ -147,6 +155,7 @@ def test_a_first_call_out_of_time_records_the_later_steps_as_cut_and_still_comes
     assert set(statuses) <= {"ok", "cut"} and statuses == sorted(statuses, key=lambda s: s == "cut")
 
 
+@pytest.mark.kit_smoke
 def test_first_compares_with_trl_on_the_same_work_and_measures_decode(smoke):
     _, unpacked = smoke
     report = json.loads((unpacked / "first" / "ppo_vs_trl" / "ppo_vs_trl.json").read_text())
@@ -210,6 +219,7 @@ def test_a_side_out_of_time_is_recorded_as_cut_not_as_a_result(tmp_path):
     assert "status cut" in (out / "ppo_vs_trl.md").read_text()
 
 
+@pytest.mark.kit_smoke
 def test_stages_compare_dpo_with_trl_on_the_planned_rows(smoke, tmp_path):
     """The smoke run's stages part is DPO only, and CI's one run of the DPO comparison (SFT and reward with the
     same flags: tests/test_stages_vs_trl.py): both sides train on the planned rows, the same tensor walk counts
@@ -255,6 +265,7 @@ def test_stages_compare_dpo_with_trl_on_the_planned_rows(smoke, tmp_path):
     assert all(argv[argv.index("--evaluate") + 1] == "false" and "--profile_memory" not in argv for argv in gpu)
 
 
+@pytest.mark.kit_smoke
 def test_the_flag_ladder_ran_each_rung_with_its_flag(smoke):
     """Read what each rung's own run wrote, not the ladder's settings."""
     _, unpacked = smoke
@@ -286,6 +297,7 @@ def test_the_flag_ladder_ran_each_rung_with_its_flag(smoke):
             assert row["step_s"] > 0 and row["tokens_per_s"] > 0 and row["peak_allocated_bytes"] is None
 
 
+@pytest.mark.kit_smoke
 def test_collect_files_the_archives_and_regenerates_the_readme_section(smoke, tmp_path):
     from benchmarks.gpu.collect import END, START, main
 
@@ -396,6 +408,7 @@ def test_the_speed_part_runs_the_recipes_as_the_stages_decode_then_each_decode_p
     assert speed[:speed.index("--out_dir")] == main[:main.index("--out_dir")]  # the same work
 
 
+@pytest.mark.kit_smoke
 def test_the_grpo_recipe_part_runs_trl_s_recipe_with_the_policy_adapter_alone(smoke):
     """TRL's QLoRA GRPO recipe (issue 36): beta 0 and a scored reward, so one adapter on the base; memory against
     the estimator, which predicts it (`benchmarks.trl_grpo_recipe`)."""
@@ -419,6 +432,41 @@ def test_the_grpo_recipe_part_runs_trl_s_recipe_with_the_policy_adapter_alone(sm
     same = flags[:at] + flags[at + 4:]
     assert [a.replace("grpo_8gb", "grpo") for a in small.argv[:len(same)]] == same
     assert small.argv[len(same):] == ["--simulate_gpu_gib", "8", "--memory_budget_gib", "8"]
+
+
+def test_each_recipe_runs_by_the_kit_s_stage_command_and_its_memory_meets_the_estimator(tmp_path, monkeypatch):
+    """make test's run of the kit's stage commands, in this process: each trainer/configs/llama2_7b recipe by the
+    command the kit's smoke run gives it (`parts.stage_run`: two steps on the tiny preset in NF4, memory recorded),
+    the RL and DPO stages from the SFT and reward adapters before them; then `benchmarks.gpu.vs_estimate` sets the
+    estimator beside every record."""
+    from conftest import in_process_command
+
+    from benchmarks.gpu.parts import PartArguments, stage_run
+    from benchmarks.gpu.vs_estimate import main as vs_estimate
+
+    monkeypatch.chdir(ROOT)  # the kit's commands name the recipes and the rows from the project's root
+    adapters = ["--sft_adapter", str(tmp_path / "sft" / "adapter"), "--reward_adapter",
+                str(tmp_path / "reward" / "adapter")]
+    rollout = ["--eval_prompts", "0", "--max_new_tokens", "8", "--min_new_tokens", "8", "--rollout_batch_size", "2",
+               "--rollout_micro_batch_size", "4", "--mini_batch_size", "2"]
+    runs = {"sft": [], "reward": adapters[:2], "ppo": [*adapters, *rollout],
+            "grpo": [*adapters, *rollout, "--num_generations", "2"], "dpo": adapters[:2]}
+    for stage, extra in runs.items():
+        argv = stage_run(PartArguments(part="memory", out=str(tmp_path), smoke=True), stage, tmp_path, *extra)
+        assert argv[1:4] == [f"trainer/{stage}.py", "--config", f"trainer/configs/llama2_7b/{stage}.yaml"]
+        proc = in_process_command(f"trainer.{stage}", argv[2:])
+        assert proc.returncode == 0, (stage, proc.stdout[-2000:] + proc.stderr[-2000:])
+        metrics = [json.loads(line) for line in (tmp_path / stage / "metrics.jsonl").read_text().splitlines()]
+        assert max(r.get("step", 0) for r in metrics) == 2, stage
+    compared = {r["run"]: r for r in vs_estimate([str(tmp_path / stage) for stage in runs])}
+    assert len(compared) == len(runs)
+    for stage, result in zip(runs, compared.values()):
+        assert result["phases"], stage
+        for phase in result["phases"]:  # tensor-counted: the estimator's closed form on any device
+            rows = {r["component"]: r for r in phase["components"]}
+            assert rows["base_weights"]["ratio"] == pytest.approx(1.0), (stage, phase["phase"])
+    components = json.loads((tmp_path / "ppo" / "memory.json").read_text())["phases"][-1]["components"]
+    assert {"adapter/policy", "adapter/reference", "adapter/value", "adapter/reward"} <= set(components)
 
 
 # ---- collect: archives and manifests it refuses ---------------------------------------------------

@@ -679,7 +679,10 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
     then policy) - give the eager model's outputs and gradients to fp32 rounding, each under its own adapters (a
     graph compiled under one route is not reused under another). Each layer compiles WITH its checkpoint: one
     call per layer and pass, the recomputation inside the compiled backward (the forward compiled alone never
-    runs). Passes without autograd (scoring, generation) run eagerly and compile nothing."""
+    runs). Every LoRA layer's forward is one function bound to its layer, so the decoder layers trace alike: one
+    graph per route for both layers (an object per layer, guarded by its identity, compiled each layer anew until
+    torch's variant limit). Passes without autograd (scoring, generation) run eagerly and compile nothing."""
+    import torch._dynamo
     from conftest import compiled_calls
     from torch._dynamo.utils import counters
 
@@ -694,8 +697,12 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
     ids, mask = batch(b=4, t=12)
     passes = COMPILED_PASSES[:3]  # the routed pass, then two adapters alone: one route compiled, then another
     want, eager_calls, _ = train_passes(models[0], ids, mask, monkeypatch, passes)
+    assert len({layer.forward.__func__ for layer in models[1].lora_layers}) == 1 < len(models[1].lora_layers)
+    torch._dynamo.reset()  # nothing compiled by an earlier test to reuse: every graph below is counted
+    before = counters["stats"]["unique_graphs"]
     got, calls, alone = train_passes(models[1], ids, mask, monkeypatch, passes)
     assert eager_calls == 0 and calls == 2 * len(passes) and alone == 0
+    assert counters["stats"]["unique_graphs"] - before == len(passes)  # one graph per route, not per layer
     assert all(m.forward.whole for m in models[1].modules() if hasattr(m.forward, "whole"))
     assert_same_passes(got, want, passes)
     graphs = counters["stats"]["unique_graphs"]
@@ -705,26 +712,6 @@ def test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eager
                      for m in models]
     assert not calls and counters["stats"]["unique_graphs"] == graphs  # scoring and decoding: eager, nothing compiled
     assert torch.equal(sequences[0], sequences[1])
-
-
-def test_compiled_layers_compile_one_graph_for_all_their_layers(monkeypatch, traced_not_generated):
-    """Every LoRA layer's forward is one function bound to its layer, so torch.compile traces the decoder layers
-    alike: a routed training pass through 6 compiled layers compiles one graph, no layer recompiles (an
-    object per layer, guarded by its identity, compiled each layer anew until torch's variant limit)."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    model = build_shared_model(tiny_args(checkpointing=True, lora_dropout=0.0, compile_layers=True,
-                                         preset_overrides="num_hidden_layers=6"),
-                               [AdapterSpec("policy", trainable=True), AdapterSpec("value", trainable=True, head=True)],
-                               vocab_size=VOCAB).train()
-    assert len({layer.forward.__func__ for layer in model.lora_layers}) == 1 < len(model.lora_layers)
-    ids, mask = batch(b=4, t=12)
-    before = counters["stats"]["unique_graphs"]
-    train_passes(model, ids, mask, monkeypatch, passes=[(("policy", "value"), ("logits", "scores"))])
-    assert model.compiled_parts == 6 and counters["stats"]["unique_graphs"] - before == 1
-    assert all(m.forward.whole for m in model.modules() if hasattr(m.forward, "whole"))
 
 
 def test_compiled_layers_that_cannot_compile_with_their_checkpoint_stay_exact(sft_adapter, monkeypatch, caplog,

