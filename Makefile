@@ -17,7 +17,6 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The GPU kit's every-part smoke run (~6 minutes on 2 cores) runs before a GPU call (benchmarks/gpu/prepare.sh) and
 # on demand, not in `make test`: there the kit's stage commands run in the test's process (tests/test_gpu_kit.py).
-KIT_SMOKE := -m kit_smoke tests/test_gpu_kit.py
 
 .PHONY: install demo test test-fast kit-smoke bench clean
 
@@ -47,7 +46,7 @@ test-fast: install
 	$(PY) -m pytest -q $(XDIST) -m "not slow and not kit_smoke" $(PYTEST_ARGS)
 
 kit-smoke: install
-	$(PY) -m pytest -q -p no:cacheprovider $(KIT_SMOKE) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -m kit_smoke tests/test_gpu_kit.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -355,8 +355,9 @@ def test_each_step_compiled_anew_compiles_whatever_was_compiled_before_it(tiny, 
 def test_a_checkpointed_model_decodes_compiled_in_one_graph(caplog):
     """Checkpointing hooks the input embeddings so that their output requires grad (every decoder layer then sees
     such an input: a compiled layer compiles one graph for all, tests/test_shared_base.py's
-    `test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eagerly`), in grad mode only: transformers' hook calls requires_grad_ in a no-grad decode too, where it
-    breaks a compiled step's graph wherever dynamo cannot trace it (torch 2.11: three graphs a step). A step
+    `test_compiled_layers_give_the_eager_outputs_and_gradients_and_generate_eagerly`), in grad mode only:
+    transformers' hook calls requires_grad_ in a no-grad decode too, where it breaks a compiled step's graph
+    wherever dynamo cannot trace it (torch 2.11: three graphs a step). A step
     without breaks says nothing of them (`test_a_compiled_step_that_breaks_into_pieces_says_where_in_one_warning`)."""
     from torch._dynamo.utils import counters
 

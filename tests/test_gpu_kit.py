@@ -78,6 +78,15 @@ def test_check_runs_the_gpu_tests_which_skip_without_cuda(smoke):
     assert versions["torch"] and versions["bitsandbytes"] and versions["gpu"] is None
 
 
+def assert_base_weights_as_estimated(compared: dict, stage: str) -> None:
+    """A `benchmarks.gpu.vs_estimate` result of `stage` has phases, and in each the base's weights at ratio 1:
+    tensor-counted components are exact closed forms of the estimator, on any device."""
+    assert compared["phases"], stage
+    for phase in compared["phases"]:
+        rows = {r["component"]: r for r in phase["components"]}
+        assert rows["base_weights"]["ratio"] == pytest.approx(1.0), (stage, phase["phase"])
+
+
 @pytest.mark.kit_smoke
 def test_memory_records_each_stage_and_compares_it_with_the_estimator(smoke):
     """The memory part's SFT, reward and GRPO runs (in smoke mode one process runs the three); its PPO run in smoke
@@ -90,13 +99,7 @@ def test_memory_records_each_stage_and_compares_it_with_the_estimator(smoke):
     for stage, run in runs.items():
         memory = json.loads((run / "memory.json").read_text())
         assert memory["phases"] and not memory["command"].startswith("/")
-        compared = json.loads((run / "vs_estimate.json").read_text())
-        phases = {p["phase"]: p for p in compared["phases"]}
-        assert phases, stage
-        for phase in phases.values():
-            rows = {r["component"]: r for r in phase["components"]}
-            # tensor-counted components are exact closed forms of the estimator: ratio 1 on any device
-            assert rows["base_weights"]["ratio"] == pytest.approx(1.0), (stage, phase["phase"])
+        assert_base_weights_as_estimated(json.loads((run / "vs_estimate.json").read_text()), stage)
     ppo = {p["phase"] for p in json.loads((runs["ppo"] / "vs_estimate.json").read_text())["phases"]}
     assert {"generate", "score", "update", "optimizer_step"} <= ppo  # fused passes: one scoring phase
     grpo = {p["phase"] for p in json.loads((runs["grpo"] / "vs_estimate.json").read_text())["phases"]}
@@ -451,20 +454,18 @@ def test_each_recipe_runs_by_the_kit_s_stage_command_and_its_memory_meets_the_es
                "--rollout_micro_batch_size", "4", "--mini_batch_size", "2"]
     runs = {"sft": [], "reward": adapters[:2], "ppo": [*adapters, *rollout],
             "grpo": [*adapters, *rollout, "--num_generations", "2"], "dpo": adapters[:2]}
+    smoke = PartArguments(part="memory", out=str(tmp_path), smoke=True)
     for stage, extra in runs.items():
-        argv = stage_run(PartArguments(part="memory", out=str(tmp_path), smoke=True), stage, tmp_path, *extra)
+        argv = stage_run(smoke, stage, tmp_path, *extra)
         assert argv[1:4] == [f"trainer/{stage}.py", "--config", f"trainer/configs/llama2_7b/{stage}.yaml"]
         proc = in_process_command(f"trainer.{stage}", argv[2:])
         assert proc.returncode == 0, (stage, proc.stdout[-2000:] + proc.stderr[-2000:])
         metrics = [json.loads(line) for line in (tmp_path / stage / "metrics.jsonl").read_text().splitlines()]
         assert max(r.get("step", 0) for r in metrics) == 2, stage
     compared = {r["run"]: r for r in vs_estimate([str(tmp_path / stage) for stage in runs])}
-    assert len(compared) == len(runs)
-    for stage, result in zip(runs, compared.values()):
-        assert result["phases"], stage
-        for phase in result["phases"]:  # tensor-counted: the estimator's closed form on any device
-            rows = {r["component"]: r for r in phase["components"]}
-            assert rows["base_weights"]["ratio"] == pytest.approx(1.0), (stage, phase["phase"])
+    assert sorted(compared) == sorted(runs)
+    for stage in runs:
+        assert_base_weights_as_estimated(compared[stage], stage)
     components = json.loads((tmp_path / "ppo" / "memory.json").read_text())["phases"][-1]["components"]
     assert {"adapter/policy", "adapter/reference", "adapter/value", "adapter/reward"} <= set(components)
 
