@@ -5,8 +5,8 @@ own rows; DeepSpeed ZeRO-2 with CPU optimizer offload steps, skips a NaN step as
 resumes from its engine checkpoint; the launch modes a run cannot use are refused in one line. A launch runs
 several stages one after another in the same processes, as the pipeline does.
 
-The DeepSpeed tests need DeepSpeed's cpu_adam and shm_comm ops, which `make test` compiles first (tests/build_ops.py),
-cached under $TORCH_EXTENSIONS_DIR (default: the project cache), so CI pays it once.
+The DeepSpeed tests need DeepSpeed's cpu_adam op, which `make test` compiles first (tests/build_ops.py), cached
+under $TORCH_EXTENSIONS_DIR (default: the project cache), so CI pays it once.
 """
 
 from __future__ import annotations
@@ -115,11 +115,17 @@ def launch(config: str, processes: int, script: Path, *args: str, expect_ok: boo
 # rows each rank trains on recorded into "trace" where given (benchmarks/row_trace.py); a {"copy": [FROM, TO]}
 # copies a folder on rank 0 while the other ranks wait.
 RUNS = """
-import json, runpy, shutil, sys
+import json, os, runpy, shutil, sys
 sys.path.insert(0, {root!r})
 from contextlib import nullcontext
 
 import torch.distributed as dist
+
+# DeepSpeed's CPU accelerator compiles a shared-memory all-reduce op (shm_comm, a minute on 2 cores) when its process
+# group starts, for its inference all-reduce alone, which training never calls: not here.
+if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+    import importlib
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # deepspeed.comm.torch is torch
 
 from benchmarks.row_trace import traced
 from trainer.engine.launch import reset_accelerate
@@ -137,11 +143,12 @@ for run in json.loads(sys.argv[1]):
 """
 
 
-def launch_runs(folder: Path, config: str, runs: list[dict], poison: str | None = None) -> str:
-    """Two processes under accelerate_configs/CONFIG that run `runs` (see `RUNS`) in turn: the launch's log."""
+def launch_runs(folder: Path, config: str, runs: list[dict], poison: str | None = None, processes: int = 2,
+                expect_ok: bool = True) -> str:
+    """Processes under accelerate_configs/CONFIG that run `runs` (see `RUNS`) in turn: the launch's log."""
     driver = folder / "runs.py"
     driver.write_text(RUNS.format(root=str(ROOT)))
-    return launch(config, 2, driver, json.dumps(runs), poison=poison)
+    return launch(config, processes, driver, json.dumps(runs), poison=poison, expect_ok=expect_ok)
 
 
 def stage_run(script: Path, output_dir: Path, *extra: str, trace: Path | None = None,
@@ -367,8 +374,8 @@ def test_deepspeed_checkpoint_holds_engine_shards_without_the_frozen_base_and_re
 def test_ppo_under_zero3_is_refused_at_start_in_one_line(tmp_path):
     out = tmp_path / "ppo"
     # One process: the refusal comes before any collective, and the launcher reports it as for more.
-    log = launch("deepspeed_zero3.yaml", 1, ROOT / "trainer" / "ppo.py", *stage_args(out, train_config=TINY_PPO),
-                 expect_ok=False)
+    log = launch_runs(tmp_path, "deepspeed_zero3.yaml", [stage_run(ROOT / "trainer" / "ppo.py", out, train_config=TINY_PPO)],
+                      processes=1, expect_ok=False)
     line = ("error: ppo under DeepSpeed ZeRO-3 is not supported: it generates with and switches its adapters on one "
             "base whose weights DeepSpeed ZeRO-3 partitions across ranks (untested, and every switch or decoded token "
             "would gather the whole base); use accelerate_configs/multi_gpu.yaml or "
