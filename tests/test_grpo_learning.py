@@ -16,8 +16,8 @@ def test_grpo_raises_a_scripted_reward_on_held_out_prompts_with_bounded_kl(learn
     assert before["eval/score_policy"] == before["eval/score_sft"]  # same adapter weights at step 0
     # The margin of these bounds over seeds and with a flipped update: python -m benchmarks.learning_margin.
     gain = after["eval/score_policy"] - after["eval/score_sft"]
-    assert gain >= 0.5, (before, after)
-    assert after["eval/win_rate"] >= 0.6
+    assert gain >= 1.0, (before, after)
+    assert after["eval/win_rate"] >= 0.75
     assert 0.0 < after["eval/kl"] < 20.0  # moved away from the reference, but boundedly
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward"] for r in rows if "reward" in r]
