@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -57,13 +55,13 @@ def test_a_published_folder_and_what_torch_and_safetensors_wrote_get_the_umask_m
 
 
 def test_a_tiny_runs_checkpoint_adapter_and_export_get_the_umask_modes(tmp_path, umask):
+    from conftest import in_process_command
+
     from trainer.export import main as export
 
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "trainer" / "sft.py"), "--config", str(TINY_SFT),
-                           "--output_dir", str(out), "--eval_every", "0", "--max_steps", "1", "--save_every", "1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})  # inherits the umask
+    proc = in_process_command("trainer.sft", ["--config", str(TINY_SFT), "--output_dir", str(out), "--eval_every", "0",
+                                              "--max_steps", "1", "--save_every", "1"])  # under the fixture's umask
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     checkpoint = out / "checkpoint-0000001"
     assert (checkpoint / "adapters" / "policy" / "adapter_model.safetensors").is_file()
