@@ -136,22 +136,26 @@ def compiled_matmuls(layers):
 
 def traced_instructions(layers):
     """Bytecode instructions dynamo traces while compiling the decode step, its decoder layers as regions (as
-    rollouts compile it), under autocast from the dense copy."""
+    rollouts compile it), under autocast from the dense copy. Dynamo traces before any backend runs: the graphs
+    then run eagerly, with no code generated."""
     import torch._dynamo
     import torch._dynamo.symbolic_convert as convert
     ids, (decode, compile_anew) = compiled_decode_work(layers)
-    traced, step = [0], convert.InstructionTranslatorBase.step
+    traced, step, compile_ = [0], convert.InstructionTranslatorBase.step, torch.compile
     def counted(self):
         traced[0] += 1
         return step(self)
+    def eager(model=None, *, options=None, backend=None, **kwargs):
+        return compile_(model, backend="eager", **kwargs) if model is not None else (
+            lambda fn: compile_(fn, backend="eager", **kwargs))
     torch._dynamo.reset()
-    compile_anew()
-    convert.InstructionTranslatorBase.step = counted
+    torch.compile, convert.InstructionTranslatorBase.step = eager, counted
     try:
+        compile_anew()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             decode(ids)
     finally:
-        convert.InstructionTranslatorBase.step = step
+        torch.compile, convert.InstructionTranslatorBase.step = compile_, step
     return traced[0]
 
 TOKENS = 8  # the prompt's forward and 7 steps
