@@ -189,6 +189,12 @@ ARCHITECTURES = {"llama": ("tiny-llama", ""),
                                          "num_key_value_heads=2,vocab_size=512")}
 
 
+def inductor_settings() -> dict[str, str]:
+    """The caller's TORCHINDUCTOR_* settings (its cache folder, its CPU kernels' vectorisation): the counts are of
+    graphs and dispatched operations, which they leave as they are."""
+    return {key: value for key, value in os.environ.items() if key.startswith("TORCHINDUCTOR_")}
+
+
 def figures(spec: str, architecture: str = "llama", layers: str = "2,4") -> dict:
     """The counts at `spec`: a git revision, or REVISION@FOLDER to import the libraries in FOLDER (an unpacked
     wheel, e.g. another transformers) ahead of this environment's; per layer from models of `layers` layers."""
@@ -198,7 +204,7 @@ def figures(spec: str, architecture: str = "llama", layers: str = "2,4") -> dict
         done = subprocess.run([sys.executable, "-c", COUNTING, *ARCHITECTURES[architecture], layers], cwd=tree,
                               capture_output=True, text=True, timeout=600,
                               env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
-                                   "OMP_NUM_THREADS": "1"})
+                                   "OMP_NUM_THREADS": "1", **inductor_settings()})
     if done.returncode != 0:
         raise RuntimeError(f"counting at {spec} failed: {done.stderr.strip()[-2000:]}")
     counted = json.loads(done.stdout.strip().splitlines()[-1])

@@ -19,6 +19,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch.compile compiles in its own pool of worker processes: on two cores they would compete with the other
 # test worker, which the pool is not told of
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Inductor's CPU kernels without SIMD: the tests that run inductor claim its graph passes and what its kernels compute
+# (on a GPU, Triton's); generating and compiling vectorised C++ took ~40% of their time
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 # Under pytest-xdist (make test runs files on parallel workers) the workers share the cores: each
 # one, and every process it starts, gets its share of threads instead of all of them.
