@@ -374,8 +374,8 @@ def test_deepspeed_checkpoint_holds_engine_shards_without_the_frozen_base_and_re
 def test_ppo_under_zero3_is_refused_at_start_in_one_line(tmp_path):
     out = tmp_path / "ppo"
     # One process: the refusal comes before any collective, and the launcher reports it as for more.
-    log = launch_runs(tmp_path, "deepspeed_zero3.yaml", [stage_run(ROOT / "trainer" / "ppo.py", out, train_config=TINY_PPO)],
-                      processes=1, expect_ok=False)
+    run = stage_run(ROOT / "trainer" / "ppo.py", out, train_config=TINY_PPO)
+    log = launch_runs(tmp_path, "deepspeed_zero3.yaml", [run], processes=1, expect_ok=False)
     line = ("error: ppo under DeepSpeed ZeRO-3 is not supported: it generates with and switches its adapters on one "
             "base whose weights DeepSpeed ZeRO-3 partitions across ranks (untested, and every switch or decoded token "
             "would gather the whole base); use accelerate_configs/multi_gpu.yaml or "
