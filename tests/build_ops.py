@@ -1,8 +1,7 @@
 """Compile DeepSpeed's CPU Adam op (cpu_adam) once, before the suite, into the cache the DeepSpeed
-tests use ($TORCH_EXTENSIONS_DIR, else the project cache). Alone on the machine the build takes
-~1.5 min on 2 cores; inside the suite it would compete with the other test worker. The tests' launches
-skip DeepSpeed's shared-memory all-reduce op (tests/test_distributed.py). A no-op (a few seconds)
-when the op is already cached.
+tests use ($TORCH_EXTENSIONS_DIR, else the project cache): inside the suite the build would compete
+with the test workers. The tests' launches skip DeepSpeed's shared-memory all-reduce op
+(tests/test_distributed.py). A no-op (a few seconds) when the op is already cached.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # test worker, which the pool is not told of
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Inductor's CPU kernels without SIMD: the tests that run inductor claim its graph passes and what its kernels compute
-# (on a GPU, Triton's); generating and compiling vectorised C++ took ~40% of their time
+# (on a GPU, Triton's); vectorised C++ is much slower to generate and compile, and no GPU runs it
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 # Under pytest-xdist (make test runs files on parallel workers) the workers share the cores: each

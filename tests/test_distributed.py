@@ -121,8 +121,8 @@ from contextlib import nullcontext
 
 import torch.distributed as dist
 
-# DeepSpeed's CPU accelerator compiles a shared-memory all-reduce op (shm_comm, a minute on 2 cores) when its process
-# group starts, for its inference all-reduce alone, which training never calls: not here.
+# DeepSpeed's CPU accelerator compiles a shared-memory all-reduce op (shm_comm) when its process group starts, for
+# its inference all-reduce alone, which training never calls: not here.
 if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
     import importlib
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # deepspeed.comm.torch is torch
