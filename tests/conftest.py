@@ -33,6 +33,24 @@ if _workers > 1 and "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch may be imported already
 
 
+# What a run imports, every stage and what they load on their way: most of a tiny run's time.
+FORK_PRELOAD = [*(f"trainer.{stage}" for stage in ("sft", "reward", "dpo", "ppo", "grpo")), "benchmarks.row_trace",
+                "peft", "bitsandbytes", "deepspeed", "transformers.models.llama.modeling_llama",
+                "transformers.conversion_mapping"]
+
+
+@pytest.fixture(scope="session")
+def forks():
+    """Processes forked from one that imported `FORK_PRELOAD` once (multiprocessing's forkserver, one per test
+    worker): a run that is killed gets a process of its own without importing torch, transformers and the rest
+    again. A target is a module-level function of a test file."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(FORK_PRELOAD)
+    return context
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """Folder of the real hh-rlhf rows ($RLHF_DATA, else ../shared/data/hh-rlhf)."""

@@ -6,7 +6,6 @@ process of its own; the uninterrupted and the resumed run run in the test's proc
 from __future__ import annotations
 
 import json
-import multiprocessing
 import random
 import signal
 import time
@@ -48,20 +47,6 @@ KEYS = ("train/loss", "train/grad_norm", "train/lr", "objective/scores", "object
 def stage_argv(stage: str, out: Path) -> list[str]:
     config, extra, _, _ = STAGES[stage]
     return ["--config", str(config), "--output_dir", str(out), "--save_every", "1", "--keep_checkpoints", "20", *extra]
-
-
-# What a run imports, the stages and what they load on their way: most of a tiny run's time.
-PRELOAD = [*(f"trainer.{stage}" for stage in STAGES), "benchmarks.row_trace", "peft", "bitsandbytes", "deepspeed",
-           "transformers.models.llama.modeling_llama", "transformers.conversion_mapping"]
-
-
-@pytest.fixture(scope="module")
-def forks():
-    """Processes forked from one that imported `PRELOAD` once (multiprocessing's forkserver): each run that is
-    killed gets a process of its own without importing torch, transformers and the rest again."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    return context
 
 
 def run_to_be_killed(stage: str, out: Path, trace: Path, log: Path) -> None:
