@@ -51,6 +51,44 @@ def forks():
     return context
 
 
+def run_to_be_killed(module: str, argv: list[str], log: Path, die_at: str | None = None,
+                     trace: Path | None = None) -> None:
+    """The body of a process that is killed (a `forks` target): `python -m MODULE ARGV` with one thread, as the
+    runs in the test's process (a matrix product's summation order may change with the thread count), its output
+    into `log`. With `die_at` it SIGKILLs itself when it syncs a folder whose name starts so: every file of that
+    save written, nothing renamed yet. With `trace` the rows each step reads are recorded from outside the trainer."""
+    import signal
+    from contextlib import ExitStack, redirect_stderr, redirect_stdout
+
+    import foundation.files as files
+
+    real = files.fsync_tree
+
+    def dying_fsync(root: Path) -> None:
+        if die_at is not None and root.name.startswith(die_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(root)
+
+    files.fsync_tree = dying_fsync
+    torch.set_num_threads(1)
+    with open(log, "w") as f, redirect_stdout(f), redirect_stderr(f), ExitStack() as stack:
+        if trace is not None:
+            from benchmarks.row_trace import traced
+
+            stack.enter_context(traced(trace))
+        in_process(module, argv)
+
+
+def killed_run(forks, module: str, argv: list[str], log: Path, die_at: str) -> None:
+    """`run_to_be_killed` in a process of its own, which must end by its SIGKILL at `die_at`."""
+    import signal
+
+    proc = forks.Process(target=run_to_be_killed, args=(module, argv, log, die_at))
+    proc.start()
+    proc.join(600)
+    assert proc.exitcode == -signal.SIGKILL, log.read_text()[-3000:]
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """Folder of the real hh-rlhf rows ($RLHF_DATA, else ../shared/data/hh-rlhf)."""

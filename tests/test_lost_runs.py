@@ -11,13 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import in_process, in_process_command
+from conftest import in_process_command, killed_run
 
 from foundation.cli import run
 from trainer.engine.checkpoint import complete_checkpoints, verify_checkpoint
@@ -296,35 +295,15 @@ def test_a_full_disk_while_saving_the_final_adapter_stops_in_one_line_and_leaves
     assert not [p for p in out.iterdir() if p.name.startswith((".adapter", "adapter"))]
 
 
-def sft_killed_in_the_final_save(argv: list[str], log: Path) -> None:
-    """The body of the process that is killed: an SFT run that SIGKILLs itself once its final adapter is written
-    under its temporary name, before the rename; its output into `log`."""
-    import foundation.files as files
-
-    real = files.fsync_tree
-
-    def dying_fsync(root: Path) -> None:
-        if root.name.startswith(".adapter-"):
-            os.kill(os.getpid(), signal.SIGKILL)  # the adapter written under its temporary name, not renamed
-        real(root)
-
-    files.fsync_tree = dying_fsync
-    torch.set_num_threads(1)
-    with open(log, "w") as f, redirect_stdout(f), redirect_stderr(f):
-        in_process("trainer.sft", argv)
-
-
 def test_a_kill_during_the_final_save_leaves_debris_the_next_run_removes(tmp_path, fresh_accelerate_state, capsys,
                                                                          forks):
     from trainer.engine.setup import start_run
     from trainer.sft import SFTArguments
 
     out, killed_log = tmp_path / "run", tmp_path / "killed.log"
-    proc = forks.Process(target=sft_killed_in_the_final_save,
-                         args=(sft_argv(out, "--max_steps", "2", "--save_every", "2"), killed_log))
-    proc.start()
-    proc.join(600)
-    assert proc.exitcode == -signal.SIGKILL, killed_log.read_text()[-3000:]
+    # killed once the final adapter is written under its temporary name, before the rename
+    killed_run(forks, "trainer.sft", sft_argv(out, "--max_steps", "2", "--save_every", "2"), killed_log,
+               die_at=".adapter-")
     assert len([p for p in out.iterdir() if p.name.startswith(".adapter-")]) == 1
     ctx = start_run(SFTArguments, sft_argv(out, "--max_steps", "2"), stage="sft")
     assert not [p for p in out.iterdir() if p.name.startswith(".adapter-")]

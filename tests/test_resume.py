@@ -9,12 +9,11 @@ import json
 import random
 import signal
 import time
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import in_process, in_process_command
+from conftest import in_process_command, run_to_be_killed
 from safetensors.torch import load_file
 
 from benchmarks.row_trace import traced
@@ -47,14 +46,6 @@ KEYS = ("train/loss", "train/grad_norm", "train/lr", "objective/scores", "object
 def stage_argv(stage: str, out: Path) -> list[str]:
     config, extra, _, _ = STAGES[stage]
     return ["--config", str(config), "--output_dir", str(out), "--save_every", "1", "--keep_checkpoints", "20", *extra]
-
-
-def run_to_be_killed(stage: str, out: Path, trace: Path, log: Path) -> None:
-    """The body of the process that is killed: the stage's run with one thread, as the runs in this process, the
-    rows each step reads recorded from outside the trainer, its output into `log`."""
-    torch.set_num_threads(1)
-    with open(log, "w") as f, redirect_stdout(f), redirect_stderr(f), traced(trace):
-        in_process(f"trainer.{stage}", stage_argv(stage, out))
 
 
 def run_here(stage: str, out: Path, trace: Path) -> str:
@@ -91,7 +82,8 @@ def test_sigkill_at_a_random_step_past_epoch_boundaries_resumes_to_the_uninterru
     seed = random.randrange(10**6)
     kill_after = random.Random(seed).randint(per_epoch + 1, total - 2)
     killed_log = tmp_path / "killed.log"
-    proc = forks.Process(target=run_to_be_killed, args=(stage, killed, tmp_path / "trace-killed", killed_log))
+    proc = forks.Process(target=run_to_be_killed, args=(f"trainer.{stage}", stage_argv(stage, killed), killed_log),
+                         kwargs={"trace": tmp_path / "trace-killed"})
     proc.start()
     checkpoint = killed / f"checkpoint-{kill_after:07d}"
     deadline = time.time() + 300

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import in_process, in_process_command
+from conftest import in_process_command, killed_run
 from safetensors.torch import load_file
 
 from trainer.engine.checkpoint import complete_checkpoints
@@ -45,31 +42,11 @@ def uninterrupted(tmp_path_factory) -> Path:
     return out
 
 
-def sft_killed_in_a_checkpoint_write(out: Path, log: Path) -> None:
-    """The body of the process that is killed: `run_sft`'s run (one thread, as a matrix product's summation order
-    may change with the thread count), which SIGKILLs itself once checkpoint 4's files are written and before it
-    is published under its name; its output into `log`."""
-    import foundation.files as files
-
-    real = files.fsync_tree
-
-    def dying_fsync(root: Path) -> None:
-        if root.name.startswith("checkpoint-0000004"):
-            os.kill(os.getpid(), signal.SIGKILL)  # every file written, nothing renamed yet
-        real(root)
-
-    files.fsync_tree = dying_fsync
-    torch.set_num_threads(1)
-    with open(log, "w") as f, redirect_stdout(f), redirect_stderr(f):
-        in_process("trainer.sft", ["--config", str(TINY_SFT), "--output_dir", str(out)])
-
-
 def test_kill_during_a_checkpoint_write_leaves_the_previous_one_readable(uninterrupted, tmp_path, forks):
     out, killed_log = tmp_path / "killed-in-save", tmp_path / "killed.log"
-    proc = forks.Process(target=sft_killed_in_a_checkpoint_write, args=(out, killed_log))
-    proc.start()
-    proc.join(600)
-    assert proc.exitcode == -signal.SIGKILL, killed_log.read_text()[-3000:]
+    # killed once checkpoint 4's files are written, before it is published under its name
+    killed_run(forks, "trainer.sft", ["--config", str(TINY_SFT), "--output_dir", str(out)], killed_log,
+               die_at="checkpoint-0000004")
     assert (out / "checkpoint-0000004.tmp").is_dir()  # the half-published save is there...
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-0000002"]  # ...and ignored
     log = run_sft(out)
