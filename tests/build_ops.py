@@ -13,6 +13,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def without_debug_info() -> None:
+    """DeepSpeed's cpu_adam op compiled without debug information (-g), which the tests never read and which
+    costs its build a third of its time; the same machine code. Every process that loads the op calls this:
+    the build cache keys on the compiler flags, so a process with other flags would build it anew."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().get_op_builder("CPUAdamBuilder")
+    flags = builder.cxx_args
+    if not getattr(flags, "without_debug_info", False):
+        def cxx_args(self) -> list[str]:
+            return [flag for flag in flags(self) if flag != "-g"]
+
+        cxx_args.without_debug_info = True
+        builder.cxx_args = cxx_args
+
+
 def main() -> None:
     from trainer.config import cache_dir
 
@@ -23,6 +39,7 @@ def main() -> None:
     except ImportError as err:  # DeepSpeed is optional: its tests skip without it
         print(f"DeepSpeed ops not built: {err}")
         return
+    without_debug_info()
     get_accelerator().create_op_builder("CPUAdamBuilder").load(verbose=False)
     print(f"DeepSpeed's cpu_adam op ready in {os.environ['TORCH_EXTENSIONS_DIR']}")
 

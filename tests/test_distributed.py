@@ -122,10 +122,13 @@ from contextlib import nullcontext
 import torch.distributed as dist
 
 # DeepSpeed's CPU accelerator compiles a shared-memory all-reduce op (shm_comm) when its process group starts, for
-# its inference all-reduce alone, which training never calls: not here.
+# its inference all-reduce alone, which training never calls: not here. Its cpu_adam op is loaded as
+# tests/build_ops.py built it.
 if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
     import importlib
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # deepspeed.comm.torch is torch
+    sys.path.insert(0, os.path.join({root!r}, "tests"))
+    importlib.import_module("build_ops").without_debug_info()
 
 from benchmarks.row_trace import traced
 from trainer.engine.launch import reset_accelerate
