@@ -79,6 +79,57 @@ def run_to_be_killed(module: str, argv: list[str], log: Path, die_at: str | None
         in_process(module, argv)
 
 
+def _under_a_file_size_limit(module: str, argv: list[str], limit: int, stdout, stderr) -> None:
+    """The body of `limited_run`'s process: its stdout and stderr are the pipes, then `ulimit -f` (a pipe is not a
+    file: what the run prints is not cut), then the module's `main` as `python -m` runs it, and the exit handlers
+    an interpreter runs as it exits (a forked process leaves without them)."""
+    import atexit
+    import resource
+    import signal
+    import sys
+
+    for stream, pipe in ((sys.stdout, stdout), (sys.stderr, stderr)):
+        stream.flush()
+        os.dup2(pipe.fileno(), stream.fileno())
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel's SIGXFSZ kills the writer
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    torch.set_num_threads(1)
+    import importlib
+
+    from foundation.cli import run
+
+    try:
+        run(importlib.import_module(module).main, argv)
+    finally:
+        atexit._run_exitfuncs()
+
+
+def limited_run(forks, module: str, argv: list[str], file_size: int):
+    """`python -m MODULE ARGV` under `ulimit -f` of `file_size` bytes, in a process forked from `forks`: as
+    `subprocess.run(capture_output=True, text=True)` sees it (exit code, stdout, stderr), without the start of a
+    process of its own."""
+    import selectors
+    import subprocess
+
+    pipes = {"stdout": forks.Pipe(duplex=False), "stderr": forks.Pipe(duplex=False)}
+    proc = forks.Process(target=_under_a_file_size_limit,
+                         args=(module, argv, file_size, pipes["stdout"][1], pipes["stderr"][1]))
+    proc.start()
+    out, selector = {name: b"" for name in pipes}, selectors.DefaultSelector()
+    for name, (reader, writer) in pipes.items():
+        writer.close()  # the child's copy stays open until it ends
+        selector.register(reader.fileno(), selectors.EVENT_READ, name)
+    while selector.get_map():
+        for key, _ in selector.select():
+            chunk = os.read(key.fd, 65536)
+            if chunk:
+                out[key.data] += chunk
+            else:
+                selector.unregister(key.fd)
+    proc.join(600)
+    return subprocess.CompletedProcess([module, *argv], proc.exitcode, out["stdout"].decode(), out["stderr"].decode())
+
+
 def killed_run(forks, module: str, argv: list[str], log: Path, die_at: str) -> None:
     """`run_to_be_killed` in a process of its own, which must end by its SIGKILL at `die_at`."""
     import signal

@@ -859,19 +859,13 @@ def test_an_estimate_written_to_a_read_only_filesystem_is_one_line(flag, name, r
                                  "system); free space or pick another place"]
 
 
-def test_reports_that_do_not_all_fit_under_a_file_size_limit_leave_none_of_them(tmp_path):
+def test_reports_that_do_not_all_fit_under_a_file_size_limit_leave_none_of_them(tmp_path, forks):
     """estimate.json and .md fit 30 KB, the chart does not: one line, and none of the three is left."""
-    import resource
-    import signal
-
-    def limit():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, 30_000))
+    from conftest import limited_run
 
     out = tmp_path / "reports"
-    done = subprocess.run([sys.executable, "-m", "profiling.estimate", "--model", "llama-2-7b", "--stage", "sft",
-                           "--out_dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                          preexec_fn=limit)
+    done = limited_run(forks, "profiling.estimate", ["--model", "llama-2-7b", "--stage", "sft", "--out_dir", str(out)],
+                       file_size=30_000)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: --out_dir {out}: could not be written (File too large; ")

@@ -5,13 +5,10 @@ size limit) is one line too, with nothing half-written left."""
 from __future__ import annotations
 
 import os
-import resource
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import limited_run
 
 from foundation.cli import run
 
@@ -79,21 +76,11 @@ def test_a_planted_entry_in_the_run_folder_is_refused_in_one_line_before_anythin
         assert list(outside.iterdir()) == []  # no events or checkpoint written through a link
 
 
-def limit_file_size(limit: int):
-    """A child's preexec: files it writes stop at `limit` bytes (EFBIG past it, as under `ulimit -f`)."""
-    def preexec():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel's SIGXFSZ kills the writer
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    return preexec
-
-
-def test_a_file_size_limit_at_start_up_stops_in_one_line_leaving_the_folder_empty(tmp_path, smol_tokenizer):
+def test_a_file_size_limit_at_start_up_stops_in_one_line_leaving_the_folder_empty(tmp_path, smol_tokenizer, forks):
     """`ulimit -f 1`: config.json (a few KB) cannot be written; one line naming it and the limit, exit 1, and no
     temporary config.json or run.lock left behind."""
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "trainer" / "sft.py"), *sft_argv(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, preexec_fn=limit_file_size(1024),
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = limited_run(forks, "trainer.sft", sft_argv(out), file_size=1024)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith(f"error: {out / 'config.json'}: could not be written (File too large; ")
