@@ -21,12 +21,7 @@ def without_debug_info() -> None:
 
     builder = get_accelerator().get_op_builder("CPUAdamBuilder")
     flags = builder.cxx_args
-    if not getattr(flags, "without_debug_info", False):
-        def cxx_args(self) -> list[str]:
-            return [flag for flag in flags(self) if flag != "-g"]
-
-        cxx_args.without_debug_info = True
-        builder.cxx_args = cxx_args
+    builder.cxx_args = lambda self: [flag for flag in flags(self) if flag != "-g"]
 
 
 def main() -> None:

@@ -42,8 +42,9 @@ FORK_PRELOAD = [*(f"trainer.{stage}" for stage in ("sft", "reward", "dpo", "ppo"
 @pytest.fixture(scope="session")
 def forks():
     """Processes forked from one that imported `FORK_PRELOAD` once (multiprocessing's forkserver, one per test
-    worker): a run that is killed gets a process of its own without importing torch, transformers and the rest
-    again. A target is a module-level function of a test file."""
+    worker): a run that is killed, or runs under a file-size limit, gets a process of its own without importing
+    torch, transformers and the rest again. A target is a module-level function (`run_to_be_killed`,
+    `limited_run`'s)."""
     import multiprocessing
 
     context = multiprocessing.get_context("forkserver")
@@ -81,8 +82,8 @@ def run_to_be_killed(module: str, argv: list[str], log: Path, die_at: str | None
 
 def _under_a_file_size_limit(module: str, argv: list[str], limit: int, stdout, stderr) -> None:
     """The body of `limited_run`'s process: its stdout and stderr are the pipes, then `ulimit -f` (a pipe is not a
-    file: what the run prints is not cut), then the module's `main` as `python -m` runs it, and the exit handlers
-    an interpreter runs as it exits (a forked process leaves without them)."""
+    file: what the run prints is not cut), then the run (`in_process`), and the exit handlers an interpreter runs
+    as it exits (a forked process leaves without them)."""
     import atexit
     import resource
     import signal
@@ -94,12 +95,8 @@ def _under_a_file_size_limit(module: str, argv: list[str], limit: int, stdout, s
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel's SIGXFSZ kills the writer
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     torch.set_num_threads(1)
-    import importlib
-
-    from foundation.cli import run
-
     try:
-        run(importlib.import_module(module).main, argv)
+        in_process(module, argv)
     finally:
         atexit._run_exitfuncs()
 
