@@ -84,6 +84,28 @@ def test_provenance_records_the_environment_settings_that_change_speed_and_memor
     assert shown_command({"command": "c"}) == "c"  # reports written before the field existed
 
 
+def test_the_git_revision_is_read_without_writing_into_the_repository(tmp_path):
+    """`git status` refreshes a stale index (a tracked file touched since) by writing .git/index.lock and then
+    the index: a run reading its revision must not. Under a file-size limit that write left a stale lock behind,
+    and the user's next git command failed on it."""
+    import subprocess
+
+    from foundation.provenance import git_revision
+
+    git = lambda *args: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                                       check=True, capture_output=True)  # noqa: E731
+    git("init", "-q")
+    (tmp_path / "a.txt").write_text("a")
+    git("add", "a.txt")
+    git("commit", "-q", "-m", "a")
+    index = tmp_path / ".git" / "index"
+    before = index.read_bytes()
+    os.utime(tmp_path / "a.txt", (1, 1))  # the index's stat of a.txt is stale: status would refresh it
+    revision = git_revision(cwd=tmp_path)
+    assert len(revision) == 40 and not revision.endswith("-dirty")
+    assert index.read_bytes() == before and not (tmp_path / ".git" / "index.lock").exists()
+
+
 def test_a_cpu_device_is_named_with_its_model_where_the_system_tells_it(monkeypatch, tmp_path):
     """CPU ratios move with the CPU (two VMs of the same size gave different PPO ratios), so results name it."""
     import foundation.provenance as device
