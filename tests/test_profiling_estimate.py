@@ -475,7 +475,7 @@ def test_a_renamed_run_setting_is_the_estimator_s_under_its_new_name(tmp_path):
     assert done.stdout.strip() == "3"
 
 
-def test_the_estimator_reads_a_stage_s_config_file_and_plans_what_it_leaves_auto(capsys):
+def test_the_estimator_reads_a_stage_s_config_file_and_plans_what_it_leaves_auto(capsys, tmp_path):
     """`python -m profiling.estimate --config` reads the recipe the run reads: its settings, and the plan a
     CUDA run makes of those it leaves auto (the 7B recipe's batch sizes and checkpointing)."""
     from profiling.estimate import main, parse_estimate
@@ -484,7 +484,8 @@ def test_the_estimator_reads_a_stage_s_config_file_and_plans_what_it_leaves_auto
     args = parse_estimate(argv)
     assert (args.rollout_batch_size, args.mini_batch_size, args.max_new_tokens, args.lora_dropout) == (16, 8, 128, 0.0)
     assert args.quantization == "nf4" and args.memory_budget_gib == 24
-    main([*argv, "--json", os.devnull])
+    main([*argv, "--json", str(tmp_path / "estimate.json")])
+    assert json.loads((tmp_path / "estimate.json").read_text())
     out = capsys.readouterr().out
     assert "budget plan" in out and "micro_batch_size 8  (planned)" in out
     main([*argv, "--micro_batch_size", "2"])
