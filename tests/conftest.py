@@ -137,6 +137,52 @@ def killed_run(forks, module: str, argv: list[str], log: Path, die_at: str) -> N
     assert proc.exitcode == -signal.SIGKILL, log.read_text()[-3000:]
 
 
+def _folder_state(source) -> tuple | None:
+    """(name, size, mtime) of each file in `source`, a folder; None for anything else (a hub id, a file)."""
+    try:
+        files = [entry for entry in os.scandir(source) if entry.is_file()]
+        return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    except (OSError, TypeError):
+        return None
+
+
+def _backend_state(tokenizer) -> tuple:
+    """What a run could change in a tokenizer's Rust backend: added tokens, padding, truncation, its pipeline."""
+    backend = tokenizer._tokenizer
+    return (backend.get_vocab_size(with_added_tokens=True), backend.padding, backend.truncation,
+            *(getattr(part, "__getstate__", lambda: None)() for part in
+              (backend.normalizer, backend.pre_tokenizer, backend.post_processor, backend.decoder)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tokenizers_parsed_once():
+    """`AutoTokenizer.from_pretrained` of a folder parses its tokenizer.json once per test worker: every in-process
+    run loads its tokenizer, and the parse (JSON in Python, then again in Rust) is ~0.3 s of CPU each time, a tenth
+    of the suite. A later load of the same folder, unchanged, with the same arguments gets a deep copy of the first
+    whose Rust backend is the first's, shared only while no run has changed it (`_backend_state`). Errors and
+    anything but a folder load as before."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    loaded, real = {}, AutoTokenizer.from_pretrained
+
+    def from_pretrained(source, *args, **kwargs):
+        state = _folder_state(source)
+        key = (str(source), repr(args), repr(sorted(kwargs.items())), state)
+        held = loaded.get(key) if state is not None else None
+        if held is None or _backend_state(held[0]) != held[1]:
+            tokenizer = real(source, *args, **kwargs)
+            if state is None or getattr(tokenizer, "_tokenizer", None) is None:
+                return tokenizer
+            held = loaded[key] = (tokenizer, _backend_state(tokenizer))
+        return copy.deepcopy(held[0], {id(held[0]._tokenizer): held[0]._tokenizer})
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(AutoTokenizer, "from_pretrained", from_pretrained)
+        yield
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """Folder of the real hh-rlhf rows ($RLHF_DATA, else ../shared/data/hh-rlhf)."""
