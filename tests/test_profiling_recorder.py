@@ -3,6 +3,7 @@ GPU-only parts None with a reason."""
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import replace
 
 import pytest
@@ -269,9 +270,13 @@ def test_the_memory_probe_gives_each_cpu_phase_its_own_resident_peak():
     if not probe.rss_resettable:
         pytest.skip("this kernel does not let a process reset its peak resident set")
     probe.reset()
-    held = b"\x01" * (256 << 20)  # written, so every page is resident
+    # fresh pages of their own, each written so it is resident: a malloc'd buffer could reuse resident pages the
+    # process freed earlier, and leave the resident set as it was
+    held = mmap.mmap(-1, 256 << 20)
+    for page in range(0, len(held), mmap.PAGESIZE):
+        held[page] = 1
     first = probe.peak()["peak_rss_bytes"]
-    del held
+    held.close()
     probe.reset()
     second = probe.peak()["peak_rss_bytes"]
     assert first - second > 200 << 20
