@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,9 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Inductor's CPU kernels without SIMD: the tests that run inductor claim its graph passes and what its kernels compute
 # (on a GPU, Triton's); vectorised C++ is much slower to generate and compile, and no GPU runs it
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+# The workers' garbage collector runs every 10,000 net allocations, not 700: torch.compile's tracing allocates
+# millions of short-lived objects, and each collection walks the young ones among a heap of torch and transformers
+gc.set_threshold(10_000)
 
 # Under pytest-xdist (make test runs files on parallel workers) the workers share the cores: each
 # one, and every process it starts, gets its share of threads instead of all of them.
