@@ -26,8 +26,8 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 PIP_INSTALL := $(PY) -m pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 
-# First torch and what DeepSpeed's op build needs (its pin in pyproject.toml), then the rest; `make test` builds the
-# op while pip installs the rest: pip keeps one core busy, the build the other.
+# First torch, DeepSpeed (its pin in pyproject.toml) and pyyaml, all that tests/build_ops.py imports, then the rest;
+# `make test` builds the op while pip installs the rest: pip keeps one core busy, the build the other.
 DEEPSPEED_SPEC := $(shell grep -o 'deepspeed==[^"]*' pyproject.toml)
 BASE_STAMP := $(VENV)/.base-installed
 $(BASE_STAMP): pyproject.toml Makefile

@@ -163,8 +163,9 @@ def tokenizers_parsed_once():
     """`AutoTokenizer.from_pretrained` of a folder parses its tokenizer.json once per test worker: every in-process
     run loads its tokenizer, and the parse (JSON in Python, then again in Rust) is ~0.3 s of CPU each time, a tenth
     of the suite. A later load of the same folder, unchanged, with the same arguments gets a deep copy of the first
-    whose Rust backend is the first's, shared only while no run has changed it (`_backend_state`). Errors and
-    anything but a folder load as before."""
+    whose Rust backend is the first's. The copies handed out share that backend: a test that changes a loaded
+    tokenizer's backend (adds tokens, sets its pipeline) changes theirs too, and the next load is parsed anew
+    (`_backend_state`). Errors and anything but a folder load as before."""
     import copy
 
     from transformers import AutoTokenizer
