@@ -313,6 +313,35 @@ def dispatch_counter(counted):
     return Counter()
 
 
+def adapter_state(model, name: str) -> dict[str, torch.Tensor]:
+    """Detached copies of adapter `name`'s LoRA weights (and head) in a shared-base model, to compare before and
+    after a step."""
+    from peft import get_peft_model_state_dict
+
+    lora = get_peft_model_state_dict(model.peft, adapter_name=name, save_embedding_layers=False)
+    state = {k: v.detach().clone() for k, v in lora.items()}
+    if name in model.heads:
+        state.update({f"head.{k}": v.detach().clone() for k, v in model.heads[name].state_dict().items()})
+    return state
+
+
+@contextmanager
+def base_only(model):
+    """The body runs on the frozen base of a shared-base model: every adapter's LoRA-B is zeroed, so each LoRA
+    layer adds exactly nothing, and restored after. Switching and trainability are untouched."""
+    weights = [b.weight for layer in model.lora_layers for b in layer.lora_B.values()]
+    kept = [w.detach().clone() for w in weights]
+    with torch.no_grad():
+        for w in weights:
+            w.zero_()
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for w, k in zip(weights, kept):
+                w.copy_(k)
+
+
 def dense_copies_made(monkeypatch) -> list:
     """Every dense copy of a 4-bit layer (`trainer.model.decode_weights.DequantizedLinear`) made from now on, in
     order."""

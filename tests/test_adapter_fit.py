@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import Payload
+from conftest import Payload, adapter_state
 
 from foundation.cli import InputError, run
 
@@ -345,4 +345,4 @@ def test_a_saved_adapter_never_holds_the_base_embeddings(tmp_path, fresh_acceler
         assert keys == set(f.keys()) and len(keys) == 28
     assert all(".lora_A." in k or ".lora_B." in k for k in keys)
     assert (saved / "adapter_model.safetensors").stat().st_size < 50_000
-    assert set(model.adapter_state("policy")) == keys
+    assert set(adapter_state(model, "policy")) == keys

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import base_only
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "tests" / "configs" / "tiny_recipe"
@@ -225,12 +226,17 @@ def test_one_routed_pass_gives_what_one_pass_per_adapter_gives(policy):
     outputs = (model.lm_output, "scores")
     assert outputs[0] == ("logits" if capped else "hidden")
     passes = []
+
+    def one_pass_each():  # what `fused` promises: `logits`, `hidden_states` or `scores` of each adapter
+        return [getattr(model, {"hidden": "hidden_states"}.get(output, output))(
+            ids, mask, adapter, 6) for adapter, output in zip(["policy", "value"], outputs)]
+
     hook = model.causal_lm.get_decoder().register_forward_hook(lambda *_: passes.append(1))
     with torch.no_grad():
         routed = model.fused(ids, mask, ["policy", "value"], outputs, keep_last=6)
-        apart = model._separate_passes(ids, mask, ["policy", "value"], outputs, keep_last=6)
-        with model.base_only():
-            base = model._separate_passes(ids, mask, ["policy", "value"], outputs, keep_last=6)
+        apart = one_pass_each()
+        with base_only(model):
+            base = one_pass_each()
     hook.remove()
     assert len(passes) == (2 if capped else 1) + 2 + 2
     for got, expected, bare in zip(routed, apart, base):
@@ -282,7 +288,7 @@ def test_the_export_of_an_sft_adapter_computes_what_the_adapter_does(tiny_model,
     with torch.no_grad():
         expected = model.logits(ids, torch.ones_like(ids), "policy").log_softmax(-1)
         got = exported(ids).logits.log_softmax(-1)
-        with model.base_only():
+        with base_only(model):
             base = model.logits(ids, torch.ones_like(ids), "policy").log_softmax(-1)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     assert (base - expected).abs().max() > 1e-3  # the adapter is in the export, not the base alone

@@ -2,6 +2,7 @@
 generated from the committed result files, and every relative link in the user documentation points at a file
 of the repository."""
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -26,7 +27,7 @@ def test_the_table_has_one_row_per_result_folder_each_linking_its_report():
 
 def test_the_ppo_row_reads_its_figures_from_the_result_file():
     row = next(r for r in rt.rows() if r.report.startswith("ppo_vs_trl-"))
-    rep = rt._load(rt.RESULTS / row.report.replace(".md", ".json"))
+    rep = json.loads((rt.RESULTS / row.report.replace(".md", ".json")).read_text())
     ours, trl = (rep["sides"][s]["summary"]["step_s"] for s in ("ours", "trl"))
     assert f"step {ours:.2f} s, TRL {trl:.2f} s: {trl / ours:.2f}x" in row.headline
 

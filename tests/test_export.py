@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import base_only
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "\n\nHuman: How do I bake bread?\n\nAssistant: Mix flour, water and yeast, then bake it."
@@ -91,7 +92,7 @@ def test_an_exported_smollm2_policy_loads_with_plain_transformers_and_matches_th
     expected = adapter_logprobs(model, ids)
     got = torch.tensor(plain["logprobs"])
     assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
-    with torch.no_grad(), model.base_only():  # the adapter really moved the model: the export is not the base
+    with torch.no_grad(), base_only(model):  # the adapter really moved the model: the export is not the base
         base_logits = model.peft(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0]
     base_lp = base_logits[:-1].log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
     assert (base_lp - expected).abs().max() > 1e-2

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import adapter_state
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU kit runs these)")]
@@ -107,7 +108,7 @@ def test_a_ppo_step_on_cuda_moves_only_policy_value_and_value_head(tmp_path):
     specs = stage_specs("ppo", {})
     specs[-1].head_from = saved_head(tmp_path / "reward-head", 256)
     model = build_shared_model(tiny_args(), specs, vocab_size=VOCAB, device=cuda())
-    before = {name: model.adapter_state(name) for name in model.adapter_names}
+    before = {name: adapter_state(model, name) for name in model.adapter_names}
     base = {n: p.detach().clone() for n, p in model.peft.named_parameters() if "lora_" not in n}
     engine = Engine(model, train_args, accelerator, "ppo")
     args = PPOArguments(scripted_reward=None, rollout_batch_size=4, rollout_micro_batch_size=4, mini_batch_size=2,
@@ -119,7 +120,7 @@ def test_a_ppo_step_on_cuda_moves_only_policy_value_and_value_head(tmp_path):
     with watching(engine.recorder.phase):
         result = rl_step(engine, Generator(model), batch, algorithm, state, Scorer(), eos_id=2, pad_id=0)
     assert result.stepped and all(torch.isfinite(torch.tensor(v)) for v in result.metrics.values())
-    after = {name: model.adapter_state(name) for name in model.adapter_names}
+    after = {name: adapter_state(model, name) for name in model.adapter_names}
     for name in ("reference", "reward"):
         assert all(torch.equal(before[name][k], after[name][k]) for k in before[name]), name
     assert any(not torch.equal(before["policy"][k], after["policy"][k]) for k in before["policy"])

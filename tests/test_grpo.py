@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import adapter_state
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_GRPO = ROOT / "tests" / "configs" / "tiny_grpo.yaml"
@@ -26,7 +27,7 @@ def test_a_grpo_run_trains_only_the_policy_and_logs_trl_named_figures(tmp_path, 
     def spy(ctx):
         model = original(ctx)
         built["model"] = model
-        built["before"] = {name: model.adapter_state(name) for name in model.adapter_names}
+        built["before"] = {name: adapter_state(model, name) for name in model.adapter_names}
         return model
 
     monkeypatch.setattr(grpo, "build_model", spy)
@@ -34,7 +35,7 @@ def test_a_grpo_run_trains_only_the_policy_and_logs_trl_named_figures(tmp_path, 
     model = built["model"]
     assert model.adapter_names == adapters and "value" not in model.adapter_names
     for name, state in built["before"].items():
-        moved = any(not torch.equal(v, model.adapter_state(name)[k]) for k, v in state.items())
+        moved = any(not torch.equal(v, adapter_state(model, name)[k]) for k, v in state.items())
         assert moved == (name == "policy"), name
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward" in r]

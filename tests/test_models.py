@@ -231,9 +231,10 @@ def test_a_preset_with_a_smaller_vocabulary_folds_the_borrowed_tokenizer():
     tok = load_tokenizer("llama-2-7b")
     assert len(tok) == 32000
     ids = tok(["\n\nHuman: hello there\n\nAssistant: General Kenobi"], add_special_tokens=False)["input_ids"][0]
-    raw = tok._tok(["\n\nHuman: hello there\n\nAssistant: General Kenobi"], add_special_tokens=False)["input_ids"][0]
+    smol = load_tokenizer("tiny-llama")  # the borrowed tokenizer, its 49,152 tokens unfolded
+    raw = smol(["\n\nHuman: hello there\n\nAssistant: General Kenobi"], add_special_tokens=False)["input_ids"][0]
     assert ids == [i % 32000 for i in raw] and max(ids) < 32000 and max(raw) >= 32000
-    assert tok.eos_token_id == tok._tok.eos_token_id % 32000 and tok.pad_token_id < 32000
+    assert tok.eos_token_id == smol.eos_token_id % 32000 and tok.pad_token_id < 32000
     assert len(load_tokenizer("tiny-llama")) == 49152  # presets without a vocabulary size keep the tokenizer's
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import adapter_state
 
 from trainer.rl.rollout import response_mask_after_eos
 
@@ -157,10 +158,10 @@ def test_a_bf16_rollout_sampled_at_a_temperature_starts_the_update_at_ratio_one(
 
 def test_ppo_steps_move_only_policy_value_and_value_head(tmp_path, stage_adapters, fresh_accelerate_state):
     trainer, model = build_trainer(tmp_path, stage_adapters, "--max_steps", "2", "--save_every", "0")
-    before = {name: model.adapter_state(name) for name in model.adapter_names}
+    before = {name: adapter_state(model, name) for name in model.adapter_names}
     base = {n: p.detach().clone() for n, p in model.peft.named_parameters() if "lora_" not in n}
     trainer.train()
-    after = {name: model.adapter_state(name) for name in model.adapter_names}
+    after = {name: adapter_state(model, name) for name in model.adapter_names}
     moved = {name: [k for k in before[name] if not torch.equal(before[name][k], after[name][k])] for name in before}
     assert not moved["reference"] and not moved["reward"]  # reward head included in the reward state
     assert moved["policy"] and moved["value"]
@@ -388,7 +389,7 @@ def test_routed_passes_give_the_rollout_and_the_steps_that_one_pass_per_adapter_
         rollout = make_rollout(trainer.generator, batch["input_ids"], batch["attention_mask"], trainer.rows(2), trainer.scorer,
                                trainer.eos_id, trainer.pad_id, value=True)
         trainer.train()
-        ends[fused] = rollout, {name: model.adapter_state(name) for name in ("policy", "value")}
+        ends[fused] = rollout, {name: adapter_state(model, name) for name in ("policy", "value")}
     (fused_rollout, fused_weights), (separate_rollout, separate_weights) = ends["true"], ends["false"]
     assert torch.equal(fused_rollout.input_ids, separate_rollout.input_ids)  # sampling is not scoring
     for name in ("logprobs", "ref_logprobs", "values", "scores", "entropy"):

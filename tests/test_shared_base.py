@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import saved_head
+from conftest import adapter_state, base_only, saved_head
 
 from foundation.cli import UsageError
 from foundation.settings import ModelArguments
@@ -71,7 +71,7 @@ def test_reference_outputs_equal_the_sft_adapter_bit_for_bit(sft_adapter):
 def test_optimizer_step_moves_only_policy_value_and_value_head(sft_adapter):
     args, sft_dir, _ = sft_adapter
     model = ppo_model(args, sft_dir)
-    before = {name: model.adapter_state(name) for name in model.adapter_names}
+    before = {name: adapter_state(model, name) for name in model.adapter_names}
     base_before = {n: p.detach().clone() for n, p in model.peft.named_parameters() if "lora_" not in n}
     opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-2)
     model.train()
@@ -82,7 +82,7 @@ def test_optimizer_step_moves_only_policy_value_and_value_head(sft_adapter):
     loss = (model.logits(ids, mask, "policy") - ref).pow(2).mean() + (model.scores(ids, mask, "value") - reward).pow(2).mean()
     loss.backward()
     opt.step()
-    after = {name: model.adapter_state(name) for name in model.adapter_names}
+    after = {name: adapter_state(model, name) for name in model.adapter_names}
     changed = {name: any(not torch.equal(before[name][k], after[name][k]) for k in before[name]) for name in before}
     assert changed == {"policy": True, "reference": False, "value": True, "reward": False}
     assert any(k.startswith("head.") and not torch.equal(before["value"][k], after["value"][k]) for k in before["value"])
@@ -568,7 +568,7 @@ def test_each_group_of_a_routed_training_pass_goes_through_its_own_adapter_s_dro
     ids, mask = batch(b=4)
     with torch.no_grad():
         routed = model.hidden_states(ids, mask, (("policy", 2), ("reference", 2)))
-        with model.base_only():
+        with base_only(model):
             base = model.hidden_states(ids, mask, "policy")
         reference = model.hidden_states(ids[2:], mask[2:], "reference")
     assert type(model.lora_layers[0].lora_dropout["reference"]).__name__ == "Identity"
@@ -603,22 +603,6 @@ def test_a_routed_pass_launches_as_many_operations_for_three_groups_as_for_two(s
     assert counts[0] == counts[1] == counts[2]
     # beside one adapter's pass, per LoRA layer: the two stacks of the weights
     assert counts[0] - one.count == 2 * len(model.lora_layers)
-
-
-def test_base_only_runs_the_frozen_base_and_leaves_switching_and_trainability_alone(sft_adapter):
-    args, sft_dir, _ = sft_adapter
-    model = build_shared_model(args, [AdapterSpec("policy", trainable=True, init_from=str(sft_dir)),
-                                      AdapterSpec("fresh", trainable=False)], vocab_size=VOCAB)  # fresh LoRA: B = 0
-    model.eval()
-    ids, mask = batch()
-    flags = [p.requires_grad for p, _ in model._lora_params]
-    with torch.no_grad():
-        policy, base = model.logits(ids, mask, "policy"), model.logits(ids, mask, "fresh")
-        with model.base_only():
-            assert torch.equal(model.logits(ids, mask, "policy"), base)  # no adapter adds anything
-        assert torch.equal(model.logits(ids, mask, "policy"), policy)
-    assert not torch.equal(policy, base) and model.active == "policy"
-    assert [p.requires_grad for p, _ in model._lora_params] == flags
 
 
 def test_routing_refuses_unknown_adapters_and_mismatched_rows(sft_adapter):

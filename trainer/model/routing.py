@@ -35,9 +35,9 @@ class Routing:
         each group's adapter in a routed batch - instead of peft's. False for other layer kinds: there
         peft's layers add the active adapter's outputs and passes run one adapter at a time.
 
-        So on a routable model, peft's own switches act on empty lists: `use_adapter` switches and
-        `base_only` turns the adapters off. (peft's `disable_adapter()` would set requires_grad on its
-        active adapters - none here - when it ends, freezing every adapter.)"""
+        So on a routable model, peft's own switches act on empty lists and `use_adapter` switches. (peft's
+        `disable_adapter()` would set requires_grad on its active adapters - none here - when it ends, freezing
+        every adapter.)"""
         from peft.tuners.lora import LoraLayer
 
         plain = all(isinstance(m, LoraLayer) and isinstance(m.base_layer, nn.Linear)  # bnb Linear4bit is one
@@ -52,10 +52,10 @@ class Routing:
 
     def _add_routed_lora(self, layer, x: torch.Tensor, output: torch.Tensor) -> Optional[torch.Tensor]:
         """`output` is the base layer's; add to each group's rows the LoRA output of that group's adapter -
-        one group of all rows for a single active adapter. None (nothing to add) in `base_only`, while peft's
-        adapters are disabled or merged, or where the layer holds none of the adapters asked for."""
+        one group of all rows for a single active adapter. None (nothing to add) while peft's adapters are
+        disabled or merged, or where the layer holds none of the adapters asked for."""
         route = self._route
-        if self._base_only or layer.disable_adapters or layer.merged or (route is None and self._single is None):
+        if layer.disable_adapters or layer.merged or (route is None and self._single is None):
             return None
         if route is None:  # one adapter, all rows
             if self._single not in layer.lora_A:

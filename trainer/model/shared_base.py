@@ -109,7 +109,6 @@ class SharedBaseModel(Outputs, Routing, nn.Module):
         self._route_scales: dict = {}  # `Routing._scales_of` the route
         self._scales_by_route: dict = {}  # (route, device) -> its scales, kept for the passes that route again
         self._single: Optional[str] = None  # on a routable model: the one adapter whose LoRA outputs the layers add
-        self._base_only = False  # `base_only`: no adapter adds anything
         self._fallbacks_logged: set[str] = set()  # why `fused` ran one pass per adapter, said once each
         self.compiled_parts = 0  # decoder layers compiled for the passes that train (--compile_layers)
         self.saved_to_host: Optional[SavedToHost] = None  # --offload_activations on CUDA
@@ -237,23 +236,10 @@ class SharedBaseModel(Outputs, Routing, nn.Module):
         """
         return nullcontext(), self.use_adapter(self.active)
 
-    @contextmanager
-    def base_only(self) -> Iterator["SharedBaseModel"]:
-        """Run the body on the frozen base alone: no adapter adds anything, whichever the body switches to;
-        trainability untouched."""
-        previous = self._base_only
-        self._base_only = True
-        self._set_peft_layers(self.active)
-        try:
-            yield self
-        finally:
-            self._base_only = previous
-            self._set_peft_layers(self.active)
-
     def _set_peft_layers(self, name: Active) -> None:
-        """What peft's own layers add: nothing on a routable model (the routed forward adds) or in `base_only`,
-        else the active adapter's outputs. `_active_adapter` is what peft's set_adapter assigns (peft 0.21)."""
-        adapters = [] if self.routable or self._base_only or not isinstance(name, str) else [name]
+        """What peft's own layers add: nothing on a routable model (the routed forward adds), else the active
+        adapter's outputs. `_active_adapter` is what peft's set_adapter assigns (peft 0.21)."""
+        adapters = [] if self.routable or not isinstance(name, str) else [name]
         for layer in self._tuner_layers:
             layer._active_adapter = adapters
 
@@ -302,16 +288,6 @@ class SharedBaseModel(Outputs, Routing, nn.Module):
             if self.specs[name].trainable:
                 params.extend(head.parameters())
         return params
-
-    def adapter_state(self, name: str) -> dict[str, torch.Tensor]:
-        """Detached copies of an adapter's LoRA weights (and head), for comparisons and checks."""
-        from peft import get_peft_model_state_dict
-
-        lora = get_peft_model_state_dict(self.peft, adapter_name=name, save_embedding_layers=False)
-        state = {k: v.detach().clone() for k, v in lora.items()}
-        if name in self.heads:
-            state.update({f"head.{k}": v.detach().clone() for k, v in self.heads[name].state_dict().items()})
-        return state
 
     def save_adapter(self, name: str, out_dir: str | os.PathLike) -> Path:
         """Write adapter `name` in PEFT's own format (plus head.safetensors), atomically, into `out_dir`."""
